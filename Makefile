@@ -1,0 +1,29 @@
+# One place that installs what Kairos needs. Every target creates/updates .venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench decide clean
+
+$(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-lock.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+## Main job on the embedded default (emulated engines).
+run: $(STAMP)
+	$(BIN)/kairos decide examples/snapshot.json
+
+## Full test suite (unit + integration with a real nats-server).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+## Decision-cost benchmark (not a test: prints measured figures).
+bench: $(STAMP)
+	$(BIN)/python bench/decision_cost.py
+
+clean:
+	rm -rf $(VENV)

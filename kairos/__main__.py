@@ -1,0 +1,3 @@
+from kairos.cli import main
+
+main()

@@ -1,0 +1,407 @@
+"""Step-latency models: prefill step, decode step, mixed step and KV transfer (paper §3.3, §4.3.1, §5.2).
+
+Where the numbers come from: a versioned JSON artifact (``shared/profiles/*.json``) that is either a
+calibration to the paper's published figures (the default ``a100-dsv2lite``) or the output of
+:func:`fit_latency_model` over recorded engine steps (``kairos profile``). Where they go: the
+policies (``shared/policy``), the engine model (``shared/engine``) and the simulator.
+
+All latencies are milliseconds. All token counts are tokens (not blocks). Every ``*_ms`` method
+accepts Python scalars or numpy arrays of matching shape and is O(1) per element, so a dispatcher can
+evaluate all decode nodes at once.
+
+Model forms (linear in engineered features, non-negative coefficients so that every step latency is
+non-decreasing in every input; the policy's closed-form chunk-run search relies on that):
+
+* prefill step on a prefill node, ``n`` new tokens with ``c`` cached prompt tokens before the chunk::
+
+      T_pf(n, c) = a_p + b_p·n + c_p·n·c                      (§5.2 "tokens in batch, cached KV")
+
+* decode-only step with ``B`` running decodes holding ``K`` cached KV tokens in total::
+
+      T0(B, K) = a_d + b_d·B + c_d·K                           (Eq. 4, first term)
+
+* mixed step: the decode step plus a prefill chunk of ``p`` tokens whose own prompt already has
+  ``c`` tokens cached on the node::
+
+      T(B, K, p, c) = T0(B, K) + ΔT(B, K, p, c)
+      ΔT = m1·p + m2·p² + m3·p·c + m4·p·K                      (Eq. 4, second term)
+
+  The paper writes the step as ``T_step(B_n, K_n + Σχ, χ)`` (Eq. 5); we keep the decodes' KV
+  (``K``) and the deflected prompt's cached tokens (``c``) as separate inputs so that the model can
+  tell "attention of the chunk over its own prefix" from "decodes reading their KV". With
+  ``m3 = m4`` and ``c_d`` folded in, it reduces to the paper's form.
+
+* KV transfer of ``t`` tokens: ``setup_ms + t·bytes_per_token / bandwidth`` (§5.2, Splitwise's
+  simulator). Queueing on the link is the simulator's job, not this formula's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+#: Feature names per component, in coefficient order. The artifact records them; loading checks
+#: them so that an artifact fitted with another feature set fails loudly instead of mis-predicting.
+PREFILL_FEATURES: tuple[str, ...] = ("n", "n*c")
+DECODE_FEATURES: tuple[str, ...] = ("B", "K")
+MIXED_DELTA_FEATURES: tuple[str, ...] = ("p", "p^2", "p*c", "p*K")
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+DEFAULT_PROFILE = "a100-dsv2lite"
+
+
+class ProfileError(ValueError):
+    """A latency-profile artifact is missing, malformed or uses an unsupported feature set."""
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """KV-cache transfer link between a prefill node and a decode node.
+
+    Attributes:
+        bandwidth_gb_s: sustained payload bandwidth in GB/s (1e9 bytes per second).
+        setup_ms: fixed per-transfer cost in ms (handshake, block-table exchange).
+        description: where the setting comes from.
+    """
+
+    bandwidth_gb_s: float
+    setup_ms: float
+    description: str = ""
+
+    def transfer_ms(self, tokens: Any, bytes_per_token: float) -> Any:
+        """Transfer time in ms of ``tokens`` KV tokens (scalar or array); no link queueing."""
+        return self.setup_ms + tokens * bytes_per_token / (self.bandwidth_gb_s * 1e6)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """vLLM-style engine limits that belong with a hardware × model profile.
+
+    Attributes:
+        max_num_seqs: max running requests per step (vLLM ``--max-num-seqs``).
+        max_num_batched_tokens: token budget per step on prefill nodes, i.e. the prefill chunk
+            size χ_p of Eq. 2–3 (vLLM ``--max-num-batched-tokens``).
+        decode_max_num_batched_tokens: token budget per step on decode nodes when no chunk
+            schedule applies.
+        kv_capacity_tokens: paged KV-cache capacity per node, in tokens.
+        block_size: tokens per KV block (vLLM ``--block-size``).
+        max_model_len: context window in tokens.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    decode_max_num_batched_tokens: int = 2048
+    kv_capacity_tokens: int = 1_200_000
+    block_size: int = 16
+    max_model_len: int = 32_768
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Fitted step-latency model for one hardware × model pair (one artifact).
+
+    Coefficients are in ms per unit of the named feature (see module docstring). Construct with
+    :func:`load_profile`, :meth:`from_dict` or :func:`fit_latency_model`.
+    """
+
+    name: str
+    version: str
+    prefill_intercept_ms: float
+    prefill_coef: tuple[float, float]
+    decode_intercept_ms: float
+    decode_coef: tuple[float, float]
+    mixed_delta_coef: tuple[float, float, float, float]
+    kv_bytes_per_token: float
+    links: dict[str, LinkModel]
+    default_link: str
+    engine: EngineLimits = field(default_factory=EngineLimits)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    mape: dict[str, float | None] = field(default_factory=dict)
+
+    # -- evaluation (scalars or numpy arrays) --------------------------------------------------
+    def prefill_step_ms(self, n_tokens: Any, cached_tokens: Any) -> Any:
+        """Prefill-node step latency (ms) for ``n_tokens`` new tokens after ``cached_tokens``."""
+        b, c = self.prefill_coef
+        return self.prefill_intercept_ms + b * n_tokens + c * n_tokens * cached_tokens
+
+    def decode_step_ms(self, batch_size: Any, kv_tokens: Any) -> Any:
+        """Decode-only step latency T0(B, K) in ms (Eq. 4, first term)."""
+        b, k = self.decode_coef
+        return self.decode_intercept_ms + b * batch_size + k * kv_tokens
+
+    def mixed_delta_ms(self, batch_size: Any, kv_tokens: Any, prefill_tokens: Any, prefill_cached: Any) -> Any:
+        """ΔT_pf (ms): added latency of a ``prefill_tokens`` chunk with ``prefill_cached`` prior
+        prompt tokens on a node running ``batch_size`` decodes over ``kv_tokens`` (Eq. 4)."""
+        m1, m2, m3, m4 = self.mixed_delta_coef
+        p = prefill_tokens
+        return p * (m1 + m2 * p + m3 * prefill_cached + m4 * kv_tokens)
+
+    def mixed_step_ms(self, batch_size: Any, kv_tokens: Any, prefill_tokens: Any, prefill_cached: Any) -> Any:
+        """Mixed step latency T_step(B, K, χ) = T0 + ΔT (Eq. 4), in ms."""
+        return self.decode_step_ms(batch_size, kv_tokens) + self.mixed_delta_ms(
+            batch_size, kv_tokens, prefill_tokens, prefill_cached)
+
+    def step_ms(self, batch_size: int, kv_tokens: int, prefill_tokens: int, prefill_cached: int) -> float:
+        """Latency (ms) of one engine step of any composition.
+
+        Dispatches to :meth:`prefill_step_ms` when there are no decodes, to :meth:`decode_step_ms`
+        when there is no prefill work and to :meth:`mixed_step_ms` otherwise. Returns 0 for an
+        empty step. ``prefill_cached`` is the cached prompt tokens of the (largest) prefill chunk.
+        """
+        if prefill_tokens <= 0:
+            return float(self.decode_step_ms(batch_size, kv_tokens)) if batch_size > 0 else 0.0
+        if batch_size <= 0:
+            return float(self.prefill_step_ms(prefill_tokens, prefill_cached))
+        return float(self.mixed_step_ms(batch_size, kv_tokens, prefill_tokens, prefill_cached))
+
+    def link(self, name: str | None = None) -> LinkModel:
+        """The named KV-transfer link setting (default: the profile's ``default_link``).
+
+        Raises:
+            ProfileError: unknown link name.
+        """
+        key = name or self.default_link
+        if key not in self.links:
+            raise ProfileError(f"unknown link {key!r}; profile {self.name!r} has {sorted(self.links)}")
+        return self.links[key]
+
+    def kv_transfer_ms(self, tokens: Any, link: str | None = None) -> Any:
+        """KV-cache transfer time (ms) of ``tokens`` tokens on one link, without queueing (§5.2)."""
+        return self.link(link).transfer_ms(tokens, self.kv_bytes_per_token)
+
+    # -- serialization ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The versioned JSON artifact (see ``shared/profiles/README.md``)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "version": self.version,
+            "units": {"latency": "ms", "tokens": "tokens", "bandwidth": "GB/s", "kv_bytes_per_token": "bytes"},
+            "metadata": self.metadata,
+            "prefill": {"intercept_ms": self.prefill_intercept_ms, "features": list(PREFILL_FEATURES),
+                        "coef": list(self.prefill_coef), "mape_heldout": self.mape.get("prefill")},
+            "decode": {"intercept_ms": self.decode_intercept_ms, "features": list(DECODE_FEATURES),
+                       "coef": list(self.decode_coef), "mape_heldout": self.mape.get("decode")},
+            "mixed_delta": {"features": list(MIXED_DELTA_FEATURES), "coef": list(self.mixed_delta_coef),
+                            "mape_heldout": self.mape.get("mixed")},
+            "kv_transfer": {
+                "bytes_per_token": self.kv_bytes_per_token,
+                "default_link": self.default_link,
+                "links": {k: {"bandwidth_gb_s": v.bandwidth_gb_s, "setup_ms": v.setup_ms,
+                              "description": v.description} for k, v in self.links.items()},
+            },
+            "engine": dict(self.engine.__dict__),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "LatencyModel":
+        """Build a model from an artifact dict.
+
+        Raises:
+            ProfileError: wrong schema version, missing section, feature-set mismatch or a
+                negative coefficient (the policy's search needs monotone models).
+        """
+        try:
+            if doc.get("schema_version") != SCHEMA_VERSION:
+                raise ProfileError(f"schema_version {doc.get('schema_version')!r} unsupported (want {SCHEMA_VERSION})")
+            for key, feats in (("prefill", PREFILL_FEATURES), ("decode", DECODE_FEATURES),
+                               ("mixed_delta", MIXED_DELTA_FEATURES)):
+                got = tuple(doc[key]["features"])
+                if got != feats:
+                    raise ProfileError(f"{key}.features is {list(got)}, this build supports {list(feats)}")
+                coef = [float(x) for x in doc[key]["coef"]]
+                if len(coef) != len(feats) or any(x < 0 or not math.isfinite(x) for x in coef):
+                    raise ProfileError(f"{key}.coef must be {len(feats)} finite non-negative numbers, got {coef}")
+            kv = doc["kv_transfer"]
+            links = {k: LinkModel(float(v["bandwidth_gb_s"]), float(v["setup_ms"]), v.get("description", ""))
+                     for k, v in kv["links"].items()}
+            if kv["default_link"] not in links:
+                raise ProfileError(f"kv_transfer.default_link {kv['default_link']!r} not in links")
+            for k, v in links.items():
+                if v.bandwidth_gb_s <= 0:
+                    raise ProfileError(f"kv_transfer.links.{k}.bandwidth_gb_s must be > 0")
+            return cls(
+                name=str(doc["name"]),
+                version=str(doc["version"]),
+                prefill_intercept_ms=float(doc["prefill"]["intercept_ms"]),
+                prefill_coef=tuple(float(x) for x in doc["prefill"]["coef"]),  # type: ignore[arg-type]
+                decode_intercept_ms=float(doc["decode"]["intercept_ms"]),
+                decode_coef=tuple(float(x) for x in doc["decode"]["coef"]),  # type: ignore[arg-type]
+                mixed_delta_coef=tuple(float(x) for x in doc["mixed_delta"]["coef"]),  # type: ignore[arg-type]
+                kv_bytes_per_token=float(kv["bytes_per_token"]),
+                links=links,
+                default_link=str(kv["default_link"]),
+                engine=EngineLimits(**doc.get("engine", {})),
+                metadata=dict(doc.get("metadata", {})),
+                mape={"prefill": doc["prefill"].get("mape_heldout"), "decode": doc["decode"].get("mape_heldout"),
+                      "mixed": doc["mixed_delta"].get("mape_heldout")},
+            )
+        except KeyError as exc:
+            raise ProfileError(f"profile is missing field {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise ProfileError(f"profile has a field of the wrong type: {exc}") from None
+
+    @property
+    def artifact_version(self) -> str:
+        """``name@version``, the string recorded in decisions and traces."""
+        return f"{self.name}@{self.version}"
+
+    def save(self, path: str | Path) -> None:
+        """Write the artifact as indented JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModel:
+    """Load a bundled profile by name (``a100-dsv2lite``) or an artifact from a JSON file path.
+
+    Raises:
+        ProfileError: no such profile/file, invalid JSON or invalid content.
+    """
+    p = Path(name_or_path)
+    candidates = [p] if (p.suffix == ".json" or p.exists()) else [PROFILES_DIR / f"{name_or_path}.json"]
+    for c in candidates:
+        if c.is_file():
+            try:
+                return LatencyModel.from_dict(json.loads(c.read_text()))
+            except json.JSONDecodeError as exc:
+                raise ProfileError(f"{c}: invalid JSON: {exc}") from None
+    bundled = sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
+    raise ProfileError(f"no profile {str(name_or_path)!r}: not a file and not one of the bundled profiles {bundled}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting from step records (§5.1–5.2): scikit-learn linear regression on the features above.
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step as recorded by the profiler or the emulated engine.
+
+    Attributes:
+        batch_size: running decode requests in the step (B; one token each).
+        kv_tokens: cached KV tokens of those decodes, summed (K).
+        prefill_tokens: new prompt tokens scheduled in the step (n or p; 0 for decode-only).
+        prefill_cached: prompt tokens of the prefilling request(s) already cached before the step.
+        latency_ms: measured wall time of the step in ms.
+    """
+
+    batch_size: int
+    kv_tokens: int
+    prefill_tokens: int
+    prefill_cached: int
+    latency_ms: float
+
+
+def mape(y_true: Sequence[float] | np.ndarray, y_pred: Sequence[float] | np.ndarray) -> float:
+    """Mean absolute percentage error in percent (sklearn's ``mean_absolute_percentage_error`` × 100)."""
+    from sklearn.metrics import mean_absolute_percentage_error
+
+    return float(mean_absolute_percentage_error(np.asarray(y_true, float), np.asarray(y_pred, float)) * 100.0)
+
+
+def _split(n: int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(n)
+    if n < 5:
+        raise ValueError(f"need at least 5 step records of each kind to fit and hold out, got {n}")
+    return tuple(train_test_split(idx, test_size=holdout, random_state=seed))  # type: ignore[return-value]
+
+
+def fit_latency_model(
+    records: Sequence[StepRecord],
+    *,
+    name: str,
+    version: str,
+    base: LatencyModel | None = None,
+    holdout: float = 0.2,
+    seed: int = 0,
+    metadata: dict[str, Any] | None = None,
+) -> LatencyModel:
+    """Fit the three step-latency components from step records and report held-out MAPE.
+
+    Records are split by composition: prefill-only (``batch_size == 0``), decode-only
+    (``prefill_tokens == 0``) and mixed. Each component is an sklearn ``LinearRegression`` with
+    ``positive=True`` on the features of the module docstring. The mixed component is fitted on the
+    residual ``latency − T0(B, K)`` of the fitted decode model (§5.2: "sum of pure decode step
+    latency and additional prefill time"). A random ``holdout`` fraction of each kind is kept out
+    of fitting; the reported MAPE (percent) is on those rows only.
+
+    Args:
+        records: step records (at least 5 of each kind).
+        name, version: artifact identity.
+        base: model whose KV-transfer links and engine limits are carried over (default: the
+            bundled default profile).
+        metadata: recorded as the artifact's ``metadata`` (hardware, model, source...).
+
+    Raises:
+        ValueError: too few records of a kind.
+    """
+    from sklearn.linear_model import LinearRegression
+
+    base = base or load_profile(DEFAULT_PROFILE)
+    arr = np.array([(r.batch_size, r.kv_tokens, r.prefill_tokens, r.prefill_cached, r.latency_ms) for r in records],
+                   dtype=float).reshape(-1, 5)
+    B, K, p, c, y = arr.T
+    is_pf, is_dec = B == 0, p == 0
+    is_mix = ~is_pf & ~is_dec
+    result: dict[str, Any] = {}
+    mapes: dict[str, float | None] = {}
+
+    # prefill-only
+    X = np.column_stack([p, p * c])[is_pf]
+    tr, te = _split(len(X), holdout, seed)
+    reg = LinearRegression(positive=True).fit(X[tr], y[is_pf][tr])
+    result["prefill"] = (max(float(reg.intercept_), 0.0), tuple(float(v) for v in reg.coef_))
+    mapes["prefill"] = mape(y[is_pf][te], reg.predict(X[te]))
+
+    # decode-only
+    X = np.column_stack([B, K])[is_dec]
+    tr, te = _split(len(X), holdout, seed)
+    reg_d = LinearRegression(positive=True).fit(X[tr], y[is_dec][tr])
+    result["decode"] = (max(float(reg_d.intercept_), 0.0), tuple(float(v) for v in reg_d.coef_))
+    mapes["decode"] = mape(y[is_dec][te], reg_d.predict(X[te]))
+
+    # mixed: residual over the decode model, no intercept (ΔT(p=0) = 0)
+    pm, cm, Km, Bm, ym = p[is_mix], c[is_mix], K[is_mix], B[is_mix], y[is_mix]
+    t0 = reg_d.intercept_ + reg_d.coef_[0] * Bm + reg_d.coef_[1] * Km
+    X = np.column_stack([pm, pm * pm, pm * cm, pm * Km])
+    tr, te = _split(len(X), holdout, seed)
+    reg_m = LinearRegression(positive=True, fit_intercept=False).fit(X[tr], (ym - t0)[tr])
+    result["mixed"] = tuple(float(v) for v in reg_m.coef_)
+    mapes["mixed"] = mape(ym[te], t0[te] + reg_m.predict(X[te]))
+
+    return LatencyModel(
+        name=name, version=version,
+        prefill_intercept_ms=result["prefill"][0], prefill_coef=result["prefill"][1],
+        decode_intercept_ms=result["decode"][0], decode_coef=result["decode"][1],
+        mixed_delta_coef=result["mixed"],
+        kv_bytes_per_token=base.kv_bytes_per_token, links=dict(base.links), default_link=base.default_link,
+        engine=base.engine,
+        metadata={"provenance": "fit", "records": len(records), **(metadata or {})},
+        mape=mapes,
+    )
+
+
+def report_mape(model: LatencyModel, records: Sequence[StepRecord]) -> dict[str, float]:
+    """MAPE (percent) of ``model`` on ``records``, per kind (``prefill``/``decode``/``mixed``).
+
+    Kinds with no record are omitted.
+    """
+    out: dict[str, float] = {}
+    groups: dict[str, tuple[list[float], list[float]]] = {"prefill": ([], []), "decode": ([], []), "mixed": ([], [])}
+    for r in records:
+        kind = "prefill" if r.batch_size == 0 else "decode" if r.prefill_tokens == 0 else "mixed"
+        groups[kind][0].append(r.latency_ms)
+        groups[kind][1].append(model.step_ms(r.batch_size, r.kv_tokens, r.prefill_tokens, r.prefill_cached))
+    for k, (t, pr) in groups.items():
+        if t:
+            out[k] = mape(t, pr)
+    return out

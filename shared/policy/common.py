@@ -1,0 +1,43 @@
+"""Pieces every policy shares: choosing the prefill node and the KV receiver of the keep path."""
+
+from __future__ import annotations
+
+from shared.latency import LatencyModel
+from shared.policy.base import PolicyParams
+from shared.policy.estimates import prefill_exec_ms, prefill_queue_wait_ms
+from shared.snapshot import ClusterSnapshot
+
+
+def best_prefill(snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams,
+                 include_kv: bool = False) -> tuple[str, float, float | None]:
+    """Prefill node with the lowest TTFT_pf (Eq. 1), that TTFT in ms, and the KV estimate.
+
+    With ``include_kv`` (kairos+) TTFT_pf also counts the node's queued KV-transfer work
+    (``kv_backlog_ms``) plus this request's own transfer time on the profile's link. The third
+    value is the request's own KV-transfer time (ms), reported by every policy.
+    """
+    ell = snap.request.prompt_tokens
+    chi_p = params.prefill_chunk_tokens
+    exec_ms = prefill_exec_ms(model, ell, chi_p)
+    kv_ms = float(model.kv_transfer_ms(ell, params.link))
+    best_id, best_ms = "", float("inf")
+    for pn in snap.prefill_nodes:
+        t = prefill_queue_wait_ms(model, pn.queue_prompt_tokens, chi_p) + exec_ms
+        if include_kv:
+            t += pn.kv_backlog_ms + kv_ms
+        if t < best_ms:
+            best_id, best_ms = pn.id, t
+    return best_id, best_ms, kv_ms
+
+
+def least_loaded_decode(snap: ClusterSnapshot) -> str:
+    """Decode node that receives the KV of a keep-path request: fewest cached KV tokens, then
+    smallest batch, then fewest waiting admissions; ties go to the node listed first."""
+    return min(snap.decode_nodes, key=lambda d: (d.kv_tokens, d.batch_size, d.waiting)).id
+
+
+def deflect_target(snap: ClusterSnapshot) -> str:
+    """Decode node for the static policies' deflections: one without a deflection in flight if
+    any, then least loaded (static policies do not model TBT, §3.4)."""
+    return min(snap.decode_nodes,
+               key=lambda d: (d.deflection_in_flight or bool(d.in_flight), d.kv_tokens, d.batch_size)).id

@@ -1,0 +1,164 @@
+"""The two predictors of Algorithm 1: Prefill-Node TTFT Estimator (§4.2, Eq. 1–3) and Decode-Node
+Feasibility Checker (§4.3, Eq. 4–6).
+
+Pure functions of token counts and a :class:`~shared.latency.LatencyModel`; no I/O. Every time is ms.
+
+Choices where the paper is ambiguous (also in docs/policies.md):
+
+* **χ counts the B decode tokens.** §3.2 defines χ as the total tokens of the batch, each chunk
+  adding χ − B prefill tokens, and §5.4 says χ caps the batch's tokens. So a step with χ carries
+  ``p = χ − B`` prompt tokens; a candidate with χ ≤ B carries none and is never safe. Algorithm 1's
+  ``served ← served + χ`` therefore becomes ``served ← served + (χ − B)``, and the returned
+  schedule's χ sum is ≥ ℓ_r + |X|·B ≥ ℓ_r.
+* **Eq. 5 uses the deflected prompt's cached tokens separately.** ``T_step(B_n, K_n + Σχ, χ)`` is
+  evaluated as ``T(B_n, K_n, p_i, c_i)`` with ``c_i = Σ_{j<i} p_j``; see ``shared/latency.py``.
+* **The last chunk.** Eq. 5 is checked for the full chunk χ on every step, the last included (as
+  Algorithm 1 charges a full χ); Eq. 6 sums the latency of the tokens actually scheduled, so the
+  final partial chunk's predicted step and the TTFT are not over-charged.
+* **Eq. 3's bounds.** The printed sum runs i = 0..⌈ℓ/χ_p⌉, one chunk more than the prompt needs;
+  we sum the ⌈ℓ/χ_p⌉ chunks the engine runs, chunk i holding min(χ_p, ℓ − iχ_p) tokens after
+  iχ_p cached ones.
+* **Eq. 2's queue.** ``[ℓ_1..ℓ_k]`` are the prefill tokens still to compute for every request
+  ahead (the running one's remainder first). Σℓ/χ_p is not rounded up, as printed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from shared.latency import LatencyModel
+
+
+def prefill_queue_wait_ms(model: LatencyModel, queue_prompt_tokens: Sequence[int], chunk_tokens: int) -> float:
+    """W_queue (Eq. 2): (Σℓ_i / χ_p) · T_step(χ_p, Σℓ_i / 2), ms; 0 for an empty queue."""
+    total = sum(queue_prompt_tokens)
+    if total <= 0:
+        return 0.0
+    return total / chunk_tokens * float(model.prefill_step_ms(chunk_tokens, total / 2.0))
+
+
+def prefill_exec_ms(model: LatencyModel, prompt_tokens: int, chunk_tokens: int) -> float:
+    """T_pf (Eq. 3): Σ_i T_step(min(χ_p, ℓ − iχ_p), iχ_p) over the ⌈ℓ/χ_p⌉ chunks, ms. O(1).
+
+    Uses the closed form of the sum for the full chunks (T is affine in the cached tokens).
+    """
+    if prompt_tokens <= 0:
+        return 0.0
+    full, last = divmod(prompt_tokens, chunk_tokens)
+    first = float(model.prefill_step_ms(chunk_tokens, 0))
+    slope = float(model.prefill_step_ms(chunk_tokens, chunk_tokens)) - first  # per chunk of cache
+    total = full * first + slope * full * (full - 1) / 2.0
+    if last:
+        total += float(model.prefill_step_ms(last, full * chunk_tokens))
+    return total
+
+
+def prefill_ttft_ms(model: LatencyModel, prompt_tokens: int, queue_prompt_tokens: Sequence[int],
+                    chunk_tokens: int) -> float:
+    """TTFT_pf (Eq. 1) = W_queue (Eq. 2) + T_pf (Eq. 3), ms."""
+    return prefill_queue_wait_ms(model, queue_prompt_tokens, chunk_tokens) + prefill_exec_ms(
+        model, prompt_tokens, chunk_tokens)
+
+
+class ChunkRun(tuple):
+    """``(chi, steps, prefill_tokens, first_cached, last_tokens)``: ``steps`` consecutive steps of
+    chunk size χ, each with ``prefill_tokens`` prompt tokens (the last one ``last_tokens``), the
+    first starting after ``first_cached`` cached prompt tokens."""
+
+    __slots__ = ()
+
+
+def decode_schedule(
+    model: LatencyModel,
+    batch_size: int,
+    kv_tokens: int,
+    prompt_tokens: int,
+    candidates_desc: Sequence[int],
+    step_limit_ms: float,
+) -> tuple[float, list[ChunkRun]] | None:
+    """Greedy TBT-safe chunk schedule on one decode node (Eq. 5) and its TTFT (Eq. 6).
+
+    At each step i the largest χ in ``candidates_desc`` with
+    ``T(B, K, χ − B, c_i) ≤ step_limit_ms`` is taken (Algorithm 1's LargestSafe). Because T is
+    non-decreasing in the cached tokens c, once a χ becomes unsafe it stays unsafe, so the schedule
+    is a few runs of equal χ; each run's length and latency sum are computed in closed form
+    (T grows by m3·p² per step), which makes the sweep O(|𝒳|) per node instead of O(steps).
+
+    Args:
+        batch_size, kv_tokens: B_n and K_n of the node.
+        prompt_tokens: ℓ_r.
+        candidates_desc: 𝒳 in descending order.
+        step_limit_ms: β·τ.
+
+    Returns:
+        ``(ttft_dec_ms, runs)`` or ``None`` when no schedule exists (some step has no safe χ).
+    """
+    m3 = model.mixed_delta_coef[2]
+    remaining = prompt_tokens
+    cached = 0
+    total = 0.0
+    runs: list[ChunkRun] = []
+    k = 0
+    n_cand = len(candidates_desc)
+    B, K = batch_size, kv_tokens
+    while remaining > 0:
+        # LargestSafe from the current index: larger χ were unsafe at a smaller c and stay unsafe.
+        while k < n_cand:
+            p = candidates_desc[k] - B
+            if p > 0:
+                t1 = float(model.mixed_step_ms(B, K, p, cached))
+                if t1 <= step_limit_ms:
+                    break
+            k += 1
+        else:
+            return None
+        slope = m3 * p * p
+        need = -(-remaining // p)  # ceil
+        if slope > 0.0:
+            n_safe = 1 + int((step_limit_ms - t1) / slope)
+            # guard the float division at the boundary
+            while n_safe > 1 and t1 + slope * (n_safe - 1) > step_limit_ms:
+                n_safe -= 1
+            while t1 + slope * n_safe <= step_limit_ms and n_safe < need:
+                n_safe += 1
+        else:
+            n_safe = need
+        n = min(n_safe, need)
+        if n == need:  # run finishes the prompt; its last step may be partial
+            last = remaining - (n - 1) * p
+            total += (n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0
+            total += float(model.mixed_step_ms(B, K, last, cached + (n - 1) * p))
+            runs.append(ChunkRun((candidates_desc[k], n, p, cached, last)))
+            return total, runs
+        total += n * t1 + slope * n * (n - 1) / 2.0
+        runs.append(ChunkRun((candidates_desc[k], n, p, cached, p)))
+        cached += n * p
+        remaining -= n * p
+        k += 1
+    return total, runs  # pragma: no cover - prompt_tokens <= 0
+
+
+def expand_runs(model: LatencyModel, batch_size: int, kv_tokens: int,
+                runs: Sequence[ChunkRun]) -> tuple[list[int], list[float]]:
+    """Per-step (χ list, predicted step ms list) of a schedule returned by :func:`decode_schedule`."""
+    chis: list[int] = []
+    steps: list[float] = []
+    for chi, n, p, c0, last in runs:
+        for i in range(n):
+            tokens = last if i == n - 1 else p
+            chis.append(chi)
+            steps.append(float(model.mixed_step_ms(batch_size, kv_tokens, tokens, c0 + i * p)))
+    return chis, steps
+
+
+def fixed_chunk_steps(model: LatencyModel, batch_size: int, kv_tokens: int, prompt_tokens: int,
+                      chunk_tokens: int) -> tuple[list[int], list[float]]:
+    """A fixed-χ schedule (static policies, Dynamo): ⌈ℓ/(χ−B)⌉ steps and their predicted ms.
+
+    When χ ≤ B the decodes alone fill the budget; we still schedule one prompt token per step so
+    that the schedule is finite (the engine model does the same, see shared/engine).
+    """
+    p = max(chunk_tokens - batch_size, 1)
+    n = -(-prompt_tokens // p)
+    run = ChunkRun((chunk_tokens, n, p, 0, prompt_tokens - (n - 1) * p))
+    return expand_runs(model, batch_size, kv_tokens, [run])
