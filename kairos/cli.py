@@ -71,6 +71,84 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
     click.echo(msgspec.json.format(msgspec.json.encode(decision), indent=2))
 
 
+@main.command()
+@click.option("--workload", default="bursty", show_default=True,
+              help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH.")
+@click.option("--rps", type=float, default=4.0, show_default=True, help="Mean request rate (requests/s).")
+@click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds.")
+@click.option("--policy", "policies", default="pd,kairos", show_default=True, help="Comma list of policies.")
+@click.option("--prefill", "n_prefill", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--decode", "n_decode", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Latency profile (name or path).")
+@click.option("--link", default=None, help="KV link setting of the profile (default: its default, 'paper').")
+@click.option("--heartbeat-ms", type=click.FloatRange(0), default=100.0, show_default=True,
+              help="Δh, dispatcher state refresh period; 0 = exact state (Oracle).")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--truth-profile", default=None, help="Ground-truth profile of the engines (default: --profile).")
+@click.option("--noise", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="σ of multiplicative log-normal noise on every engine step.")
+@click.option("--tbt-guard/--no-tbt-guard", default=None,
+              help="Node-side chunk guard (default: on for kairos+, off otherwise).")
+@click.option("--sweep-rps", default=None, help="START:STOP[:STEP]: run every policy at each rate and plot.")
+@click.option("--plots-dir", type=click.Path(file_okay=False), default="out/plots", show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows as JSON.")
+@policy_params_options
+def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, heartbeat_ms, seed, truth_profile,
+        noise, tbt_guard, sweep_rps, plots_dir, json_path, **params) -> None:
+    """Simulate the P/D cluster in virtual time and print the paper's metrics per policy."""
+    import json as _json
+
+    from shared.metrics import format_table
+    from shared.policy import parse_policies
+    from shared.workloads import WorkloadError, parse_workload
+    from sim.experiments import parse_range, plot_sweep, run_one
+    from sim.simulator import SimConfig
+
+    try:
+        pols = parse_policies(policies)
+    except PolicyError as exc:
+        raise click.BadParameter(str(exc), param_hint="--policy") from None
+    model = load_model_or_exit(profile)
+    truth = load_model_or_exit(truth_profile) if truth_profile else None
+    try:
+        model.link(link)
+    except ProfileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--link") from None
+    pp = make_params(**params)
+    try:
+        rates = parse_range(sweep_rps) if sweep_rps else [rps]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--sweep-rps") from None
+    if duration <= 0 or any(r <= 0 for r in rates):
+        raise click.UsageError("--duration and --rps must be > 0")
+
+    rows = []
+    for rate in rates:
+        try:
+            wl = parse_workload(workload, rate, duration, seed, max_model_len=model.engine.max_model_len)
+        except WorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--workload") from None
+        for pol in pols:
+            guard = tbt_guard if tbt_guard is not None else pol.name == "kairos+"
+            cfg = SimConfig(n_prefill=n_prefill, n_decode=n_decode, heartbeat_ms=heartbeat_ms, link=link,
+                            tbt_guard=guard, truth=truth, noise=noise, seed=seed)
+            row = run_one(wl, pol, model, pp, cfg, rps=rate)
+            rows.append(row)
+            click.echo(f"  {pol.spec} @ {rate:g} rps: {row['requests']} requests, "
+                       f"{row['sim_seconds']:.0f} sim s in {row['wall_seconds']:.1f} wall s "
+                       f"({row['speedup']}x real time)", err=True)
+    click.echo(format_table(rows))
+    if sweep_rps:
+        for p in plot_sweep(rows, plots_dir, pp):
+            click.echo(f"plot: {p}", err=True)
+    if json_path:
+        from pathlib import Path as _P
+
+        _P(json_path).parent.mkdir(parents=True, exist_ok=True)
+        _P(json_path).write_text(_json.dumps(rows, indent=2) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+
+
 def _parse_policy_or_exit(spec: str):
     try:
         return parse_policy(spec)

@@ -10,8 +10,10 @@ Choices where the paper is ambiguous (also in docs/policies.md):
   ``p = χ − B`` prompt tokens; a candidate with χ ≤ B carries none and is never safe. Algorithm 1's
   ``served ← served + χ`` therefore becomes ``served ← served + (χ − B)``, and the returned
   schedule's χ sum is ≥ ℓ_r + |X|·B ≥ ℓ_r.
-* **Eq. 5 uses the deflected prompt's cached tokens separately.** ``T_step(B_n, K_n + Σχ, χ)`` is
-  evaluated as ``T(B_n, K_n, p_i, c_i)`` with ``c_i = Σ_{j<i} p_j``; see ``shared/latency.py``.
+* **Eq. 5's KV argument, split.** ``T_step(B_n, K_n + Σ_{j<i} χ^(j), χ^(i))`` is evaluated as
+  ``T(B_n, K_n + i·B_n, p_i, c_i)``: since each χ carries the B decode tokens, Σχ grows the
+  decodes' KV by B per step and the deflected prompt's cache by ``c_i = Σ_{j<i} p_j``; the model
+  keeps the two apart (``shared/latency.py``).
 * **The last chunk.** Eq. 5 is checked for the full chunk χ on every step, the last included (as
   Algorithm 1 charges a full χ); Eq. 6 sums the latency of the tokens actually scheduled, so the
   final partial chunk's predicted step and the TTFT are not over-charged.
@@ -61,9 +63,10 @@ def prefill_ttft_ms(model: LatencyModel, prompt_tokens: int, queue_prompt_tokens
 
 
 class ChunkRun(tuple):
-    """``(chi, steps, prefill_tokens, first_cached, last_tokens)``: ``steps`` consecutive steps of
-    chunk size χ, each with ``prefill_tokens`` prompt tokens (the last one ``last_tokens``), the
-    first starting after ``first_cached`` cached prompt tokens."""
+    """``(chi, steps, prefill_tokens, first_cached, last_tokens, first_step)``: ``steps``
+    consecutive steps of chunk size χ, each with ``prefill_tokens`` prompt tokens (the last one
+    ``last_tokens``), the first being step ``first_step`` (0-based) of the schedule and starting
+    after ``first_cached`` cached prompt tokens."""
 
     __slots__ = ()
 
@@ -78,11 +81,16 @@ def decode_schedule(
 ) -> tuple[float, list[ChunkRun]] | None:
     """Greedy TBT-safe chunk schedule on one decode node (Eq. 5) and its TTFT (Eq. 6).
 
-    At each step i the largest χ in ``candidates_desc`` with
-    ``T(B, K, χ − B, c_i) ≤ step_limit_ms`` is taken (Algorithm 1's LargestSafe). Because T is
-    non-decreasing in the cached tokens c, once a χ becomes unsafe it stays unsafe, so the schedule
-    is a few runs of equal χ; each run's length and latency sum are computed in closed form
-    (T grows by m3·p² per step), which makes the sweep O(|𝒳|) per node instead of O(steps).
+    At step i (0-based) the largest χ in ``candidates_desc`` with
+    ``T(B, K + i·B, χ − B, c_i) ≤ step_limit_ms`` is taken (Algorithm 1's LargestSafe). The KV
+    argument is Eq. 5's ``K_n + Σ_{j<i} χ^(j)`` split in two: the decodes' KV grows by their B
+    tokens per step (``K + i·B``, the B decode tokens each χ carries) and the deflected prompt's
+    own cache by its chunks (``c_i = Σ_{j<i} (χ^(j) − B)``).
+
+    Because T is non-decreasing in both, once a χ becomes unsafe it stays unsafe, so the schedule
+    is a few runs of equal χ; within a run T grows by a constant per step, so each run's length
+    and latency sum are computed in closed form, which makes the sweep O(|𝒳|) per node instead of
+    O(steps).
 
     Args:
         batch_size, kv_tokens: B_n and K_n of the node.
@@ -93,26 +101,28 @@ def decode_schedule(
     Returns:
         ``(ttft_dec_ms, runs)`` or ``None`` when no schedule exists (some step has no safe χ).
     """
-    m3 = model.mixed_delta_coef[2]
     remaining = prompt_tokens
     cached = 0
+    step = 0
     total = 0.0
     runs: list[ChunkRun] = []
     k = 0
     n_cand = len(candidates_desc)
-    B, K = batch_size, kv_tokens
+    B = batch_size
+    mixed = model.mixed_step_ms
     while remaining > 0:
-        # LargestSafe from the current index: larger χ were unsafe at a smaller c and stay unsafe.
+        K = kv_tokens + step * B
+        # LargestSafe from the current index: larger χ were unsafe earlier and stay unsafe.
         while k < n_cand:
             p = candidates_desc[k] - B
             if p > 0:
-                t1 = float(model.mixed_step_ms(B, K, p, cached))
+                t1 = float(mixed(B, K, p, cached))
                 if t1 <= step_limit_ms:
                     break
             k += 1
         else:
             return None
-        slope = m3 * p * p
+        slope = float(mixed(B, K + B, p, cached + p)) - t1  # T(step j+1) − T(step j) within the run
         need = -(-remaining // p)  # ceil
         if slope > 0.0:
             n_safe = 1 + int((step_limit_ms - t1) / slope)
@@ -127,13 +137,14 @@ def decode_schedule(
         if n == need:  # run finishes the prompt; its last step may be partial
             last = remaining - (n - 1) * p
             total += (n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0
-            total += float(model.mixed_step_ms(B, K, last, cached + (n - 1) * p))
-            runs.append(ChunkRun((candidates_desc[k], n, p, cached, last)))
+            total += float(mixed(B, K + (n - 1) * B, last, cached + (n - 1) * p))
+            runs.append(ChunkRun((candidates_desc[k], n, p, cached, last, step)))
             return total, runs
         total += n * t1 + slope * n * (n - 1) / 2.0
-        runs.append(ChunkRun((candidates_desc[k], n, p, cached, p)))
+        runs.append(ChunkRun((candidates_desc[k], n, p, cached, p, step)))
         cached += n * p
         remaining -= n * p
+        step += n
         k += 1
     return total, runs  # pragma: no cover - prompt_tokens <= 0
 
@@ -143,11 +154,11 @@ def expand_runs(model: LatencyModel, batch_size: int, kv_tokens: int,
     """Per-step (χ list, predicted step ms list) of a schedule returned by :func:`decode_schedule`."""
     chis: list[int] = []
     steps: list[float] = []
-    for chi, n, p, c0, last in runs:
+    for chi, n, p, c0, last, i0 in runs:
         for i in range(n):
             tokens = last if i == n - 1 else p
             chis.append(chi)
-            steps.append(float(model.mixed_step_ms(batch_size, kv_tokens, tokens, c0 + i * p)))
+            steps.append(float(model.mixed_step_ms(batch_size, kv_tokens + (i0 + i) * batch_size, tokens, c0 + i * p)))
     return chis, steps
 
 
@@ -160,5 +171,5 @@ def fixed_chunk_steps(model: LatencyModel, batch_size: int, kv_tokens: int, prom
     """
     p = max(chunk_tokens - batch_size, 1)
     n = -(-prompt_tokens // p)
-    run = ChunkRun((chunk_tokens, n, p, 0, prompt_tokens - (n - 1) * p))
+    run = ChunkRun((chunk_tokens, n, p, 0, prompt_tokens - (n - 1) * p, 0))
     return expand_runs(model, batch_size, kv_tokens, [run])

@@ -24,16 +24,18 @@ def reference_schedule(model, B, K, ell, cands_desc, limit):
     chis, steps, served = [], [], 0
     while served < ell:
         chosen = None
+        # Eq. 5's K_n + Σ_{j<i} χ^(j): the B decode tokens of every earlier step, and the prompt so far
+        k_i = K + len(chis) * B
         for chi in cands_desc:  # LargestSafe: first χ in descending order satisfying Eq. 5
             p = chi - B
-            if p > 0 and model.mixed_step_ms(B, K, p, served) <= limit:
+            if p > 0 and model.mixed_step_ms(B, k_i, p, served) <= limit:
                 chosen = chi
                 break
         if chosen is None:
             return None
         tokens = min(chosen - B, ell - served)
         chis.append(chosen)
-        steps.append(model.mixed_step_ms(B, K, tokens, served))
+        steps.append(model.mixed_step_ms(B, k_i, tokens, served))
         served += tokens
     return chis, steps
 
@@ -99,10 +101,11 @@ def test_kairos_properties(snap, params):
         assert len(d.predicted_step_ms) == len(d.chunk_schedule)
         # each χ is the largest candidate satisfying Eq. 5 at its step
         cached = 0
-        for chi in d.chunk_schedule:
-            assert MODEL.mixed_step_ms(B, K, chi - B, cached) <= limit + 1e-9
+        for i, chi in enumerate(d.chunk_schedule):
+            k_i = K + i * B
+            assert MODEL.mixed_step_ms(B, k_i, chi - B, cached) <= limit + 1e-9
             for bigger in (c for c in cands if c > chi):
-                assert bigger - B <= 0 or MODEL.mixed_step_ms(B, K, bigger - B, cached) > limit
+                assert bigger - B <= 0 or MODEL.mixed_step_ms(B, k_i, bigger - B, cached) > limit
             cached += min(chi - B, ell - cached)
         # Eq. 7 holds for the chosen node, which is the fastest feasible one
         t = d.ttft_decode_est_ms[d.node]

@@ -1,0 +1,131 @@
+"""Experiment runners over the simulator: one (policy, rps) row, RPS sweeps and their plots.
+
+Rows are the JSON objects of ``kairos sim --json`` (keys listed in :func:`run_one`); the same
+``shared.metrics.summarize`` computes the live ``kairos bench`` results.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from shared.latency import LatencyModel
+from shared.metrics import summarize
+from shared.policy import Policy, PolicyParams
+from shared.workloads import WorkloadRequest
+from sim.simulator import SimConfig, SimResult, Simulator
+
+
+def violation_attribution(result: SimResult, limit_ms: float) -> dict[str, int]:
+    """Count deflected-prefill steps over β·τ, split by cause (§7 stale-state limitation).
+
+    ``decode_joined``: the node's batch at the step was larger than at the decision;
+    ``other``: no decode joined (model error, noise, or KV growth of the running decodes).
+    """
+    out = {"deflected_steps": len(result.deflected_steps), "over_limit": 0, "decode_joined": 0, "other": 0}
+    for s in result.deflected_steps:
+        if s.actual_ms > limit_ms:
+            out["over_limit"] += 1
+            out["decode_joined" if s.batch_at_step > s.batch_at_decision else "other"] += 1
+    return out
+
+
+def run_one(workload: Sequence[WorkloadRequest], policy: Policy, model: LatencyModel, params: PolicyParams,
+            cfg: SimConfig, rps: float | None = None, label: str | None = None) -> dict[str, Any]:
+    """Simulate one policy on one workload and summarize.
+
+    Returns the row: ``policy``, ``rps``, ``requests``, ``ttft_ms`` {p50,p95,p99},
+    ``ttft_breakdown_p95_ms`` {prefill_queue, prefill_exec, kv_transfer, decode_queue}, ``tbt_ms``
+    {p50,p95}, ``tbt_violation_rate`` (decode steps > τ), ``slo_attainment``, ``deflections``,
+    throughput, ``sim_seconds``, ``wall_seconds``, ``speedup`` (sim s per wall s) and
+    ``deflected_step_violations`` (see :func:`violation_attribution`).
+    """
+    t0 = time.perf_counter()
+    res = Simulator(cfg, model, policy, params).run(workload)
+    wall = time.perf_counter() - t0
+    pp = policy.params(params)
+    row = summarize(res.records, tbt_slo_ms=pp.tbt_slo_ms, ttft_slo_ms=pp.ttft_slo_ms,
+                    decode_step_ms=res.decode_step_ms)
+    row["deflections"] = res.deflections
+    row = {"policy": label or policy.spec, "rps": rps, **row, "sim_seconds": round(res.sim_seconds, 3),
+           "wall_seconds": round(wall, 3), "speedup": round(res.sim_seconds / wall, 1) if wall > 0 else None,
+           "deflected_step_violations": violation_attribution(res, pp.step_limit_ms)}
+    return row
+
+
+def parse_range(spec: str) -> list[float]:
+    """``"6:12:1"`` → [6, 7, ..., 12] (inclusive). Raises ValueError naming the problem."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"range {spec!r} must be START:STOP[:STEP]")
+    start, stop = float(parts[0]), float(parts[1])
+    step = float(parts[2]) if len(parts) == 3 else 1.0
+    if step <= 0 or stop < start or start <= 0:
+        raise ValueError(f"range {spec!r}: need 0 < START <= STOP and STEP > 0")
+    n = int(round((stop - start) / step)) + 1
+    return [round(start + i * step, 6) for i in range(n)]
+
+
+def sweep(make_workload: Callable[[float], Sequence[WorkloadRequest]], rates: Sequence[float],
+          policies: Sequence[Policy], model: LatencyModel, params: PolicyParams, cfg: SimConfig,
+          progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Run every policy at every rate (same workload per rate for every policy)."""
+    rows = []
+    for rps in rates:
+        wl = make_workload(rps)
+        for pol in policies:
+            rows.append(run_one(wl, pol, model, params, cfg, rps=rps))
+            if progress:
+                progress(f"{pol.spec} @ {rps:g} rps")
+    return rows
+
+
+def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, params: PolicyParams,
+               prefix: str = "sweep") -> list[Path]:
+    """Write PNG plots (P95 TTFT, P95 TBT, SLO attainment, deflections vs RPS; one line per policy,
+    SLO lines drawn). Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    panels = [
+        ("ttft_p95", "P95 TTFT (s)", lambda r: (r["ttft_ms"]["p95"] or 0) / 1000, params.ttft_slo_ms / 1000),
+        ("tbt_p95", "P95 TBT (ms)", lambda r: r["tbt_ms"]["p95"] or 0, params.tbt_slo_ms),
+        ("slo_attainment", "SLO attainment (%)", lambda r: 100 * r["slo_attainment"], None),
+        ("deflections", "deflections", lambda r: r["deflections"], None),
+    ]
+    paths = []
+    for key, ylabel, get, slo in panels:
+        fig, ax = plt.subplots(figsize=(5, 3.4), dpi=110)
+        for pol in policies:
+            pts = sorted((r["rps"], get(r)) for r in rows if r["policy"] == pol)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+        if slo is not None:
+            ax.axhline(slo, color="red", linestyle="--", linewidth=1, label="SLO")
+        ax.set_xlabel("request rate (RPS)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"{prefix}-{key}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def max_sustainable_rps(rows: Sequence[dict[str, Any]], policy: str, params: PolicyParams) -> float | None:
+    """Highest swept RPS at which ``policy`` meets both SLOs (P95 TTFT ≤ TTFT SLO and P95 TBT ≤ τ),
+    with every lower swept rate meeting them too. None if even the lowest fails."""
+    best = None
+    for r in sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rps"]):
+        ok = (r["ttft_ms"]["p95"] or 0) <= params.ttft_slo_ms and (r["tbt_ms"]["p95"] or 0) <= params.tbt_slo_ms
+        if not ok:
+            break
+        best = r["rps"]
+    return best

@@ -1,0 +1,336 @@
+"""Discrete-event P/D cluster simulator (paper §3.3–3.4, §6), in virtual time.
+
+Where things come from: arrivals from ``shared.workloads``; every node is the engine model of
+``shared.engine`` (the same one the emulated node agent runs in real time); decisions come from
+``shared.policy`` (the dispatcher's code). Where they go: one :class:`shared.metrics.RequestRecord`
+per request plus the decode nodes' step latencies, summarized by ``shared.metrics.summarize``.
+
+Model of the cluster:
+
+* **Dispatcher view.** Node states are refreshed every Δh = ``heartbeat_ms`` (all nodes report at
+  the same instants). Between heartbeats the dispatcher adds what it routed itself: a keep-path
+  prompt joins the chosen prefill node's queue view, and a deflection reserves its decode node until
+  that request's prefill finishes (§5.3: "marks decode nodes where it has already sent requests in
+  the prefill state as unavailable"). ``heartbeat_ms = 0`` gives the exact state (the paper's
+  "Oracle").
+* **KV transfer.** One link per (prefill node, decode node) pair; **one transfer at a time per link**
+  (FIFO), each taking ``setup + tokens·bytes/bandwidth`` of the profile's link. A transfer starts
+  only once the decode node has allocated KV blocks for the request (decode-side admission, FIFO),
+  so the KV-transfer component includes both the link queue and the wait for decode memory —
+  what CALIBRATION.md §C says the paper's transfer times contain.
+* **TTFT components** (ms): prefill queue = first prefill chunk start − arrival; prefill exec =
+  prefill end − first chunk start; KV transfer = KV arrived − prefill end; decode queue = first
+  token − KV arrived. For a deflected request the "prefill" runs on the decode node and the last two
+  are 0. The four sum to the TTFT exactly.
+* **Ground truth.** By default the engines use the policy's own model. ``truth`` (another
+  profile) and ``noise`` (multiplicative log-normal σ on every step) measure robustness to model
+  error (§7).
+
+Event order is deterministic: the heap is keyed ``(time_ms, priority, sequence)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from shared.engine import Engine, EngineConfig
+from shared.latency import LatencyModel
+from shared.metrics import RequestRecord
+from shared.policy import Policy, PolicyParams
+from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from shared.workloads import WorkloadRequest
+
+# event kinds, in priority order for equal timestamps (heartbeats first so that a decision at the
+# same instant sees the fresh state; step ends before arrivals so freed capacity is visible)
+_HEARTBEAT, _STEP_END, _TRANSFER_END, _ARRIVAL = range(4)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Cluster and experiment settings.
+
+    Attributes:
+        n_prefill, n_decode: node counts (paper: 2P2D).
+        heartbeat_ms: Δh, state refresh period of the dispatcher view; 0 = exact state (Oracle).
+        link: KV-transfer link name from the profile (None: its default, the paper-calibrated one).
+        tbt_guard: kairos+ node-side guard: decode engines shrink a deflected chunk whose predicted
+            step would exceed β·τ at the current batch.
+        truth: ground-truth latency model of the engines (None: the policy's model).
+        noise: σ of multiplicative log-normal noise on every step's latency (0: none).
+        seed: RNG seed of the noise.
+    """
+
+    n_prefill: int = 2
+    n_decode: int = 2
+    heartbeat_ms: float = 100.0
+    link: str | None = None
+    tbt_guard: bool = False
+    truth: LatencyModel | None = None
+    noise: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class _Req:
+    w: WorkloadRequest
+    deflected: bool = False
+    prefill_node: int = -1
+    decode_node: int = -1
+    prefill_start_ms: float | None = None
+    prefill_end_ms: float | None = None
+    kv_arrived_ms: float | None = None
+    first_token_ms: float | None = None
+    token_times_ms: list[float] = field(default_factory=list)
+    # deflection bookkeeping: (B, K) at decision and predicted step ms, for violation attribution
+    decided_b: int = 0
+    predicted_steps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class DeflectedStep:
+    """One executed step of a deflected prefill (for TBT-violation attribution)."""
+
+    request_id: str
+    step_index: int
+    predicted_ms: float | None  #: the dispatcher's prediction for this step (None past the plan)
+    actual_ms: float
+    batch_at_decision: int
+    batch_at_step: int
+
+
+@dataclass
+class SimResult:
+    """Raw output of one run."""
+
+    records: list[RequestRecord]
+    decode_step_ms: list[float]  #: latency of every decode-node step with ≥ 1 decode in it
+    deflected_steps: list[DeflectedStep]
+    deflections: int
+    sim_seconds: float
+
+
+class Simulator:
+    """One run of one policy over one workload. Use :meth:`run`.
+
+    Raises:
+        ValueError: fewer than one prefill or decode node.
+    """
+
+    def __init__(self, cfg: SimConfig, model: LatencyModel, policy: Policy, params: PolicyParams) -> None:
+        if cfg.n_prefill < 1 or cfg.n_decode < 1:
+            raise ValueError("need at least one prefill and one decode node")
+        self.cfg, self.model, self.policy = cfg, model, policy
+        self.params = policy.params(params)
+        truth = cfg.truth or model
+        rng = np.random.default_rng(cfg.seed)
+        noise = None
+        if cfg.noise > 0:
+            sigma = cfg.noise
+
+            def noise(ms: float) -> float:
+                return ms * math.exp(sigma * rng.standard_normal() - sigma * sigma / 2)
+
+        guard = self.params.step_limit_ms if cfg.tbt_guard else None
+        self.prefill = [Engine(EngineConfig.from_limits("prefill", truth.engine), truth, step_noise=noise)
+                        for _ in range(cfg.n_prefill)]
+        self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine), truth, step_noise=noise,
+                              tbt_guard_ms=guard) for _ in range(cfg.n_decode)]
+        self.prefill_ids = [f"prefill-{i}" for i in range(cfg.n_prefill)]
+        self.decode_ids = [f"decode-{i}" for i in range(cfg.n_decode)]
+        self.link = truth.link(cfg.link)
+        self.kv_bytes = truth.kv_bytes_per_token
+
+    # -- event plumbing ------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, payload))
+
+    def run(self, workload: Sequence[WorkloadRequest]) -> SimResult:
+        """Simulate until every request has finished. Deterministic for a given seed."""
+        self._heap: list = []
+        self._seq = 0
+        self.reqs: dict[str, _Req] = {}
+        self.busy = {("p", i): False for i in range(len(self.prefill))} | {("d", i): False for i in range(len(self.decode))}
+        self.links: dict[tuple[int, int], list[str]] = {}
+        self.link_busy: set[tuple[int, int]] = set()
+        self.reserved: dict[int, dict[str, int]] = {i: {} for i in range(len(self.decode))}
+        self.routed_since: dict[int, list[int]] = {i: [] for i in range(len(self.prefill))}
+        self.decode_steps: list[float] = []
+        self.deflected_steps: list[DeflectedStep] = []
+        self.deflections = 0
+        for w in workload:
+            self._push(w.arrival_s * 1000.0, _ARRIVAL, w)
+        hb = self.cfg.heartbeat_ms
+        self._view_p = [e.state() for e in self.prefill]
+        self._view_d = [e.state() for e in self.decode]
+        if hb > 0 and workload:
+            self._push(0.0, _HEARTBEAT, None)
+        pending = len(workload)
+        now = 0.0
+        while self._heap:
+            now, kind, _, payload = heapq.heappop(self._heap)
+            if kind == _ARRIVAL:
+                self._arrive(now, payload)
+            elif kind == _STEP_END:
+                pending -= self._step_end(now, *payload)
+            elif kind == _TRANSFER_END:
+                self._transfer_end(now, *payload)
+            elif kind == _HEARTBEAT:
+                self._view_p = [e.state() for e in self.prefill]
+                self._view_d = [e.state() for e in self.decode]
+                for q in self.routed_since.values():
+                    q.clear()
+                if pending > 0:
+                    self._push(now + hb, _HEARTBEAT, None)
+        records = [self._record(r) for r in self.reqs.values()]
+        return SimResult(records=records, decode_step_ms=self.decode_steps, deflected_steps=self.deflected_steps,
+                         deflections=self.deflections, sim_seconds=now / 1000.0)
+
+    # -- dispatcher ----------------------------------------------------------------------------
+    def _snapshot(self, w: WorkloadRequest) -> ClusterSnapshot:
+        exact = self.cfg.heartbeat_ms <= 0
+        vp = [e.state() for e in self.prefill] if exact else self._view_p
+        vd = [e.state() for e in self.decode] if exact else self._view_d
+        prefill = [PrefillNodeView(id=self.prefill_ids[i],
+                                   queue_prompt_tokens=list(s.queue_prompt_tokens) + ([] if exact else self.routed_since[i]),
+                                   kv_backlog_ms=self._link_backlog_ms(i))
+                   for i, s in enumerate(vp)]
+        decode = []
+        for i, s in enumerate(vd):
+            res = self.reserved[i]
+            decode.append(DecodeNodeView(
+                id=self.decode_ids[i], batch_size=s.batch_size, kv_tokens=s.kv_tokens,
+                deflection_in_flight=bool(res),
+                in_flight=[InFlightDeflection(prompt_tokens=self.reqs[r].w.prompt_tokens,
+                                              output_tokens=self.reqs[r].w.output_tokens) for r in res],
+                waiting=s.waiting))
+        return ClusterSnapshot(request=RequestView(id=w.id, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens),
+                               prefill_nodes=prefill, decode_nodes=decode)
+
+    def _link_backlog_ms(self, p: int) -> float:
+        """Queued KV-transfer work on prefill node ``p``'s links, ms (kairos+ input)."""
+        total = 0.0
+        for (pi, _), q in self.links.items():
+            if pi == p:
+                total += sum(self.link.transfer_ms(self.reqs[r].w.prompt_tokens, self.kv_bytes) for r in q)
+        return total
+
+    def _arrive(self, now: float, w: WorkloadRequest) -> None:
+        r = _Req(w)
+        self.reqs[w.id] = r
+        d = self.policy.decide(self._snapshot(w), self.model, self.params)
+        if d.decision == "deflect":
+            di = self.decode_ids.index(d.node)
+            r.deflected, r.decode_node = True, di
+            r.decided_b = self.decode[di].state().batch_size
+            r.predicted_steps = list(d.predicted_step_ms)
+            self.reserved[di][w.id] = w.prompt_tokens
+            self.deflections += 1
+            self.decode[di].add_deflected(w.id, w.prompt_tokens, w.output_tokens, list(d.chunk_schedule))
+            self._kick(now, "d", di)
+        else:
+            pi = self.prefill_ids.index(d.node)
+            r.prefill_node, r.decode_node = pi, self.decode_ids.index(d.decode_node)
+            self.routed_since[pi].append(w.prompt_tokens)
+            self.prefill[pi].add_prefill(w.id, w.prompt_tokens)
+            self._kick(now, "p", pi)
+
+    # -- engines -------------------------------------------------------------------------------
+    def _kick(self, now: float, role: str, i: int) -> None:
+        """Start the next step of an idle engine, if it has work."""
+        if self.busy[(role, i)]:
+            return
+        eng = self.prefill[i] if role == "p" else self.decode[i]
+        if role == "d":
+            for rid in eng.admit():
+                self._allocated(now, i, rid)
+        plan = eng.plan_step()
+        if plan is None:
+            return
+        for rid in plan.allocated:
+            self._allocated(now, i, rid)
+        self.busy[(role, i)] = True
+        for rid, _, cached in plan.prefill_chunks:
+            r = self.reqs[rid]
+            if r.prefill_start_ms is None:
+                r.prefill_start_ms = now
+        self._push(now + plan.duration_ms, _STEP_END, (role, i, plan))
+
+    def _step_end(self, now: float, role: str, i: int, plan) -> int:
+        eng = self.prefill[i] if role == "p" else self.decode[i]
+        res = eng.commit_step(plan)
+        self.busy[(role, i)] = False
+        if role == "d":
+            if plan.batch_size > 0:
+                self.decode_steps.append(plan.duration_ms)
+            if plan.deflected_chunk is not None:
+                rid, idx, _, _ = plan.deflected_chunk
+                r = self.reqs[rid]
+                self.deflected_steps.append(DeflectedStep(
+                    rid, idx, r.predicted_steps[idx] if idx < len(r.predicted_steps) else None,
+                    plan.duration_ms, r.decided_b, plan.batch_size))
+        for rid, _ in res.tokens:
+            self.reqs[rid].token_times_ms.append(now)
+        for rid in res.first_tokens:
+            r = self.reqs[rid]
+            r.first_token_ms = now
+            if r.deflected:
+                r.prefill_end_ms = now
+                self.reserved[r.decode_node].pop(rid, None)
+        for rid in res.prefill_done:  # keep path: hand the KV to the decode node
+            r = self.reqs[rid]
+            r.prefill_end_ms = now
+            self.decode[r.decode_node].add_remote_decode(rid, r.w.prompt_tokens, r.w.output_tokens)
+            self._kick(now, "d", r.decode_node)
+        self._kick(now, role, i)
+        return len(res.finished)
+
+    def _allocated(self, now: float, di: int, rid: str) -> None:
+        """Decode node ``di`` reserved blocks for ``rid``: queue its KV transfer on the link."""
+        r = self.reqs[rid]
+        key = (r.prefill_node, di)
+        self.links.setdefault(key, []).append(rid)
+        self._start_transfer(now, key)
+
+    def _start_transfer(self, now: float, key: tuple[int, int]) -> None:
+        q = self.links.get(key)
+        if key in self.link_busy or not q:
+            return
+        rid = q.pop(0)
+        self.link_busy.add(key)
+        ms = self.link.transfer_ms(self.reqs[rid].w.prompt_tokens, self.kv_bytes)
+        self._push(now + ms, _TRANSFER_END, (key, rid))
+
+    def _transfer_end(self, now: float, key: tuple[int, int], rid: str) -> None:
+        self.link_busy.discard(key)
+        r = self.reqs[rid]
+        r.kv_arrived_ms = now
+        self.prefill[r.prefill_node].release(rid)
+        self.decode[r.decode_node].kv_arrived(rid)
+        self._start_transfer(now, key)
+        self._kick(now, "p", r.prefill_node)  # freed blocks may admit waiting prefills
+        self._kick(now, "d", r.decode_node)
+
+    # -- results -------------------------------------------------------------------------------
+    def _record(self, r: _Req) -> RequestRecord:
+        a = r.w.arrival_s * 1000.0
+        if r.first_token_ms is None:
+            return RequestRecord(id=r.w.id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_tokens,
+                                 output_tokens=0, deflected=r.deflected, error="not finished")
+        pq = r.prefill_start_ms - a
+        if r.deflected:
+            pe, kv, dq = r.first_token_ms - r.prefill_start_ms, 0.0, 0.0
+        else:
+            pe = r.prefill_end_ms - r.prefill_start_ms
+            kv = r.kv_arrived_ms - r.prefill_end_ms
+            dq = r.first_token_ms - r.kv_arrived_ms
+        return RequestRecord(
+            id=r.w.id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_tokens,
+            output_tokens=len(r.token_times_ms), ttft_ms=r.first_token_ms - a,
+            token_times_s=[t / 1000.0 for t in r.token_times_ms], deflected=r.deflected,
+            prefill_queue_ms=pq, prefill_exec_ms=pe, kv_transfer_ms=kv, decode_queue_ms=dq)
