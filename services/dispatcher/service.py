@@ -1,0 +1,350 @@
+"""Dispatcher replica: work-queue requests in, one accepted job per request out.
+
+Per request (rules in :mod:`shared.routing`, decision in :mod:`shared.policy`):
+
+1. snapshot from the watched cluster view + watched reservations, minus nodes excluded so far;
+2. ``policy.decide``; a deflection needs the decode node's reservation (atomic KV create with
+   TTL) — on conflict the node is shown as reserved and the policy runs again;
+3. the job goes to the node by request-reply; no responder, a timeout or a refusal excludes the
+   node (and releases the reservation) and routing starts over — a re-route, never a drop;
+4. accepted: decision record (KV), routing event (aggregator), span with ``kairos.*``
+   attributes, then the work-queue message is acknowledged. A replica that dies before that
+   point leaves the message unacknowledged and another replica gets it after ``ack_wait_s``.
+
+Nothing routable for ``no_node_wait_s`` (or every node refused) → an explicit 503 error event to
+the client, then ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import nats.js.errors
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+from prometheus_client import Counter, Histogram
+
+from services.dispatcher.config import DispatcherConfig
+from shared import subjects as S
+from shared import telemetry
+from shared.bus import (RequestQueueSettings, connect, ensure_buckets, ensure_request_stream, publish,
+                        request_subscription, request_typed)
+from shared.latency import LatencyModel, load_profile
+from shared.policy import Decision, parse_policy
+from shared.routing import build_snapshot, keep_instead, live_reservations, make_job, reservation_ttl_s
+from shared.wire import (ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, Reservation, RoutedEvent,
+                         WireError, decode, encode, now_ms)
+
+
+class Dispatcher:
+    def __init__(self, cfg: DispatcherConfig, model: LatencyModel | None = None) -> None:
+        self.cfg = cfg
+        self.model = model or load_profile(cfg.profile)
+        self.policy = parse_policy(cfg.policy)
+        self.params = cfg.params(self.model.engine.max_num_batched_tokens)
+        self.tel = telemetry.setup("dispatcher", cfg.replica_id, cfg.trace_file, cfg.log_level)
+        self.log = self.tel.log.bind(replica=cfg.replica_id)
+        reg = self.tel.registry
+        self.m_decisions = Counter("kairos_dispatcher_decisions_total", "Requests routed",
+                                   ("policy", "decision", "reason"), registry=reg)
+        self.m_decide_ms = Histogram("kairos_dispatcher_decide_ms", "Policy evaluation time, ms", registry=reg,
+                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.m_route_ms = Histogram("kairos_dispatcher_route_ms", "Dequeue to node accepted, ms", registry=reg,
+                                    buckets=(0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000))
+        self.m_conflicts = Counter("kairos_dispatcher_reservation_conflicts_total", "Reservation create conflicts",
+                                   registry=reg)
+        self.m_reroutes = Counter("kairos_dispatcher_reroutes_total", "Jobs re-routed", ("why",), registry=reg)
+        self.m_errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
+                                registry=reg)
+        self.view: ClusterView | None = None
+        self.reservations: dict[str, Reservation] = {}
+        self.metrics_port: int | None = None
+        self.routed = 0
+        self._view_changed = asyncio.Event()
+        self._sem = asyncio.Semaphore(cfg.max_concurrency)
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._main: list[asyncio.Task] = []
+        self._watchers: list = []
+        self._runner = None
+        self.nc = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_port >= 0:
+            self._runner, self.metrics_port = await telemetry.start_metrics_server(
+                self.tel.registry, cfg.metrics_host, cfg.metrics_port,
+                health=lambda: self.nc is not None and self.nc.is_connected)
+        self.nc = await connect(cfg.nats_url, f"dispatcher:{cfg.replica_id}", self.log)
+        js = self.nc.jetstream()
+        await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver))
+        self.buckets = await ensure_buckets(js)
+        view_w = await self.buckets.view.watch(S.VIEW_KEY)
+        resv_w = await self.buckets.reservations.watchall()
+        self._watchers = [view_w, resv_w]
+        self.sub = await request_subscription(js)
+        self._main = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w)),
+                      asyncio.create_task(self._pull())]
+        self.log.info("dispatcher_started", policy=self.policy.spec, model=self.model.artifact_version,
+                      metrics_port=self.metrics_port)
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop pulling; ``drain`` waits for in-flight requests (else they are redelivered elsewhere)."""
+        self._stop.set()
+        for t in self._main:
+            t.cancel()
+        await asyncio.gather(*self._main, return_exceptions=True)
+        if drain and self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        for t in self._tasks:
+            t.cancel()
+        for w in self._watchers:
+            try:
+                await w.stop()
+            except Exception:
+                pass
+        if self.nc is not None:
+            try:
+                await (self.nc.drain() if drain else self.nc.close())
+            except Exception:
+                pass
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.tel.shutdown()
+
+    async def _watch_view(self, watcher) -> None:
+        async for e in watcher:
+            if e is None or e.value is None or e.operation is not None:
+                continue
+            try:
+                self.view = decode(e.value, ClusterView)
+            except WireError as exc:
+                self.log.warning("bad_view", error=str(exc))
+                continue
+            self._view_changed.set()
+
+    async def _watch_resv(self, watcher) -> None:
+        async for e in watcher:
+            if e is None:
+                continue
+            node = S.node_of_reservation_key(e.key)
+            if node is None:
+                continue
+            if e.operation is not None or not e.value:  # DEL / PURGE / TTL-expiry marker
+                self.reservations.pop(node, None)
+                continue
+            try:
+                self.reservations[node] = decode(e.value, Reservation)
+            except WireError:
+                self.reservations.pop(node, None)
+
+    async def _pull(self) -> None:
+        while not self._stop.is_set():
+            await self._sem.acquire()
+            self._sem.release()
+            try:
+                msgs = await self.sub.fetch(batch=4, timeout=1.0)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except Exception as exc:  # disconnected: nats-py reconnects
+                self.log.warning("fetch_failed", error=repr(exc))
+                await asyncio.sleep(0.2)
+                continue
+            for m in msgs:
+                await self._sem.acquire()
+                t = asyncio.create_task(self._handle(m))
+                self._tasks.add(t)
+                t.add_done_callback(self._done)
+
+    def _done(self, t: asyncio.Task) -> None:
+        self._tasks.discard(t)
+        self._sem.release()
+        if not t.cancelled() and t.exception() is not None:
+            self.log.error("handler_failed", error=repr(t.exception()))
+
+    # -- one request ----------------------------------------------------------------------------
+    async def _handle(self, msg) -> None:
+        try:
+            req = decode(msg.data, InferenceRequest)
+        except WireError as exc:
+            self.log.error("bad_request_message", error=str(exc))
+            await msg.term()
+            return
+        log = self.log.bind(request_id=req.request_id)
+        ctx = telemetry.extract_context(msg.headers)
+        with self.tel.tracer.start_as_current_span("dispatcher.decide", context=ctx, attributes={
+                "kairos.request_id": req.request_id, "kairos.replica_id": self.cfg.replica_id,
+                "kairos.policy": self.policy.spec, "kairos.model_version": self.model.artifact_version,
+                "kairos.prompt_tokens": req.prompt_tokens, "kairos.max_tokens": req.max_tokens,
+                "kairos.delivery": msg.metadata.num_delivered}) as span:
+            if req.deadline_unix_ms <= now_ms():
+                span.set_attribute("kairos.outcome", "expired")
+                log.info("request_expired")  # the ingress has already answered 504
+                await msg.ack()
+                return
+            try:
+                await self._route(req, msg, span, log)
+            except Exception as exc:
+                log.error("routing_failed", error=repr(exc))
+                span.record_exception(exc)
+                await self._error(req, 500, "routing_failed", f"dispatcher {self.cfg.replica_id}: {exc!r}")
+            await msg.ack()
+
+    async def _route(self, req: InferenceRequest, msg, span, log) -> None:
+        t_start = time.perf_counter()
+        excluded: dict[str, str] = {}
+        conflicts: list[str] = []
+        local_held: dict[str, Reservation] = {}
+        decide_ms = 0.0
+        attempts = 0
+        waited_since: float | None = None
+        rid = req.request_id
+        max_attempts = 2 * (len(self.view.nodes) if self.view else 4) + 4
+        while True:
+            now = now_ms()
+            held = {**live_reservations(self.reservations, now), **local_held}
+            snap = build_snapshot(req, self.view, held, excluded, now)
+            if snap is None:
+                waited_since = waited_since or time.monotonic()
+                left = self.cfg.no_node_wait_s - (time.monotonic() - waited_since)
+                if left <= 0 or excluded:
+                    why = "every node refused or did not answer" if excluded else "no live prefill and decode node"
+                    await self._error(req, 503, "no_available_node", f"{why} (excluded: {excluded})")
+                    span.set_attribute("kairos.outcome", "no_available_node")
+                    return
+                self._view_changed.clear()
+                try:
+                    await asyncio.wait_for(self._view_changed.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+                await msg.in_progress()
+                continue
+            t0 = time.perf_counter()
+            decision = self.policy.decide(snap, self.model, self.params)
+            decide_ms += (time.perf_counter() - t0) * 1000.0
+            resv_key = resv_rev = None
+            if decision.deflected:
+                node = decision.node
+                if node in held and held[node].request_id != rid:
+                    decision = keep_instead(decision, snap, self.model, self.params, "keep_reservation_conflict")
+                else:
+                    ttl = reservation_ttl_s(decision, self.cfg.reservation_ttl_s)
+                    value = Reservation(request_id=rid, decode_node=node, dispatcher_id=self.cfg.replica_id,
+                                        prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens,
+                                        created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
+                    resv_key = S.reservation_key(node)
+                    try:
+                        resv_rev = await self.buckets.reservations.create(resv_key, encode(value), msg_ttl=ttl)
+                    except nats.js.errors.KeyWrongLastSequenceError:
+                        self.m_conflicts.inc()
+                        conflicts.append(node)
+                        local_held[node] = Reservation(request_id="?", decode_node=node, dispatcher_id="?",
+                                                       prompt_tokens=0, created_unix_ms=now,
+                                                       expires_unix_ms=now + 1000.0)
+                        continue
+            attempts += 1
+            job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_key, resv_rev)
+            headers = telemetry.inject_headers()
+            why = None
+            try:
+                ack = await request_typed(self.nc, S.jobs_subject(decision.node), job, JobAck,
+                                          self.cfg.job_ack_timeout_s, headers)
+                if not ack.accepted:
+                    why = ack.reason or "refused"
+            except nats.errors.NoRespondersError:
+                why = "no_responders"
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                why = "timeout"
+            if why is not None:
+                self.m_reroutes.labels(why.split(":")[0]).inc()
+                log.info("job_rerouted", node=decision.node, why=why, attempt=attempts)
+                if resv_key is not None:
+                    await self._release(resv_key, resv_rev)
+                if why == "deflection_in_flight":
+                    local_held[decision.node] = Reservation(request_id="?", decode_node=decision.node,
+                                                            dispatcher_id="?", prompt_tokens=0, created_unix_ms=now,
+                                                            expires_unix_ms=now + 1000.0)
+                    conflicts.append(decision.node)
+                else:
+                    excluded[decision.node] = why
+                if attempts >= max_attempts:
+                    await self._error(req, 503, "no_available_node", f"gave up after {attempts} attempts: {excluded}")
+                    return
+                continue
+            await self._accepted(req, decision, ack, snap.state_age_ms, attempts, excluded, conflicts, decide_ms,
+                                 (time.perf_counter() - t_start) * 1000.0, span)
+            return
+
+    async def _accepted(self, req: InferenceRequest, d: Decision, ack: JobAck, state_age_ms: float | None,
+                        attempts: int, excluded: dict, conflicts: list, decide_ms: float, routing_ms: float,
+                        span) -> None:
+        rid = req.request_id
+        rec = DecisionRecord(request_id=rid, dispatcher_id=self.cfg.replica_id, decision=d, node=ack.node,
+                             decode_node=d.decode_node, attempts=attempts, excluded_nodes=excluded,
+                             reservation_conflicts=conflicts, state_age_ms=state_age_ms,
+                             view_seq=self.view.seq if self.view else 0, decided_unix_ms=now_ms(),
+                             decide_ms=decide_ms, routing_ms=routing_ms)
+        set_decision_attributes(span, d, state_age_ms, attempts, excluded, conflicts)
+        self.m_decisions.labels(self.policy.spec, d.decision, d.reason).inc()
+        self.m_decide_ms.observe(decide_ms)
+        self.m_route_ms.observe(routing_ms)
+        self.routed += 1
+        await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
+            request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms))
+        try:
+            await self.buckets.requests.put(S.record_key(rid, "decision"), encode(rec))
+        except Exception as exc:
+            self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+
+    async def _release(self, key: str, rev: int | None) -> None:
+        try:
+            await self.buckets.reservations.delete(key, last=rev)
+        except Exception as exc:
+            self.log.info("reservation_release_failed", key=key, error=repr(exc))
+
+    async def _error(self, req: InferenceRequest, status: int, code: str, message: str) -> None:
+        self.m_errors.labels(code).inc()
+        self.log.warning("request_failed", request_id=req.request_id, code=code, message=message)
+        await publish(self.nc, S.out_subject(req.request_id), ErrorEvent(
+            request_id=req.request_id, status=status, code=code, message=message,
+            source=f"dispatcher:{self.cfg.replica_id}", sent_unix_ms=now_ms()))
+
+
+def set_decision_attributes(span, d: Decision, state_age_ms: float | None, attempts: int, excluded: dict,
+                            conflicts: list) -> None:
+    """The decision as ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing")."""
+    attrs = {"kairos.decision": d.decision, "kairos.reason": d.reason, "kairos.node": d.node,
+             "kairos.decode_node": d.decode_node, "kairos.chunk_schedule": list(d.chunk_schedule),
+             "kairos.predicted_step_ms": list(d.predicted_step_ms), "kairos.attempts": attempts,
+             "kairos.model_version": d.model_version, "kairos.policy": d.policy}
+    if d.ttft_prefill_est_ms is not None:
+        attrs["kairos.ttft_prefill_est_ms"] = d.ttft_prefill_est_ms
+    if d.kv_transfer_est_ms is not None:
+        attrs["kairos.kv_transfer_est_ms"] = d.kv_transfer_est_ms
+    if state_age_ms is not None:
+        attrs["kairos.state_age_ms"] = state_age_ms
+    for node, est in d.ttft_decode_est_ms.items():
+        if est is not None:
+            attrs[f"kairos.ttft_decode_est_ms.{node}"] = est
+    for node, why in d.decode_infeasible.items():
+        attrs[f"kairos.decode_infeasible.{node}"] = why
+    if excluded:
+        attrs["kairos.excluded"] = [f"{k}:{v}" for k, v in excluded.items()]
+    if conflicts:
+        attrs["kairos.reservation_conflicts"] = list(conflicts)
+    span.set_attributes(attrs)
+    span.set_status(Status(StatusCode.OK))
+
+
+async def run(cfg: DispatcherConfig, stop: asyncio.Event, model: LatencyModel | None = None) -> None:
+    """Run one dispatcher replica until ``stop`` is set."""
+    d = Dispatcher(cfg, model)
+    await d.start()
+    try:
+        await stop.wait()
+    finally:
+        await d.close()

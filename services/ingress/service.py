@@ -1,0 +1,330 @@
+"""Ingress: OpenAI HTTP in, requests onto the JetStream work queue, token stream back out.
+
+Per request: validate (:mod:`shared.openai_api`), count prompt tokens, assign the id, subscribe to
+``kairos.out.<id>`` *before* publishing (so no token can be missed), publish the
+:class:`~shared.wire.InferenceRequest` with the W3C trace context in the headers, then relay events.
+Streaming responses send their HTTP headers only when the first token arrives, so an error before
+it still gets a proper 4xx/5xx status. Every accepted request ends with a completion or an
+OpenAI-shaped error: dispatcher/agent errors are relayed, silence past ``idle_timeout_s`` or
+``request_timeout_s`` becomes 504 (and a cancel to the nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import orjson
+from aiohttp import web
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.ingress.config import IngressConfig
+from shared import openai_api as oa
+from shared import subjects as S
+from shared import telemetry
+from shared.bus import connect, ensure_buckets, publish
+from shared.latency import load_profile
+from shared.records import request_record
+from shared.wire import (Cancel, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest, IngressTiming,
+                         OutEvent, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _err(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
+    return _json(oa.error_body(message, oa.error_type_for(status), param, code), status)
+
+
+class Ingress:
+    def __init__(self, cfg: IngressConfig) -> None:
+        self.cfg = cfg
+        self.model = load_profile(cfg.profile)
+        self.max_model_len = self.model.engine.max_model_len
+        self.counter = oa.tokenizer_counter(cfg.tokenizer_path) if cfg.tokenizer_path else None
+        self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level)
+        self.log = self.tel.log
+        reg = self.tel.registry
+        self.m_requests = Counter("kairos_ingress_requests_total", "HTTP completion requests", ("endpoint", "status"),
+                                  registry=reg)
+        self.m_ttft = Histogram("kairos_ingress_ttft_ms", "Time to first token seen by the client, ms", registry=reg,
+                                buckets=(25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800))
+        self.m_e2e = Histogram("kairos_ingress_e2e_ms", "Request latency, ms", registry=reg,
+                               buckets=(100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000))
+        self.m_inflight = Gauge("kairos_ingress_in_flight", "Requests in flight", registry=reg)
+        self.port: int | None = None
+        self.nc = None
+        self._runner = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/requests/{rid}", self.request_info)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self) -> None:
+        self.nc = await connect(self.cfg.nats_url, f"ingress:{self.cfg.replica_id}", self.log)
+        self.js = self.nc.jetstream()
+        self.buckets = await ensure_buckets(self.js)
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.log.info("ingress_started", host=self.cfg.host, port=self.port, model=self.cfg.served_model,
+                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))")
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                pass
+        self.tel.shutdown()
+
+    def _bg(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # -- simple endpoints ---------------------------------------------------------------------
+    async def health(self, _req: web.Request) -> web.Response:
+        ok = self.nc is not None and self.nc.is_connected
+        return _json({"status": "ok" if ok else "nats_disconnected"}, 200 if ok else 503)
+
+    async def models(self, _req: web.Request) -> web.Response:
+        return _json(oa.models_response([self.cfg.served_model]))
+
+    async def metrics(self, _req: web.Request) -> web.Response:
+        body, ctype = telemetry.metrics_body(self.tel.registry)
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def request_info(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        try:
+            S.check_token(rid, "request id")
+        except ValueError as exc:
+            return _err(400, str(exc), "invalid_request_id")
+        parts = {}
+        for part, typ in (("decision", DecisionRecord), ("prefill", PrefillTiming), ("decode", DecodeTiming),
+                          ("ingress", IngressTiming)):
+            try:
+                e = await self.buckets.requests.get(S.record_key(rid, part))
+                parts[part] = decode(e.value, typ) if e.value else None
+            except (nats.js.errors.KeyNotFoundError, WireError):
+                parts[part] = None
+        if all(v is None for v in parts.values()):
+            return _err(404, f"no record of request {rid!r} (unknown, or older than the record TTL)", "not_found")
+        return _json(request_record(rid, parts["decision"], parts["prefill"], parts["decode"], parts["ingress"]))
+
+    # -- completions ----------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
+        received = now_ms()
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            self.m_requests.labels(endpoint, "400").inc()
+            return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        try:
+            parsed = oa.parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens)
+            prompt_tokens, exact = oa.count_prompt_tokens(parsed, self.counter)
+            oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len)
+        except oa.ApiError as exc:
+            self.m_requests.labels(endpoint, str(exc.status)).inc()
+            return _json(exc.body(), exc.status)
+        rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        created = int(received / 1000)
+        log = self.log.bind(request_id=rid)
+        self.m_inflight.inc()
+        timing = {"received_unix_ms": received, "prompt_tokens": prompt_tokens}
+        with self.tel.tracer.start_as_current_span("ingress.request", kind=SpanKind.SERVER, attributes={
+                "kairos.request_id": rid, "http.route": request.path, "kairos.prompt_tokens": prompt_tokens,
+                "kairos.prompt_tokens_exact": exact, "kairos.max_tokens": parsed.max_tokens,
+                "kairos.stream": parsed.stream}) as span:
+            status = 500
+            try:
+                resp, status = await self._run(request, parsed, rid, created, prompt_tokens, exact, received, timing,
+                                               log)
+                return resp
+            finally:
+                span.set_attribute("http.status_code", status)
+                if status >= 400:
+                    span.set_status(Status(StatusCode.ERROR, str(timing.get("error"))))
+                self.m_inflight.dec()
+                self.m_requests.labels(endpoint, str(status)).inc()
+                timing["status"] = status
+                self._bg(self._write_timing(rid, timing))
+
+    async def _run(self, request, parsed: oa.ParsedRequest, rid: str, created: int, prompt_tokens: int, exact: bool,
+                   received: float, timing: dict, log) -> tuple[web.StreamResponse, int]:
+        cfg = self.cfg
+        queue: asyncio.Queue[OutEvent] = asyncio.Queue()
+
+        async def on_out(msg) -> None:
+            try:
+                queue.put_nowait(decode(msg.data, OutEvent))  # type: ignore[arg-type]
+            except WireError as exc:
+                log.warning("bad_out_event", error=str(exc))
+
+        sub = await self.nc.subscribe(S.out_subject(rid), cb=on_out)
+        try:
+            deadline = received + cfg.request_timeout_s * 1000.0
+            ireq = InferenceRequest(request_id=rid, model=parsed.model, prompt_tokens=prompt_tokens,
+                                    max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
+                                    prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
+                                    created_unix_ms=received, deadline_unix_ms=deadline)
+            headers = telemetry.inject_headers(headers={"Nats-Msg-Id": rid})
+            try:
+                await self.nc.flush()
+                await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM)
+            except Exception as exc:
+                log.error("enqueue_failed", error=repr(exc))
+                timing["error"] = "enqueue_failed"
+                return _err(503, f"could not enqueue the request: {exc!r}", "enqueue_failed"), 503
+
+            async def next_event() -> OutEvent | None:
+                left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
+                if left <= 0:
+                    return None
+                try:
+                    return await asyncio.wait_for(queue.get(), left)
+                except asyncio.TimeoutError:
+                    return None
+
+            ev = await next_event()
+            if ev is None or isinstance(ev, ErrorEvent):
+                return await self._fail_before_first(rid, ev, timing, log)
+            text_parts: list[str] = []
+            completion = 0
+            finish = "length"
+            resp: web.StreamResponse | None = None
+            first = True
+            while True:
+                if isinstance(ev, TokenEvent):
+                    if first:
+                        timing["first_token_unix_ms"] = now_ms()
+                        self.m_ttft.observe(timing["first_token_unix_ms"] - received)
+                    completion += ev.count
+                    if parsed.stream:
+                        if resp is None:
+                            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                               "Cache-Control": "no-cache", "X-Request-Id": rid})
+                            await resp.prepare(request)
+                        if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, ev.text, None, first)):
+                            return await self._client_gone(rid, resp, timing, log)
+                    else:
+                        text_parts.append(ev.text)
+                    first = False
+                elif isinstance(ev, DoneEvent):
+                    finish = ev.finish_reason
+                    break
+                elif isinstance(ev, ErrorEvent):
+                    timing["error"] = ev.code
+                    log.warning("request_failed_mid_stream", code=ev.code, message=ev.message)
+                    if resp is None:
+                        return _err(ev.status, ev.message, ev.code), ev.status
+                    await self._sse(resp, oa.error_body(ev.message, oa.error_type_for(ev.status), None, ev.code))
+                    await self._sse_done(resp)
+                    return resp, ev.status
+                ev = await next_event()
+                if ev is None:
+                    timing["error"] = "timeout"
+                    await self._cancel(rid, "timeout")
+                    msg = f"request {rid} timed out waiting for tokens"
+                    if resp is None:
+                        return _err(504, msg, "timeout"), 504
+                    await self._sse(resp, oa.error_body(msg, "server_error", None, "timeout"))
+                    await self._sse_done(resp)
+                    return resp, 504
+            timing["finished_unix_ms"] = now_ms()
+            timing["completion_tokens"] = completion
+            self.m_e2e.observe(timing["finished_unix_ms"] - received)
+            if not parsed.stream:
+                return _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
+                                              completion)), 200
+            assert resp is not None
+            await self._sse(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
+                                                  finish))
+            if parsed.include_usage:
+                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion))
+            await self._sse_done(resp)
+            return resp, 200
+        finally:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _fail_before_first(self, rid: str, ev: ErrorEvent | None, timing: dict, log):
+        if ev is None:
+            timing["error"] = "timeout"
+            await self._cancel(rid, "timeout")
+            log.warning("request_timeout_before_first_token")
+            return _err(504, f"request {rid} timed out before its first token", "timeout"), 504
+        timing["error"] = ev.code
+        log.warning("request_failed", code=ev.code, message=ev.message, source=ev.source)
+        return _err(ev.status, ev.message, ev.code), ev.status
+
+    async def _client_gone(self, rid: str, resp, timing: dict, log):
+        timing["error"] = "client_disconnected"
+        log.info("client_disconnected")
+        await self._cancel(rid, "client_disconnected")
+        return resp, 499
+
+    async def _sse(self, resp: web.StreamResponse, obj: dict) -> bool:
+        try:
+            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+            return True
+        except (ConnectionResetError, RuntimeError):
+            return False
+
+    async def _sse_done(self, resp: web.StreamResponse) -> None:
+        try:
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+
+    async def _cancel(self, rid: str, reason: str) -> None:
+        try:
+            await publish(self.nc, S.CANCEL_SUBJECT, Cancel(request_id=rid, reason=reason))
+        except Exception:
+            pass
+
+    async def _write_timing(self, rid: str, t: dict) -> None:
+        rec = msgspec.convert(t, IngressTiming)
+        try:
+            await self.buckets.requests.put(S.record_key(rid, "ingress"), encode(rec))
+        except Exception as exc:
+            self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+
+
+async def run(cfg: IngressConfig, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set."""
+    ing = Ingress(cfg)
+    await ing.start()
+    try:
+        await stop.wait()
+    finally:
+        await ing.close()

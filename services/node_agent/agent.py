@@ -1,0 +1,517 @@
+"""Node agent: one engine instance on the bus.
+
+Inputs: jobs on ``kairos.jobs.<node>`` (request-reply), KV handoffs on ``kairos.kv.<node>``
+(decode nodes, request-reply), KV-pulled notices on ``kairos.kvdone.<node>`` (prefill nodes),
+cancels on ``kairos.cancel``. Outputs: heartbeats on ``kairos.state.<node>``, tokens/done/errors
+on ``kairos.out.<rid>``, timing records in the ``kairos_requests`` bucket, reservation releases.
+
+Paths (ARCHITECTURE §2):
+
+* keep, prefill node: ``add_prefill`` → steps → prefill done → hand the KV to the first decode
+  candidate that accepts (request-reply) → blocks held until that node's ``KvDone`` → ``release``.
+* keep, decode node: handoff → ``add_remote_decode`` → blocks allocated → ``pull_kv`` (emulated
+  link time, one transfer per link at a time) → ``kv_arrived`` → decode, tokens streamed.
+* deflect, decode node: ``add_deflected`` with the chunk schedule → chunked prefill (one span event
+  per chunk: χ, predicted ms, actual ms) → first token → reservation released → decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+from opentelemetry import trace
+from opentelemetry.trace import Span, Status, StatusCode
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.node_agent.backend import EngineBackend, StepOutput, make_backend
+from services.node_agent.config import AgentConfig
+from shared import subjects as S
+from shared import telemetry
+from shared.bus import Buckets, connect, ensure_buckets, publish, request_typed
+from shared.engine import EngineError
+from shared.latency import LatencyModel, load_profile
+from shared.routing import job_refusal
+from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
+                         KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+
+_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
+          "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim")
+
+
+def token_text(index: int) -> str:
+    """Placeholder text of output token ``index`` (emulated engines produce no real text)."""
+    return " " + _WORDS[index % len(_WORDS)]
+
+
+@dataclass
+class _Req:
+    """What the agent tracks for one request on this node."""
+
+    req: InferenceRequest
+    kind: str  # "prefill" (keep, prefill node) | "remote_decode" (keep, decode node) | "deflect"
+    received_ms: float
+    span: Span
+    job: Job | None = None
+    src_node: str | None = None
+    prefill_start_ms: float | None = None
+    prefill_done_ms: float | None = None
+    kv_alloc_ms: float | None = None
+    kv_arrived_ms: float | None = None
+    first_token_ms: float | None = None
+    handoff_node: str | None = None
+    handoff_sent_ms: float | None = None
+    handoff_span: Span | None = None
+    decode_span: Span | None = None
+    tokens: int = 0
+    chunk_pred: list[float] = field(default_factory=list)
+    chunk_actual: list[float] = field(default_factory=list)
+    chunk_sizes: list[int] = field(default_factory=list)
+
+
+class _Metrics:
+    def __init__(self, reg, node: str) -> None:
+        lbl = {"labelnames": ("node",), "registry": reg}
+        self.jobs = Counter("kairos_agent_jobs_total", "Jobs received", ("node", "kind", "outcome"), registry=reg)
+        self.steps = Counter("kairos_agent_steps_total", "Engine steps executed", **lbl)
+        self.step_ms = Histogram("kairos_agent_step_ms", "Engine step wall time, ms", ("node",), registry=reg,
+                                 buckets=(5, 10, 20, 30, 50, 70, 100, 150, 250, 500, 1000))
+        self.tokens = Counter("kairos_agent_tokens_total", "Output tokens emitted", **lbl)
+        self.kv_transfers = Counter("kairos_agent_kv_transfers_total", "KV caches pulled", **lbl)
+        self.kv_ms = Histogram("kairos_agent_kv_transfer_ms", "KV transfer incl. link wait, ms", ("node",),
+                               registry=reg, buckets=(5, 10, 25, 50, 100, 250, 500, 1000, 2500))
+        self.overlap = Counter("kairos_agent_deflect_overlap_total",
+                               "Deflect jobs that arrived while another deflection was in flight here", **lbl)
+        self.batch = Gauge("kairos_agent_batch_size", "Running decodes (B)", **lbl)
+        self.kv = Gauge("kairos_agent_kv_tokens", "KV tokens of running decodes (K)", **lbl)
+        self.queue = Gauge("kairos_agent_queue_prompt_tokens", "Prefill tokens queued", **lbl)
+        self.node = node
+
+
+class NodeAgent:
+    """One node agent. ``start()`` connects and runs; ``close()`` drains (or dies abruptly)."""
+
+    def __init__(self, cfg: AgentConfig, model: LatencyModel | None = None,
+                 backend: EngineBackend | None = None) -> None:
+        self.cfg = cfg
+        self.model = model or load_profile(cfg.profile)
+        self.backend = backend or make_backend(cfg.backend, cfg.role, self.model, cfg.tbt_guard_ms, cfg.link)
+        self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level)
+        self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
+        self.m = _Metrics(self.tel.registry, cfg.node_id)
+        self.reqs: dict[str, _Req] = {}
+        self.deflecting: dict[str, tuple[str | None, int | None]] = {}  # rid -> reservation (key, revision)
+        self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
+        self.deflect_overlaps = 0  #: deflect jobs received while another was in flight here
+        self.jobs_received: list[str] = []  #: request ids of every job received (tests, debugging)
+        self.kv_backlog: dict[str, float] = {}  # rid -> expected transfer ms, handed off not yet pulled
+        self.accepting = True
+        self.metrics_port: int | None = None
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._main: list[asyncio.Task] = []
+        self._subs: list[Any] = []
+        self._runner = None
+        self._seq = 0
+        self.nc = None
+        self.buckets: Buckets | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_port >= 0:
+            self._runner, self.metrics_port = await telemetry.start_metrics_server(
+                self.tel.registry, cfg.metrics_host, cfg.metrics_port, health=lambda: self.nc is not None
+                and self.nc.is_connected)
+        self.nc = await connect(cfg.nats_url, f"node_agent:{cfg.node_id}", self.log)
+        self.buckets = await ensure_buckets(self.nc.jetstream())
+        self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
+        self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))
+        if cfg.role == "decode":
+            self._subs.append(await self.nc.subscribe(S.kv_subject(cfg.node_id), cb=self._on_kv))
+        else:
+            self._subs.append(await self.nc.subscribe(S.kvdone_subject(cfg.node_id), cb=self._on_kvdone))
+        await self.nc.flush()
+        self._main = [asyncio.create_task(self.backend.run(self._on_step, self._on_allocated, self._stop)),
+                      asyncio.create_task(self._heartbeats())]
+        await self._send_state()
+        self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop. ``drain``: refuse new work and send an explicit error for every request still
+        here; ``drain=False`` emulates a crash (connection dropped, nothing sent)."""
+        self.accepting = False
+        if drain and self.nc is not None and self.nc.is_connected:
+            for s in self._subs:
+                await s.unsubscribe()
+            for rid, r in list(self.reqs.items()):
+                if r.kind != "prefill" or r.handoff_node is None:
+                    await self._fail(rid, 503, "node_shutdown", f"node {self.cfg.node_id} is shutting down")
+            await self._send_state()
+        self._stop.set()
+        for t in self._main:
+            t.cancel()
+        await asyncio.gather(*self._main, return_exceptions=True)
+        if self._tasks and drain:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        for t in self._tasks:
+            t.cancel()
+        if self.nc is not None:
+            try:
+                if drain:
+                    await self.nc.drain()
+                else:
+                    await self.nc.close()
+            except Exception:  # already closed
+                pass
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.tel.shutdown()
+
+    def _bg(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+
+        def done(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                self.log.error("background_task_failed", error=repr(task.exception()))
+        t.add_done_callback(done)
+
+    # -- heartbeats -----------------------------------------------------------------------------
+    def node_state(self) -> NodeState:
+        st = self.backend.state()
+        self._seq += 1
+        return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+                         period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
+                         queue_prompt_tokens=list(st.queue_prompt_tokens),
+                         deflection_in_flight=st.deflection_in_flight or bool(self.deflecting),
+                         in_flight=[InFlight(f.prompt_tokens, f.output_tokens) for f in st.in_flight],
+                         waiting=st.waiting, free_kv_tokens=st.free_kv_tokens, running=st.running,
+                         kv_backlog_ms=sum(self.kv_backlog.values()), accepting=self.accepting)
+
+    async def _send_state(self) -> None:
+        st = self.node_state()
+        self.m.batch.labels(self.cfg.node_id).set(st.batch_size)
+        self.m.kv.labels(self.cfg.node_id).set(st.kv_tokens)
+        self.m.queue.labels(self.cfg.node_id).set(sum(st.queue_prompt_tokens))
+        await self.nc.publish(S.state_subject(self.cfg.node_id), encode(st))
+
+    async def _heartbeats(self) -> None:
+        period = self.cfg.state_period_ms / 1000.0
+        while not self._stop.is_set():
+            try:
+                await self._send_state()
+            except Exception as exc:  # disconnected: keep trying, nats-py reconnects
+                self.log.warning("heartbeat_failed", error=repr(exc))
+            try:
+                await asyncio.wait_for(self._stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- jobs -----------------------------------------------------------------------------------
+    async def _on_job(self, msg) -> None:
+        try:
+            job = decode(msg.data, Job)
+        except WireError as exc:
+            self.log.error("bad_job", error=str(exc))
+            await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="bad_message")))
+            return
+        rid = job.request.request_id
+        self.jobs_received.append(rid)
+        if rid in self.reqs:  # a redelivered request re-sent to the node that already has it
+            await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
+                                            accepted_unix_ms=self.reqs[rid].received_ms)))
+            return
+        if job.kind == "deflect" and self.deflecting:
+            self.deflect_overlaps += 1
+            self.m.overlap.labels(self.cfg.node_id).inc()
+        reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role, self.accepting,
+                             len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
+                             self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms())
+        if reason is None:
+            try:
+                if job.kind == "prefill":
+                    self.backend.add_prefill(rid, job.request.prompt_tokens)
+                else:
+                    self.backend.add_deflected(rid, job.request.prompt_tokens, job.request.max_tokens,
+                                               list(job.chunk_schedule))
+            except EngineError as exc:
+                reason = f"engine_refused: {exc}"
+        if reason is not None:
+            self.m.jobs.labels(self.cfg.node_id, job.kind, "refused").inc()
+            self.log.info("job_refused", request_id=rid, reason=reason)
+            await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason=reason)))
+            return
+        now = now_ms()
+        ctx = telemetry.extract_context(msg.headers)
+        name = "node.prefill" if job.kind == "prefill" else "node.deflected_prefill"
+        span = self.tel.tracer.start_span(name, context=ctx, attributes={
+            "kairos.request_id": rid, "kairos.node": self.cfg.node_id, "kairos.prompt_tokens": job.request.prompt_tokens,
+            "kairos.max_tokens": job.request.max_tokens, "kairos.chunk_schedule": list(job.chunk_schedule),
+            "kairos.attempt": job.attempt})
+        self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
+        if job.kind == "deflect":
+            self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
+            self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
+        self.m.jobs.labels(self.cfg.node_id, job.kind, "accepted").inc()
+        await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, accepted_unix_ms=now_ms())))
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            c = decode(msg.data, Cancel)
+        except WireError:
+            return
+        r = self.reqs.pop(c.request_id, None)
+        if r is None:
+            return
+        self.backend.abort(c.request_id)
+        self._end_deflection(c.request_id)
+        self.kv_backlog.pop(c.request_id, None)
+        for sp in (r.span, r.handoff_span, r.decode_span):
+            if sp is not None and sp.is_recording():
+                sp.set_status(Status(StatusCode.ERROR, f"cancelled: {c.reason}"))
+                sp.end()
+        self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
+
+    # -- keep path: prefill node ----------------------------------------------------------------
+    async def _handoff(self, rid: str) -> None:
+        r = self.reqs.get(rid)
+        if r is None or r.job is None:
+            return
+        r.handoff_span = self.tel.tracer.start_span(
+            "node.kv_handoff", context=trace.set_span_in_context(r.span),
+            attributes={"kairos.request_id": rid, "kairos.kv_tokens": r.req.prompt_tokens,
+                        "kairos.decode_candidates": list(r.job.decode_candidates)})
+        headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
+        r.handoff_sent_ms = now_ms()
+        msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
+                        prefill_done_unix_ms=r.prefill_done_ms or now_ms())
+        tried: dict[str, str] = {}
+        for cand in r.job.decode_candidates:
+            try:
+                ack = await request_typed(self.nc, S.kv_subject(cand), msg, KvAck, self.cfg.kv_handoff_timeout_s,
+                                          headers)
+            except nats.errors.NoRespondersError:
+                tried[cand] = "no_responders"
+                continue
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                tried[cand] = "timeout"
+                continue
+            if ack.accepted:
+                if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
+                    return
+                r.handoff_node = cand
+                r.handoff_span.set_attribute("kairos.decode_node", cand)
+                if tried:
+                    r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
+                self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
+                self._write_prefill_timing(r)
+                return
+            tried[cand] = ack.reason or "refused"
+        self.log.warning("kv_handoff_failed", request_id=rid, tried=tried)
+        await self._fail(rid, 503, "kv_handoff_failed", f"no decode node took the KV cache: {tried}")
+
+    async def _on_kvdone(self, msg) -> None:
+        try:
+            d = decode(msg.data, KvDone)
+        except WireError:
+            return
+        r = self.reqs.pop(d.request_id, None)
+        self.kv_backlog.pop(d.request_id, None)
+        if self.backend.phase(d.request_id) == "held":
+            self.backend.release(d.request_id)
+        if r is not None and r.handoff_span is not None:
+            r.handoff_span.set_attribute("kairos.kv_transfer_ms", d.transfer_ms)
+            r.handoff_span.end()
+
+    # -- keep path: decode node -----------------------------------------------------------------
+    async def _on_kv(self, msg) -> None:
+        try:
+            h = decode(msg.data, KvHandoff)
+        except WireError:
+            await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason="bad_message")))
+            return
+        rid = h.request.request_id
+        if rid in self.reqs:
+            await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
+            return
+        reason = None if self.accepting else "draining"
+        if reason is None:
+            try:
+                self.backend.add_remote_decode(rid, h.request.prompt_tokens, h.request.max_tokens)
+            except EngineError as exc:
+                reason = f"engine_refused: {exc}"
+        if reason is not None:
+            await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason=reason)))
+            return
+        span = self.tel.tracer.start_span("node.kv_transfer", context=telemetry.extract_context(msg.headers),
+                                          attributes={"kairos.request_id": rid, "kairos.src_node": h.src_node,
+                                                      "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
+        self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node)
+        await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
+        await self._on_allocated(self.backend.take_allocated())
+
+    async def _on_allocated(self, rids: list[str]) -> None:
+        for rid in rids:
+            r = self.reqs.get(rid)
+            if r is not None:
+                r.kv_alloc_ms = now_ms()
+                self._bg(self._pull(rid, r))
+
+    async def _pull(self, rid: str, r: _Req) -> None:
+        ms = await self.backend.pull_kv(r.src_node or "", rid, r.req.prompt_tokens)
+        ok = self.backend.phase(rid) == "awaiting_kv" and rid in self.reqs
+        if ok:
+            self.backend.kv_arrived(rid)
+            r.kv_arrived_ms = now_ms()
+            self.m.kv_transfers.labels(self.cfg.node_id).inc()
+            self.m.kv_ms.labels(self.cfg.node_id).observe(ms)
+            r.span.set_attribute("kairos.kv_transfer_ms", ms)
+            r.span.end()
+            r.decode_span = self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span),
+                                                       attributes={"kairos.request_id": rid})
+        await publish(self.nc, S.kvdone_subject(r.src_node or ""),
+                      KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
+
+    # -- stepping -------------------------------------------------------------------------------
+    async def _on_step(self, out: StepOutput) -> None:
+        node = self.cfg.node_id
+        self.m.steps.labels(node).inc()
+        self.m.step_ms.labels(node).observe(out.wall_ms)
+        for rid, _n, _cached in out.prefill_chunks:
+            r = self.reqs.get(rid)
+            if r is not None and r.prefill_start_ms is None:
+                r.prefill_start_ms = out.started_unix_ms
+        if out.deflected_chunk is not None:
+            rid, idx, chi, toks = out.deflected_chunk
+            r = self.reqs.get(rid)
+            if r is not None:
+                pred = (r.job.predicted_step_ms[idx] if r.job and idx < len(r.job.predicted_step_ms)
+                        else out.predicted_ms)
+                r.chunk_pred.append(pred)
+                r.chunk_actual.append(out.wall_ms)
+                r.chunk_sizes.append(chi)
+                r.span.add_event("chunk", {"chi": chi, "step_index": idx, "prefill_tokens": toks,
+                                           "predicted_ms": pred, "engine_predicted_ms": out.predicted_ms,
+                                           "actual_ms": out.wall_ms, "batch_size": out.batch_size})
+        now = now_ms()
+        for rid in out.prefill_done:  # keep path, prefill node
+            r = self.reqs.get(rid)
+            if r is not None:
+                r.prefill_done_ms = now
+                r.span.end()
+                self._bg(self._handoff(rid))
+        for rid in out.first_tokens:
+            r = self.reqs.get(rid)
+            if r is None:
+                continue
+            r.first_token_ms = now
+            if r.kind == "deflect":
+                r.prefill_done_ms = now
+                r.span.set_attribute("kairos.chunks_run", len(r.chunk_sizes))
+                r.span.end()
+                self._end_deflection(rid)
+                r.decode_span = self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span),
+                                                           attributes={"kairos.request_id": rid})
+        for rid, idx in out.tokens:
+            r = self.reqs.get(rid)
+            if r is None:
+                continue
+            r.tokens += 1
+            await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
+                request_id=rid, first_index=idx, count=1, text=token_text(idx), node=node, sent_unix_ms=now)))
+        if out.tokens:
+            self.m.tokens.labels(node).inc(len(out.tokens))
+        for rid in out.finished:
+            r = self.reqs.pop(rid, None)
+            if r is None:
+                continue
+            await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
+                request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now)))
+            if r.decode_span is not None:
+                r.decode_span.set_attribute("kairos.completion_tokens", r.tokens)
+                r.decode_span.end()
+            self._write_decode_timing(r, finished_ms=now)
+
+    def _end_deflection(self, rid: str) -> None:
+        """The deflected prefill of ``rid`` finished or failed: free this node's deflection slot."""
+        resv = self.deflecting.pop(rid, None)
+        if resv is None or resv[0] is None or self.buckets is None:
+            return
+        key, rev = resv
+
+        async def release() -> None:
+            try:
+                await self.buckets.reservations.delete(key, last=rev)
+            except Exception as exc:  # expired and re-taken by another request: not ours anymore
+                self.log.info("reservation_release_skipped", request_id=rid, key=key, error=repr(exc))
+        self._bg(release())
+
+    async def _fail(self, rid: str, status: int, code: str, message: str) -> None:
+        """Give up on ``rid`` here: free everything and tell the client (explicit error)."""
+        r = self.reqs.pop(rid, None)
+        phase = self.backend.phase(rid)
+        if phase == "held":
+            self.backend.release(rid)
+        elif phase is not None:
+            self.backend.abort(rid)
+        self._end_deflection(rid)
+        self.kv_backlog.pop(rid, None)
+        try:
+            await publish(self.nc, S.out_subject(rid), ErrorEvent(
+                request_id=rid, status=status, code=code, message=message, source=f"node_agent:{self.cfg.node_id}",
+                sent_unix_ms=now_ms()))
+        except Exception as exc:
+            self.log.warning("error_publish_failed", request_id=rid, error=repr(exc))
+        if r is not None:
+            for sp in (r.span, r.handoff_span, r.decode_span):
+                if sp is not None and sp.is_recording():
+                    sp.set_status(Status(StatusCode.ERROR, code))
+                    sp.end()
+            if r.kind == "prefill":
+                self._write_prefill_timing(r, error=code)
+            else:
+                self._write_decode_timing(r, error=code)
+
+    # -- records --------------------------------------------------------------------------------
+    def _write_prefill_timing(self, r: _Req, error: str | None = None) -> None:
+        rec = PrefillTiming(node=self.cfg.node_id, received_unix_ms=r.received_ms, prefill_start_unix_ms=r.prefill_start_ms,
+                            prefill_done_unix_ms=r.prefill_done_ms, handoff_node=r.handoff_node, error=error)
+        self._put_record(r.req.request_id, "prefill", rec)
+
+    def _write_decode_timing(self, r: _Req, finished_ms: float | None = None, error: str | None = None) -> None:
+        rec = DecodeTiming(node=self.cfg.node_id, kind="deflect" if r.kind == "deflect" else "prefill",
+                           received_unix_ms=r.received_ms, kv_allocated_unix_ms=r.kv_alloc_ms,
+                           kv_arrived_unix_ms=r.kv_arrived_ms,
+                           prefill_start_unix_ms=r.prefill_start_ms if r.kind == "deflect" else None,
+                           prefill_done_unix_ms=r.prefill_done_ms if r.kind == "deflect" else None,
+                           first_token_unix_ms=r.first_token_ms, finished_unix_ms=finished_ms,
+                           completion_tokens=r.tokens, chunk_predicted_ms=r.chunk_pred, chunk_actual_ms=r.chunk_actual,
+                           chunk_sizes=r.chunk_sizes, error=error)
+        self._put_record(r.req.request_id, "decode", rec)
+
+    def _put_record(self, rid: str, part: str, rec) -> None:
+        if self.buckets is None:
+            return
+        kv = self.buckets.requests
+
+        async def put() -> None:
+            try:
+                await kv.put(S.record_key(rid, part), encode(rec))
+            except Exception as exc:
+                self.log.warning("record_write_failed", request_id=rid, part=part, error=repr(exc))
+        self._bg(put())
+
+
+async def run(cfg: AgentConfig, stop: asyncio.Event, model: LatencyModel | None = None) -> None:
+    """Run one node agent until ``stop`` is set, then drain."""
+    agent = NodeAgent(cfg, model)
+    await agent.start()
+    try:
+        await stop.wait()
+    finally:
+        await agent.close(drain=True)

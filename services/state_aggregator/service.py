@@ -1,0 +1,132 @@
+"""State aggregator: heartbeats + routing events in, the cluster view out (KV bucket kairos_view).
+
+All rules (staleness, folding routed-but-unreported jobs) are in :mod:`shared.view`; this shell
+subscribes, feeds the :class:`~shared.view.ViewBuilder` with its own monotonic clock, and writes the
+view every ``state_period_ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import Counter, Gauge
+
+from services.state_aggregator.config import AggregatorConfig
+from shared import subjects as S
+from shared import telemetry
+from shared.bus import connect, ensure_buckets
+from shared.view import ViewBuilder
+from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, encode, now_ms
+
+
+def _mono_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+class StateAggregator:
+    def __init__(self, cfg: AggregatorConfig) -> None:
+        self.cfg = cfg
+        self.builder = ViewBuilder(period_ms=cfg.state_period_ms, stale_after_ms=cfg.stale_after_ms)
+        self.tel = telemetry.setup("state_aggregator", "aggregator", cfg.trace_file, cfg.log_level)
+        self.log = self.tel.log
+        reg = self.tel.registry
+        self.m_states = Counter("kairos_aggregator_states_total", "Heartbeats received", registry=reg)
+        self.m_routed = Counter("kairos_aggregator_routed_total", "Routing events received", registry=reg)
+        self.m_views = Counter("kairos_aggregator_views_total", "Views written", registry=reg)
+        self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
+        self.view: ClusterView | None = None
+        self.metrics_port: int | None = None
+        self._stale: set[str] = set()
+        self._task: asyncio.Task | None = None
+        self._stop = asyncio.Event()
+        self._runner = None
+        self.nc = None
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_port >= 0:
+            self._runner, self.metrics_port = await telemetry.start_metrics_server(
+                self.tel.registry, cfg.metrics_host, cfg.metrics_port,
+                health=lambda: self.nc is not None and self.nc.is_connected)
+        self.nc = await connect(cfg.nats_url, "state_aggregator", self.log)
+        self.buckets = await ensure_buckets(self.nc.jetstream())
+        await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
+        await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
+        await self.nc.flush()
+        self._task = asyncio.create_task(self._loop())
+        self.log.info("aggregator_started", metrics_port=self.metrics_port,
+                      stale_after_ms=self.builder.stale_after_ms)
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.nc is not None:
+            try:
+                await self.nc.drain()
+            except Exception:
+                pass
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.tel.shutdown()
+
+    async def _on_state(self, msg) -> None:
+        try:
+            st = decode(msg.data, NodeState)
+        except WireError as exc:
+            self.log.warning("bad_state", error=str(exc))
+            return
+        self.m_states.inc()
+        self.builder.on_state(st, _mono_ms())
+
+    async def _on_routed(self, msg) -> None:
+        try:
+            ev = decode(msg.data, RoutedEvent)
+        except WireError as exc:
+            self.log.warning("bad_routed", error=str(exc))
+            return
+        self.m_routed.inc()
+        self.builder.on_routed(ev, _mono_ms())
+
+    async def _loop(self) -> None:
+        period = self.cfg.state_period_ms / 1000.0
+        while not self._stop.is_set():
+            view = self.builder.build(_mono_ms(), built_unix_ms=now_ms())
+            self.view = view
+            self._report(view)
+            try:
+                await self.buckets.view.put(S.VIEW_KEY, encode(view))
+                self.m_views.inc()
+            except Exception as exc:
+                self.log.warning("view_write_failed", error=repr(exc))
+            try:
+                await asyncio.wait_for(self._stop.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+    def _report(self, view: ClusterView) -> None:
+        counts: dict[tuple[str, str], int] = {(r, s): 0 for r in ("prefill", "decode") for s in ("true", "false")}
+        stale = set()
+        for n in view.nodes:
+            counts[(n.role, "true" if n.stale else "false")] += 1
+            if n.stale:
+                stale.add(n.node)
+        for (r, s), c in counts.items():
+            self.m_nodes.labels(r, s).set(c)
+        for n in stale - self._stale:
+            self.log.warning("node_stale", node=n)
+        for n in self._stale - stale:
+            self.log.info("node_fresh", node=n)
+        self._stale = stale
+
+
+async def run(cfg: AggregatorConfig, stop: asyncio.Event) -> None:
+    """Run the aggregator until ``stop`` is set."""
+    agg = StateAggregator(cfg)
+    await agg.start()
+    try:
+        await stop.wait()
+    finally:
+        await agg.close()

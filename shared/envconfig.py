@@ -1,0 +1,116 @@
+"""Service configuration from the environment: ``KAIROS_<FIELD>`` → a frozen dataclass field.
+
+Every service has one frozen dataclass; :func:`from_env` fills it from ``KAIROS_<FIELD_UPPER>``
+variables (types from the annotations: str, int, float, bool, tuple[str, ...] as comma lists,
+optional ``| None``), and :func:`main_config` exits non-zero naming the offending variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from typing import Any, Mapping, TypeVar
+
+T = TypeVar("T")
+ENV_PREFIX = "KAIROS_"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the variable."""
+
+
+def env_name(field: str) -> str:
+    """``node_id`` → ``KAIROS_NODE_ID``."""
+    return ENV_PREFIX + field.upper()
+
+
+def _convert(raw: str, typ: Any, var: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if raw.strip() == "" or raw.strip().lower() == "none":
+            return None
+        return _convert(raw, args[0], var)
+    if origin is tuple:
+        (inner, *_) = typing.get_args(typ)
+        return tuple(_convert(x.strip(), inner, var) for x in raw.split(",") if x.strip())
+    if origin is typing.Literal:
+        if raw not in typing.get_args(typ):
+            raise ConfigError(f"{var}={raw!r}: must be one of {', '.join(map(str, typing.get_args(typ)))}")
+        return raw
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false")
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        if typ is str:
+            return raw
+    except ValueError as exc:
+        raise ConfigError(f"{var}={raw!r}: {exc}") from None
+    raise ConfigError(f"{var}: unsupported field type {typ!r}")
+
+
+def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """Build ``cls`` from ``KAIROS_*`` variables; ``overrides`` win over the environment.
+
+    Raises:
+        ConfigError: an unparsable value, a missing required field, or the dataclass's own
+            ``__post_init__`` check failed (its message should name the field).
+    """
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+            continue
+        var = env_name(f.name)
+        if var in env:
+            kwargs[f.name] = _convert(env[var], hints[f.name], var)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+            raise ConfigError(f"{var} is required")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def to_env(cfg: Any) -> dict[str, str]:
+    """The inverse of :func:`from_env` (``kairos up`` passes configs to child processes this way)."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None:
+            out[env_name(f.name)] = ""
+        elif isinstance(v, bool):
+            out[env_name(f.name)] = "true" if v else "false"
+        elif isinstance(v, tuple):
+            out[env_name(f.name)] = ",".join(map(str, v))
+        else:
+            out[env_name(f.name)] = str(v)
+    return out
+
+
+def require(cond: bool, field: str, message: str) -> None:
+    """For ``__post_init__`` checks: raise ConfigError naming ``KAIROS_<FIELD>``."""
+    if not cond:
+        raise ConfigError(f"{env_name(field)}: {message}")
+
+
+def main_config(cls: type[T], service: str) -> T:
+    """``from_env`` for a service main: on error print it and exit 2."""
+    try:
+        return from_env(cls)
+    except ConfigError as exc:
+        print(f"{service}: bad configuration: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,128 @@
+"""Dispatcher rules without I/O: view → policy snapshot, reservation conflicts, re-routes, jobs.
+
+Where data comes from: the :class:`~shared.wire.ClusterView` (KV watch), the reservations bucket
+(KV watch) and the refusals the dispatcher met while routing one request. Where it goes: the
+policy (:mod:`shared.policy`) and the :class:`~shared.wire.Job` sent to a node.
+
+Rules (docs/services.md has the same list):
+
+1. Stale nodes, nodes that are not accepting and nodes excluded for this request (refused the
+   job, or did not answer) are left out of the snapshot. No routable prefill *or* no routable
+   decode node → no snapshot (the dispatcher waits for a view update, then errors 503).
+2. A decode node whose deflection slot is reserved by another request is shown to the policy with
+   ``deflection_in_flight=True`` (and no projection data), so ``kairos`` skips it (§5.3).
+3. If a policy still deflects onto a reserved node (static policies may), the decision becomes a
+   keep on the best prefill node (reason ``keep_reservation_conflict``): across replicas at most
+   one deflection runs per decode node at a time.
+4. Keep-path jobs carry an ordered list of decode candidates so the prefill agent can hand the KV
+   to the next one when the chosen decode node is gone (a re-route, never a drop).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import msgspec
+
+from shared.latency import LatencyModel
+from shared.policy.base import Decision, PolicyParams
+from shared.policy.common import best_prefill, least_loaded_decode
+from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation
+
+
+def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
+    """(prefill, decode) nodes a dispatcher may route to, in view order."""
+    if view is None:
+        return [], []
+    ok = [n for n in view.nodes if not n.stale and n.accepting and n.node not in excluded]
+    return [n for n in ok if n.role == "prefill"], [n for n in ok if n.role == "decode"]
+
+
+def live_reservations(reservations: Mapping[str, Reservation], now_unix_ms: float) -> dict[str, Reservation]:
+    """decode node → reservation, without the ones past their expiry (the bus deletes those)."""
+    return {node: r for node, r in reservations.items() if r.expires_unix_ms > now_unix_ms}
+
+
+def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Mapping[str, Reservation],
+                   excluded: Mapping[str, str], now_unix_ms: float) -> ClusterSnapshot | None:
+    """The policy input for ``req``, or None when no prefill or no decode node is routable."""
+    pfs, dcs = routable(view, excluded)
+    if not pfs or not dcs or view is None:
+        return None
+    held = {n for n, r in reserved.items() if r.request_id != req.request_id}
+    decode = []
+    for n in dcs:
+        if n.node in held:
+            decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
+                                         deflection_in_flight=True, in_flight=[], waiting=n.waiting))
+        else:
+            decode.append(DecodeNodeView(
+                id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
+                deflection_in_flight=n.deflection_in_flight, waiting=n.waiting,
+                in_flight=[InFlightDeflection(prompt_tokens=f.prompt_tokens, output_tokens=f.output_tokens)
+                           for f in n.in_flight]))
+    prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
+                               kv_backlog_ms=n.kv_backlog_ms) for n in pfs]
+    age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
+    return ClusterSnapshot(
+        request=RequestView(id=req.request_id, prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens),
+        prefill_nodes=prefill, decode_nodes=decode, state_age_ms=age)
+
+
+def keep_instead(decision: Decision, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams,
+                 reason: str) -> Decision:
+    """Turn a deflection the dispatcher cannot carry out into a keep (best TTFT_pf prefill node)."""
+    node, ttft_pf, kv_ms = best_prefill(snap, model, params, include_kv=params.kv_transfer_aware)
+    return msgspec.structs.replace(decision, decision="keep", node=node, decode_node=least_loaded_decode(snap),
+                                   reason=reason, chunk_schedule=[], predicted_step_ms=[],
+                                   ttft_prefill_est_ms=ttft_pf, kv_transfer_est_ms=kv_ms)
+
+
+def decode_candidates(decision: Decision, snap: ClusterSnapshot) -> list[str]:
+    """Keep path: the decision's decode node first, then the others, least loaded first."""
+    rest = sorted((d for d in snap.decode_nodes if d.id != decision.decode_node),
+                  key=lambda d: (d.kv_tokens, d.batch_size, d.waiting))
+    return [decision.decode_node, *(d.id for d in rest)]
+
+
+def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, dispatcher_id: str, attempt: int,
+             reservation_key: str | None = None, reservation_revision: int | None = None) -> Job:
+    """The job for ``decision.node``."""
+    if decision.deflected:
+        return Job(kind="deflect", request=req, node=decision.node, decode_candidates=[decision.node],
+                   chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
+                   reservation_key=reservation_key, reservation_revision=reservation_revision,
+                   dispatcher_id=dispatcher_id, attempt=attempt)
+    return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
+               dispatcher_id=dispatcher_id, attempt=attempt)
+
+
+def reservation_ttl_s(decision: Decision, floor_s: float) -> int:
+    """Reservation TTL (whole seconds, the bus's unit): ≥ ``floor_s`` and ≥ 4 × the predicted
+    deflected prefill time, so a healthy deflection always releases before expiry."""
+    predicted_s = sum(decision.predicted_step_ms) / 1000.0
+    return max(1, int(max(floor_s, 4.0 * predicted_s) + 0.999))
+
+
+def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: bool, deflecting: int,
+                prompt_tokens: int, max_tokens: int, max_model_len: int, deadline_unix_ms: float,
+                now_unix_ms: float) -> str | None:
+    """Why a node agent refuses a job (the dispatcher then re-routes it), or None to accept.
+
+    A decode node takes one deflection at a time (§5.3): a second deflect job while one is in flight
+    is refused even though the dispatchers' reservation should have prevented it.
+    """
+    if job_node != node:
+        return "wrong_node"
+    if not accepting:
+        return "draining"
+    if (job_kind == "prefill") != (role == "prefill"):
+        return "wrong_role"
+    if prompt_tokens + max_tokens > max_model_len:
+        return "too_long"
+    if deadline_unix_ms <= now_unix_ms:
+        return "deadline_passed"
+    if job_kind == "deflect" and deflecting > 0:
+        return "deflection_in_flight"
+    return None

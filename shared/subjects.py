@@ -1,0 +1,105 @@
+"""Every NATS subject, stream, consumer and KV bucket name Kairos uses, built in one place.
+
+Where they go: the services (``services/*``) and the docs table (``docs/bus.md``). No other module
+builds a subject string, so renaming a subject is a one-line change here.
+
+Hierarchy::
+
+    kairos.req.new                JetStream stream KAIROS_REQ (work queue): ingress -> dispatchers
+    kairos.route.decided          routing events: dispatcher -> state_aggregator
+    kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
+    kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
+    kairos.kv.<node>              KV handoff, request-reply: prefill agent -> decode agent
+    kairos.kvdone.<node>          KV pulled, release blocks: decode agent -> prefill agent
+    kairos.out.<request_id>       token stream / final result / error: node_agent -> ingress
+    kairos.cancel                 client went away or timed out: ingress -> node agents
+    $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
+    $KV.kairos_resv.decode.<node> deflection reservation (KV bucket kairos_resv, per-message TTL)
+    $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "kairos"
+
+#: JetStream work-queue stream holding client requests until a dispatcher acknowledges them.
+REQUEST_STREAM = "KAIROS_REQ"
+#: The one durable pull consumer all dispatcher replicas share (work-queue semantics).
+DISPATCHER_CONSUMER = "dispatchers"
+#: Subject requests are published on (the stream's only subject).
+REQUEST_SUBJECT = f"{PREFIX}.req.new"
+#: Routing events (decision + the node's acknowledgement time), consumed by the aggregator.
+ROUTED_SUBJECT = f"{PREFIX}.route.decided"
+#: Broadcast: abort a request (client disconnected or ingress timed out).
+CANCEL_SUBJECT = f"{PREFIX}.cancel"
+
+#: KV bucket with the materialized cluster view (one key, :data:`VIEW_KEY`).
+VIEW_BUCKET = "kairos_view"
+VIEW_KEY = "view"
+#: KV bucket of deflection reservations, one key per decode node, per-message TTL.
+RESERVATION_BUCKET = "kairos_resv"
+#: KV bucket of per-request records: ``<rid>.decision``, ``<rid>.prefill``, ``<rid>.decode``, ``<rid>.ingress``.
+REQUESTS_BUCKET = "kairos_requests"
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class SubjectError(ValueError):
+    """A node or request id cannot be used as a subject token (only ``[A-Za-z0-9_-]``, ≤ 128)."""
+
+
+def check_token(token: str, what: str = "id") -> str:
+    """Return ``token`` if it is a valid single subject token / KV key part, else raise."""
+    if not _TOKEN_RE.match(token):
+        raise SubjectError(f"{what} {token!r} must match [A-Za-z0-9_-]{{1,128}} (it becomes a NATS subject token)")
+    return token
+
+
+def state_subject(node: str) -> str:
+    """Heartbeat subject of ``node``."""
+    return f"{PREFIX}.state.{check_token(node, 'node id')}"
+
+
+STATE_WILDCARD = f"{PREFIX}.state.*"
+
+
+def jobs_subject(node: str) -> str:
+    """Request-reply subject on which ``node``'s agent accepts routed jobs."""
+    return f"{PREFIX}.jobs.{check_token(node, 'node id')}"
+
+
+def kv_subject(node: str) -> str:
+    """Request-reply subject on which decode ``node``'s agent accepts KV handoffs."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}"
+
+
+def kvdone_subject(node: str) -> str:
+    """Subject on which prefill ``node``'s agent learns that a decode node pulled a KV cache."""
+    return f"{PREFIX}.kvdone.{check_token(node, 'node id')}"
+
+
+def out_subject(request_id: str) -> str:
+    """Per-request token-stream subject the ingress subscribes to before publishing the request."""
+    return f"{PREFIX}.out.{check_token(request_id, 'request id')}"
+
+
+def reservation_key(decode_node: str) -> str:
+    """KV key (bucket :data:`RESERVATION_BUCKET`) reserving ``decode_node`` for one deflection."""
+    return f"decode.{check_token(decode_node, 'node id')}"
+
+
+def node_of_reservation_key(key: str) -> str | None:
+    """Inverse of :func:`reservation_key` (None for a foreign key)."""
+    return key[len("decode."):] if key.startswith("decode.") else None
+
+
+RECORD_PARTS = ("decision", "prefill", "decode", "ingress")
+
+
+def record_key(request_id: str, part: str) -> str:
+    """KV key (bucket :data:`REQUESTS_BUCKET`) of one part of a request's record."""
+    if part not in RECORD_PARTS:
+        raise SubjectError(f"unknown record part {part!r}; known: {RECORD_PARTS}")
+    return f"{check_token(request_id, 'request id')}.{part}"

@@ -1,0 +1,354 @@
+"""Typed wire messages exchanged over NATS (JSON bodies, so ``nats sub`` shows readable text).
+
+Every message is a frozen msgspec Struct with a schema version ``v`` and units in field names.
+Subjects are in :mod:`shared.subjects`; the table with producers/consumers is ``docs/bus.md``.
+Times named ``*_unix_ms`` are wall-clock milliseconds since the epoch *of the producing process*;
+durations are ``*_ms``. Decoding validates types and names the offending field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal, TypeVar, Union
+
+import msgspec
+
+from shared.policy.base import Decision
+
+SCHEMA_VERSION = 1
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+
+
+def now_ms() -> float:
+    """Wall clock in ms since the epoch (the ``*_unix_ms`` fields)."""
+    return time.time() * 1000.0
+
+
+class WireError(ValueError):
+    """A message body does not decode into its schema (the message names the field)."""
+
+
+# --------------------------------------------------------------------------------------------
+# ingress -> dispatchers (JetStream stream KAIROS_REQ, subject kairos.req.new)
+# --------------------------------------------------------------------------------------------
+
+class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One client request, as the ingress accepted it."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str  #: ingress-assigned id (``cmpl-…``/``chatcmpl-…``), also the out-subject token
+    model: str  #: served model name the client asked for
+    prompt_tokens: Pos  #: ℓ_r, prompt length in tokens (tokenizer count, estimate, or exact ids)
+    max_tokens: Pos  #: output tokens to generate (the emulated engine always generates all of them)
+    prompt_tokens_exact: bool = True  #: False when prompt_tokens is the documented estimate
+    prompt_text: str | None = None  #: rendered prompt text (for a real-engine backend), or None
+    prompt_token_ids: list[int] | None = None  #: token-id prompt as sent by the client, or None
+    created_unix_ms: float  #: when the ingress accepted the request
+    deadline_unix_ms: float  #: after this the ingress has answered 504; nobody should work on it
+
+
+# --------------------------------------------------------------------------------------------
+# dispatcher -> node agent (request-reply on kairos.jobs.<node>)
+# --------------------------------------------------------------------------------------------
+
+JobKind = Literal["prefill", "deflect"]
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """A routed request for one node: keep-path prefill on a prefill node, or a deflection."""
+
+    v: int = SCHEMA_VERSION
+    kind: JobKind  #: ``prefill`` (keep path, then KV handoff) or ``deflect`` (chunked prefill + decode here)
+    request: InferenceRequest
+    node: str  #: the node this job is for
+    #: keep path: decode nodes to hand the KV to, in order of preference (first = the decision's)
+    decode_candidates: list[str] = []
+    chunk_schedule: list[int] = []  #: deflect: χ per step (total batch tokens incl. decodes)
+    predicted_step_ms: list[float] = []  #: deflect: the policy's predicted latency per step, ms
+    reservation_key: str | None = None  #: deflect: KV key reserving this decode node
+    reservation_revision: int | None = None  #: deflect: its revision (release = compare-and-delete)
+    dispatcher_id: str = ""  #: replica that routed the job
+    attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
+
+
+class JobAck(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply of a node agent to a :class:`Job`."""
+
+    v: int = SCHEMA_VERSION
+    accepted: bool
+    node: str
+    reason: str = ""  #: why not (``wrong_role``, ``draining``, ``too_long``, ``no_capacity``...) or ``duplicate``
+    accepted_unix_ms: float = 0.0  #: node clock when the engine got the job (aggregator dedup key)
+
+
+# --------------------------------------------------------------------------------------------
+# prefill agent <-> decode agent
+# --------------------------------------------------------------------------------------------
+
+class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
+    """Keep path: prefill finished on ``src_node``; the decode node should pull the KV and decode."""
+
+    v: int = SCHEMA_VERSION
+    request: InferenceRequest
+    src_node: str  #: prefill node holding the KV blocks
+    kv_tokens: NonNeg  #: KV tokens to transfer (the prompt length)
+    prefill_done_unix_ms: float
+
+
+class KvAck(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply of the decode agent to a :class:`KvHandoff` (before the transfer starts)."""
+
+    v: int = SCHEMA_VERSION
+    accepted: bool
+    node: str
+    reason: str = ""
+
+
+class KvDone(msgspec.Struct, frozen=True, kw_only=True):
+    """The decode node finished pulling (``ok``) or gave up on (``not ok``) a KV cache."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    decode_node: str
+    ok: bool
+    transfer_ms: float = 0.0  #: emulated transfer time incl. waiting for the link, ms
+
+
+# --------------------------------------------------------------------------------------------
+# node agent -> aggregator (kairos.state.<node>), dispatcher -> aggregator (kairos.route.decided)
+# --------------------------------------------------------------------------------------------
+
+NodeRole = Literal["prefill", "decode"]
+
+
+class InFlight(msgspec.Struct, frozen=True):
+    """A deflected prefill still running (mirrors :class:`shared.snapshot.InFlightDeflection`)."""
+
+    prompt_tokens: NonNeg  #: prefill tokens not yet computed
+    output_tokens: NonNeg = 0
+
+
+class NodeState(msgspec.Struct, frozen=True, kw_only=True):
+    """Heartbeat of one node agent: its engine state, every ``period_ms``."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    role: NodeRole
+    seq: NonNeg  #: increments per heartbeat (restart resets it)
+    sent_unix_ms: float
+    period_ms: float  #: heartbeat period the agent uses
+    batch_size: NonNeg = 0  #: B_n, running decodes
+    kv_tokens: NonNeg = 0  #: K_n, cached KV tokens of those decodes
+    queue_prompt_tokens: list[NonNeg] = []  #: prefill tokens still to compute per queued request, FIFO
+    deflection_in_flight: bool = False
+    in_flight: list[InFlight] = []
+    waiting: NonNeg = 0  #: requests waiting for admission
+    free_kv_tokens: NonNeg = 0
+    running: NonNeg = 0
+    kv_backlog_ms: float = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
+    accepting: bool = True  #: False while draining
+
+
+class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A job a node accepted; the aggregator adds it to the view until the node's state shows it."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    kind: JobKind
+    node: str  #: node that accepted the job
+    decode_node: str
+    prompt_tokens: NonNeg
+    output_tokens: NonNeg
+    node_accepted_unix_ms: float  #: from JobAck (node clock, comparable with NodeState.sent_unix_ms)
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    """One node in the cluster view (state + what was routed to it since)."""
+
+    node: str
+    role: NodeRole
+    stale: bool  #: heartbeats stopped (no state for stale_after_ms): route nothing here
+    age_ms: float  #: time since the aggregator received this node's last heartbeat, at build time
+    accepting: bool = True
+    batch_size: NonNeg = 0
+    kv_tokens: NonNeg = 0
+    queue_prompt_tokens: list[NonNeg] = []
+    deflection_in_flight: bool = False
+    in_flight: list[InFlight] = []
+    waiting: NonNeg = 0
+    kv_backlog_ms: float = 0.0
+    pending_routed: NonNeg = 0  #: routed jobs not yet visible in the node's state (already folded in)
+
+
+class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
+    """The aggregator's materialized view (KV bucket kairos_view, key ``view``)."""
+
+    v: int = SCHEMA_VERSION
+    seq: NonNeg
+    built_unix_ms: float
+    period_ms: float
+    stale_after_ms: float
+    nodes: list[NodeView] = []
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of a reservation key: which request holds the decode node's deflection slot."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    decode_node: str
+    dispatcher_id: str
+    prompt_tokens: NonNeg
+    output_tokens: NonNeg = 0
+    created_unix_ms: float
+    expires_unix_ms: float  #: the bus deletes the key at this time even if nobody releases it
+
+
+# --------------------------------------------------------------------------------------------
+# node agent -> ingress (kairos.out.<request_id>)
+# --------------------------------------------------------------------------------------------
+
+class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
+    """Tokens generated for the request in one engine step (usually one)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    first_index: NonNeg  #: output index of the first token in ``text``
+    count: Pos  #: tokens in this event
+    text: str  #: their text (emulated engines produce placeholder words)
+    node: str
+    sent_unix_ms: float
+
+
+class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
+    """The request finished; no more events follow."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    completion_tokens: NonNeg
+    finish_reason: Literal["length", "stop", "abort"] = "length"
+    node: str
+    sent_unix_ms: float
+
+
+class ErrorEvent(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
+    """The request failed; no more events follow. ``status`` is the HTTP status the ingress returns."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    status: int  #: HTTP status (503 no capacity/node, 500 internal, 504 deadline)
+    code: str  #: OpenAI-style error code (``no_available_node``, ``kv_handoff_failed``, …)
+    message: str
+    source: str  #: service/replica/node that gave up
+    sent_unix_ms: float
+
+
+OutEvent = Union[TokenEvent, DoneEvent, ErrorEvent]
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True):
+    """Abort a request everywhere (client disconnected, or the ingress timed it out)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    reason: str
+
+
+# --------------------------------------------------------------------------------------------
+# request records (KV bucket kairos_requests): GET /v1/requests/{id}
+# --------------------------------------------------------------------------------------------
+
+class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.decision``: what the dispatcher decided and why (written after the node accepted)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    dispatcher_id: str
+    decision: Decision  #: the policy's decision (policy, kind, node, chunk schedule, estimates, reason)
+    node: str  #: node that accepted the job (may differ from decision.node after a re-route)
+    decode_node: str
+    attempts: NonNeg  #: jobs sent, including refused ones
+    excluded_nodes: dict[str, str] = {}  #: node -> why it was excluded while routing this request
+    reservation_conflicts: list[str] = []  #: decode nodes whose reservation another request held
+    state_age_ms: float | None = None  #: age of the cluster view the policy saw
+    view_seq: NonNeg = 0
+    decided_unix_ms: float
+    decide_ms: float  #: policy evaluation time, ms (all attempts)
+    routing_ms: float  #: dequeue -> node accepted, ms
+
+
+class PrefillTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.prefill``: keep-path prefill on a prefill node (node clock)."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    received_unix_ms: float
+    prefill_start_unix_ms: float | None = None  #: first step that computed this prompt
+    prefill_done_unix_ms: float | None = None
+    handoff_node: str | None = None  #: decode node that accepted the KV
+    error: str | None = None
+
+
+class DecodeTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.decode``: decode node side (keep: handoff + decode; deflect: chunked prefill + decode)."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    kind: JobKind
+    received_unix_ms: float  #: handoff (keep) or job (deflect) received
+    kv_allocated_unix_ms: float | None = None  #: keep: blocks allocated, transfer may start
+    kv_arrived_unix_ms: float | None = None  #: keep: transfer done
+    prefill_start_unix_ms: float | None = None  #: deflect: first chunk started
+    prefill_done_unix_ms: float | None = None  #: deflect: last chunk done
+    first_token_unix_ms: float | None = None
+    finished_unix_ms: float | None = None
+    completion_tokens: NonNeg = 0
+    chunk_predicted_ms: list[float] = []  #: deflect: policy prediction per chunk step
+    chunk_actual_ms: list[float] = []  #: deflect: measured wall time per chunk step
+    chunk_sizes: list[int] = []  #: deflect: χ actually run per step
+    error: str | None = None
+
+
+class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.ingress``: what the client saw."""
+
+    v: int = SCHEMA_VERSION
+    received_unix_ms: float
+    first_token_unix_ms: float | None = None
+    finished_unix_ms: float | None = None
+    status: int = 200
+    prompt_tokens: NonNeg = 0
+    completion_tokens: NonNeg = 0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# encoding helpers
+# --------------------------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+T = TypeVar("T")
+_decoders: dict[object, msgspec.json.Decoder] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """JSON body of a wire message."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, typ: type[T]) -> T:
+    """Decode and validate a body into ``typ`` (a Struct or the :data:`OutEvent` union).
+
+    Raises:
+        WireError: invalid JSON or schema mismatch; the message names the field.
+    """
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.json.Decoder(typ)
+    try:
+        return dec.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        name = getattr(typ, "__name__", str(typ))
+        raise WireError(f"bad {name} message: {exc}") from None

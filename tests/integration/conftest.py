@@ -1,0 +1,185 @@
+"""Integration fixtures: a real nats-server (JetStream, free port, temp store) per test module, and
+the whole Kairos stack run in-process as asyncio tasks against it (fast latency profile).
+
+No mocking of the bus; waits are on conditions with deadlines, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import nats
+import pytest
+
+from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.service import Dispatcher
+from services.ingress.config import IngressConfig
+from services.ingress.service import Ingress
+from services.node_agent.agent import NodeAgent
+from services.node_agent.config import AgentConfig
+from services.state_aggregator.config import AggregatorConfig
+from services.state_aggregator.service import StateAggregator
+from shared import subjects as S
+from shared.latency import LatencyModel, load_profile
+
+NATS_BIN = Path(sys.executable).parent / "nats-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fast_model(scale: float = 0.25, link_scale: float = 0.25) -> LatencyModel:
+    """The default profile with every latency scaled by ``scale`` (fast tests, same shapes)."""
+    d = load_profile().to_dict()
+    d["name"], d["version"] = "test-fast", f"x{scale}"
+    for k in ("prefill", "decode"):
+        d[k]["intercept_ms"] *= scale
+        d[k]["coef"] = [c * scale for c in d[k]["coef"]]
+    d["mixed_delta"]["coef"] = [c * scale for c in d["mixed_delta"]["coef"]]
+    for link in d["kv_transfer"]["links"].values():
+        link["bandwidth_gb_s"] /= link_scale
+        link["setup_ms"] *= link_scale
+    return LatencyModel.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory) -> str:
+    """A real nats-server with JetStream for this module; torn down afterwards."""
+    store = tmp_path_factory.mktemp("js")
+    port = free_port()
+    proc = subprocess.Popen([str(NATS_BIN), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("nats-server did not start")
+            time.sleep(0.02)
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    shutil.rmtree(store, ignore_errors=True)
+
+
+async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition") -> Any:
+    """Poll ``pred`` until truthy or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def reset_bus(url: str) -> None:
+    """Delete Kairos' streams and buckets so each test starts from an empty bus."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    for name in (S.REQUEST_STREAM, f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
+        try:
+            await js.delete_stream(name)
+        except Exception:
+            pass
+    await nc.close()
+
+
+@dataclass
+class Stack:
+    url: str
+    ingress: Ingress
+    aggregator: StateAggregator
+    dispatchers: list[Dispatcher]
+    agents: dict[str, NodeAgent]
+    http: aiohttp.ClientSession
+    base: str
+    dead: set[str] = field(default_factory=set)
+
+    async def kill_agent(self, node: str) -> None:
+        """Crash a node agent: its connection drops, nothing is drained or announced."""
+        await self.agents[node].close(drain=False)
+        self.dead.add(node)
+
+    async def complete(self, prompt: Any = "hello world", max_tokens: int = 4, stream: bool = False,
+                       chat: bool = False, **extra) -> tuple[int, Any]:
+        """POST a completion; returns (status, JSON body) or (status, list of SSE data payloads)."""
+        url = self.base + ("/v1/chat/completions" if chat else "/v1/completions")
+        body = {"model": "kairos-emulated", "max_tokens": max_tokens, "stream": stream, **extra}
+        if chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        async with self.http.post(url, json=body) as r:
+            if stream and r.status == 200 and r.content_type == "text/event-stream":
+                events = []
+                async for line in r.content:
+                    line = line.strip()
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].decode())
+                return r.status, events
+            return r.status, await r.json()
+
+
+@asynccontextmanager
+async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 2, policy: str = "kairos",
+                model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
+                idle_timeout_s: float = 10.0, **dispatcher_overrides):
+    """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view."""
+    await reset_bus(url)
+    model = model or fast_model()
+    agg = StateAggregator(AggregatorConfig(nats_url=url, state_period_ms=period_ms, metrics_port=-1))
+    await agg.start()
+    agents: dict[str, NodeAgent] = {}
+    for role, n in (("prefill", prefill), ("decode", decode)):
+        for i in range(n):
+            a = NodeAgent(AgentConfig(node_id=f"{role}-{i}", role=role, nats_url=url, state_period_ms=period_ms,
+                                      metrics_port=-1), model=model)
+            await a.start()
+            agents[a.cfg.node_id] = a
+    disp = []
+    for i in range(dispatchers):
+        d = Dispatcher(DispatcherConfig(replica_id=f"dispatcher-{i}", nats_url=url, policy=policy, metrics_port=-1,
+                                        **dispatcher_overrides), model=model)
+        await d.start()
+        disp.append(d)
+    ing = Ingress(IngressConfig(nats_url=url, port=0, request_timeout_s=request_timeout_s,
+                                idle_timeout_s=idle_timeout_s))
+    await ing.start()
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
+    st = Stack(url=url, ingress=ing, aggregator=agg, dispatchers=disp, agents=agents, http=http,
+               base=f"http://127.0.0.1:{ing.port}")
+    try:
+        await wait_until(lambda: all(d.view and {n.node for n in d.view.nodes if not n.stale} >= set(agents)
+                                     for d in disp), 10, "every node in every dispatcher's view")
+        yield st
+    finally:
+        await http.close()
+        await ing.close()
+        for d in disp:
+            await d.close()
+        for nid, a in agents.items():
+            if nid not in st.dead:
+                await a.close()
+        await agg.close()
