@@ -20,14 +20,14 @@ from sim.simulator import SimConfig, SimResult, Simulator
 def violation_attribution(result: SimResult, limit_ms: float) -> dict[str, int]:
     """Count deflected-prefill steps over β·τ, split by cause (§7 stale-state limitation).
 
-    ``decode_joined``: the node's batch at the step was larger than at the decision;
+    ``decode_joined``: a decode that was not running on the node at the decision is in the step;
     ``other``: no decode joined (model error, noise, or KV growth of the running decodes).
     """
     out = {"deflected_steps": len(result.deflected_steps), "over_limit": 0, "decode_joined": 0, "other": 0}
     for s in result.deflected_steps:
         if s.actual_ms > limit_ms:
             out["over_limit"] += 1
-            out["decode_joined" if s.batch_at_step > s.batch_at_decision else "other"] += 1
+            out["decode_joined" if s.decode_joined else "other"] += 1
     return out
 
 

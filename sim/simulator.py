@@ -86,8 +86,9 @@ class _Req:
     kv_arrived_ms: float | None = None
     first_token_ms: float | None = None
     token_times_ms: list[float] = field(default_factory=list)
-    # deflection bookkeeping: (B, K) at decision and predicted step ms, for violation attribution
+    # deflection bookkeeping: decodes running at decision and predicted step ms (violation attribution)
     decided_b: int = 0
+    decided_decodes: frozenset[str] = frozenset()
     predicted_steps: list[float] = field(default_factory=list)
 
 
@@ -101,6 +102,7 @@ class DeflectedStep:
     actual_ms: float
     batch_at_decision: int
     batch_at_step: int
+    decode_joined: bool  #: a decode that was not running at the decision is in this step's batch
 
 
 @dataclass
@@ -227,7 +229,8 @@ class Simulator:
         if d.decision == "deflect":
             di = self.decode_ids.index(d.node)
             r.deflected, r.decode_node = True, di
-            r.decided_b = self.decode[di].state().batch_size
+            r.decided_decodes = self.decode[di].decoding_ids
+            r.decided_b = len(r.decided_decodes)
             r.predicted_steps = list(d.predicted_step_ms)
             self.reserved[di][w.id] = w.prompt_tokens
             self.deflections += 1
@@ -273,7 +276,8 @@ class Simulator:
                 r = self.reqs[rid]
                 self.deflected_steps.append(DeflectedStep(
                     rid, idx, r.predicted_steps[idx] if idx < len(r.predicted_steps) else None,
-                    plan.duration_ms, r.decided_b, plan.batch_size))
+                    plan.duration_ms, r.decided_b, plan.batch_size,
+                    not r.decided_decodes.issuperset(plan.decode_ids)))
         for rid, _ in res.tokens:
             self.reqs[rid].token_times_ms.append(now)
         for rid in res.first_tokens:

@@ -460,6 +460,12 @@ class Engine:
         return True
 
     @property
+    def decoding_ids(self) -> frozenset[str]:
+        """Ids of the running decodes (the B_n of the node's state), for attribution in tests and
+        the simulator (which decodes joined a node after a decision)."""
+        return frozenset(self._decoding)
+
+    @property
     def num_requests(self) -> int:
         """Requests the engine holds in any phase (0: fully drained)."""
         return len(self._reqs)
