@@ -151,6 +151,38 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         click.echo(f"wrote {json_path}", err=True)
 
 
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
+@click.option("--workload", default="bursty", show_default=True,
+              help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH.")
+@click.option("--rps", type=float, default=None,
+              help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
+                   "workloads, the trace's own timing for traces.")
+@click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds.")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--model", default=None, help="Model name (default: the first id of GET /v1/models).")
+@click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Max requests in flight (default: none).")
+@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=300.0, show_default=True,
+              help="Per-request timeout, seconds; a timed-out request counts as failed.")
+@click.option("--max-model-len", type=click.IntRange(2), default=None,
+              help="Cap prompt+output (tokens). Default: the server's max_model_len if /v1/models has one, else 32768.")
+@click.option("--label", default="live", show_default=True, help="Row name in the table and the JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
+@click.option("--save-records", is_flag=True, help="Include per-request records in the --json report.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True, help="τ, TBT SLO in ms.")
+@click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True, help="TTFT SLO in ms.")
+def bench(**opts) -> None:
+    """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
+    from kairos.bench import BenchError, bench_cli
+
+    try:
+        bench_cli(**opts)
+    except BenchError as exc:
+        click.echo(f"kairos bench: {exc}", err=True)
+        sys.exit(2)
+
+
 def _parse_policy_or_exit(spec: str):
     try:
         return parse_policy(spec)
