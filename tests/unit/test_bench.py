@@ -1,0 +1,462 @@
+"""`kairos bench` (kairos/bench.py): SSE parsing, chunk → token accounting, record building, and a
+replay against an in-process fake OpenAI server (its own thread and event loop, port 0).
+
+The fake's behaviour is keyed on the prompt length (exact, since bench sends token-id prompts):
+see ``FakeOpenAI._respond``. Synchronisation is by events, never by sleeping; the only sleep is
+the fake's deliberate first-token delay, which the TTFT assertion bounds from below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from click.testing import CliRunner
+
+from kairos.bench import (BenchConfig, BenchError, SSEParser, StreamState, build_report, check_url, chunk_tokens,
+                          deflect_delta, make_record, parse_deflect_counter, prompt_token_ids, request_body,
+                          run_bench)
+from kairos.cli import main
+from shared.metrics import format_table, summarize
+from shared.workloads import WorkloadRequest, load_plain_csv
+
+# prompt lengths that select a behaviour of the fake server
+PL_400, PL_CLOSE, PL_STREAM_ERR, PL_MULTI, PL_SLOW, PL_HOLD_A, PL_HOLD_B, PL_STALL = 13, 17, 19, 20, 30, 40, 41, 50
+DEFLECTED_PL = {PL_MULTI, PL_SLOW}
+SLOW_FIRST_S = 0.15
+MODEL = "fake-model"
+
+
+# --- fake server ----------------------------------------------------------------------------------
+
+class FakeOpenAI:
+    """A tiny OpenAI-compatible streaming server with scripted behaviours."""
+
+    def __init__(self, *, requests_endpoint: bool = True, metrics: bool = False,
+                 models: tuple[str, ...] = (MODEL,)) -> None:
+        self.requests_endpoint, self.metrics, self.models_list = requests_endpoint, metrics, models
+        self.bodies: list[dict] = []
+        self.decisions: dict[str, str] = {}
+        self.deflect_total = 5  # pre-existing deflections: the bench must report the delta only
+        self.keep_total = 7
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.n = 0
+        self.b_received: asyncio.Event | None = None
+        self.release: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        if self.requests_endpoint:
+            app.router.add_get("/v1/requests/{rid}", self.request_info)
+        if self.metrics:
+            app.router.add_get("/metrics", self.metrics_view)
+        return app
+
+    async def models(self, _r: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.models_list]})
+
+    async def request_info(self, r: web.Request) -> web.Response:
+        rid = r.match_info["rid"]
+        if rid not in self.decisions:
+            return web.json_response({"error": {"message": "not found"}}, status=404)
+        return web.json_response({"id": rid, "decision": self.decisions[rid]})
+
+    async def metrics_view(self, _r: web.Request) -> web.Response:
+        text = ("# HELP kairos_decisions_total Routing decisions\n# TYPE kairos_decisions_total counter\n"
+                f'kairos_decisions_total{{decision="deflect",policy="kairos"}} {self.deflect_total}.0\n'
+                f'kairos_decisions_total{{decision="keep",policy="kairos"}} {self.keep_total}.0\n')
+        return web.Response(text=text, content_type="text/plain")
+
+    async def completions(self, r: web.Request) -> web.StreamResponse:
+        body = await r.json()
+        self.bodies.append(body)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                self.in_flight -= 1
+
+        try:
+            return await self._respond(r, body, leave)
+        finally:
+            leave()
+
+    def _chunk(self, rid: str, text: str, finish: str | None = None, logprobs=None) -> dict:
+        return {"id": rid, "object": "text_completion", "model": MODEL, "usage": None,
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def _respond(self, r: web.Request, body: dict, leave) -> web.StreamResponse:
+        n_prompt, n_out = len(body["prompt"]), body["max_tokens"]
+        if n_prompt == PL_400:
+            return web.json_response({"error": {"message": "bad things", "type": "invalid_request_error",
+                                                "code": "nope"}}, status=400)
+        self.n += 1
+        rid = f"cmpl-{self.n:04d}"
+        decision = "deflect" if n_prompt in DEFLECTED_PL else "keep"
+        self.decisions[rid] = decision
+        if decision == "deflect":
+            self.deflect_total += 1
+        else:
+            self.keep_total += 1
+        if n_prompt == PL_HOLD_B:
+            self.b_received.set()
+        if n_prompt == PL_HOLD_A:
+            await self.b_received.wait()  # open loop: B must be sent while A is still unanswered
+        if n_prompt == PL_STALL:
+            await self.release.wait()  # never answers before the client times out
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": rid})
+        await resp.prepare(r)
+        eol = "\r\n" if n_prompt == PL_MULTI else "\n"
+
+        async def send(obj) -> None:
+            raw = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}{eol}{eol}".encode()
+            if n_prompt == PL_MULTI:  # split every event across two writes, mid-JSON
+                await resp.write(raw[:len(raw) // 2])
+                await resp.write(raw[len(raw) // 2:])
+            else:
+                await resp.write(raw)
+
+        await resp.write(b": keep-alive\n\n")
+        if n_prompt == PL_SLOW:
+            await asyncio.sleep(SLOW_FIRST_S)  # the delay TTFT must show, not a synchronisation
+        if n_prompt == PL_MULTI:  # two tokens per chunk, counted via logprobs.tokens
+            for k in range(0, n_out, 2):
+                toks = [f"t{k}", f"t{k + 1}"][:n_out - k]
+                await send(self._chunk(rid, "".join(toks), logprobs={"tokens": toks}))
+        else:
+            for k in range(n_out):
+                await send(self._chunk(rid, f"t{k} "))
+                if n_prompt == PL_CLOSE and k == 1:
+                    r.transport.close()  # connection dropped mid-stream, no [DONE]
+                    return resp
+                if n_prompt == PL_STREAM_ERR and k == 0:
+                    await send({"error": {"message": "engine crashed", "type": "server_error", "code": "boom"}})
+                    await send("[DONE]")
+                    return resp
+        await send(self._chunk(rid, "", finish="length"))
+        await send({"id": rid, "object": "text_completion", "model": MODEL, "choices": [],
+                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}})
+        leave()  # before [DONE]: a client bounded to one request cannot send the next one earlier
+        await send("[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+@contextmanager
+def serve(fake: FakeOpenAI):
+    """Run the fake on 127.0.0.1:<free port> in its own thread; yield its base URL."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state: dict = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        fake.loop = loop
+        fake.b_received, fake.release = asyncio.Event(), asyncio.Event()
+        runner = web.AppRunner(fake.app(), shutdown_timeout=1.0, access_log=None)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        loop.run_until_complete(site.start())
+        state["port"] = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        loop.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    assert ready.wait(10), "fake server did not start"
+    try:
+        yield f"http://127.0.0.1:{state['port']}"
+    finally:
+        loop.call_soon_threadsafe(fake.release.set)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
+
+
+def write_csv(path: Path, rows: list[tuple[float, int, int]]) -> Path:
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{a},{p},{o}\n" for a, p, o in rows))
+    return path
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+# --- pure pieces -----------------------------------------------------------------------------------
+
+def test_sse_parser_events_done_comments_and_multiline():
+    p = SSEParser()
+    got = p.feed(b": ping\n\ndata: {\"a\": 1}\n\nevent: x\nid: 3\ndata: line1\ndata:line2\n\n: keep-alive\n\n"
+                 b"data: [DONE]\n\n")
+    assert got == ['{"a": 1}', "line1\nline2", "[DONE]"]
+    assert p.close() == []
+
+
+def test_sse_parser_split_reads_crlf_cr_and_utf8():
+    p = SSEParser()
+    raw = "data: {\"t\": \"é\"}\r\n\r\ndata: x\r\rdata: y\n\n".encode()
+    out = []
+    for i in range(len(raw)):  # one byte at a time: splits "\r|\n" and the two UTF-8 bytes of é
+        out += p.feed(raw[i:i + 1])
+    assert out == ['{"t": "é"}', "x", "y"]
+
+
+def test_sse_parser_ignores_events_without_data_and_flushes_unterminated_last_event():
+    p = SSEParser()
+    assert p.feed(b"event: ping\n\nretry: 10\n\ndata:\n\n") == [""]  # "data:" alone is an empty data event
+    assert p.feed(b"data: [DONE]") == []
+    assert p.close() == ["[DONE]"]
+
+
+def test_chunk_tokens_rules():
+    text = {"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}
+    assert chunk_tokens(text, None, 0) == 1
+    assert chunk_tokens({**text, "text": ""}, None, 0) == 1  # e.g. a special token (vLLM counts it)
+    assert chunk_tokens({**text, "text": "", "finish_reason": "length"}, None, 0) == 0  # finish marker
+    assert chunk_tokens({**text, "text": "x", "finish_reason": "length"}, None, 0) == 1  # last token + finish
+    assert chunk_tokens({**text, "logprobs": {"tokens": ["a", "b", "c"]}}, None, 0) == 3
+    assert chunk_tokens(text, 7, 4) == 3  # cumulative usage per chunk (vLLM continuous_usage_stats)
+    assert chunk_tokens({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}, None, 0) == 0
+    assert chunk_tokens({"index": 0, "delta": {"content": "hi"}, "finish_reason": None}, None, 0) == 1
+
+
+def test_stream_state_accounting():
+    s = StreamState()
+    s.on_data(json.dumps({"id": "cmpl-1", "choices": [{"text": "a", "finish_reason": None}], "usage": None}), 1.0)
+    s.on_data(json.dumps({"id": "cmpl-1", "choices": [{"text": "bc", "logprobs": {"tokens": ["b", "c"]},
+                                                       "finish_reason": None}]}), 1.5)
+    s.on_data(json.dumps({"id": "cmpl-1", "choices": [{"text": "", "finish_reason": "length"}]}), 1.6)
+    s.on_data(json.dumps({"id": "cmpl-1", "choices": [], "usage": {"completion_tokens": 3}}), 1.7)
+    assert not s.done
+    s.on_data("[DONE]", 1.8)
+    assert s.done and s.error is None and s.server_id == "cmpl-1"
+    assert s.chunks == [(1.0, 1), (1.5, 2)] and s.usage_completion_tokens == 3
+
+    e = StreamState()
+    e.on_data(json.dumps({"error": {"message": "engine crashed", "code": "boom"}}), 2.0)
+    e.on_data("{not json", 2.1)
+    assert e.error == "engine crashed (boom)"  # the first error wins
+
+
+def test_make_record_repeats_chunk_times_per_token():
+    req = WorkloadRequest("r-1", 0.0, 10, 4)
+    rec = make_record(req, 1.0, [(1.25, 1), (1.5, 2), (1.6, 1)], output_tokens=4)
+    assert rec.token_times_s == [1.25, 1.5, 1.5, 1.6]
+    assert rec.ttft_ms == pytest.approx(250.0) and rec.output_tokens == 4 and not rec.failed
+    assert rec.arrival_s == 1.0 and rec.prompt_tokens == 10 and rec.id == "r-1"
+    assert make_record(req, 1.0, [(1.25, 1)]).output_tokens == 1  # no usage: the tokens counted
+    empty = make_record(req, 1.0, [])
+    assert empty.failed and empty.ttft_ms is None and empty.error == "no output tokens in the stream"
+    failed_late = make_record(req, 1.0, [(1.1, 1)], error="boom")
+    assert failed_late.failed and failed_late.ttft_ms == pytest.approx(100.0)
+    s = summarize([rec])  # gaps: 250 ms, 0 ms (same chunk), 100 ms
+    assert s["tbt_ms"]["p50"] == pytest.approx(100.0)
+
+
+def test_parse_deflect_counter_and_delta():
+    text = ('# TYPE kairos_decisions_total counter\n'
+            'kairos_decisions_total{decision="deflect",policy="kairos"} 3.0\n'
+            'kairos_decisions_total{decision="deflect",policy="kairos+"} 2.0\n'
+            'kairos_decisions_total{decision="keep",policy="kairos"} 9.0\n')
+    assert parse_deflect_counter(text) == 5.0
+    disp = 'kairos_dispatcher_decisions_total{decision="keep",policy="pd",reason="x"} 4.0\n'
+    assert parse_deflect_counter(disp) == 0.0  # family present, no deflects
+    assert parse_deflect_counter("other_total 1.0\n") is None
+    assert deflect_delta(text.replace("3.0", "1.0"), text) == 2.0
+    assert deflect_delta(None, text) is None and deflect_delta("other 1\n", "other 2\n") is None
+
+
+def test_prompt_ids_and_body():
+    ids = prompt_token_ids(1234, 50)
+    assert len(ids) == 50 and all(1 <= t <= 1000 for t in ids)
+    assert prompt_token_ids(1234, 50) == ids  # deterministic
+    assert len({tuple(prompt_token_ids(i, 3)[:2]) for i in range(5000)}) == 5000  # no shared prefixes
+    body = request_body(WorkloadRequest("x", 0.0, 7, 9), 3, "m")
+    assert body == {"model": "m", "prompt": prompt_token_ids(3, 7), "max_tokens": 9, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def test_check_url():
+    assert check_url("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    for bad in ("ftp://x", "localhost:8000", "http://", "nonsense"):
+        with pytest.raises(BenchError, match="--url"):
+            check_url(bad)
+
+
+# --- replay against the fake ------------------------------------------------------------------------
+
+def _wl(*rows: tuple[float, int, int]) -> list[WorkloadRequest]:
+    return [WorkloadRequest(f"w-{i:02d}", a, p, o) for i, (a, p, o) in enumerate(rows)]
+
+
+async def test_replay_counts_ttft_tokens_and_deflections():
+    fake = FakeOpenAI()
+    wl = _wl((0.0, 10, 5), (0.0, PL_400, 5), (0.01, PL_CLOSE, 5), (0.01, PL_STREAM_ERR, 5),
+             (0.02, PL_MULTI, 6), (0.02, PL_SLOW, 3), (0.03, 10, 4))
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, request_timeout_s=10), wl)
+    by_id = {r.id: r for r in res.records}
+    assert res.sent == 7 and len(res.records) == 7 and set(by_id) == {r.id for r in wl}  # all accounted for
+    assert res.model == MODEL
+    ok, e400, close, serr, multi, slow, ok2 = (by_id[r.id] for r in wl)
+
+    assert [not r.failed for r in res.records] == [True, False, False, False, True, True, True]
+    assert e400.error.startswith("HTTP 400") and "bad things" in e400.error and e400.ttft_ms is None
+    assert close.error and close.ttft_ms is not None and len(close.token_times_s) == 2  # failed after 2 tokens
+    assert serr.error == "engine crashed (boom)" and len(serr.token_times_s) == 1
+
+    assert ok.output_tokens == 5 and len(ok.token_times_s) == 5 and ok2.output_tokens == 4
+    assert multi.output_tokens == 6 and len(multi.token_times_s) == 6  # 3 chunks of 2 tokens (logprobs)
+    assert multi.token_times_s[0] == multi.token_times_s[1] and multi.token_times_s[2] == multi.token_times_s[3]
+    assert slow.output_tokens == 3
+    assert slow.ttft_ms >= SLOW_FIRST_S * 1000  # measured from the SSE arrival of the first token
+    for r in res.records:
+        if r.ttft_ms is not None:
+            assert r.ttft_ms == pytest.approx((r.token_times_s[0] - r.arrival_s) * 1000)
+            assert r.token_times_s == sorted(r.token_times_s) and r.ttft_ms > 0
+
+    # deflections from GET /v1/requests/{id}
+    assert res.deflections_source == "requests" and res.deflections == 2
+    assert {r.id for r in res.records if r.deflected} == {multi.id, slow.id}
+    # the server saw exact prompts, ids it assigned were recorded (body id == x-request-id)
+    assert sorted(len(b["prompt"]) for b in fake.bodies) == sorted(w.prompt_tokens for w in wl)
+    assert all(b["stream"] and b["ignore_eos"] and b["model"] == MODEL for b in fake.bodies)
+    assert {o.server_id for o in res.outcomes if o.server_id} == set(fake.decisions)
+
+    report = build_report(res, url=url, workload={"spec": "test"}, save_records=True)
+    assert report["sent"] == 7 and report["completed"] == 4 and report["failed"] == 3
+    assert report["deflections"] == 2 and report["errors"][e400.error] == 1
+    assert [r["id"] for r in report["records"]] == [w.id for w in wl]
+    assert all((r["server_id"] is None) == (r["id"] == e400.id) for r in report["records"])
+    assert report["duration_s"] >= SLOW_FIRST_S
+
+
+async def test_open_loop_does_not_wait_for_earlier_requests():
+    fake = FakeOpenAI()  # A is answered only once B has reached the server
+    wl = _wl((0.0, PL_HOLD_A, 2), (0.05, PL_HOLD_B, 2))
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, request_timeout_s=5), wl)
+    a, b = res.records
+    assert not a.failed and not b.failed
+    assert a.token_times_s[0] >= b.arrival_s >= 0.05  # A's first token came after B was sent
+    assert fake.max_in_flight == 2
+
+
+async def test_max_concurrency_bounds_requests_in_flight():
+    fake = FakeOpenAI()
+    wl = _wl(*[(0.0, 10, 3)] * 6)
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, max_concurrency=1), wl)
+    assert all(not r.failed for r in res.records) and fake.max_in_flight == 1
+    sent = [r.arrival_s for r in res.records]
+    ends = [r.token_times_s[-1] for r in res.records]
+    assert all(s2 >= e1 for e1, s2 in zip(ends, sent[1:]))  # each sent after the previous one finished
+
+
+async def test_timeout_fails_the_request_not_the_run():
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, request_timeout_s=0.3),
+                              _wl((0.0, PL_STALL, 2), (0.0, 10, 2)))
+    stall, ok = res.records
+    assert stall.failed and stall.error == "timeout after 0.3 s" and not ok.failed
+
+
+async def test_deflections_fall_back_to_metrics_then_to_none():
+    fake = FakeOpenAI(requests_endpoint=False, metrics=True)
+    wl = _wl((0.0, PL_MULTI, 2), (0.0, 10, 2), (0.0, PL_SLOW, 1))
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False), wl)
+    assert res.deflections_source == "metrics" and res.deflections == 2  # 7 → 9 (5 before the run)
+    assert not any(r.deflected for r in res.records)  # unknown per request
+
+    fake = FakeOpenAI(requests_endpoint=False, metrics=False)
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False), wl)
+    assert res.deflections is None and res.deflections_source is None
+    report = build_report(res, url=url, workload={})
+    assert report["deflections"] is None
+    assert "live" in format_table([{**report, "policy": "live"}])
+
+
+async def test_unreachable_server_and_missing_model():
+    port = free_port()
+    with pytest.raises(BenchError, match=f"cannot reach the ingress at http://127.0.0.1:{port}"):
+        await run_bench(BenchConfig(url=f"http://127.0.0.1:{port}", progress=False), _wl((0.0, 10, 1)))
+    fake = FakeOpenAI(models=())
+    with serve(fake) as url:
+        with pytest.raises(BenchError, match="pass --model"):
+            await run_bench(BenchConfig(url=url, progress=False), _wl((0.0, 10, 1)))
+        res = await run_bench(BenchConfig(url=url, model="explicit", progress=False), _wl((0.0, 10, 1)))
+    assert res.model == "explicit" and fake.bodies[0]["model"] == "explicit" and not res.records[0].failed
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+REQUIRED_KEYS = {"sent", "completed", "failed", "ttft_ms", "tbt_ms", "slo_attainment", "deflections", "duration_s",
+                 "url", "workload", "requests", "tbt_violation_rate", "output_tokens_per_s", "deflections_source"}
+
+
+def test_cli_trace_writes_json_and_table(tmp_path):
+    csv = write_csv(tmp_path / "wl.csv", [(0.0, 10, 3), (0.01, PL_400, 3), (0.02, PL_MULTI, 4), (0.03, 12, 2)])
+    out = tmp_path / "out" / "bench.json"
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{csv}", "--duration", "10",
+                                        "--json", str(out), "--save-records", "--no-progress", "--label", "fake"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert REQUIRED_KEYS <= set(rep)
+    assert set(rep["ttft_ms"]) == {"p50", "p95", "p99"} and set(rep["tbt_ms"]) == {"p50", "p95"}
+    assert (rep["sent"], rep["completed"], rep["failed"], rep["deflections"]) == (4, 3, 1, 1)
+    assert rep["workload"]["spec"] == f"trace:{csv}" and rep["workload"]["requests"] == 4
+    assert [r["id"] for r in rep["records"]] == [w.id for w in load_plain_csv(csv, id_prefix="trace")]
+    assert "fake" in res.stdout and "TTFT p95 ms" in res.stdout
+    assert "sent 4, completed 3, failed 1" in res.stderr
+
+
+def test_cli_generated_workload(tmp_path):
+    out = tmp_path / "b.json"
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", "lpld", "--rps", "40", "--duration",
+                                        "0.25", "--seed", "3", "--json", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(out.read_text())
+    assert rep["sent"] == rep["requests"] == rep["completed"] == rep["workload"]["requests"] > 0
+    assert rep["failed"] == 0 and rep["deflections"] == 0 and "records" not in rep
+    assert len(fake.bodies) == rep["sent"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--url", "ftp://nowhere"], "bad --url"),
+    (["--url", "http://127.0.0.1:{port}"], "cannot reach the ingress at http://127.0.0.1:{port}"),
+    (["--workload", "nope"], "unknown workload"),
+    (["--save-records"], "--save-records needs --json"),
+    (["--duration", "0"], "must be > 0"),
+])
+def test_cli_usage_errors_exit_2(args, needle):
+    port = free_port()
+    args = [a.format(port=port) for a in args]
+    res = CliRunner().invoke(main, ["bench", "--no-progress", "--url", f"http://127.0.0.1:{port}", *args])
+    assert res.exit_code == 2
+    assert needle.format(port=port) in res.stderr
