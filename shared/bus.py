@@ -32,7 +32,7 @@ async def connect(url: str, name: str, log=None) -> Client:
 
     async def on_disconnect() -> None:
         if log is not None:
-            log.warning("nats_disconnected")
+            log.info("nats_disconnected")
 
     async def on_reconnect() -> None:
         if log is not None:
@@ -40,7 +40,22 @@ async def connect(url: str, name: str, log=None) -> Client:
 
     return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                               error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                              connect_timeout=5)
+                              connect_timeout=5, drain_timeout=2)
+
+
+async def close(nc: Client | None, graceful: bool = True) -> None:
+    """Flush what is buffered (``graceful``) and close; never raises, never hangs for long."""
+    if nc is None or nc.is_closed:
+        return
+    if graceful and nc.is_connected:
+        try:
+            await nc.flush(timeout=1)
+        except Exception:
+            pass
+    try:
+        await nc.close()
+    except Exception:
+        pass
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from prometheus_client import Counter, Histogram
 from services.dispatcher.config import DispatcherConfig
 from shared import subjects as S
 from shared import telemetry
+from shared.bus import close as bus_close
 from shared.bus import (RequestQueueSettings, connect, ensure_buckets, ensure_request_stream, publish,
                         request_subscription, request_typed)
 from shared.latency import LatencyModel, load_profile
@@ -106,11 +107,7 @@ class Dispatcher:
                 await w.stop()
             except Exception:
                 pass
-        if self.nc is not None:
-            try:
-                await (self.nc.drain() if drain else self.nc.close())
-            except Exception:
-                pass
+        await bus_close(self.nc, graceful=drain)
         if self._runner is not None:
             await self._runner.cleanup()
         self.tel.shutdown()

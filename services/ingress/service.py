@@ -27,6 +27,7 @@ from services.ingress.config import IngressConfig
 from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
+from shared.bus import close as bus_close
 from shared.bus import connect, ensure_buckets, publish
 from shared.latency import load_profile
 from shared.records import request_record
@@ -90,11 +91,7 @@ class Ingress:
             await self._runner.cleanup()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
-        if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:
-                pass
+        await bus_close(self.nc, graceful=True)
         self.tel.shutdown()
 
     def _bg(self, coro) -> None:

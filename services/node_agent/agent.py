@@ -31,6 +31,7 @@ from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from shared import subjects as S
 from shared import telemetry
+from shared.bus import close as bus_close
 from shared.bus import Buckets, connect, ensure_buckets, publish, request_typed
 from shared.engine import EngineError
 from shared.latency import LatencyModel, load_profile
@@ -159,14 +160,7 @@ class NodeAgent:
             await asyncio.wait(self._tasks, timeout=2.0)
         for t in self._tasks:
             t.cancel()
-        if self.nc is not None:
-            try:
-                if drain:
-                    await self.nc.drain()
-                else:
-                    await self.nc.close()
-            except Exception:  # already closed
-                pass
+        await bus_close(self.nc, graceful=drain)
         if self._runner is not None:
             await self._runner.cleanup()
         self.tel.shutdown()

@@ -15,6 +15,7 @@ from prometheus_client import Counter, Gauge
 from services.state_aggregator.config import AggregatorConfig
 from shared import subjects as S
 from shared import telemetry
+from shared.bus import close as bus_close
 from shared.bus import connect, ensure_buckets
 from shared.view import ViewBuilder
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, encode, now_ms
@@ -63,11 +64,7 @@ class StateAggregator:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self.nc is not None:
-            try:
-                await self.nc.drain()
-            except Exception:
-                pass
+        await bus_close(self.nc, graceful=True)
         if self._runner is not None:
             await self._runner.cleanup()
         self.tel.shutdown()

@@ -183,3 +183,23 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
             if nid not in st.dead:
                 await a.close()
         await agg.close()
+
+
+async def get_record(st: Stack, rid: str, need: Callable[[dict], bool] = lambda r: True, timeout: float = 5.0) -> dict:
+    """GET /v1/requests/{rid} until ``need(record)`` holds (records are written asynchronously)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        async with st.http.get(f"{st.base}/v1/requests/{rid}") as r:
+            last = (r.status, await r.json())
+        if last[0] == 200 and need(last[1]):
+            return last[1]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"record of {rid} never satisfied the condition: {last}")
+        await asyncio.sleep(0.02)
+
+
+def components_known(rec: dict) -> bool:
+    m = rec["measured"]
+    return all(m[k] is not None for k in ("ttft_ms", "prefill_queue_ms", "prefill_exec_ms", "kv_transfer_ms",
+                                          "decode_queue_ms"))

@@ -1,0 +1,97 @@
+"""Cluster behaviour: reservations across replicas, dead nodes, redelivery, bursts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import nats
+import pytest
+
+from shared import subjects as S
+from tests.integration.conftest import get_record, stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def ok_or_explicit_error(status: int, body) -> bool:
+    if status == 200:
+        return True
+    return isinstance(body, dict) and "error" in body and body["error"].get("message")
+
+
+async def test_two_replicas_never_overlap_deflections_on_a_decode_node(nats_url):
+    # every request wants a deflection (sl:100000); 2 replicas race for 2 decode nodes
+    async with stack(nats_url, policy="sl:100000", dispatchers=2) as st:
+        rng = random.Random(1)
+        reqs = [st.complete([1] * rng.randint(200, 1500), max_tokens=rng.randint(2, 8), stream=rng.random() < 0.5)
+                for _ in range(40)]
+        results = await asyncio.gather(*reqs)
+        assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
+        decode_agents = [a for a in st.agents.values() if a.cfg.role == "decode"]
+        # the agents' own view: never two deflections in flight, never a deflect job while one ran
+        assert all(a.max_concurrent_deflections <= 1 for a in decode_agents)
+        assert sum(a.deflect_overlaps for a in decode_agents) == 0
+        assert sum(a.max_concurrent_deflections for a in decode_agents) >= 1  # deflections did happen
+        # both replicas routed, and the reservations really were contended
+        assert all(d.routed > 0 for d in st.dispatchers)
+
+
+async def test_dead_node_agent_stops_receiving_jobs(nats_url):
+    async with stack(nats_url, policy="pd", period_ms=50) as st:
+        await st.kill_agent("prefill-1")
+        await st.kill_agent("decode-1")
+        # before the aggregator notices: jobs/handoffs to the dead nodes find no responder → re-routed
+        first = await asyncio.gather(*[st.complete("a b c " * 30, max_tokens=3) for _ in range(6)])
+        assert all(s == 200 for s, _ in first), first
+        # the aggregator marks them stale after 3 missed heartbeats; dispatchers then skip them
+        await wait_until(lambda: all(d.view and {n.node for n in d.view.nodes if n.stale} >= {"prefill-1", "decode-1"}
+                                     for d in st.dispatchers), 5, "dead nodes stale in every view")
+        later = await asyncio.gather(*[st.complete("a b c " * 30, max_tokens=3) for _ in range(10)])
+        assert all(s == 200 for s, _ in later), later
+        for _, body in later:
+            rec = await get_record(st, body["id"], lambda r: r["records"]["prefill"] is not None)
+            assert rec["node"] == "prefill-0" and rec["records"]["prefill"]["handoff_node"] == "decode-0"
+            assert rec["routing"]["attempts"] == 1 and not rec["routing"]["excluded_nodes"]
+        assert set(st.agents["prefill-1"].jobs_received) == set()
+
+
+async def test_unacked_request_is_redelivered_to_another_replica(nats_url):
+    async with stack(nats_url, policy="pd", dispatchers=1, ack_wait_s=1.0) as st:
+        # a "replica" that takes a request and dies without acknowledging it
+        await st.dispatchers[0].close(drain=False)
+        zombie = await nats.connect(nats_url)
+        sub = await zombie.jetstream().pull_subscribe_bind(durable=S.DISPATCHER_CONSUMER, stream=S.REQUEST_STREAM)
+        req = asyncio.ensure_future(st.complete("redeliver me", max_tokens=2))
+        msgs = await sub.fetch(1, timeout=5)
+        assert msgs and msgs[0].metadata.num_delivered == 1
+        await zombie.close()
+        from services.dispatcher.config import DispatcherConfig
+        from services.dispatcher.service import Dispatcher
+        from tests.integration.conftest import fast_model
+        d = Dispatcher(DispatcherConfig(replica_id="dispatcher-new", nats_url=nats_url, policy="pd", metrics_port=-1,
+                                        ack_wait_s=1.0), model=fast_model())
+        await d.start()
+        st.dispatchers.append(d)
+        status, body = await asyncio.wait_for(req, 15)
+        assert status == 200, body
+        rec = await get_record(st, body["id"])
+        assert rec["routing"]["dispatcher"] == "dispatcher-new"
+
+
+async def test_burst_every_request_ends_with_completion_or_explicit_error(nats_url):
+    async with stack(nats_url, policy="kairos", idle_timeout_s=3.0) as st:
+        rng = random.Random(7)
+
+        async def one(i: int):
+            prompt = [1] * rng.randint(20, 3000) if i % 3 else "word " * rng.randint(5, 800)
+            return await st.complete(prompt, max_tokens=rng.randint(1, 12), stream=i % 2 == 0, chat=False)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(60)]
+        await asyncio.sleep(0)  # let the burst start
+        await wait_until(lambda: sum(len(a.jobs_received) for a in st.agents.values()) >= 10, 10, "burst under way")
+        await st.kill_agent("decode-1")  # mid-burst crash: its requests must still be answered
+        results = await asyncio.gather(*tasks)
+        bad = [r for r in results if not ok_or_explicit_error(*r)]
+        assert not bad, bad
+        assert sum(1 for s, _ in results if s == 200) >= 30
