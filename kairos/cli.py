@@ -183,6 +183,35 @@ def bench(**opts) -> None:
         sys.exit(2)
 
 
+@main.command()
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Ingress HTTP port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Ingress bind address.")
+@click.option("--prefill", type=click.IntRange(1), default=2, show_default=True, help="Prefill nodes.")
+@click.option("--decode", type=click.IntRange(1), default=2, show_default=True, help="Decode nodes.")
+@click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True, help="Dispatcher replicas.")
+@click.option("--policy", default="kairos", show_default=True, help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+.")
+@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Bundled profile name or artifact path.")
+@click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
+@click.option("--trace-file", type=click.Path(dir_okay=False), default=None,
+              help="Also write every span as a JSON line to this file.")
+@click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
+              help="Node heartbeat period Δh (ms); stale after 3 periods.")
+@click.option("--served-model", default="kairos-emulated", show_default=True, help="Model name clients send.")
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@policy_params_options
+def up(**opts) -> None:
+    """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
+    from kairos.up import UpOptions, run_up
+
+    _parse_policy_or_exit(opts["policy"])
+    model_or_exit = load_model_or_exit(opts["profile"])
+    make_params(opts["alpha"], opts["beta"], opts["tbt_slo_ms"], opts["ttft_slo_ms"])
+    del model_or_exit
+    sys.exit(run_up(UpOptions(**opts)))
+
+
 def _parse_policy_or_exit(spec: str):
     try:
         return parse_policy(spec)

@@ -266,8 +266,9 @@ def usage_chunk(req: ParsedRequest, rid: str, created: int, prompt_tokens: int, 
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def models_response(models: list[str], created: int | None = None) -> dict[str, Any]:
-    """``GET /v1/models`` body."""
+def models_response(models: list[str], max_model_len: int | None = None, created: int | None = None) -> dict[str, Any]:
+    """``GET /v1/models`` body (with vLLM's ``max_model_len`` extension when known)."""
     c = int(time.time()) if created is None else created
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": c, "owned_by": "kairos"}
+    extra = {"max_model_len": max_model_len} if max_model_len else {}
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": c, "owned_by": "kairos", **extra}
                                        for m in models]}

