@@ -404,13 +404,19 @@ def parse_workload(spec: str, rps: float | None, duration_s: float | None, seed:
       :func:`load_trace`): if ``rps`` is given, arrival times are scaled so the whole trace's mean
       rate is ``rps`` (:func:`rescale_to_rps`; bursts keep their shape, so a short window's own
       rate can differ); otherwise the trace's own timing is kept. Then, if ``duration_s`` is
-      given, only ``[0, duration_s)`` is kept (use :func:`busiest_window` for a busy stretch).
-      ``seed`` only affects Mooncake's within-bucket spreading.
+      given, only ``[0, duration_s)`` is kept. A ``:busiest`` suffix (``azure-code:busiest``) keeps
+      instead the ``duration_s`` window with the most arrivals (:func:`busiest_window`), re-based
+      to 0. ``seed`` only affects Mooncake's within-bucket spreading.
 
     Raises:
         WorkloadError: unknown spec (the message lists the valid ones) or any generator/loader error.
     """
     key = spec.strip().lower()
+    busiest = key.endswith(":busiest")
+    if busiest:
+        spec, key = spec.strip()[: -len(":busiest")], key[: -len(":busiest")]
+        if key in _STRATA or duration_s is None:
+            raise WorkloadError(f"':busiest' applies to traces with a duration, not to {spec!r}")
     if key in _STRATA:
         if duration_s is None:
             raise WorkloadError(f"workload {key!r} needs a duration_s")
@@ -426,5 +432,5 @@ def parse_workload(spec: str, rps: float | None, duration_s: float | None, seed:
     if rps is not None:
         requests = rescale_to_rps(requests, rps)
     if duration_s is not None:
-        requests = window(requests, 0.0, duration_s)
+        requests = busiest_window(requests, duration_s)[1] if busiest else window(requests, 0.0, duration_s)
     return requests

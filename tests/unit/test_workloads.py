@@ -263,3 +263,16 @@ def test_parse_workload_uses_table1_rate_by_default() -> None:
     reqs = parse_workload("LPHD", None, 100.0, seed=0)
     assert len(reqs) / 100.0 == pytest.approx(20.0, rel=0.1)
     assert reqs == generate("lphd", 20.0, 100.0, seed=0)
+
+
+def test_busiest_suffix_takes_the_busiest_window():
+    from shared.workloads import busiest_window, load_trace, parse_workload, TRACES_DIR, BUNDLED_TRACES
+
+    wl = parse_workload("azure-code:busiest", None, 60, seed=0)
+    full = load_trace(TRACES_DIR / BUNDLED_TRACES["azure-code"], id_prefix="azure-code")
+    start, best = busiest_window(full, 60)
+    assert [r.id for r in wl] == [r.id for r in best]
+    assert len(wl) > len(parse_workload("azure-code", None, 60, seed=0))
+    assert all(0 <= r.arrival_s < 60 for r in wl)
+    with pytest.raises(WorkloadError):
+        parse_workload("bursty:busiest", 4, 60, seed=0)
