@@ -12,6 +12,7 @@ Child output goes to per-service log files (JSON lines) in the printed log direc
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -78,6 +79,15 @@ def _port_open(host: str, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def _get_json(url: str) -> Any | None:
+    """The JSON body of a 200 answer, else None."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return json.loads(r.read()) if r.status == 200 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
@@ -199,21 +209,25 @@ class Supervisor:
             raise RuntimeError(f"port {self.opts.port} is already in use (choose another with --port)")
         for c in plan(self.opts, url, self.log_dir):
             self._spawn(c)
-        health = f"http://{self.opts.host}:{self.opts.port}/health"
+        # ready = every service's /health is 200 and the ingress sees every node as routable
+        want = {f"prefill-{i}" for i in range(self.opts.prefill)} | {f"decode-{i}" for i in range(self.opts.decode)}
+        ingress = f"http://{self.opts.host}:{self.opts.port}/health"
+        pending = {c.name: c.endpoint.replace("/metrics", "/health") for c in self.procs if c.endpoint.endswith("/metrics")}
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while True:
             dead = self._dead()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during startup; "
                                    f"log {dead.log_path}:\n{self._tail(dead)}")
-            try:
-                with urllib.request.urlopen(health, timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+            for name, url in list(pending.items()):
+                if _get_json(url) is not None:
+                    del pending[name]
+            body = _get_json(ingress) if not pending else None
+            if body is not None and set(body["routable"]["prefill"]) | set(body["routable"]["decode"]) >= want:
+                break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"ingress not healthy after {self.opts.startup_timeout_s}s ({health})")
+                raise RuntimeError(f"not ready after {self.opts.startup_timeout_s}s: waiting for "
+                                   f"{sorted(pending) or ingress}")
             time.sleep(0.1)
 
     def table(self) -> str:

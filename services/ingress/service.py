@@ -31,7 +31,8 @@ from shared.bus import close as bus_close
 from shared.bus import connect, ensure_buckets, publish
 from shared.latency import load_profile
 from shared.records import request_record
-from shared.wire import (Cancel, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest, IngressTiming,
+from shared.routing import routable
+from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest, IngressTiming,
                          OutEvent, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
 
 
@@ -63,6 +64,8 @@ class Ingress:
         self.nc = None
         self._runner = None
         self._tasks: set[asyncio.Task] = set()
+        self.view: ClusterView | None = None
+        self._view_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -78,6 +81,8 @@ class Ingress:
         self.nc = await connect(self.cfg.nats_url, f"ingress:{self.cfg.replica_id}", self.log)
         self.js = self.nc.jetstream()
         self.buckets = await ensure_buckets(self.js)
+        self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
+        self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -89,6 +94,12 @@ class Ingress:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._view_task is not None:
+            self._view_task.cancel()
+            try:
+                await self._view_watcher.stop()
+            except Exception:
+                pass
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
         await bus_close(self.nc, graceful=True)
@@ -101,8 +112,24 @@ class Ingress:
 
     # -- simple endpoints ---------------------------------------------------------------------
     async def health(self, _req: web.Request) -> web.Response:
-        ok = self.nc is not None and self.nc.is_connected
-        return _json({"status": "ok" if ok else "nats_disconnected"}, 200 if ok else 503)
+        """Readiness: 200 when connected to NATS and the cluster view has at least one fresh
+        prefill and one fresh decode node; the body says what is missing otherwise."""
+        connected = self.nc is not None and self.nc.is_connected
+        pfs, dcs = routable(self.view)
+        age = None if self.view is None else round(now_ms() - self.view.built_unix_ms, 1)
+        ok = connected and bool(pfs) and bool(dcs)
+        status = "ok" if ok else "nats_disconnected" if not connected else "no_routable_nodes"
+        return _json({"status": status, "routable": {"prefill": [n.node for n in pfs], "decode": [n.node for n in dcs]},
+                      "view_age_ms": age}, 200 if ok else 503)
+
+    async def _watch_view(self, watcher) -> None:
+        async for e in watcher:
+            if e is None or not e.value or e.operation is not None:
+                continue
+            try:
+                self.view = decode(e.value, ClusterView)
+            except WireError:
+                continue
 
     async def models(self, _req: web.Request) -> web.Response:
         return _json(oa.models_response([self.cfg.served_model], self.max_model_len))
@@ -258,8 +285,10 @@ class Ingress:
             timing["completion_tokens"] = completion
             self.m_e2e.observe(timing["finished_unix_ms"] - received)
             if not parsed.stream:
-                return _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
-                                              completion)), 200
+                out = _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
+                                             completion))
+                out.headers["X-Request-Id"] = rid
+                return out, 200
             assert resp is not None
             await self._sse(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
                                                   finish))

@@ -201,10 +201,27 @@ class NodeAgent:
                 await self._send_state()
             except Exception as exc:  # disconnected: keep trying, nats-py reconnects
                 self.log.warning("heartbeat_failed", error=repr(exc))
+            self._expire_held()
             try:
                 await asyncio.wait_for(self._stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+    def _expire_held(self) -> None:
+        """Prefill node: free the blocks of handed-off KV caches whose decode node never said it
+        pulled them (it died after accepting the handoff); the client gets its answer from the
+        ingress timeout, the cluster gets its memory back."""
+        limit = now_ms() - self.cfg.kv_hold_timeout_s * 1000.0
+        for rid, r in list(self.reqs.items()):
+            if r.kind == "prefill" and r.handoff_sent_ms is not None and r.handoff_sent_ms < limit:
+                self.reqs.pop(rid, None)
+                self.kv_backlog.pop(rid, None)
+                if self.backend.phase(rid) == "held":
+                    self.backend.release(rid)
+                if r.handoff_span is not None and r.handoff_span.is_recording():
+                    r.handoff_span.set_status(Status(StatusCode.ERROR, "kv_pull_never_confirmed"))
+                    r.handoff_span.end()
+                self.log.warning("kv_hold_expired", request_id=rid, decode_node=r.handoff_node)
 
     # -- jobs -----------------------------------------------------------------------------------
     async def _on_job(self, msg) -> None:

@@ -22,6 +22,7 @@ class AgentConfig:
     state_period_ms: float = 100.0  #: heartbeat period (Δh)
     link: str | None = None  #: KV link name of the profile (None: its default link)
     kv_handoff_timeout_s: float = 2.0  #: prefill side: decode agent must accept a handoff within this
+    kv_hold_timeout_s: float = 60.0  #: prefill side: free KV blocks whose decode node never confirmed the pull
     tbt_guard_ms: float | None = None  #: engine-side TBT guard for deflected chunks (kairos+), ms
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  #: 0: any free port; -1: no metrics server
@@ -36,4 +37,5 @@ class AgentConfig:
         require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
         require(self.state_period_ms > 0, "state_period_ms", "must be > 0")
         require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be > 0")
+        require(self.kv_hold_timeout_s > 0, "kv_hold_timeout_s", "must be > 0")
         require(-1 <= self.metrics_port <= 65535, "metrics_port", "must be -1..65535")

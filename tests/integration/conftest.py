@@ -172,8 +172,9 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
     st = Stack(url=url, ingress=ing, aggregator=agg, dispatchers=disp, agents=agents, http=http,
                base=f"http://127.0.0.1:{ing.port}")
     try:
-        await wait_until(lambda: all(d.view and {n.node for n in d.view.nodes if not n.stale} >= set(agents)
-                                     for d in disp), 10, "every node in every dispatcher's view")
+        await wait_until(lambda: all(v and {n.node for n in v.nodes if not n.stale} >= set(agents)
+                                     for v in [d.view for d in disp] + [ing.view]),
+                         10, "every node in every dispatcher's and the ingress's view")
         yield st
     finally:
         await http.close()

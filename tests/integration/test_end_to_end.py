@@ -69,13 +69,14 @@ async def test_deflect_path_streaming(nats_url):
             assert rec["node"] not in d.reservations or d.reservations[rec["node"]].request_id != rid
 
 
-async def test_deflect_non_streaming_kairos(nats_url):
-    # an idle cluster: Algorithm 1 finds the decode path feasible and fast for a short prompt
+async def test_kairos_policy_decision_record(nats_url):
+    # an idle cluster: Algorithm 1 estimates both paths; the prefill node wins (keep_alpha_margin)
     async with stack(nats_url, policy="kairos") as st:
         status, body = await st.complete("short prompt " * 20, max_tokens=3)
         assert status == 200, body
         rec = await get_record(st, body["id"], components_known)
         assert rec["policy"] == "kairos"
-        assert rec["decision"] in ("deflect", "keep")
+        assert rec["decision"] == "keep" and rec["reason"] == "keep_alpha_margin", rec
+        assert set(rec["estimates"]["ttft_decode_est_ms"]) == {"decode-0", "decode-1"}
         assert rec["reason"] and rec["estimates"]["ttft_prefill_est_ms"] is not None
         assert rec["routing"]["state_age_ms"] is not None
