@@ -15,7 +15,7 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.
 
 ## Main job on the embedded default (emulated engines).
 run: $(STAMP)
-	$(BIN)/kairos decide examples/snapshot.json
+	$(BIN)/kairos demo
 
 ## Full test suite (unit + integration with a real nats-server).
 test: $(STAMP)

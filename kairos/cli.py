@@ -212,6 +212,31 @@ def up(**opts) -> None:
     sys.exit(run_up(UpOptions(**opts)))
 
 
+@main.command()
+@click.option("--workload", default="azure-code:busiest", show_default=True,
+              help="Workload spec as for `kairos sim` (default: the busiest window of the Azure code trace).")
+@click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Seconds replayed.")
+@click.option("--rps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Request rate (default: the trace's own timing).")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--policy", default="kairos", show_default=True)
+@click.option("--profile", default=DEFAULT_PROFILE, show_default=True)
+@click.option("--prefill", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--decode", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
+@click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def demo(**opts) -> None:
+    """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down."""
+    from kairos.demo import demo_command
+
+    _parse_policy_or_exit(opts["policy"])
+    load_model_or_exit(opts["profile"])
+    demo_command(**opts)
+
+
 def _parse_policy_or_exit(spec: str):
     try:
         return parse_policy(spec)

@@ -1,0 +1,101 @@
+"""``kairos demo`` (the README's main command): bring the whole stack up on emulated engines,
+replay a busy window of a real trace through the ingress with streaming requests, print the
+results beside the simulator's for the same workload, shut everything down.
+
+Everything it runs is the product: ``kairos up``'s supervisor, ``kairos bench``'s client and
+``kairos sim``'s simulator, with one workload.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+from kairos.up import Supervisor, UpOptions, free_port
+
+
+def simulate_same(workload: str, rps: float | None, duration: float, seed: int, opts: UpOptions) -> dict[str, Any]:
+    """The simulator's row for the workload the live run replayed (same policy and parameters)."""
+    from shared.latency import load_profile
+    from shared.policy import PolicyParams, parse_policy
+    from shared.workloads import parse_workload
+    from sim.experiments import run_one
+    from sim.simulator import SimConfig
+
+    model = load_profile(opts.profile)
+    params = PolicyParams(alpha=opts.alpha, beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
+    wl = parse_workload(workload, rps, duration, seed, max_model_len=model.engine.max_model_len)
+    cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms)
+    return run_one(wl, parse_policy(opts.policy), model, params, cfg, rps=rps, label="simulated")
+
+
+def side_by_side(live: dict[str, Any], simulated: dict[str, Any]) -> str:
+    """A small fidelity table: live vs simulated TTFT P50/P95 and deflections."""
+    rows = [("", "live", "simulator", "live/sim")]
+    for name, a, b in (("TTFT p50 ms", live["ttft_ms"]["p50"], simulated["ttft_ms"]["p50"]),
+                       ("TTFT p95 ms", live["ttft_ms"]["p95"], simulated["ttft_ms"]["p95"]),
+                       ("TBT p50 ms", live["tbt_ms"]["p50"], simulated["tbt_ms"]["p50"]),
+                       ("deflections", live["deflections"], simulated["deflections"])):
+        ratio = f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
+        rows.append((name, "-" if a is None else f"{a:,.0f}", "-" if b is None else f"{b:,.0f}", ratio))
+    w = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  " + "  ".join(r[i].rjust(w[i]) if i else r[i].ljust(w[i]) for i in range(4)) for r in rows)
+
+
+def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: float, seed: int,
+             json_path: str | None, progress: bool) -> int:
+    """Up → bench → compare → down. Returns the exit code (0 when every request completed)."""
+    from kairos.bench import BenchError, bench_cli
+
+    sup = Supervisor(opts)
+
+    def on_signal(signum, _frame) -> None:
+        sup.stopping = True
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sup.msg(f"starting {opts.prefill}P{opts.decode}D with policy {opts.policy} ...")
+        sup.up()
+        print(sup.table(), flush=True)
+        print(f"\nReplaying {workload} ({duration:g} s) against http://{opts.host}:{opts.port} ...", flush=True)
+        report = bench_cli(url=f"http://{opts.host}:{opts.port}", workload=workload, rps=rps, duration=duration,
+                           seed=seed, model=None, max_concurrency=None, request_timeout=300.0, max_model_len=None,
+                           label=f"live {opts.policy}", json_path=json_path, save_records=False, progress=progress,
+                           tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
+        sim_row = simulate_same(workload, rps, duration, seed, opts)
+        print("\nSame workload through the simulator (kairos sim), side by side:")
+        print(side_by_side(report, sim_row), flush=True)
+        lost = report["sent"] - report["completed"] - report["failed"]
+        print(f"\n{report['completed']}/{report['sent']} completed, {report['failed']} failed, {lost} lost; "
+              f"{report['deflections']} deflections. Decision of any request: "
+              f"curl http://{opts.host}:{opts.port}/v1/requests/<id> (while the stack is up: kairos up)")
+        return 0 if report["failed"] == 0 and lost == 0 else 1
+    except BenchError as exc:
+        sup.msg(f"bench: {exc}")
+        return 2
+    except KeyboardInterrupt:
+        sup.msg("interrupted")
+        return 130
+    except RuntimeError as exc:
+        sup.msg(f"startup failed: {exc}")
+        return 1
+    finally:
+        sup.msg("stopping")
+        sup.down()
+        sup.msg("stopped")
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def demo_command(**o) -> None:
+    """Thin click body (see kairos/cli.py)."""
+    opts = UpOptions(port=o["port"] or free_port(), policy=o["policy"], profile=o["profile"],
+                     prefill=o["prefill"], decode=o["decode"], dispatchers=o["dispatchers"],
+                     trace_file=o["trace_file"])
+    sys.exit(run_demo(opts, workload=o["workload"], rps=o["rps"], duration=o["duration"], seed=o["seed"],
+                      json_path=o["json_path"], progress=o["progress"]))
+
+
+__all__ = ["run_demo", "demo_command", "side_by_side", "simulate_same"]
