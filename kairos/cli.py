@@ -237,6 +237,51 @@ def demo(**opts) -> None:
     demo_command(**opts)
 
 
+@main.command()
+@click.argument("request_id")
+@click.option("--trace-file", type=click.Path(dir_okay=False), envvar="KAIROS_TRACE_FILE", default=None,
+              help="Span file written by `kairos up --trace-file PATH` (default: $KAIROS_TRACE_FILE).")
+@click.option("--json", "as_json", is_flag=True, help="Print the request's spans as JSON lines instead of a tree.")
+def trace(request_id: str, trace_file: str | None, as_json: bool) -> None:
+    """Print one request's spans as a tree: REQUEST_ID is the response id (cmpl-…) or a trace id."""
+    from pathlib import Path
+
+    from shared.tracefile import TraceLookupError, find_spans, trace_report
+
+    if not trace_file:
+        click.echo("kairos trace: no trace file: pass --trace-file PATH (the file given to `kairos up --trace-file`)"
+                   " or set KAIROS_TRACE_FILE", err=True)
+        sys.exit(2)
+    path = Path(trace_file)
+    if not path.is_file():
+        click.echo(f"kairos trace: trace file {path} not found (start the stack with `kairos up --trace-file {path}`)",
+                   err=True)
+        sys.exit(2)
+
+    def lines():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield from f
+
+    if as_json:
+        import dataclasses
+        import json as _json
+
+        spans = find_spans(lines, request_id)
+        for s in spans:
+            click.echo(_json.dumps(dataclasses.asdict(s)))
+        if spans:
+            return
+    else:
+        try:
+            click.echo(trace_report(lines, request_id))
+            return
+        except TraceLookupError:
+            pass
+    click.echo(f"kairos trace: no spans of request {request_id!r} in {path} (spans are written about 0.1 s after "
+               "they finish; was the stack started with this --trace-file?)", err=True)
+    sys.exit(2)
+
+
 def _parse_policy_or_exit(spec: str):
     try:
         return parse_policy(spec)
