@@ -9,8 +9,12 @@ Rules (docs/services.md has the same list):
 1. Stale nodes, nodes that are not accepting and nodes excluded for this request (refused the
    job, or did not answer) are left out of the snapshot. No routable prefill *or* no routable
    decode node → no snapshot (the dispatcher waits for a view update, then errors 503).
-2. A decode node whose deflection slot is reserved by another request is shown to the policy with
-   ``deflection_in_flight=True`` (and no projection data), so ``kairos`` skips it (§5.3).
+2. The reservations bucket is the authority on in-flight deflections: a decode node whose slot is
+   reserved by another request is shown to the policy with ``deflection_in_flight=True`` (and no
+   projection data), so ``kairos`` skips it (§5.3); an unreserved node is shown free even if its
+   last heartbeat (up to Δh old) still reported the finished deflection. Every deflection holds a
+   reservation from before its job is sent until its prefill ends, so this is exact, and it is
+   what the simulator does.
 3. If a policy still deflects onto a reserved node (static policies may), the decision becomes a
    keep on the best prefill node (reason ``keep_reservation_conflict``): across replicas at most
    one deflection runs per decode node at a time.
@@ -27,7 +31,7 @@ import msgspec
 from shared.latency import LatencyModel
 from shared.policy.base import Decision, PolicyParams
 from shared.policy.common import best_prefill, least_loaded_decode
-from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from shared.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
 from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation
 
 
@@ -57,11 +61,8 @@ def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Ma
             decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
                                          deflection_in_flight=True, in_flight=[], waiting=n.waiting))
         else:
-            decode.append(DecodeNodeView(
-                id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
-                deflection_in_flight=n.deflection_in_flight, waiting=n.waiting,
-                in_flight=[InFlightDeflection(prompt_tokens=f.prompt_tokens, output_tokens=f.output_tokens)
-                           for f in n.in_flight]))
+            decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
+                                         deflection_in_flight=False, in_flight=[], waiting=n.waiting))
     prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
                                kv_backlog_ms=n.kv_backlog_ms) for n in pfs]
     age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
