@@ -112,7 +112,8 @@ def nats_server_binary() -> str:
 def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError)."""
     py = sys.executable
-    common = {"nats_url": nats_url, "trace_file": opts.trace_file}
+    # children run with the repo as cwd: a relative path from the user's shell must be made absolute
+    common = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
     children: list[Child] = []
 
     def add(name: str, module: str, cfg: Any, endpoint: str, kind: str) -> None:
@@ -246,7 +247,8 @@ class Supervisor:
                   f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
                   f"Logs         {self.log_dir}"]
         if o.trace_file:
-            lines.append(f"Traces       {o.trace_file} (JSON lines)")
+            lines.append(f"Traces       {os.path.abspath(o.trace_file)} (JSON lines; "
+                         f"kairos trace <id> --trace-file {o.trace_file})")
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             lines.append(f"OTLP         {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
         lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from shared.envconfig import require
 from shared.latency import DEFAULT_PROFILE
@@ -31,8 +32,9 @@ class DispatcherConfig:
     max_concurrency: int = 64  #: requests routed concurrently by this replica
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  #: 0: any free port; -1: no metrics server
-    trace_file: str | None = None
+    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
     log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
         try:

@@ -23,8 +23,8 @@ import time
 import nats.errors
 import nats.js.errors
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
-from prometheus_client import Counter, Histogram
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.dispatcher.config import DispatcherConfig
 from shared import subjects as S
@@ -39,26 +39,49 @@ from shared.wire import (ClusterView, DecisionRecord, ErrorEvent, InferenceReque
                          WireError, decode, encode, now_ms)
 
 
+class _Metrics:
+    """The dispatcher's Prometheus metrics (docs/observability.md has the table)."""
+
+    def __init__(self, reg) -> None:
+        T = telemetry
+        self.decisions = Counter("kairos_dispatcher_decisions_total", "Requests routed, by the decision carried out",
+                                 ("policy", "decision", "reason"), registry=reg)
+        self.decide = Histogram("kairos_dispatcher_decision_seconds",
+                                "Policy evaluation time per routed request (all attempts)", registry=reg,
+                                buckets=T.DECIDE_BUCKETS)
+        self.route = Histogram("kairos_dispatcher_routing_seconds", "Dequeue to a node accepting the job",
+                               registry=reg, buckets=T.ROUTING_BUCKETS)
+        self.state_age = Histogram("kairos_dispatcher_decision_state_age_seconds",
+                                   "Age of the cluster state a routed decision used", registry=reg,
+                                   buckets=T.STATE_AGE_BUCKETS)
+        self.conflicts = Counter("kairos_dispatcher_reservation_conflicts_total",
+                                 "Deflections that found the decode node's slot taken (kv_create: the atomic "
+                                 "reservation create lost; node_refused: the node already had a deflection)",
+                                 ("source",), registry=reg)
+        for source in ("kv_create", "node_refused"):  # known label values start at 0 (rate() works at once)
+            self.conflicts.labels(source)
+        self.reroutes = Counter("kairos_dispatcher_reroutes_total", "Jobs re-routed after a node refused or was silent",
+                                ("why",), registry=reg)
+        self.errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
+                              registry=reg)
+        self.redeliveries = Counter("kairos_dispatcher_redeliveries_total",
+                                    "JetStream redeliveries received (a request whose earlier delivery was not "
+                                    "acknowledged in time)", registry=reg)
+        self.expired = Counter("kairos_dispatcher_expired_total",
+                               "Requests dequeued after their deadline (the ingress had answered 504)", registry=reg)
+        self.inflight = Gauge("kairos_dispatcher_requests_in_flight", "Requests being routed by this replica",
+                              registry=reg)
+
+
 class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, model: LatencyModel | None = None) -> None:
         self.cfg = cfg
         self.model = model or load_profile(cfg.profile)
         self.policy = parse_policy(cfg.policy)
         self.params = cfg.params(self.model.engine.max_num_batched_tokens)
-        self.tel = telemetry.setup("dispatcher", cfg.replica_id, cfg.trace_file, cfg.log_level)
+        self.tel = telemetry.setup("dispatcher", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(replica=cfg.replica_id)
-        reg = self.tel.registry
-        self.m_decisions = Counter("kairos_dispatcher_decisions_total", "Requests routed",
-                                   ("policy", "decision", "reason"), registry=reg)
-        self.m_decide_ms = Histogram("kairos_dispatcher_decide_ms", "Policy evaluation time, ms", registry=reg,
-                                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
-        self.m_route_ms = Histogram("kairos_dispatcher_route_ms", "Dequeue to node accepted, ms", registry=reg,
-                                    buckets=(0.5, 1, 2, 5, 10, 25, 50, 100, 250, 1000))
-        self.m_conflicts = Counter("kairos_dispatcher_reservation_conflicts_total", "Reservation create conflicts",
-                                   registry=reg)
-        self.m_reroutes = Counter("kairos_dispatcher_reroutes_total", "Jobs re-routed", ("why",), registry=reg)
-        self.m_errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
-                                registry=reg)
+        self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
         self.metrics_port: int | None = None
@@ -170,25 +193,37 @@ class Dispatcher:
             self.log.error("bad_request_message", error=str(exc))
             await msg.term()
             return
-        log = self.log.bind(request_id=req.request_id)
-        ctx = telemetry.extract_context(msg.headers)
-        with self.tel.tracer.start_as_current_span("dispatcher.decide", context=ctx, attributes={
-                "kairos.request_id": req.request_id, "kairos.replica_id": self.cfg.replica_id,
-                "kairos.policy": self.policy.spec, "kairos.model_version": self.model.artifact_version,
-                "kairos.prompt_tokens": req.prompt_tokens, "kairos.max_tokens": req.max_tokens,
-                "kairos.delivery": msg.metadata.num_delivered}) as span:
-            if req.deadline_unix_ms <= now_ms():
-                span.set_attribute("kairos.outcome", "expired")
-                log.info("request_expired")  # the ingress has already answered 504
-                await msg.ack()
-                return
+        T = telemetry
+        delivery = msg.metadata.num_delivered
+        if delivery > 1:
+            self.m.redeliveries.inc()
+        self.m.inflight.inc()
+        with self.tel.tracer.start_as_current_span(
+                "dispatcher.decide", context=T.extract_context(msg.headers), kind=SpanKind.CONSUMER, attributes={
+                    T.REQUEST_ID: req.request_id, "kairos.replica_id": self.cfg.replica_id,
+                    "kairos.policy": self.policy.spec, "kairos.model_version": self.model.artifact_version,
+                    "kairos.prompt_tokens": req.prompt_tokens, "kairos.max_tokens": req.max_tokens,
+                    T.GEN_AI_REQUEST_MODEL: req.model, T.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens,
+                    T.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, T.MESSAGING_SYSTEM: "nats",
+                    T.MESSAGING_DESTINATION: S.REQUEST_SUBJECT, T.MESSAGING_OPERATION_TYPE: "process",
+                    T.MESSAGING_DELIVERY_COUNT: delivery, "kairos.delivery": delivery}) as span:
+            log = self.log.bind(request_id=req.request_id, **T.trace_fields(span))
             try:
-                await self._route(req, msg, span, log)
-            except Exception as exc:
-                log.error("routing_failed", error=repr(exc))
-                span.record_exception(exc)
-                await self._error(req, 500, "routing_failed", f"dispatcher {self.cfg.replica_id}: {exc!r}")
-            await msg.ack()
+                if req.deadline_unix_ms <= now_ms():
+                    span.set_attribute("kairos.outcome", "expired")
+                    self.m.expired.inc()
+                    log.info("request_expired")  # the ingress has already answered 504
+                    await msg.ack()
+                    return
+                try:
+                    await self._route(req, msg, span, log)
+                except Exception as exc:
+                    log.error("routing_failed", error=repr(exc))
+                    span.record_exception(exc)
+                    await self._error(req, 500, "routing_failed", f"dispatcher {self.cfg.replica_id}: {exc!r}", span)
+                await msg.ack()
+            finally:
+                self.m.inflight.dec()
 
     async def _route(self, req: InferenceRequest, msg, span, log) -> None:
         t_start = time.perf_counter()
@@ -205,12 +240,13 @@ class Dispatcher:
             held = {**live_reservations(self.reservations, now), **local_held}
             snap = build_snapshot(req, self.view, held, excluded, now)
             if snap is None:
+                if waited_since is None:
+                    span.add_event("waiting_for_nodes", {"excluded": [f"{k}:{v}" for k, v in excluded.items()]})
                 waited_since = waited_since or time.monotonic()
                 left = self.cfg.no_node_wait_s - (time.monotonic() - waited_since)
                 if left <= 0 or excluded:
                     why = "every node refused or did not answer" if excluded else "no live prefill and decode node"
-                    await self._error(req, 503, "no_available_node", f"{why} (excluded: {excluded})")
-                    span.set_attribute("kairos.outcome", "no_available_node")
+                    await self._error(req, 503, "no_available_node", f"{why} (excluded: {excluded})", span)
                     return
                 self._view_changed.clear()
                 try:
@@ -236,7 +272,8 @@ class Dispatcher:
                     try:
                         resv_rev = await self.buckets.reservations.create(resv_key, encode(value), msg_ttl=ttl)
                     except nats.js.errors.KeyWrongLastSequenceError:
-                        self.m_conflicts.inc()
+                        self.m.conflicts.labels("kv_create").inc()
+                        span.add_event("reservation_conflict", {"kairos.node": node, "source": "kv_create"})
                         conflicts.append(node)
                         local_held[node] = Reservation(request_id="?", decode_node=node, dispatcher_id="?",
                                                        prompt_tokens=0, created_unix_ms=now,
@@ -256,11 +293,14 @@ class Dispatcher:
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 why = "timeout"
             if why is not None:
-                self.m_reroutes.labels(why.split(":")[0]).inc()
+                self.m.reroutes.labels(why.split(":")[0]).inc()
+                span.add_event("job_rerouted", {"kairos.node": decision.node, "why": why, "attempt": attempts,
+                                                "kairos.decision": decision.decision})
                 log.info("job_rerouted", node=decision.node, why=why, attempt=attempts)
                 if resv_key is not None:
                     await self._release(resv_key, resv_rev)
                 if why == "deflection_in_flight":
+                    self.m.conflicts.labels("node_refused").inc()
                     local_held[decision.node] = Reservation(request_id="?", decode_node=decision.node,
                                                             dispatcher_id="?", prompt_tokens=0, created_unix_ms=now,
                                                             expires_unix_ms=now + 1000.0)
@@ -268,7 +308,8 @@ class Dispatcher:
                 else:
                     excluded[decision.node] = why
                 if attempts >= max_attempts:
-                    await self._error(req, 503, "no_available_node", f"gave up after {attempts} attempts: {excluded}")
+                    await self._error(req, 503, "no_available_node", f"gave up after {attempts} attempts: {excluded}",
+                                      span)
                     return
                 continue
             await self._accepted(req, decision, ack, snap.state_age_ms, attempts, excluded, conflicts, decide_ms,
@@ -285,10 +326,16 @@ class Dispatcher:
                              view_seq=self.view.seq if self.view else 0, decided_unix_ms=now_ms(),
                              decide_ms=decide_ms, routing_ms=routing_ms)
         set_decision_attributes(span, d, state_age_ms, attempts, excluded, conflicts)
-        self.m_decisions.labels(self.policy.spec, d.decision, d.reason).inc()
-        self.m_decide_ms.observe(decide_ms)
-        self.m_route_ms.observe(routing_ms)
+        span.set_attributes({"kairos.accepted_by": ack.node, "kairos.view_seq": rec.view_seq,
+                             "kairos.decide_ms": decide_ms, "kairos.routing_ms": routing_ms})
+        self.m.decisions.labels(self.policy.spec, d.decision, d.reason).inc()
+        self.m.decide.observe(telemetry.seconds(decide_ms))
+        self.m.route.observe(telemetry.seconds(routing_ms))
+        if state_age_ms is not None:
+            self.m.state_age.observe(telemetry.seconds(state_age_ms))
         self.routed += 1
+        self.log.info("request_routed", request_id=rid, decision=d.decision, reason=d.reason, node=ack.node,
+                      decode_node=d.decode_node, attempts=attempts, state_age_ms=state_age_ms)
         await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
             request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms))
@@ -303,8 +350,11 @@ class Dispatcher:
         except Exception as exc:
             self.log.info("reservation_release_failed", key=key, error=repr(exc))
 
-    async def _error(self, req: InferenceRequest, status: int, code: str, message: str) -> None:
-        self.m_errors.labels(code).inc()
+    async def _error(self, req: InferenceRequest, status: int, code: str, message: str, span=None) -> None:
+        self.m.errors.labels(code).inc()
+        if span is not None:
+            span.set_attribute("kairos.outcome", code)
+            span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
         self.log.warning("request_failed", request_id=req.request_id, code=code, message=message)
         await publish(self.nc, S.out_subject(req.request_id), ErrorEvent(
             request_id=req.request_id, status=status, code=code, message=message,
@@ -313,8 +363,13 @@ class Dispatcher:
 
 def set_decision_attributes(span, d: Decision, state_age_ms: float | None, attempts: int, excluded: dict,
                             conflicts: list) -> None:
-    """The decision as ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing")."""
-    attrs = {"kairos.decision": d.decision, "kairos.reason": d.reason, "kairos.node": d.node,
+    """The decision as ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing").
+
+    Per-node maps are flattened (span attributes are scalars or homogeneous lists):
+    ``kairos.ttft_decode_est_ms.<node>`` for every decode node with an estimate and
+    ``kairos.decode_infeasible.<node>`` (the reason) for every node that could not take the
+    deflection. Values equal the decision record (``GET /v1/requests/{id}``)."""
+    attrs = {"kairos.decision": d.decision, "kairos.reason": d.reason, "kairos.node": d.node, "kairos.outcome": "routed",
              "kairos.decode_node": d.decode_node, "kairos.chunk_schedule": list(d.chunk_schedule),
              "kairos.predicted_step_ms": list(d.predicted_step_ms), "kairos.attempts": attempts,
              "kairos.model_version": d.model_version, "kairos.policy": d.policy}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shared.envconfig import require
 from shared.latency import DEFAULT_PROFILE
@@ -22,8 +23,9 @@ class IngressConfig:
     request_timeout_s: float = 600.0  #: whole request; then 504 and a cancel to the nodes
     idle_timeout_s: float = 60.0  #: max silence between two events of one request; then 504
     replica_id: str = "ingress-0"
-    trace_file: str | None = None
+    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
     log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "must be 0..65535")

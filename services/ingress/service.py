@@ -44,22 +44,50 @@ def _err(status: int, message: str, code: str | None = None, param: str | None =
     return _json(oa.error_body(message, oa.error_type_for(status), param, code), status)
 
 
+class _Metrics:
+    """The ingress's Prometheus metrics (docs/observability.md has the table)."""
+
+    def __init__(self, reg) -> None:
+        T = telemetry
+        self.requests = Counter("kairos_ingress_requests_total", "HTTP completion requests by endpoint and status",
+                                ("endpoint", "status"), registry=reg)
+        self.ttft = Histogram("kairos_ingress_ttft_seconds", "Time to first token as the client sees it",
+                              registry=reg, buckets=T.TTFT_BUCKETS)
+        self.tbt = Histogram("kairos_ingress_tbt_seconds", "Time between consecutive output tokens (per token)",
+                             registry=reg, buckets=T.TBT_BUCKETS)
+        self.e2e = Histogram("kairos_ingress_request_duration_seconds", "Request received to last token sent",
+                             registry=reg, buckets=T.E2E_BUCKETS)
+        self.inflight = Gauge("kairos_ingress_requests_in_flight", "Completion requests being served",
+                              registry=reg)
+        self.ttft_pred = Histogram("kairos_ingress_ttft_predicted_seconds",
+                                   "The decision's TTFT estimate for the path taken (keep: Eq. 1 TTFT_pf; "
+                                   "deflect: Eq. 6 TTFT_dec of the chosen node)", ("decision",), registry=reg,
+                                   buckets=T.TTFT_BUCKETS)
+        self.ttft_meas = Histogram("kairos_ingress_ttft_measured_seconds",
+                                   "Measured TTFT of requests whose decision carried an estimate", ("decision",),
+                                   registry=reg, buckets=T.TTFT_BUCKETS)
+        self.ttft_err = Histogram("kairos_ingress_ttft_prediction_error_seconds",
+                                  "Measured minus predicted TTFT (signed)", ("decision",), registry=reg,
+                                  buckets=T.ERROR_SECONDS_BUCKETS)
+
+
+def predicted_ttft_ms(rec: DecisionRecord) -> float | None:
+    """The decision's TTFT estimate for the path it took (None if the policy made none)."""
+    d = rec.decision
+    if d.deflected:
+        return d.ttft_decode_est_ms.get(d.node)
+    return d.ttft_prefill_est_ms
+
+
 class Ingress:
     def __init__(self, cfg: IngressConfig) -> None:
         self.cfg = cfg
         self.model = load_profile(cfg.profile)
         self.max_model_len = self.model.engine.max_model_len
         self.counter = oa.tokenizer_counter(cfg.tokenizer_path) if cfg.tokenizer_path else None
-        self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level)
+        self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
-        reg = self.tel.registry
-        self.m_requests = Counter("kairos_ingress_requests_total", "HTTP completion requests", ("endpoint", "status"),
-                                  registry=reg)
-        self.m_ttft = Histogram("kairos_ingress_ttft_ms", "Time to first token seen by the client, ms", registry=reg,
-                                buckets=(25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800))
-        self.m_e2e = Histogram("kairos_ingress_e2e_ms", "Request latency, ms", registry=reg,
-                               buckets=(100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000))
-        self.m_inflight = Gauge("kairos_ingress_in_flight", "Requests in flight", registry=reg)
+        self.m = _Metrics(self.tel.registry)
         self.port: int | None = None
         self.nc = None
         self._runner = None
@@ -168,40 +196,67 @@ class Ingress:
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:
-            self.m_requests.labels(endpoint, "400").inc()
+            self.m.requests.labels(endpoint, "400").inc()
             return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
         try:
             parsed = oa.parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens)
             prompt_tokens, exact = oa.count_prompt_tokens(parsed, self.counter)
             oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len)
         except oa.ApiError as exc:
-            self.m_requests.labels(endpoint, str(exc.status)).inc()
+            self.m.requests.labels(endpoint, str(exc.status)).inc()
             return _json(exc.body(), exc.status)
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(received / 1000)
-        log = self.log.bind(request_id=rid)
-        self.m_inflight.inc()
+        self.m.inflight.inc()
         timing = {"received_unix_ms": received, "prompt_tokens": prompt_tokens}
-        with self.tel.tracer.start_as_current_span("ingress.request", kind=SpanKind.SERVER, attributes={
-                "kairos.request_id": rid, "http.route": request.path, "kairos.prompt_tokens": prompt_tokens,
-                "kairos.prompt_tokens_exact": exact, "kairos.max_tokens": parsed.max_tokens,
-                "kairos.stream": parsed.stream}) as span:
+        T = telemetry
+        # HTTP server span: continues the client's trace if it sent a W3C traceparent
+        with self.tel.tracer.start_as_current_span(
+                "ingress.request", context=T.extract_context(request.headers), kind=SpanKind.SERVER,
+                start_time=int(received * 1e6), attributes={
+                    T.REQUEST_ID: rid, "http.request.method": request.method, "http.route": request.path,
+                    "url.path": request.path, "url.scheme": request.scheme, "server.port": self.port or 0,
+                    "client.address": request.remote or "", "user_agent.original": request.headers.get("User-Agent", ""),
+                    T.GEN_AI_OPERATION_NAME: "text_completion" if endpoint == "completions" else "chat",
+                    T.GEN_AI_REQUEST_MODEL: parsed.model, T.GEN_AI_REQUEST_MAX_TOKENS: parsed.max_tokens,
+                    T.GEN_AI_REQUEST_STREAM: parsed.stream, T.GEN_AI_RESPONSE_ID: rid,
+                    T.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens, "kairos.prompt_tokens_exact": exact}) as span:
+            trace_id = T.trace_id_of(span)
+            log = self.log.bind(request_id=rid, **T.trace_fields(span))
             status = 500
+            resp: web.StreamResponse | None = None
             try:
                 resp, status = await self._run(request, parsed, rid, created, prompt_tokens, exact, received, timing,
-                                               log)
+                                               log, trace_id)
                 return resp
             finally:
-                span.set_attribute("http.status_code", status)
+                span.set_attribute("http.response.status_code", status)
+                if "completion_tokens" in timing:
+                    span.set_attribute(T.GEN_AI_USAGE_OUTPUT_TOKENS, timing["completion_tokens"])
+                    span.set_attribute(T.GEN_AI_RESPONSE_MODEL, parsed.model)
+                if "finish_reason" in timing:
+                    span.set_attribute(T.GEN_AI_RESPONSE_FINISH_REASONS, [timing["finish_reason"]])
+                if "first_token_unix_ms" in timing:
+                    ttft = timing["first_token_unix_ms"] - received
+                    span.set_attribute(T.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, T.seconds(ttft))
+                    span.set_attribute("kairos.ttft_ms", round(ttft, 3))
                 if status >= 400:
+                    span.set_attribute("error.type", str(timing.get("error") or status))
                     span.set_status(Status(StatusCode.ERROR, str(timing.get("error"))))
-                self.m_inflight.dec()
-                self.m_requests.labels(endpoint, str(status)).inc()
+                if resp is not None and not resp.prepared and trace_id:
+                    resp.headers["X-Trace-Id"] = trace_id
+                self.m.inflight.dec()
+                self.m.requests.labels(endpoint, str(status)).inc()
                 timing["status"] = status
+                first, done = timing.get("first_token_unix_ms"), timing.get("finished_unix_ms")
+                log.info("request_finished", status=status, endpoint=endpoint, prompt_tokens=prompt_tokens,
+                         completion_tokens=timing.get("completion_tokens"), error=timing.get("error"),
+                         ttft_ms=None if first is None else round(first - received, 3),
+                         e2e_ms=round((done or now_ms()) - received, 3))
                 self._bg(self._write_timing(rid, timing))
 
     async def _run(self, request, parsed: oa.ParsedRequest, rid: str, created: int, prompt_tokens: int, exact: bool,
-                   received: float, timing: dict, log) -> tuple[web.StreamResponse, int]:
+                   received: float, timing: dict, log, trace_id: str | None) -> tuple[web.StreamResponse, int]:
         cfg = self.cfg
         queue: asyncio.Queue[OutEvent] = asyncio.Queue()
 
@@ -244,16 +299,26 @@ class Ingress:
             finish = "length"
             resp: web.StreamResponse | None = None
             first = True
+            last_token_ms = 0.0
             while True:
                 if isinstance(ev, TokenEvent):
+                    t = now_ms()
                     if first:
-                        timing["first_token_unix_ms"] = now_ms()
-                        self.m_ttft.observe(timing["first_token_unix_ms"] - received)
+                        timing["first_token_unix_ms"] = t
+                        self.m.ttft.observe(telemetry.seconds(t - received))
+                    else:  # TBT per token: a k-token event spreads its gap over k tokens
+                        gap = telemetry.seconds(t - last_token_ms) / max(1, ev.count)
+                        for _ in range(max(1, ev.count)):
+                            self.m.tbt.observe(gap)
+                    last_token_ms = t
                     completion += ev.count
                     if parsed.stream:
                         if resp is None:
-                            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                               "Cache-Control": "no-cache", "X-Request-Id": rid})
+                            headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Request-Id": rid}
+                            if trace_id:
+                                headers["X-Trace-Id"] = trace_id
+                            resp = web.StreamResponse(headers=headers)
                             await resp.prepare(request)
                         if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, ev.text, None, first)):
                             return await self._client_gone(rid, resp, timing, log)
@@ -262,9 +327,11 @@ class Ingress:
                     first = False
                 elif isinstance(ev, DoneEvent):
                     finish = ev.finish_reason
+                    timing["finish_reason"] = finish
                     break
                 elif isinstance(ev, ErrorEvent):
                     timing["error"] = ev.code
+                    timing["completion_tokens"] = completion
                     log.warning("request_failed_mid_stream", code=ev.code, message=ev.message)
                     if resp is None:
                         return _err(ev.status, ev.message, ev.code), ev.status
@@ -283,7 +350,7 @@ class Ingress:
                     return resp, 504
             timing["finished_unix_ms"] = now_ms()
             timing["completion_tokens"] = completion
-            self.m_e2e.observe(timing["finished_unix_ms"] - received)
+            self.m.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - received))
             if not parsed.stream:
                 out = _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
                                              completion))
@@ -339,11 +406,32 @@ class Ingress:
             pass
 
     async def _write_timing(self, rid: str, t: dict) -> None:
-        rec = msgspec.convert(t, IngressTiming)
+        rec = msgspec.convert({k: v for k, v in t.items() if k != "finish_reason"}, IngressTiming)
         try:
             await self.buckets.requests.put(S.record_key(rid, "ingress"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+        if t.get("status") == 200 and rec.first_token_unix_ms is not None:
+            await self._observe_prediction(rid, rec.first_token_unix_ms - rec.received_unix_ms)
+
+    async def _observe_prediction(self, rid: str, ttft_ms: float) -> None:
+        """Predicted vs measured TTFT: the dispatcher wrote its estimate into the decision record
+        (long before the first token); compare it with what the client saw."""
+        try:
+            e = await self.buckets.requests.get(S.record_key(rid, "decision"))
+            rec = decode(e.value, DecisionRecord) if e.value else None
+        except (nats.js.errors.KeyNotFoundError, WireError, nats.errors.Error, asyncio.TimeoutError):
+            rec = None
+        if rec is None:
+            self.log.info("no_decision_record", request_id=rid)
+            return
+        pred = predicted_ttft_ms(rec)
+        if pred is None:
+            return
+        kind = rec.decision.decision
+        self.m.ttft_pred.labels(kind).observe(telemetry.seconds(pred))
+        self.m.ttft_meas.labels(kind).observe(telemetry.seconds(ttft_ms))
+        self.m.ttft_err.labels(kind).observe(telemetry.seconds(ttft_ms - pred))
 
 
 async def run(cfg: IngressConfig, stop: asyncio.Event) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import nats.errors
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.node_agent.backend import EngineBackend, StepOutput, make_backend
@@ -68,28 +68,50 @@ class _Req:
     handoff_span: Span | None = None
     decode_span: Span | None = None
     tokens: int = 0
+    last_token_ms: float | None = None
+    tbt_max_ms: float = 0.0
     chunk_pred: list[float] = field(default_factory=list)
     chunk_actual: list[float] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
 
 
 class _Metrics:
+    """The node agent's Prometheus metrics, all labelled by ``node`` (docs/observability.md)."""
+
     def __init__(self, reg, node: str) -> None:
+        T = telemetry
         lbl = {"labelnames": ("node",), "registry": reg}
-        self.jobs = Counter("kairos_agent_jobs_total", "Jobs received", ("node", "kind", "outcome"), registry=reg)
+        self.jobs = Counter("kairos_agent_jobs_total", "Jobs received, by kind and outcome", ("node", "kind", "outcome"),
+                            registry=reg)
         self.steps = Counter("kairos_agent_steps_total", "Engine steps executed", **lbl)
-        self.step_ms = Histogram("kairos_agent_step_ms", "Engine step wall time, ms", ("node",), registry=reg,
-                                 buckets=(5, 10, 20, 30, 50, 70, 100, 150, 250, 500, 1000))
+        self.step = Histogram("kairos_agent_step_seconds", "Engine step wall time", buckets=T.STEP_BUCKETS, **lbl)
         self.tokens = Counter("kairos_agent_tokens_total", "Output tokens emitted", **lbl)
-        self.kv_transfers = Counter("kairos_agent_kv_transfers_total", "KV caches pulled", **lbl)
-        self.kv_ms = Histogram("kairos_agent_kv_transfer_ms", "KV transfer incl. link wait, ms", ("node",),
-                               registry=reg, buckets=(5, 10, 25, 50, 100, 250, 500, 1000, 2500))
+        self.kv_transfers = Counter("kairos_agent_kv_transfers_total", "KV caches pulled (decode side)", **lbl)
+        self.kv = Histogram("kairos_agent_kv_transfer_seconds", "KV transfer including waiting for the link",
+                            buckets=T.KV_TRANSFER_BUCKETS, **lbl)
+        self.chunks = Counter("kairos_agent_deflected_chunks_total", "Deflected chunked-prefill steps run", **lbl)
+        self.chunk_pred = Histogram("kairos_agent_chunk_step_predicted_seconds",
+                                    "Deflected chunk steps: the dispatcher's predicted step latency (Eq. 5)",
+                                    buckets=T.STEP_BUCKETS, **lbl)
+        self.chunk_meas = Histogram("kairos_agent_chunk_step_measured_seconds",
+                                    "Deflected chunk steps: measured step latency", buckets=T.STEP_BUCKETS, **lbl)
+        self.chunk_err = Histogram("kairos_agent_chunk_step_error_ratio",
+                                   "Deflected chunk steps: (measured - predicted) / predicted; predictor=decision "
+                                   "is the dispatcher's Eq. 5 value (stale state + model error), predictor=engine "
+                                   "the latency model on the batch actually run (model error only)",
+                                   ("node", "predictor"), registry=reg, buckets=T.ERROR_RATIO_BUCKETS)
         self.overlap = Counter("kairos_agent_deflect_overlap_total",
                                "Deflect jobs that arrived while another deflection was in flight here", **lbl)
+        self.inflight = Gauge("kairos_agent_requests_in_flight", "Requests this node holds (any phase)", **lbl)
         self.batch = Gauge("kairos_agent_batch_size", "Running decodes (B)", **lbl)
-        self.kv = Gauge("kairos_agent_kv_tokens", "KV tokens of running decodes (K)", **lbl)
+        self.kv_tokens = Gauge("kairos_agent_kv_tokens", "KV tokens of running decodes (K)", **lbl)
         self.queue = Gauge("kairos_agent_queue_prompt_tokens", "Prefill tokens queued", **lbl)
         self.node = node
+        for m in (self.steps, self.step, self.tokens, self.kv_transfers, self.kv, self.chunks, self.chunk_pred,
+                  self.chunk_meas, self.overlap, self.inflight, self.batch, self.kv_tokens, self.queue):
+            m.labels(node)  # this node's series exist (at 0) from the start
+        for predictor in ("decision", "engine"):
+            self.chunk_err.labels(node, predictor)
 
 
 class NodeAgent:
@@ -100,7 +122,7 @@ class NodeAgent:
         self.cfg = cfg
         self.model = model or load_profile(cfg.profile)
         self.backend = backend or make_backend(cfg.backend, cfg.role, self.model, cfg.tbt_guard_ms, cfg.link)
-        self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level)
+        self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
         self.reqs: dict[str, _Req] = {}
@@ -175,6 +197,13 @@ class NodeAgent:
                 self.log.error("background_task_failed", error=repr(task.exception()))
         t.add_done_callback(done)
 
+    def _rlog(self, rid: str, span=None):
+        """The logger for lines about ``rid``: request id and trace id bound."""
+        if span is None:
+            r = self.reqs.get(rid)
+            span = r.span if r is not None else None
+        return self.log.bind(request_id=rid, **telemetry.trace_fields(span))
+
     # -- heartbeats -----------------------------------------------------------------------------
     def node_state(self) -> NodeState:
         st = self.backend.state()
@@ -190,8 +219,9 @@ class NodeAgent:
     async def _send_state(self) -> None:
         st = self.node_state()
         self.m.batch.labels(self.cfg.node_id).set(st.batch_size)
-        self.m.kv.labels(self.cfg.node_id).set(st.kv_tokens)
+        self.m.kv_tokens.labels(self.cfg.node_id).set(st.kv_tokens)
         self.m.queue.labels(self.cfg.node_id).set(sum(st.queue_prompt_tokens))
+        self.m.inflight.labels(self.cfg.node_id).set(len(self.reqs))
         await self.nc.publish(S.state_subject(self.cfg.node_id), encode(st))
 
     async def _heartbeats(self) -> None:
@@ -218,10 +248,8 @@ class NodeAgent:
                 self.kv_backlog.pop(rid, None)
                 if self.backend.phase(rid) == "held":
                     self.backend.release(rid)
-                if r.handoff_span is not None and r.handoff_span.is_recording():
-                    r.handoff_span.set_status(Status(StatusCode.ERROR, "kv_pull_never_confirmed"))
-                    r.handoff_span.end()
-                self.log.warning("kv_hold_expired", request_id=rid, decode_node=r.handoff_node)
+                telemetry.end_span(r.handoff_span, "kv_pull_never_confirmed")
+                self._rlog(rid, r.span).warning("kv_hold_expired", decode_node=r.handoff_node)
 
     # -- jobs -----------------------------------------------------------------------------------
     async def _on_job(self, msg) -> None:
@@ -252,18 +280,25 @@ class NodeAgent:
                                                list(job.chunk_schedule))
             except EngineError as exc:
                 reason = f"engine_refused: {exc}"
+        ctx = telemetry.extract_context(msg.headers)
         if reason is not None:
             self.m.jobs.labels(self.cfg.node_id, job.kind, "refused").inc()
-            self.log.info("job_refused", request_id=rid, reason=reason)
+            self._rlog(rid, ctx).info("job_refused", reason=reason)
             await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason=reason)))
             return
         now = now_ms()
-        ctx = telemetry.extract_context(msg.headers)
         name = "node.prefill" if job.kind == "prefill" else "node.deflected_prefill"
-        span = self.tel.tracer.start_span(name, context=ctx, attributes={
-            "kairos.request_id": rid, "kairos.node": self.cfg.node_id, "kairos.prompt_tokens": job.request.prompt_tokens,
-            "kairos.max_tokens": job.request.max_tokens, "kairos.chunk_schedule": list(job.chunk_schedule),
-            "kairos.attempt": job.attempt})
+        attrs = {telemetry.REQUEST_ID: rid, "kairos.node": self.cfg.node_id, "kairos.role": self.cfg.role,
+                 "kairos.prompt_tokens": job.request.prompt_tokens, "kairos.max_tokens": job.request.max_tokens,
+                 "kairos.attempt": job.attempt, "kairos.dispatcher_id": job.dispatcher_id,
+                 telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_DESTINATION: S.jobs_subject(self.cfg.node_id),
+                 telemetry.MESSAGING_OPERATION_TYPE: "process"}
+        if job.kind == "deflect":
+            attrs["kairos.chunk_schedule"] = list(job.chunk_schedule)
+            attrs["kairos.predicted_step_ms"] = list(job.predicted_step_ms)
+        else:
+            attrs["kairos.decode_candidates"] = list(job.decode_candidates)
+        span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
         self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
         if job.kind == "deflect":
             self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
@@ -283,10 +318,8 @@ class NodeAgent:
         self._end_deflection(c.request_id)
         self.kv_backlog.pop(c.request_id, None)
         for sp in (r.span, r.handoff_span, r.decode_span):
-            if sp is not None and sp.is_recording():
-                sp.set_status(Status(StatusCode.ERROR, f"cancelled: {c.reason}"))
-                sp.end()
-        self.log.info("request_cancelled", request_id=c.request_id, reason=c.reason)
+            telemetry.end_span(sp, f"cancelled: {c.reason}")
+        self._rlog(c.request_id, r.span).info("request_cancelled", reason=c.reason)
 
     # -- keep path: prefill node ----------------------------------------------------------------
     async def _handoff(self, rid: str) -> None:
@@ -294,9 +327,10 @@ class NodeAgent:
         if r is None or r.job is None:
             return
         r.handoff_span = self.tel.tracer.start_span(
-            "node.kv_handoff", context=trace.set_span_in_context(r.span),
-            attributes={"kairos.request_id": rid, "kairos.kv_tokens": r.req.prompt_tokens,
-                        "kairos.decode_candidates": list(r.job.decode_candidates)})
+            "node.kv_handoff", context=trace.set_span_in_context(r.span), kind=SpanKind.PRODUCER,
+            attributes={telemetry.REQUEST_ID: rid, "kairos.node": self.cfg.node_id, "kairos.kv_tokens": r.req.prompt_tokens,
+                        "kairos.decode_candidates": list(r.job.decode_candidates),
+                        "kairos.kv_transfer_est_ms": self.backend.kv_transfer_ms(r.req.prompt_tokens)})
         headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
         r.handoff_sent_ms = now_ms()
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
@@ -323,7 +357,7 @@ class NodeAgent:
                 self._write_prefill_timing(r)
                 return
             tried[cand] = ack.reason or "refused"
-        self.log.warning("kv_handoff_failed", request_id=rid, tried=tried)
+        self._rlog(rid, r.span).warning("kv_handoff_failed", tried=tried)
         await self._fail(rid, 503, "kv_handoff_failed", f"no decode node took the KV cache: {tried}")
 
     async def _on_kvdone(self, msg) -> None:
@@ -360,7 +394,8 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason=reason)))
             return
         span = self.tel.tracer.start_span("node.kv_transfer", context=telemetry.extract_context(msg.headers),
-                                          attributes={"kairos.request_id": rid, "kairos.src_node": h.src_node,
+                                          kind=SpanKind.CONSUMER,
+                                          attributes={telemetry.REQUEST_ID: rid, "kairos.src_node": h.src_node,
                                                       "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
         self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
@@ -380,11 +415,10 @@ class NodeAgent:
             self.backend.kv_arrived(rid)
             r.kv_arrived_ms = now_ms()
             self.m.kv_transfers.labels(self.cfg.node_id).inc()
-            self.m.kv_ms.labels(self.cfg.node_id).observe(ms)
+            self.m.kv.labels(self.cfg.node_id).observe(telemetry.seconds(ms))
             r.span.set_attribute("kairos.kv_transfer_ms", ms)
             r.span.end()
-            r.decode_span = self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span),
-                                                       attributes={"kairos.request_id": rid})
+            r.decode_span = self._decode_span(rid, r)
         await publish(self.nc, S.kvdone_subject(r.src_node or ""),
                       KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
 
@@ -392,7 +426,7 @@ class NodeAgent:
     async def _on_step(self, out: StepOutput) -> None:
         node = self.cfg.node_id
         self.m.steps.labels(node).inc()
-        self.m.step_ms.labels(node).observe(out.wall_ms)
+        self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
         for rid, _n, _cached in out.prefill_chunks:
             r = self.reqs.get(rid)
             if r is not None and r.prefill_start_ms is None:
@@ -409,6 +443,13 @@ class NodeAgent:
                 r.span.add_event("chunk", {"chi": chi, "step_index": idx, "prefill_tokens": toks,
                                            "predicted_ms": pred, "engine_predicted_ms": out.predicted_ms,
                                            "actual_ms": out.wall_ms, "batch_size": out.batch_size})
+                self.m.chunks.labels(node).inc()
+                self.m.chunk_pred.labels(node).observe(telemetry.seconds(pred))
+                self.m.chunk_meas.labels(node).observe(telemetry.seconds(out.wall_ms))
+                if pred > 0:
+                    self.m.chunk_err.labels(node, "decision").observe((out.wall_ms - pred) / pred)
+                if out.predicted_ms > 0:
+                    self.m.chunk_err.labels(node, "engine").observe((out.wall_ms - out.predicted_ms) / out.predicted_ms)
         now = now_ms()
         for rid in out.prefill_done:  # keep path, prefill node
             r = self.reqs.get(rid)
@@ -426,13 +467,15 @@ class NodeAgent:
                 r.span.set_attribute("kairos.chunks_run", len(r.chunk_sizes))
                 r.span.end()
                 self._end_deflection(rid)
-                r.decode_span = self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span),
-                                                           attributes={"kairos.request_id": rid})
+                r.decode_span = self._decode_span(rid, r)
         for rid, idx in out.tokens:
             r = self.reqs.get(rid)
             if r is None:
                 continue
             r.tokens += 1
+            if r.last_token_ms is not None:
+                r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
+            r.last_token_ms = now
             await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
                 request_id=rid, first_index=idx, count=1, text=token_text(idx), node=node, sent_unix_ms=now)))
         if out.tokens:
@@ -441,12 +484,26 @@ class NodeAgent:
             r = self.reqs.pop(rid, None)
             if r is None:
                 continue
+            if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
+                r.decode_span.set_attributes(self._decode_summary(r))
+                r.decode_span.end()
             await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
                 request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now)))
-            if r.decode_span is not None:
-                r.decode_span.set_attribute("kairos.completion_tokens", r.tokens)
-                r.decode_span.end()
             self._write_decode_timing(r, finished_ms=now)
+
+    def _decode_span(self, rid: str, r: _Req) -> Span:
+        return self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span), attributes={
+            telemetry.REQUEST_ID: rid, "kairos.node": self.cfg.node_id,
+            "kairos.path": "deflect" if r.kind == "deflect" else "keep"})
+
+    @staticmethod
+    def _decode_summary(r: _Req) -> dict:
+        """Output tokens and TBT seen on this node (first token → last token)."""
+        out: dict = {telemetry.GEN_AI_USAGE_OUTPUT_TOKENS: r.tokens, "kairos.completion_tokens": r.tokens,
+                     "kairos.tbt_max_ms": round(r.tbt_max_ms, 3)}
+        if r.tokens > 1 and r.first_token_ms is not None and r.last_token_ms is not None:
+            out["kairos.tbt_mean_ms"] = round((r.last_token_ms - r.first_token_ms) / (r.tokens - 1), 3)
+        return out
 
     def _end_deflection(self, rid: str) -> None:
         """The deflected prefill of ``rid`` finished or failed: free this node's deflection slot."""
@@ -459,7 +516,7 @@ class NodeAgent:
             try:
                 await self.buckets.reservations.delete(key, last=rev)
             except Exception as exc:  # expired and re-taken by another request: not ours anymore
-                self.log.info("reservation_release_skipped", request_id=rid, key=key, error=repr(exc))
+                self._rlog(rid).info("reservation_release_skipped", key=key, error=repr(exc))
         self._bg(release())
 
     async def _fail(self, rid: str, status: int, code: str, message: str) -> None:
@@ -477,12 +534,10 @@ class NodeAgent:
                 request_id=rid, status=status, code=code, message=message, source=f"node_agent:{self.cfg.node_id}",
                 sent_unix_ms=now_ms()))
         except Exception as exc:
-            self.log.warning("error_publish_failed", request_id=rid, error=repr(exc))
+            self._rlog(rid, r.span if r else None).warning("error_publish_failed", error=repr(exc))
         if r is not None:
             for sp in (r.span, r.handoff_span, r.decode_span):
-                if sp is not None and sp.is_recording():
-                    sp.set_status(Status(StatusCode.ERROR, code))
-                    sp.end()
+                telemetry.end_span(sp, code)
             if r.kind == "prefill":
                 self._write_prefill_timing(r, error=code)
             else:
@@ -492,7 +547,7 @@ class NodeAgent:
     def _write_prefill_timing(self, r: _Req, error: str | None = None) -> None:
         rec = PrefillTiming(node=self.cfg.node_id, received_unix_ms=r.received_ms, prefill_start_unix_ms=r.prefill_start_ms,
                             prefill_done_unix_ms=r.prefill_done_ms, handoff_node=r.handoff_node, error=error)
-        self._put_record(r.req.request_id, "prefill", rec)
+        self._put_record(r.req.request_id, "prefill", rec, r.span)
 
     def _write_decode_timing(self, r: _Req, finished_ms: float | None = None, error: str | None = None) -> None:
         rec = DecodeTiming(node=self.cfg.node_id, kind="deflect" if r.kind == "deflect" else "prefill",
@@ -503,18 +558,19 @@ class NodeAgent:
                            first_token_unix_ms=r.first_token_ms, finished_unix_ms=finished_ms,
                            completion_tokens=r.tokens, chunk_predicted_ms=r.chunk_pred, chunk_actual_ms=r.chunk_actual,
                            chunk_sizes=r.chunk_sizes, error=error)
-        self._put_record(r.req.request_id, "decode", rec)
+        self._put_record(r.req.request_id, "decode", rec, r.span)
 
-    def _put_record(self, rid: str, part: str, rec) -> None:
+    def _put_record(self, rid: str, part: str, rec, span: Span | None = None) -> None:
         if self.buckets is None:
             return
         kv = self.buckets.requests
+        log = self._rlog(rid, span)
 
         async def put() -> None:
             try:
                 await kv.put(S.record_key(rid, part), encode(rec))
             except Exception as exc:
-                self.log.warning("record_write_failed", request_id=rid, part=part, error=repr(exc))
+                log.warning("record_write_failed", part=part, error=repr(exc))
         self._bg(put())
 
 

@@ -26,8 +26,9 @@ class AgentConfig:
     tbt_guard_ms: float | None = None  #: engine-side TBT guard for deflected chunks (kairos+), ms
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  #: 0: any free port; -1: no metrics server
-    trace_file: str | None = None
+    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
     log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from shared.envconfig import require
 
@@ -16,8 +17,9 @@ class AggregatorConfig:
     stale_after_ms: float | None = None  #: no heartbeat for this long → stale (default 3 × state_period_ms)
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  #: 0: any free port; -1: no metrics server
-    trace_file: str | None = None
+    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
     log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
         require(self.state_period_ms > 0, "state_period_ms", "must be > 0")

@@ -29,13 +29,23 @@ class StateAggregator:
     def __init__(self, cfg: AggregatorConfig) -> None:
         self.cfg = cfg
         self.builder = ViewBuilder(period_ms=cfg.state_period_ms, stale_after_ms=cfg.stale_after_ms)
-        self.tel = telemetry.setup("state_aggregator", "aggregator", cfg.trace_file, cfg.log_level)
+        self.tel = telemetry.setup("state_aggregator", "aggregator", cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         reg = self.tel.registry
         self.m_states = Counter("kairos_aggregator_states_total", "Heartbeats received", registry=reg)
         self.m_routed = Counter("kairos_aggregator_routed_total", "Routing events received", registry=reg)
         self.m_views = Counter("kairos_aggregator_views_total", "Views written", registry=reg)
         self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
+        self.m_age = Gauge("kairos_aggregator_node_state_age_seconds",
+                           "Time since the node's last heartbeat was received, when the view was built",
+                           ("node", "role"), registry=reg)
+        self.m_stale = Gauge("kairos_aggregator_node_stale", "1 if the node is stale (no route), else 0",
+                             ("node", "role"), registry=reg)
+        self.m_queue = Gauge("kairos_aggregator_request_queue_messages",
+                             "Request work queue (JetStream consumer of the dispatchers): pending = not yet "
+                             "delivered, ack_pending = delivered and not acknowledged", ("state",), registry=reg)
+        self._labelled: set[tuple[str, str]] = set()
+        self._queue_polled = 0.0
         self.view: ClusterView | None = None
         self.metrics_port: int | None = None
         self._stale: set[str] = set()
@@ -98,10 +108,22 @@ class StateAggregator:
                 self.m_views.inc()
             except Exception as exc:
                 self.log.warning("view_write_failed", error=repr(exc))
+            if time.monotonic() - self._queue_polled >= 1.0:
+                self._queue_polled = time.monotonic()
+                await self._poll_queue()
             try:
                 await asyncio.wait_for(self._stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+    async def _poll_queue(self) -> None:
+        """Request work-queue depth from JetStream (absent until a dispatcher declared it)."""
+        try:
+            info = await self.nc.jetstream().consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=0.5)
+        except Exception:
+            return
+        self.m_queue.labels("pending").set(info.num_pending or 0)
+        self.m_queue.labels("ack_pending").set(info.num_ack_pending or 0)
 
     def _report(self, view: ClusterView) -> None:
         counts: dict[tuple[str, str], int] = {(r, s): 0 for r in ("prefill", "decode") for s in ("true", "false")}
@@ -112,6 +134,15 @@ class StateAggregator:
                 stale.add(n.node)
         for (r, s), c in counts.items():
             self.m_nodes.labels(r, s).set(c)
+        present = set()
+        for n in view.nodes:
+            present.add((n.node, n.role))
+            self.m_age.labels(n.node, n.role).set(telemetry.seconds(n.age_ms))
+            self.m_stale.labels(n.node, n.role).set(1 if n.stale else 0)
+        for gone in self._labelled - present:  # forgotten nodes leave the metrics too
+            self.m_age.remove(*gone)
+            self.m_stale.remove(*gone)
+        self._labelled = present
         for n in stale - self._stale:
             self.log.warning("node_stale", node=n)
         for n in self._stale - stale:

@@ -145,28 +145,43 @@ class Stack:
 @asynccontextmanager
 async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 2, policy: str = "kairos",
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
-                idle_timeout_s: float = 10.0, trace_file: str | None = None, **dispatcher_overrides):
-    """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view."""
+                idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
+                metrics: bool = False, **dispatcher_overrides):
+    """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
+
+    ``span_exporter``: also export every service's spans synchronously to it (e.g. an OTel
+    ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port.
+    """
     await reset_bus(url)
     model = model or fast_model()
-    agg = StateAggregator(AggregatorConfig(nats_url=url, state_period_ms=period_ms, metrics_port=-1,
-                                           trace_file=trace_file))
+    mport = 0 if metrics else -1
+
+    def instrument(svc):
+        if span_exporter is not None:
+            from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+            svc.tel.provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        return svc
+
+    agg = instrument(StateAggregator(AggregatorConfig(nats_url=url, state_period_ms=period_ms, metrics_port=mport,
+                                                      trace_file=trace_file)))
     await agg.start()
     agents: dict[str, NodeAgent] = {}
     for role, n in (("prefill", prefill), ("decode", decode)):
         for i in range(n):
-            a = NodeAgent(AgentConfig(node_id=f"{role}-{i}", role=role, nats_url=url, state_period_ms=period_ms,
-                                      metrics_port=-1, trace_file=trace_file), model=model)
+            a = instrument(NodeAgent(AgentConfig(node_id=f"{role}-{i}", role=role, nats_url=url,
+                                                 state_period_ms=period_ms, metrics_port=mport, trace_file=trace_file),
+                                     model=model))
             await a.start()
             agents[a.cfg.node_id] = a
     disp = []
     for i in range(dispatchers):
-        d = Dispatcher(DispatcherConfig(replica_id=f"dispatcher-{i}", nats_url=url, policy=policy, metrics_port=-1,
-                                        trace_file=trace_file, **dispatcher_overrides), model=model)
+        d = instrument(Dispatcher(DispatcherConfig(replica_id=f"dispatcher-{i}", nats_url=url, policy=policy,
+                                                   metrics_port=mport, trace_file=trace_file, **dispatcher_overrides),
+                                  model=model))
         await d.start()
         disp.append(d)
-    ing = Ingress(IngressConfig(nats_url=url, port=0, request_timeout_s=request_timeout_s,
-                                idle_timeout_s=idle_timeout_s, trace_file=trace_file))
+    ing = instrument(Ingress(IngressConfig(nats_url=url, port=0, request_timeout_s=request_timeout_s,
+                                           idle_timeout_s=idle_timeout_s, trace_file=trace_file)))
     await ing.start()
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
     st = Stack(url=url, ingress=ing, aggregator=agg, dispatchers=disp, agents=agents, http=http,
