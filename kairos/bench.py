@@ -246,7 +246,7 @@ def chunk_tokens(choice: dict[str, Any], usage_completion_tokens: int | None, co
 
 def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[float, int]], *,
                 output_tokens: int | None = None, error: str | None = None,
-                deflected: bool = False) -> RequestRecord:
+                record: dict[str, Any] | None = None) -> RequestRecord:
     """Turn one request's recorded chunk arrivals into a :class:`RequestRecord`.
 
     Args:
@@ -256,12 +256,21 @@ def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[floa
         output_tokens: the server's count (final ``usage``); default: the tokens in ``chunks``.
         error: failure reason or None. A request without any token and no error gets
             ``"no output tokens in the stream"``.
-        deflected: the ingress reported ``decision == "deflect"``.
+        record: the server's decision record (``GET /v1/requests/{id}``) if found: ``deflected``
+            is ``decision == "deflect"`` and the TTFT components (ms) come from its ``measured``
+            object (server-side timestamps), so the live run has a P95 breakdown like the simulator.
 
     Returns:
         ``token_times_s`` with each chunk's time repeated once per token; ``ttft_ms`` =
         (first chunk − ``sent_s``) × 1000, None without tokens.
     """
+    record = record or {}
+    measured = record.get("measured") if isinstance(record.get("measured"), dict) else {}
+
+    def comp(key: str) -> float | None:
+        v = measured.get(key)
+        return float(v) if isinstance(v, (int, float)) else None
+
     times = [t for t, k in chunks for _ in range(k)]
     if not times and error is None:
         error = "no output tokens in the stream"
@@ -269,7 +278,9 @@ def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[floa
         id=req.id, arrival_s=sent_s, prompt_tokens=req.prompt_tokens,
         output_tokens=len(times) if output_tokens is None else output_tokens,
         ttft_ms=(times[0] - sent_s) * 1000.0 if times else None, token_times_s=times,
-        deflected=deflected, error=error)
+        deflected=record.get("decision") == "deflect", error=error,
+        prefill_queue_ms=comp("prefill_queue_ms"), prefill_exec_ms=comp("prefill_exec_ms"),
+        kv_transfer_ms=comp("kv_transfer_ms"), decode_queue_ms=comp("decode_queue_ms"))
 
 
 def parse_deflect_counter(text: str) -> float | None:
@@ -404,10 +415,12 @@ async def send_one(session, url: str, index: int, req: WorkloadRequest, model: s
     return Outcome(index, req, sent_s, state, state.error or error, state.server_id or header_id)
 
 
-async def lookup_decisions(session, url: str, ids: Sequence[str]) -> dict[str, str | None]:
-    """``GET /v1/requests/{id}`` for each id: id → ``decision`` for the records found (200)."""
+async def lookup_decisions(session, url: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``GET /v1/requests/{id}`` for each id: id → the decision record (JSON object) for the records
+    found (200). Its ``decision`` is deflect/keep; its ``measured`` object has the server-side
+    TTFT components in ms (Kairos ingress; absent elsewhere)."""
     sem = asyncio.Semaphore(LOOKUP_CONCURRENCY)
-    found: dict[str, str | None] = {}
+    found: dict[str, dict[str, Any]] = {}
 
     async def one(rid: str) -> None:
         async with sem:
@@ -416,7 +429,7 @@ async def lookup_decisions(session, url: str, ids: Sequence[str]) -> dict[str, s
                 if status == 200:
                     obj = json.loads(text)
                     if isinstance(obj, dict):
-                        found[rid] = obj.get("decision")
+                        found[rid] = obj
             except Exception:  # a lookup failure only loses that record
                 pass
 
@@ -494,14 +507,14 @@ async def run_bench(cfg: BenchConfig,
         decisions = await lookup_decisions(session, url, ids) if ids else {}
         if decisions:
             source: str | None = "requests"
-            deflections: int | None = sum(d == "deflect" for d in decisions.values())
+            deflections: int | None = sum(d.get("decision") == "deflect" for d in decisions.values())
         else:
             delta = deflect_delta(metrics_before, await scrape_metrics(session, url))
             source = "metrics" if delta is not None else None
             deflections = None if delta is None else int(round(delta))
 
     records = [make_record(o.req, o.sent_s, o.state.chunks, output_tokens=o.state.usage_completion_tokens,
-                           error=o.error, deflected=decisions.get(o.server_id or "") == "deflect")
+                           error=o.error, record=decisions.get(o.server_id or ""))
                for o in outcomes]
     return BenchResult(records=records, outcomes=outcomes, model=model, sent=len(outcomes), duration_s=duration_s,
                        deflections=deflections, deflections_source=source)

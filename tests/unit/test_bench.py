@@ -460,3 +460,13 @@ def test_cli_usage_errors_exit_2(args, needle):
     res = CliRunner().invoke(main, ["bench", "--no-progress", "--url", f"http://127.0.0.1:{port}", *args])
     assert res.exit_code == 2
     assert needle.format(port=port) in res.stderr
+
+
+def test_make_record_takes_deflection_and_ttft_components_from_the_decision_record():
+    req = WorkloadRequest("w", 0.0, 100, 2)
+    rec = make_record(req, 1.0, [(1.3, 1), (1.35, 1)], record={
+        "decision": "deflect", "measured": {"prefill_queue_ms": 5.0, "prefill_exec_ms": 280.0,
+                                            "kv_transfer_ms": 0.0, "decode_queue_ms": 0.0, "ttft_ms": 290.0}})
+    assert rec.deflected and rec.prefill_exec_ms == 280.0 and rec.kv_transfer_ms == 0.0
+    keep = make_record(req, 1.0, [(1.3, 1)], record={"decision": "keep", "measured": {"kv_transfer_ms": None}})
+    assert not keep.deflected and keep.kv_transfer_ms is None and keep.prefill_queue_ms is None
