@@ -210,6 +210,7 @@ class Supervisor:
             raise RuntimeError(f"port {self.opts.port} is already in use (choose another with --port)")
         for c in plan(self.opts, url, self.log_dir):
             self._spawn(c)
+        self.write_prometheus_targets()
         # ready = every service's /health is 200 and the ingress sees every node as routable
         want = {f"prefill-{i}" for i in range(self.opts.prefill)} | {f"decode-{i}" for i in range(self.opts.decode)}
         ingress = f"http://{self.opts.host}:{self.opts.port}/health"
@@ -231,6 +232,19 @@ class Supervisor:
                                    f"{sorted(pending) or ingress}")
             time.sleep(0.1)
 
+    @property
+    def targets_path(self) -> Path:
+        return self.log_dir / "prometheus-targets.json"
+
+    def write_prometheus_targets(self) -> None:
+        """Every service's /metrics as a Prometheus ``file_sd_configs`` file (ports are random)."""
+        groups = []
+        for c in self.procs:
+            if c.endpoint.startswith("http://"):
+                hostport = c.endpoint.removeprefix("http://").split("/", 1)[0]
+                groups.append({"targets": [hostport], "labels": {"kairos_service": c.name}})
+        self.targets_path.write_text(json.dumps(groups, indent=2) + "\n")
+
     def table(self) -> str:
         o = self.opts
         rows = [("SERVICE", "KIND", "PID", "WHERE")]
@@ -245,7 +259,8 @@ class Supervisor:
         base = f"http://{o.host}:{o.port}"
         lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
                   f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
-                  f"Logs         {self.log_dir}"]
+                  f"Logs         {self.log_dir}",
+                  f"Prometheus   {self.targets_path} (file_sd_configs targets of every /metrics)"]
         if o.trace_file:
             lines.append(f"Traces       {os.path.abspath(o.trace_file)} (JSON lines; "
                          f"kairos trace <id> --trace-file {o.trace_file})")

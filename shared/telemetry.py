@@ -218,12 +218,18 @@ def add_trace_context(_logger: Any, _method: str, event_dict: dict) -> dict:
     return event_dict
 
 
-def _orjson_str(obj: Any, **_kw: Any) -> str:
-    return orjson.dumps(obj, default=repr).decode()
-
-
 def _orjson_bytes(obj: Any, **_kw: Any) -> bytes:
-    return orjson.dumps(obj, default=repr)
+    """orjson, and never an exception from a log call (odd keys/values become their repr)."""
+    try:
+        return orjson.dumps(obj, default=repr, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        import json
+
+        return json.dumps(obj, default=repr, skipkeys=True, separators=(",", ":")).encode()
+
+
+def _orjson_str(obj: Any, **_kw: Any) -> str:
+    return _orjson_bytes(obj).decode()
 
 
 _logging_configured = False

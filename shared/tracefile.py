@@ -274,8 +274,9 @@ def render_trace(spans: list[SpanRecord]) -> str:
     t1 = max(s.end_ns for s in spans)
     rid = next((s.attributes["kairos.request_id"] for s in spans if "kairos.request_id" in s.attributes), "?")
     services = {s.service for s in spans}
-    out = [f"request {rid}  trace {spans[0].trace_id}  ({len(spans)} spans, {len(services)} services, "
-           f"{_ms(t1 - t0)})", "", f"{'start':>10} {'duration':>10}  span"]
+    n_svc = f"{len(services)} service{'s' if len(services) != 1 else ''}"
+    out = [f"request {rid}  trace {spans[0].trace_id}  ({len(spans)} spans, {n_svc}, {_ms(t1 - t0)})", "",
+           f"{'start':>10} {'duration':>10}  span"]
     blank = " " * 23
 
     def walk(s: SpanRecord, prefix: str, last: bool, root: bool) -> None:

@@ -1,0 +1,114 @@
+"""shared.telemetry: exporter choice from OTEL_* variables, the span file, W3C propagation through
+header dicts, and log lines (JSON with request and trace ids; console on a TTY)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import orjson
+import pytest
+import structlog
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import set_span_in_context
+
+from shared import telemetry
+from shared.tracefile import parse_span
+
+
+def _exporters(provider) -> list[str]:
+    procs = provider._active_span_processor._span_processors  # SDK internals, fine in a test
+    return [type(p.span_exporter).__name__ if hasattr(p, "span_exporter") else type(p._batch_processor._exporter).__name__
+            for p in procs if isinstance(p, BatchSpanProcessor)]
+
+
+@pytest.mark.parametrize("env,trace_file,want", [
+    ({}, None, []),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318"}, None, ["OTLPSpanExporter"]),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://jaeger:4318/v1/traces"}, None, ["OTLPSpanExporter"]),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://jaeger:4318", "OTEL_TRACES_EXPORTER": "none"}, None, []),
+    ({"OTEL_TRACES_EXPORTER": "console"}, "x.jsonl", ["ConsoleSpanExporter", "JsonLinesSpanExporter"]),
+    ({"OTEL_TRACES_EXPORTER": "otlp,console"}, None, ["OTLPSpanExporter", "ConsoleSpanExporter"]),
+], ids=["nothing", "endpoint", "traces-endpoint", "none-wins", "console+file", "list"])
+def test_exporters_follow_otel_variables(env, trace_file, want, tmp_path):
+    p = telemetry.make_tracer_provider("dispatcher", str(tmp_path / trace_file) if trace_file else None, env=env,
+                                       extra_resource={"service.instance.id": "dispatcher-3"})
+    try:
+        assert _exporters(p) == want
+        assert p.resource.attributes["service.name"] == "kairos-dispatcher"
+        assert p.resource.attributes["service.instance.id"] == "dispatcher-3"
+    finally:
+        p.shutdown()
+
+
+def test_span_file_lines_parse_back_with_events_and_parent(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    p = telemetry.make_tracer_provider("node_agent", str(path), env={})
+    tracer = p.get_tracer("t")
+    with tracer.start_as_current_span("parent", attributes={"kairos.request_id": "cmpl-1"}) as parent:
+        child = tracer.start_span("child", context=set_span_in_context(parent))
+        for i in range(200):  # more than the SDK's default 128 events per span
+            child.add_event("chunk", {"chi": i})
+        child.end()
+    p.shutdown()  # flushes
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    spans = {s.name: s for s in map(parse_span, rows)}
+    assert spans["child"].parent_id == spans["parent"].span_id and spans["child"].trace_id == spans["parent"].trace_id
+    assert len(spans["child"].events) == 200
+    assert spans["parent"].service == "kairos-node_agent" and spans["parent"].duration_ns > 0
+    assert rows[0]["end_time_unix_nano"] >= rows[0]["start_time_unix_nano"]
+
+
+def test_w3c_context_round_trips_through_a_header_dict():
+    p = telemetry.make_tracer_provider("ingress", env={})
+    with p.get_tracer("t").start_as_current_span("s") as s:
+        headers = telemetry.inject_headers(headers={"Nats-Msg-Id": "cmpl-1"})
+    assert headers["Nats-Msg-Id"] == "cmpl-1" and headers["traceparent"].startswith("00-")
+    ctx = telemetry.extract_context(headers)
+    assert telemetry.trace_fields(ctx) == telemetry.trace_fields(s)
+    assert telemetry.trace_fields(telemetry.extract_context({})) == {}
+    p.shutdown()
+
+
+@pytest.fixture()
+def restore_logging():
+    yield
+    import sys
+    telemetry.configure_logging("info", "json", stream=sys.stderr)
+
+
+def test_json_log_lines_carry_request_and_trace_id(restore_logging):
+    buf = io.StringIO()
+    telemetry.configure_logging("info", "json", stream=buf)
+    p = telemetry.make_tracer_provider("ingress", env={})
+    log = telemetry.get_logger("ingress", instance="ingress-0")
+    with p.get_tracer("t").start_as_current_span("s") as s:
+        log.info("request_finished", request_id="cmpl-1", status=200, weird={1: object()})
+    log.debug("hidden")
+    import logging
+    logging.getLogger("nats.aio.client").warning("library says %s", "hi")  # stdlib logging: same format
+    lines = [orjson.loads(x) for x in buf.getvalue().splitlines()]
+    assert len(lines) == 2
+    first = lines[0]
+    assert first["event"] == "request_finished" and first["request_id"] == "cmpl-1"
+    assert first["trace_id"] == telemetry.trace_id_of(s) and first["service"] == "ingress"
+    assert first["level"] == "info" and first["timestamp"].endswith("Z")
+    assert lines[1]["event"] == "library says hi" and lines[1]["level"] == "warning"
+    p.shutdown()
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_console_format_on_a_tty(restore_logging):
+    buf = _Tty()
+    telemetry.configure_logging("info", "auto", stream=buf)
+    structlog.get_logger().bind(service="dispatcher").info("request_routed", request_id="cmpl-9")
+    out = buf.getvalue()
+    assert "request_routed" in out and "cmpl-9" in out
+    with pytest.raises(ValueError):
+        json.loads(out.splitlines()[0])
+    with pytest.raises(ValueError):
+        telemetry.configure_logging("info", "xml")
