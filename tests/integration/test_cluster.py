@@ -96,5 +96,5 @@ async def test_burst_every_request_ends_with_completion_or_explicit_error(nats_u
         assert not bad, bad
         assert sum(1 for s, _ in results if s == 200) >= 30
         # under a burst the prefill queues grow and Algorithm 1 deflects some requests
-        assert sum(d.m_decisions.labels("kairos", "deflect", r)._value.get() for d in st.dispatchers
+        assert sum(d.m.decisions.labels("kairos", "deflect", r)._value.get() for d in st.dispatchers
                    for r in ("deflect_faster", "deflect_within_alpha")) >= 1
