@@ -182,7 +182,8 @@ def extract_context(headers: Mapping[str, str] | None) -> Context:
 
 
 def trace_id_of(span: Span | None) -> str | None:
-    """The 32-hex-digit trace id of ``span`` (None if invalid or not sampled in)."""
+    """The 32-hex-digit trace id of ``span`` (None if its context is invalid; an unsampled span
+    still has one, so logs and headers stay consistent under sampling)."""
     if span is None:
         return None
     ctx = span.get_span_context()

@@ -112,3 +112,44 @@ def test_console_format_on_a_tty(restore_logging):
         json.loads(out.splitlines()[0])
     with pytest.raises(ValueError):
         telemetry.configure_logging("info", "xml")
+
+
+def test_otlp_http_export_reaches_a_collector(monkeypatch):
+    """OTEL_EXPORTER_OTLP_ENDPOINT alone is enough: spans arrive at <endpoint>/v1/traces (Jaeger's
+    OTLP/HTTP receiver speaks the same protocol), with the service resource."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    got: list[tuple[str, bytes]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server API)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            got.append((self.path, body))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        p = telemetry.make_tracer_provider("dispatcher", extra_resource={"service.instance.id": "dispatcher-0"})
+        with p.get_tracer("t").start_as_current_span("dispatcher.decide", attributes={"kairos.decision": "keep"}):
+            pass
+        p.shutdown()  # flushes the batch
+    finally:
+        server.shutdown()
+    assert [path for path, _ in got] == ["/v1/traces"]
+    req = ExportTraceServiceRequest.FromString(got[0][1])
+    rs = req.resource_spans[0]
+    res = {a.key: a.value.string_value for a in rs.resource.attributes}
+    assert res["service.name"] == "kairos-dispatcher" and res["service.instance.id"] == "dispatcher-0"
+    span = rs.scope_spans[0].spans[0]
+    assert span.name == "dispatcher.decide"
+    assert {a.key: a.value.string_value for a in span.attributes} == {"kairos.decision": "keep"}
