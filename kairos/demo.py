@@ -31,10 +31,14 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
 
 
 def side_by_side(live: dict[str, Any], simulated: dict[str, Any]) -> str:
-    """A small fidelity table: live vs simulated TTFT P50/P95 and deflections."""
+    """A small fidelity table: live vs simulated TTFT P50/P95 (and its P95 components), TBT P50
+    and deflections."""
     rows = [("", "live", "simulator", "live/sim")]
+    lb, sb = live.get("ttft_breakdown_p95_ms") or {}, simulated.get("ttft_breakdown_p95_ms") or {}
     for name, a, b in (("TTFT p50 ms", live["ttft_ms"]["p50"], simulated["ttft_ms"]["p50"]),
                        ("TTFT p95 ms", live["ttft_ms"]["p95"], simulated["ttft_ms"]["p95"]),
+                       *((f"  p95 {k.replace('_', ' ')} ms", lb.get(k), sb.get(k))
+                         for k in ("prefill_queue", "prefill_exec", "kv_transfer", "decode_queue")),
                        ("TBT p50 ms", live["tbt_ms"]["p50"], simulated["tbt_ms"]["p50"]),
                        ("deflections", live["deflections"], simulated["deflections"])):
         ratio = f"{a / b:.2f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "-"
