@@ -12,7 +12,7 @@ import os
 import sys
 import types
 import typing
-from typing import Any, Mapping, TypeVar
+from typing import Any, Literal, Mapping, TypeVar
 
 T = TypeVar("T")
 ENV_PREFIX = "KAIROS_"
@@ -114,3 +114,36 @@ def main_config(cls: type[T], service: str) -> T:
     except ConfigError as exc:
         print(f"{service}: bad configuration: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """Fields every service has (inherit it; they are keyword-only and come after the service's own).
+
+    Attributes:
+        nats_url: the NATS server (JetStream enabled).
+        trace_file: append finished spans as JSON lines here (``kairos trace`` reads it).
+        log_level: structlog level name.
+        log_format: ``auto`` (console on a TTY, else JSON lines), ``json`` or ``console``.
+    """
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    trace_file: str | None = None
+    log_level: str = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsServiceConfig(ServiceConfig):
+    """A service without its own HTTP server: it serves ``/metrics`` and ``/health`` on a small one.
+
+    Attributes:
+        metrics_host: bind address of that server.
+        metrics_port: its port; 0 picks a free one, -1 disables it.
+    """
+
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        require(-1 <= self.metrics_port <= 65535, "metrics_port", "must be -1..65535")

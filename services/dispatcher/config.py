@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
 
-from shared.envconfig import require
+from shared.envconfig import MetricsServiceConfig, require
 from shared.latency import DEFAULT_PROFILE
 from shared.policy import PolicyError, PolicyParams, parse_policy
 
 
 @dataclass(frozen=True)
-class DispatcherConfig:
+class DispatcherConfig(MetricsServiceConfig):
     """One dispatcher replica (any number share the work queue)."""
 
     replica_id: str = f"dispatcher-{os.getpid()}"  #: shown in decision records and spans
-    nats_url: str = "nats://127.0.0.1:4222"
     policy: str = "kairos"  #: pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+
     profile: str = DEFAULT_PROFILE  #: latency profile (bundled name or artifact path)
     alpha: float = 1.3
@@ -30,13 +28,9 @@ class DispatcherConfig:
     ack_wait_s: float = 5.0  #: work-queue ack wait: a silent replica's requests are redelivered after this
     max_deliver: int = 5
     max_concurrency: int = 64  #: requests routed concurrently by this replica
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  #: 0: any free port; -1: no metrics server
-    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
-    log_level: str = "info"
-    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         try:
             parse_policy(self.policy)
         except PolicyError as exc:
@@ -52,7 +46,6 @@ class DispatcherConfig:
         require(self.ack_wait_s > 0, "ack_wait_s", "must be > 0")
         require(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         require(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
-        require(-1 <= self.metrics_port <= 65535, "metrics_port", "must be -1..65535")
 
     def params(self, prefill_chunk_tokens: int = 2048) -> PolicyParams:
         """The shared policy parameters (α, β, τ, TTFT SLO) of this replica."""

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-from shared.envconfig import require
+from shared.envconfig import ServiceConfig, require
 from shared.latency import DEFAULT_PROFILE
 
 
 @dataclass(frozen=True)
-class IngressConfig:
+class IngressConfig(ServiceConfig):
     """The OpenAI-compatible HTTP front end (any number of replicas)."""
 
-    nats_url: str = "nats://127.0.0.1:4222"
     host: str = "127.0.0.1"
     port: int = 8000  #: 0: any free port
     served_model: str = "kairos-emulated"  #: the model name clients must send (GET /v1/models)
@@ -23,9 +21,6 @@ class IngressConfig:
     request_timeout_s: float = 600.0  #: whole request; then 504 and a cancel to the nodes
     idle_timeout_s: float = 60.0  #: max silence between two events of one request; then 504
     replica_id: str = "ingress-0"
-    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
-    log_level: str = "info"
-    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "must be 0..65535")

@@ -5,18 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.envconfig import require
+from shared.envconfig import MetricsServiceConfig, require
 from shared.latency import DEFAULT_PROFILE
 from shared.subjects import check_token
 
 
 @dataclass(frozen=True)
-class AgentConfig:
+class AgentConfig(MetricsServiceConfig):
     """One node agent (one engine instance)."""
 
     node_id: str  #: node name, a subject token (``prefill-0``, ``decode-1``)
     role: Literal["prefill", "decode"]
-    nats_url: str = "nats://127.0.0.1:4222"
     profile: str = DEFAULT_PROFILE  #: latency profile (bundled name or artifact path) of the emulated engine
     backend: Literal["emulated"] = "emulated"
     state_period_ms: float = 100.0  #: heartbeat period (Δh)
@@ -24,13 +23,9 @@ class AgentConfig:
     kv_handoff_timeout_s: float = 2.0  #: prefill side: decode agent must accept a handoff within this
     kv_hold_timeout_s: float = 60.0  #: prefill side: free KV blocks whose decode node never confirmed the pull
     tbt_guard_ms: float | None = None  #: engine-side TBT guard for deflected chunks (kairos+), ms
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  #: 0: any free port; -1: no metrics server
-    trace_file: str | None = None  #: append finished spans as JSON lines here (kairos trace reads it)
-    log_level: str = "info"
-    log_format: Literal["auto", "json", "console"] = "auto"  #: auto: console on a TTY, else JSON lines
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         try:
             check_token(self.node_id, "node id")
         except ValueError as exc:
@@ -39,4 +34,3 @@ class AgentConfig:
         require(self.state_period_ms > 0, "state_period_ms", "must be > 0")
         require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be > 0")
         require(self.kv_hold_timeout_s > 0, "kv_hold_timeout_s", "must be > 0")
-        require(-1 <= self.metrics_port <= 65535, "metrics_port", "must be -1..65535")
