@@ -34,6 +34,22 @@ def policy_params_options(fn):
     return fn
 
 
+def workload_options(fn):
+    """The workload options `kairos sim` and `kairos bench` share (``shared.workloads.parse_workload``)."""
+    opts = [
+        click.option("--workload", default="bursty", show_default=True,
+                     help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH; "
+                          "a trace with ':busiest' replays its busiest --duration window."),
+        click.option("--rps", type=float, default=None,
+                     help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
+                          "workloads, the trace's own timing for traces."),
+        click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
 def make_params(alpha: float, beta: float, tbt_slo_ms: float, ttft_slo_ms: float, **extra) -> PolicyParams:
     """Build PolicyParams or exit 2 naming the bad value."""
     try:
@@ -72,12 +88,7 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
 
 
 @main.command()
-@click.option("--workload", default="bursty", show_default=True,
-              help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH.")
-@click.option("--rps", type=float, default=None,
-              help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
-                   "workloads, the trace's own timing for traces.")
-@click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds.")
+@workload_options
 @click.option("--policy", "policies", default="pd,kairos", show_default=True, help="Comma list of policies.")
 @click.option("--prefill", "n_prefill", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=2, show_default=True)
@@ -153,12 +164,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 
 @main.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
-@click.option("--workload", default="bursty", show_default=True,
-              help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH.")
-@click.option("--rps", type=float, default=None,
-              help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
-                   "workloads, the trace's own timing for traces.")
-@click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds.")
+@workload_options
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--model", default=None, help="Model name (default: the first id of GET /v1/models).")
 @click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Max requests in flight (default: none).")
