@@ -26,8 +26,10 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     model = load_profile(opts.profile)
     params = PolicyParams(alpha=opts.alpha, beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
     wl = parse_workload(workload, rps, duration, seed, max_model_len=model.engine.max_model_len)
-    cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms)
-    return run_one(wl, parse_policy(opts.policy), model, params, cfg, rps=rps, label="simulated")
+    policy = parse_policy(opts.policy)
+    cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms,
+                    tbt_guard=policy.name == "kairos+")  # kairos up turns the node-side guard on for kairos+
+    return run_one(wl, policy, model, params, cfg, rps=rps, label="simulated")
 
 
 def side_by_side(live: dict[str, Any], simulated: dict[str, Any]) -> str:

@@ -33,6 +33,10 @@ from services.state_aggregator.config import AggregatorConfig
 from shared.envconfig import to_env
 
 
+#: deflection slots per decode node under kairos+ (its projection plans each one after the others)
+KAIROS_PLUS_SLOTS = 4
+
+
 @dataclass(frozen=True)
 class UpOptions:
     port: int = 8000
@@ -53,6 +57,7 @@ class UpOptions:
     ttft_slo_ms: float = 4000.0
     log_dir: str | None = None
     startup_timeout_s: float = 60.0
+    max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
 
 
 @dataclass
@@ -124,20 +129,25 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
     add("state_aggregator", "services.state_aggregator",
         AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **common),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
+    # kairos+ (ARCHITECTURE §4): several deflections per decode node, projected by the policy, and
+    # the node-side guard that shrinks a chunk when decodes joined after the decision
+    plus = opts.policy.strip().startswith("kairos+")
+    slots = opts.max_deflections_per_node or (KAIROS_PLUS_SLOTS if plus else 1)
+    guard = opts.beta * opts.tbt_slo_ms if plus else None
     for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
         for i in range(n):
             mp = free_port()
             node = f"{role}-{i}"
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, **common),
+                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **common),
                 f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, emulated)")
     for i in range(opts.dispatchers):
         mp = free_port()
         add(f"dispatcher-{i}", "services.dispatcher",
             DispatcherConfig(replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile, alpha=opts.alpha,
                              beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
-                             metrics_port=mp, **common),
+                             max_deflections_per_node=slots, metrics_port=mp, **common),
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,

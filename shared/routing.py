@@ -31,7 +31,7 @@ import msgspec
 from shared.latency import LatencyModel
 from shared.policy.base import Decision, PolicyParams
 from shared.policy.common import best_prefill, least_loaded_decode
-from shared.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
+from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
 from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation
 
 
@@ -44,25 +44,44 @@ def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tupl
 
 
 def live_reservations(reservations: Mapping[str, Reservation], now_unix_ms: float) -> dict[str, Reservation]:
-    """decode node → reservation, without the ones past their expiry (the bus deletes those)."""
-    return {node: r for node, r in reservations.items() if r.expires_unix_ms > now_unix_ms}
+    """reservation key → reservation, without the ones past their expiry (the bus deletes those)."""
+    return {key: r for key, r in reservations.items() if r.expires_unix_ms > now_unix_ms}
+
+
+def held_by_node(reserved: Mapping[str, Reservation], request_id: str) -> dict[str, list[Reservation]]:
+    """decode node → reservations held there by *other* requests, oldest first."""
+    out: dict[str, list[Reservation]] = {}
+    for r in sorted(reserved.values(), key=lambda r: r.created_unix_ms):
+        if r.request_id != request_id:
+            out.setdefault(r.decode_node, []).append(r)
+    return out
 
 
 def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Mapping[str, Reservation],
-                   excluded: Mapping[str, str], now_unix_ms: float) -> ClusterSnapshot | None:
-    """The policy input for ``req``, or None when no prefill or no decode node is routable."""
+                   excluded: Mapping[str, str], now_unix_ms: float, max_deflections: int = 1,
+                   full: frozenset[str] | set[str] = frozenset()) -> ClusterSnapshot | None:
+    """The policy input for ``req``, or None when no prefill or no decode node is routable.
+
+    ``reserved`` is every live reservation (any key); a decode node with ``max_deflections``
+    reservations of other requests, or listed in ``full`` (a conflict this dispatcher just met), is
+    shown with ``deflection_in_flight=True`` and no projection data (no policy deflects there); a
+    node with fewer is shown with its reservations as ``in_flight`` deflections (kairos+ projects
+    them; kairos skips the node, §5.3).
+    """
     pfs, dcs = routable(view, excluded)
     if not pfs or not dcs or view is None:
         return None
-    held = {n for n, r in reserved.items() if r.request_id != req.request_id}
+    held = held_by_node(reserved, req.request_id)
     decode = []
     for n in dcs:
-        if n.node in held:
-            decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
-                                         deflection_in_flight=True, in_flight=[], waiting=n.waiting))
+        mine = held.get(n.node, [])
+        if n.node in full or len(mine) >= max_deflections:
+            in_flight, busy = [], True
         else:
-            decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
-                                         deflection_in_flight=False, in_flight=[], waiting=n.waiting))
+            in_flight = [InFlightDeflection(prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens) for r in mine]
+            busy = bool(mine)
+        decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
+                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting))
     prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
                                kv_backlog_ms=n.kv_backlog_ms) for n in pfs]
     age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
@@ -108,11 +127,11 @@ def reservation_ttl_s(decision: Decision, floor_s: float) -> int:
 
 def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: bool, deflecting: int,
                 prompt_tokens: int, max_tokens: int, max_model_len: int, deadline_unix_ms: float,
-                now_unix_ms: float) -> str | None:
+                now_unix_ms: float, max_deflections: int = 1) -> str | None:
     """Why a node agent refuses a job (the dispatcher then re-routes it), or None to accept.
 
-    A decode node takes one deflection at a time (§5.3): a second deflect job while one is in flight
-    is refused even though the dispatchers' reservation should have prevented it.
+    A decode node takes ``max_deflections`` deflections at a time (1 for kairos, §5.3): one more
+    deflect job is refused even though the dispatchers' reservations should have prevented it.
     """
     if job_node != node:
         return "wrong_node"
@@ -124,6 +143,6 @@ def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: b
         return "too_long"
     if deadline_unix_ms <= now_unix_ms:
         return "deadline_passed"
-    if job_kind == "deflect" and deflecting > 0:
+    if job_kind == "deflect" and deflecting >= max_deflections:
         return "deflection_in_flight"
     return None

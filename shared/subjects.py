@@ -14,7 +14,7 @@ Hierarchy::
     kairos.out.<request_id>       token stream / final result / error: node_agent -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
-    $KV.kairos_resv.decode.<node> deflection reservation (KV bucket kairos_resv, per-message TTL)
+    $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
 """
 
@@ -85,14 +85,18 @@ def out_subject(request_id: str) -> str:
     return f"{PREFIX}.out.{check_token(request_id, 'request id')}"
 
 
-def reservation_key(decode_node: str) -> str:
-    """KV key (bucket :data:`RESERVATION_BUCKET`) reserving ``decode_node`` for one deflection."""
-    return f"decode.{check_token(decode_node, 'node id')}"
+def reservation_key(decode_node: str, slot: int = 0) -> str:
+    """KV key (bucket :data:`RESERVATION_BUCKET`) reserving deflection slot ``slot`` of
+    ``decode_node`` (``kairos``: one slot per node, §5.3; ``kairos+``: several)."""
+    if slot < 0:
+        raise SubjectError(f"reservation slot must be >= 0, got {slot}")
+    return f"decode.{check_token(decode_node, 'node id')}.{slot}"
 
 
 def node_of_reservation_key(key: str) -> str | None:
-    """Inverse of :func:`reservation_key` (None for a foreign key)."""
-    return key[len("decode."):] if key.startswith("decode.") else None
+    """The decode node of a :func:`reservation_key` (None for a foreign key)."""
+    parts = key.split(".")
+    return parts[1] if len(parts) == 3 and parts[0] == "decode" and parts[2].isdigit() else None
 
 
 RECORD_PARTS = ("decision", "prefill", "decode", "ingress")

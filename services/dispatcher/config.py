@@ -24,6 +24,7 @@ class DispatcherConfig(MetricsServiceConfig):
     link: str | None = None  #: KV link of the profile used by kv-transfer-aware policies
     job_ack_timeout_s: float = 1.0  #: a node must accept/refuse a job within this, else re-route
     reservation_ttl_s: float = 30.0  #: floor of a deflection reservation's TTL
+    max_deflections_per_node: int = 1  #: deflection slots per decode node (kairos: 1, §5.3; kairos+: several)
     no_node_wait_s: float = 2.0  #: wait this long for a routable node before answering 503
     ack_wait_s: float = 5.0  #: work-queue ack wait: a silent replica's requests are redelivered after this
     max_deliver: int = 5
@@ -41,6 +42,7 @@ class DispatcherConfig(MetricsServiceConfig):
             bad = next((f for f in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms") if str(exc).startswith(f)), "policy")
             require(False, bad, str(exc))
         require(self.job_ack_timeout_s > 0, "job_ack_timeout_s", "must be > 0")
+        require(self.max_deflections_per_node >= 1, "max_deflections_per_node", "must be >= 1")
         require(self.reservation_ttl_s >= 1, "reservation_ttl_s", "must be >= 1 (the bus TTL unit is 1 s)")
         require(self.no_node_wait_s >= 0, "no_node_wait_s", "must be >= 0")
         require(self.ack_wait_s > 0, "ack_wait_s", "must be > 0")

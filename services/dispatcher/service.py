@@ -150,16 +150,15 @@ class Dispatcher:
         async for e in watcher:
             if e is None:
                 continue
-            node = S.node_of_reservation_key(e.key)
-            if node is None:
+            if S.node_of_reservation_key(e.key) is None:
                 continue
             if e.operation is not None or not e.value:  # DEL / PURGE / TTL-expiry marker
-                self.reservations.pop(node, None)
+                self.reservations.pop(e.key, None)
                 continue
             try:
-                self.reservations[node] = decode(e.value, Reservation)
+                self.reservations[e.key] = decode(e.value, Reservation)
             except WireError:
-                self.reservations.pop(node, None)
+                self.reservations.pop(e.key, None)
 
     async def _pull(self) -> None:
         while not self._stop.is_set():
@@ -229,7 +228,7 @@ class Dispatcher:
         t_start = time.perf_counter()
         excluded: dict[str, str] = {}
         conflicts: list[str] = []
-        local_held: dict[str, Reservation] = {}
+        full: set[str] = set()  # decode nodes whose slots this request found taken (conflict or refusal)
         decide_ms = 0.0
         attempts = 0
         waited_since: float | None = None
@@ -237,8 +236,8 @@ class Dispatcher:
         max_attempts = 2 * (len(self.view.nodes) if self.view else 4) + 4
         while True:
             now = now_ms()
-            held = {**live_reservations(self.reservations, now), **local_held}
-            snap = build_snapshot(req, self.view, held, excluded, now)
+            held = live_reservations(self.reservations, now)
+            snap = build_snapshot(req, self.view, held, excluded, now, self.cfg.max_deflections_per_node, full)
             if snap is None:
                 if waited_since is None:
                     span.add_event("waiting_for_nodes", {"excluded": [f"{k}:{v}" for k, v in excluded.items()]})
@@ -261,23 +260,28 @@ class Dispatcher:
             resv_key = resv_rev = None
             if decision.deflected:
                 node = decision.node
-                if node in held and held[node].request_id != rid:
+                taken = {k for k, r in held.items() if r.request_id != rid}
+                free = [k for k in (S.reservation_key(node, i) for i in range(self.cfg.max_deflections_per_node))
+                        if k not in taken]
+                if node in full or not free:
                     decision = keep_instead(decision, snap, self.model, self.params, "keep_reservation_conflict")
                 else:
                     ttl = reservation_ttl_s(decision, self.cfg.reservation_ttl_s)
                     value = Reservation(request_id=rid, decode_node=node, dispatcher_id=self.cfg.replica_id,
                                         prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens,
                                         created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
-                    resv_key = S.reservation_key(node)
-                    try:
-                        resv_rev = await self.buckets.reservations.create(resv_key, encode(value), msg_ttl=ttl)
-                    except nats.js.errors.KeyWrongLastSequenceError:
+                    for key in free:  # first free slot wins; another replica may take it first
+                        try:
+                            resv_rev = await self.buckets.reservations.create(key, encode(value), msg_ttl=ttl)
+                            resv_key = key
+                            break
+                        except nats.js.errors.KeyWrongLastSequenceError:
+                            continue
+                    if resv_key is None:
                         self.m.conflicts.labels("kv_create").inc()
                         span.add_event("reservation_conflict", {"kairos.node": node, "source": "kv_create"})
                         conflicts.append(node)
-                        local_held[node] = Reservation(request_id="?", decode_node=node, dispatcher_id="?",
-                                                       prompt_tokens=0, created_unix_ms=now,
-                                                       expires_unix_ms=now + 1000.0)
+                        full.add(node)
                         continue
             attempts += 1
             job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_key, resv_rev)
@@ -301,9 +305,7 @@ class Dispatcher:
                     await self._release(resv_key, resv_rev)
                 if why == "deflection_in_flight":
                     self.m.conflicts.labels("node_refused").inc()
-                    local_held[decision.node] = Reservation(request_id="?", decode_node=decision.node,
-                                                            dispatcher_id="?", prompt_tokens=0, created_unix_ms=now,
-                                                            expires_unix_ms=now + 1000.0)
+                    full.add(decision.node)
                     conflicts.append(decision.node)
                 else:
                     excluded[decision.node] = why

@@ -265,12 +265,13 @@ class NodeAgent:
             await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
                                             accepted_unix_ms=self.reqs[rid].received_ms)))
             return
-        if job.kind == "deflect" and self.deflecting:
+        if job.kind == "deflect" and len(self.deflecting) >= self.cfg.max_deflections:
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()
         reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role, self.accepting,
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
-                             self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms())
+                             self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
+                             self.cfg.max_deflections)
         if reason is None:
             try:
                 if job.kind == "prefill":

@@ -23,6 +23,7 @@ class AgentConfig(MetricsServiceConfig):
     kv_handoff_timeout_s: float = 2.0  #: prefill side: decode agent must accept a handoff within this
     kv_hold_timeout_s: float = 60.0  #: prefill side: free KV blocks whose decode node never confirmed the pull
     tbt_guard_ms: float | None = None  #: engine-side TBT guard for deflected chunks (kairos+), ms
+    max_deflections: int = 1  #: deflections this decode node takes at once (kairos: 1, §5.3; kairos+: several)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,5 +33,6 @@ class AgentConfig(MetricsServiceConfig):
             require(False, "node_id", str(exc))
         require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
         require(self.state_period_ms > 0, "state_period_ms", "must be > 0")
+        require(self.max_deflections >= 1, "max_deflections", "must be >= 1")
         require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be > 0")
         require(self.kv_hold_timeout_s > 0, "kv_hold_timeout_s", "must be > 0")

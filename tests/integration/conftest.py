@@ -146,11 +146,12 @@ class Stack:
 async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 2, policy: str = "kairos",
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
                 idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
-                metrics: bool = False, **dispatcher_overrides):
+                metrics: bool = False, max_deflections: int = 1, **dispatcher_overrides):
     """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
 
     ``span_exporter``: also export every service's spans synchronously to it (e.g. an OTel
-    ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port.
+    ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port;
+    ``max_deflections``: deflection slots per decode node (agents and dispatchers alike).
     """
     await reset_bus(url)
     model = model or fast_model()
@@ -169,14 +170,16 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
     for role, n in (("prefill", prefill), ("decode", decode)):
         for i in range(n):
             a = instrument(NodeAgent(AgentConfig(node_id=f"{role}-{i}", role=role, nats_url=url,
-                                                 state_period_ms=period_ms, metrics_port=mport, trace_file=trace_file),
+                                                 state_period_ms=period_ms, metrics_port=mport, trace_file=trace_file,
+                                                 max_deflections=max_deflections),
                                      model=model))
             await a.start()
             agents[a.cfg.node_id] = a
     disp = []
     for i in range(dispatchers):
         d = instrument(Dispatcher(DispatcherConfig(replica_id=f"dispatcher-{i}", nats_url=url, policy=policy,
-                                                   metrics_port=mport, trace_file=trace_file, **dispatcher_overrides),
+                                                   metrics_port=mport, trace_file=trace_file,
+                                                   max_deflections_per_node=max_deflections, **dispatcher_overrides),
                                   model=model))
         await d.start()
         disp.append(d)

@@ -33,6 +33,19 @@ async def test_two_replicas_never_overlap_deflections_on_a_decode_node(nats_url)
         assert all(a.max_concurrent_deflections <= 1 for a in decode_agents)
         assert sum(a.deflect_overlaps for a in decode_agents) == 0
         assert sum(a.max_concurrent_deflections for a in decode_agents) >= 1  # deflections did happen
+
+
+async def test_several_deflection_slots_per_node_are_never_exceeded(nats_url):
+    # kairos+ mode: 2 slots on the one decode node, 2 replicas racing, every request wants a deflection
+    async with stack(nats_url, policy="sl:100000", dispatchers=2, decode=1, max_deflections=2) as st:
+        rng = random.Random(2)
+        reqs = [st.complete([1] * rng.randint(300, 1500), max_tokens=rng.randint(2, 6), stream=rng.random() < 0.5)
+                for _ in range(30)]
+        results = await asyncio.gather(*reqs)
+        assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
+        agent = st.agents["decode-0"]
+        assert agent.max_concurrent_deflections == 2  # the second slot was used, the third never
+        assert agent.deflect_overlaps == 0
         # both replicas routed, and the reservations really were contended
         assert all(d.routed > 0 for d in st.dispatchers)
 
