@@ -245,13 +245,14 @@ class Simulator:
 
     # -- engines -------------------------------------------------------------------------------
     def _kick(self, now: float, role: str, i: int) -> None:
-        """Start the next step of an idle engine, if it has work."""
-        if self.busy[(role, i)]:
-            return
+        """Admit what fits (a decode node allocates KV blocks even mid-step, as the emulated node
+        agent does, so transfers start at once), then start the next step of an idle engine."""
         eng = self.prefill[i] if role == "p" else self.decode[i]
         if role == "d":
             for rid in eng.admit():
                 self._allocated(now, i, rid)
+        if self.busy[(role, i)]:
+            return
         plan = eng.plan_step()
         if plan is None:
             return
