@@ -24,7 +24,7 @@ Rules (docs/services.md has the same list):
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import msgspec
 
@@ -32,7 +32,7 @@ from shared.latency import LatencyModel
 from shared.policy.base import Decision, PolicyParams
 from shared.policy.common import best_prefill, least_loaded_decode
 from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
-from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation
+from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation, RoutedEvent
 
 
 def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
@@ -55,6 +55,36 @@ def held_by_node(reserved: Mapping[str, Reservation], request_id: str) -> dict[s
         if r.request_id != request_id:
             out.setdefault(r.decode_node, []).append(r)
     return out
+
+
+def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> ClusterView | None:
+    """``view`` plus the keep-path jobs routed (by any replica) since the aggregator built it.
+
+    The aggregator folds routed events into the view only when it next writes it (every Δh), so
+    between two views every replica would see the same empty queue and send a burst to one node.
+    A routed event is already in the view when its node's state was sent after the node accepted
+    the job (same node clock) or when the view lists its request id as pending; anything else is
+    appended to that prefill node's queue here — what the simulator's dispatcher does with
+    ``routed_since``. Deflections need no folding: the reservations carry them.
+    """
+    if view is None:
+        return None
+    extra: dict[str, list[RoutedEvent]] = {}
+    for ev in recent:
+        if ev.kind == "prefill":
+            extra.setdefault(ev.node, []).append(ev)
+    if not extra:
+        return view
+    nodes = []
+    for n in view.nodes:
+        evs = [ev for ev in extra.get(n.node, ())
+               if ev.node_accepted_unix_ms > n.state_sent_unix_ms and ev.request_id not in n.pending_ids]
+        if evs:
+            n = msgspec.structs.replace(n, queue_prompt_tokens=[*n.queue_prompt_tokens, *(e.prompt_tokens for e in evs)],
+                                        pending_routed=n.pending_routed + len(evs),
+                                        pending_ids=[*n.pending_ids, *(e.request_id for e in evs)])
+        nodes.append(n)
+    return msgspec.structs.replace(view, nodes=nodes)
 
 
 def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Mapping[str, Reservation],

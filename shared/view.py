@@ -108,4 +108,5 @@ def fold_pending(st: NodeState, pending: list[RoutedEvent], age_ms: float, stale
     return NodeView(node=st.node, role=st.role, stale=stale, age_ms=age_ms, accepting=st.accepting,
                     batch_size=st.batch_size, kv_tokens=st.kv_tokens, queue_prompt_tokens=queue,
                     deflection_in_flight=deflecting, in_flight=in_flight, waiting=st.waiting,
-                    kv_backlog_ms=st.kv_backlog_ms, pending_routed=len(pending))
+                    kv_backlog_ms=st.kv_backlog_ms, pending_routed=len(pending),
+                    state_sent_unix_ms=st.sent_unix_ms, pending_ids=[p.request_id for p in pending])

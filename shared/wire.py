@@ -180,6 +180,9 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     waiting: NonNeg = 0
     kv_backlog_ms: float = 0.0
     pending_routed: NonNeg = 0  #: routed jobs not yet visible in the node's state (already folded in)
+    #: node clock time its last state was sent (RoutedEvent.node_accepted_unix_ms is comparable)
+    state_sent_unix_ms: float = 0.0
+    pending_ids: list[str] = []  #: request ids of the routed jobs folded in (``pending_routed`` of them)
 
 
 class ClusterView(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,6 +18,7 @@ the client, then ack.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import nats.errors
@@ -34,9 +35,14 @@ from shared.bus import (RequestQueueSettings, connect, ensure_buckets, ensure_re
                         request_subscription, request_typed)
 from shared.latency import LatencyModel, load_profile
 from shared.policy import Decision, parse_policy
-from shared.routing import build_snapshot, keep_instead, live_reservations, make_job, reservation_ttl_s
-from shared.wire import (ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, Reservation, RoutedEvent,
-                         WireError, decode, encode, now_ms)
+from shared.routing import build_snapshot, fold_recent, keep_instead, live_reservations, make_job, reservation_ttl_s
+from shared.wire import (Cancel, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, Reservation,
+                         RoutedEvent, WireError, decode, encode, now_ms)
+
+#: routed events kept for folding into the view (the aggregator folds them within one Δh)
+RECENT_ROUTED_S = 5.0
+#: cancelled request ids remembered (a request can wait in the queue while all dispatchers are down)
+MAX_CANCELLED = 100_000
 
 
 class _Metrics:
@@ -84,6 +90,9 @@ class Dispatcher:
         self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
+        self.recent_routed: collections.deque[tuple[float, RoutedEvent]] = collections.deque()
+        self.cancelled: dict[str, float] = {}  # request id -> when the cancel arrived (monotonic s)
+        self._subs: list = []
         self.metrics_port: int | None = None
         self.routed = 0
         self._view_changed = asyncio.Event()
@@ -109,6 +118,10 @@ class Dispatcher:
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
         self._watchers = [view_w, resv_w]
+        # routed jobs of every replica (folded into the view until the aggregator has them) and
+        # cancels (requests the ingress already answered must not be routed when dequeued later)
+        self._subs = [await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed),
+                      await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
         self.sub = await request_subscription(js)
         self._main = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w)),
                       asyncio.create_task(self._pull())]
@@ -125,6 +138,11 @@ class Dispatcher:
             await asyncio.wait(self._tasks, timeout=5.0)
         for t in self._tasks:
             t.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
         for w in self._watchers:
             try:
                 await w.stop()
@@ -145,6 +163,42 @@ class Dispatcher:
                 self.log.warning("bad_view", error=str(exc))
                 continue
             self._view_changed.set()
+
+    def _provisional(self, req: InferenceRequest, node: str, decode_node: str) -> None:
+        """A keep-path job this replica is sending: fold it into its own snapshots right away
+        (concurrent requests of one replica would otherwise all see the same queue)."""
+        self.recent_routed.append((time.monotonic(), RoutedEvent(
+            request_id=req.request_id, kind="prefill", node=node, decode_node=decode_node,
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=float("inf"))))
+
+    def _forget_routed(self, request_id: str) -> None:
+        self.recent_routed = collections.deque((t, ev) for t, ev in self.recent_routed if ev.request_id != request_id)
+
+    async def _on_routed(self, msg) -> None:
+        try:
+            ev = decode(msg.data, RoutedEvent)
+        except WireError:
+            return
+        self._forget_routed(ev.request_id)  # the node's acknowledged event replaces a provisional one
+        self.recent_routed.append((time.monotonic(), ev))
+
+    def _recent_routed(self):
+        """Routed events younger than RECENT_ROUTED_S (older ones are in the view by now)."""
+        now = time.monotonic()
+        while self.recent_routed and now - self.recent_routed[0][0] > RECENT_ROUTED_S:
+            self.recent_routed.popleft()
+        return (ev for _, ev in self.recent_routed)
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            c = decode(msg.data, Cancel)
+        except WireError:
+            return
+        now = time.monotonic()
+        self.cancelled[c.request_id] = now
+        if len(self.cancelled) > MAX_CANCELLED:  # oldest first (dicts keep insertion order)
+            for rid in list(self.cancelled)[: len(self.cancelled) - MAX_CANCELLED]:
+                del self.cancelled[rid]
 
     async def _watch_resv(self, watcher) -> None:
         async for e in watcher:
@@ -208,10 +262,10 @@ class Dispatcher:
                     T.MESSAGING_DELIVERY_COUNT: delivery, "kairos.delivery": delivery}) as span:
             log = self.log.bind(request_id=req.request_id, **T.trace_fields(span))
             try:
-                if req.deadline_unix_ms <= now_ms():
+                if req.deadline_unix_ms <= now_ms() or req.request_id in self.cancelled:
                     span.set_attribute("kairos.outcome", "expired")
                     self.m.expired.inc()
-                    log.info("request_expired")  # the ingress has already answered 504
+                    log.info("request_expired")  # the ingress has already answered (504 / client gone)
                     await msg.ack()
                     return
                 try:
@@ -237,7 +291,8 @@ class Dispatcher:
         while True:
             now = now_ms()
             held = live_reservations(self.reservations, now)
-            snap = build_snapshot(req, self.view, held, excluded, now, self.cfg.max_deflections_per_node, full)
+            view = fold_recent(self.view, self._recent_routed())
+            snap = build_snapshot(req, view, held, excluded, now, self.cfg.max_deflections_per_node, full)
             if snap is None:
                 if waited_since is None:
                     span.add_event("waiting_for_nodes", {"excluded": [f"{k}:{v}" for k, v in excluded.items()]})
@@ -285,6 +340,8 @@ class Dispatcher:
                         continue
             attempts += 1
             job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_key, resv_rev)
+            if not decision.deflected:  # count it in the view at once; the node's ack replaces it
+                self._provisional(req, decision.node, decision.decode_node)
             headers = telemetry.inject_headers()
             why = None
             try:
@@ -297,6 +354,7 @@ class Dispatcher:
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 why = "timeout"
             if why is not None:
+                self._forget_routed(rid)
                 self.m.reroutes.labels(why.split(":")[0]).inc()
                 span.add_event("job_rerouted", {"kairos.node": decision.node, "why": why, "attempt": attempts,
                                                 "kairos.decision": decision.decision})

@@ -1,5 +1,6 @@
 """Deflection slots: reservation keys, the snapshot a dispatcher builds from them, agent refusals."""
 
+import msgspec
 import pytest
 
 from shared import subjects as S
@@ -62,3 +63,26 @@ def test_agent_refuses_a_deflection_beyond_its_slots(deflecting, slots, refused)
     why = job_refusal("deflect", "decode-0", "decode-0", "decode", True, deflecting, 100, 5, 32768, 1e12, 0.0,
                       max_deflections=slots)
     assert (why == "deflection_in_flight") is refused
+
+
+def routed(rid, node, accepted, prompt=1000, kind="prefill"):
+    from shared.wire import RoutedEvent
+
+    return RoutedEvent(request_id=rid, kind=kind, node=node, decode_node="decode-0", prompt_tokens=prompt,
+                       output_tokens=5, node_accepted_unix_ms=accepted)
+
+
+def test_fold_recent_adds_only_jobs_the_view_does_not_have_yet():
+    from shared.routing import fold_recent
+
+    p0 = msgspec.structs.replace(VIEW.nodes[0], state_sent_unix_ms=500.0, queue_prompt_tokens=[700],
+                                 pending_ids=["seen"], pending_routed=1)
+    view = msgspec.structs.replace(VIEW, nodes=[p0, *VIEW.nodes[1:]])
+    events = [routed("old", "prefill-0", 400.0),      # accepted before the node's state: in its queue
+              routed("seen", "prefill-0", 600.0),     # already folded in by the aggregator
+              routed("new", "prefill-0", 650.0, 2000),
+              routed("d", "decode-0", 650.0, kind="deflect")]  # reservations carry deflections
+    out = fold_recent(view, events)
+    assert out.nodes[0].queue_prompt_tokens == [700, 2000] and out.nodes[0].pending_ids == ["seen", "new"]
+    assert out.nodes[1:] == view.nodes[1:]
+    assert fold_recent(view, []) is view and fold_recent(None, events) is None
