@@ -75,8 +75,8 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         print(side_by_side(report, sim_row), flush=True)
         lost = report["sent"] - report["completed"] - report["failed"]
         print(f"\n{report['completed']}/{report['sent']} completed, {report['failed']} failed, {lost} lost; "
-              f"{report['deflections']} deflections. Decision of any request: "
-              f"curl http://{opts.host}:{opts.port}/v1/requests/<id> (while the stack is up: kairos up)")
+              f"{report['deflections']} deflections. The demo stack stops now; to keep one running and see "
+              f"any request's decision: kairos up, then curl http://127.0.0.1:8000/v1/requests/<id>")
         return 0 if report["failed"] == 0 and lost == 0 else 1
     except BenchError as exc:
         sup.msg(f"bench: {exc}")
@@ -85,14 +85,39 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         sup.msg("interrupted")
         return 130
     except RuntimeError as exc:
+        sup.failed = True
         sup.msg(f"startup failed: {exc}")
         return 1
     finally:
-        sup.msg("stopping")
-        sup.down()
-        sup.msg("stopped")
-        for s, h in old.items():
-            signal.signal(s, h)
+        try:
+            sup.msg("stopping")
+            sup.finish()  # down, remove the temp dir (kept with its logs if startup failed), "stopped"
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def progress_default(explicit: bool | None) -> bool:
+    """``--progress/--no-progress`` when given, else a progress bar only if stderr is a terminal
+    (a redirected tqdm bar is one line per refresh)."""
+    if explicit is not None:
+        return explicit
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _explicit_progress(o: dict[str, Any]) -> bool | None:
+    """The --progress/--no-progress value if the user passed it (click fills in a default otherwise)."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and "progress" in ctx.params:
+        src = ctx.get_parameter_source("progress")
+        if src is click.core.ParameterSource.DEFAULT:
+            return None
+    return o.get("progress")
 
 
 def demo_command(**o) -> None:
@@ -101,7 +126,7 @@ def demo_command(**o) -> None:
                      prefill=o["prefill"], decode=o["decode"], dispatchers=o["dispatchers"],
                      trace_file=o["trace_file"])
     sys.exit(run_demo(opts, workload=o["workload"], rps=o["rps"], duration=o["duration"], seed=o["seed"],
-                      json_path=o["json_path"], progress=o["progress"]))
+                      json_path=o["json_path"], progress=progress_default(_explicit_progress(o))))
 
 
-__all__ = ["run_demo", "demo_command", "side_by_side", "simulate_same"]
+__all__ = ["run_demo", "demo_command", "progress_default", "side_by_side", "simulate_same"]

@@ -4,9 +4,12 @@ Starts (unless ``--nats-url`` points at a running server) a bundled ``nats-serve
 port with a temporary store, then the state aggregator, the node agents (emulated engines), the
 dispatcher replicas and the ingress — each ``python -m services.<name>`` with its configuration in
 ``KAIROS_*`` environment variables. Waits for the ingress's ``/health``, prints where everything
-is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (ingress first, NATS
-last); a child that dies unexpectedly is reported and everything is stopped with exit code 1.
-Child output goes to per-service log files (JSON lines) in the printed log directory.
+is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
+agents, ingress, aggregator, NATS — in-flight requests end with an explicit error); a child that
+dies unexpectedly is reported and everything is stopped with exit code 1. Child output goes to
+per-service log files (JSON lines) in the printed log directory; the temporary directory (NATS store,
+default log directory) is removed on exit unless a child died or startup failed (then its path is
+printed so the logs can be read).
 """
 
 from __future__ import annotations
@@ -76,6 +79,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not listen on ``host:port`` (someone listens there, on that address
+    or on all of them). Binds like aiohttp does (``SO_REUSEADDR``), so a port in TIME_WAIT is free."""
+    if _port_open(host, port):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # the ingress will report the bad host itself
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError:
+                return True
+    return False
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -167,6 +189,8 @@ class Supervisor:
         self.log_dir = Path(opts.log_dir) if opts.log_dir else self.tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stopping = False
+        #: set when startup failed or a child died on its own: the temp dir (logs) is then kept
+        self.failed = False
 
     def msg(self, text: str) -> None:
         print(f"kairos up: {text}", file=self.err, flush=True)
@@ -208,16 +232,20 @@ class Supervisor:
                   extra={"store": str(store)})
         self._spawn(c)
         deadline = time.monotonic() + 10
-        while not _port_open("127.0.0.1", port):
+        while not _port_open("127.0.0.1", port) and not self.stopping:
             if c.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"nats-server did not start; log:\n{self._tail(c)}")
             time.sleep(0.05)
         return c.endpoint
 
     def up(self) -> None:
+        """Start everything and wait until ready. Raises RuntimeError (after which call :meth:`down`)."""
+        if port_in_use(self.opts.host, self.opts.port):  # before starting anything
+            raise RuntimeError(f"port {self.opts.port} on {self.opts.host} is already in use "
+                               f"(choose another with --port)")
         url = self.start()
-        if _port_open(self.opts.host, self.opts.port):
-            raise RuntimeError(f"port {self.opts.port} is already in use (choose another with --port)")
+        if self.stopping:
+            return
         for c in plan(self.opts, url, self.log_dir):
             self._spawn(c)
         self.write_prometheus_targets()
@@ -226,7 +254,7 @@ class Supervisor:
         ingress = f"http://{self.opts.host}:{self.opts.port}/health"
         pending = {c.name: c.endpoint.replace("/metrics", "/health") for c in self.procs if c.endpoint.endswith("/metrics")}
         deadline = time.monotonic() + self.opts.startup_timeout_s
-        while True:
+        while not self.stopping:  # a signal during startup: stop waiting (the caller calls down())
             dead = self._dead()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during startup; "
@@ -292,9 +320,16 @@ class Supervisor:
             time.sleep(0.2)
         return 0
 
+    #: stop order (matched against a child's kind or name): dispatchers first (nothing new is
+    #: routed), then the node agents (each ends its in-flight requests with an explicit
+    #: ``node_shutdown`` error), then the ingress (it relays those errors to the clients, then closes),
+    #: then the aggregator and NATS, which the others need until they are gone
+    STOP_ORDER = (("dispatcher",), ("agent",), ("ingress",), ("aggregator",), ("message bus",))
+
     def down(self) -> None:
-        """Stop every started process, ingress first and NATS last; SIGKILL after 10 s."""
-        for group in (["ingress"], ["dispatcher"], ["agent"], ["aggregator"], ["message bus"]):
+        """Stop every started process in :attr:`STOP_ORDER`, group by group; a process still running
+        10 s after its SIGTERM is killed."""
+        for group in self.STOP_ORDER:
             batch = [c for c in self.procs if c.proc and c.proc.poll() is None and any(c.kind.startswith(g) or
                                                                                         c.name.startswith(g) for g in group)]
             for c in batch:
@@ -316,6 +351,25 @@ class Supervisor:
                 c.proc.wait()
         shutil.rmtree(self.tmp / "jetstream", ignore_errors=True)
 
+    def cleanup(self) -> Path | None:
+        """After :meth:`down`: remove the temp dir, unless logs in it are worth keeping (a child
+        died or startup failed, and no ``--log-dir`` was given). Returns the kept log dir, if any."""
+        logs = [p for p in self.log_dir.glob("*.log") if p.stat().st_size] if self.log_dir.is_dir() else []
+        if self.failed and logs and self.log_dir.is_relative_to(self.tmp):
+            return self.log_dir
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return None
+
+    def finish(self) -> None:
+        """:meth:`down`, :meth:`cleanup` and the final lines on stderr."""
+        self.down()
+        kept = self.cleanup()
+        if kept is not None:
+            self.msg(f"logs kept in {kept}")
+        elif self.failed and self.opts.log_dir and self.procs:
+            self.msg(f"logs in {self.log_dir}")
+        self.msg("stopped")
+
 
 def run_up(opts: UpOptions) -> int:
     """``kairos up``; returns the exit code."""
@@ -325,23 +379,26 @@ def run_up(opts: UpOptions) -> int:
         sup.stopping = True
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
     try:
         try:
             sup.up()
         except Exception as exc:
+            sup.failed = True
             sup.msg(f"startup failed: {exc}")
             return 1
         if sup.stopping:
+            sup.msg("stopping")
             return 0
         print(sup.table(), flush=True)
         code = sup.supervise()
         if code == 0:
             sup.msg("stopping")
+        else:
+            sup.failed = True
         return code
     finally:
-        sup.down()
-        for s, h in old.items():
-            signal.signal(s, h)
-        if code == 0:
-            sup.msg("stopped")
+        try:
+            sup.finish()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)

@@ -1,4 +1,18 @@
-"""What every service main shares: SIGINT/SIGTERM → a stop event, then ``run(config, stop)``."""
+"""What every service main shares: SIGINT/SIGTERM → a stop event, then ``run(config, stop)``.
+
+Lifecycle of ``python -m services.<name>`` (``run(config, stop)`` = ``start()``, ``await
+stop.wait()``, then a draining ``close()``):
+
+* a signal while the service is **serving** (its ``run`` awaits ``stop.wait()``) sets ``stop``: the
+  service drains (agents send explicit errors for their in-flight requests, dispatchers finish
+  routing, …) and the process exits **0**;
+* a signal while it is still **starting** (e.g. ``shared.bus.connect`` retrying an unreachable
+  NATS forever) cancels the startup at once: the process exits **128 + signal number** (143 for
+  SIGTERM, 130 for SIGINT) within a moment;
+* a **second** signal during the drain cancels the drain too (exit 128 + signal number).
+
+A bad ``KAIROS_*`` value exits 2 before any of this (``shared.envconfig.main_config``).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +21,46 @@ import signal
 from typing import Any, Awaitable, Callable
 
 
+class StopEvent(asyncio.Event):
+    """An :class:`asyncio.Event` that remembers whether anyone has waited on it yet: the service
+    ``run`` functions await ``stop.wait()`` only once their startup is complete, so ``serving`` tells
+    "draining is meaningful" from "still connecting / declaring"."""
+
+    serving: bool = False
+
+    async def wait(self) -> bool:  # type: ignore[override]
+        self.serving = True
+        return await super().wait()
+
+
 async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
-    """Run a service until SIGINT/SIGTERM, then let it drain."""
-    stop = asyncio.Event()
+    """Run a service until SIGINT/SIGTERM, then let it drain (see the module docstring).
+
+    Raises:
+        SystemExit: 128 + signal number when the run was cancelled (signal during startup, or a
+            second signal during the drain).
+    """
+    stop = StopEvent()
     loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(run(config, stop))
+    got: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        got.append(signum)
+        if not stop.is_set():
+            stop.set()
+            if stop.serving:
+                return  # serving: drain through run's own close()
+        task.cancel()  # still starting (nothing to drain), or a second signal: stop now
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await run(config, stop)
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not got or not task.cancelled():
+            raise  # cancelled from outside, not by a signal
+        raise SystemExit(128 + got[-1]) from None
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

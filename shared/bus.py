@@ -24,7 +24,12 @@ T = TypeVar("T")
 
 
 async def connect(url: str, name: str, log=None) -> Client:
-    """Connect with reconnects forever (a restarted nats-server is picked up again)."""
+    """Connect with reconnects forever (a restarted nats-server is picked up again).
+
+    The first connection is retried forever too (every 0.5 s, each failure logged as
+    ``nats_error``), so services may start before NATS. This never gives up on its own: to abort
+    it (a signal during startup), cancel the awaiting task — ``services.common.run_main`` does.
+    """
 
     async def on_error(exc: Exception) -> None:
         if log is not None:

@@ -14,8 +14,14 @@ from typing import Annotated
 
 import msgspec
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-PosInt = Annotated[int, msgspec.Meta(ge=1)]
+#: Token counts are bounded so that nonsense (1e23 tokens) is rejected instead of producing
+#: overflowing estimates: 10^9 tokens per request, 10^12 tokens of KV per node.
+MAX_TOKENS_PER_REQUEST = 1_000_000_000
+MAX_KV_TOKENS = 1_000_000_000_000
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_PER_REQUEST)]
+PosInt = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_REQUEST)]
+KvTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_KV_TOKENS)]
+BatchSize = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
@@ -39,7 +45,7 @@ class PrefillNodeView(msgspec.Struct, frozen=True):
     #: node, FIFO order, the request in execution first (its remaining tokens only).
     queue_prompt_tokens: list[NonNegInt] = []
     #: KV-transfer work queued on this node's outgoing links, in ms (kairos+ only; 0 if unknown).
-    kv_backlog_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    kv_backlog_ms: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
 
 
 class InFlightDeflection(msgspec.Struct, frozen=True):
@@ -53,14 +59,14 @@ class DecodeNodeView(msgspec.Struct, frozen=True):
     """State of one decode node (§4.3 input)."""
 
     id: NodeId
-    batch_size: NonNegInt  #: B_n, running decode requests
-    kv_tokens: NonNegInt  #: K_n, cached KV tokens of those decodes, summed
+    batch_size: BatchSize  #: B_n, running decode requests
+    kv_tokens: KvTokens  #: K_n, cached KV tokens of those decodes, summed
     #: True while a deflection dispatched to this node has not finished its prefill (§5.3, §7).
     deflection_in_flight: bool = False
     #: Deflections dispatched but not yet reflected in (B_n, K_n) (kairos+ projection).
     in_flight: list[InFlightDeflection] = []
     #: Requests waiting for admission (KV handoffs not yet running), informational.
-    waiting: NonNegInt = 0
+    waiting: BatchSize = 0
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):
@@ -70,7 +76,7 @@ class ClusterSnapshot(msgspec.Struct, frozen=True):
     prefill_nodes: Annotated[list[PrefillNodeView], msgspec.Meta(min_length=1)]
     decode_nodes: Annotated[list[DecodeNodeView], msgspec.Meta(min_length=1)]
     #: age of the state the snapshot was built from, ms (informational; the dispatcher records it)
-    state_age_ms: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    state_age_ms: Annotated[float, msgspec.Meta(ge=0, le=1e12)] | None = None
 
 
 _decoder = msgspec.json.Decoder(ClusterSnapshot)

@@ -6,6 +6,7 @@ so α, β, τ and the TTFT SLO mean the same thing everywhere.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -48,6 +49,9 @@ class PolicyParams(msgspec.Struct, frozen=True):
     link: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms"):
+            if not math.isfinite(getattr(self, name)):
+                raise PolicyError(f"{name} must be a finite number, got {getattr(self, name)}")
         if not self.alpha >= 1.0:
             raise PolicyError(f"alpha must be >= 1 (paper §4.4), got {self.alpha}")
         if not self.beta > 0:

@@ -64,6 +64,8 @@ def _mutated(fn):
     (_mutated(lambda d: d.pop("request")), "request"),
     (_mutated(lambda d: d["decode_nodes"].append(dict(d["decode_nodes"][0]))), "$.decode_nodes[1].id"),
     ("{not json", "not valid JSON"),
+    (_mutated(lambda d: d["request"].update(prompt_tokens=10 ** 310)), "$.request.prompt_tokens"),
+    (_mutated(lambda d: d["decode_nodes"][0].update(batch_size=2 ** 63)), "$.decode_nodes[0].batch_size"),
 ])
 def test_malformed_snapshot_exits_2_naming_the_field(doc, field):
     res = run(["decide", "-"], doc)
@@ -79,6 +81,7 @@ def test_extra_fields_are_allowed():
 
 @pytest.mark.parametrize("args,hint", [
     (["--policy", "magic"], "unknown policy"), (["--profile", "nope"], "no profile"), (["--alpha", "0.5"], "alpha"),
+    (["--tbt-slo-ms", "inf"], "finite"), (["--beta", "nan"], "finite"),
 ])
 def test_bad_options_exit_2(args, hint):
     res = run(["decide", "-", *args], EXAMPLE)
