@@ -356,7 +356,8 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
     """Check the server is reachable and pick the model: ``(model, max_model_len or None)``.
 
     Raises:
-        BenchError: connection refused/timeout, or no ``--model`` and no model listed.
+        BenchError: connection refused/timeout, no ``--model`` and no model listed, or a
+            ``--model`` the server does not list.
     """
     import aiohttp
 
@@ -374,6 +375,9 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
         if not cards or not isinstance(cards[0].get("id"), str):
             raise BenchError(f"{url}/v1/models gave no model (HTTP {status}); pass --model")
         model = cards[0]["id"]
+    ids = [c.get("id") for c in cards]
+    if cards and model not in ids:
+        raise BenchError(f"--model {model!r} is not served by {url} (served: {', '.join(map(str, ids))})")
     card = next((c for c in cards if c.get("id") == model), {})
     return model, _int_or_none(card.get("max_model_len"))
 

@@ -6,6 +6,7 @@ stdout carries results (JSON or tables), stderr carries messages; bad input exit
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -13,12 +14,12 @@ from shared.latency import DEFAULT_PROFILE, LatencyModel, ProfileError, load_pro
 from shared.policy import PolicyError, PolicyParams, parse_policy
 
 
-def load_model_or_exit(profile: str) -> LatencyModel:
-    """Load a profile by name or path, or exit 2 with the reason."""
+def load_model_or_exit(profile: str, option: str = "--profile") -> LatencyModel:
+    """Load a profile by name or path, or exit 2 with the reason (naming ``option``)."""
     try:
         return load_profile(profile)
     except ProfileError as exc:
-        raise click.BadParameter(str(exc), param_hint="--profile") from None
+        raise click.BadParameter(str(exc), param_hint=option) from None
 
 
 def policy_params_options(fn):
@@ -78,6 +79,8 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
     pol = _parse_policy_or_exit(policy)
     model = load_model_or_exit(profile)
     pp = make_params(**params)
+    if getattr(snapshot, "name", "") == "<stdin>" and sys.stdin.isatty():
+        click.echo("kairos decide: reading the snapshot JSON from stdin (end with Ctrl-D; or pass a file)", err=True)
     try:
         snap = parse_snapshot(snapshot.read())
     except SnapshotError as exc:
@@ -122,7 +125,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint="--policy") from None
     model = load_model_or_exit(profile)
-    truth = load_model_or_exit(truth_profile) if truth_profile else None
+    truth = load_model_or_exit(truth_profile, "--truth-profile") if truth_profile else None
     try:
         model.link(link)
     except ProfileError as exc:
@@ -134,6 +137,11 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         raise click.BadParameter(str(exc), param_hint="--sweep-rps") from None
     if duration <= 0 or any(r is not None and r <= 0 for r in rates):
         raise click.UsageError("--duration and --rps must be > 0")
+    if sweep_rps:  # fail before the sweep runs, not after
+        try:
+            Path(plots_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise click.BadParameter(f"cannot create {plots_dir}: {exc.strerror}", param_hint="--plots-dir") from None
 
     rows = []
     for rate in rates:
@@ -155,10 +163,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         for p in plot_sweep(rows, plots_dir, pp):
             click.echo(f"plot: {p}", err=True)
     if json_path:
-        from pathlib import Path as _P
-
-        _P(json_path).parent.mkdir(parents=True, exist_ok=True)
-        _P(json_path).write_text(_json.dumps(rows, indent=2) + "\n")
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(_json.dumps(rows, indent=2) + "\n")
         click.echo(f"wrote {json_path}", err=True)
 
 

@@ -410,6 +410,14 @@ async def test_unreachable_server_and_missing_model():
     assert res.model == "explicit" and fake.bodies[0]["model"] == "explicit" and not res.records[0].failed
 
 
+async def test_a_model_the_server_does_not_serve_is_a_usage_error():
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        with pytest.raises(BenchError, match="--model 'nope' is not served"):
+            await run_bench(BenchConfig(url=url, model="nope", progress=False), _wl((0.0, 10, 1)))
+    assert fake.bodies == []  # nothing was sent
+
+
 # --- CLI -------------------------------------------------------------------------------------------
 
 REQUIRED_KEYS = {"sent", "completed", "failed", "ttft_ms", "tbt_ms", "slo_attainment", "deflections", "duration_s",
