@@ -297,7 +297,7 @@ class Supervisor:
         base = f"http://{o.host}:{o.port}"
         lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
                   f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
-                  f"Logs         {self.log_dir}",
+                  f"Logs         {self.log_dir}" + ("" if o.log_dir else "  (removed on a clean stop)"),
                   f"Prometheus   {self.targets_path} (file_sd_configs targets of every /metrics)"]
         if o.trace_file:
             lines.append(f"Traces       {os.path.abspath(o.trace_file)} (JSON lines; "

@@ -1,15 +1,27 @@
-"""``kairos up`` as a user runs it: separate processes, bundled nats-server, clean teardown; and
-service mains that exit non-zero naming a bad config field."""
+"""``kairos up`` as a user runs it: separate processes, bundled nats-server, clean teardown (also
+with requests in flight, on a busy port and when a child dies); and service mains that exit
+non-zero naming a bad config field.
+
+Every process a test starts carries a unique tag in its environment (inherited by ``kairos up``'s
+children); the ``spawn`` fixture's finalizer SIGKILLs every process with that tag, so no test —
+passing or failing — leaves orphans behind, even ones already re-parented to init.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -17,58 +29,259 @@ from tests.integration.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
+TAG_VAR = "PYTEST_KAIROS_PROCESS_TAG"
 
-def _children_of(pid: int) -> list[int]:
+
+# -- process helpers ------------------------------------------------------------------------------
+
+def tagged_pids(tag: str) -> list[int]:
+    """Every live process whose environment carries ``TAG_VAR=tag``."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in env and alive(int(d)):
+            pids.append(int(d))
+    return pids
+
+
+def children_of(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie counts as gone
-        return f.read().split()[2] != "Z"
 
 
-def test_kairos_up_serves_and_stops_everything(tmp_path):
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Poll until every pid has exited; returns those still alive at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def spawn():
+    """``spawn(argv, env=..., **popen_kw)`` → Popen in its own session, tagged; teardown kills (by
+    pid and process group) every process carrying the tag, whatever the test's outcome."""
+    tag = uuid.uuid4().hex
+    procs: list[subprocess.Popen] = []
+
+    def start(argv: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        p = subprocess.Popen(argv, env={**os.environ, **(env or {}), TAG_VAR: tag}, start_new_session=True, **kw)
+        procs.append(p)
+        return p
+
+    yield start
+    deadline = time.monotonic() + 15
+    while (pids := tagged_pids(tag)) and time.monotonic() < deadline:
+        for pid in pids:
+            for kill in (os.killpg, os.kill):  # each child of kairos up leads its own process group
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        wait_gone(pids, 2)
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    assert not tagged_pids(tag), "could not kill the processes this test started"
+
+
+def start_up(spawn, port: int, *args: str, tmpdir: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """``kairos up`` (1P1D unless ``args`` say otherwise); returns the process and its table."""
+    env = {"TMPDIR": str(tmpdir)} if tmpdir is not None else {}
+    proc = spawn([sys.executable, "-m", "kairos", "up", "--port", str(port), *args], env=env,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 90
+    while not any(line.startswith("Stop") for line in lines):
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, f"kairos up exited: {proc.stderr.read()}"
+        lines.append(line)
+        assert time.monotonic() < deadline, lines
+    return proc, "".join(lines)
+
+
+def post(port: int, body: dict, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+def test_kairos_up_serves_and_stops_everything(tmp_path, spawn):
     port = free_port()
     trace = tmp_path / "spans.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "kairos", "up", "--port", str(port), "--prefill", "1", "--decode", "1",
-                             "--dispatchers", "2", "--trace-file", str(trace), "--log-dir", str(tmp_path / "logs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "2", "--trace-file",
+                           str(trace), "--log-dir", str(tmp_path / "logs"), tmpdir=tmpdir)
+    for name in ("nats-server", "state_aggregator", "prefill-0", "decode-0", "dispatcher-0", "dispatcher-1",
+                 "ingress"):
+        assert name in table, table
+    children = children_of(proc.pid)
+    assert len(children) == 7, table
+    status, out = post(port, {"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 3})
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 3
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    err = proc.stderr.read()
+    assert err.rstrip().endswith("kairos up: stopped"), err
+    assert "did not stop" not in err, err
+    assert not wait_gone(children, 5)
+    assert os.listdir(tmpdir) == [], "the temp dir (NATS store) must be removed on exit"
+    assert (tmp_path / "logs" / "ingress.log").stat().st_size > 0
+    spans = [json.loads(x) for x in trace.read_text().splitlines()]
+    names = {s["name"] for s in spans}
+    assert {"ingress.request", "dispatcher.decide"} <= names, names
+    assert len({s["context"]["trace_id"] for s in spans if s["name"] in ("ingress.request",
+                                                                         "dispatcher.decide")}) == 1
+
+
+def _read_sse(resp: http.client.HTTPResponse, events: list, first: threading.Event) -> None:
+    """Collect ``data:`` payloads (decoded JSON, or the string ``[DONE]``) until EOF."""
     try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while not any(line.startswith("Stop") for line in lines):
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, f"kairos up exited: {proc.stderr.read()}"
-            lines.append(line)
-            assert time.monotonic() < deadline, lines
-        table = "".join(lines)
-        for name in ("nats-server", "state_aggregator", "prefill-0", "decode-0", "dispatcher-0", "dispatcher-1",
-                     "ingress"):
-            assert name in table, table
-        children = _children_of(proc.pid)
-        assert len(children) == 7, table
-        body = json.dumps({"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 3}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            out = json.loads(r.read())
-        assert out["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
-        assert not [c for c in children if _alive(c)]
-        spans = [json.loads(x) for x in trace.read_text().splitlines()]
-        names = {s["name"] for s in spans}
-        assert {"ingress.request", "dispatcher.decide"} <= names, names
-        assert len({s["context"]["trace_id"] for s in spans if s["name"] in ("ingress.request",
-                                                                             "dispatcher.decide")}) == 1
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            first.set()
+    except OSError as exc:  # a cut connection: recorded, the assertions below then fail
+        events.append(exc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        first.set()
+
+
+def test_sigterm_with_requests_in_flight_ends_them_explicitly(tmp_path, spawn):
+    """Ctrl-C / SIGTERM of ``kairos up`` while a stream and a plain request are being decoded: the
+    agents are stopped before the ingress, so both clients get ``node_shutdown`` (streams: an error
+    event then ``[DONE]``), nothing is SIGKILLed, every child exits and the temp dir is removed."""
+    port = free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc, _ = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", tmpdir=tmpdir)
+    children = children_of(proc.pid)
+    assert len(children) == 6
+    long = {"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 5000}
+
+    plain: dict = {}
+    t_plain = threading.Thread(target=lambda: plain.update(zip(("status", "body"), post(port, long, timeout=60))))
+    t_plain.start()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**long, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events: list = []
+    first = threading.Event()
+    t_stream = threading.Thread(target=_read_sse, args=(resp, events, first))
+    t_stream.start()
+    assert first.wait(30) and events and isinstance(events[0], dict) and "choices" in events[0], events
+
+    proc.send_signal(signal.SIGTERM)
+    t_stream.join(60)
+    t_plain.join(60)
+    assert not t_stream.is_alive() and not t_plain.is_alive()
+    assert proc.wait(30) == 0
+    err = proc.stderr.read()
+    assert "did not stop" not in err, err
+    assert err.rstrip().endswith("kairos up: stopped"), err
+
+    assert events[-1] == "[DONE]", events[-3:]
+    last = events[-2]
+    assert isinstance(last, dict), events[-3:]
+    if "error" in last:
+        assert last["error"]["code"] == "node_shutdown", last
+    else:  # finished just before the stop
+        assert last["choices"][0]["finish_reason"] is not None, last
+    assert plain["status"] in (200, 503), plain
+    if plain["status"] == 503:
+        assert plain["body"]["error"]["code"] == "node_shutdown", plain
+    else:
+        assert plain["body"]["usage"]["completion_tokens"] == long["max_tokens"], plain
+    assert not wait_gone(children, 5)
+    assert os.listdir(tmpdir) == []
+
+
+def test_busy_port_fails_before_starting_anything(tmp_path, spawn):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))  # all addresses: a connect-only check on 127.0.0.1 sees it too,
+        busy.listen()              # but only a bind check would see one bound to another address
+        port = busy.getsockname()[1]
+        proc = spawn([sys.executable, "-m", "kairos", "up", "--port", str(port)], env={"TMPDIR": str(tmpdir)},
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, (out, err)
+    assert f"port {port}" in err and "already in use" in err, err
+    assert "nats-server" not in err, err
+    assert err.rstrip().endswith("kairos up: stopped"), err
+    assert os.listdir(tmpdir) == [], "nothing started, nothing left behind"
+
+
+def test_child_death_stops_everything_and_keeps_the_logs(tmp_path, spawn):
+    port = free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", tmpdir=tmpdir)
+    children = children_of(proc.pid)
+    victim = next(int(line.split()[-2]) for line in table.splitlines() if line.strip().startswith("dispatcher-0"))
+    assert victim in children
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(30) == 1
+    err = proc.stderr.read()
+    assert "dispatcher-0" in err and "exited unexpectedly" in err, err
+    assert err.rstrip().endswith("kairos up: stopped"), err
+    kept = [line.split("logs kept in ", 1)[1].strip() for line in err.splitlines() if "logs kept in " in line]
+    assert len(kept) == 1, err
+    assert Path(kept[0]).is_relative_to(tmpdir) and (Path(kept[0]) / "dispatcher-0.log").stat().st_size > 0
+    assert not (Path(kept[0]).parent / "jetstream").exists()  # the NATS store is not worth keeping
+    assert not wait_gone(children, 5)
+
+
+def test_demo_progress_bar_defaults_to_stderr_being_a_tty(monkeypatch):
+    """Under a non-TTY stderr (CliRunner, CI, ``make run | tee``) no progress bar unless asked."""
+    from click.testing import CliRunner
+
+    import kairos.demo
+    from kairos.cli import main
+
+    seen = []
+    monkeypatch.setattr(kairos.demo, "run_demo", lambda opts, **kw: seen.append(kw["progress"]) or 0)
+    for args in ([], ["--progress"], ["--no-progress"]):
+        r = CliRunner().invoke(main, ["demo", *args])
+        assert r.exit_code == 0, r.output
+    assert seen == [False, True, False]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert kairos.demo.progress_default(None) is True
+    assert kairos.demo.progress_default(False) is False
 
 
 @pytest.mark.parametrize("module,env,field", [
