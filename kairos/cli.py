@@ -239,7 +239,7 @@ def up(**opts) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal).")
 def demo(**opts) -> None:
     """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down."""
     from kairos.demo import demo_command

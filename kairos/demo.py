@@ -108,25 +108,13 @@ def progress_default(explicit: bool | None) -> bool:
         return False
 
 
-def _explicit_progress(o: dict[str, Any]) -> bool | None:
-    """The --progress/--no-progress value if the user passed it (click fills in a default otherwise)."""
-    import click
-
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None and "progress" in ctx.params:
-        src = ctx.get_parameter_source("progress")
-        if src is click.core.ParameterSource.DEFAULT:
-            return None
-    return o.get("progress")
-
-
 def demo_command(**o) -> None:
     """Thin click body (see kairos/cli.py)."""
     opts = UpOptions(port=o["port"] or free_port(), policy=o["policy"], profile=o["profile"],
                      prefill=o["prefill"], decode=o["decode"], dispatchers=o["dispatchers"],
                      trace_file=o["trace_file"])
     sys.exit(run_demo(opts, workload=o["workload"], rps=o["rps"], duration=o["duration"], seed=o["seed"],
-                      json_path=o["json_path"], progress=progress_default(_explicit_progress(o))))
+                      json_path=o["json_path"], progress=progress_default(o["progress"])))
 
 
 __all__ = ["run_demo", "demo_command", "progress_default", "side_by_side", "simulate_same"]
