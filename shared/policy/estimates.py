@@ -26,7 +26,7 @@ Choices where the paper is ambiguous (also in docs/policies.md):
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from shared.latency import LatencyModel
 
@@ -62,13 +62,25 @@ def prefill_ttft_ms(model: LatencyModel, prompt_tokens: int, queue_prompt_tokens
         model, prompt_tokens, chunk_tokens)
 
 
-class ChunkRun(tuple):
-    """``(chi, steps, prefill_tokens, first_cached, last_tokens, first_step)``: ``steps``
-    consecutive steps of chunk size χ, each with ``prefill_tokens`` prompt tokens (the last one
-    ``last_tokens``), the first being step ``first_step`` (0-based) of the schedule and starting
-    after ``first_cached`` cached prompt tokens."""
+class ChunkRun(NamedTuple):
+    """``steps`` consecutive steps of chunk size ``chi`` in a schedule (one run of equal χ).
 
-    __slots__ = ()
+    Every step carries ``prefill_tokens`` prompt tokens except the last, which carries
+    ``last_tokens``; the first is step ``first_step`` (0-based) of the schedule and starts after
+    ``first_cached`` cached prompt tokens. Predicted latencies (ms): step j of the run takes
+    ``first_ms + j·slope_ms`` (T is affine in the step index within a run), the last one
+    ``last_ms``.
+    """
+
+    chi: int
+    steps: int
+    prefill_tokens: int
+    first_cached: int
+    last_tokens: int
+    first_step: int
+    first_ms: float
+    slope_ms: float
+    last_ms: float
 
 
 def decode_schedule(
@@ -136,12 +148,12 @@ def decode_schedule(
         n = min(n_safe, need)
         if n == need:  # run finishes the prompt; its last step may be partial
             last = remaining - (n - 1) * p
-            total += (n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0
-            total += float(mixed(B, K + (n - 1) * B, last, cached + (n - 1) * p))
-            runs.append(ChunkRun((candidates_desc[k], n, p, cached, last, step)))
+            t_last = float(mixed(B, K + (n - 1) * B, last, cached + (n - 1) * p))
+            total += (n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last
+            runs.append(ChunkRun(candidates_desc[k], n, p, cached, last, step, t1, slope, t_last))
             return total, runs
         total += n * t1 + slope * n * (n - 1) / 2.0
-        runs.append(ChunkRun((candidates_desc[k], n, p, cached, p, step)))
+        runs.append(ChunkRun(candidates_desc[k], n, p, cached, p, step, t1, slope, t1 + slope * (n - 1)))
         cached += n * p
         remaining -= n * p
         step += n
@@ -149,16 +161,19 @@ def decode_schedule(
     return total, runs  # pragma: no cover - prompt_tokens <= 0
 
 
-def expand_runs(model: LatencyModel, batch_size: int, kv_tokens: int,
-                runs: Sequence[ChunkRun]) -> tuple[list[int], list[float]]:
-    """Per-step (χ list, predicted step ms list) of a schedule returned by :func:`decode_schedule`."""
+def expand_runs(runs: Sequence[ChunkRun]) -> tuple[list[int], list[float]]:
+    """Per-step (χ list, predicted step ms list) of a schedule returned by :func:`decode_schedule`.
+
+    O(steps) list building without model calls: within a run the step latency is
+    ``first_ms + j·slope_ms`` (exact up to float rounding), the run's last step ``last_ms``.
+    """
     chis: list[int] = []
     steps: list[float] = []
-    for chi, n, p, c0, last, i0 in runs:
-        for i in range(n):
-            tokens = last if i == n - 1 else p
-            chis.append(chi)
-            steps.append(float(model.mixed_step_ms(batch_size, kv_tokens + (i0 + i) * batch_size, tokens, c0 + i * p)))
+    for r in runs:
+        chis.extend([r.chi] * r.steps)
+        t1, slope = r.first_ms, r.slope_ms
+        steps.extend([t1 + slope * j for j in range(r.steps - 1)])
+        steps.append(r.last_ms)
     return chis, steps
 
 
@@ -171,5 +186,9 @@ def fixed_chunk_steps(model: LatencyModel, batch_size: int, kv_tokens: int, prom
     """
     p = max(chunk_tokens - batch_size, 1)
     n = -(-prompt_tokens // p)
-    run = ChunkRun((chunk_tokens, n, p, 0, prompt_tokens - (n - 1) * p, 0))
-    return expand_runs(model, batch_size, kv_tokens, [run])
+    last = prompt_tokens - (n - 1) * p
+    B, K, mixed = batch_size, kv_tokens, model.mixed_step_ms
+    t1 = float(mixed(B, K, p, 0))
+    slope = float(mixed(B, K + B, p, p)) - t1
+    t_last = float(mixed(B, K + (n - 1) * B, last, (n - 1) * p))
+    return expand_runs([ChunkRun(chunk_tokens, n, p, 0, last, 0, t1, slope, t_last)])

@@ -37,7 +37,7 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
 
     ests: dict[str, float | None] = {}
     why: dict[str, str] = {}
-    best: tuple[float, str, int, int, list] | None = None
+    best: tuple[float, str, list] | None = None
     for dn in snap.decode_nodes:
         B, K, wait_ms = dn.batch_size, dn.kv_tokens, 0.0
         if dn.deflection_in_flight or dn.in_flight:
@@ -62,7 +62,7 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
         ttft = wait_ms + res[0]
         ests[dn.id] = ttft
         if best is None or ttft < best[0]:
-            best = (ttft, dn.id, B, K, res[1])
+            best = (ttft, dn.id, res[1])
 
     common = dict(request_id=req.id, policy=spec, ttft_prefill_est_ms=ttft_pf, ttft_decode_est_ms=ests,
                   decode_infeasible=why, kv_transfer_est_ms=kv_ms, model_version=model.artifact_version)
@@ -70,13 +70,13 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
         reason = "keep_all_reserved" if why and all(v == "deflection_in_flight" for v in why.values()) \
             else "keep_no_feasible_node"
         return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap), reason=reason, **common)
-    ttft_dec, node, B, K, runs = best
+    ttft_dec, node, runs = best
     if ttft_dec > params.alpha * ttft_pf:  # Eq. 7, first clause
         return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap),
                         reason="keep_alpha_margin", **common)
     if ttft_dec > params.ttft_slo_ms:  # Eq. 7, second clause
         return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap),
                         reason="keep_over_ttft_slo", **common)
-    chis, steps = expand_runs(model, B, K, runs)
+    chis, steps = expand_runs(runs)
     return Decision(decision="deflect", node=node, decode_node=node, chunk_schedule=chis, predicted_step_ms=steps,
                     reason="deflect_faster" if ttft_dec <= ttft_pf else "deflect_within_alpha", **common)

@@ -38,7 +38,7 @@ def test_eq5_eq6_schedule_by_hand():
     res = decode_schedule(M, 10, 10_000, 400, [110, 60, 20], 60.001)
     assert res is not None
     ttft, runs = res
-    chis, steps = expand_runs(M, 10, 10_000, runs)
+    chis, steps = expand_runs(runs)
     assert chis == EXPECTED_CHIS
     assert steps == pytest.approx(EXPECTED_STEPS)
     assert ttft == pytest.approx(sum(EXPECTED_STEPS)) and ttft == pytest.approx(710.55)

@@ -108,6 +108,10 @@ def test_kairos_properties(snap, params):
                 assert bigger - B <= 0 or MODEL.mixed_step_ms(B, k_i, bigger - B, cached) > limit
             cached += min(chi - B, ell - cached)
         # Eq. 7 holds for the chosen node, which is the fastest feasible one
+        # the schedule and its per-step predictions are the literal loop's, step by step
+        ref_chis, ref_steps = reference_schedule(MODEL, B, K, ell, cands, limit)
+        assert d.chunk_schedule == ref_chis
+        assert d.predicted_step_ms == pytest.approx(ref_steps, rel=1e-9, abs=1e-9)
         t = d.ttft_decode_est_ms[d.node]
         assert t <= params.alpha * d.ttft_prefill_est_ms + 1e-9 and t <= params.ttft_slo_ms + 1e-9
         assert t == min(feasible.values())
