@@ -100,19 +100,70 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+#: Largest integer accepted in an integer field (int32, as the engines use); above it: out of range.
+MAX_INT_FIELD = 2**31 - 1
+
+#: Chat roles accepted in ``messages[].role``.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _int_field(body: dict, name: str, default: int | None, lo: int) -> int | None:
     v = body.get(name, default)
     if v is None:
         return default
+    if _is_number(v) and (v > MAX_INT_FIELD or v < -MAX_INT_FIELD - 1):  # also 1e26 (a JSON float)
+        raise ApiError(400, f"'{name}' is out of range: {v:g} is above the maximum {MAX_INT_FIELD}"
+                       if v > 0 else f"'{name}' is out of range: {v:g}", param=name, code="invalid_value")
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(400, f"'{name}' must be an integer", param=name, code="invalid_type")
+        raise ApiError(400, f"'{name}' must be an integer, got {_show(v)}", param=name, code="invalid_type")
     if v < lo:
         raise ApiError(400, f"'{name}' must be >= {lo}, got {v}", param=name, code="invalid_value")
     return v
 
 
-def _is_token_list(x: Any) -> bool:
-    return isinstance(x, list) and len(x) > 0 and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+def _show(v: Any) -> str:
+    """A JSON value for an error message: its type and (short) value."""
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(v), "null" if v is None else type(v).__name__)
+    text = repr(v)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _number_field(body: dict, name: str, lo: float, hi: float) -> None:
+    """An optional number in ``[lo, hi]`` (null means the default)."""
+    v = body.get(name)
+    if v is None:
+        return
+    if not _is_number(v):
+        raise ApiError(400, f"'{name}' must be a number between {lo:g} and {hi:g}, got {_show(v)}", param=name,
+                       code="invalid_type")
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo:g} and {hi:g}, got {v:g}", param=name,
+                       code="invalid_value")
+
+
+def _check_sampling(body: dict) -> None:
+    """Type/range checks of the sampling options we accept (the emulated engine ignores their values,
+    a real backend would not: a wrong type is a 400 naming the parameter, as OpenAI does)."""
+    _number_field(body, "temperature", 0.0, 2.0)
+    _number_field(body, "top_p", 0.0, 1.0)
+    _number_field(body, "presence_penalty", -2.0, 2.0)
+    _number_field(body, "frequency_penalty", -2.0, 2.0)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(x, str) for x in stop)):
+        raise ApiError(400, f"'stop' must be a string or a list of strings, got {_show(stop)}", param="stop",
+                       code="invalid_type")
+    seed = body.get("seed")
+    if seed is not None:
+        _int_field(body, "seed", None, -MAX_INT_FIELD - 1)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"'user' must be a string, got {_show(user)}", param="user", code="invalid_type")
 
 
 def _chat_content(content: Any, i: int) -> str:
@@ -128,6 +179,38 @@ def _chat_content(content: Any, i: int) -> str:
         return "".join(texts)
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content", code="invalid_type")
+
+
+def _completion_prompt(prompt: Any, nested: bool = False) -> tuple[str | None, list[int] | None]:
+    """``prompt`` of /v1/completions: (text, None) or (None, token ids)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+        return prompt, None
+    if prompt is None and not nested:
+        raise ApiError(400, "'prompt' is required: a string or a list of token ids", param="prompt",
+                       code="missing_required_parameter")
+    if not isinstance(prompt, list):
+        raise ApiError(400, f"'prompt' must be a non-empty string or a list of token ids, got {_show(prompt)}",
+                       param="prompt", code="invalid_type")
+    if not prompt:
+        raise ApiError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+    if all(_is_number(t) for t in prompt):
+        bad = next((i for i, t in enumerate(prompt) if not isinstance(t, int)), None)
+        if bad is not None:
+            raise ApiError(400, f"'prompt' token ids must be integers; prompt[{bad}] is {_show(prompt[bad])}",
+                           param="prompt", code="invalid_type")
+        if any(t < 0 for t in prompt):
+            raise ApiError(400, "'prompt' token ids must be >= 0", param="prompt", code="invalid_value")
+        return None, list(prompt)
+    if not nested and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        if len(prompt) == 1:
+            return _completion_prompt(prompt[0], nested=True)  # a batch of one
+        raise ApiError(400, f"batched prompts ({len(prompt)} prompts) are not supported; send one prompt per "
+                       "request", param="prompt", code="unsupported_value")
+    bad = next(i for i, t in enumerate(prompt) if not _is_number(t))
+    raise ApiError(400, f"'prompt' must be a string or a list of integer token ids; prompt[{bad}] is "
+                   f"{_show(prompt[bad])}", param="prompt", code="invalid_type")
 
 
 def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], default_max_tokens: int = 16) -> ParsedRequest:
@@ -157,28 +240,13 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
     if not isinstance(so, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
     include_usage = bool(so.get("include_usage", False))
+    _check_sampling(body)
 
     text: str | None = None
     ids: list[int] | None = None
     if endpoint == "completions":
         max_tokens = _int_field(body, "max_tokens", default_max_tokens, 1)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ApiError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-            text = prompt
-        elif _is_token_list(prompt):
-            ids = list(prompt)
-            if any(t < 0 for t in ids):
-                raise ApiError(400, "token ids must be >= 0", param="prompt", code="invalid_value")
-        elif isinstance(prompt, list) and len(prompt) > 1:
-            raise ApiError(400, "batched prompts are not supported; send one prompt per request",
-                           param="prompt", code="unsupported_value")
-        else:
-            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt",
-                           code="invalid_type" if prompt is not None else "missing_required_parameter")
+        text, ids = _completion_prompt(body.get("prompt"))
     else:
         max_tokens = _int_field(body, "max_completion_tokens", None, 1) or _int_field(body, "max_tokens",
                                                                                     default_max_tokens, 1)
@@ -191,7 +259,13 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]",
                                code="invalid_type")
-            norm.append({"role": m["role"], "content": _chat_content(m.get("content", ""), i)})
+            if m["role"] not in CHAT_ROLES:
+                raise ApiError(400, f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
+                               param=f"messages[{i}].role", code="invalid_value")
+            content = m.get("content", "")
+            if content is None and m["role"] == "assistant":  # an assistant turn that only called tools
+                content = ""
+            norm.append({"role": m["role"], "content": _chat_content(content, i)})
         text = render_chat(norm)
     assert max_tokens is not None
     return ParsedRequest(endpoint=endpoint, model=model, prompt_text=text, prompt_token_ids=ids,
@@ -208,12 +282,22 @@ def count_prompt_tokens(req: ParsedRequest, counter: TokenCounter | None) -> tup
     return estimate_tokens(req.prompt_text), False
 
 
-def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    """Raises ApiError 400 ``context_length_exceeded`` when prompt + output exceed the context."""
-    if prompt_tokens + max_tokens > max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                       f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-                       f"{max_tokens} for the completion).", param="max_tokens", code="context_length_exceeded")
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_param: str = "prompt") -> None:
+    """Raises ApiError 400 ``context_length_exceeded`` when prompt + output exceed the context.
+
+    ``param`` names what to shorten: ``prompt_param`` (``prompt``, chat: ``messages``) when the prompt
+    alone leaves no room for a single output token, else ``max_tokens``.
+    """
+    if prompt_tokens + max_tokens <= max_model_len:
+        return
+    if prompt_tokens >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"prompt is {prompt_tokens} tokens, which leaves no room for the completion. Please "
+                       f"shorten the prompt.", param=prompt_param, code="context_length_exceeded")
+    raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                   f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                   f"{max_tokens} for the completion). Please reduce 'max_tokens' to at most "
+                   f"{max_model_len - prompt_tokens}.", param="max_tokens", code="context_length_exceeded")
 
 
 # --------------------------------------------------------------------------------------------

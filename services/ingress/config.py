@@ -21,6 +21,17 @@ class IngressConfig(ServiceConfig):
     request_timeout_s: float = 600.0  #: whole request; then 504 and a cancel to the nodes
     idle_timeout_s: float = 60.0  #: max silence between two events of one request; then 504
     replica_id: str = "ingress-0"
+    #: re-submissions of a request whose node was lost before any token reached the client
+    max_resubmits: int = 2
+    #: /health: cluster view older than this (ingress receive clock) is stale; 0: the view's own stale_after_ms
+    view_stale_after_ms: float = 0.0
+    #: /health: refresh the dispatcher consumer check at most this often
+    dispatcher_check_interval_s: float = 1.0
+    #: /health: a delivery from the request stream this recent counts as a consuming dispatcher
+    dispatcher_active_window_s: float = 5.0
+    #: how often in-flight requests are checked for a client that closed its connection
+    disconnect_poll_s: float = 0.2
+    max_body_bytes: int = 64 * 1024 * 1024  #: larger request bodies get 413
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "must be 0..65535")
@@ -28,3 +39,9 @@ class IngressConfig(ServiceConfig):
         require(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         require(self.idle_timeout_s > 0, "idle_timeout_s", "must be > 0")
+        require(0 <= self.max_resubmits <= 10, "max_resubmits", "must be 0..10")
+        require(self.view_stale_after_ms >= 0, "view_stale_after_ms", "must be >= 0")
+        require(self.dispatcher_check_interval_s > 0, "dispatcher_check_interval_s", "must be > 0")
+        require(self.dispatcher_active_window_s > 0, "dispatcher_active_window_s", "must be > 0")
+        require(self.disconnect_poll_s > 0, "disconnect_poll_s", "must be > 0")
+        require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")

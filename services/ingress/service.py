@@ -5,15 +5,29 @@ Per request: validate (:mod:`shared.openai_api`), count prompt tokens, assign th
 :class:`~shared.wire.InferenceRequest` with the W3C trace context in the headers, then relay events.
 Streaming responses send their HTTP headers only when the first token arrives, so an error before
 it still gets a proper 4xx/5xx status. Every accepted request ends with a completion or an
-OpenAI-shaped error: dispatcher/agent errors are relayed, silence past ``idle_timeout_s`` or
-``request_timeout_s`` becomes 504 (and a cancel to the nodes).
+OpenAI-shaped error, promptly:
+
+* dispatcher/agent errors are relayed;
+* **node lost**: the ingress follows where each request is (routing events on
+  ``kairos.route.decided``, the node of its tokens, the prefill record's handoff node) and watches
+  the cluster view; when that node goes stale or leaves the view, a request that has sent nothing
+  to the client yet is re-submitted to the dispatchers under a new bus id ``<id>-r<n>`` (at most
+  ``max_resubmits`` times; the old id is cancelled), otherwise it ends with 503 ``node_lost``
+  (SSE error event mid-stream) and a cancel to the nodes;
+* a client that closes its connection (streaming or not) is noticed within ``disconnect_poll_s``:
+  cancel to the nodes, recorded as 499 ``client_disconnected`` with the tokens delivered;
+* silence past ``idle_timeout_s`` or ``request_timeout_s`` becomes 504 (and a cancel).
+
+Every HTTP error (including aiohttp's own 404/405/413) is an OpenAI-shaped JSON body (middleware).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 import nats.errors
@@ -33,7 +47,11 @@ from shared.latency import load_profile
 from shared.records import request_record
 from shared.routing import routable
 from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest, IngressTiming,
-                         OutEvent, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+                         OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode, encode, now_ms)
+
+
+#: set on a request once its SSE headers are sent (no error response can replace them any more)
+STREAM_STARTED = web.RequestKey("kairos_stream_started", bool)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -69,6 +87,48 @@ class _Metrics:
         self.ttft_err = Histogram("kairos_ingress_ttft_prediction_error_seconds",
                                   "Measured minus predicted TTFT (signed)", ("decision",), registry=reg,
                                   buckets=T.ERROR_SECONDS_BUCKETS)
+        self.node_lost = Counter("kairos_ingress_node_lost_total",
+                                 "In-flight requests whose node went stale or left the view, by outcome "
+                                 "(resubmitted to the dispatchers, or failed with 503 node_lost)", ("outcome",),
+                                 registry=reg)
+        self.disconnects = Counter("kairos_ingress_client_disconnects_total",
+                                   "Requests whose client closed the connection before the end (499)",
+                                   ("endpoint", "stream"), registry=reg)
+        for outcome in ("resubmitted", "failed"):
+            self.node_lost.labels(outcome)
+
+
+@dataclass
+class _NodeLost:
+    """Queue item: a node the request depends on went stale or left the view."""
+
+    node: str
+    attempt_id: str
+
+
+class _ClientGone:
+    """Queue item: the HTTP client closed its connection."""
+
+
+@dataclass
+class _Flight:
+    """Where one in-flight request is, as far as the ingress knows (keyed by its current bus id)."""
+
+    rid: str  #: the id the client sees
+    attempt_id: str  #: the id on the bus for the current attempt (rid, then rid-r1, rid-r2)
+    queue: asyncio.Queue
+    request: web.Request
+    kind: str | None = None  #: "prefill" (keep) or "deflect", from the routing event
+    node: str | None = None  #: node that accepted the job
+    handoff_node: str | None = None  #: keep path: decode node that took the KV (prefill record)
+    token_node: str | None = None  #: node the tokens come from
+    lost: bool = False  #: a _NodeLost was queued for this attempt
+    client_gone: bool = False
+    checking: bool = False  #: a prefill-record lookup is running
+
+    def reset(self, attempt_id: str) -> None:
+        self.attempt_id, self.kind, self.node, self.handoff_node, self.token_node = attempt_id, None, None, None, None
+        self.lost = False
 
 
 def predicted_ttft_ms(rec: DecisionRecord) -> float | None:
@@ -93,10 +153,20 @@ class Ingress:
         self._runner = None
         self._tasks: set[asyncio.Task] = set()
         self.view: ClusterView | None = None
+        self._view_rx: float | None = None  # time.monotonic() when the last view arrived
         self._view_task: asyncio.Task | None = None
+        self._seen_nodes: set[str] = set()
+        self._roles: dict[str, str] = {}
+        self.dead_nodes: set[str] = set()  #: nodes stale in, or gone from, the current view
+        self._flights: dict[str, _Flight] = {}
+        self._subs: list = []
+        self._poll_task: asyncio.Task | None = None
+        self._disp: dict | None = None  # cached dispatcher-consumer check
+        self._disp_at = 0.0
+        self._disp_lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -111,6 +181,8 @@ class Ingress:
         self.buckets = await ensure_buckets(self.js)
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
         self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
+        self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
+        self._poll_task = asyncio.create_task(self._watch_clients())
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
@@ -128,6 +200,13 @@ class Ingress:
                 await self._view_watcher.stop()
             except Exception:
                 pass
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
         await bus_close(self.nc, graceful=True)
@@ -138,26 +217,219 @@ class Ingress:
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
+    # -- errors ---------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every error response is OpenAI-shaped JSON, aiohttp's own 404/405/413 included."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return self._http_error(request, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if request.get(STREAM_STARTED):
+                raise  # headers are out; nothing better to send
+            self.log.error("unhandled_error", path=request.path, method=request.method, error=repr(exc))
+            return _err(500, f"internal error in the ingress: {exc!r}", "internal_error")
+
+    def _http_error(self, request: web.Request, exc: web.HTTPException) -> web.Response:
+        status = exc.status
+        if isinstance(exc, web.HTTPNotFound):
+            msg, code = (f"Unknown path {request.path!r}. Endpoints: POST /v1/completions, POST /v1/chat/completions, "
+                         f"GET /v1/models, GET /v1/requests/{{id}}, GET /health, GET /metrics"), "not_found"
+        elif isinstance(exc, web.HTTPMethodNotAllowed):
+            msg = (f"Method {request.method} is not allowed for {request.path}; use "
+                   f"{' or '.join(sorted(exc.allowed_methods))}")
+            code = "method_not_allowed"
+        elif isinstance(exc, web.HTTPRequestEntityTooLarge):
+            msg, code = (f"request body is too large: the limit is {self.cfg.max_body_bytes} bytes"
+                         f"{f' (got {request.content_length})' if request.content_length else ''}"), "request_too_large"
+        else:
+            msg, code = exc.text or exc.reason, exc.reason.lower().replace(" ", "_")
+        out = _err(status, msg, code)
+        for h in ("Allow", "Retry-After"):
+            if h in exc.headers:
+                out.headers[h] = exc.headers[h]
+        return out
+
     # -- simple endpoints ---------------------------------------------------------------------
     async def health(self, _req: web.Request) -> web.Response:
-        """Readiness: 200 when connected to NATS and the cluster view has at least one fresh
-        prefill and one fresh decode node; the body says what is missing otherwise."""
+        """Readiness (docs/services.md): 200 only when everything a request needs is there —
+        NATS connected, a fresh cluster view (the aggregator is alive) with at least one routable
+        prefill and decode node, and a dispatcher consuming the request stream; otherwise 503 with
+        every reason listed."""
         connected = self.nc is not None and self.nc.is_connected
+        reasons: list[dict[str, str]] = []
+        if not connected:
+            reasons.append({"code": "nats_disconnected", "message": "the ingress is not connected to NATS"})
+        view_age = None if self._view_rx is None else round((time.monotonic() - self._view_rx) * 1000.0, 1)
+        limit = self._view_stale_after_ms()
+        if self.view is None:
+            reasons.append({"code": "no_cluster_view",
+                            "message": "no cluster view received yet (is the state aggregator running?)"})
+        elif view_age is not None and view_age > limit:
+            reasons.append({"code": "cluster_view_stale",
+                            "message": f"the cluster view is {view_age:.0f} ms old (stale after {limit:.0f} ms): "
+                                       f"the state aggregator stopped publishing"})
         pfs, dcs = routable(self.view)
-        age = None if self.view is None else round(now_ms() - self.view.built_unix_ms, 1)
-        ok = connected and bool(pfs) and bool(dcs)
-        status = "ok" if ok else "nats_disconnected" if not connected else "no_routable_nodes"
-        return _json({"status": status, "routable": {"prefill": [n.node for n in pfs], "decode": [n.node for n in dcs]},
-                      "view_age_ms": age}, 200 if ok else 503)
+        if self.view is not None and (not pfs or not dcs):
+            missing = " and ".join(r for r, ns in (("prefill", pfs), ("decode", dcs)) if not ns)
+            reasons.append({"code": "no_routable_nodes", "message": f"no routable {missing} node in the cluster view"})
+        disp = await self._dispatcher_check() if connected else {"consuming": False, "detail": "not connected"}
+        if connected and not disp["consuming"]:
+            reasons.append({"code": "no_dispatcher",
+                            "message": f"no dispatcher is consuming the request stream ({disp['detail']})"})
+        status = reasons[0]["code"] if reasons else "ok"
+        return _json({"status": status, "reasons": reasons,
+                      "routable": {"prefill": [n.node for n in pfs], "decode": [n.node for n in dcs]},
+                      "view_age_ms": view_age, "dispatchers": disp}, 503 if reasons else 200)
+
+    def _view_stale_after_ms(self) -> float:
+        if self.cfg.view_stale_after_ms > 0:
+            return self.cfg.view_stale_after_ms
+        return self.view.stale_after_ms if self.view is not None else 0.0
+
+    async def _dispatcher_check(self) -> dict:
+        """Is some dispatcher consuming the work queue? Cached ``dispatcher_check_interval_s``.
+
+        Rule: the shared consumer has a pull request waiting (``num_waiting`` > 0; an idle
+        dispatcher always has one outstanding) or delivered a message within
+        ``dispatcher_active_window_s`` (a busy one). A zero ``num_waiting`` is re-read once after
+        100 ms, as a dispatcher renews its pull request every second.
+        """
+        if self._disp is not None and time.monotonic() - self._disp_at < self.cfg.dispatcher_check_interval_s:
+            return self._disp
+        async with self._disp_lock:
+            if self._disp is not None and time.monotonic() - self._disp_at < self.cfg.dispatcher_check_interval_s:
+                return self._disp
+            out = await self._consumer_state()
+            if not out["consuming"] and out.get("num_waiting") == 0:
+                await asyncio.sleep(0.1)
+                out = await self._consumer_state()
+            self._disp, self._disp_at = out, time.monotonic()
+            return out
+
+    async def _consumer_state(self) -> dict:
+        try:
+            info = await self.js.consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=1.0)
+        except nats.js.errors.NotFoundError:
+            return {"consuming": False, "detail": f"consumer {S.DISPATCHER_CONSUMER!r} on stream "
+                                                  f"{S.REQUEST_STREAM!r} does not exist: no dispatcher ever started"}
+        except Exception as exc:
+            return {"consuming": False, "detail": f"consumer info failed: {exc!r}"}
+        waiting = info.num_waiting or 0
+        last = info.delivered.last_active if info.delivered is not None else None
+        since = None
+        if last is not None:
+            since = round((datetime.datetime.now(datetime.timezone.utc) - last).total_seconds(), 3)
+        consuming = waiting > 0 or (since is not None and since <= self.cfg.dispatcher_active_window_s)
+        detail = ("ok" if consuming else
+                  f"no pull request waiting and no delivery in the last {self.cfg.dispatcher_active_window_s:g} s")
+        return {"consuming": consuming, "detail": detail, "num_waiting": waiting, "last_delivery_s_ago": since,
+                "num_pending": info.num_pending, "num_ack_pending": info.num_ack_pending}
 
     async def _watch_view(self, watcher) -> None:
         async for e in watcher:
             if e is None or not e.value or e.operation is not None:
                 continue
             try:
-                self.view = decode(e.value, ClusterView)
+                view = decode(e.value, ClusterView)
             except WireError:
                 continue
+            self.view, self._view_rx = view, time.monotonic()
+            try:
+                self._on_view(view)
+            except Exception as exc:  # never let the watcher die
+                self.log.error("view_check_failed", error=repr(exc))
+
+    # -- where requests are, and nodes that die under them --------------------------------------
+    def _on_view(self, view: ClusterView) -> None:
+        present = {n.node for n in view.nodes}
+        self._seen_nodes |= present
+        self._roles.update((n.node, n.role) for n in view.nodes)
+        dead = {n.node for n in view.nodes if n.stale} | (self._seen_nodes - present)
+        newly = dead - self.dead_nodes
+        if newly:
+            self.log.warning("nodes_lost", nodes=sorted(newly), in_flight=len(self._flights))
+        self.dead_nodes = dead
+        if dead:
+            decode_died = any(self._roles.get(n) == "decode" for n in newly)
+            for f in list(self._flights.values()):
+                self._check_flight(f, decode_died)
+
+    async def _on_routed(self, msg) -> None:
+        try:
+            ev = decode(msg.data, RoutedEvent)
+        except WireError:
+            return
+        f = self._flights.get(ev.request_id)
+        if f is None:
+            return
+        f.kind, f.node = ev.kind, ev.node
+        if self.dead_nodes:
+            self._check_flight(f, True)
+
+    def _check_flight(self, f: _Flight, decode_may_have_died: bool) -> None:
+        """Queue a _NodeLost for ``f`` if a node it depends on is dead. Keep path before the first
+        token: the prefill node, or — after the handoff — the decode node that took the KV (read
+        from the prefill record; the decision's decode node alone does not count, the prefill
+        agent tries the other candidates)."""
+        if f.lost or f.client_gone:
+            return
+        dead = self.dead_nodes
+        if f.token_node is not None:
+            if f.token_node in dead:
+                self._lost(f, f.token_node)
+            return
+        if f.kind == "deflect":
+            if f.node in dead:
+                self._lost(f, f.node)
+            return
+        if f.kind == "prefill":
+            if f.handoff_node is not None:
+                if f.handoff_node in dead:
+                    self._lost(f, f.handoff_node)
+            elif (f.node in dead or decode_may_have_died) and not f.checking:
+                f.checking = True
+                self._bg(self._check_handoff(f, f.attempt_id))
+
+    async def _check_handoff(self, f: _Flight, attempt_id: str) -> None:
+        try:
+            try:
+                e = await self.buckets.requests.get(S.record_key(attempt_id, "prefill"))
+                rec = decode(e.value, PrefillTiming) if e.value else None
+            except (nats.js.errors.KeyNotFoundError, WireError):
+                rec = None
+            except Exception as exc:
+                self.log.warning("prefill_record_read_failed", request_id=attempt_id, error=repr(exc))
+                rec = None
+        finally:
+            f.checking = False
+        if f.attempt_id != attempt_id or f.lost or f.client_gone or f.token_node is not None:
+            return
+        if rec is not None and rec.handoff_node:
+            f.handoff_node = rec.handoff_node
+            if f.handoff_node in self.dead_nodes:
+                self._lost(f, f.handoff_node)
+        elif f.node in self.dead_nodes:
+            self._lost(f, f.node)
+
+    def _lost(self, f: _Flight, node: str) -> None:
+        f.lost = True
+        f.queue.put_nowait(_NodeLost(node=node, attempt_id=f.attempt_id))
+
+    async def _watch_clients(self) -> None:
+        """Notice clients that closed their connection (aiohttp does not cancel the handler)."""
+        while True:
+            await asyncio.sleep(self.cfg.disconnect_poll_s)
+            for f in list(self._flights.values()):
+                t = f.request.transport
+                if not f.client_gone and (t is None or t.is_closing()):
+                    f.client_gone = True
+                    f.queue.put_nowait(_ClientGone())
 
     async def models(self, _req: web.Request) -> web.Response:
         return _json(oa.models_response([self.cfg.served_model], self.max_model_len))
@@ -172,14 +444,20 @@ class Ingress:
             S.check_token(rid, "request id")
         except ValueError as exc:
             return _err(400, str(exc), "invalid_request_id")
-        parts = {}
-        for part, typ in (("decision", DecisionRecord), ("prefill", PrefillTiming), ("decode", DecodeTiming),
-                          ("ingress", IngressTiming)):
+        parts: dict = {}
+
+        async def get(key_rid: str, part: str, typ):
             try:
-                e = await self.buckets.requests.get(S.record_key(rid, part))
-                parts[part] = decode(e.value, typ) if e.value else None
+                e = await self.buckets.requests.get(S.record_key(key_rid, part))
+                return decode(e.value, typ) if e.value else None
             except (nats.js.errors.KeyNotFoundError, WireError):
-                parts[part] = None
+                return None
+
+        parts["ingress"] = await get(rid, "ingress", IngressTiming)
+        # re-submitted after a node was lost: the routing/node records of the attempt that served it
+        served_by = parts["ingress"].resubmitted_as[-1] if parts["ingress"] and parts["ingress"].resubmitted_as else rid
+        for part, typ in (("decision", DecisionRecord), ("prefill", PrefillTiming), ("decode", DecodeTiming)):
+            parts[part] = await get(served_by, part, typ)
         if all(v is None for v in parts.values()):
             return _err(404, f"no record of request {rid!r} (unknown, or older than the record TTL)", "not_found")
         return _json(request_record(rid, parts["decision"], parts["prefill"], parts["decode"], parts["ingress"]))
@@ -195,13 +473,17 @@ class Ingress:
         received = now_ms()
         try:
             body = orjson.loads(await request.read())
+        except web.HTTPRequestEntityTooLarge as exc:
+            self.m.requests.labels(endpoint, "413").inc()
+            return self._http_error(request, exc)
         except orjson.JSONDecodeError as exc:
             self.m.requests.labels(endpoint, "400").inc()
             return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
         try:
             parsed = oa.parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens)
             prompt_tokens, exact = oa.count_prompt_tokens(parsed, self.counter)
-            oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len)
+            oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len,
+                             "prompt" if endpoint == "completions" else "messages")
         except oa.ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return _json(exc.body(), exc.status)
@@ -258,49 +540,122 @@ class Ingress:
     async def _run(self, request, parsed: oa.ParsedRequest, rid: str, created: int, prompt_tokens: int, exact: bool,
                    received: float, timing: dict, log, trace_id: str | None) -> tuple[web.StreamResponse, int]:
         cfg = self.cfg
-        queue: asyncio.Queue[OutEvent] = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()
+        flight = _Flight(rid=rid, attempt_id=rid, queue=queue, request=request)
+        deadline = received + cfg.request_timeout_s * 1000.0
+        sub = None
 
         async def on_out(msg) -> None:
             try:
-                queue.put_nowait(decode(msg.data, OutEvent))  # type: ignore[arg-type]
+                ev = decode(msg.data, OutEvent)  # type: ignore[arg-type]
             except WireError as exc:
                 log.warning("bad_out_event", error=str(exc))
+                return
+            if ev.request_id != flight.attempt_id:  # late event of an abandoned attempt
+                return
+            if isinstance(ev, TokenEvent) and flight.token_node != ev.node:
+                flight.token_node = ev.node
+                if ev.node in self.dead_nodes:
+                    self._check_flight(flight, False)
+            queue.put_nowait(ev)
 
-        sub = await self.nc.subscribe(S.out_subject(rid), cb=on_out)
-        try:
-            deadline = received + cfg.request_timeout_s * 1000.0
-            ireq = InferenceRequest(request_id=rid, model=parsed.model, prompt_tokens=prompt_tokens,
-                                    max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
-                                    prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
-                                    created_unix_ms=received, deadline_unix_ms=deadline)
-            headers = telemetry.inject_headers(headers={"Nats-Msg-Id": rid})
+        async def submit(attempt_id: str) -> Exception | None:
+            """(Re-)subscribe for ``attempt_id``'s events, then publish it onto the work queue."""
+            nonlocal sub
+            self._flights.pop(flight.attempt_id, None)
+            flight.reset(attempt_id)
+            self._flights[attempt_id] = flight
+            old = sub
             try:
+                sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=on_out)
+                if old is not None:
+                    await old.unsubscribe()
+                ireq = InferenceRequest(request_id=attempt_id, model=parsed.model, prompt_tokens=prompt_tokens,
+                                        max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
+                                        prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
+                                        created_unix_ms=received, deadline_unix_ms=deadline)
+                # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
+                headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 await self.nc.flush()
                 await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM)
             except Exception as exc:
-                log.error("enqueue_failed", error=repr(exc))
+                log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
+                return exc
+            return None
+
+        async def next_event():
+            left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
+            if left <= 0:
+                return None
+            try:
+                return await asyncio.wait_for(queue.get(), left)
+            except asyncio.TimeoutError:
+                return None
+
+        text_parts: list[str] = []
+        completion = 0  # tokens received for the current attempt
+        sent = 0  # tokens delivered to the client (streaming)
+        finish = "length"
+        resp: web.StreamResponse | None = None
+        first = True
+        last_token_ms = 0.0
+        resubmits = 0
+
+        async def fail(status: int, code: str, message: str) -> tuple[web.StreamResponse, int]:
+            timing["error"] = code
+            timing["completion_tokens"] = sent if parsed.stream else 0
+            if resp is None:
+                return _err(status, message, code), status
+            await self._sse(resp, oa.error_body(message, oa.error_type_for(status), None, code))
+            await self._sse_done(resp)
+            return resp, status
+
+        try:
+            exc = await submit(rid)
+            if exc is not None:
                 timing["error"] = "enqueue_failed"
                 return _err(503, f"could not enqueue the request: {exc!r}", "enqueue_failed"), 503
-
-            async def next_event() -> OutEvent | None:
-                left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
-                if left <= 0:
-                    return None
-                try:
-                    return await asyncio.wait_for(queue.get(), left)
-                except asyncio.TimeoutError:
-                    return None
-
-            ev = await next_event()
-            if ev is None or isinstance(ev, ErrorEvent):
-                return await self._fail_before_first(rid, ev, timing, log)
-            text_parts: list[str] = []
-            completion = 0
-            finish = "length"
-            resp: web.StreamResponse | None = None
-            first = True
-            last_token_ms = 0.0
             while True:
+                ev = await next_event()
+                if ev is None:
+                    await self._cancel(flight.attempt_id, "timeout")
+                    if first:
+                        log.warning("request_timeout_before_first_token")
+                        return await fail(504, "timeout", f"request {rid} timed out before its first token")
+                    log.warning("request_timeout_mid_stream", completion_tokens=completion)
+                    return await fail(504, "timeout", f"request {rid} timed out waiting for tokens")
+                if isinstance(ev, _ClientGone):
+                    return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
+                if isinstance(ev, _NodeLost):
+                    if ev.attempt_id != flight.attempt_id:
+                        continue
+                    old_id = flight.attempt_id
+                    # nothing reached the client yet (a non-streaming answer is sent only at the end)
+                    if resp is None and resubmits < cfg.max_resubmits and deadline > now_ms():
+                        resubmits += 1
+                        new_id = f"{rid}-r{resubmits}"
+                        await self._cancel(old_id, "node_lost")  # frees whatever other nodes hold for it
+                        self.m.node_lost.labels("resubmitted").inc()
+                        log.warning("node_lost_resubmitting", node=ev.node, lost_attempt=old_id, attempt_id=new_id,
+                                    discarded_tokens=completion)
+                        timing.setdefault("resubmitted_as", []).append(new_id)
+                        text_parts.clear()
+                        completion, first = 0, True
+                        timing.pop("first_token_unix_ms", None)
+                        exc = await submit(new_id)
+                        if exc is not None:
+                            timing["error"] = "enqueue_failed"
+                            return _err(503, f"node {ev.node} was lost and the request could not be re-submitted: "
+                                             f"{exc!r}", "enqueue_failed"), 503
+                        continue
+                    self.m.node_lost.labels("failed").inc()
+                    await self._cancel(old_id, "node_lost")
+                    why = ("tokens were already streamed" if resp is not None else
+                           f"re-submitted {resubmits} time(s) already" if resubmits else "no time left")
+                    log.warning("node_lost_failed", node=ev.node, attempt_id=old_id, why=why, tokens_sent=sent)
+                    return await fail(503, "node_lost", f"node {ev.node} serving request {rid} was lost (no "
+                                                        f"heartbeat; it may have crashed) and the request cannot be "
+                                                        f"moved: {why}")
                 if isinstance(ev, TokenEvent):
                     t = now_ms()
                     if first:
@@ -319,9 +674,11 @@ class Ingress:
                             if trace_id:
                                 headers["X-Trace-Id"] = trace_id
                             resp = web.StreamResponse(headers=headers)
+                            request[STREAM_STARTED] = True
                             await resp.prepare(request)
                         if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, ev.text, None, first)):
-                            return await self._client_gone(rid, resp, timing, log)
+                            return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
+                        sent += ev.count
                     else:
                         text_parts.append(ev.text)
                     first = False
@@ -330,24 +687,9 @@ class Ingress:
                     timing["finish_reason"] = finish
                     break
                 elif isinstance(ev, ErrorEvent):
-                    timing["error"] = ev.code
-                    timing["completion_tokens"] = completion
-                    log.warning("request_failed_mid_stream", code=ev.code, message=ev.message)
-                    if resp is None:
-                        return _err(ev.status, ev.message, ev.code), ev.status
-                    await self._sse(resp, oa.error_body(ev.message, oa.error_type_for(ev.status), None, ev.code))
-                    await self._sse_done(resp)
-                    return resp, ev.status
-                ev = await next_event()
-                if ev is None:
-                    timing["error"] = "timeout"
-                    await self._cancel(rid, "timeout")
-                    msg = f"request {rid} timed out waiting for tokens"
-                    if resp is None:
-                        return _err(504, msg, "timeout"), 504
-                    await self._sse(resp, oa.error_body(msg, "server_error", None, "timeout"))
-                    await self._sse_done(resp)
-                    return resp, 504
+                    log.warning("request_failed" if resp is None else "request_failed_mid_stream", code=ev.code,
+                                message=ev.message, source=ev.source)
+                    return await fail(ev.status, ev.code, ev.message)
             timing["finished_unix_ms"] = now_ms()
             timing["completion_tokens"] = completion
             self.m.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - received))
@@ -364,25 +706,22 @@ class Ingress:
             await self._sse_done(resp)
             return resp, 200
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            self._flights.pop(flight.attempt_id, None)
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
 
-    async def _fail_before_first(self, rid: str, ev: ErrorEvent | None, timing: dict, log):
-        if ev is None:
-            timing["error"] = "timeout"
-            await self._cancel(rid, "timeout")
-            log.warning("request_timeout_before_first_token")
-            return _err(504, f"request {rid} timed out before its first token", "timeout"), 504
-        timing["error"] = ev.code
-        log.warning("request_failed", code=ev.code, message=ev.message, source=ev.source)
-        return _err(ev.status, ev.message, ev.code), ev.status
-
-    async def _client_gone(self, rid: str, resp, timing: dict, log):
+    async def _client_gone(self, attempt_id: str, resp, timing: dict, log, parsed: oa.ParsedRequest, sent: int):
+        """The client closed its connection: cancel on the nodes, record 499 and the tokens it got."""
         timing["error"] = "client_disconnected"
-        log.info("client_disconnected")
-        await self._cancel(rid, "client_disconnected")
+        timing["completion_tokens"] = sent
+        self.m.disconnects.labels(parsed.endpoint, str(parsed.stream).lower()).inc()
+        log.info("client_disconnected", tokens_sent=sent, stream=parsed.stream)
+        await self._cancel(attempt_id, "client_disconnected")
+        if resp is None:  # nobody will read it; the status is for the log, metrics and record
+            return _err(499, "client closed the connection", "client_disconnected"), 499
         return resp, 499
 
     async def _sse(self, resp: web.StreamResponse, obj: dict) -> bool:
