@@ -110,6 +110,10 @@ class _ClientGone:
     """Queue item: the HTTP client closed its connection."""
 
 
+class _Shutdown:
+    """Queue item: this ingress is stopping; end the request with an explicit error now."""
+
+
 @dataclass
 class _Flight:
     """Where one in-flight request is, as far as the ingress knows (keyed by its current bus id)."""
@@ -192,6 +196,11 @@ class Ingress:
                       tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))")
 
     async def close(self) -> None:
+        """Stop: every request still in flight ends now with an explicit 503 ``ingress_shutdown``
+        (normally none: ``kairos up`` stops dispatchers and agents first, whose errors are relayed),
+        then the HTTP server waits for those handlers to send their answers."""
+        for f in list(self._flights.values()):
+            f.queue.put_nowait(_Shutdown())
         if self._runner is not None:
             await self._runner.cleanup()
         if self._view_task is not None:
@@ -626,6 +635,11 @@ class Ingress:
                     return await fail(504, "timeout", f"request {rid} timed out waiting for tokens")
                 if isinstance(ev, _ClientGone):
                     return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
+                if isinstance(ev, _Shutdown):
+                    await self._cancel(flight.attempt_id, "ingress_shutdown")
+                    log.warning("request_ended_by_shutdown", tokens_sent=sent)
+                    return await fail(503, "ingress_shutdown", f"the ingress serving request {rid} is shutting "
+                                                               "down; retry the request")
                 if isinstance(ev, _NodeLost):
                     if ev.attempt_id != flight.attempt_id:
                         continue

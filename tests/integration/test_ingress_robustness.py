@@ -264,3 +264,18 @@ async def test_validation_messages_name_the_problem(lone_ingress, body, param, c
         got = await r.json()
     assert r.status == 400, got
     assert is_openai_error(got, code) and got["error"]["param"] == param and words in got["error"]["message"], got
+
+
+async def test_ingress_shutdown_ends_unrouted_requests_with_an_explicit_error(nats_url):
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
+        for d in st.dispatchers:  # nobody routes: the request waits in the ingress until it closes
+            await d.close()
+        st.dispatchers.clear()
+        body = {"model": "kairos-emulated", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+        pending = asyncio.ensure_future(st.http.post(f"{st.base}/v1/completions", json=body))
+        await wait_until(lambda: len(st.ingress._flights) == 1, 5, "the request is in flight")
+        closing = asyncio.ensure_future(st.ingress.close())
+        resp = await asyncio.wait_for(pending, 5)
+        err = (await resp.json())["error"]  # no token yet: the SSE stream never started
+        assert resp.status == 503 and err["code"] == "ingress_shutdown" and err["message"]
+        await asyncio.wait_for(closing, 10)
