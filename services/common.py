@@ -64,3 +64,23 @@ async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def start_metrics_and_connect(svc: Any, client_name: str) -> None:
+    """The startup every non-HTTP service shares: its ``/metrics`` + ``/health`` server (healthy =
+    connected to NATS; skipped when ``cfg.metrics_port`` is -1), then the NATS connection.
+
+    ``svc`` has ``cfg`` (a :class:`shared.envconfig.MetricsServiceConfig`), ``tel`` and ``log``;
+    this sets ``svc._runner`` and ``svc.metrics_port`` (before connecting, so a cancelled startup
+    can still clean up) and ``svc.nc``.
+    """
+    from shared import telemetry
+    from shared.bus import connect
+
+    cfg = svc.cfg
+    if cfg.metrics_port >= 0:
+        svc._runner, svc.metrics_port = await telemetry.start_metrics_server(
+            svc.tel.registry, cfg.metrics_host, cfg.metrics_port,
+            health=lambda: svc.nc is not None and svc.nc.is_connected)
+    svc.nc = await connect(cfg.nats_url, client_name, svc.log)
+

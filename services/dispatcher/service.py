@@ -23,15 +23,15 @@ import time
 
 import nats.errors
 import nats.js.errors
-from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.dispatcher.config import DispatcherConfig
+from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (RequestQueueSettings, connect, ensure_buckets, ensure_request_stream, publish,
+from shared.bus import (RequestQueueSettings, ensure_buckets, ensure_request_stream, publish,
                         request_subscription, request_typed)
 from shared.latency import LatencyModel, load_profile
 from shared.policy import Decision, parse_policy
@@ -107,11 +107,7 @@ class Dispatcher:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        if cfg.metrics_port >= 0:
-            self._runner, self.metrics_port = await telemetry.start_metrics_server(
-                self.tel.registry, cfg.metrics_host, cfg.metrics_port,
-                health=lambda: self.nc is not None and self.nc.is_connected)
-        self.nc = await connect(cfg.nats_url, f"dispatcher:{cfg.replica_id}", self.log)
+        await start_metrics_and_connect(self, f"dispatcher:{cfg.replica_id}")
         js = self.nc.jetstream()
         await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver))
         self.buckets = await ensure_buckets(js)

@@ -18,7 +18,6 @@ Paths (ARCHITECTURE §2):
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +28,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
+from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import Buckets, connect, ensure_buckets, publish, request_typed
+from shared.bus import Buckets, ensure_buckets, publish, request_typed
 from shared.engine import EngineError
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
@@ -145,11 +145,7 @@ class NodeAgent:
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        if cfg.metrics_port >= 0:
-            self._runner, self.metrics_port = await telemetry.start_metrics_server(
-                self.tel.registry, cfg.metrics_host, cfg.metrics_port, health=lambda: self.nc is not None
-                and self.nc.is_connected)
-        self.nc = await connect(cfg.nats_url, f"node_agent:{cfg.node_id}", self.log)
+        await start_metrics_and_connect(self, f"node_agent:{cfg.node_id}")
         self.buckets = await ensure_buckets(self.nc.jetstream())
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))

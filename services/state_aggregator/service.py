@@ -13,10 +13,11 @@ import time
 from prometheus_client import Counter, Gauge
 
 from services.state_aggregator.config import AggregatorConfig
+from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import connect, ensure_buckets
+from shared.bus import ensure_buckets
 from shared.view import ViewBuilder
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, encode, now_ms
 
@@ -56,11 +57,7 @@ class StateAggregator:
 
     async def start(self) -> None:
         cfg = self.cfg
-        if cfg.metrics_port >= 0:
-            self._runner, self.metrics_port = await telemetry.start_metrics_server(
-                self.tel.registry, cfg.metrics_host, cfg.metrics_port,
-                health=lambda: self.nc is not None and self.nc.is_connected)
-        self.nc = await connect(cfg.nats_url, "state_aggregator", self.log)
+        await start_metrics_and_connect(self, "state_aggregator")
         self.buckets = await ensure_buckets(self.nc.jetstream())
         await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
         await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
