@@ -87,7 +87,6 @@ class _Req:
     first_token_ms: float | None = None
     token_times_ms: list[float] = field(default_factory=list)
     # deflection bookkeeping: decodes running at decision and predicted step ms (violation attribution)
-    decided_b: int = 0
     decided_decodes: frozenset[str] = frozenset()
     predicted_steps: list[float] = field(default_factory=list)
 
@@ -230,7 +229,6 @@ class Simulator:
             di = self.decode_ids.index(d.node)
             r.deflected, r.decode_node = True, di
             r.decided_decodes = self.decode[di].decoding_ids
-            r.decided_b = len(r.decided_decodes)
             r.predicted_steps = list(d.predicted_step_ms)
             self.reserved[di][w.id] = w.prompt_tokens
             self.deflections += 1
@@ -277,7 +275,7 @@ class Simulator:
                 r = self.reqs[rid]
                 self.deflected_steps.append(DeflectedStep(
                     rid, idx, r.predicted_steps[idx] if idx < len(r.predicted_steps) else None,
-                    plan.duration_ms, r.decided_b, plan.batch_size,
+                    plan.duration_ms, len(r.decided_decodes), plan.batch_size,
                     not r.decided_decodes.issuperset(plan.decode_ids)))
         for rid, _ in res.tokens:
             self.reqs[rid].token_times_ms.append(now)
