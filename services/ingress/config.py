@@ -32,6 +32,14 @@ class IngressConfig(ServiceConfig):
     #: how often in-flight requests are checked for a client that closed its connection
     disconnect_poll_s: float = 0.2
     max_body_bytes: int = 64 * 1024 * 1024  #: larger request bodies get 413
+    #: a node silent (no heartbeat, no token) this long is dead: its in-flight requests are moved or ended
+    liveness_timeout_s: float = 3.0
+    #: after a NATS reconnect, a routed request with no event for this long lost its stream: moved or ended
+    outage_grace_s: float = 3.0
+    #: NATS unreachable this long: every in-flight request ends with 503 bus_unavailable
+    bus_outage_timeout_s: float = 10.0
+    #: heartbeats stamped further ahead of this clock are refused (tolerated clock skew), ms
+    heartbeat_max_future_ms: float = 5000.0
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "must be 0..65535")
@@ -45,3 +53,7 @@ class IngressConfig(ServiceConfig):
         require(self.dispatcher_active_window_s > 0, "dispatcher_active_window_s", "must be > 0")
         require(self.disconnect_poll_s > 0, "disconnect_poll_s", "must be > 0")
         require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
+        require(self.outage_grace_s > 0, "outage_grace_s", "must be > 0")
+        require(self.bus_outage_timeout_s > 0, "bus_outage_timeout_s", "must be > 0")
+        require(self.heartbeat_max_future_ms > 0, "heartbeat_max_future_ms", "must be > 0")

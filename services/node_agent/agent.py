@@ -26,13 +26,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.node_agent.acceptance import Claims
 from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import Buckets, ensure_buckets, publish, request_typed
+from shared.bus import Buckets, BusWatch, ensure_buckets, publish, request_typed
 from shared.engine import EngineError
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
@@ -139,14 +140,18 @@ class NodeAgent:
         self._subs: list[Any] = []
         self._runner = None
         self._seq = 0
+        self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
         self.buckets: Buckets | None = None
+        self.claims: Claims | None = None
+        self._bus: BusWatch | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"node_agent:{cfg.node_id}")
-        self.buckets = await ensure_buckets(self.nc.jetstream())
+        await self._declare()
+        self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))
         if cfg.role == "decode":
@@ -159,10 +164,17 @@ class NodeAgent:
         await self._send_state()
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
 
+    async def _declare(self) -> None:
+        """(Re-)declare the buckets: at start and after every reconnect (a restarted NATS)."""
+        self.buckets = await ensure_buckets(self.nc.jetstream())
+        self.claims = Claims(self.buckets.requests, self.cfg.node_id, self.epoch_unix_ms)
+
     async def close(self, drain: bool = True) -> None:
         """Stop. ``drain``: refuse new work and send an explicit error for every request still
         here; ``drain=False`` emulates a crash (connection dropped, nothing sent)."""
         self.accepting = False
+        if self._bus is not None:
+            await self._bus.stop()
         if drain and self.nc is not None and self.nc.is_connected:
             for s in self._subs:
                 await s.unsubscribe()
@@ -205,6 +217,7 @@ class NodeAgent:
         st = self.backend.state()
         self._seq += 1
         return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+                         epoch_unix_ms=self.epoch_unix_ms,
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
                          queue_prompt_tokens=list(st.queue_prompt_tokens),
                          deflection_in_flight=st.deflection_in_flight or bool(self.deflecting),
@@ -258,6 +271,8 @@ class NodeAgent:
         rid = job.request.request_id
         self.jobs_received.append(rid)
         if rid in self.reqs:  # a redelivered request re-sent to the node that already has it
+            self.m.jobs.labels(self.cfg.node_id, job.kind, "duplicate").inc()
+            self._rlog(rid).info("job_duplicate", attempt=job.attempt, dispatcher=job.dispatcher_id)
             await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
                                             accepted_unix_ms=self.reqs[rid].received_ms)))
             return
@@ -268,6 +283,26 @@ class NodeAgent:
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
+        claim = None
+        if reason is None:  # cluster-wide: at most one node executes this bus request id
+            assert self.claims is not None
+            claim = await self.claims.claim(job)
+            if claim.outcome == "mine" or rid in self.reqs:  # executed (or being executed) here already
+                self.m.jobs.labels(self.cfg.node_id, job.kind, "duplicate").inc()
+                self._rlog(rid).info("job_duplicate", attempt=job.attempt, dispatcher=job.dispatcher_id)
+                await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
+                                                accepted_unix_ms=self.reqs[rid].received_ms if rid in self.reqs
+                                                else now_ms())))
+                return
+            if claim.outcome == "claimed":
+                self.m.jobs.labels(self.cfg.node_id, job.kind, "claimed_elsewhere").inc()
+                self._rlog(rid).info("job_claimed_elsewhere", claimed_by=claim.claim.node if claim.claim else None)
+                await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="claimed",
+                                                claim=claim.claim)))
+                return
+            if claim.outcome == "failed":
+                reason = "claim_failed"
+                self._rlog(rid).warning("claim_failed", error=claim.error)
         if reason is None:
             try:
                 if job.kind == "prefill":
@@ -277,6 +312,8 @@ class NodeAgent:
                                                list(job.chunk_schedule))
             except EngineError as exc:
                 reason = f"engine_refused: {exc}"
+                if claim is not None and claim.revision is not None:
+                    await self.claims.release(rid, claim.revision)  # another node may take it
         ctx = telemetry.extract_context(msg.headers)
         if reason is not None:
             self.m.jobs.labels(self.cfg.node_id, job.kind, "refused").inc()
@@ -301,6 +338,7 @@ class NodeAgent:
             self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
             self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
         self.m.jobs.labels(self.cfg.node_id, job.kind, "accepted").inc()
+        self._rlog(rid, span).info("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
         await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, accepted_unix_ms=now_ms())))
 
     async def _on_cancel(self, msg) -> None:
