@@ -173,10 +173,10 @@ class Cluster:
         return p
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        p = self.procs[name]
+        """Send ``sig`` to service ``name`` and wait for it to exit (it is then no longer in ``procs``)."""
+        p = self.procs.pop(name)
         os.kill(p.pid, sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            p.wait(15)
+        p.wait(15)
 
     def pause(self, name: str) -> None:
         os.kill(self.procs[name].pid, signal.SIGSTOP)
@@ -321,6 +321,7 @@ class Outcome:
     elapsed_s: float = 0.0
     hung: bool = False
     rid: str | None = None
+    ended_at: float = 0.0  #: time.monotonic() when the answer was complete
 
     @property
     def ok(self) -> bool:
@@ -369,7 +370,8 @@ async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, strea
         out.hung = True
     except (aiohttp.ClientError, ValueError) as exc:
         out.error = {"client_error": repr(exc)}
-    out.elapsed_s = time.monotonic() - t0
+    out.ended_at = time.monotonic()
+    out.elapsed_s = out.ended_at - t0
     return out
 
 
