@@ -132,11 +132,20 @@ class Liveness:
 
     timeout_ms: float = 3_000.0
     _heard: dict[str, float] = field(default_factory=dict)
+    _epochs: dict[str, float] = field(default_factory=dict)
     _paused: bool = False
 
-    def heard(self, node: str, now_ms: float) -> None:
-        """A valid heartbeat or a token from ``node`` arrived at ``now_ms`` (monotonic ms)."""
+    def heard(self, node: str, now_ms: float, epoch_unix_ms: float | None = None) -> None:
+        """A valid heartbeat (with its ``epoch_unix_ms``) or a token from ``node`` arrived at
+        ``now_ms`` (monotonic ms)."""
         self._heard[node] = now_ms
+        if epoch_unix_ms is not None:
+            self._epochs[node] = epoch_unix_ms
+
+    def epoch(self, node: str) -> float | None:
+        """The incarnation of ``node`` last heard from (None before its first heartbeat). A
+        request that depended on an earlier incarnation died with it."""
+        return self._epochs.get(node)
 
     def watch(self, node: str, now_ms: float) -> None:
         """Start ``node``'s clock if it was never heard of (a request depends on it now)."""

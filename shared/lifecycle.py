@@ -189,10 +189,14 @@ class RequestLifecycle:
         return Complete(ev.finish_reason, self.received)
 
     def on_error(self, ev: ErrorEvent) -> Action:
+        """An error event ends the request — except ``node_lost`` (a restarted agent reporting that
+        its previous incarnation held this attempt), which is handled like a dead node."""
         if ev.request_id != self.attempt_id:
             return self._drop("old_attempt")
         if self.ended:
             return self._drop("ended")
+        if ev.code == "node_lost":
+            return self._lost(f"node_lost:{ev.source}", True, "node_lost", ev.message)
         return self._end(ev.status, ev.code, ev.message, cancel=False)
 
     def on_node_dead(self, node: str, time_left: bool) -> Action:

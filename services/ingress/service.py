@@ -36,7 +36,7 @@ import asyncio
 import datetime
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.errors
@@ -169,6 +169,8 @@ class _Flight:
     bus_down: bool = False  #: a _BusDown was queued
     checking: bool = False  #: a prefill-record / claim lookup is running
     quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
+    #: node -> its incarnation when this request first depended on it (a newer one = restarted, lost)
+    dep_epochs: dict[str, float] = field(default_factory=dict)
 
     @property
     def attempt_id(self) -> str:
@@ -446,7 +448,7 @@ class Ingress:
             self.m.hb_rejected.labels(why).inc()
             return
         self._roles[st.node] = st.role
-        self.liveness.heard(st.node, mono)
+        self.liveness.heard(st.node, mono, st.epoch_unix_ms)
 
     async def _on_routed(self, msg) -> None:
         try:
@@ -471,21 +473,27 @@ class Ingress:
             self.log.warning("nodes_lost", nodes=sorted(newly), in_flight=len(self._flights),
                              liveness_timeout_s=self.cfg.liveness_timeout_s)
         self.dead_nodes = dead
-        if not dead:
-            return
         decode_died = any(self._roles.get(n) == "decode" for n in newly)
         for f in list(self._flights.values()):
             lc = f.lc
             if f.lost or f.client_gone or lc.ended:
                 continue
             if lc.phase is Phase.ROUTED and lc.kind == "prefill" and lc.handoff_node is None:
-                if (lc.node in dead or decode_died) and not f.checking:
+                if (lc.node in dead or decode_died or self._restarted(f, lc.node)) and not f.checking:
                     f.checking = True
                     self._bg(self._check_handoff(f, f.attempt_id))
                 continue
             node = lc.depends_on()
-            if node is not None and node in dead:
+            if node is not None and (node in dead or self._restarted(f, node)):
                 self._lost(f, node)
+
+    def _restarted(self, f: _Flight, node: str) -> bool:
+        """``node`` has a newer incarnation than when ``f`` started depending on it: the agent
+        restarted (within the liveness timeout) and lost the request."""
+        epoch = self.liveness.epoch(node)
+        if epoch is None:
+            return False
+        return f.dep_epochs.setdefault(node, epoch) != epoch
 
     async def _check_handoff(self, f: _Flight, attempt_id: str) -> None:
         try:
@@ -505,7 +513,7 @@ class Ingress:
         if rec is not None and rec.handoff_node:
             lc.on_handoff(attempt_id, rec.handoff_node)
         node = lc.depends_on()
-        if node is not None and node in self.dead_nodes:
+        if node is not None and (node in self.dead_nodes or self._restarted(f, node)):
             self._lost(f, node)
 
     def _lost(self, f: _Flight, node: str) -> None:
@@ -703,6 +711,7 @@ class Ingress:
             self._flights[attempt_id] = flight
             flight.lost = flight.checking = False
             flight.quiet_deadline = None
+            flight.dep_epochs.clear()
             old = sub
             try:
                 if not self.nc.is_connected:

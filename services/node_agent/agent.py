@@ -299,6 +299,12 @@ class NodeAgent:
                 self._rlog(rid).info("job_claimed_elsewhere", claimed_by=claim.claim.node if claim.claim else None)
                 await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="claimed",
                                                 claim=claim.claim)))
+                if claim.claim is not None and claim.claim.node == self.cfg.node_id:
+                    # this node's previous incarnation held it and died with it: say so (the ingress
+                    # re-submits it under a new bus id; this one must not run again)
+                    await publish(self.nc, S.out_subject(rid), ErrorEvent(
+                        request_id=rid, status=503, code="node_lost", source=f"node_agent:{self.cfg.node_id}",
+                        message=f"node {self.cfg.node_id} restarted and lost request {rid}", sent_unix_ms=now_ms()))
                 return
             if claim.outcome == "failed":
                 reason = "claim_failed"

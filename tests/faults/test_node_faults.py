@@ -120,12 +120,29 @@ async def test_forged_heartbeats_are_refused_and_counted(cluster: Cluster):
     print("forged heartbeats rejected:", rej)
 
 
-async def test_agent_restart_new_epoch_is_accepted(cluster: Cluster):
-    """A restarted agent (same node id, new epoch, seq from 1 again) is accepted at once."""
+async def test_agent_restart_new_epoch_is_accepted_and_its_lost_requests_are_moved(cluster: Cluster):
+    """A restarted agent (same node id, new epoch, seq from 1 again) is accepted at once; the
+    requests its previous incarnation held are noticed by the epoch change — with a liveness
+    timeout (30 s) far longer than the restart, so silence cannot be what ends them."""
     c = cluster
+    c.env["KAIROS_LIVENESS_TIMEOUT_S"] = "30"
     c.up()
-    c.kill("decode-1")
-    c.start("decode-1", as_name="decode-1-restarted")
+    async with aiohttp.ClientSession() as http:
+        sends = [asyncio.create_task(request(http, c.base, max_tokens=200, stream=i % 3 != 0)) for i in range(9)]
+        await apoll(started(c, 9), 30, "every request producing tokens")
+        killed_at = time.monotonic()
+        c.kill("decode-1")
+        c.start("decode-1", as_name="decode-1-restarted")
+        outcomes = await asyncio.gather(*sends)
+    counts = check(outcomes, c)
+    failed = [o for o in outcomes if not o.ok]
+    assert all(o.error["code"] == "node_lost" for o in failed), [o.error for o in failed]
+    assert c.metric("kairos_ingress_node_lost_total") >= 1, "no request was on the restarted node"
+    latest = max(o.ended_at for o in outcomes) - killed_at
+    assert latest < 20.0, latest  # not the 30 s liveness timeout, nor the 30 s idle timeout
     c.wait_routable(timeout=30)
     assert c.metric("kairos_aggregator_heartbeats_rejected_total", '{reason="old_epoch"}') == 0
     assert c.metric("kairos_aggregator_heartbeats_rejected_total", '{reason="replay"}') == 0
+    counts["last_answer_after_kill_s"] = round(latest, 2)
+    counts["errors_after_kill_s"] = sorted(round(o.ended_at - killed_at, 2) for o in failed)
+    print("agent restarted:", counts)

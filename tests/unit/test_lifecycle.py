@@ -100,3 +100,11 @@ def test_errors_timeouts_and_shutdown_end_it():
     assert RequestLifecycle("a").on_shutdown().code == "ingress_shutdown"
     assert RequestLifecycle("a").on_bus_unavailable(9.0).code == "bus_unavailable"
     assert RequestLifecycle("a").on_client_gone().status == 499
+
+
+def test_a_restarted_agent_reporting_node_lost_moves_the_request():
+    lc = RequestLifecycle("r")
+    lc.on_routed("r", "deflect", "decode-0")
+    out = lc.on_error(ErrorEvent(request_id="r", status=503, code="node_lost", message="restarted",
+                                 source="node_agent:decode-0", sent_unix_ms=0))
+    assert isinstance(out, Resubmit) and out.new_attempt_id == "r-r1"
