@@ -143,6 +143,7 @@ class BusWatch:
 
     Attributes:
         disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected.
+        reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
         reconnects: reconnects handled so far.
     """
 
@@ -152,6 +153,7 @@ class BusWatch:
         self.nc, self.on_reconnect, self.on_disconnect, self.log = nc, on_reconnect, on_disconnect, log
         self.poll_s, self.retry_s = poll_s, retry_s
         self.disconnected_since: float | None = None
+        self.reconnected_at: float | None = None
         self.reconnects = 0
         self._seen = nc.stats.get("reconnects", 0)
         self._task: asyncio.Task | None = None
@@ -178,6 +180,7 @@ class BusWatch:
             if n == self._seen and self.disconnected_since is None:
                 continue
             self._seen = n
+            self.reconnected_at = time.monotonic()
             while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)
                 if await self._safe(self.on_reconnect, "bus_resume_failed"):
                     break
@@ -189,6 +192,13 @@ class BusWatch:
             self.reconnects += 1
             if self.log is not None:
                 self.log.info("bus_resumed", outage_s=None if outage is None else round(outage, 3))
+
+    def settling(self, window_s: float) -> bool:
+        """True while disconnected or within ``window_s`` of the last reconnect: other clients
+        (node agents) may not have re-subscribed yet, so "no responders" proves nothing."""
+        if self.disconnected_since is not None or not self.nc.is_connected:
+            return True
+        return self.reconnected_at is not None and time.monotonic() - self.reconnected_at < window_s
 
     async def _safe(self, fn: Callable[[], Awaitable[None]], what: str) -> bool:
         try:

@@ -42,6 +42,9 @@ from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent,
 
 #: routed events kept for folding into the view (the aggregator folds them within one Δh)
 RECENT_ROUTED_S = 5.0
+#: after a reconnect, "no responders"/timeouts for this long do not exclude a node (agents reconnect
+#: at their own pace, up to reconnect_time_wait + jitter later)
+RECONNECT_SETTLE_S = 3.0
 #: cancelled request ids remembered (a request can wait in the queue while all dispatchers are down)
 MAX_CANCELLED = 100_000
 
@@ -390,6 +393,16 @@ class Dispatcher:
                 self._forget_routed(rid)
                 await self._adopt(req, ack.claim, span, log)
                 return
+            if why in ("no_responders", "timeout") and self._bus is not None and self._bus.settling(RECONNECT_SETTLE_S) \
+                    and self.nc.is_connected and now_ms() < req.deadline_unix_ms:
+                # NATS just came back: the node's agent may not have re-subscribed yet
+                log.info("job_retry_after_reconnect", node=decision.node, why=why)
+                self._forget_routed(rid)
+                if resv_key is not None:
+                    await self._release(resv_key, resv_rev)
+                await asyncio.sleep(0.2)
+                await msg.in_progress()
+                continue
             if why is not None and not self.nc.is_connected:
                 # our own bus is down, not the node: wait for it (nothing excluded); the claim makes a
                 # job that did reach the node safe to send again

@@ -40,6 +40,10 @@ from shared.routing import job_refusal
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
                          KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
 
+#: after a NATS reconnect, a KV handoff nobody took is retried for this long (decode agents
+#: reconnect at their own pace) before it fails with kv_handoff_failed
+HANDOFF_SETTLE_S = 3.0
+
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
           "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim")
 
@@ -377,6 +381,24 @@ class NodeAgent:
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
                         prefill_done_unix_ms=r.prefill_done_ms or now_ms())
         tried: dict[str, str] = {}
+        settle_until = asyncio.get_running_loop().time() + HANDOFF_SETTLE_S
+        while True:
+            ok = await self._try_handoff(rid, r, msg, headers, tried)
+            if ok is not None:
+                return
+            # right after a NATS reconnect the decode agents may not have re-subscribed yet
+            if not (self._bus is not None and self._bus.settling(HANDOFF_SETTLE_S)
+                    and asyncio.get_running_loop().time() < settle_until and rid in self.reqs):
+                break
+            await asyncio.sleep(0.2)
+            tried.clear()
+        self._rlog(rid, r.span).warning("kv_handoff_failed", tried=tried)
+        await self._fail(rid, 503, "kv_handoff_failed", f"no decode node took the KV cache: {tried}")
+
+    async def _try_handoff(self, rid: str, r: _Req, msg: KvHandoff, headers, tried: dict[str, str]) -> bool | None:
+        """One pass over the decode candidates: True = handed off, False = cancelled meanwhile,
+        None = nobody took it (``tried`` says why)."""
+        assert r.job is not None and r.handoff_span is not None
         for cand in r.job.decode_candidates:
             try:
                 ack = await request_typed(self.nc, S.kv_subject(cand), msg, KvAck, self.cfg.kv_handoff_timeout_s,
@@ -389,17 +411,16 @@ class NodeAgent:
                 continue
             if ack.accepted:
                 if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
-                    return
+                    return False
                 r.handoff_node = cand
                 r.handoff_span.set_attribute("kairos.decode_node", cand)
                 if tried:
                     r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
                 self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
                 self._write_prefill_timing(r)
-                return
+                return True
             tried[cand] = ack.reason or "refused"
-        self._rlog(rid, r.span).warning("kv_handoff_failed", tried=tried)
-        await self._fail(rid, 503, "kv_handoff_failed", f"no decode node took the KV cache: {tried}")
+        return None
 
     async def _on_kvdone(self, msg) -> None:
         try:
