@@ -82,6 +82,9 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     created_unix_ms: float  #: when the ingress accepted the request
     deadline_unix_ms: float  #: after this the ingress has answered 504; nobody should work on it
     sampling: SamplingParams = SamplingParams()  #: the client's sampling parameters (contract C)
+    #: False when the client set no max_tokens (``max_tokens`` is then the endpoint's default: 16 for
+    #: completions, the remaining context for chat); the emulated engine ends such requests with EOS
+    max_tokens_explicit: bool = True
 
 
 # --------------------------------------------------------------------------------------------
