@@ -12,8 +12,9 @@ Prompt token counting:
 * text without a tokenizer: the **estimate** ``ceil(utf-8 bytes / 4)`` (OpenAI's rule of thumb of
   ~4 characters per token for English), at least 1. Flagged ``prompt_tokens_exact=False``.
 
-Chat messages are rendered into one prompt text before counting with this fixed template (no
-model chat template is loaded)::
+Chat messages are rendered into one prompt text before counting: with the served model's chat
+template when its directory (beside ``tokenizer.json``) has one (:func:`load_chat_template`), else
+with this fixed template::
 
     <|{role}|>\\n{content}\\n   (per message)   then   <|assistant|>\\n
 
@@ -119,6 +120,92 @@ def tokenizer_counter(path: str) -> TokenCounter:
         ValueError: the file cannot be loaded.
     """
     return load_tokenizer(path)[0]
+
+
+def load_chat_template(model_dir: str) -> ChatTemplate | None:
+    """The served model's chat template, from ``model_dir`` (the directory of its ``tokenizer.json``):
+    ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of
+    ``{name, template}`` of which ``default`` is used). None when the model has none (the fixed
+    template of the module docstring is used then).
+
+    Rendered as Hugging Face ``transformers`` renders chat templates (``_compile_jinja_template``:
+    jinja2 ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)``, ``tojson``,
+    ``raise_exception``, ``strftime_now``) with ``messages``, ``add_generation_prompt=True``,
+    ``tools=None`` and the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``…);
+    assistant ``tool_calls`` arguments are parsed from their JSON strings into objects first, as
+    vLLM's chat preprocessing does, so templates can ``tojson`` them.
+
+    Raises:
+        ValueError: a template file or ``tokenizer_config.json`` exists but cannot be read or compiled.
+    """
+    import os
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    cfg: dict[str, Any] = {}
+    cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+    try:
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        source = cfg.get("chat_template")
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")
+        if os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                source = f.read()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the chat template in {model_dir!r}: {exc}") from None
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source:
+        return None
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        template = env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"cannot compile the chat template in {model_dir!r}: {exc}") from None
+    special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()
+               if k.endswith("_token") and isinstance(v, (str, dict))}
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        msgs = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                calls = []
+                for c in m["tool_calls"]:
+                    try:
+                        args = json.loads(c["function"]["arguments"] or "{}")
+                    except ValueError:
+                        args = c["function"]["arguments"]
+                    calls.append({**c, "function": {**c["function"], "arguments": args}})
+                m["tool_calls"] = calls
+            msgs.append(m)
+        try:
+            return template.render(messages=msgs, add_generation_prompt=True, tools=None, documents=None,
+                                   **special)
+        except jinja2.TemplateError as exc:
+            raise ApiError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
+                           code="invalid_value") from None
+        except Exception as exc:  # a template error on this input (TypeError, KeyError…), not ours
+            raise ApiError(400, f"the model's chat template cannot render the messages: {exc!r}",
+                           param="messages", code="invalid_value") from None
+
+    return render
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ class Ingress:
         self.max_model_len = self.model.engine.max_model_len
         self.counter, self.vocab_size = (oa.load_tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
                                          else (None, EMULATED_VOCAB_SIZE))
+        self.chat_template = (oa.load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
+                              if cfg.tokenizer_path else None)
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
@@ -195,7 +198,8 @@ class Ingress:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.log.info("ingress_started", host=self.cfg.host, port=self.port, model=self.cfg.served_model,
-                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))")
+                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))", vocab_size=self.vocab_size,
+                      chat_template="model" if self.chat_template else "fixed")
 
     async def close(self) -> None:
         """Stop: every request still in flight ends now with an explicit 503 ``ingress_shutdown``
@@ -493,7 +497,7 @@ class Ingress:
         try:
             parsed, prompt_tokens, exact = oa.prepare_request(
                 endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
-                self.cfg.default_max_tokens, self.vocab_size)
+                self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
         except oa.ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return _json(exc.body(), exc.status)
