@@ -213,3 +213,14 @@ def test_readme_parameter_table_is_the_code_table():
     m = re.search(r"<!-- openai-params:begin -->\n(.*?)<!-- openai-params:end -->", readme, re.S)
     assert m, "README lacks the generated OpenAI parameter table"
     assert m.group(1) == oa.parameter_table_markdown(), "README table differs: python -m shared.openai_api"
+
+
+def test_vllm_bench_serve_payloads_are_accepted():
+    """The bodies `vllm bench serve` sends (vllm/benchmarks/lib/endpoint_request_func.py, 0.32)."""
+    comp = {"model": "m", "prompt": "hi", "repetition_penalty": 1.0, "max_tokens": 8, "logprobs": None,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    p = oa.parse_request("completions", comp, MODELS)
+    assert p.include_usage and p.sampling.ignore_eos and p.max_tokens == 8
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8,
+            "stream": True, "stream_options": {"include_usage": True}}
+    assert oa.parse_request("chat", chat, MODELS).max_tokens == 8
