@@ -123,7 +123,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
     from shared.metrics import format_table
     from shared.policy import parse_policies
     from shared.workloads import WorkloadError, parse_workload
-    from sim.experiments import parse_range, plot_sweep, run_one
+    from sim.experiments import parse_range, plot_sweep, run_one, sweep_title
     from sim.simulator import SimConfig
 
     try:
@@ -166,7 +166,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
                        f"({row['speedup']}x real time)", err=True)
     click.echo(format_table(rows))
     if sweep_rps:
-        for p in plot_sweep(rows, plots_dir, pp):
+        title = sweep_title(workload, duration, n_prefill, n_decode, profile, link, seed)
+        for p in plot_sweep(rows, plots_dir, pp, title=title):
             click.echo(f"plot: {p}", err=True)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
