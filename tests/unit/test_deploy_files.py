@@ -319,3 +319,14 @@ def test_make_refuses_an_old_python_before_installing_anything(tmp_path):
     assert r.returncode != 0
     assert "Kairos needs Python >= 3.11" in r.stderr and "Python 3.10.12" in r.stderr
     assert "must not be used" not in r.stderr and not venv.exists()
+
+
+def test_deploy_doc_names_the_default_profile_the_env_file_sets():
+    """docs/deploy.md and the shipped .env agree on what plain `docker compose up` starts (issue 11)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(line.split("=", 1) for line in (root / ".env").read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+    profile = env["COMPOSE_PROFILES"].strip()
+    doc = (root / "docs" / "deploy.md").read_text()
+    assert f"Plain `docker compose up` starts profile `{profile}`" in " ".join(doc.split())
+    assert "starts only the control plane: the ingress" not in doc
