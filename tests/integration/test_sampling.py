@@ -118,3 +118,42 @@ async def test_refusals_name_the_parameter(nats_url, body, chat, param):
         status, out = await post(st, body, chat)
         assert status == 400, out
         assert out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
+
+
+async def test_ingress_with_a_model_tokenizer_and_chat_template(nats_url, tmp_path):
+    """An ingress given the served model's tokenizer.json counts chat prompts through the model's chat
+    template with that tokenizer and bounds token ids by its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from services.ingress.config import IngressConfig
+    from services.ingress.service import Ingress
+    from tests.integration.conftest import wait_until
+
+    words = ["<unk>", "<s>", "</s>", "[", "]", "user", "assistant", "hi", "there"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }} "
+                                             "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
+        ing = Ingress(IngressConfig(nats_url=nats_url, port=0, replica_id="ingress-tok",
+                                    tokenizer_path=str(tmp_path / "tokenizer.json")))
+        await ing.start()
+        try:
+            await wait_until(lambda: ing.view and len(ing.view.nodes) == 2, 10, "the second ingress's view")
+            base = f"http://127.0.0.1:{ing.port}"
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3}
+            async with st.http.post(base + "/v1/chat/completions", json=body) as r:
+                out = await r.json()
+                assert r.status == 200, out
+            # the template rendered by hand, counted by the model's tokenizer
+            assert out["usage"]["prompt_tokens"] == len(tok.encode("<s>[user] hi there [assistant]",
+                                                                   add_special_tokens=False).ids)
+            assert out["usage"]["prompt_tokens"] != len(tok.encode("<|user|>\nhi there\n<|assistant|>\n",
+                                                                   add_special_tokens=False).ids)
+            async with st.http.post(base + "/v1/completions", json={"model": MODEL, "prompt": [8, 9]}) as r:
+                err = await r.json()
+                assert r.status == 400 and err["error"]["param"] == "prompt" and "< 9" in err["error"]["message"]
+        finally:
+            await ing.close()
