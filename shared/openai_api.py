@@ -8,7 +8,8 @@ Prompt token counting:
 
 * token-id prompts (``prompt: [1, 2, 3]`` or ``[[1, 2, 3]]``) are exact: the number of ids;
 * text with a configured tokenizer (HF ``tokenizers``, a local ``tokenizer.json``): the
-  tokenizer's count, without special tokens;
+  tokenizer's count — with its special tokens (BOS…) for a completion prompt, without for a
+  rendered chat prompt, as vLLM tokenizes them;
 * text without a tokenizer: the **estimate** ``ceil(utf-8 bytes / 4)`` (OpenAI's rule of thumb of
   ~4 characters per token for English), at least 1. Flagged ``prompt_tokens_exact=False``.
 
@@ -87,7 +88,8 @@ class ParsedRequest:
     max_tokens_explicit: bool = True  #: the client set max_tokens (else it is the endpoint's default)
 
 
-TokenCounter = Callable[[str], int]
+#: ``counter(text, add_special_tokens=False) -> tokens`` (see :func:`load_tokenizer`)
+TokenCounter = Callable[..., int]
 #: Renders validated chat messages (dicts with role, content, optional tool_calls…) into prompt text.
 ChatTemplate = Callable[[list[dict[str, Any]]], str]
 
@@ -99,7 +101,9 @@ def estimate_tokens(text: str) -> int:
 
 def load_tokenizer(path: str) -> tuple[TokenCounter, int]:
     """(counter, vocabulary size incl. added tokens) of the HF ``tokenizers`` tokenizer in the local
-    ``tokenizer.json`` at ``path``; the counter counts without special tokens.
+    ``tokenizer.json`` at ``path``. ``counter(text, add_special_tokens)``: as vLLM tokenizes, a
+    completion's text prompt with the tokenizer's special tokens (e.g. BOS, from its post-processor),
+    a rendered chat prompt without (the template holds them).
 
     Raises:
         ValueError: the file cannot be loaded.
@@ -110,7 +114,10 @@ def load_tokenizer(path: str) -> tuple[TokenCounter, int]:
         tok = Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise ValueError(f"cannot load tokenizer {path!r}: {exc}") from None
-    return (lambda text: max(1, len(tok.encode(text, add_special_tokens=False).ids))), tok.get_vocab_size(True)
+    def count(text: str, add_special_tokens: bool = False) -> int:
+        return max(1, len(tok.encode(text, add_special_tokens=add_special_tokens).ids))
+
+    return count, tok.get_vocab_size(True)
 
 
 def tokenizer_counter(path: str) -> TokenCounter:
@@ -676,8 +683,8 @@ def count_prompt_tokens(req: ParsedRequest, counter: TokenCounter | None) -> tup
     if req.prompt_token_ids is not None:
         return len(req.prompt_token_ids), True
     assert req.prompt_text is not None
-    if counter is not None:
-        return counter(req.prompt_text), True
+    if counter is not None:  # vLLM: completions add the special tokens, chat prompts carry them already
+        return counter(req.prompt_text, req.endpoint == "completions"), True
     return estimate_tokens(req.prompt_text), False
 
 

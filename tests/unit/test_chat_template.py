@@ -79,3 +79,20 @@ def test_no_template_means_the_fixed_one(tmp_path):
     (tmp_path / "chat_template.jinja").write_text("{% for %}")
     with pytest.raises(ValueError):
         oa.load_chat_template(str(tmp_path))
+
+
+def test_completion_text_counts_special_tokens_like_vllm(tmp_path):
+    """vLLM tokenizes a completion prompt with add_special_tokens=True (BOS) and a chat prompt without."""
+    from tokenizers import processors
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "hi": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    counter, _ = oa.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    comp = oa.parse_request("completions", {"model": "m", "prompt": "hi hi"}, ["m"])
+    assert oa.count_prompt_tokens(comp, counter) == (3, True)  # <s> hi hi
+    chat = oa.parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, ["m"],
+                            chat_template=lambda msgs: "<s> hi")
+    assert oa.count_prompt_tokens(chat, counter) == (2, True)  # the template's <s>, no second BOS
