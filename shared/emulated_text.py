@@ -24,7 +24,8 @@ The emulated model:
   simulator/live comparison. So the emulated EOS appears only when the request *asks for a natural
   ending*: it did not set ``max_tokens`` (``natural_end=True``; chat's default is the whole
   remaining context) and not ``ignore_eos``. It is then token ``max(natural_length(key), min_tokens
-  + 1) − 1`` (``natural_length`` ∈ [16, 256]), or never if ``max_tokens`` comes first.
+  + 1) − 1`` (``natural_length`` ∈ [16, 256]), or never if ``max_tokens`` comes first (or
+  ``logit_bias`` bans EOS with −100).
 
 Stop rules, as vLLM 0.32 applies them (``vllm/v1/core/sched/utils.py`` ``check_stop``,
 ``vllm/v1/engine/detokenizer.py``):
@@ -140,7 +141,7 @@ class EmulatedCompletion:
         self._skip_special = sampling.skip_special_tokens is not False
         self._include_stop = bool(sampling.include_stop_str_in_output)
         self.eos_index: int | None = None
-        if natural_end and not sampling.ignore_eos:
+        if natural_end and not sampling.ignore_eos and EOS_TOKEN_ID not in self._banned:
             self.eos_index = max(natural_length(key) - 1, self._min)
         self._texts: dict[int, str] = {}  # token index -> delta text, where it differs from token_text
         self.stop_reason: str | int | None = None

@@ -128,6 +128,8 @@ def test_logit_bias_minus_100_bans_an_id():
     c = EmulatedCompletion(SP(seed=7, logit_bias={str(ids[0]): -100}), 200, sequence_key(SP(seed=7), "", None))
     assert ids[0] not in {c.token_id(i) for i in range(200)}
     assert c.token_id(1) == ids[1]  # others unchanged
+    banned_eos = emulated_completion(SP(logit_bias={"2": -100}), 4000, "hi", None, natural_end=True)
+    assert (banned_eos.n_tokens, banned_eos.finish_reason) == (4000, "length")
 
 
 def test_bad_arguments_raise():
