@@ -86,6 +86,7 @@ class Complete:
 
     finish_reason: str
     completion_tokens: int
+    cached_tokens: int = 0  #: prompt tokens served from the engine's prefix cache (DoneEvent)
 
 
 Action = Union[Relay, Ignore, Resubmit, Fail, Complete]
@@ -186,7 +187,7 @@ class RequestLifecycle:
         if ev.completion_tokens != self.received:
             return self.interrupted(f"done after {ev.completion_tokens} tokens, {self.received} arrived", time_left)
         self.phase = Phase.ENDED
-        return Complete(ev.finish_reason, self.received)
+        return Complete(ev.finish_reason, self.received, ev.cached_tokens)
 
     def on_error(self, ev: ErrorEvent) -> Action:
         """An error event ends the request — except ``node_lost`` (a restarted agent reporting that

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import BusWatch, connect, ensure_buckets, ensure_request_stream, publish
+from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
 from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
@@ -190,7 +192,10 @@ class Ingress:
         self.cfg = cfg
         self.model = load_profile(cfg.profile)
         self.max_model_len = self.model.engine.max_model_len
-        self.counter = oa.tokenizer_counter(cfg.tokenizer_path) if cfg.tokenizer_path else None
+        self.counter, self.vocab_size = (oa.load_tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
+                                         else (None, EMULATED_VOCAB_SIZE))
+        self.chat_template = (oa.load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
+                              if cfg.tokenizer_path else None)
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
@@ -238,7 +243,8 @@ class Ingress:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.log.info("ingress_started", host=self.cfg.host, port=self.port, model=self.cfg.served_model,
-                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))")
+                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))", vocab_size=self.vocab_size,
+                      chat_template="model" if self.chat_template else "fixed")
 
     async def _declare(self) -> None:
         """Declare the request stream (requests wait there for a dispatcher) and the buckets, and
@@ -623,10 +629,9 @@ class Ingress:
             self.m.requests.labels(endpoint, "400").inc()
             return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
         try:
-            parsed = oa.parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens)
-            prompt_tokens, exact = oa.count_prompt_tokens(parsed, self.counter)
-            oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len,
-                             "prompt" if endpoint == "completions" else "messages")
+            parsed, prompt_tokens, exact = oa.prepare_request(
+                endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
+                self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
         except oa.ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return _json(exc.body(), exc.status)
@@ -722,7 +727,8 @@ class Ingress:
                 ireq = InferenceRequest(request_id=attempt_id, model=parsed.model, prompt_tokens=prompt_tokens,
                                         max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
                                         prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
-                                        created_unix_ms=received, deadline_unix_ms=deadline)
+                                        created_unix_ms=received, deadline_unix_ms=deadline,
+                                        sampling=parsed.sampling, max_tokens_explicit=parsed.max_tokens_explicit)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 await self.nc.flush(timeout=2)
@@ -745,6 +751,7 @@ class Ingress:
         text_parts: list[str] = []
         sent = 0  # tokens delivered to the client (streaming)
         finish = "length"
+        cached = 0  # prompt tokens the engine served from its prefix cache (DoneEvent)
         resp: web.StreamResponse | None = None
         last_token_ms = 0.0
 
@@ -833,6 +840,7 @@ class Ingress:
                     return await fail(action.status, action.code, action.message)
                 if isinstance(action, Complete):
                     finish = action.finish_reason
+                    cached = action.cached_tokens
                     timing["finish_reason"] = finish
                     break
                 assert isinstance(action, Relay)
@@ -869,14 +877,14 @@ class Ingress:
             if not parsed.stream:
                 lc.committed_to_client()
                 out = _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
-                                             completion))
+                                             completion, cached))
                 out.headers["X-Request-Id"] = rid
                 return out, 200
             assert resp is not None
             await self._sse(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
                                                   finish))
             if parsed.include_usage:
-                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion))
+                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion, cached))
             await self._sse_done(resp)
             return resp, 200
         finally:

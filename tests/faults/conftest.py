@@ -35,7 +35,8 @@ import aiohttp
 import pytest
 
 from kairos.up import Child, UpOptions, nats_server_binary, plan
-from services.node_agent.agent import token_text
+from shared.emulated_text import emulated_completion
+from shared.wire import SamplingParams
 
 pytestmark = pytest.mark.faults
 
@@ -58,9 +59,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def expected_text(max_tokens: int) -> str:
-    """The emulated engine's complete output for ``max_tokens`` tokens (indices 0..max_tokens-1)."""
-    return "".join(token_text(i) for i in range(max_tokens))
+_PROMPTS = iter(range(10, 10 ** 9))
+
+
+def make_prompt(prompt_len: int) -> list[int]:
+    """A token-id prompt no other request of the run has (so every request's output differs)."""
+    return [1] * (prompt_len - 1) + [next(_PROMPTS)]
+
+
+def expected_text(prompt: list[int], max_tokens: int) -> str:
+    """The emulated engine's complete output for ``prompt`` and ``max_tokens`` (default sampling;
+    the same function the node agents use, shared/emulated_text.py)."""
+    return emulated_completion(SamplingParams(), max_tokens, None, prompt).full_text()
 
 
 def poll(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
@@ -319,6 +329,7 @@ class Outcome:
     stream: bool = False
     max_tokens: int = 0
     elapsed_s: float = 0.0
+    prompt: list[int] = field(default_factory=list)
     hung: bool = False
     rid: str | None = None
     ended_at: float = 0.0  #: time.monotonic() when the answer was complete
@@ -335,9 +346,10 @@ class Outcome:
 async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, stream: bool, prompt_len: int = 200,
                   deadline_s: float = 45.0) -> Outcome:
     """One completion; never raises. A stream's text is the concatenation of its chunks."""
-    body = {"model": "kairos-emulated", "prompt": [1] * prompt_len, "max_tokens": max_tokens, "stream": stream}
+    prompt = make_prompt(prompt_len)
+    body = {"model": "kairos-emulated", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
     t0 = time.monotonic()
-    out = Outcome(status=0, stream=stream, max_tokens=max_tokens)
+    out = Outcome(status=0, stream=stream, max_tokens=max_tokens, prompt=prompt)
     try:
         async with asyncio.timeout(deadline_s):
             async with http.post(base + "/v1/completions", json=body) as r:
@@ -354,8 +366,8 @@ async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, strea
                             out.error = ev["error"]
                             continue
                         for ch in ev.get("choices", []):
-                            if ch.get("text"):
-                                parts.append(ch["text"])
+                            if ch.get("finish_reason") is None:  # one chunk per token; the last carries the reason
+                                parts.append(ch.get("text") or "")
                                 out.tokens += 1
                     out.text = "".join(parts)
                 else:
@@ -382,9 +394,9 @@ def check(outcomes: list[Outcome], cluster: Cluster, allow_errors: bool = True) 
     errors = [o for o in outcomes if not o.ok and o.explicit_error]
     hung = [o for o in outcomes if o.hung]
     other = [o for o in outcomes if o not in completed and o not in errors and o not in hung]
-    mixed = [o for o in completed if o.text != expected_text(o.max_tokens) or o.tokens != o.max_tokens]
+    mixed = [o for o in completed if o.text != expected_text(o.prompt, o.max_tokens) or o.tokens != o.max_tokens]
     # a stream cut by an explicit error may carry a prefix of the output, never more, never mixed
-    bad_prefix = [o for o in errors if o.text and not expected_text(o.max_tokens).startswith(o.text)]
+    bad_prefix = [o for o in errors if o.text and not expected_text(o.prompt, o.max_tokens).startswith(o.text)]
     dup = {rid: n for rid, n in cluster.executions().items() if n > 1}
     counts = {"sent": sent, "completed": len(completed), "errors": len(errors), "hung": len(hung),
               "other": len(other), "mixed": len(mixed) + len(bad_prefix), "duplicate_executions": len(dup)}
