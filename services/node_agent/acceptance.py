@@ -60,8 +60,9 @@ class Claims:
     Args:
         kv: the ``kairos_requests`` bucket.
         node: this node's id.
-        epoch_unix_ms: this agent's incarnation (start time, ms), stored in the claim's
-            ``claimed_unix_ms`` neighbourhood: a claim made before this incarnation started is not "mine".
+        epoch_unix_ms: this agent's incarnation (its start time, wall clock ms): a claim of this node
+            made before it (``claimed_unix_ms`` < epoch) belongs to a previous incarnation, which
+            died with the request — it is ``claimed``, not ``mine``.
     """
 
     def __init__(self, kv: KeyValue, node: str, epoch_unix_ms: float) -> None:

@@ -46,6 +46,7 @@ async def test_dispatcher_killed_at_every_protocol_step(no_dispatcher_cluster: C
             os_kill_and_wait(healthy)
             adopted = [e for e in c.log_events("request_claimed_elsewhere") if e.get("replica") == f"healthy-{step}"]
             report[step]["claimed_elsewhere"] = len(adopted)
+            report[step]["slowest_s"] = round(max(o.elapsed_s for o in outcomes), 2)
             if step in ("after_publish", "after_accept", "before_ack"):
                 # a node had accepted the job: the redelivery met its claim on the other node and did
                 # not run it again (without the claim these requests ran twice, issue 10)
