@@ -20,7 +20,8 @@ Heartbeat rules (:class:`HeartbeatGuard`, per node):
    clock → refused (``future``). Such a message would otherwise win every later comparison.
 2. Same epoch: ``seq`` must grow (else ``replay``: a duplicate or re-sent old heartbeat), and by
    no more than the heartbeats the node could have sent since the last accepted one
-   (``seq_jump``: 2 per period of receiver time elapsed, plus ``seq_slack``), so one forged huge
+   (``seq_jump``: 2 per period — as the epoch's first heartbeat declared it — of receiver time
+   elapsed, plus ``seq_slack``), so one forged huge
    ``seq`` cannot make the real heartbeats look like replays.
 3. A newer epoch (the agent restarted; its seq starts again at 1) is accepted; an older one is a
    replay of a previous incarnation (``old_epoch``) — unless the current epoch has been silent for
@@ -43,6 +44,7 @@ REJECT_REASONS = ("future", "replay", "seq_jump", "old_epoch")
 class _Incarnation:
     seq: int
     rx_ms: float  # receiver clock of the last accepted heartbeat of this epoch
+    period_ms: float  # from the epoch's first heartbeat (a later message cannot widen its seq allowance)
 
 
 @dataclass
@@ -59,13 +61,16 @@ class HeartbeatGuard:
         max_future_ms: refuse ``sent_unix_ms``/``epoch_unix_ms`` further ahead of the receiver's
             wall clock than this (tolerated clock skew between hosts), ms.
         stale_after_ms: an epoch silent this long (receiver clock) may be replaced by a known older one.
-        seq_slack: extra ``seq`` advance always allowed (heartbeats sent outside the period: start, drain).
+        seq_slack: extra ``seq`` advance always allowed (heartbeats sent outside the period: start,
+            drain). Small on purpose: a forged ``seq`` within the allowance makes the real
+            heartbeats look like replays for about ``seq_slack`` periods (0.5 s at 100 ms), well
+            under the liveness timeout.
         keep_epochs: incarnations remembered per node.
     """
 
     max_future_ms: float = 5_000.0
     stale_after_ms: float = 300.0
-    seq_slack: int = 50
+    seq_slack: int = 5
     keep_epochs: int = 4
     _nodes: dict[str, _NodeHb] = field(default_factory=dict)
 
@@ -86,13 +91,13 @@ class HeartbeatGuard:
             return "future"
         st = self._nodes.get(node)
         if st is None:
-            self._nodes[node] = _NodeHb(epoch=epoch_unix_ms, epochs={epoch_unix_ms: _Incarnation(seq, rx_ms)})
+            self._nodes[node] = _NodeHb(epoch=epoch_unix_ms, epochs={epoch_unix_ms: _Incarnation(seq, rx_ms, period_ms)})
             return None
         inc = st.epochs.get(epoch_unix_ms)
         if inc is not None:
             if seq <= inc.seq:
                 return "replay"
-            allowed = inc.seq + self.seq_slack + int(2.0 * (rx_ms - inc.rx_ms) / max(1.0, period_ms))
+            allowed = inc.seq + self.seq_slack + int(2.0 * (rx_ms - inc.rx_ms) / max(1.0, inc.period_ms))
             if seq > allowed:
                 return "seq_jump"
             if epoch_unix_ms != st.epoch:
@@ -105,7 +110,7 @@ class HeartbeatGuard:
         if epoch_unix_ms < st.epoch:
             return "old_epoch"
         st.epoch = epoch_unix_ms  # the agent restarted
-        st.epochs[epoch_unix_ms] = _Incarnation(seq, rx_ms)
+        st.epochs[epoch_unix_ms] = _Incarnation(seq, rx_ms, period_ms)
         if len(st.epochs) > self.keep_epochs:
             for e in sorted(st.epochs)[: len(st.epochs) - self.keep_epochs]:
                 del st.epochs[e]

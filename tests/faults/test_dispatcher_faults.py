@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from services.dispatcher.faults import FAULT_EXIT_CODE, STEPS
-from tests.faults.conftest import Cluster, apoll, check, poll, request
+from tests.faults.conftest import Cluster, apoll, check, request
 
 pytestmark = pytest.mark.faults
 

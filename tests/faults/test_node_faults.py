@@ -4,7 +4,6 @@ remove a node (issue 10, required behaviours 3 and 4)."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 
 import aiohttp
