@@ -14,7 +14,7 @@ from tests.faults.conftest import Cluster, apoll, check, request
 
 pytestmark = pytest.mark.faults
 
-OUTAGE_S = 1.0
+OUTAGE_S = 5.0  #: the outage of issue 10 (in-flight requests then hung 60 s)
 
 
 async def test_nats_restart_under_load(cluster: Cluster):
@@ -48,7 +48,8 @@ async def test_nats_restart_under_load(cluster: Cluster):
     assert first_ok is not None and first_ok <= 5.0, first_ok
     assert health_s <= 5.0, health_s
     counts = check(outcomes, c)
-    # in flight during the outage: an answer within outage + grace (2 s) + the rest of the stream
+    # in flight during the outage: an answer within the grace (2 s) + the rest of the stream after
+    # the server is back (the 150-token streams take ~5 s on their own)
     worst = max(o.ended_at for o in outcomes) - back
     assert worst < 15.0, worst
     failed = [o.error["code"] for o in outcomes if not o.ok]
@@ -82,3 +83,29 @@ async def test_queued_requests_survive_a_nats_restart(cluster: Cluster):
         outcomes = await asyncio.gather(*sends)
     counts = check(outcomes, c, allow_errors=False)
     print("queued requests across a NATS restart:", counts)
+
+
+async def test_nats_gone_for_good_ends_every_request_explicitly(cluster: Cluster):
+    """NATS does not come back: in-flight requests end with 503 ``bus_unavailable`` after
+    ``KAIROS_BUS_OUTAGE_TIMEOUT_S`` (3 s here), new ones get 503 ``enqueue_failed`` at once, and
+    /health says ``nats_disconnected``."""
+    c = cluster
+    c.env["KAIROS_BUS_OUTAGE_TIMEOUT_S"] = "3"
+    c.up()
+    async with aiohttp.ClientSession() as http:
+        sends = [asyncio.create_task(request(http, c.base, max_tokens=400, stream=i % 2 == 0)) for i in range(6)]
+        await apoll(lambda: c.metric("kairos_ingress_ttft_seconds_count") >= 6, 30, "requests streaming")
+        killed = time.monotonic()
+        c.kill("nats-server")
+        outcomes = await asyncio.gather(*sends)
+        new = await request(http, c.base, max_tokens=4, stream=False, deadline_s=10)
+        async with http.get(c.base + "/health") as r:
+            health = (r.status, await r.json())
+    counts = check(outcomes, c)
+    assert {o.error["code"] for o in outcomes} == {"bus_unavailable"}, [o.error for o in outcomes]
+    ended = [o.ended_at - killed for o in outcomes]
+    assert all(3.0 <= e < 3.0 + 2.0 for e in ended), ended  # the timeout + the 0.2 s check period + slack
+    assert new.status == 503 and new.error["code"] == "enqueue_failed" and new.elapsed_s < 1.0, new
+    assert health[0] == 503 and health[1]["status"] == "nats_disconnected", health
+    counts["ended_after_s"] = sorted(round(e, 2) for e in ended)
+    print("NATS gone:", counts)
