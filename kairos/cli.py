@@ -184,6 +184,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
 @click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True, help="τ, TBT SLO in ms.")
 @click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True, help="TTFT SLO in ms.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
+              help="Sent as Authorization: Bearer KEY (an ingress started with API keys).")
 def bench(**opts) -> None:
     """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
     from kairos.bench import BenchError, bench_cli
@@ -212,10 +214,21 @@ def bench(**opts) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--api-key", "api_keys", multiple=True,
+              help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
+                   "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
+@click.option("--nats-auth/--no-nats-auth", default=True, show_default=True,
+              help="Bundled NATS: one generated credential per service role with subject permissions "
+                   "(docs/security.md).")
 @policy_params_options
 def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
     from kairos.up import UpOptions, run_up
+
+    opts["api_keys"] = tuple(opts["api_keys"])
+    if any(not k or k.strip() != k or "," in k for k in opts["api_keys"]):
+        raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
+                                 param_hint="--api-key")
 
     _parse_policy_or_exit(opts["policy"])
     model_or_exit = load_model_or_exit(opts["profile"])

@@ -160,6 +160,15 @@ def write_credentials(auth: GeneratedAuth, creds_dir: Path) -> dict[str, Path]:
     return out
 
 
+def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ingress's API key settings: ``--api-key`` values, else this shell's ``KAIROS_API_KEYS`` and
+    ``KAIROS_API_KEY_FILE`` (made absolute: children run in the repo directory)."""
+    env = dict(os.environ) if env is None else env
+    keys = opts.api_keys or tuple(k.strip() for k in env.get("KAIROS_API_KEYS", "").split(",") if k.strip())
+    key_file = env.get("KAIROS_API_KEY_FILE") or None
+    return {"api_keys": keys, "api_key_file": os.path.abspath(key_file) if key_file else None}
+
+
 def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError).
 
@@ -206,7 +215,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=opts.tokenizer_path, api_keys=opts.api_keys, **login(P.INGRESS)),
+                      tokenizer_path=opts.tokenizer_path, **api_keys(opts), **login(P.INGRESS)),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 
