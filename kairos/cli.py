@@ -237,6 +237,23 @@ def up(**opts) -> None:
     sys.exit(run_up(UpOptions(**opts)))
 
 
+@main.command("nats-auth")
+@click.option("--nodes", default="prefill-0,prefill-1,decode-0,decode-1", show_default=True,
+              help="Comma list of node ids (one agent-<node> user each).")
+@click.option("--env-file", is_flag=True, help="Print a .env with fresh random passwords instead.")
+def nats_auth(nodes: str, env_file: bool) -> None:
+    """Print the nats-server authorization block (one user per role, subject permissions; passwords
+    from NATS_PASSWORD_<USER> in the server's environment), or with --env-file those passwords."""
+    from shared import permissions as P
+    from shared.subjects import SubjectError
+
+    ids = [n.strip() for n in nodes.split(",") if n.strip()]
+    try:
+        click.echo(P.env_file(ids) if env_file else P.deployment_auth_config(ids), nl=False)
+    except SubjectError as exc:
+        raise click.BadParameter(str(exc), param_hint="--nodes") from None
+
+
 @main.command()
 @click.option("--workload", default="azure-code:busiest", show_default=True,
               help="Workload spec as for `kairos sim` (default: the busiest window of the Azure code trace).")

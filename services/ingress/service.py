@@ -679,7 +679,7 @@ class Ingress:
             timing["completion_tokens"] = sent if parsed.stream else 0
             if resp is None:
                 return _err(status, message, code), status
-            await self._sse(resp, oa.error_body(message, oa.error_type_for(status), None, code))
+            await self._sse(resp, oa.error_body(clip(message), oa.error_type_for(status), None, code))
             await self._sse_done(resp)
             return resp, status
 

@@ -247,3 +247,41 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
     await spy.nc.publish(S.REQUEST_SUBJECT, encode(req))
     await spy.violation(S.REQUEST_SUBJECT, "publish")
     await _close(disp, ingress, spy)
+
+
+async def test_committed_compose_auth_config_reads_passwords_from_the_environment(tmp_path):
+    """ops/nats/auth.conf (included by ops/nats/nats.conf in compose): the server resolves each
+    ``$NATS_PASSWORD_<USER>`` from its environment."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from shared.permissions import COMPOSE_NODES, cluster_users, new_password, password_env_var
+
+    root = Path(__file__).resolve().parents[2]
+    shutil.copy(root / "ops" / "nats" / "auth.conf", tmp_path / "auth.conf")
+    (tmp_path / "main.conf").write_text("include ./auth.conf\n")
+    pw = {u: new_password() for u in cluster_users(COMPOSE_NODES)}
+    env = {**os.environ, **{password_env_var(u): p for u, p in pw.items()}}
+    port = free_port()
+    proc = subprocess.Popen([str(NATS_BIN), "-c", str(tmp_path / "main.conf"), "-js", "-a", "127.0.0.1", "-p",
+                             str(port), "-sd", str(tmp_path / "js")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                c = await as_role(url, pw, "agent-decode-1")
+                break
+            except (OSError, nats.errors.NoServersError):
+                assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
+                await asyncio.sleep(0.05)
+        assert c.nc.is_connected
+        await _close(c)
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, user="ingress", password=pw["dispatcher"], allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=2)
+    finally:
+        proc.terminate()
+        proc.wait(5)
