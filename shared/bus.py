@@ -19,13 +19,14 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfi
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
+from shared.envconfig import ConfigError
 from shared.permissions import inbox_prefix
 from shared.wire import decode, encode
 
 T = TypeVar("T")
 
 
-class BusAuthError(ValueError):
+class BusAuthError(ConfigError):
     """The NATS credentials cannot be used (unreadable password file)."""
 
 

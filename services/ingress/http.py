@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from shared import openai_api as oa
+from shared.envconfig import ConfigError
 
 #: error messages are cut to this many characters (a 1 MB model name must not come back as a 1 MB body)
 MAX_ERROR_MESSAGE_CHARS = 1024
@@ -44,7 +45,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-class ApiKeyError(ValueError):
+class ApiKeyError(ConfigError):
     """The API key file cannot be read."""
 
 

@@ -291,7 +291,13 @@ def test_demo_progress_bar_defaults_to_stderr_being_a_tty(monkeypatch):
     ("services.node_agent", {"KAIROS_ROLE": "decode"}, "KAIROS_NODE_ID"),
     ("services.ingress", {"KAIROS_PORT": "eighty"}, "KAIROS_PORT"),
     ("services.state_aggregator", {"KAIROS_STATE_PERIOD_MS": "-1"}, "KAIROS_STATE_PERIOD_MS"),
-], ids=["policy", "alpha", "role", "missing-node-id", "port", "period"])
+    ("services.dispatcher", {"KAIROS_NATS_USER": "dispatcher"}, "KAIROS_NATS_PASSWORD"),
+    ("services.state_aggregator", {"KAIROS_NATS_PASSWORD": "x"}, "KAIROS_NATS_USER"),
+    ("services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode", "KAIROS_NATS_USER": "agent-decode-0",
+                             "KAIROS_NATS_PASSWORD_FILE": "/nonexistent/pw"}, "KAIROS_NATS_PASSWORD_FILE"),
+    ("services.ingress", {"KAIROS_API_KEY_FILE": "/nonexistent/keys"}, "KAIROS_API_KEY_FILE"),
+], ids=["policy", "alpha", "role", "missing-node-id", "port", "period", "user-without-password",
+        "password-without-user", "unreadable-password-file", "unreadable-api-key-file"])
 def test_bad_config_exits_nonzero_naming_the_field(module, env, field):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
     r = subprocess.run([sys.executable, "-m", module], env={**clean, **env}, capture_output=True, text=True, timeout=60)
