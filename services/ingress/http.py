@@ -14,6 +14,7 @@ The body read timeout is the handler's (``asyncio.wait_for`` around ``request.re
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -72,10 +73,12 @@ def load_api_keys(keys: Iterable[str], key_file: str | None) -> frozenset[str]:
 def api_key_middleware(keys: frozenset[str], on_reject: Callable[[web.Request, str], None] | None = None):
     """Require ``Authorization: Bearer <key>`` with a key of ``keys`` on every path but
     :data:`OPEN_PATHS`; else 401 with an OpenAI-shaped body (``type`` ``invalid_request_error``,
-    ``code`` ``invalid_api_key``, as api.openai.com answers) and ``WWW-Authenticate: Bearer``
-    (RFC 6750). Keys are compared in constant time; a presented key is never echoed.
+    ``code`` ``invalid_api_key``, as api.openai.com answers; vLLM's own middleware,
+    ``vllm/entrypoints/serve/middleware/authenticate.py``, answers ``{"error": "Unauthorized"}``)
+    and ``WWW-Authenticate: Bearer`` (RFC 6750). Keys are compared as SHA-256 digests with
+    ``hmac.compare_digest`` (as vLLM does); a presented key is never echoed.
     ``on_reject(request, reason)`` is called for each refusal (``missing`` / ``invalid``)."""
-    encoded = [k.encode() for k in keys]
+    hashed = [hashlib.sha256(k.encode()).digest() for k in keys]  # equal lengths: nothing leaks by timing
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
@@ -87,8 +90,11 @@ def api_key_middleware(keys: frozenset[str], on_reject: Callable[[web.Request, s
             reason, msg = "missing", ("You didn't provide an API key. Send it in an Authorization header using "
                                       "Bearer auth (Authorization: Bearer YOUR_KEY).")
         else:
-            presented = token.encode()
-            if any(hmac.compare_digest(presented, k) for k in encoded):  # no short-circuit on a match position
+            presented = hashlib.sha256(token.encode()).digest()
+            match = False
+            for k in hashed:  # every key compared (no early exit revealing which one matched)
+                match |= hmac.compare_digest(presented, k)
+            if match:
                 return await handler(request)
             reason, msg = "invalid", "Incorrect API key provided."
         if on_reject is not None:
