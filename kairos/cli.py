@@ -251,18 +251,24 @@ def up(**opts) -> None:
 @main.command("nats-auth")
 @click.option("--nodes", default="prefill-0,prefill-1,decode-0,decode-1", show_default=True,
               help="Comma list of node ids (one agent-<node> user each).")
-@click.option("--env-file", is_flag=True, help="Print a .env with fresh random passwords instead.")
-def nats_auth(nodes: str, env_file: bool) -> None:
-    """Print the nats-server authorization block (one user per role, subject permissions; passwords
-    from NATS_PASSWORD_<USER> in the server's environment), or with --env-file those passwords."""
+@click.option("--secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="Instead: write a fresh random password per role into this directory (<user>.password, "
+                   "and nats-server.env with NATS_PASSWORD_<USER> lines), e.g. ops/secrets for compose.")
+def nats_auth(nodes: str, secrets_dir: str | None) -> None:
+    """Print the nats-server authorization block (one user per role with its subject permissions;
+    passwords from NATS_PASSWORD_<USER> in the server's environment), or write those passwords."""
     from shared import permissions as P
     from shared.subjects import SubjectError
 
     ids = [n.strip() for n in nodes.split(",") if n.strip()]
     try:
-        click.echo(P.env_file(ids) if env_file else P.deployment_auth_config(ids), nl=False)
+        if secrets_dir is None:
+            click.echo(P.deployment_auth_config(ids), nl=False)
+            return
+        files = P.write_secrets(P.GeneratedAuth.for_nodes(ids), Path(secrets_dir))
     except SubjectError as exc:
         raise click.BadParameter(str(exc), param_hint="--nodes") from None
+    click.echo(f"wrote {len(files)} password files and nats-server.env to {secrets_dir}", err=True)
 
 
 @main.command()

@@ -36,7 +36,7 @@ from services.node_agent.config import AgentConfig
 from services.state_aggregator.config import AggregatorConfig
 from shared import permissions as P
 from shared.envconfig import to_env
-from shared.permissions import GeneratedAuth
+from shared.permissions import GeneratedAuth, write_secrets
 
 
 #: deflection slots per decode node under kairos+ (its projection plans each one after the others)
@@ -148,19 +148,6 @@ def node_ids(opts: UpOptions) -> list[str]:
     return [f"prefill-{i}" for i in range(opts.prefill)] + [f"decode-{i}" for i in range(opts.decode)]
 
 
-def write_credentials(auth: GeneratedAuth, creds_dir: Path) -> dict[str, Path]:
-    """One password file per NATS user (mode 0600, in a 0700 directory); returns ``{user: path}``."""
-    creds_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    out = {}
-    for user, pw in auth.passwords.items():
-        path = creds_dir / f"{user}.password"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(pw + "\n")
-        out[user] = path
-    return out
-
-
 def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The ingress's API key settings: ``--api-key`` values, else this shell's ``KAIROS_API_KEYS`` and
     ``KAIROS_API_KEY_FILE`` (made absolute: children run in the repo directory)."""
@@ -173,7 +160,7 @@ def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, An
 def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError).
 
-    ``creds`` (``{user: password file}``, :func:`write_credentials`): each service logs in to NATS
+    ``creds`` (``{user: password file}``, :func:`shared.permissions.write_secrets`): each service logs in to NATS
     as its role (``KAIROS_NATS_USER`` + ``KAIROS_NATS_PASSWORD_FILE``); None: no NATS credentials
     are set (the caller's environment is passed through)."""
     py = sys.executable
@@ -274,7 +261,7 @@ class Supervisor:
         argv = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
         if self.opts.nats_auth:
             auth = GeneratedAuth.for_nodes(node_ids(self.opts))
-            self.creds = write_credentials(auth, self.tmp / "nats-credentials")
+            self.creds = write_secrets(auth, self.tmp / "nats-credentials")
             conf = self.tmp / "nats-credentials" / "nats-server.conf"
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:

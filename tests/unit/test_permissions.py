@@ -113,3 +113,36 @@ def test_generated_config_quotes_literal_passwords_and_references_env_ones():
     ref = P.deployment_auth_config(["n1"])
     assert re.search(r"password: \$NATS_PASSWORD_AGENT_N1,", ref)
     assert P.password_env_var("agent-decode-0") == "NATS_PASSWORD_AGENT_DECODE_0"
+
+
+def test_compose_gives_every_service_its_own_roles_secret():
+    """Each Kairos service in docker-compose.yml logs in as its role (agents as agent-<their node>)
+    with the password file of that role, declared as a compose secret under ops/secrets/."""
+    yaml = pytest.importorskip("yaml")
+    from tests.unit.test_deploy_files import env_of, kairos_services
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    declared = compose["secrets"]
+    roles = {"services.ingress": "ingress", "services.dispatcher": "dispatcher",
+             "services.state_aggregator": "aggregator"}
+    for name, (svc, mod) in kairos_services(compose["services"]).items():
+        env = env_of(svc)
+        want = P.agent_user(env["KAIROS_NODE_ID"]) if mod == "services.node_agent" else roles[mod]
+        assert env["KAIROS_NATS_USER"] == want, name
+        assert svc["secrets"] == [f"nats-{want}"], name
+        assert env["KAIROS_NATS_PASSWORD_FILE"] == f"/run/secrets/nats-{want}", name
+        assert declared[f"nats-{want}"]["file"] == f"ops/secrets/{want}.password"
+        assert "KAIROS_NATS_PASSWORD" not in env, f"{name}: a password in the compose file"
+    assert compose["services"]["nats"]["env_file"] == ["ops/secrets/nats-server.env"]
+
+
+def test_write_secrets_files_are_private_and_match_the_server_env(tmp_path):
+    auth = P.GeneratedAuth.for_nodes(["decode-0"])
+    files = P.write_secrets(auth, tmp_path / "s")
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+    for user, path in files.items():
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert path.read_text().strip() == auth.passwords[user]
+    env = dict(ln.split("=", 1) for ln in (tmp_path / "s" / "nats-server.env").read_text().splitlines())
+    assert env == {P.password_env_var(u): pw for u, pw in auth.passwords.items()}
+    assert len(set(auth.passwords.values())) == len(auth.passwords)  # one password per role
