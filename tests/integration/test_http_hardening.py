@@ -253,3 +253,21 @@ async def test_api_keys_from_config_and_file(small_nats, tmp_path):
             assert r.status == 401
         assert ing.m.auth_failures.labels("missing")._value.get() == 4  # incl. the Basic one
         assert ing.m.auth_failures.labels("invalid")._value.get() == 1
+
+
+async def test_slow_second_request_on_a_kept_alive_connection_is_dropped(small_nats):
+    async with running(small_nats, header_timeout_s=0.5) as ing:
+        reader, writer = await asyncio.open_connection("127.0.0.1", ing.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        n = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:"))
+        await reader.readexactly(n)
+        assert head.startswith(b"HTTP/1.1 200")
+        idle_ok = time.monotonic()
+        await asyncio.sleep(0.8)  # idle between requests is the keep-alive timeout's business (75 s), not this one
+        assert not reader.at_eof()
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # ... then a second head that never ends
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert time.monotonic() - idle_ok < 4.0
+        writer.close()
