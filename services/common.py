@@ -83,12 +83,12 @@ async def start_metrics_and_connect(svc: Any, client_name: str) -> None:
     can still clean up) and ``svc.nc``.
     """
     from shared import telemetry
-    from shared.bus import BusAuth, connect
+    from shared.bus import connect_service
 
     cfg = svc.cfg
     if cfg.metrics_port >= 0:
         svc._runner, svc.metrics_port = await telemetry.start_metrics_server(
             svc.tel.registry, cfg.metrics_host, cfg.metrics_port,
             health=lambda: svc.nc is not None and svc.nc.is_connected)
-    svc.nc = await connect(cfg.nats_url, client_name, svc.log, auth=BusAuth.from_config(cfg))
+    svc.nc = await connect_service(cfg, client_name, svc.log)
 

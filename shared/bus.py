@@ -6,6 +6,7 @@ what it uses at start and services can start in any order. Names come from :mod:
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -64,7 +65,38 @@ class BusAuth:
         return cls(cfg.nats_user, pw or "")
 
 
-async def connect(url: str, name: str, log=None, auth: BusAuth | None = None) -> Client:
+def tls_context(cfg) -> ssl.SSLContext | None:
+    """The client TLS context of a :class:`shared.envconfig.ServiceConfig`: verify the server
+    against ``KAIROS_NATS_TLS_CA_FILE`` (else the system CAs) and present
+    ``KAIROS_NATS_TLS_CERT_FILE``/``KEY_FILE`` if set. None when no TLS file is set (a ``tls://``
+    URL then uses nats-py's default context: system CAs, no client certificate).
+
+    Raises:
+        BusAuthError: a file is missing or not valid PEM (the message names the variable).
+    """
+    if not (cfg.nats_tls_ca_file or cfg.nats_tls_cert_file):
+        return None
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.nats_tls_ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise BusAuthError(f"KAIROS_NATS_TLS_CA_FILE={cfg.nats_tls_ca_file}: {exc}") from None
+    if cfg.nats_tls_cert_file:
+        try:
+            ctx.load_cert_chain(cfg.nats_tls_cert_file, cfg.nats_tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise BusAuthError(f"KAIROS_NATS_TLS_CERT_FILE={cfg.nats_tls_cert_file} / KAIROS_NATS_TLS_KEY_FILE="
+                               f"{cfg.nats_tls_key_file}: {exc}") from None
+    return ctx
+
+
+async def connect_service(cfg, name: str, log=None) -> Client:
+    """:func:`connect` to ``cfg.nats_url`` with the credential and TLS settings of ``cfg`` (a
+    :class:`shared.envconfig.ServiceConfig`). Raises BusAuthError for unusable files."""
+    return await connect(cfg.nats_url, name, log, auth=BusAuth.from_config(cfg), tls=tls_context(cfg))
+
+
+async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
+                  tls: ssl.SSLContext | None = None) -> Client:
     """Connect with reconnects forever (a restarted nats-server is picked up again).
 
     The first connection is retried forever too (every 0.5 s, each failure logged as
@@ -72,7 +104,7 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None) ->
     it (a signal during startup), cancel the awaiting task — ``services.common.run_main`` does.
     With ``auth`` the client logs in as that user and uses its private inbox prefix
     (:func:`shared.permissions.inbox_prefix`); a refused login is logged as ``nats_error``
-    (``Authorization Violation``).
+    (``Authorization Violation``). ``tls``: the client TLS context (:func:`tls_context`).
     """
 
     async def on_error(exc: Exception) -> None:
@@ -90,6 +122,8 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None) ->
     creds: dict = {}
     if auth is not None:
         creds = {"user": auth.user, "password": auth.password, "inbox_prefix": inbox_prefix(auth.user)}
+    if tls is not None:
+        creds["tls"] = tls
     return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                               error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                               connect_timeout=5, drain_timeout=2, **creds)

@@ -44,7 +44,7 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusAuth, connect, ensure_buckets, publish
+from shared.bus import connect_service, ensure_buckets, publish
 from shared.latency import load_profile
 from shared.records import request_record
 from shared.routing import routable
@@ -210,8 +210,7 @@ class Ingress:
         return app
 
     async def start(self) -> None:
-        self.nc = await connect(self.cfg.nats_url, f"ingress:{self.cfg.replica_id}", self.log,
-                                auth=BusAuth.from_config(self.cfg))
+        self.nc = await connect_service(self.cfg, f"ingress:{self.cfg.replica_id}", self.log)
         self.js = self.nc.jetstream()
         self.buckets = await ensure_buckets(self.js)
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
