@@ -231,12 +231,16 @@ def bench(**opts) -> None:
 @click.option("--nats-auth/--no-nats-auth", default=True, show_default=True,
               help="Bundled NATS: one generated credential per service role with subject permissions "
                    "(docs/security.md).")
+@click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
 @policy_params_options
 def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
     from kairos.up import UpOptions, run_up
 
     opts["api_keys"] = tuple(opts["api_keys"])
+    if opts["nats_secrets_dir"] and not opts["nats_url"]:
+        raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
     if any(not k or k.strip() != k or "," in k for k in opts["api_keys"]):
         raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
                                  param_hint="--api-key")

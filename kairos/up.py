@@ -66,6 +66,8 @@ class UpOptions:
     max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
     #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
     nats_auth: bool = True
+    #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
+    nats_secrets_dir: str | None = None
     #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
     api_keys: tuple[str, ...] = ()
 
@@ -255,6 +257,15 @@ class Supervisor:
             host, _, port = hostport.partition(":")
             if not _port_open(host or "127.0.0.1", int(port or 4222)):
                 raise RuntimeError(f"--nats-url {url}: nothing listens there")
+            if self.opts.nats_secrets_dir:
+                d = Path(self.opts.nats_secrets_dir).resolve()
+                self.creds = {u: d / f"{u}.password" for u in P.cluster_users(node_ids(self.opts))
+                              if u != P.PROFILER}
+                missing = [str(p) for p in self.creds.values() if not p.is_file()]
+                if missing:
+                    raise RuntimeError(f"--nats-secrets-dir: missing {', '.join(missing)} (write them with "
+                                       f"kairos nats-auth --secrets-dir {self.opts.nats_secrets_dir} --nodes "
+                                       f"{','.join(node_ids(self.opts))})")
             return url
         port = free_port()
         store = self.tmp / "jetstream"

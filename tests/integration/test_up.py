@@ -370,3 +370,36 @@ def test_kairos_up_with_api_key_and_nats_credentials(tmp_path, spawn):
     assert "authentication error" in server_log  # our anonymous attempt was logged ...
     assert "Violation" not in server_log, \
         [ln for ln in server_log.splitlines() if "Violation" in ln][:5]  # ... and no service hit a permission
+
+
+def test_kairos_up_on_an_external_nats_with_the_deployment_auth_config(tmp_path, spawn):
+    """An operator's nats-server configured with `kairos nats-auth` (passwords from its
+    environment) and `kairos up --nats-url … --nats-secrets-dir …` on it: requests are served."""
+    secrets = tmp_path / "secrets"
+    r = subprocess.run([sys.executable, "-m", "kairos", "nats-auth", "--nodes", "prefill-0,decode-0",
+                        "--secrets-dir", str(secrets)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    conf = subprocess.run([sys.executable, "-m", "kairos", "nats-auth", "--nodes", "prefill-0,decode-0"],
+                          capture_output=True, text=True, timeout=60).stdout
+    (tmp_path / "nats.conf").write_text(conf)
+    server_env = dict(ln.split("=", 1) for ln in (secrets / "nats-server.env").read_text().splitlines())
+    nport = free_port()
+    spawn([str(Path(sys.executable).parent / "nats-server"), "-c", str(tmp_path / "nats.conf"), "-js", "-a",
+           "127.0.0.1", "-p", str(nport), "-sd", str(tmp_path / "js")], env=server_env,
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", nport), timeout=0.2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "nats-server did not start"
+            time.sleep(0.05)
+    port = free_port()
+    proc, _ = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", "--nats-url",
+                       f"nats://127.0.0.1:{nport}", "--nats-secrets-dir", str(secrets))
+    status, out = post(port, {"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 3})
+    assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert (secrets / "ingress.password").is_file()  # an operator's secrets are never removed
