@@ -355,8 +355,14 @@ class Supervisor:
                          f"kairos trace <id> --trace-file {o.trace_file})")
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             lines.append(f"OTLP         {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
-        lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
-                  f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
+        keyed = bool(api_keys(o)["api_keys"] or api_keys(o)["api_key_file"])
+        bus = ("one generated user per service role, subject permissions (docs/security.md)" if self.creds
+               else "no credentials")
+        lines += [f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
+                  f"NATS: {bus}",
+                  f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+                  + ("-H 'Authorization: Bearer $KEY' " if keyed else "")
+                  + f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
                   "Stop         Ctrl-C"]
         return "\n".join(lines)
 

@@ -334,6 +334,7 @@ def test_kairos_up_with_api_key_and_nats_credentials(tmp_path, spawn):
     logs = tmp_path / "logs"
     proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", "--api-key",
                            "sk-test-1", "--log-dir", str(logs))
+    assert "API key required" in table and "one generated user per service role" in table, table
     body = {"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 3}
     status, headers, out = _call(port, "/v1/completions", body)
     assert status == 401 and out["error"]["code"] == "invalid_api_key", out
