@@ -259,9 +259,8 @@ class Supervisor:
                 raise RuntimeError(f"--nats-url {url}: nothing listens there")
             if self.opts.nats_secrets_dir:
                 d = Path(self.opts.nats_secrets_dir).resolve()
-                self.creds = {u: d / f"{u}.password" for u in P.cluster_users(node_ids(self.opts))
-                              if u != P.PROFILER}
-                missing = [str(p) for p in self.creds.values() if not p.is_file()]
+                self.creds = {u: d / f"{u}.password" for u in P.cluster_users(node_ids(self.opts))}
+                missing = [str(p) for u, p in self.creds.items() if u != P.PROFILER and not p.is_file()]
                 if missing:
                     raise RuntimeError(f"--nats-secrets-dir: missing {', '.join(missing)} (write them with "
                                        f"kairos nats-auth --secrets-dir {self.opts.nats_secrets_dir} --nodes "
