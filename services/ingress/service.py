@@ -376,7 +376,8 @@ class Ingress:
             return {"consuming": False, "detail": f"consumer {S.DISPATCHER_CONSUMER!r} on stream "
                                                   f"{S.REQUEST_STREAM!r} does not exist: no dispatcher ever started"}
         except Exception as exc:
-            return {"consuming": False, "detail": f"consumer info failed: {exc!r}"}
+            self.log.warning("consumer_info_failed", error=repr(exc))  # the body names no exception
+            return {"consuming": False, "detail": "the consumer state could not be read from JetStream"}
         waiting = info.num_waiting or 0
         last = info.delivered.last_active if info.delivered is not None else None
         since = None
