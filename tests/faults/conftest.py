@@ -11,6 +11,10 @@ What every test counts, from independent sources:
 * the node agents' logs: ``job_accepted`` lines per bus request id across all nodes (a duplicate
   execution is a second line for one id).
 
+Like ``kairos up``, every service logs in to NATS with its own role's credential, so everything a
+fault path does on the bus (re-declaring after a reconnect, claims, heartbeats at the ingress) is
+also checked against the permission table (``shared/permissions.py``).
+
 Waits poll a condition with a deadline; nothing sleeps as synchronisation.
 """
 
@@ -34,6 +38,7 @@ import aiohttp
 import pytest
 
 from kairos.up import Child, UpOptions, nats_server_binary, plan
+from shared import permissions as P
 from shared.emulated_text import emulated_completion
 from shared.wire import SamplingParams
 
@@ -137,7 +142,12 @@ class Cluster:
         self.logs.mkdir(parents=True, exist_ok=True)
         opts = UpOptions(port=self.port, prefill=self.prefill, decode=self.decode, dispatchers=2,
                          log_dir=str(self.logs))
-        self.children = {c.name: c for c in plan(opts, self.nats_url, self.logs)}
+        auth = P.GeneratedAuth.for_nodes(self.agents)
+        self.passwords = auth.passwords
+        creds = P.write_secrets(auth, self.tmp / "nats-credentials")
+        self.nats_conf = self.tmp / "nats-credentials" / "nats-server.conf"
+        self.nats_conf.write_text(auth.server_config())
+        self.children = {c.name: c for c in plan(opts, self.nats_url, self.logs, creds)}
 
     @property
     def nats_url(self) -> str:
@@ -153,9 +163,11 @@ class Cluster:
 
     # -- processes --------------------------------------------------------------------------------
     def start_nats(self) -> None:
+        logf = open(self.logs / "nats-server.log", "ab")
         p = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.nats_port),
-                              "-sd", str(self.store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                              "-sd", str(self.store), "-c", str(self.nats_conf)], stdout=logf,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        logf.close()
         self.procs["nats-server"] = p
         self.started.append(p)
 
@@ -242,12 +254,24 @@ class Cluster:
             return status == 200 if need_dispatcher else True
         poll(ok, timeout, "the ingress to see every node routable", every=0.1)
 
+    async def connect(self, user: str):
+        """A nats-py client logged in as role ``user`` (``aggregator``, ``agent-decode-0``, …)."""
+        import nats
+        return await nats.connect(self.nats_url, user=user, password=self.passwords[user],
+                                  inbox_prefix=P.inbox_prefix(user), max_reconnect_attempts=0)
+
+    def permission_violations(self) -> list[str]:
+        """``Permissions Violation`` lines of the nats-server log (must stay empty)."""
+        try:
+            text = (self.logs / "nats-server.log").read_text(errors="replace")
+        except OSError:
+            return []
+        return [line for line in text.splitlines() if "Permissions Violation" in line]
+
     async def queue_depth(self) -> int:
         """Requests in the work queue not yet acknowledged (pending + delivered-unacked)."""
-        import nats
-
         from shared import subjects as S
-        nc = await nats.connect(self.nats_url)
+        nc = await self.connect(P.AGGREGATOR)
         try:
             info = await nc.jetstream().consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=2)
             return (info.num_pending or 0) + (info.num_ack_pending or 0)
@@ -397,6 +421,8 @@ def check(outcomes: list[Outcome], cluster: Cluster, allow_errors: bool = True) 
     # a stream cut by an explicit error may carry a prefix of the output, never more, never mixed
     bad_prefix = [o for o in errors if o.text and not expected_text(o.prompt, o.max_tokens).startswith(o.text)]
     dup = {rid: n for rid, n in cluster.executions().items() if n > 1}
+    violations = cluster.permission_violations()
+    assert not violations, violations[:5]
     counts = {"sent": sent, "completed": len(completed), "errors": len(errors), "hung": len(hung),
               "other": len(other), "mixed": len(mixed) + len(bad_prefix), "duplicate_executions": len(dup)}
     assert not hung, f"{len(hung)} request(s) hung: {counts}"

@@ -7,9 +7,9 @@ import asyncio
 import time
 
 import aiohttp
-import nats
 import pytest
 
+from shared import permissions as P
 from shared import subjects as S
 from shared.wire import NodeState, decode, encode, now_ms
 from tests.faults.conftest import Cluster, apoll, check, get_json, request
@@ -85,9 +85,12 @@ async def test_agent_killed_while_aggregator_down_is_detected(cluster: Cluster):
 async def test_forged_heartbeats_are_refused_and_counted(cluster: Cluster):
     c = cluster
     c.up()
-    nc = await nats.connect(c.nats_url)
+    # the forger holds decode-0's own credential (without one, nats-server refuses the publish
+    # outright); a reader with the aggregator's captures a real heartbeat to replay and tamper with
+    reader = await c.connect(P.AGGREGATOR)
+    nc = await c.connect(P.agent_user("decode-0"))
     try:
-        real = await nc.subscribe(S.state_subject("decode-0"))
+        real = await reader.subscribe(S.state_subject("decode-0"))
         msg = await real.next_msg(timeout=5)
         st = decode(msg.data, NodeState)
         forged = [
@@ -110,6 +113,7 @@ async def test_forged_heartbeats_are_refused_and_counted(cluster: Cluster):
             await asyncio.sleep(0.05)
     finally:
         await nc.close()
+        await reader.close()
     rej = {r: c.metric("kairos_aggregator_heartbeats_rejected_total", f'{{reason="{r}"}}')
            for r in ("seq_jump", "future", "replay")}
     assert rej["seq_jump"] >= 1 and rej["future"] >= 2 and rej["replay"] >= 1, rej
