@@ -21,6 +21,7 @@ from typing import Awaitable, Callable, TypeVar
 
 import msgspec
 import nats
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType,
@@ -169,14 +170,32 @@ class RequestQueueSettings:
     max_age_s: float = 600.0
 
 
+#: nats-server's generic "error creating store for stream" (JSStreamCreateErrF): seen when a file
+#: stream is created while the store directory of a just-deleted stream of that name is still being
+#: removed, or by two services declaring it at the same instant
+_STORE_CREATE_ERR = 10049
+
+
+async def _creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait_s: float = 0.1) -> T:
+    """``declare()``, retried (``attempts`` × ``wait_s``) on the transient store-creation error."""
+    for i in range(attempts):
+        try:
+            return await declare()
+        except nats.js.errors.ServerError as exc:
+            if getattr(exc, "err_code", None) != _STORE_CREATE_ERR or i == attempts - 1:
+                raise
+            await asyncio.sleep(wait_s)
+    raise AssertionError("unreachable")
+
+
 async def ensure_request_stream(js: JetStreamContext, q: RequestQueueSettings = RequestQueueSettings(),
                                 consumer: bool = True) -> None:
     """Declare the work-queue stream KAIROS_REQ and (``consumer``) the shared durable consumer.
     The ingress declares the stream only (it publishes; requests wait there for a dispatcher)."""
-    await js.add_stream(StreamConfig(
+    await _creating(lambda: js.add_stream(StreamConfig(
         name=S.REQUEST_STREAM, subjects=[S.REQUEST_SUBJECT], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=q.max_age_s, duplicate_window=120.0,
-        description="Kairos client requests: ingress -> dispatchers (work queue)"))
+        description="Kairos client requests: ingress -> dispatchers (work queue)")))
     if not consumer:
         return
     await js.add_consumer(S.REQUEST_STREAM, ConsumerConfig(
@@ -200,15 +219,15 @@ class Buckets:
 async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) -> Buckets:
     """Declare (or open) the three KV buckets, all file-backed so a restarted nats-server keeps
     them (the view and reservations used to be memory-backed and vanished on a restart)."""
-    view = await js.create_key_value(KeyValueConfig(
+    view = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.VIEW_BUCKET, history=1, storage=StorageType.FILE,
-        description="cluster view written by the state aggregator"))
-    resv = await js.create_key_value(KeyValueConfig(
+        description="cluster view written by the state aggregator")))
+    resv = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.FILE, limit_marker_ttl=1.0,
-        description="one deflection slot per decode node (atomic create, per-message TTL)"))
-    reqs = await js.create_key_value(KeyValueConfig(
+        description="one deflection slot per decode node (atomic create, per-message TTL)")))
+    reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s,
-        description="per-request decision records, measured TTFT components and execution claims"))
+        description="per-request decision records, measured TTFT components and execution claims")))
     return Buckets(view=view, reservations=resv, requests=reqs)
 
 
