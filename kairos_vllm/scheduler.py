@@ -42,7 +42,7 @@ from kairos_vllm.chunks import ChunkScheduleError, chunk_position, kairos_reques
 from kairos_vllm.protocol import STATE_ADDR_ENV, DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest
 from kairos_vllm.publisher import StatePublisher
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kairos_vllm")  # under "vllm", whose handlers vLLM configures
 
 #: Set to 1 to run on a vLLM version other than the pinned one (the signature checks still apply).
 UNPINNED_ENV = "KAIROS_VLLM_UNPINNED"
@@ -128,7 +128,7 @@ class KairosSchedulerMixin:
                                   f"kairos_vllm was written for vLLM {VLLM_VERSION}")
         self.kairos_steps = 0
         self._kairos_chunks: dict[str, tuple[int, ...] | None] = {}
-        self._kairos_pending: collections.deque[_PendingStep] = collections.deque()
+        self._kairos_pending: collections.deque[_PendingStep] = collections.deque(maxlen=16)
         self.kairos_publisher: StatePublisher | None = None
         addr = os.environ.get(STATE_ADDR_ENV)
         if addr:
@@ -137,6 +137,7 @@ class KairosSchedulerMixin:
             except Exception as e:  # zmq.ZMQError: address in use, bad scheme, missing directory
                 raise RuntimeError(f"kairos_vllm: cannot bind the engine-state socket {STATE_ADDR_ENV}={addr!r}: {e}") from e
             logger.info("kairos_vllm: publishing engine state on %s", self.kairos_publisher.addr)
+            self.kairos_publish()  # the first state; the idle thread repeats it until something changes
 
     # ---- chunk schedule ------------------------------------------------------------------------
 
