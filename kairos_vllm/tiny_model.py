@@ -100,6 +100,21 @@ def fingerprint(seed: int) -> str:
     return hashlib.sha256(src + f"|seed={seed}".encode()).hexdigest()[:12]
 
 
+def write_tokenizer_files(out_dir: str | os.PathLike) -> Path:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` (special tokens, chat template) and
+    ``special_tokens_map.json`` into an existing directory (needs only ``tokenizers``)."""
+    out = Path(out_dir)
+    build_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE}, indent=1) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=1) + "\n")
+    return out
+
+
 def generate(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write the model directory (config, ``model.safetensors``, tokenizer files) to ``out_dir``.
 
@@ -117,14 +132,7 @@ def generate(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
-    build_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE}, indent=1) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=1) + "\n")
+    write_tokenizer_files(out)
     (out / "kairos-tiny-model.json").write_text(json.dumps({"seed": seed, "fingerprint": fingerprint(seed)}) + "\n")
     out.chmod(0o755)
     for f in out.iterdir():

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from kairos_vllm import VLLM_VERSION
 from kairos_vllm.chunks import ChunkScheduleError, chunk_position, kairos_request_id, parse_chunks, prefill_cap
-from kairos_vllm.tiny_model import CHAT_TEMPLATE, SPECIALS, VOCAB_SIZE, build_tokenizer
-from shared.openai_api import render_chat, tokenizer_counter
+from kairos_vllm.tiny_model import SPECIALS, VOCAB_SIZE, build_tokenizer, write_tokenizer_files
+from shared.openai_api import load_chat_template, load_tokenizer, render_chat, tokenizer_counter
 from tests.vllm.chat_example import CHAT_MSGS, CHAT_TEXT  # tests/vllm/inproc checks the tiny model's template
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,9 +74,13 @@ def test_tokenizer_loads_with_tokenizers_alone(tmp_path):
     assert all(tok.id_to_token(i) is not None for i in range(1, 1001))  # kairos bench's token-id prompts
 
 
-def test_ingress_chat_rendering_is_what_the_tiny_model_template_produces():
-    assert render_chat(CHAT_MSGS) == CHAT_TEXT
-    assert "add_generation_prompt" in CHAT_TEMPLATE
+def test_ingress_loads_the_tiny_model_tokenizer_and_chat_template(tmp_path):
+    write_tokenizer_files(tmp_path)
+    render = load_chat_template(str(tmp_path))  # the ingress's loader, as transformers renders
+    assert render is not None and render(CHAT_MSGS) == CHAT_TEXT == render_chat(CHAT_MSGS)
+    count, vocab = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert vocab == VOCAB_SIZE
+    assert count("hello there", add_special_tokens=True) == 2  # no BOS post-processor: vLLM counts 2 too
 
 
 def test_makefile_pins_the_plugin_version():

@@ -179,6 +179,7 @@ def test_state_stream_matches_the_scheduler(engine, recorder):
 
 def test_version_guard_fails_loudly(monkeypatch):
     import vllm
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from kairos_vllm import VLLM_VERSION
@@ -186,6 +187,9 @@ def test_version_guard_fails_loudly(monkeypatch):
 
     assert vllm.__version__.split("+")[0] == VLLM_VERSION, "the vLLM venv must have the pinned vLLM"
     ks.check_vllm_compat(vllm.__version__, Scheduler)
+    ks.check_vllm_compat(vllm.__version__, AsyncScheduler)
+    for cls in (ks.KairosScheduler, ks.KairosAsyncScheduler):  # the mixin's overrides win in both
+        assert cls._reserve_prefill_lookahead is ks.KairosSchedulerMixin._reserve_prefill_lookahead
 
     with pytest.raises(ks.VllmCompatError, match=r"found vLLM 0\.99\.0"):
         ks.check_vllm_compat("0.99.0", Scheduler)
