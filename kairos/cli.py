@@ -51,6 +51,27 @@ def workload_options(fn):
     return fn
 
 
+def parse_drift(spec: str | None, n_prefill: int, n_decode: int) -> tuple[str | None, float, float]:
+    """``NODE:PCT:AT_S`` → (node, 1 + PCT/100, AT_S); (None, 1.0, 0.0) for None.
+
+    Raises:
+        click.BadParameter: malformed, unknown node, PCT ≤ −100 or AT_S < 0 (names ``--drift``).
+    """
+    if not spec:
+        return None, 1.0, 0.0
+    nodes = [f"prefill-{i}" for i in range(n_prefill)] + [f"decode-{i}" for i in range(n_decode)]
+    try:
+        node, pct, at = spec.split(":")
+        scale, at_s = 1.0 + float(pct) / 100.0, float(at)
+    except ValueError:
+        raise click.BadParameter(f"{spec!r} must be NODE:PCT:AT_S, e.g. decode-0:15:300", param_hint="--drift") from None
+    if node not in nodes:
+        raise click.BadParameter(f"unknown node {node!r}; the cluster has {', '.join(nodes)}", param_hint="--drift")
+    if not scale > 0 or not at_s >= 0:
+        raise click.BadParameter("PCT must be > -100 and AT_S >= 0", param_hint="--drift")
+    return node, scale, at_s
+
+
 def make_params(alpha: float, beta: float, tbt_slo_ms: float, ttft_slo_ms: float, **extra) -> PolicyParams:
     """Build PolicyParams or exit 2 naming the bad value."""
     try:
@@ -101,6 +122,10 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
               help="Δh, dispatcher state refresh period; 0 = exact state (Oracle).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--truth-profile", default=None, help="Ground-truth profile of the engines (default: --profile).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Engines' steps take this × the truth profile (1.1: 10 %% slower than the policy believes).")
+@click.option("--drift", default=None, metavar="NODE:PCT:AT_S",
+              help="NODE becomes PCT %% slower AT_S seconds into the run (e.g. decode-0:15:300).")
 @click.option("--noise", type=click.FloatRange(0), default=0.0, show_default=True,
               help="σ of multiplicative log-normal noise on every engine step.")
 @click.option("--tbt-guard/--no-tbt-guard", default=None,
@@ -110,7 +135,7 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows as JSON.")
 @policy_params_options
 def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, heartbeat_ms, seed, truth_profile,
-        noise, tbt_guard, sweep_rps, plots_dir, json_path, **params) -> None:
+        truth_scale, drift, noise, tbt_guard, sweep_rps, plots_dir, json_path, **params) -> None:
     """Simulate the P/D cluster in virtual time and print the paper's metrics per policy."""
     import json as _json
 
@@ -126,6 +151,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         raise click.BadParameter(str(exc), param_hint="--policy") from None
     model = load_model_or_exit(profile)
     truth = load_model_or_exit(truth_profile, "--truth-profile") if truth_profile else None
+    drift_node, drift_scale, drift_at_s = parse_drift(drift, n_prefill, n_decode)
     try:
         model.link(link)
     except ProfileError as exc:
@@ -152,7 +178,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         for pol in pols:
             guard = tbt_guard if tbt_guard is not None else pol.name == "kairos+"
             cfg = SimConfig(n_prefill=n_prefill, n_decode=n_decode, heartbeat_ms=heartbeat_ms, link=link,
-                            tbt_guard=guard, truth=truth, noise=noise, seed=seed)
+                            tbt_guard=guard, truth=truth, truth_scale=truth_scale, drift_node=drift_node,
+                            drift_scale=drift_scale, drift_at_s=drift_at_s, noise=noise, seed=seed)
             row = run_one(wl, pol, model, pp, cfg, rps=rate)
             rows.append(row)
             click.echo(f"  {pol.spec} @ {rate or 'default'} rps: {row['requests']} requests, "

@@ -22,9 +22,16 @@ Model of the cluster:
   prefill end − first chunk start; KV transfer = KV arrived − prefill end; decode queue = first
   token − KV arrived. For a deflected request the "prefill" runs on the decode node and the last two
   are 0. The four sum to the TTFT exactly.
-* **Ground truth.** By default the engines use the policy's own model. ``truth`` (another
-  profile) and ``noise`` (multiplicative log-normal σ on every step) measure robustness to model
-  error (§7).
+* **Ground truth.** The engines plan with the policy's model (their predictions, the node-side
+  guard) but advance the clock by their own :class:`~shared.engine.GroundTruth`: ``truth``
+  (another artifact: an error of form), ``truth_scale`` (a bias), ``drift`` (one node slower from
+  a given time on) and ``noise`` (multiplicative log-normal σ on every step). With none of them
+  the truth *is* the policy's model — the exact-model run the model-error report compares with.
+* **Model correction.** Every step's (predicted, actual) feeds one
+  :class:`~shared.correction.CorrectionEstimator` (the class the live aggregator runs); its
+  per-node corrections are refreshed with the view (every Δh) and put into the snapshots, where
+  policies with ``model_correction`` (kairos+) use them. With the node-side guard on, a decode
+  engine's guard limit is β·τ / its ``safety`` (the node knows its own residuals).
 
 Event order is deterministic: the heap is keyed ``(time_ms, priority, sequence)``.
 """
@@ -38,7 +45,8 @@ from typing import Sequence
 
 import numpy as np
 
-from shared.engine import Engine, EngineConfig
+from shared.correction import IDENTITY, CorrectionEstimator, StepCorrection
+from shared.engine import Engine, EngineConfig, GroundTruth
 from shared.latency import LatencyModel
 from shared.metrics import RequestRecord
 from shared.policy import Policy, PolicyParams
@@ -61,8 +69,13 @@ class SimConfig:
         tbt_guard: kairos+ node-side guard: decode engines shrink a deflected chunk whose predicted
             step would exceed β·τ at the current batch.
         truth: ground-truth latency model of the engines (None: the policy's model).
+        truth_scale: every engine's steps take this × the truth model (1.1: 10 % slower).
+        drift_node: node id (``decode-0``) that drifts; None: no drift.
+        drift_scale: from ``drift_at_s`` on, ``drift_node``'s steps take this × longer (1.15).
+        drift_at_s: simulated time (s) the drift starts.
         noise: σ of multiplicative log-normal noise on every step's latency (0: none).
         seed: RNG seed of the noise.
+        correction_window_ms: sliding window of the model-correction estimator (ms).
     """
 
     n_prefill: int = 2
@@ -71,8 +84,13 @@ class SimConfig:
     link: str | None = None
     tbt_guard: bool = False
     truth: LatencyModel | None = None
+    truth_scale: float = 1.0
+    drift_node: str | None = None
+    drift_scale: float = 1.0
+    drift_at_s: float = 0.0
     noise: float = 0.0
     seed: int = 0
+    correction_window_ms: float = 10_000.0
 
 
 @dataclass
@@ -113,6 +131,8 @@ class SimResult:
     deflected_steps: list[DeflectedStep]
     deflections: int
     sim_seconds: float
+    #: (end time ms, decode node index) of each entry of ``decode_step_ms`` (drift analysis)
+    decode_step_at: list[tuple[float, int]] = field(default_factory=list)
 
 
 class Simulator:
@@ -128,6 +148,20 @@ class Simulator:
         self.cfg, self.model, self.policy = cfg, model, policy
         self.params = policy.params(params)
         truth = cfg.truth or model
+        self.prefill_ids = [f"prefill-{i}" for i in range(cfg.n_prefill)]
+        self.decode_ids = [f"decode-{i}" for i in range(cfg.n_decode)]
+        if cfg.drift_node is not None and cfg.drift_node not in self.prefill_ids + self.decode_ids:
+            raise ValueError(f"drift node {cfg.drift_node!r} is not one of {self.prefill_ids + self.decode_ids}")
+        self._now = 0.0
+
+        def ground_truth(node: str) -> GroundTruth:
+            drifts = node == cfg.drift_node
+            return GroundTruth(truth, scale=cfg.truth_scale, drift_scale=cfg.drift_scale if drifts else 1.0,
+                               drift_at_ms=cfg.drift_at_s * 1000.0 if drifts else math.inf,
+                               clock=lambda: self._now)
+
+        self.corrector = CorrectionEstimator(window_ms=cfg.correction_window_ms)
+        self._corr: dict[str, StepCorrection] = {}
         rng = np.random.default_rng(cfg.seed)
         noise = None
         if cfg.noise > 0:
@@ -137,12 +171,11 @@ class Simulator:
                 return ms * math.exp(sigma * rng.standard_normal() - sigma * sigma / 2)
 
         guard = self.params.step_limit_ms if cfg.tbt_guard else None
-        self.prefill = [Engine(EngineConfig.from_limits("prefill", truth.engine), truth, step_noise=noise)
-                        for _ in range(cfg.n_prefill)]
-        self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine), truth, step_noise=noise,
-                              tbt_guard_ms=guard) for _ in range(cfg.n_decode)]
-        self.prefill_ids = [f"prefill-{i}" for i in range(cfg.n_prefill)]
-        self.decode_ids = [f"decode-{i}" for i in range(cfg.n_decode)]
+        self.guard_ms = guard
+        self.prefill = [Engine(EngineConfig.from_limits("prefill", truth.engine), model, step_noise=noise,
+                               truth=ground_truth(n)) for n in self.prefill_ids]
+        self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine), model, step_noise=noise,
+                              tbt_guard_ms=guard, truth=ground_truth(n)) for n in self.decode_ids]
         self.link = truth.link(cfg.link)
         self.kv_bytes = truth.kv_bytes_per_token
 
@@ -162,6 +195,7 @@ class Simulator:
         self.reserved: dict[int, dict[str, int]] = {i: {} for i in range(len(self.decode))}
         self.routed_since: dict[int, list[int]] = {i: [] for i in range(len(self.prefill))}
         self.decode_steps: list[float] = []
+        self.decode_step_at: list[tuple[float, int]] = []
         self.deflected_steps: list[DeflectedStep] = []
         self.deflections = 0
         for w in workload:
@@ -175,6 +209,7 @@ class Simulator:
         now = 0.0
         while self._heap:
             now, kind, _, payload = heapq.heappop(self._heap)
+            self._now = now
             if kind == _ARRIVAL:
                 self._arrive(now, payload)
             elif kind == _STEP_END:
@@ -184,22 +219,35 @@ class Simulator:
             elif kind == _HEARTBEAT:
                 self._view_p = [e.state() for e in self.prefill]
                 self._view_d = [e.state() for e in self.decode]
+                self._refresh_corrections(now)
                 for q in self.routed_since.values():
                     q.clear()
                 if pending > 0:
                     self._push(now + hb, _HEARTBEAT, None)
         records = [self._record(r) for r in self.reqs.values()]
         return SimResult(records=records, decode_step_ms=self.decode_steps, deflected_steps=self.deflected_steps,
-                         deflections=self.deflections, sim_seconds=now / 1000.0)
+                         deflections=self.deflections, sim_seconds=now / 1000.0, decode_step_at=self.decode_step_at)
+
+    def _refresh_corrections(self, now: float) -> None:
+        """New per-node corrections (with the view); the guard of a correcting kairos+ node
+        tightens to β·τ / safety."""
+        self._corr = self.corrector.corrections(now)
+        if self.guard_ms is not None and self.params.model_correction:
+            for nid, eng in zip(self.decode_ids, self.decode):
+                eng.tbt_guard_ms = self.guard_ms / self._corr.get(nid, IDENTITY).safety
 
     # -- dispatcher ----------------------------------------------------------------------------
     def _snapshot(self, w: WorkloadRequest) -> ClusterSnapshot:
         exact = self.cfg.heartbeat_ms <= 0
         vp = [e.state() for e in self.prefill] if exact else self._view_p
         vd = [e.state() for e in self.decode] if exact else self._view_d
+        if exact:
+            self._refresh_corrections(self._now)
+        corr = self._corr
         prefill = [PrefillNodeView(id=self.prefill_ids[i],
                                    queue_prompt_tokens=list(s.queue_prompt_tokens) + ([] if exact else self.routed_since[i]),
-                                   kv_backlog_ms=self._link_backlog_ms(i))
+                                   kv_backlog_ms=self._link_backlog_ms(i),
+                                   step_bias=corr.get(self.prefill_ids[i], IDENTITY).bias)
                    for i, s in enumerate(vp)]
         decode = []
         for i, s in enumerate(vd):
@@ -209,7 +257,8 @@ class Simulator:
                 deflection_in_flight=bool(res),
                 in_flight=[InFlightDeflection(prompt_tokens=self.reqs[r].w.prompt_tokens,
                                               output_tokens=self.reqs[r].w.output_tokens) for r in res],
-                waiting=s.waiting))
+                waiting=s.waiting, step_bias=corr.get(self.decode_ids[i], IDENTITY).bias,
+                step_safety=corr.get(self.decode_ids[i], IDENTITY).safety))
         return ClusterSnapshot(request=RequestView(id=w.id, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens),
                                prefill_nodes=prefill, decode_nodes=decode)
 
@@ -267,9 +316,12 @@ class Simulator:
         eng = self.prefill[i] if role == "p" else self.decode[i]
         res = eng.commit_step(plan)
         self.busy[(role, i)] = False
+        self.corrector.observe((self.prefill_ids if role == "p" else self.decode_ids)[i], plan.predicted_ms,
+                               plan.duration_ms, now, mixed=plan.batch_size > 0 and plan.prefill_tokens > 0)
         if role == "d":
             if plan.batch_size > 0:
                 self.decode_steps.append(plan.duration_ms)
+                self.decode_step_at.append((now, i))
             if plan.deflected_chunk is not None:
                 rid, idx, _, _ = plan.deflected_chunk
                 r = self.reqs[rid]

@@ -33,7 +33,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import Buckets, ensure_buckets, publish, request_typed
-from shared.engine import EngineError
+from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
@@ -121,7 +121,8 @@ class NodeAgent:
                  backend: EngineBackend | None = None) -> None:
         self.cfg = cfg
         self.model = model or load_profile(cfg.profile)
-        self.backend = backend or make_backend(cfg.backend, cfg.role, self.model, cfg.tbt_guard_ms, cfg.link)
+        self.backend = backend or make_backend(cfg.backend, cfg.role, self.model, cfg.tbt_guard_ms, cfg.link,
+                                               self._truth())
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
@@ -141,6 +142,13 @@ class NodeAgent:
         self._seq = 0
         self.nc = None
         self.buckets: Buckets | None = None
+
+    def _truth(self) -> GroundTruth | None:
+        """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
+        if self.cfg.truth_profile is None and self.cfg.truth_scale == 1.0:
+            return None
+        truth = load_profile(self.cfg.truth_profile) if self.cfg.truth_profile else self.model
+        return GroundTruth(truth, scale=self.cfg.truth_scale)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from shared.engine import Engine, EngineConfig, EngineState
+from shared.engine import Engine, EngineConfig, EngineState, GroundTruth
 from shared.latency import LatencyModel
 
 
@@ -87,13 +87,19 @@ class EngineBackend(abc.ABC):
 
 
 class EmulatedBackend(EngineBackend):
-    """:class:`shared.engine.Engine` advanced in real time (``asyncio.sleep(duration)``)."""
+    """:class:`shared.engine.Engine` advanced in real time (``asyncio.sleep(duration)``).
+
+    ``model`` is what the node believes (``StepOutput.predicted_ms``, the guard); ``truth`` (a
+    :class:`~shared.engine.GroundTruth`, e.g. another artifact or a scale) is how long its steps
+    really take — None: exactly the model. ``kairos profile`` recovers the truth, not the model.
+    """
 
     def __init__(self, role: str, model: LatencyModel, tbt_guard_ms: float | None = None,
-                 link: str | None = None) -> None:
+                 link: str | None = None, truth: GroundTruth | None = None) -> None:
         self.model = model
         self.link = link
-        self.engine = Engine(EngineConfig.from_limits(role, model.engine), model, tbt_guard_ms=tbt_guard_ms)
+        self.engine = Engine(EngineConfig.from_limits(role, model.engine), model, tbt_guard_ms=tbt_guard_ms,
+                             truth=truth)
         self._wake = asyncio.Event()
         self._links: dict[str, asyncio.Lock] = {}  # src node -> the link's single transfer slot
 
@@ -187,8 +193,9 @@ class EmulatedBackend(EngineBackend):
 
 
 def make_backend(kind: str, role: str, model: LatencyModel, tbt_guard_ms: float | None = None,
-                 link: str | None = None) -> EngineBackend:
-    """Backend by name (``emulated``; ``vllm`` later)."""
+                 link: str | None = None, truth: GroundTruth | None = None) -> EngineBackend:
+    """Backend by name (``emulated``; ``vllm`` later). ``truth``: the emulated engine's real step
+    times (see :class:`EmulatedBackend`)."""
     if kind == "emulated":
-        return EmulatedBackend(role, model, tbt_guard_ms, link)
+        return EmulatedBackend(role, model, tbt_guard_ms, link, truth)
     raise ValueError(f"unknown engine backend {kind!r} (known: emulated)")

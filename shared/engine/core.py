@@ -49,6 +49,7 @@ from typing import Callable
 from shared.engine.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
 from shared.engine.request import (AWAIT_KV, DECODING, DEFLECT, DEFLECTING, GONE, HELD, PHASE_NAMES, PREFILL,
                                    PREFILLING, READY, REMOTE, WAITING, Req, as_count)
+from shared.engine.truth import GroundTruth
 from shared.engine.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
 from shared.latency import LatencyModel
 from shared.snapshot import InFlightDeflection
@@ -63,21 +64,26 @@ class Engine:
             simulator's seeded multiplicative noise. None: duration = prediction.
         tbt_guard_ms: kairos+ node-side guard (paper §7: decodes that join after the dispatch
             decision are not known to it): when set, a deflected chunk is shrunk so that the
-            predicted step (current B and K) stays ≤ this many ms; still ≥ 1 token.
+            predicted step (current B and K) stays ≤ this many ms; still ≥ 1 token. Settable (the
+            simulator tightens it with the node's learned correction).
+        truth: the node's real step times (:class:`shared.engine.truth.GroundTruth`), independent
+            of ``model``; None: the step takes what ``model`` predicts. ``step_noise`` then applies
+            to the true time.
     """
 
-    __slots__ = ("config", "model", "tbt_guard_ms", "_noise", "_total_blocks", "_free_blocks",
+    __slots__ = ("config", "model", "tbt_guard_ms", "truth", "_noise", "_total_blocks", "_free_blocks",
                  "_reqs", "_waiting", "_prefilling", "_deflect", "_await_kv", "_ready",
                  "_decoding", "_held", "_decode_kv", "_alloc_log", "_plan", "_plan_refs", "_steps")
 
     def __init__(self, config: EngineConfig, model: LatencyModel,
                  step_noise: Callable[[float], float] | None = None, *,
-                 tbt_guard_ms: float | None = None) -> None:
+                 tbt_guard_ms: float | None = None, truth: GroundTruth | None = None) -> None:
         if tbt_guard_ms is not None and not tbt_guard_ms > 0:
             raise EngineError(f"tbt_guard_ms must be > 0 or None, got {tbt_guard_ms!r}")
         self.config = config
         self.model = model
         self.tbt_guard_ms = tbt_guard_ms
+        self.truth = truth
         self._noise = step_noise
         self._total_blocks = config.total_blocks
         self._free_blocks = self._total_blocks
@@ -337,11 +343,12 @@ class Engine:
             return None
         cached = pcw / ptok if ptok else 0.0
         predicted = self.model.step_ms(B, K, ptok, cached)
-        duration = predicted
+        duration = predicted if self.truth is None else self.truth.step_ms(B, K, ptok, cached)
         if self._noise is not None:
-            duration = float(self._noise(predicted))
+            true_ms = duration
+            duration = float(self._noise(true_ms))
             if not (duration >= 0.0 and math.isfinite(duration)):
-                raise EngineError(f"step_noise({predicted!r}) returned {duration!r}; need a finite ms >= 0")
+                raise EngineError(f"step_noise({true_ms!r}) returned {duration!r}; need a finite ms >= 0")
         plan = StepPlan(duration, predicted, tuple(self._decoding), tuple(chunks), B, K, ptok, cached,
                         defl, allocated, self._steps)
         self._plan = plan

@@ -94,8 +94,9 @@ class StepPlan:
     """What the next engine step runs and how long it takes (returned by ``plan_step()``).
 
     Attributes:
-        duration_ms: the step's latency to advance the clock by: ``step_noise(predicted_ms)`` when
-            the engine has a noise function (the simulator's ground truth), else ``predicted_ms``.
+        duration_ms: the step's latency to advance the clock by: the engine's ground truth
+            (``truth.step_ms``, else ``predicted_ms``), passed through ``step_noise`` when the
+            engine has a noise function (the simulator's per-step noise).
         predicted_ms: the latency model's prediction ``model.step_ms(batch_size, kv_tokens,
             prefill_tokens, prefill_cached)``, ms.
         decode_ids: running decodes in the step, one token each, in the order they started decoding.

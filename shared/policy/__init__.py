@@ -55,8 +55,9 @@ POLICIES: dict[str, tuple[Callable[[list[int]], DecideFn], dict, str]] = {
     "sl": (_one_arg(decide_sl, "ℓ, prompt tokens"), {}, "deflect prompts shorter than ℓ tokens, χ=128 (§3.4)"),
     "dynamo": (_dynamo, {}, "local prefill if prompt ≤ 1000 or prefill queue ≥ 2 (Dynamo)"),
     "kairos": (_no_arg(decide_kairos), {}, "Algorithm 1, Eq. 1-7, one in-flight deflection per decode node"),
-    "kairos+": (_no_arg(decide_kairos), {"kv_transfer_aware": True, "project_decode_state": True},
-                "kairos + KV-transfer-aware TTFT_pf + projected decode state"),
+    "kairos+": (_no_arg(decide_kairos), {"kv_transfer_aware": True, "project_decode_state": True,
+                                         "model_correction": True},
+                "kairos + KV-transfer-aware TTFT_pf + projected decode state + learned model correction"),
 }
 
 

@@ -35,6 +35,10 @@ class PolicyParams(msgspec.Struct, frozen=True):
         project_decode_state: kairos+ — instead of the one-in-flight rule, project each decode
             node's (B, K) forward with the deflections already sent to it since its last heartbeat.
         link: KV-transfer link name of the profile used by kv_transfer_aware (None: default link).
+        model_correction: kairos+ — apply each node's learned step-time correction (the snapshot's
+            ``step_bias``/``step_safety``, shared/correction.py): TTFT estimates (Eq. 1–3, 6) are
+            scaled by the node's bias, and Eq. 5 checks ``T·step_safety ≤ β·τ``. Off: Algorithm 1
+            as printed (the fields are ignored).
     """
 
     alpha: float = 1.3
@@ -47,6 +51,7 @@ class PolicyParams(msgspec.Struct, frozen=True):
     kv_transfer_aware: bool = False
     project_decode_state: bool = False
     link: str | None = None
+    model_correction: bool = False
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms"):

@@ -13,8 +13,10 @@ def best_prefill(snap: ClusterSnapshot, model: LatencyModel, params: PolicyParam
     """Prefill node with the lowest TTFT_pf (Eq. 1), that TTFT in ms, and the KV estimate.
 
     With ``include_kv`` (kairos+) TTFT_pf also counts the node's queued KV-transfer work
-    (``kv_backlog_ms``) plus this request's own transfer time on the profile's link. The third
-    value is the request's own KV-transfer time (ms), reported by every policy.
+    (``kv_backlog_ms``) plus this request's own transfer time on the profile's link. With
+    ``params.model_correction`` (kairos+) the node's queue wait and prefill time (Eq. 2–3) are
+    scaled by its learned ``step_bias``. The third value is the request's own KV-transfer time
+    (ms), reported by every policy.
     """
     ell = snap.request.prompt_tokens
     chi_p = params.prefill_chunk_tokens
@@ -23,6 +25,8 @@ def best_prefill(snap: ClusterSnapshot, model: LatencyModel, params: PolicyParam
     best_id, best_ms = "", float("inf")
     for pn in snap.prefill_nodes:
         t = prefill_queue_wait_ms(model, pn.queue_prompt_tokens, chi_p) + exec_ms
+        if params.model_correction:
+            t *= pn.step_bias
         if include_kv:
             t += pn.kv_backlog_ms + kv_ms
         if t < best_ms:

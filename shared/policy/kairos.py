@@ -11,6 +11,9 @@ node whose deflected prefill has not finished is skipped (reason ``deflection_in
 * ``project_decode_state``: instead of skipping a node with deflections in flight, project its
   state: the in-flight deflected prefills run first (the engine serves deflections FIFO), their
   time is added to the candidate's TTFT, and each one joins the decode batch (B + 1, K + ℓ).
+* ``model_correction``: per node, Eq. 5 checks ``T·step_safety ≤ β·τ`` (i.e. the schedule is
+  searched under the limit ``β·τ / step_safety``) and Eq. 6's TTFT and the predicted step times
+  are scaled by ``step_bias`` — the node's learned correction (``shared/correction.py``).
 """
 
 from __future__ import annotations
@@ -37,32 +40,35 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
 
     ests: dict[str, float | None] = {}
     why: dict[str, str] = {}
-    best: tuple[float, str, list] | None = None
+    best: tuple[float, str, list, float] | None = None
+    corr = params.model_correction
     for dn in snap.decode_nodes:
         B, K, wait_ms = dn.batch_size, dn.kv_tokens, 0.0
+        bias = dn.step_bias if corr else 1.0
+        lim = limit / dn.step_safety if corr else limit
         if dn.deflection_in_flight or dn.in_flight:
             if not params.project_decode_state or (dn.deflection_in_flight and not dn.in_flight):
                 ests[dn.id], why[dn.id] = None, "deflection_in_flight"
                 continue
             for f in dn.in_flight:  # kairos+: earlier deflections run first, then decode
-                ahead = decode_schedule(model, B, K, f.prompt_tokens, cands, limit) if f.prompt_tokens else (0.0, [])
+                ahead = decode_schedule(model, B, K, f.prompt_tokens, cands, lim) if f.prompt_tokens else (0.0, [])
                 if ahead is None:
                     break
-                wait_ms += ahead[0]
+                wait_ms += ahead[0] * bias
                 B, K = B + 1, K + f.prompt_tokens
             else:
                 ahead = (0.0, [])
             if ahead is None:
                 ests[dn.id], why[dn.id] = None, "tbt_unsafe_in_flight"
                 continue
-        res = decode_schedule(model, B, K, ell, cands, limit)
+        res = decode_schedule(model, B, K, ell, cands, lim)
         if res is None:
             ests[dn.id], why[dn.id] = None, "tbt_unsafe"
             continue
-        ttft = wait_ms + res[0]
+        ttft = wait_ms + res[0] * bias
         ests[dn.id] = ttft
         if best is None or ttft < best[0]:
-            best = (ttft, dn.id, res[1])
+            best = (ttft, dn.id, res[1], bias)
 
     common = dict(request_id=req.id, policy=spec, ttft_prefill_est_ms=ttft_pf, ttft_decode_est_ms=ests,
                   decode_infeasible=why, kv_transfer_est_ms=kv_ms, model_version=model.artifact_version)
@@ -70,7 +76,7 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
         reason = "keep_all_reserved" if why and all(v == "deflection_in_flight" for v in why.values()) \
             else "keep_no_feasible_node"
         return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap), reason=reason, **common)
-    ttft_dec, node, runs = best
+    ttft_dec, node, runs, bias = best
     if ttft_dec > params.alpha * ttft_pf:  # Eq. 7, first clause
         return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap),
                         reason="keep_alpha_margin", **common)
@@ -78,5 +84,7 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
         return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap),
                         reason="keep_over_ttft_slo", **common)
     chis, steps = expand_runs(runs)
+    if bias != 1.0:
+        steps = [t * bias for t in steps]
     return Decision(decision="deflect", node=node, decode_node=node, chunk_schedule=chis, predicted_step_ms=steps,
                     reason="deflect_faster" if ttft_dec <= ttft_pf else "deflect_within_alpha", **common)
