@@ -111,9 +111,10 @@ def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Ma
             in_flight = [InFlightDeflection(prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens) for r in mine]
             busy = bool(mine)
         decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
-                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting))
+                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting,
+                                     step_bias=n.correction.bias, step_safety=n.correction.safety))
     prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
-                               kv_backlog_ms=n.kv_backlog_ms) for n in pfs]
+                               kv_backlog_ms=n.kv_backlog_ms, step_bias=n.correction.bias) for n in pfs]
     age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
     return ClusterSnapshot(
         request=RequestView(id=req.request_id, prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens),

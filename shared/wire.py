@@ -13,6 +13,7 @@ from typing import Annotated, Literal, TypeVar, Union
 
 import msgspec
 
+from shared.correction import StepCorrection
 from shared.policy.base import Decision
 
 SCHEMA_VERSION = 1
@@ -164,6 +165,31 @@ class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
     node_accepted_unix_ms: float  #: from JobAck (node clock, comparable with NodeState.sent_unix_ms)
 
 
+class StepRecordEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One executed engine step (``kairos.steps.<node>``, core NATS), from the backend-neutral
+    ``StepOutput`` of any backend: predicted vs actual for the closed-loop correction (aggregator)
+    and the samples ``kairos profile`` fits.
+
+    ``prefill_cached`` is the token-weighted mean of the chunks' cached prompt tokens (the model's
+    ``c``/``prefill_cached`` input, exact for its bilinear features).
+    """
+
+    v: int = SCHEMA_VERSION
+    node: str
+    role: NodeRole
+    step: NonNeg
+    started_unix_ms: float
+    wall_ms: float  #: measured step time, ms
+    predicted_ms: float  #: the node's latency model on this step's batch, ms
+    batch_size: NonNeg  #: B, decodes in the step
+    kv_tokens: NonNeg  #: K, their context tokens
+    prefill_tokens: NonNeg  #: new prompt tokens in the step (all chunks)
+    prefill_cached: float = 0.0
+    prefill_chunks: NonNeg = 0  #: prefill chunks in the step
+    deflected: bool = False  #: a deflected chunk ran in this step
+    model_version: str = ""  #: ``name@version`` of the node's latency model
+
+
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     """One node in the cluster view (state + what was routed to it since)."""
 
@@ -183,6 +209,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     #: node clock time its last state was sent (RoutedEvent.node_accepted_unix_ms is comparable)
     state_sent_unix_ms: float = 0.0
     pending_ids: list[str] = []  #: request ids of the routed jobs folded in (``pending_routed`` of them)
+    #: learned step-time correction of this node (aggregator, from kairos.steps.<node>); kairos+ uses it
+    correction: StepCorrection = StepCorrection()
 
 
 class ClusterView(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 
 import nats.errors
@@ -31,9 +32,9 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (RequestQueueSettings, ensure_buckets, ensure_request_stream, publish,
+from shared.bus import (RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream, publish,
                         request_subscription, request_typed)
-from shared.latency import LatencyModel, load_profile
+from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.routing import build_snapshot, fold_recent, keep_instead, live_reservations, make_job, reservation_ttl_s
 from shared.wire import (Cancel, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, Reservation,
@@ -114,13 +115,17 @@ class Dispatcher:
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
         self._watchers = [view_w, resv_w]
+        if cfg.watch_models:
+            models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
+            self._watchers.append(models_w)
+            self._main.append(asyncio.create_task(self._watch_models(models_w)))
         # routed jobs of every replica (folded into the view until the aggregator has them) and
         # cancels (requests the ingress already answered must not be routed when dequeued later)
         self._subs = [await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed),
                       await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
         self.sub = await request_subscription(js)
-        self._main = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w)),
-                      asyncio.create_task(self._pull())]
+        self._main += [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w)),
+                       asyncio.create_task(self._pull())]
         self.log.info("dispatcher_started", policy=self.policy.spec, model=self.model.artifact_version,
                       metrics_port=self.metrics_port)
 
@@ -148,6 +153,25 @@ class Dispatcher:
         if self._runner is not None:
             await self._runner.cleanup()
         self.tel.shutdown()
+
+    async def _watch_models(self, watcher) -> None:
+        """Hot-reload: a new artifact under ``latency.current`` replaces the model for the next
+        decisions (each decision records the ``name@version`` it used); an invalid one is logged
+        and ignored."""
+        async for e in watcher:
+            if e is None or e.value is None or e.operation is not None:
+                continue
+            try:
+                model = LatencyModel.from_dict(json.loads(e.value))
+            except (ProfileError, ValueError) as exc:
+                self.log.warning("bad_model_artifact", key=e.key, revision=e.revision, error=str(exc))
+                continue
+            if model.artifact_version == self.model.artifact_version:
+                continue
+            old, self.model = self.model.artifact_version, model
+            self.params = self.cfg.params(model.engine.max_num_batched_tokens)
+            self.log.info("model_reloaded", model=model.artifact_version, previous=old, revision=e.revision,
+                          mape=model.mape)
 
     async def _watch_view(self, watcher) -> None:
         async for e in watcher:

@@ -37,7 +37,8 @@ from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+                         KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
+                         now_ms)
 
 _WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
           "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim")
@@ -428,8 +429,22 @@ class NodeAgent:
                       KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
 
     # -- stepping -------------------------------------------------------------------------------
+    def step_record(self, out: StepOutput) -> StepRecordEvent:
+        """The bus record of one executed step (contract D: ``kairos.steps.<node>``)."""
+        n = sum(t for _, t, _ in out.prefill_chunks)
+        cached = sum(t * c for _, t, c in out.prefill_chunks) / n if n else 0.0
+        return StepRecordEvent(node=self.cfg.node_id, role=self.cfg.role, step=out.step,
+                               started_unix_ms=out.started_unix_ms, wall_ms=out.wall_ms, predicted_ms=out.predicted_ms,
+                               batch_size=out.batch_size, kv_tokens=out.kv_tokens, prefill_tokens=out.prefill_tokens,
+                               prefill_cached=cached, prefill_chunks=len(out.prefill_chunks),
+                               deflected=out.deflected_chunk is not None, model_version=self.model.artifact_version)
+
     async def _on_step(self, out: StepOutput) -> None:
         node = self.cfg.node_id
+        try:
+            await self.nc.publish(S.steps_subject(node), encode(self.step_record(out)))
+        except Exception as exc:  # disconnected: the step still counts, the record is lost
+            self.log.warning("step_record_failed", error=repr(exc))
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
         for rid, _n, _cached in out.prefill_chunks:

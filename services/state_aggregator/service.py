@@ -2,7 +2,9 @@
 
 All rules (staleness, folding routed-but-unreported jobs) are in :mod:`shared.view`; this shell
 subscribes, feeds the :class:`~shared.view.ViewBuilder` with its own monotonic clock, and writes the
-view every ``state_period_ms``.
+view every ``state_period_ms``. It also feeds every node's step records (``kairos.steps.*``) to one
+:class:`~shared.correction.CorrectionEstimator` (the simulator's class) and puts each node's
+correction into the view, so all dispatcher replicas apply the same one (kairos+).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import ensure_buckets
-from shared.view import ViewBuilder
-from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, encode, now_ms
+from shared.correction import CorrectionEstimator
+from shared.view import ViewBuilder, with_corrections
+from shared.wire import ClusterView, NodeState, RoutedEvent, StepRecordEvent, WireError, decode, encode, now_ms
 
 
 def _mono_ms() -> float:
@@ -30,6 +33,7 @@ class StateAggregator:
     def __init__(self, cfg: AggregatorConfig) -> None:
         self.cfg = cfg
         self.builder = ViewBuilder(period_ms=cfg.state_period_ms, stale_after_ms=cfg.stale_after_ms)
+        self.corrector = CorrectionEstimator(window_ms=cfg.correction_window_ms)
         self.tel = telemetry.setup("state_aggregator", "aggregator", cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         reg = self.tel.registry
@@ -61,6 +65,7 @@ class StateAggregator:
         self.buckets = await ensure_buckets(self.nc.jetstream())
         await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
         await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
+        await self.nc.subscribe(S.STEPS_WILDCARD, cb=self._on_step)
         await self.nc.flush()
         self._task = asyncio.create_task(self._loop())
         self.log.info("aggregator_started", metrics_port=self.metrics_port,
@@ -85,6 +90,15 @@ class StateAggregator:
         self.m_states.inc()
         self.builder.on_state(st, _mono_ms())
 
+    async def _on_step(self, msg) -> None:
+        try:
+            rec = decode(msg.data, StepRecordEvent)
+        except WireError as exc:
+            self.log.warning("bad_step_record", error=str(exc))
+            return
+        self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, _mono_ms(),
+                               mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
+
     async def _on_routed(self, msg) -> None:
         try:
             ev = decode(msg.data, RoutedEvent)
@@ -97,7 +111,8 @@ class StateAggregator:
     async def _loop(self) -> None:
         period = self.cfg.state_period_ms / 1000.0
         while not self._stop.is_set():
-            view = self.builder.build(_mono_ms(), built_unix_ms=now_ms())
+            view = with_corrections(self.builder.build(_mono_ms(), built_unix_ms=now_ms()),
+                                    self.corrector.corrections(_mono_ms()))
             self.view = view
             self._report(view)
             try:
