@@ -277,6 +277,52 @@ def demo(**opts) -> None:
 
 
 @main.command()
+@click.option("--node", default="decode-0", show_default=True, help="Decode node to profile.")
+@click.option("--nats-url", default=None, help="NATS of a running cluster (default nats://127.0.0.1:4222).")
+@click.option("--emulated", is_flag=True,
+              help="Self-contained: start a bundled nats-server and one emulated decode node, profile it, stop.")
+@click.option("--node-profile", default=DEFAULT_PROFILE, show_default=True,
+              help="--emulated: the profile the node predicts with.")
+@click.option("--truth-profile", default=None, help="--emulated: what the node's steps really take (default: --node-profile).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="--emulated: the node's steps take this × the truth profile.")
+@click.option("--grid", type=click.Choice(["quick", "paper"]), default="quick", show_default=True,
+              help="quick (~15 s) or the paper's §3.2 grid (minutes).")
+@click.option("--name", default=None, help="Artifact name (default profiled-<node>).")
+@click.option("--version", "version_", default=None, help="Artifact version (default: UTC time of the fit).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Artifact path (default out/profiles/<name>.json).")
+@click.option("--publish/--no-publish", default=True, show_default=True,
+              help="Put it into KV kairos_models (latency.<name> and latency.current; dispatchers hot-reload).")
+@click.option("--max-mape", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+              help="Refuse (exit 1, nothing written) if a model's held-out MAPE exceeds this, percent.")
+@click.option("--base-profile", default=DEFAULT_PROFILE, show_default=True,
+              help="KV-transfer links and engine limits are carried over from this profile.")
+@click.option("--engine", default=None, help="Engine label for the provenance (e.g. 'vllm 0.11.0 CPU').")
+@click.option("--served-model", default="kairos-emulated", show_default=True, help="Model label for the provenance.")
+@click.option("--label", default=None, help="What this artifact is, in words (recorded in its metadata).")
+def profile(**kw) -> None:
+    """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
+    from kairos.profile import ProfileOptions, run_profile
+    from services.profiler.service import ProfileError
+    from shared.latency import FitRefused
+
+    if kw["emulated"] and kw["nats_url"]:
+        raise click.UsageError("--emulated starts its own NATS; do not pass --nats-url with it")
+    for opt in ("node_profile", "truth_profile", "base_profile"):
+        if kw[opt]:
+            load_model_or_exit(kw[opt], "--" + opt.replace("_", "-"))
+    kw["version"] = kw.pop("version_")
+    try:
+        run_profile(ProfileOptions(**kw))
+    except FitRefused as exc:
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(1)
+    except (ProfileError, RuntimeError, OSError) as exc:
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(1)
+
+
+@main.command()
 @click.argument("request_id")
 @click.option("--trace-file", type=click.Path(dir_okay=False), envvar="KAIROS_TRACE_FILE", default=None,
               help="Span file written by `kairos up --trace-file PATH` (default: $KAIROS_TRACE_FILE).")
