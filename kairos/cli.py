@@ -239,6 +239,8 @@ def bench(**opts) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @policy_params_options
 def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
@@ -267,6 +269,8 @@ def up(**opts) -> None:
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Engines' steps take this × what the model predicts, live and in the simulator alike.")
 def demo(**opts) -> None:
     """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down."""
     from kairos.demo import demo_command

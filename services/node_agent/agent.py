@@ -33,6 +33,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import Buckets, ensure_buckets, publish, request_typed
+from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
@@ -143,6 +144,8 @@ class NodeAgent:
         self._seq = 0
         self.nc = None
         self.buckets: Buckets | None = None
+        #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
+        self.corrector = CorrectionEstimator()
 
     def _truth(self) -> GroundTruth | None:
         """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
@@ -237,10 +240,17 @@ class NodeAgent:
             except Exception as exc:  # disconnected: keep trying, nats-py reconnects
                 self.log.warning("heartbeat_failed", error=repr(exc))
             self._expire_held()
+            self._tighten_guard()
             try:
                 await asyncio.wait_for(self._stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+    def _tighten_guard(self) -> None:
+        """kairos+ node-side guard: β·τ / the node's learned safety factor (as in the simulator)."""
+        if self.cfg.tbt_guard_ms is not None and self.cfg.guard_correction:
+            safety = self.corrector.correction(self.cfg.node_id, now_ms()).safety
+            self.backend.set_tbt_guard_ms(self.cfg.tbt_guard_ms / safety)
 
     def _expire_held(self) -> None:
         """Prefill node: free the blocks of handed-off KV caches whose decode node never said it
@@ -441,6 +451,8 @@ class NodeAgent:
 
     async def _on_step(self, out: StepOutput) -> None:
         node = self.cfg.node_id
+        self.corrector.observe(node, out.predicted_ms, out.wall_ms, out.started_unix_ms + out.wall_ms,
+                               mixed=out.batch_size > 0 and out.prefill_tokens > 0)
         try:
             await self.nc.publish(S.steps_subject(node), encode(self.step_record(out)))
         except Exception as exc:  # disconnected: the step still counts, the record is lost

@@ -80,6 +80,10 @@ class EngineBackend(abc.ABC):
         """Expected transfer time of ``kv_tokens`` (ms) for the prefill side's backlog estimate."""
         return 0.0
 
+    def set_tbt_guard_ms(self, ms: float | None) -> None:
+        """Tighten/relax the node-side chunk guard (kairos+ with the node's learned correction);
+        a backend without a guard ignores it."""
+
     @abc.abstractmethod
     async def run(self, on_step: Callable[[StepOutput], Awaitable[None]],
                   on_allocated: Callable[[list[str]], Awaitable[None]], stop: asyncio.Event) -> None:
@@ -102,6 +106,9 @@ class EmulatedBackend(EngineBackend):
                              truth=truth)
         self._wake = asyncio.Event()
         self._links: dict[str, asyncio.Lock] = {}  # src node -> the link's single transfer slot
+
+    def set_tbt_guard_ms(self, ms: float | None) -> None:
+        self.engine.tbt_guard_ms = ms
 
     def kv_transfer_ms(self, kv_tokens: int) -> float:
         """Emulated transfer time of ``kv_tokens`` on this node's link, without queueing (ms)."""

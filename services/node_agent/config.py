@@ -23,6 +23,8 @@ class AgentConfig(MetricsServiceConfig):
     kv_handoff_timeout_s: float = 2.0  #: prefill side: decode agent must accept a handoff within this
     kv_hold_timeout_s: float = 60.0  #: prefill side: free KV blocks whose decode node never confirmed the pull
     tbt_guard_ms: float | None = None  #: engine-side TBT guard for deflected chunks (kairos+), ms
+    #: the guard is tbt_guard_ms / the node's learned step-time safety factor (shared/correction.py)
+    guard_correction: bool = True
     max_deflections: int = 1  #: deflections this decode node takes at once (kairos: 1, §5.3; kairos+: several)
     #: emulated engine's real step times: this artifact (bundled name or path) × ``truth_scale``;
     #: None: the ``profile`` itself (the node's predictions are then exact)
