@@ -304,6 +304,9 @@ def demo(**opts) -> None:
 @click.option("--engine", default=None, help="Engine label for the provenance (e.g. 'vllm 0.11.0 CPU').")
 @click.option("--served-model", default="kairos-emulated", show_default=True, help="Model label for the provenance.")
 @click.option("--label", default=None, help="What this artifact is, in words (recorded in its metadata).")
+@click.option("--background", type=click.Choice(["handoff", "deflect"]), default="handoff", show_default=True,
+              help="Start the background decodes by KV handoffs (all at once) or deflect jobs (one by one, "
+                   "prefilled on the node: for backends that cannot pull a pseudo KV cache).")
 def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
     from kairos.profile import ProfileOptions, run_profile

@@ -28,7 +28,7 @@ from shared import subjects as S
 from shared.bus import ensure_models_bucket, publish, request_typed
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
-from shared.wire import (Cancel, DoneEvent, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
+from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
                          OutEvent, StepRecordEvent, WireError, decode, encode, now_ms)
 
 
@@ -61,13 +61,20 @@ class Profiler:
         nc: a connected NATS client.
         node: the decode node's id.
         grid: the plan.
+        background: how the B background decodes are started: ``handoff`` (KV handoffs from
+            pseudo prefill nodes, all at once; the backend emulates/pulls the KV) or ``deflect``
+            (deflect jobs one after another, each prefilled on the node itself — for backends
+            whose KV pull cannot take a pseudo source).
         step_timeout_s: the node must report a step within this while it has work.
         progress: called with one line per grid point (None: silent).
     """
 
-    def __init__(self, nc, node: str, grid: ProfileGrid, *, step_timeout_s: float = 10.0,
-                 progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, nc, node: str, grid: ProfileGrid, *, background: str = "handoff",
+                 step_timeout_s: float = 10.0, progress: Callable[[str], None] | None = None) -> None:
+        if background not in ("handoff", "deflect"):
+            raise ValueError(f"background must be handoff or deflect, got {background!r}")
         self.nc, self.node, self.grid = nc, S.check_token(node, "node id"), grid
+        self.background = background
         self.step_timeout_s = step_timeout_s
         self.progress = progress or (lambda _line: None)
         self.tag = uuid.uuid4().hex[:8]
@@ -99,10 +106,9 @@ class Profiler:
             ev = decode(msg.data, OutEvent)
         except WireError:
             return
-        if isinstance(ev, (DoneEvent, ErrorEvent)):
-            fut = self._outs.get(ev.request_id)
-            if fut is not None and not fut.done():
-                fut.set_result(ev)
+        fut = self._outs.get(ev.request_id)
+        if fut is not None and not fut.done():
+            fut.set_result(ev)  # first token, done or error: the prefill is over either way
 
     async def _until(self, pred: Callable[[], bool], timeout_s: float, what: str) -> None:
         """Wait (on bus events, no polling sleeps) until ``pred()``; ProfileError after ``timeout_s``."""
@@ -129,6 +135,9 @@ class Profiler:
         sources, so their transfers run in parallel) and wait until they all decode."""
         rids = []
         for i in range(batch):
+            if self.background == "deflect":
+                rids.append(await self._deflect(ctx, [], BACKGROUND_TOKENS))
+                continue
             req = self._request(ctx, BACKGROUND_TOKENS)
             msg = KvHandoff(request=req, src_node=f"profiler-{self.tag}-{i}", kv_tokens=ctx,
                             prefill_done_unix_ms=now_ms())
@@ -145,12 +154,17 @@ class Profiler:
 
     async def _chunks(self, prompt: int, chi: int) -> None:
         """One deflected prefill with ``[χ] × chunk_steps``; returns when its prefill is done."""
-        req = self._request(prompt, 1)
+        rid = await self._deflect(prompt, [chi] * self.grid.chunk_steps, 1)
+        self._live.discard(rid)  # max_tokens 1: finished with its first token
+
+    async def _deflect(self, prompt: int, schedule: list[int], max_tokens: int) -> str:
+        """Send one deflect job and wait for its first token (its prefill is done); returns its id."""
+        req = self._request(prompt, max_tokens)
         rid = req.request_id
         sub = await self.nc.subscribe(S.out_subject(rid), cb=self._on_out)
         fut = self._outs[rid] = asyncio.get_running_loop().create_future()
         try:
-            job = Job(kind="deflect", request=req, node=self.node, chunk_schedule=[chi] * self.grid.chunk_steps,
+            job = Job(kind="deflect", request=req, node=self.node, chunk_schedule=schedule,
                       dispatcher_id=f"profiler-{self.tag}")
             ack = await self._ask(S.jobs_subject(self.node), job, JobAck)
             if not ack.accepted:
@@ -163,7 +177,7 @@ class Profiler:
                 raise ProfileError(f"node {self.node}: chunked prefill {rid} not done in {timeout:g} s") from None
             if isinstance(ev, ErrorEvent):
                 raise ProfileError(f"node {self.node} failed {rid}: {ev.code} {ev.message}")
-            self._live.discard(rid)
+            return rid
         finally:
             self._outs.pop(rid, None)
             await sub.unsubscribe()
