@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 .PHONY: run test bench decide clean
 
 $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.toml
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || { \
+	  echo "Kairos needs Python >= 3.11; '$(PY)' is $$($(PY) --version 2>&1 || echo missing)." \
+	       "Install Python 3.11+ or run make PY=python3.11 ..." >&2; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-lock.txt

@@ -35,8 +35,13 @@ def policy_params_options(fn):
     return fn
 
 
-def workload_options(fn):
-    """The workload options `kairos sim` and `kairos bench` share (``shared.workloads.parse_workload``)."""
+def workload_options(default_duration_s: float):
+    """The workload options `kairos sim` and `kairos bench` share (``shared.workloads.parse_workload``),
+    with the subcommand's default ``--duration`` (seconds)."""
+    return lambda fn: _workload_options(fn, default_duration_s)
+
+
+def _workload_options(fn, default_duration_s: float):
     opts = [
         click.option("--workload", default="bursty", show_default=True,
                      help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH; "
@@ -44,7 +49,8 @@ def workload_options(fn):
         click.option("--rps", type=float, default=None,
                      help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
                           "workloads, the trace's own timing for traces."),
-        click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds."),
+        click.option("--duration", type=float, default=default_duration_s, show_default=True,
+                     help="Workload length, seconds."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -112,7 +118,7 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
 
 
 @main.command()
-@workload_options
+@workload_options(600.0)
 @click.option("--policy", "policies", default="pd,kairos", show_default=True, help="Comma list of policies.")
 @click.option("--prefill", "n_prefill", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=2, show_default=True)
@@ -142,7 +148,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
     from shared.metrics import format_table
     from shared.policy import parse_policies
     from shared.workloads import WorkloadError, parse_workload
-    from sim.experiments import parse_range, plot_sweep, run_one
+    from sim.experiments import parse_range, plot_sweep, run_one, sweep_title
     from sim.simulator import SimConfig
 
     try:
@@ -187,7 +193,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
                        f"({row['speedup']}x real time)", err=True)
     click.echo(format_table(rows))
     if sweep_rps:
-        for p in plot_sweep(rows, plots_dir, pp):
+        title = sweep_title(workload, duration, n_prefill, n_decode, profile, link, seed)
+        for p in plot_sweep(rows, plots_dir, pp, title=title):
             click.echo(f"plot: {p}", err=True)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +204,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 
 @main.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
-@workload_options
+@workload_options(60.0)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--model", default=None, help="Model name (default: the first id of GET /v1/models).")
 @click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Max requests in flight (default: none).")
@@ -208,9 +215,13 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 @click.option("--label", default="live", show_default=True, help="Row name in the table and the JSON.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
 @click.option("--save-records", is_flag=True, help="Include per-request records in the --json report.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Progress on stderr: a bar on a terminal, else a line every 10 s.")
 @click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True, help="τ, TBT SLO in ms.")
 @click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True, help="TTFT SLO in ms.")
+@click.option("--goodput", multiple=True, metavar="KEY:MS",
+              help="Goodput SLOs as in `vllm bench serve` (ttft, tpot, e2el; ms; repeatable). "
+                   "Default: ttft:<--ttft-slo-ms> tpot:<--tbt-slo-ms>.")
 def bench(**opts) -> None:
     """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
     from kairos.bench import BenchError, bench_cli
@@ -268,7 +279,8 @@ def up(**opts) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
-@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr (default: on; a bar on a terminal, else a line every 10 s).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="Engines' steps take this × what the model predicts, live and in the simulator alike.")
 def demo(**opts) -> None:

@@ -97,7 +97,8 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))
         grid = GRIDS[opts.grid]
-        run = await Profiler(nc, opts.node, grid, background=opts.background, progress=say).run()
+        run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
+                             progress=say).run()
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else "unknown")
         label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}")
         model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",

@@ -7,9 +7,10 @@ dispatcher replicas and the ingress — each ``python -m services.<name>`` with 
 is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
 agents, ingress, aggregator, NATS — in-flight requests end with an explicit error); a child that
 dies unexpectedly is reported and everything is stopped with exit code 1. Child output goes to
-per-service log files (JSON lines) in the printed log directory; the temporary directory (NATS store,
-default log directory) is removed on exit unless a child died or startup failed (then its path is
-printed so the logs can be read).
+per-service log files (JSON lines) in the printed log directory (``--log-dir``, default a temporary
+directory). On exit everything else in the temporary directory (the NATS store, generated files) is
+removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
+they are needed.
 """
 
 from __future__ import annotations
@@ -299,7 +300,7 @@ class Supervisor:
         base = f"http://{o.host}:{o.port}"
         lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
                   f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
-                  f"Logs         {self.log_dir}" + ("" if o.log_dir else "  (removed on a clean stop)"),
+                  f"Logs         {self.log_dir}  (kept after the stack stops)",
                   f"Prometheus   {self.targets_path} (file_sd_configs targets of every /metrics)"]
         if o.trace_file:
             lines.append(f"Traces       {os.path.abspath(o.trace_file)} (JSON lines; "
@@ -354,22 +355,23 @@ class Supervisor:
         shutil.rmtree(self.tmp / "jetstream", ignore_errors=True)
 
     def cleanup(self) -> Path | None:
-        """After :meth:`down`: remove the temp dir, unless logs in it are worth keeping (a child
-        died or startup failed, and no ``--log-dir`` was given). Returns the kept log dir, if any."""
+        """After :meth:`down`: remove the temp dir except the logs in it. Returns the log dir if it
+        holds a non-empty log (kept), else None (then nothing is left in the temp dir)."""
         logs = [p for p in self.log_dir.glob("*.log") if p.stat().st_size] if self.log_dir.is_dir() else []
-        if self.failed and logs and self.log_dir.is_relative_to(self.tmp):
-            return self.log_dir
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return None
+        inside = self.log_dir.is_relative_to(self.tmp)
+        for entry in list(self.tmp.iterdir()) if self.tmp.is_dir() else []:
+            if not (logs and inside and entry == self.log_dir):
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if not (logs and inside):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return self.log_dir if logs else None
 
     def finish(self) -> None:
-        """:meth:`down`, :meth:`cleanup` and the final lines on stderr."""
+        """:meth:`down`, :meth:`cleanup` and the final lines on stderr (where the logs are)."""
         self.down()
         kept = self.cleanup()
         if kept is not None:
             self.msg(f"logs kept in {kept}")
-        elif self.failed and self.opts.log_dir and self.procs:
-            self.msg(f"logs in {self.log_dir}")
         self.msg("stopped")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import connect, ensure_buckets, publish
+from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.latency import load_profile
 from shared.records import request_record
 from shared.routing import routable
@@ -148,7 +150,10 @@ class Ingress:
         self.cfg = cfg
         self.model = load_profile(cfg.profile)
         self.max_model_len = self.model.engine.max_model_len
-        self.counter = oa.tokenizer_counter(cfg.tokenizer_path) if cfg.tokenizer_path else None
+        self.counter, self.vocab_size = (oa.load_tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
+                                         else (None, EMULATED_VOCAB_SIZE))
+        self.chat_template = (oa.load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
+                              if cfg.tokenizer_path else None)
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
@@ -193,7 +198,8 @@ class Ingress:
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.log.info("ingress_started", host=self.cfg.host, port=self.port, model=self.cfg.served_model,
-                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))")
+                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))", vocab_size=self.vocab_size,
+                      chat_template="model" if self.chat_template else "fixed")
 
     async def close(self) -> None:
         """Stop: every request still in flight ends now with an explicit 503 ``ingress_shutdown``
@@ -489,10 +495,9 @@ class Ingress:
             self.m.requests.labels(endpoint, "400").inc()
             return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
         try:
-            parsed = oa.parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens)
-            prompt_tokens, exact = oa.count_prompt_tokens(parsed, self.counter)
-            oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len,
-                             "prompt" if endpoint == "completions" else "messages")
+            parsed, prompt_tokens, exact = oa.prepare_request(
+                endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
+                self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
         except oa.ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return _json(exc.body(), exc.status)
@@ -582,7 +587,8 @@ class Ingress:
                 ireq = InferenceRequest(request_id=attempt_id, model=parsed.model, prompt_tokens=prompt_tokens,
                                         max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
                                         prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
-                                        created_unix_ms=received, deadline_unix_ms=deadline)
+                                        created_unix_ms=received, deadline_unix_ms=deadline,
+                                        sampling=parsed.sampling, max_tokens_explicit=parsed.max_tokens_explicit)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 await self.nc.flush()
@@ -605,6 +611,7 @@ class Ingress:
         completion = 0  # tokens received for the current attempt
         sent = 0  # tokens delivered to the client (streaming)
         finish = "length"
+        cached = 0  # prompt tokens the engine served from its prefix cache (DoneEvent)
         resp: web.StreamResponse | None = None
         first = True
         last_token_ms = 0.0
@@ -698,6 +705,7 @@ class Ingress:
                     first = False
                 elif isinstance(ev, DoneEvent):
                     finish = ev.finish_reason
+                    cached = ev.cached_tokens
                     timing["finish_reason"] = finish
                     break
                 elif isinstance(ev, ErrorEvent):
@@ -709,14 +717,14 @@ class Ingress:
             self.m.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - received))
             if not parsed.stream:
                 out = _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
-                                             completion))
+                                             completion, cached))
                 out.headers["X-Request-Id"] = rid
                 return out, 200
             assert resp is not None
             await self._sse(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
                                                   finish))
             if parsed.include_usage:
-                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion))
+                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion, cached))
             await self._sse_done(resp)
             return resp, 200
         finally:

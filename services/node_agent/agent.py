@@ -34,6 +34,7 @@ from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import Buckets, ensure_buckets, publish, request_typed
 from shared.correction import CorrectionEstimator
+from shared.emulated_text import EmulatedCompletion, emulated_completion
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
@@ -41,13 +42,12 @@ from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, 
                          KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
                          now_ms)
 
-_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
-          "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim")
-
-
-def token_text(index: int) -> str:
-    """Placeholder text of output token ``index`` (emulated engines produce no real text)."""
-    return " " + _WORDS[index % len(_WORDS)]
+def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
+    """The emulated engine's output of ``req``: its length (given to the engine model as the output
+    tokens), per-token text and finish reason, honouring the request's sampling parameters
+    (:mod:`shared.emulated_text`; a request without ``max_tokens`` ends with the emulated EOS)."""
+    return emulated_completion(req.sampling, req.max_tokens, req.prompt_text, req.prompt_token_ids,
+                               natural_end=not req.max_tokens_explicit)
 
 
 @dataclass
@@ -75,6 +75,7 @@ class _Req:
     chunk_pred: list[float] = field(default_factory=list)
     chunk_actual: list[float] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
+    output: EmulatedCompletion | None = None  #: decode side: the output this node generates
 
 
 class _Metrics:
@@ -287,12 +288,14 @@ class NodeAgent:
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
+        output = None
         if reason is None:
             try:
                 if job.kind == "prefill":
                     self.backend.add_prefill(rid, job.request.prompt_tokens)
                 else:
-                    self.backend.add_deflected(rid, job.request.prompt_tokens, job.request.max_tokens,
+                    output = emulated_output(job.request)
+                    self.backend.add_deflected(rid, job.request.prompt_tokens, output.n_tokens,
                                                list(job.chunk_schedule))
             except EngineError as exc:
                 reason = f"engine_refused: {exc}"
@@ -315,7 +318,7 @@ class NodeAgent:
         else:
             attrs["kairos.decode_candidates"] = list(job.decode_candidates)
         span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
-        self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
+        self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job, output=output)
         if job.kind == "deflect":
             self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
             self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
@@ -401,9 +404,11 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
             return
         reason = None if self.accepting else "draining"
+        output = None
         if reason is None:
             try:
-                self.backend.add_remote_decode(rid, h.request.prompt_tokens, h.request.max_tokens)
+                output = emulated_output(h.request)
+                self.backend.add_remote_decode(rid, h.request.prompt_tokens, output.n_tokens)
             except EngineError as exc:
                 reason = f"engine_refused: {exc}"
         if reason is not None:
@@ -413,7 +418,8 @@ class NodeAgent:
                                           kind=SpanKind.CONSUMER,
                                           attributes={telemetry.REQUEST_ID: rid, "kairos.src_node": h.src_node,
                                                       "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
-        self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node)
+        self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node,
+                              output=output)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
         await self._on_allocated(self.backend.take_allocated())
 
@@ -508,8 +514,9 @@ class NodeAgent:
             if r.last_token_ms is not None:
                 r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
             r.last_token_ms = now
+            text = r.output.text(idx) if r.output is not None else ""
             await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
-                request_id=rid, first_index=idx, count=1, text=token_text(idx), node=node, sent_unix_ms=now)))
+                request_id=rid, first_index=idx, count=1, text=text, node=node, sent_unix_ms=now)))
         if out.tokens:
             self.m.tokens.labels(node).inc(len(out.tokens))
         for rid in out.finished:
@@ -520,7 +527,8 @@ class NodeAgent:
                 r.decode_span.set_attributes(self._decode_summary(r))
                 r.decode_span.end()
             await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
-                request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now)))
+                request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now,
+                finish_reason=r.output.finish_reason if r.output is not None else "length")))
             self._write_decode_timing(r, finished_ms=now)
 
     def _decode_span(self, rid: str, r: _Req) -> Span:

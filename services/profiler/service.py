@@ -23,15 +23,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import nats.errors
+import numpy as np
 
 from shared import subjects as S
 from shared.bus import ensure_models_bucket, publish, request_typed
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
-                         OutEvent, StepRecordEvent, WireError, decode, encode, now_ms)
+                         OutEvent, SamplingParams, StepRecordEvent, WireError, decode, encode, now_ms)
 
 
+#: token ids of the profiler's prompts are drawn from this range (inside any real vocabulary)
+PROMPT_ID_RANGE = (100, 30_000)
 #: output tokens of a background decode: outlasts one batch's measurements (dwell + chunks + bus
 #: round trips are a few hundred steps at most); they are cancelled afterwards anyway
 BACKGROUND_TOKENS = 1024
@@ -65,16 +68,21 @@ class Profiler:
             pseudo prefill nodes, all at once; the backend emulates/pulls the KV) or ``deflect``
             (deflect jobs one after another, each prefilled on the node itself — for backends
             whose KV pull cannot take a pseudo source).
+        served_model: the model name the requests carry (a real engine checks it).
         step_timeout_s: the node must report a step within this while it has work.
+        seed: seed of the random prompt token ids.
         progress: called with one line per grid point (None: silent).
     """
 
     def __init__(self, nc, node: str, grid: ProfileGrid, *, background: str = "handoff",
-                 step_timeout_s: float = 10.0, progress: Callable[[str], None] | None = None) -> None:
+                 served_model: str = "kairos-emulated", step_timeout_s: float = 10.0,
+                 progress: Callable[[str], None] | None = None, seed: int = 0) -> None:
         if background not in ("handoff", "deflect"):
             raise ValueError(f"background must be handoff or deflect, got {background!r}")
         self.nc, self.node, self.grid = nc, S.check_token(node, "node id"), grid
         self.background = background
+        self.served_model = served_model
+        self._rng = np.random.default_rng(seed)
         self.step_timeout_s = step_timeout_s
         self.progress = progress or (lambda _line: None)
         self.tag = uuid.uuid4().hex[:8]
@@ -124,10 +132,14 @@ class Profiler:
                 pass
 
     def _request(self, prompt: int, max_tokens: int) -> InferenceRequest:
+        """A request a real engine can run too: random token ids (no prefix-cache hits between the
+        profiler's requests) and ``ignore_eos`` (exactly ``max_tokens`` outputs)."""
         self._n += 1
         now = now_ms()
-        return InferenceRequest(request_id=f"prof-{self.tag}-{self._n}", model="kairos-profile", prompt_tokens=prompt,
-                                max_tokens=max_tokens, created_unix_ms=now, deadline_unix_ms=now + 3_600_000.0)
+        ids = self._rng.integers(PROMPT_ID_RANGE[0], PROMPT_ID_RANGE[1], prompt).tolist()
+        return InferenceRequest(request_id=f"prof-{self.tag}-{self._n}", model=self.served_model, prompt_tokens=prompt,
+                                max_tokens=max_tokens, prompt_token_ids=ids, sampling=SamplingParams(ignore_eos=True),
+                                created_unix_ms=now, deadline_unix_ms=now + 3_600_000.0)
 
     # -- grid actions ---------------------------------------------------------------------------
     async def _background(self, batch: int, ctx: int) -> list[str]:
