@@ -32,6 +32,9 @@ class IngressConfig(ServiceConfig):
     #: how often in-flight requests are checked for a client that closed its connection
     disconnect_poll_s: float = 0.2
     max_body_bytes: int = 64 * 1024 * 1024  #: larger request bodies get 413
+    #: tokens per prefix-cache block hashed into each request (shared/prefix.py; the engines' block
+    #: size, vLLM's 16); 0: no hashes (prefix-aware policies then see no cache)
+    prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "must be 0..65535")

@@ -46,6 +46,7 @@ from shared.bus import close as bus_close
 from shared.bus import connect, ensure_buckets, publish
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.latency import load_profile
+from shared.prefix import request_block_hashes
 from shared.records import request_record
 from shared.routing import routable
 from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest, IngressTiming,
@@ -558,6 +559,7 @@ class Ingress:
         flight = _Flight(rid=rid, attempt_id=rid, queue=queue, request=request)
         deadline = received + cfg.request_timeout_s * 1000.0
         sub = None
+        hashes = request_block_hashes(parsed.prompt_token_ids, parsed.prompt_text, cfg.prefix_block_tokens)
 
         async def on_out(msg) -> None:
             try:
@@ -588,7 +590,8 @@ class Ingress:
                                         max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
                                         prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
                                         created_unix_ms=received, deadline_unix_ms=deadline,
-                                        sampling=parsed.sampling, max_tokens_explicit=parsed.max_tokens_explicit)
+                                        sampling=parsed.sampling, max_tokens_explicit=parsed.max_tokens_explicit,
+                                        block_hashes=hashes, block_hash_tokens=cfg.prefix_block_tokens if hashes else 0)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 await self.nc.flush()

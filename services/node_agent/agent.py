@@ -42,6 +42,10 @@ from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, 
                          KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
                          now_ms)
 
+#: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
+CACHE_RESYNC = 50
+
+
 def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
     """The emulated engine's output of ``req``: its length (given to the engine model as the output
     tokens), per-token text and finish reason, honouring the request's sampling parameters
@@ -217,7 +221,13 @@ class NodeAgent:
     def node_state(self) -> NodeState:
         st = self.backend.state()
         self._seq += 1
-        return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+        # prefix-cache events: net deltas, the whole cache on the first and every CACHE_RESYNC-th
+        # heartbeat (a lost heartbeat makes the dispatchers' index forget the node until then)
+        cache = self.backend.cache_events(full=self._seq % CACHE_RESYNC == 1)
+        cache_fields = {} if cache is None else dict(
+            cache_block_tokens=cache[0], cache_stored=cache[1], cache_removed=cache[2],
+            cache_full=self._seq % CACHE_RESYNC == 1)
+        return NodeState(**cache_fields,node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
                          queue_prompt_tokens=list(st.queue_prompt_tokens),
                          deflection_in_flight=st.deflection_in_flight or bool(self.deflecting),
@@ -291,6 +301,7 @@ class NodeAgent:
         output = None
         if reason is None:
             try:
+                self.backend.note_block_hashes(rid, job.request.block_hashes, job.request.block_hash_tokens)
                 if job.kind == "prefill":
                     self.backend.add_prefill(rid, job.request.prompt_tokens)
                 else:
@@ -408,6 +419,7 @@ class NodeAgent:
         if reason is None:
             try:
                 output = emulated_output(h.request)
+                self.backend.note_block_hashes(rid, h.request.block_hashes, h.request.block_hash_tokens)
                 self.backend.add_remote_decode(rid, h.request.prompt_tokens, output.n_tokens)
             except EngineError as exc:
                 reason = f"engine_refused: {exc}"
