@@ -153,6 +153,9 @@ class EmulatedBackend(EngineBackend):
         t0 = time.monotonic()
         async with self._links.setdefault(src_node, asyncio.Lock()):
             if self.engine.phase(req_id) == "awaiting_kv":  # not aborted while queued for the link
+                # only the blocks this node's prefix cache lacks cross the link (vLLM's NixlConnector
+                # pulls the tokens past the decode side's local prefix hit)
+                kv_tokens -= self.engine.cached_prefix_tokens(req_id)
                 await asyncio.sleep(self.kv_transfer_ms(kv_tokens) / 1000.0)
         return (time.monotonic() - t0) * 1000.0
 
