@@ -139,6 +139,7 @@ class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
     src_node: str  #: prefill node holding the KV blocks
     kv_tokens: NonNeg  #: KV tokens to transfer (the prompt length)
     prefill_done_unix_ms: float
+    cached_tokens: NonNeg = 0  #: prompt tokens the prefill node served from its prefix cache
 
 
 class KvAck(msgspec.Struct, frozen=True, kw_only=True):

@@ -77,6 +77,7 @@ class _Req:
     last_token_ms: float | None = None
     tbt_max_ms: float = 0.0
     chunk_pred: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
     chunk_actual: list[float] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
     output: EmulatedCompletion | None = None  #: decode side: the output this node generates
@@ -364,7 +365,7 @@ class NodeAgent:
         headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
         r.handoff_sent_ms = now_ms()
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
-                        prefill_done_unix_ms=r.prefill_done_ms or now_ms())
+                        prefill_done_unix_ms=r.prefill_done_ms or now_ms(), cached_tokens=r.cached_tokens)
         tried: dict[str, str] = {}
         for cand in r.job.decode_candidates:
             try:
@@ -431,7 +432,7 @@ class NodeAgent:
                                           attributes={telemetry.REQUEST_ID: rid, "kairos.src_node": h.src_node,
                                                       "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
         self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node,
-                              output=output)
+                              output=output, cached_tokens=h.cached_tokens)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
         await self._on_allocated(self.backend.take_allocated())
 
@@ -477,10 +478,11 @@ class NodeAgent:
             self.log.warning("step_record_failed", error=repr(exc))
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
-        for rid, _n, _cached in out.prefill_chunks:
+        for rid, _n, cached in out.prefill_chunks:
             r = self.reqs.get(rid)
             if r is not None and r.prefill_start_ms is None:
                 r.prefill_start_ms = out.started_unix_ms
+                r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         if out.deflected_chunk is not None:
             rid, idx, chi, toks = out.deflected_chunk
             r = self.reqs.get(rid)
@@ -540,7 +542,8 @@ class NodeAgent:
                 r.decode_span.end()
             await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
                 request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now,
-                finish_reason=r.output.finish_reason if r.output is not None else "length")))
+                finish_reason=r.output.finish_reason if r.output is not None else "length",
+                cached_tokens=r.cached_tokens)))
             self._write_decode_timing(r, finished_ms=now)
 
     def _decode_span(self, rid: str, r: _Req) -> Span:

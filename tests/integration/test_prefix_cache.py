@@ -32,6 +32,8 @@ async def test_repeated_prompt_is_priced_from_the_cache(nats_url):
                 seen = rec
                 break
         assert seen is not None, "no decision ever saw the cached prefix"
+        # the engine that prefilled it served it from its cache (OpenAI usage field)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= body["usage"]["prompt_tokens"] - 16
         # the receiver holds all but the last block: only that crosses the link
         assert seen["estimates"]["kv_transfer_est_ms"] < 0.2 * cold_kv
 
