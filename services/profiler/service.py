@@ -54,6 +54,7 @@ class ProfileRun:
 
     @property
     def records(self) -> list[StepRecord]:
+        """The step records as fitting samples (:func:`shared.profiling.step_records`)."""
         return step_records(self.events)
 
 
