@@ -26,6 +26,7 @@ Choices where the paper is ambiguous (also in docs/policies.md):
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import NamedTuple, Sequence
 
 from shared.latency import LatencyModel
@@ -106,7 +107,7 @@ class DecodeSweep:
     Built by :func:`decode_sweep`; immutable.
     """
 
-    __slots__ = ("batch_size", "runs", "full", "_coef")
+    __slots__ = ("batch_size", "runs", "full", "ends", "_coef")
 
     def __init__(self, batch_size: int, runs: list[tuple], full: list[ChunkRun], coef: tuple) -> None:
         self.batch_size = batch_size
@@ -114,23 +115,26 @@ class DecodeSweep:
         #: total ms of the runs before, prompt tokens covered before)
         self.runs = runs
         self.full = full  #: each run taken to its cap, as :class:`ChunkRun` (the ones a prompt passes)
+        #: prompt tokens covered at the end of each run (strictly increasing): a prompt of ``r``
+        #: tokens ends in run ``bisect_left(ends, r)`` (``need ≤ cap ⟺ r − covered ≤ cap·p``)
+        self.ends = [covered + cap * p for _, p, cap, _, _, _, _, _, _, covered in runs]
         self._coef = coef
 
     def ttft(self, remaining: int) -> float | None:
         """Eq. 6's TTFT_dec (ms) of a prompt with ``remaining`` tokens to prefill (> 0): the
         first element of :meth:`schedule` without building the runs."""
+        i = bisect_left(self.ends, remaining)
+        if i == len(self.ends):
+            return None
         B = self.batch_size
-        for chi, p, cap, cached, step, t1, slope, K, before, covered in self.runs:
-            left = remaining - covered
-            need = -(-left // p)  # ceil
-            if need <= cap:
-                n = need
-                last = left - (n - 1) * p
-                Kl = K + (n - 1) * B
-                a, bd, kd, m1, m2, m3, m4 = self._coef
-                t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
-                return before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
-        return None
+        chi, p, cap, cached, step, t1, slope, K, before, covered = self.runs[i]
+        left = remaining - covered
+        n = -(-left // p)  # ceil: the steps this run takes (≤ cap)
+        last = left - (n - 1) * p
+        Kl = K + (n - 1) * B
+        a, bd, kd, m1, m2, m3, m4 = self._coef
+        t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
+        return before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
 
     def schedule(self, remaining: int) -> tuple[float, list[ChunkRun]] | None:
         """``(ttft_dec_ms, runs)`` of a prompt with ``remaining`` tokens to prefill (> 0), exactly
