@@ -237,3 +237,37 @@ def test_emulated_backend_reports_what_its_engine_caches() -> None:
     assert be.cache_events(full=False) == (16, [11, 12, 13], [])
     assert be.cache_events(full=False) == (16, [], [])
     assert be.cache_events(full=True) == (16, [11, 12, 13], [])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["prefill", "deflect", "remote"]), st.integers(0, 3), st.integers(1, 9),
+                          st.booleans(), st.integers(0, 3)), min_size=1, max_size=30))
+def test_pins_and_capacity_stay_consistent_through_any_lifecycle(ops) -> None:
+    """Random adds (shared prefixes), partial runs, KV arrivals and aborts on a small node: pin
+    counts always equal the live requests' pins and evictable blocks fit in the free capacity."""
+    for role in ("prefill", "decode"):
+        e = engine(role, kv=480)
+        live: list[str] = []
+        for i, (kind, conv, blocks, abort, steps) in enumerate(ops):
+            rid, hashes = f"r{i}", [conv * 100 + j for j in range(blocks)]
+            if role == "prefill":
+                e.add_prefill(rid, blocks * 16 + 3, hashes)
+            elif kind == "deflect":
+                e.add_deflected(rid, blocks * 16 + 3, 2, [256], hashes)
+            else:
+                e.add_remote_decode(rid, blocks * 16 + 3, 2, hashes)
+            live.append(rid)
+            e.admit()
+            for a in e.poll_allocated():
+                e.kv_arrived(a)
+            for _ in range(steps):
+                plan = e.plan_step()
+                if plan is None:
+                    break
+                for done in e.commit_step(plan).prefill_done:
+                    e.release(done)
+            if abort and live:
+                e.abort(live.pop(0))
+            e.check_invariants()
+        run(e)
+        e.check_invariants()
