@@ -362,6 +362,12 @@ def demo(**opts) -> None:
 @click.option("--background", type=click.Choice(["handoff", "deflect"]), default="handoff", show_default=True,
               help="Start the background decodes by KV handoffs (all at once) or deflect jobs (one by one, "
                    "prefilled on the node: for backends that cannot pull a pseudo KV cache).")
+@click.option("--replay", default=None, metavar="WORKLOAD",
+              help="After the grid, replay this workload on the node (as for `kairos sim --workload`, e.g. "
+                   "azure-code:busiest) for realistic step mixes.")
+@click.option("--replay-duration", "replay_duration_s", type=click.FloatRange(0, min_open=True), default=30.0,
+              show_default=True, help="Seconds of --replay workload.")
+@click.option("--replay-rps", type=click.FloatRange(0, min_open=True), default=None, help="Rate of --replay.")
 @click.option("--connect-timeout", "connect_timeout_s", type=click.FloatRange(0, min_open=True), default=10.0,
               show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
 def profile(**kw) -> None:
@@ -375,6 +381,13 @@ def profile(**kw) -> None:
     for opt in ("node_profile", "truth_profile", "base_profile"):
         if kw[opt]:
             load_model_or_exit(kw[opt], "--" + opt.replace("_", "-"))
+    if kw["replay"]:
+        from shared.workloads import WorkloadError, parse_workload
+
+        try:
+            parse_workload(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1)
+        except WorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--replay") from None
     kw["version"] = kw.pop("version_")
     try:
         run_profile(ProfileOptions(**kw))

@@ -48,6 +48,9 @@ class ProfileOptions:
     background: str = "handoff"
     quiet: bool = False
     connect_timeout_s: float = 10.0
+    replay: str | None = None  #: workload spec replayed after the grid (``azure-code:busiest``, ``bursty``)
+    replay_duration_s: float = 30.0
+    replay_rps: float | None = None
 
 
 def _start_emulated(stack: ExitStack, opts: ProfileOptions) -> str:
@@ -101,10 +104,17 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))
         grid = GRIDS[opts.grid]
+        replay = []
+        if opts.replay:
+            from shared.workloads import parse_workload
+
+            replay = parse_workload(opts.replay, opts.replay_rps, opts.replay_duration_s, 1,
+                                    max_model_len=base.engine.max_model_len)
         run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
-                             progress=say).run()
+                             progress=say).run(replay)
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else "unknown")
-        label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}")
+        label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
+                               + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
         model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",
                         version=opts.version, base=base, engine=engine, served_model=opts.served_model, label=label,
                         max_mape=opts.max_mape)

@@ -40,6 +40,10 @@ class StateAggregator:
         self.m_states = Counter("kairos_aggregator_states_total", "Heartbeats received", registry=reg)
         self.m_routed = Counter("kairos_aggregator_routed_total", "Routing events received", registry=reg)
         self.m_views = Counter("kairos_aggregator_views_total", "Views written", registry=reg)
+        self.m_steps = Counter("kairos_aggregator_step_records_total", "Engine step records received", registry=reg)
+        self.m_corr = Gauge("kairos_aggregator_node_step_correction",
+                            "Learned step-time correction per node (actual / predicted): factor=bias (mean) or "
+                            "safety (Eq. 5 bound)", ("node", "factor"), registry=reg)
         self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
         self.m_age = Gauge("kairos_aggregator_node_state_age_seconds",
                            "Time since the node's last heartbeat was received, when the view was built",
@@ -96,6 +100,7 @@ class StateAggregator:
         except WireError as exc:
             self.log.warning("bad_step_record", error=str(exc))
             return
+        self.m_steps.inc()
         self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, _mono_ms(),
                                mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
 
@@ -111,8 +116,11 @@ class StateAggregator:
     async def _loop(self) -> None:
         period = self.cfg.state_period_ms / 1000.0
         while not self._stop.is_set():
-            view = with_corrections(self.builder.build(_mono_ms(), built_unix_ms=now_ms()),
-                                    self.corrector.corrections(_mono_ms()))
+            corrections = self.corrector.corrections(_mono_ms())
+            view = with_corrections(self.builder.build(_mono_ms(), built_unix_ms=now_ms()), corrections)
+            for node, c in corrections.items():
+                self.m_corr.labels(node, "bias").set(c.bias)
+                self.m_corr.labels(node, "safety").set(c.safety)
             self.view = view
             self._report(view)
             try:
