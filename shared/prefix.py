@@ -6,10 +6,12 @@ Where its input comes from: each engine's prefix-cache events (``stored``/``remo
 state aggregator applies those the agents attach to their heartbeats. Where its output goes: the
 snapshot's ``cached_prefix_tokens`` per node (shared/snapshot.py), read by the cache-aware policies.
 
-Data structure: an inverted index hash → set of nodes holding it (the flat form of Dynamo's
-``KvIndexer`` radix tree — a hash chains its whole prefix, so "the node holds hash i" already means
-"it holds blocks 0..i"). A query walks the request's hashes while some node still matches,
-intersecting, so it costs O(matched blocks × matching nodes), a few µs for a typical request.
+Data structure: an inverted index hash → the nodes holding it, as a bitmask (the flat form of
+Dynamo's ``KvIndexer`` radix tree — a hash chains its whole prefix, so "the node holds hash i"
+already means "it holds blocks 0..i"). A query walks the request's hashes while some node still
+matches, AND-ing the masks, so it costs O(matched blocks) big-int operations whatever the number
+of nodes; bitmasks are plain ints, which the garbage collector never has to walk (sets would be,
+at every full collection of a dispatcher holding millions of hashes).
 """
 
 from __future__ import annotations
@@ -70,30 +72,37 @@ class PrefixIndex:
         ValueError: ``block_tokens < 1``.
     """
 
-    __slots__ = ("block_tokens", "_nodes", "_by_node", "_seq")
+    __slots__ = ("block_tokens", "_nodes", "_by_node", "_seq", "_bit", "_names")
 
     def __init__(self, block_tokens: int) -> None:
         if not isinstance(block_tokens, int) or block_tokens < 1:
             raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
         self.block_tokens = block_tokens
-        self._nodes: dict[int, set[str]] = {}  # hash -> nodes holding it
+        self._nodes: dict[int, int] = {}  # hash -> bitmask of the nodes holding it
+        self._bit: dict[str, int] = {}  # node -> its bit (1 << index)
+        self._names: list[str] = []  # bit index -> node
         self._by_node: dict[str, set[int]] = {}  # node -> hashes (for resync / node removal)
         self._seq: dict[str, int | None] = {}  # node -> last heartbeat seq applied; None: awaiting a full resync
 
     def apply(self, node: str, stored: Iterable[int], removed: Iterable[int]) -> None:
         """Apply one node's net cache events (order-independent; idempotent)."""
         mine = self._by_node.setdefault(node, set())
+        bit = self._bit.get(node)
+        if bit is None:
+            bit = self._bit[node] = 1 << len(self._names)
+            self._names.append(node)
         index = self._nodes
         for h in stored:
             if h not in mine:
                 mine.add(h)
-                index.setdefault(h, set()).add(node)
+                index[h] = index.get(h, 0) | bit
         for h in removed:
             if h in mine:
                 mine.discard(h)
-                holders = index[h]
-                holders.discard(node)
-                if not holders:
+                holders = index[h] & ~bit
+                if holders:
+                    index[h] = holders
+                else:
                     del index[h]
 
     def reset_node(self, node: str, hashes: Iterable[int] = ()) -> None:
@@ -139,23 +148,26 @@ class PrefixIndex:
         out: dict[str, int] = {}
         if not hashes:
             return out
-        index = self._nodes
-        alive = index.get(hashes[0])
-        if not alive:
-            return out
-        alive = set(alive)
+        index, names = self._nodes, self._names
+        alive = index.get(hashes[0], 0)
         depth = 1
-        for h in hashes[1:]:
-            holders = index.get(h)
-            nxt = alive & holders if holders else set()
-            for n in alive - nxt:
-                out[n] = depth
-            alive = nxt
-            if not alive:
-                break
-            depth += 1
-        for n in alive:
-            out[n] = depth
+        if alive:
+            for h in hashes[1:]:
+                nxt = alive & index.get(h, 0)
+                if nxt != alive:
+                    gone = alive ^ nxt
+                    while gone:  # the nodes whose prefix ends here
+                        low = gone & -gone
+                        out[names[low.bit_length() - 1]] = depth
+                        gone ^= low
+                    alive = nxt
+                    if not alive:
+                        break
+                depth += 1
+        while alive:
+            low = alive & -alive
+            out[names[low.bit_length() - 1]] = depth
+            alive ^= low
         return out
 
     def match_tokens(self, hashes: Sequence[int], prompt_tokens: int) -> dict[str, int]:
