@@ -64,6 +64,7 @@ class UpOptions:
     log_dir: str | None = None
     startup_timeout_s: float = 60.0
     max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
+    truth_scale: float = 1.0  #: emulated engines' steps take this × what they predict (model error on purpose)
     #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
     nats_auth: bool = True
     #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
@@ -194,7 +195,8 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             node = f"{role}-{i}"
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **login(P.agent_user(node))),
+                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard,
+                            truth_scale=opts.truth_scale, **login(P.agent_user(node))),
                 f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, emulated)")
     for i in range(opts.dispatchers):
         mp = free_port()

@@ -231,6 +231,16 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
     return Buckets(view=view, reservations=resv, requests=reqs)
 
 
+async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
+    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch).
+
+    File storage with a short history, so the previous artifacts of a key can be inspected.
+    """
+    return await js.create_key_value(KeyValueConfig(
+        bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
+        description="latency-model artifacts: latency.<name> and latency.current"))
+
+
 class BusWatch:
     """Follows one connection's ups and downs and re-establishes what a NATS restart loses.
 
