@@ -77,8 +77,12 @@ def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> Clus
         return view
     nodes = []
     for n in view.nodes:
-        evs = [ev for ev in extra.get(n.node, ())
-               if ev.node_accepted_unix_ms > n.state_sent_unix_ms and ev.request_id not in n.pending_ids]
+        mine = extra.get(n.node)
+        if not mine:
+            nodes.append(n)
+            continue
+        pending = set(n.pending_ids)  # a set: folding is O(events + pending) per node, not their product
+        evs = [ev for ev in mine if ev.node_accepted_unix_ms > n.state_sent_unix_ms and ev.request_id not in pending]
         if evs:
             n = msgspec.structs.replace(n, queue_prompt_tokens=[*n.queue_prompt_tokens, *(e.prompt_tokens for e in evs)],
                                         pending_routed=n.pending_routed + len(evs),

@@ -93,6 +93,10 @@ def out_subject(request_id: str) -> str:
     return f"{PREFIX}.out.{check_token(request_id, 'request id')}"
 
 
+#: Every request's token stream (an ingress's single subscription, dispatching by the last token).
+OUT_WILDCARD = f"{PREFIX}.out.*"
+
+
 def reservation_key(decode_node: str, slot: int = 0) -> str:
     """KV key (bucket :data:`RESERVATION_BUCKET`) reserving deflection slot ``slot`` of
     ``decode_node`` (``kairos``: one slot per node, §5.3; ``kairos+``: several)."""

@@ -18,7 +18,7 @@ the client, then ack.
 from __future__ import annotations
 
 import asyncio
-import collections
+import itertools
 import json
 import time
 
@@ -100,7 +100,9 @@ class Dispatcher:
         self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
-        self.recent_routed: collections.deque[tuple[float, RoutedEvent]] = collections.deque()
+        #: request id -> (monotonic s when heard, its routed event), oldest first: O(1) replace/forget
+        #: per event (a list scan per routed event was quadratic in the rate, issue 12)
+        self.recent_routed: dict[str, tuple[float, RoutedEvent]] = {}
         self.cancelled: dict[str, float] = {}  # request id -> when the cancel arrived (monotonic s)
         self._subs: list = []
         self.metrics_port: int | None = None
@@ -224,9 +226,9 @@ class Dispatcher:
     def _provisional(self, req: InferenceRequest, node: str, decode_node: str) -> None:
         """A keep-path job this replica is sending: fold it into its own snapshots right away
         (concurrent requests of one replica would otherwise all see the same queue)."""
-        self.recent_routed.append((time.monotonic(), RoutedEvent(
+        self._remember_routed(RoutedEvent(
             request_id=req.request_id, kind="prefill", node=node, decode_node=decode_node,
-            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=float("inf"))))
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=float("inf")))
 
     async def _on_state(self, msg) -> None:
         try:
@@ -244,22 +246,26 @@ class Dispatcher:
         return self.prefix.match_tokens(req.block_hashes, req.prompt_tokens)
 
     def _forget_routed(self, request_id: str) -> None:
-        self.recent_routed = collections.deque((t, ev) for t, ev in self.recent_routed if ev.request_id != request_id)
+        self.recent_routed.pop(request_id, None)
+
+    def _remember_routed(self, ev: RoutedEvent) -> None:
+        """Keep ``ev`` (replacing any earlier event of its request, e.g. a provisional one) as the newest."""
+        self.recent_routed.pop(ev.request_id, None)
+        self.recent_routed[ev.request_id] = (time.monotonic(), ev)
 
     async def _on_routed(self, msg) -> None:
         try:
             ev = decode(msg.data, RoutedEvent)
         except WireError:
             return
-        self._forget_routed(ev.request_id)  # the node's acknowledged event replaces a provisional one
-        self.recent_routed.append((time.monotonic(), ev))
+        self._remember_routed(ev)  # the node's acknowledged event replaces a provisional one
 
     def _recent_routed(self):
         """Routed events younger than RECENT_ROUTED_S (older ones are in the view by now)."""
-        now = time.monotonic()
-        while self.recent_routed and now - self.recent_routed[0][0] > RECENT_ROUTED_S:
-            self.recent_routed.popleft()
-        return (ev for _, ev in self.recent_routed)
+        now, recent = time.monotonic(), self.recent_routed
+        for rid in list(itertools.takewhile(lambda k: now - recent[k][0] > RECENT_ROUTED_S, recent)):
+            del recent[rid]
+        return (ev for _, ev in recent.values())
 
     async def _on_cancel(self, msg) -> None:
         try:

@@ -54,6 +54,10 @@ class IngressConfig(ServiceConfig):
     #: tokens per prefix-cache block hashed into each request (shared/prefix.py; the engines' block
     #: size, vLLM's 16); 0: no hashes (prefix-aware policies then see no cache)
     prefix_block_tokens: int = 16
+    #: token streams: one ``kairos.out.*`` subscription with in-process dispatch by request id (no
+    #: SUB/UNSUB per request, issue 12); but every replica then receives every replica's events, so
+    #: with many ingress replicas set False: one ``kairos.out.<id>`` subscription per request
+    out_wildcard: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

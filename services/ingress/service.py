@@ -271,6 +271,8 @@ class Ingress:
         self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log).start()
         self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
         self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
+        if self.cfg.out_wildcard:  # every token stream, dispatched to its flight by request id
+            self._subs.append(await self.nc.subscribe(S.OUT_WILDCARD, cb=self._on_out))
         self._poll_task = asyncio.create_task(self._watch_clients())
         if not self.api_keys:
             self.log.warning("api_open", message="no API key configured (KAIROS_API_KEYS / KAIROS_API_KEY_FILE / "
@@ -502,6 +504,23 @@ class Ingress:
             return
         self._roles[st.node] = st.role
         self.liveness.heard(st.node, mono, st.epoch_unix_ms)
+
+    async def _on_out(self, msg) -> None:
+        """A token-stream event (``kairos.out.<attempt id>``): to the queue of the request whose
+        current attempt it belongs to; events of finished or superseded attempts are dropped here."""
+        f = self._flights.get(msg.subject.rpartition(".")[2])
+        if f is None:
+            return
+        try:
+            ev = decode(msg.data, OutEvent)  # type: ignore[arg-type]
+        except WireError as exc:
+            self.log.warning("bad_out_event", subject=msg.subject, error=str(exc))
+            return
+        if isinstance(ev, TokenEvent):  # a token is a sign of life of its node
+            self.liveness.heard(ev.node, time.monotonic() * 1000.0)
+        if ev.request_id == f.attempt_id:
+            f.quiet_deadline = None
+        f.queue.put_nowait(ev)
 
     async def _on_routed(self, msg) -> None:
         try:
@@ -772,20 +791,10 @@ class Ingress:
         sub = None
         hashes = request_block_hashes(parsed.prompt_token_ids, parsed.prompt_text, cfg.prefix_block_tokens)
 
-        async def on_out(msg) -> None:
-            try:
-                ev = decode(msg.data, OutEvent)  # type: ignore[arg-type]
-            except WireError as exc:
-                log.warning("bad_out_event", error=str(exc))
-                return
-            if isinstance(ev, TokenEvent):  # a token is a sign of life of its node
-                self.liveness.heard(ev.node, time.monotonic() * 1000.0)
-            if ev.request_id == flight.attempt_id:
-                flight.quiet_deadline = None
-            queue.put_nowait(ev)
-
         async def submit(attempt_id: str) -> Exception | None:
-            """(Re-)subscribe for ``attempt_id``'s events, then publish it onto the work queue."""
+            """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a
+            per-request one), then publish it onto the work queue. No flush in between: NATS
+            processes one connection's SUB before its later PUB, so no token can be missed."""
             nonlocal sub
             for k in [k for k, f in self._flights.items() if f is flight]:
                 del self._flights[k]
@@ -797,14 +806,14 @@ class Ingress:
             try:
                 if not self.nc.is_connected:
                     raise ConnectionError("the ingress is not connected to NATS")
-                sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=on_out)
-                if old is not None:
-                    await old.unsubscribe()
+                if not cfg.out_wildcard:
+                    sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=self._on_out)
+                    if old is not None:
+                        await old.unsubscribe()
                 ireq = bus_request(parsed, attempt_id, prompt_tokens, exact, received, deadline, hashes,
                                    cfg.prefix_block_tokens)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
-                await self.nc.flush(timeout=2)
                 await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM,
                                       timeout=2)
             except Exception as exc:

@@ -20,6 +20,10 @@ from typing import Awaitable, Callable
 from shared.engine import Engine, EngineConfig, EngineState, GroundTruth
 from shared.latency import LatencyModel
 
+#: the event loop's epoll wait rounds timeouts up to whole milliseconds (selectors.EpollSelector), so a
+#: 0.05 ms step slept with asyncio.sleep took ~1.1 ms; shorter waits yield to the loop instead
+TIMER_RESOLUTION_S = 0.001
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -224,8 +228,10 @@ class EmulatedBackend(EngineBackend):
                 start = now if deadline is None else min(deadline, now)
                 deadline = start + plan.duration_ms / 1000.0
                 started = time.time() * 1000.0 - (now - start) * 1000.0
-                if deadline > now:
+                if deadline - now >= TIMER_RESOLUTION_S:
                     await asyncio.sleep(deadline - now)
+                while time.monotonic() < deadline:  # sub-ms rest: the loop's timers round up to 1 ms
+                    await asyncio.sleep(0)
                 wall = (time.monotonic() - start) * 1000.0
                 res = eng.commit_step(plan)
                 await on_step(StepOutput(
