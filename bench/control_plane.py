@@ -17,6 +17,10 @@ Per (replicas, rate) it prints one JSON line:
   the cost of the control plane;
 * ``client_added_ms`` p50/p99: the same from the client's TTFT (adds the client's HTTP and the
   ingress's body parsing, all on the same cores);
+* ``cpu_ms_per_request``: CPU time (user + system, from ``/proc/<pid>/stat``) each kind of process
+  spent per request during the run — where the 2 cores go — with ``client`` (this process) and
+  ``nats`` (the nats-server); ``loadavg``: the 1-minute load average when the rate started (other
+  jobs on the machine show up here);
 * ``failed``; ``sustained``: no failure, ≥ 95 % of the offered rate achieved;
 * ``p50_vs_target`` / ``p99_vs_target``: added latency over the issue's targets (2 ms / 10 ms).
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -67,9 +72,26 @@ async def _ingress_ttfts(url: str, ids: list[str]) -> list[float]:
             if isinstance(r.get("measured"), dict) and r["measured"].get("ttft_ms") is not None]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat`` fields 14–15);
+    0.0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_kind(procs: dict[str, list[int]]) -> dict[str, float]:
+    """kind → CPU seconds so far of its processes (``client``: this process, from ``os.times``)."""
+    t = os.times()
+    return {"client": t.user + t.system, **{k: sum(cpu_seconds(p) for p in pids) for k, pids in procs.items()}}
+
+
 def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, output_tokens: int,
-             engine_ms: float) -> dict:
-    """One open-loop run at ``rate`` req/s for ``duration_s`` s; the figures of one JSON line."""
+             engine_ms: float, procs: dict[str, list[int]] | None = None) -> dict:
+    """One open-loop run at ``rate`` req/s for ``duration_s`` s; the figures of one JSON line.
+    ``procs``: kind → pids of the stack's processes, for ``cpu_ms_per_request``."""
     import numpy as np
 
     from kairos.bench import BenchConfig, run_bench
@@ -78,7 +100,10 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
 
     n = max(1, int(rate * duration_s))
     wl = [WorkloadRequest(f"cp-{i}", i / rate, prompt_tokens, output_tokens) for i in range(n)]
+    load1 = os.getloadavg()[0]
+    cpu0 = cpu_by_kind(procs or {})
     res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0), wl))
+    cpu1 = cpu_by_kind(procs or {})  # before the record lookups below (not part of serving)
     m = serving_metrics(res.records, duration_s=res.duration_s)
     ids = [o.server_id for o, r in zip(res.outcomes, res.records) if o.server_id and not r.failed]
     found = asyncio.run(_ingress_ttfts(url, ids))
@@ -91,8 +116,21 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     return {"offered_rps": rate, "requests": n, "failed": m["failed"], "achieved_rps": round(m["request_throughput"], 1),
             "added_ms": {"p50": p50, "p99": p99, "n": len(found)}, "client_added_ms": {"p50": c50, "p99": c99},
             "sustained": m["failed"] == 0 and m["request_throughput"] >= 0.95 * rate,
+            "cpu_ms_per_request": {k: round((cpu1[k] - cpu0[k]) * 1000.0 / n, 3) for k in cpu1},
+            "loadavg": round(load1, 2),
             "p50_vs_target": None if p50 is None else round(p50 / TARGET_P50_MS, 2),
             "p99_vs_target": None if p99 is None else round(p99 / TARGET_P99_MS, 2)}
+
+
+def stack_pids(sup) -> dict[str, list[int]]:
+    """kind → pids of a running :class:`kairos.up.Supervisor`'s processes (ingress, dispatcher,
+    agent, aggregator, nats)."""
+    out: dict[str, list[int]] = {}
+    for c in sup.procs:
+        if c.proc is not None:
+            kind = "nats" if c.name.startswith("nats") else c.kind.split(" ")[0]
+            out.setdefault(kind, []).append(c.proc.pid)
+    return out
 
 
 def main() -> None:
@@ -118,7 +156,8 @@ def main() -> None:
                 sup.up()
                 url = f"http://{sup.opts.host}:{sup.opts.port}"
                 for rate in (float(x) for x in args.rates.split(",")):
-                    row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms)
+                    row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms,
+                                   stack_pids(sup))
                     print(json.dumps({"dispatchers": reps, **row}), flush=True)
             finally:
                 sup.down()

@@ -1,7 +1,8 @@
 """Ingress: OpenAI HTTP in, requests onto the JetStream work queue, token stream back out.
 
-Per request: validate (:mod:`shared.openai_api`), count prompt tokens, assign the id, subscribe to
-``kairos.out.<id>`` *before* publishing (so no token can be missed), publish the
+Per request: validate (:mod:`shared.openai_api`), count prompt tokens, assign the id, route
+``kairos.out.<id>`` to it *before* publishing (so no token can be missed: one ``kairos.out.*``
+subscription dispatching by id, or with ``out_wildcard=False`` a subscription per request), publish the
 :class:`~shared.wire.InferenceRequest` with the W3C trace context in the headers, then relay events.
 Streaming responses send their HTTP headers only when the first token arrives, so an error before
 it still gets a proper 4xx/5xx status. Every accepted request ends with a completion or an

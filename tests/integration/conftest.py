@@ -146,12 +146,14 @@ class Stack:
 async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 2, policy: str = "kairos",
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
                 idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
-                metrics: bool = False, max_deflections: int = 1, **dispatcher_overrides):
+                metrics: bool = False, max_deflections: int = 1, ingress_overrides: dict | None = None,
+                **dispatcher_overrides):
     """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
 
     ``span_exporter``: also export every service's spans synchronously to it (e.g. an OTel
     ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port;
     ``max_deflections``: deflection slots per decode node (agents and dispatchers alike).
+    ``ingress_overrides``: extra :class:`IngressConfig` fields.
     """
     await reset_bus(url)
     model = model or fast_model()
@@ -184,7 +186,8 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
         await d.start()
         disp.append(d)
     ing = instrument(Ingress(IngressConfig(nats_url=url, port=0, request_timeout_s=request_timeout_s,
-                                           idle_timeout_s=idle_timeout_s, trace_file=trace_file)))
+                                           idle_timeout_s=idle_timeout_s, trace_file=trace_file,
+                                           **(ingress_overrides or {}))))
     await ing.start()
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
     st = Stack(url=url, ingress=ing, aggregator=agg, dispatchers=disp, agents=agents, http=http,
