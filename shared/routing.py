@@ -57,6 +57,12 @@ def held_by_node(reserved: Mapping[str, Reservation], request_id: str) -> dict[s
     return out
 
 
+def predicted_ttft_ms(d: Decision) -> float | None:
+    """The decision's TTFT estimate (ms) for the path it took: keep → Eq. 1 ``TTFT_pf``, deflect →
+    Eq. 6 ``TTFT_dec`` of the chosen node; None if the policy made none."""
+    return d.ttft_decode_est_ms.get(d.node) if d.deflected else d.ttft_prefill_est_ms
+
+
 def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> ClusterView | None:
     """``view`` plus the keep-path jobs routed (by any replica) since the aggregator built it.
 

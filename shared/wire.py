@@ -235,6 +235,10 @@ class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: NonNeg
     output_tokens: NonNeg
     node_accepted_unix_ms: float  #: from JobAck (node clock, comparable with NodeState.sent_unix_ms)
+    #: the decision's TTFT estimate for the path taken, ms (shared.routing.predicted_ttft_ms; None: the
+    #: policy made none, or an adopted claim): the ingress's predicted-vs-measured TTFT metrics, without
+    #: reading the decision record back per request
+    predicted_ttft_ms: float | None = None
 
 
 class StepRecordEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -39,7 +39,8 @@ from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_m
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
-from shared.routing import build_snapshot, fold_recent, keep_instead, live_reservations, make_job, reservation_ttl_s
+from shared.routing import (build_snapshot, fold_recent, keep_instead, live_reservations, make_job,
+                            predicted_ttft_ms, reservation_ttl_s)
 from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, NodeState,
                          Reservation, RoutedEvent, WireError, decode, encode, now_ms)
 
@@ -534,7 +535,8 @@ class Dispatcher:
                       decode_node=d.decode_node, attempts=attempts, state_age_ms=state_age_ms)
         await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
             request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
-            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms))
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
+            predicted_ttft_ms=predicted_ttft_ms(d)))
         try:
             await self.buckets.requests.put(S.record_key(rid, "decision"), encode(rec))
         except Exception as exc:

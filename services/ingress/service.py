@@ -74,6 +74,8 @@ STREAM_STARTED = web.RequestKey("kairos_stream_started", bool)
 REQUEST_ID = web.RequestKey("kairos_request_id", str)
 #: bytes reserved for the NATS headers of a request (traceparent, tracestate, Nats-Msg-Id)
 BUS_HEADER_ALLOWANCE = 1024
+#: key of the (decision kind, predicted TTFT ms) pair in a request's timing dict (not part of its record)
+PREDICTED = "predicted_ttft"
 
 
 def bus_request(parsed: oa.ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
@@ -204,18 +206,12 @@ class _Flight:
     quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
     #: node -> its incarnation when this request first depended on it (a newer one = restarted, lost)
     dep_epochs: dict[str, float] = field(default_factory=dict)
+    #: (decision kind, its TTFT estimate in ms) from the routing event of the current attempt
+    predicted: tuple[str, float] | None = None
 
     @property
     def attempt_id(self) -> str:
         return self.lc.attempt_id
-
-
-def predicted_ttft_ms(rec: DecisionRecord) -> float | None:
-    """The decision's TTFT estimate for the path it took (None if the policy made none)."""
-    d = rec.decision
-    if d.deflected:
-        return d.ttft_decode_est_ms.get(d.node)
-    return d.ttft_prefill_est_ms
 
 
 class Ingress:
@@ -532,6 +528,9 @@ class Ingress:
         if f is None:
             return
         f.lc.on_routed(ev.request_id, ev.kind, ev.node)
+        if ev.request_id == f.attempt_id:
+            f.predicted = (None if ev.predicted_ttft_ms is None
+                           else ("deflect" if ev.kind == "deflect" else "keep", ev.predicted_ttft_ms))
         self.liveness.watch(ev.node, time.monotonic() * 1000.0)
 
     def _check_liveness(self) -> None:
@@ -803,6 +802,7 @@ class Ingress:
             flight.lost = flight.checking = False
             flight.quiet_deadline = None
             flight.dep_epochs.clear()
+            flight.predicted = None
             old = sub
             try:
                 if not self.nc.is_connected:
@@ -972,6 +972,8 @@ class Ingress:
             await self._sse_done(resp)
             return resp, 200
         finally:
+            if flight.predicted is not None:
+                timing[PREDICTED] = flight.predicted
             for k in [k for k, f in self._flights.items() if f is flight]:
                 del self._flights[k]
             if sub is not None:
@@ -1012,29 +1014,18 @@ class Ingress:
             pass
 
     async def _write_timing(self, rid: str, t: dict) -> None:
-        rec = msgspec.convert({k: v for k, v in t.items() if k != "finish_reason"}, IngressTiming)
+        rec = msgspec.convert({k: v for k, v in t.items() if k not in ("finish_reason", PREDICTED)}, IngressTiming)
+        if t.get("status") == 200 and rec.first_token_unix_ms is not None and t.get(PREDICTED) is not None:
+            self._observe_prediction(*t[PREDICTED], rec.first_token_unix_ms - rec.received_unix_ms)
         try:
             await self.buckets.requests.put(S.record_key(rid, "ingress"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
-        if t.get("status") == 200 and rec.first_token_unix_ms is not None:
-            await self._observe_prediction(rid, rec.first_token_unix_ms - rec.received_unix_ms)
 
-    async def _observe_prediction(self, rid: str, ttft_ms: float) -> None:
-        """Predicted vs measured TTFT: the dispatcher wrote its estimate into the decision record
-        (long before the first token); compare it with what the client saw."""
-        try:
-            e = await self.buckets.requests.get(S.record_key(rid, "decision"))
-            rec = decode(e.value, DecisionRecord) if e.value else None
-        except (nats.js.errors.KeyNotFoundError, WireError, nats.errors.Error, asyncio.TimeoutError):
-            rec = None
-        if rec is None:
-            self.log.info("no_decision_record", request_id=rid)
-            return
-        pred = predicted_ttft_ms(rec)
-        if pred is None:
-            return
-        kind = rec.decision.decision
+    def _observe_prediction(self, kind: str, pred: float, ttft_ms: float) -> None:
+        """Predicted vs measured TTFT: the dispatcher's estimate for the path taken (``pred`` ms,
+        decision ``kind``, carried by the routing event of the attempt that served the request)
+        against the TTFT the client saw (``ttft_ms``)."""
         self.m.ttft_pred.labels(kind).observe(telemetry.seconds(pred))
         self.m.ttft_meas.labels(kind).observe(telemetry.seconds(ttft_ms))
         self.m.ttft_err.labels(kind).observe(telemetry.seconds(ttft_ms - pred))
