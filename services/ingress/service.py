@@ -91,6 +91,14 @@ def bus_request(parsed: oa.ParsedRequest, request_id: str, prompt_tokens: int, e
                             block_hash_tokens=block_tokens if block_hashes else 0)
 
 
+class _SseResponse(web.StreamResponse):
+    """An SSE response whose status line and headers go out with its first event (one write, not
+    two). ``_send_headers_immediately`` is aiohttp's (3.14, web_response.py; ``web.Response`` sets
+    it False the same way); without it aiohttp sends the headers at ``prepare()``, which is correct too."""
+
+    _send_headers_immediately = False
+
+
 def _json(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
@@ -843,8 +851,7 @@ class Ingress:
             timing["completion_tokens"] = sent if parsed.stream else 0
             if resp is None:
                 return _err(status, message, code), status
-            await self._sse(resp, oa.error_body(clip(message), oa.error_type_for(status), None, code))
-            await self._sse_done(resp)
+            await self._sse_done(resp, oa.error_body(clip(message), oa.error_type_for(status), None, code))
             return resp, status
 
         try:
@@ -944,7 +951,7 @@ class Ingress:
                                    "X-Request-Id": rid}
                         if trace_id:
                             headers["X-Trace-Id"] = trace_id
-                        resp = web.StreamResponse(headers=headers)
+                        resp = _SseResponse(headers=headers)
                         request[STREAM_STARTED] = True
                         lc.committed_to_client()
                         await resp.prepare(request)
@@ -965,11 +972,10 @@ class Ingress:
                 out.headers["X-Request-Id"] = rid
                 return out, 200
             assert resp is not None
-            await self._sse(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
-                                                  finish))
-            if parsed.include_usage:
-                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion, cached))
-            await self._sse_done(resp)
+            await self._sse_done(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
+                                                       finish),
+                                 *([oa.usage_chunk(parsed, rid, created, prompt_tokens, completion, cached)]
+                                   if parsed.include_usage else []))
             return resp, 200
         finally:
             if flight.predicted is not None:
@@ -1000,10 +1006,11 @@ class Ingress:
         except (ConnectionResetError, RuntimeError):
             return False
 
-    async def _sse_done(self, resp: web.StreamResponse) -> None:
+    async def _sse_done(self, resp: web.StreamResponse, *last: dict) -> None:
+        """End the stream: the ``last`` events, ``data: [DONE]`` and the chunked-encoding end in
+        one write (one syscall instead of three or four per request)."""
         try:
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            await resp.write_eof(b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in last) + b"data: [DONE]\n\n")
         except (ConnectionResetError, RuntimeError):
             pass
 
