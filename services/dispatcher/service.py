@@ -222,7 +222,19 @@ class Dispatcher:
             except WireError as exc:
                 self.log.warning("bad_view", error=str(exc))
                 continue
+            self._prune_routed(self.view)
             self._view_changed.set()
+
+    def _prune_routed(self, view: ClusterView) -> None:
+        """Forget routed events ``view`` already reflects (their node's state was sent after the
+        node accepted the job — the first test of :func:`shared.routing.fold_recent`, which a later
+        view keeps passing), so each decision folds only the events since the last view instead of
+        every event of the last RECENT_ROUTED_S."""
+        sent = {n.node: n.state_sent_unix_ms for n in view.nodes}
+        done = [rid for rid, (_, ev) in self.recent_routed.items()
+                if ev.node_accepted_unix_ms <= sent.get(ev.node, float("-inf"))]
+        for rid in done:
+            del self.recent_routed[rid]
 
     def _provisional(self, req: InferenceRequest, node: str, decode_node: str) -> None:
         """A keep-path job this replica is sending: fold it into its own snapshots right away
