@@ -37,8 +37,9 @@ from services.state_aggregator.config import AggregatorConfig
 from shared.envconfig import to_env
 
 
-#: deflection slots per decode node under kairos+ (its projection plans each one after the others)
-KAIROS_PLUS_SLOTS = 4
+#: deflection slots per decode node under kairos+ (its projection plans each one after the others);
+#: one definition, shared with the simulator
+from shared.routing import KAIROS_PLUS_SLOTS  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,22 @@ from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection,
 from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation, RoutedEvent
 
 
+#: deflection slots per decode node of ``kairos+`` (the live default of ``kairos up``; kairos: 1, §5.3)
+KAIROS_PLUS_SLOTS = 4
+
+
+def deflection_slots(policy_name: str) -> int | None:
+    """Deflections a decode node holds at once under ``policy_name`` — the default of the live
+    dispatcher (``max_deflections_per_node``) and of the simulator: ``kairos+`` →
+    :data:`KAIROS_PLUS_SLOTS`, ``taichi`` → None (no cap: TaiChi queues its decode-heavy prefills,
+    simulator only), every other policy → 1 (rule 3 turns a deflection onto a full node into a keep)."""
+    if policy_name == "kairos+":
+        return KAIROS_PLUS_SLOTS
+    if policy_name == "taichi":
+        return None
+    return 1
+
+
 def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
     """(prefill, decode) nodes a dispatcher may route to, in view order."""
     if view is None:
