@@ -319,6 +319,8 @@ def demo(**opts) -> None:
 @click.option("--background", type=click.Choice(["handoff", "deflect"]), default="handoff", show_default=True,
               help="Start the background decodes by KV handoffs (all at once) or deflect jobs (one by one, "
                    "prefilled on the node: for backends that cannot pull a pseudo KV cache).")
+@click.option("--connect-timeout", "connect_timeout_s", type=click.FloatRange(0, min_open=True), default=10.0,
+              show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
 def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
     from kairos.profile import ProfileOptions, run_profile

@@ -47,6 +47,7 @@ class ProfileOptions:
     label: str | None = None
     background: str = "handoff"
     quiet: bool = False
+    connect_timeout_s: float = 10.0
 
 
 def _start_emulated(stack: ExitStack, opts: ProfileOptions) -> str:
@@ -92,7 +93,10 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[
     from services.profiler.service import Profiler, fit_run, publish_model
     from shared.bus import close, connect
 
-    nc = await connect(url, "kairos-profile")
+    try:  # connect() retries forever (services may start before NATS); a one-shot command gives up
+        nc = await asyncio.wait_for(connect(url, "kairos-profile"), opts.connect_timeout_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"cannot reach NATS at {url} within {opts.connect_timeout_s:g} s") from None
     try:
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))

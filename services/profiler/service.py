@@ -30,7 +30,7 @@ from shared.bus import ensure_models_bucket, publish, request_typed
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
-                         OutEvent, SamplingParams, StepRecordEvent, WireError, decode, encode, now_ms)
+                         OutEvent, SamplingParams, StepRecordEvent, WireError, decode, now_ms)
 
 
 #: token ids of the profiler's prompts are drawn from this range (inside any real vocabulary)
