@@ -45,6 +45,11 @@ class PolicyParams(msgspec.Struct, frozen=True):
             only (the live node agents do not migrate decodes).
         flow_tpot_fraction: TaiChi flowing decode: a request on a P-heavy node starts migrating
             when its mean time per output token so far exceeds this × ``tbt_slo_ms``.
+        prefix_aware: kairos+ — use the snapshot's per-node ``cached_prefix_tokens``: Eq. 1–3
+            prefill only the chosen prefill node's uncached tokens and the keep path transfers only
+            what its decode node lacks (the receiver is the node holding the longest prefix);
+            Eq. 4–6 schedule only the decode node's uncached tokens, from its cached prefix c > 0.
+            Off: caches are ignored (Algorithm 1 as printed).
     """
 
     alpha: float = 1.3
@@ -60,6 +65,7 @@ class PolicyParams(msgspec.Struct, frozen=True):
     model_correction: bool = False
     flowing_decode: bool = False
     flow_tpot_fraction: float = 1.0
+    prefix_aware: bool = False
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms"):

@@ -39,19 +39,23 @@ def prefill_queue_wait_ms(model: LatencyModel, queue_prompt_tokens: Sequence[int
     return total / chunk_tokens * float(model.prefill_step_ms(chunk_tokens, total / 2.0))
 
 
-def prefill_exec_ms(model: LatencyModel, prompt_tokens: int, chunk_tokens: int) -> float:
-    """T_pf (Eq. 3): Σ_i T_step(min(χ_p, ℓ − iχ_p), iχ_p) over the ⌈ℓ/χ_p⌉ chunks, ms. O(1).
+def prefill_exec_ms(model: LatencyModel, prompt_tokens: int, chunk_tokens: int, cached_tokens: int = 0) -> float:
+    """T_pf (Eq. 3): Σ_i T_step(min(χ_p, u − iχ_p), c + iχ_p) over the ⌈u/χ_p⌉ chunks of the
+    u = ℓ − c uncached tokens, ms. O(1).
 
+    ``cached_tokens`` c: leading prompt tokens the node serves from its prefix cache (cache-aware
+    policies; 0 = Eq. 3 as printed): only the rest is computed, each chunk attending to them.
     Uses the closed form of the sum for the full chunks (T is affine in the cached tokens).
     """
-    if prompt_tokens <= 0:
+    todo = prompt_tokens - cached_tokens
+    if todo <= 0:
         return 0.0
-    full, last = divmod(prompt_tokens, chunk_tokens)
-    first = float(model.prefill_step_ms(chunk_tokens, 0))
-    slope = float(model.prefill_step_ms(chunk_tokens, chunk_tokens)) - first  # per chunk of cache
+    full, last = divmod(todo, chunk_tokens)
+    first = float(model.prefill_step_ms(chunk_tokens, cached_tokens))
+    slope = float(model.prefill_step_ms(chunk_tokens, cached_tokens + chunk_tokens)) - first  # per chunk of cache
     total = full * first + slope * full * (full - 1) / 2.0
     if last:
-        total += float(model.prefill_step_ms(last, full * chunk_tokens))
+        total += float(model.prefill_step_ms(last, cached_tokens + full * chunk_tokens))
     return total
 
 
@@ -90,6 +94,7 @@ def decode_schedule(
     prompt_tokens: int,
     candidates_desc: Sequence[int],
     step_limit_ms: float,
+    cached_tokens: int = 0,
 ) -> tuple[float, list[ChunkRun]] | None:
     """Greedy TBT-safe chunk schedule on one decode node (Eq. 5) and its TTFT (Eq. 6).
 
@@ -109,12 +114,15 @@ def decode_schedule(
         prompt_tokens: ℓ_r.
         candidates_desc: 𝒳 in descending order.
         step_limit_ms: β·τ.
+        cached_tokens: c, leading prompt tokens already held by the node's prefix cache
+            (cache-aware policies): the schedule prefills the ℓ_r − c others and starts from
+            ``c_0 = c`` (each chunk attends to the cached prefix). 0: Algorithm 1 as printed.
 
     Returns:
         ``(ttft_dec_ms, runs)`` or ``None`` when no schedule exists (some step has no safe χ).
     """
-    remaining = prompt_tokens
-    cached = 0
+    remaining = prompt_tokens - cached_tokens
+    cached = cached_tokens
     step = 0
     total = 0.0
     runs: list[ChunkRun] = []
@@ -178,17 +186,19 @@ def expand_runs(runs: Sequence[ChunkRun]) -> tuple[list[int], list[float]]:
 
 
 def fixed_chunk_steps(model: LatencyModel, batch_size: int, kv_tokens: int, prompt_tokens: int,
-                      chunk_tokens: int) -> tuple[list[int], list[float]]:
-    """A fixed-χ schedule (static policies, Dynamo): ⌈ℓ/(χ−B)⌉ steps and their predicted ms.
+                      chunk_tokens: int, cached_tokens: int = 0) -> tuple[list[int], list[float]]:
+    """A fixed-χ schedule (static policies, Dynamo): ⌈(ℓ−c)/(χ−B)⌉ steps and their predicted ms,
+    starting after ``cached_tokens`` c prefix-cached prompt tokens.
 
     When χ ≤ B the decodes alone fill the budget; we still schedule one prompt token per step so
     that the schedule is finite (the engine model does the same, see shared/engine).
     """
     p = max(chunk_tokens - batch_size, 1)
-    n = -(-prompt_tokens // p)
-    last = prompt_tokens - (n - 1) * p
+    todo, c = prompt_tokens - cached_tokens, cached_tokens
+    n = -(-todo // p)
+    last = todo - (n - 1) * p
     B, K, mixed = batch_size, kv_tokens, model.mixed_step_ms
-    t1 = float(mixed(B, K, p, 0))
-    slope = float(mixed(B, K + B, p, p)) - t1
-    t_last = float(mixed(B, K + (n - 1) * B, last, (n - 1) * p))
-    return expand_runs([ChunkRun(chunk_tokens, n, p, 0, last, 0, t1, slope, t_last)])
+    t1 = float(mixed(B, K, p, c))
+    slope = float(mixed(B, K + B, p, c + p)) - t1
+    t_last = float(mixed(B, K + (n - 1) * B, last, c + (n - 1) * p))
+    return expand_runs([ChunkRun(chunk_tokens, n, p, c, last, 0, t1, slope, t_last)])

@@ -14,13 +14,17 @@ node whose deflected prefill has not finished is skipped (reason ``deflection_in
 * ``model_correction``: per node, Eq. 5 checks ``T·step_safety ≤ β·τ`` (i.e. the schedule is
   searched under the limit ``β·τ / step_safety``) and Eq. 6's TTFT and the predicted step times
   are scaled by ``step_bias`` — the node's learned correction (``shared/correction.py``).
+* ``prefix_aware``: per node, the request's cached prefix ``c`` (snapshot ``cached_prefix_tokens``)
+  is not recomputed: Eq. 3 prefills ℓ − c on each prefill node, the keep path's KV transfer
+  carries only what the receiving decode node lacks, and Eq. 5–6 schedule ℓ − c tokens from
+  ``c_0 = c`` on each decode node (docs/policies.md, "Cache-aware Eq. 1–6").
 """
 
 from __future__ import annotations
 
 from shared.latency import LatencyModel
 from shared.policy.base import Decision, PolicyParams
-from shared.policy.common import best_prefill, least_loaded_decode
+from shared.policy.common import best_prefill, keep_receiver, request_hit
 from shared.policy.estimates import decode_schedule, expand_runs
 from shared.snapshot import ClusterSnapshot
 
@@ -34,7 +38,10 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
     """
     req = snap.request
     ell = req.prompt_tokens
-    pf_node, ttft_pf, kv_ms = best_prefill(snap, model, params, include_kv=params.kv_transfer_aware)
+    aware = params.prefix_aware
+    recv, recv_hit = keep_receiver(snap, aware)
+    pf_node, ttft_pf, kv_ms = best_prefill(snap, model, params, include_kv=params.kv_transfer_aware,
+                                           kv_tokens=ell - recv_hit)
     limit = params.step_limit_ms
     cands = sorted(set(params.chunk_candidates), reverse=True)
 
@@ -61,7 +68,7 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
             if ahead is None:
                 ests[dn.id], why[dn.id] = None, "tbt_unsafe_in_flight"
                 continue
-        res = decode_schedule(model, B, K, ell, cands, lim)
+        res = decode_schedule(model, B, K, ell, cands, lim, request_hit(dn, ell) if aware else 0)
         if res is None:
             ests[dn.id], why[dn.id] = None, "tbt_unsafe"
             continue
@@ -75,13 +82,13 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
     if best is None:
         reason = "keep_all_reserved" if why and all(v == "deflection_in_flight" for v in why.values()) \
             else "keep_no_feasible_node"
-        return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap), reason=reason, **common)
+        return Decision(decision="keep", node=pf_node, decode_node=recv, reason=reason, **common)
     ttft_dec, node, runs, bias = best
     if ttft_dec > params.alpha * ttft_pf:  # Eq. 7, first clause
-        return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap),
+        return Decision(decision="keep", node=pf_node, decode_node=recv,
                         reason="keep_alpha_margin", **common)
     if ttft_dec > params.ttft_slo_ms:  # Eq. 7, second clause
-        return Decision(decision="keep", node=pf_node, decode_node=least_loaded_decode(snap),
+        return Decision(decision="keep", node=pf_node, decode_node=recv,
                         reason="keep_over_ttft_slo", **common)
     chis, steps = expand_runs(runs)
     if bias != 1.0:

@@ -35,7 +35,7 @@ def run_until_idle(e: Engine) -> list[tuple[str, int]]:
 
 def test_prefill_node_with_output_tokens_decodes_locally_after_its_prompt():
     e = engine("prefill")
-    e.add_prefill("a", 100, 3)
+    e.add_prefill("a", 100, output_tokens=3)
     tokens = run_until_idle(e)
     # 100 prompt tokens in 64-token chunks: 2 prefill steps, the second emits token 0; then 2 decodes
     assert tokens == [("a", 0), ("a", 1), ("a", 2)]
