@@ -27,7 +27,7 @@ from shared.correction import CorrectionEstimator
 from shared.latency import load_profile
 from shared.policy import PolicyParams, parse_policy
 from shared.policy.taichi import DEFAULT_DECODE_CHUNK
-from shared.workloads import generate, parse_workload
+from shared.workloads import MOONCAKE_BLOCK_TOKENS, generate, parse_workload
 from sim.experiments import max_sustainable_rps, plot_sweep, run_one, sweep_title
 from sim.simulator import SimConfig
 
@@ -587,7 +587,7 @@ def template_values(params: PolicyParams, duration: float, seed: int, wall_s: fl
         abl_rates=" and ".join(f"{r:g}" for r in ABLATION_RATES),
         noise_levels=", ".join(f"{n:g}" for n in ROBUST_NOISE), d_chunk=f"{DEFAULT_DECODE_CHUNK:,}",
         p_chunk=f"{params.prefill_chunk_tokens:,}", flow=f"{params.flow_tpot_fraction:g}",
-        conv_policies=", ".join(f"`{p}`" for p in CONV_POLICIES),
+        conv_policies=", ".join(f"`{p}`" for p in CONV_POLICIES), mooncake_block=f"{MOONCAKE_BLOCK_TOKENS:g}",
     )
 
 

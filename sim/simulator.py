@@ -41,10 +41,10 @@ Model of the cluster:
   (another artifact: an error of form), ``truth_scale`` (a bias), ``drift`` (one node slower from
   a given time on) and ``noise`` (multiplicative log-normal σ on every step). With none of them
   the truth *is* the policy's model — the exact-model run the model-error report compares with.
-* **Model correction.** Every step's (predicted, actual) feeds one
-  :class:`~shared.correction.CorrectionEstimator` (the class the live aggregator runs); its
-  per-node corrections are refreshed with the view (every Δh) and put into the snapshots, where
-  policies with ``model_correction`` (kairos+) use them. With the node-side guard on, a decode
+* **Model correction.** For a policy with ``model_correction`` (kairos+), every step's
+  (predicted, actual) feeds one :class:`~shared.correction.CorrectionEstimator` (the class the
+  live aggregator runs); its per-node corrections are refreshed with the view (every Δh) and put
+  into the snapshots. Other policies skip this work (they ignore the fields). With the node-side guard on, a decode
   engine's guard limit is β·τ / its ``safety`` (the node knows its own residuals).
 
 Event order is deterministic: the heap is keyed ``(time_ms, priority, sequence)``.
@@ -191,14 +191,17 @@ class Simulator:
             raise ValueError(f"drift node {cfg.drift_node!r} is not one of {self.prefill_ids + self.decode_ids}")
         self._now = 0.0
 
-        def ground_truth(node: str) -> GroundTruth:
-            drifts = node == cfg.drift_node
+        def ground_truth(node: str) -> GroundTruth | None:
+            drifts = node == cfg.drift_node and cfg.drift_scale != 1.0
+            if truth is model and cfg.truth_scale == 1.0 and not drifts:
+                return None  # the exact-model run: the engine's prediction is the truth (no second evaluation)
             return GroundTruth(truth, scale=cfg.truth_scale, drift_scale=cfg.drift_scale if drifts else 1.0,
                                drift_at_ms=cfg.drift_at_s * 1000.0 if drifts else math.inf,
                                clock=lambda: self._now)
 
         self.corrector = CorrectionEstimator(window_ms=cfg.correction_window_ms)
         self._corr: dict[str, StepCorrection] = {}
+        self._correcting = self.params.model_correction  # only kairos+ reads corrections: skip the work otherwise
         rng = np.random.default_rng(cfg.seed)
         noise = None
         if cfg.noise > 0:
@@ -282,6 +285,8 @@ class Simulator:
     def _refresh_corrections(self, now: float) -> None:
         """New per-node corrections (with the view); the guard of a correcting kairos+ node
         tightens to β·τ / safety."""
+        if not self._correcting:
+            return
         self._corr = self.corrector.corrections(now)
         if self.guard_ms is not None and self.params.model_correction:
             for nid, eng in zip(self.decode_ids, self.decode):
@@ -380,8 +385,9 @@ class Simulator:
         eng = self.prefill[i] if role == "p" else self.decode[i]
         res = eng.commit_step(plan)
         self.busy[(role, i)] = False
-        self.corrector.observe((self.prefill_ids if role == "p" else self.decode_ids)[i], plan.predicted_ms,
-                               plan.duration_ms, now, mixed=plan.batch_size > 0 and plan.prefill_tokens > 0)
+        if self._correcting:
+            self.corrector.observe((self.prefill_ids if role == "p" else self.decode_ids)[i], plan.predicted_ms,
+                                   plan.duration_ms, now, mixed=plan.batch_size > 0 and plan.prefill_tokens > 0)
         if plan.batch_size > 0:  # prefill nodes decode only under TaiChi (aggregation)
             self.decode_steps.append(plan.duration_ms)
             self.decode_step_at.append((now, i if role == "d" else -1 - i))

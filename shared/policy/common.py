@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from shared.latency import LatencyModel
 from shared.policy.base import PolicyParams
 from shared.policy.estimates import prefill_exec_ms, prefill_queue_wait_ms
@@ -62,10 +64,13 @@ def keep_receiver(snap: ClusterSnapshot, prefix_aware: bool) -> tuple[str, int]:
     return dn.id, request_hit(dn, ell)
 
 
+_LOAD = attrgetter("kv_tokens", "batch_size", "waiting")  # C-level key: O(nodes) per keep decision
+
+
 def least_loaded_decode(snap: ClusterSnapshot) -> str:
     """Decode node that receives the KV of a keep-path request: fewest cached KV tokens, then
     smallest batch, then fewest waiting admissions; ties go to the node listed first."""
-    return min(snap.decode_nodes, key=lambda d: (d.kv_tokens, d.batch_size, d.waiting)).id
+    return min(snap.decode_nodes, key=_LOAD).id
 
 
 def deflect_target(snap: ClusterSnapshot) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from shared.latency import LatencyModel
+from shared.snapshot import MAX_TOKENS_PER_REQUEST
 
 
 def prefill_queue_wait_ms(model: LatencyModel, queue_prompt_tokens: Sequence[int], chunk_tokens: int) -> float:
@@ -87,6 +88,130 @@ class ChunkRun(NamedTuple):
     last_ms: float
 
 
+#: steps of a run that never becomes unsafe (slope ≤ 0: neither the decodes' KV nor the cache grows)
+_UNBOUNDED = 1 << 62
+
+
+class DecodeSweep:
+    """The greedy TBT-safe chunk sweep of one decode-node state, for a prompt of any length.
+
+    Algorithm 1's per-step LargestSafe does not look at ℓ_r except to stop: the χ chosen at step i
+    depends only on (B, K, c_i, β·τ, 𝒳), so the schedule of a prompt is a prefix of one unbounded
+    sweep. The sweep is a few runs of equal χ (T is non-decreasing, so a χ that became unsafe
+    stays unsafe), each with the number of steps it can take (``cap``); within a run T grows by a
+    constant per step, so a run's length and latency sum are closed-form. :meth:`schedule` cuts it
+    at a prompt length in O(runs). Sweeps are cached per (model, B, K, c, β·τ, 𝒳) by
+    :func:`decode_schedule`, so a dispatcher pays for a node's sweep once per state update.
+
+    Built by :func:`decode_sweep`; immutable.
+    """
+
+    __slots__ = ("batch_size", "runs", "full", "_coef")
+
+    def __init__(self, batch_size: int, runs: list[tuple], full: list[ChunkRun], coef: tuple) -> None:
+        self.batch_size = batch_size
+        #: per run: (χ, p, cap steps, first cached, first step, t1, slope, K at its first step,
+        #: total ms of the runs before, prompt tokens covered before)
+        self.runs = runs
+        self.full = full  #: each run taken to its cap, as :class:`ChunkRun` (the ones a prompt passes)
+        self._coef = coef
+
+    def ttft(self, remaining: int) -> float | None:
+        """Eq. 6's TTFT_dec (ms) of a prompt with ``remaining`` tokens to prefill (> 0): the
+        first element of :meth:`schedule` without building the runs."""
+        B = self.batch_size
+        for chi, p, cap, cached, step, t1, slope, K, before, covered in self.runs:
+            left = remaining - covered
+            need = -(-left // p)  # ceil
+            if need <= cap:
+                n = need
+                last = left - (n - 1) * p
+                Kl = K + (n - 1) * B
+                a, bd, kd, m1, m2, m3, m4 = self._coef
+                t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
+                return before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
+        return None
+
+    def schedule(self, remaining: int) -> tuple[float, list[ChunkRun]] | None:
+        """``(ttft_dec_ms, runs)`` of a prompt with ``remaining`` tokens to prefill (> 0), exactly
+        what the greedy loop computes for it; None when the sweep becomes unsafe before."""
+        B = self.batch_size
+        for i, (chi, p, cap, cached, step, t1, slope, K, before, covered) in enumerate(self.runs):
+            left = remaining - covered
+            need = -(-left // p)  # ceil
+            if need <= cap:  # this run finishes the prompt; its last step may be partial
+                n = need
+                last = left - (n - 1) * p
+                Kl = K + (n - 1) * B
+                a, bd, kd, m1, m2, m3, m4 = self._coef
+                t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
+                total = before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
+                runs = self.full[:i]
+                runs.append(ChunkRun(chi, n, p, cached, last, step, t1, slope, t_last))
+                return total, runs
+        return None
+
+
+def decode_sweep(model: LatencyModel, batch_size: int, kv_tokens: int, candidates_desc: Sequence[int],
+                 step_limit_ms: float, cached_tokens: int = 0) -> DecodeSweep:
+    """The unbounded greedy sweep of a node (see :class:`DecodeSweep` and :func:`decode_schedule`).
+
+    At step i (0-based) the largest χ in ``candidates_desc`` with
+    ``T(B, K + i·B, χ − B, c_i) ≤ step_limit_ms`` is taken, ``c_0 = cached_tokens``; the sweep ends
+    where no χ is safe, or with a run that never becomes unsafe, or past
+    :data:`shared.snapshot.MAX_TOKENS_PER_REQUEST` prompt tokens.
+    """
+    B = batch_size
+    # model.mixed_step_ms inlined (bit-identical, see LatencyModel.mixed_terms): this loop is the
+    # dispatcher's hot path
+    coef = model.mixed_terms()
+    a, bd, kd, m1, m2, m3, m4 = coef
+    base = a + bd * B
+    limit = step_limit_ms
+    cached, step, total, covered, k = cached_tokens, 0, 0.0, 0, 0
+    n_cand = len(candidates_desc)
+    runs: list[tuple] = []
+    full: list[ChunkRun] = []
+    while covered < MAX_TOKENS_PER_REQUEST:
+        K = kv_tokens + step * B
+        # LargestSafe from the current index: larger χ were unsafe earlier and stay unsafe.
+        while k < n_cand:
+            p = candidates_desc[k] - B
+            if p > 0:
+                t1 = base + kd * K + p * (m1 + m2 * p + m3 * cached + m4 * K)
+                if t1 <= limit:
+                    break
+            k += 1
+        else:
+            break
+        K2 = K + B  # T(step j+1) − T(step j) within the run
+        slope = (base + kd * K2 + p * (m1 + m2 * p + m3 * (cached + p) + m4 * K2)) - t1
+        if slope > 0.0:
+            cap = 1 + int((limit - t1) / slope)
+            # guard the float division at the boundary
+            while cap > 1 and t1 + slope * (cap - 1) > limit:
+                cap -= 1
+            while t1 + slope * cap <= limit:
+                cap += 1
+        else:
+            cap = _UNBOUNDED
+        runs.append((candidates_desc[k], p, cap, cached, step, t1, slope, K, total, covered))
+        if cap >= _UNBOUNDED:
+            break
+        full.append(ChunkRun(candidates_desc[k], cap, p, cached, p, step, t1, slope, t1 + slope * (cap - 1)))
+        total += cap * t1 + slope * cap * (cap - 1) / 2.0
+        cached += cap * p
+        covered += cap * p
+        step += cap
+        k += 1
+    return DecodeSweep(B, runs, full, coef)
+
+
+#: (id(model)) -> (model, {(B, K, c, β·τ, 𝒳): DecodeSweep}); bounded, cleared when full
+_SWEEPS: dict[int, tuple[LatencyModel, dict]] = {}
+_SWEEP_CACHE_MAX = 1 << 16
+
+
 def decode_schedule(
     model: LatencyModel,
     batch_size: int,
@@ -102,17 +227,20 @@ def decode_schedule(
     ``T(B, K + i·B, χ − B, c_i) ≤ step_limit_ms`` is taken (Algorithm 1's LargestSafe). The KV
     argument is Eq. 5's ``K_n + Σ_{j<i} χ^(j)`` split in two: the decodes' KV grows by their B
     tokens per step (``K + i·B``, the B decode tokens each χ carries) and the deflected prompt's
-    own cache by its chunks (``c_i = Σ_{j<i} (χ^(j) − B)``).
+    own cache by its chunks (``c_i = c_0 + Σ_{j<i} (χ^(j) − B)``).
 
     Because T is non-decreasing in both, once a χ becomes unsafe it stays unsafe, so the schedule
     is a few runs of equal χ; within a run T grows by a constant per step, so each run's length
     and latency sum are computed in closed form, which makes the sweep O(|𝒳|) per node instead of
-    O(steps).
+    O(steps). The ℓ-independent sweep (:class:`DecodeSweep`) is cached per node state and model,
+    so repeated decisions against an unchanged node cost O(runs) without model evaluations.
+    Property tests check it step by step against a literal transcription of Algorithm 1
+    (tests/unit/test_policy_properties.py, tests/unit/test_policy_cache_aware.py).
 
     Args:
         batch_size, kv_tokens: B_n and K_n of the node.
         prompt_tokens: ℓ_r.
-        candidates_desc: 𝒳 in descending order.
+        candidates_desc: 𝒳 in descending order (a tuple for the cache; any sequence works).
         step_limit_ms: β·τ.
         cached_tokens: c, leading prompt tokens already held by the node's prefix cache
             (cache-aware policies): the schedule prefills the ℓ_r − c others and starts from
@@ -122,51 +250,33 @@ def decode_schedule(
         ``(ttft_dec_ms, runs)`` or ``None`` when no schedule exists (some step has no safe χ).
     """
     remaining = prompt_tokens - cached_tokens
-    cached = cached_tokens
-    step = 0
-    total = 0.0
-    runs: list[ChunkRun] = []
-    k = 0
-    n_cand = len(candidates_desc)
-    B = batch_size
-    mixed = model.mixed_step_ms
-    while remaining > 0:
-        K = kv_tokens + step * B
-        # LargestSafe from the current index: larger χ were unsafe earlier and stay unsafe.
-        while k < n_cand:
-            p = candidates_desc[k] - B
-            if p > 0:
-                t1 = float(mixed(B, K, p, cached))
-                if t1 <= step_limit_ms:
-                    break
-            k += 1
-        else:
-            return None
-        slope = float(mixed(B, K + B, p, cached + p)) - t1  # T(step j+1) − T(step j) within the run
-        need = -(-remaining // p)  # ceil
-        if slope > 0.0:
-            n_safe = 1 + int((step_limit_ms - t1) / slope)
-            # guard the float division at the boundary
-            while n_safe > 1 and t1 + slope * (n_safe - 1) > step_limit_ms:
-                n_safe -= 1
-            while t1 + slope * n_safe <= step_limit_ms and n_safe < need:
-                n_safe += 1
-        else:
-            n_safe = need
-        n = min(n_safe, need)
-        if n == need:  # run finishes the prompt; its last step may be partial
-            last = remaining - (n - 1) * p
-            t_last = float(mixed(B, K + (n - 1) * B, last, cached + (n - 1) * p))
-            total += (n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last
-            runs.append(ChunkRun(candidates_desc[k], n, p, cached, last, step, t1, slope, t_last))
-            return total, runs
-        total += n * t1 + slope * n * (n - 1) / 2.0
-        runs.append(ChunkRun(candidates_desc[k], n, p, cached, p, step, t1, slope, t1 + slope * (n - 1)))
-        cached += n * p
-        remaining -= n * p
-        step += n
-        k += 1
-    return total, runs  # pragma: no cover - prompt_tokens <= 0
+    if remaining <= 0:
+        return 0.0, []
+    return cached_sweep(sweep_cache(model), model, batch_size, kv_tokens, cached_tokens, step_limit_ms,
+                        tuple(candidates_desc)).schedule(remaining)
+
+
+def sweep_cache(model: LatencyModel) -> dict:
+    """The sweep cache of ``model`` (one per model object; a hot-reloaded model gets a new one)."""
+    entry = _SWEEPS.get(id(model))
+    if entry is None or entry[0] is not model:
+        if len(_SWEEPS) > 8:
+            _SWEEPS.clear()
+        entry = _SWEEPS[id(model)] = (model, {})
+    return entry[1]
+
+
+def cached_sweep(cache: dict, model: LatencyModel, batch_size: int, kv_tokens: int, cached_tokens: int,
+                 step_limit_ms: float, candidates_desc: tuple[int, ...]) -> DecodeSweep:
+    """:func:`decode_sweep`, memoised in ``cache`` (from :func:`sweep_cache`) by node state."""
+    key = (batch_size, kv_tokens, cached_tokens, step_limit_ms, candidates_desc)
+    sweep = cache.get(key)
+    if sweep is None:
+        if len(cache) >= _SWEEP_CACHE_MAX:
+            cache.clear()
+        sweep = cache[key] = decode_sweep(model, batch_size, kv_tokens, candidates_desc, step_limit_ms,
+                                          cached_tokens)
+    return sweep
 
 
 def expand_runs(runs: Sequence[ChunkRun]) -> tuple[list[int], list[float]]:
