@@ -512,6 +512,14 @@ def note_facts(data: dict[str, Any], params: PolicyParams, seed: int) -> dict[st
             or "no higher load"
         f[f"conv_{tag}_n"] = _range([r["requests"] for r in c["runs"]])
         f[f"conv_{tag}_met"] = f"{sum(r['target_met'] for r in c['runs'])} of {len(c['runs'])}"
+    runs = [run for t in CONV_TRACES for run in data["conversation"][t]["runs"]]
+
+    def viol(spec: str) -> str:
+        return _range([next(r for r in run["rows"] if r["policy"] == spec)["tbt_violation_rate"] for run in runs],
+                      2, 100) + " %"
+    f["conv_taichi_viol"], f["conv_plus_viol"] = viol("taichi"), viol("kairos+")
+    mk_pd = next(r for r in data["conversation"]["mooncake"]["runs"][0]["rows"] if r["policy"] == "pd")
+    f["conv_mk_parts"] = ", ".join(f"{k.replace('_', ' ')} {_s(v)} s" for k, v in mk_pd["ttft_breakdown_p95_ms"].items())
     f["conv_utils"] = f"{_pct(CONV_UTILS[0], 0)}–{_pct(CONV_UTILS[-1], 0)}"
     return f
 
