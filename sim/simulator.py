@@ -164,11 +164,13 @@ class SimResult:
     """Raw output of one run."""
 
     records: list[RequestRecord]
-    decode_step_ms: list[float]  #: latency of every decode-node step with ≥ 1 decode in it
+    #: latency of every step with ≥ 1 decode in it (decode nodes; prefill nodes only under TaiChi)
+    decode_step_ms: list[float]
     deflected_steps: list[DeflectedStep]
     deflections: int
     sim_seconds: float
-    #: (end time ms, decode node index) of each entry of ``decode_step_ms`` (drift analysis)
+    #: (end time ms, node) of each entry of ``decode_step_ms``: decode node index i, or −1−i for
+    #: prefill node i (drift analysis)
     decode_step_at: list[tuple[float, int]] = field(default_factory=list)
 
 
