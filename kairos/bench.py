@@ -328,6 +328,7 @@ class BenchConfig:
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     progress: bool = True  #: progress on stderr: a tqdm bar on a terminal, else periodic lines
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S  #: seconds between progress lines (not a terminal)
+    api_key: str | None = None  #: sent as ``Authorization: Bearer`` (ingress with API keys)
 
 
 @dataclass
@@ -475,8 +476,9 @@ async def run_bench(cfg: BenchConfig,
 
     url = check_url(cfg.url)
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
+    auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                     trust_env=True) as session:
+                                     trust_env=True, headers=auth) as session:
         model, max_len = await probe(session, url, cfg.model)
         reqs = list(workload(max_len) if callable(workload) else workload)
         if not reqs:
@@ -634,7 +636,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
               model: str | None, max_concurrency: int | None, request_timeout: float, max_model_len: int | None,
               label: str, json_path: str | None, save_records: bool, progress: bool, tbt_slo_ms: float,
               ttft_slo_ms: float, goodput: Sequence[str] = (),
-              progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S) -> dict[str, Any]:
+              progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None) -> dict[str, Any]:
     """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
     metrics table (stdout) and a summary (stderr), write JSON.
 
@@ -669,7 +671,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
 
     workload_fn(None)  # workload errors before touching the network
     cfg = BenchConfig(url=url, model=model, max_concurrency=max_concurrency, request_timeout_s=request_timeout,
-                      progress=progress, progress_interval_s=progress_interval_s)
+                      progress=progress, progress_interval_s=progress_interval_s, api_key=api_key)
     wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "seed": seed}
     result = asyncio.run(run_bench(cfg, workload_fn))
     wl = next(iter(cache.values()))

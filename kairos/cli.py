@@ -222,6 +222,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 @click.option("--goodput", multiple=True, metavar="KEY:MS",
               help="Goodput SLOs as in `vllm bench serve` (ttft, tpot, e2el; ms; repeatable). "
                    "Default: ttft:<--ttft-slo-ms> tpot:<--tbt-slo-ms>.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
+              help="Sent as Authorization: Bearer KEY (an ingress started with API keys).")
 def bench(**opts) -> None:
     """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
     from kairos.bench import BenchError, bench_cli
@@ -250,6 +252,14 @@ def bench(**opts) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--api-key", "api_keys", multiple=True,
+              help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
+                   "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
+@click.option("--nats-auth/--no-nats-auth", default=True, show_default=True,
+              help="Bundled NATS: one generated credential per service role with subject permissions "
+                   "(docs/security.md).")
+@click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @policy_params_options
@@ -257,11 +267,41 @@ def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
     from kairos.up import UpOptions, run_up
 
+    opts["api_keys"] = tuple(opts["api_keys"])
+    if opts["nats_secrets_dir"] and not opts["nats_url"]:
+        raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
+    if any(not k or k.strip() != k or "," in k for k in opts["api_keys"]):
+        raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
+                                 param_hint="--api-key")
+
     _parse_policy_or_exit(opts["policy"])
     model_or_exit = load_model_or_exit(opts["profile"])
     make_params(opts["alpha"], opts["beta"], opts["tbt_slo_ms"], opts["ttft_slo_ms"])
     del model_or_exit
     sys.exit(run_up(UpOptions(**opts)))
+
+
+@main.command("nats-auth")
+@click.option("--nodes", default="prefill-0,prefill-1,decode-0,decode-1", show_default=True,
+              help="Comma list of node ids (one agent-<node> user each).")
+@click.option("--secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="Instead: write a fresh random password per role into this directory (<user>.password, "
+                   "and nats-server.env with NATS_PASSWORD_<USER> lines), e.g. ops/secrets for compose.")
+def nats_auth(nodes: str, secrets_dir: str | None) -> None:
+    """Print the nats-server authorization block (one user per role with its subject permissions;
+    passwords from NATS_PASSWORD_<USER> in the server's environment), or write those passwords."""
+    from shared import permissions as P
+    from shared.subjects import SubjectError
+
+    ids = [n.strip() for n in nodes.split(",") if n.strip()]
+    try:
+        if secrets_dir is None:
+            click.echo(P.deployment_auth_config(ids), nl=False)
+            return
+        files = P.write_secrets(P.GeneratedAuth.for_nodes(ids), Path(secrets_dir))
+    except SubjectError as exc:
+        raise click.BadParameter(str(exc), param_hint="--nodes") from None
+    click.echo(f"wrote {len(files)} password files and nats-server.env to {secrets_dir}", err=True)
 
 
 @main.command()
@@ -331,6 +371,8 @@ def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
     from kairos.profile import ProfileOptions, run_profile
     from services.profiler.service import ProfileError
+    from shared.bus import BusAuthError
+    from shared.envconfig import ConfigError
     from shared.latency import FitRefused
 
     if kw["emulated"] and kw["nats_url"]:
@@ -354,6 +396,9 @@ def profile(**kw) -> None:
     except (ProfileError, RuntimeError, OSError) as exc:
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(1)
+    except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(2)
 
 
 @main.command()

@@ -34,7 +34,9 @@ from services.dispatcher.config import DispatcherConfig
 from services.ingress.config import IngressConfig
 from services.node_agent.config import AgentConfig
 from services.state_aggregator.config import AggregatorConfig
+from shared import permissions as P
 from shared.envconfig import to_env
+from shared.permissions import GeneratedAuth, write_secrets
 
 
 #: deflection slots per decode node under kairos+ (its projection plans each one after the others)
@@ -63,6 +65,12 @@ class UpOptions:
     startup_timeout_s: float = 60.0
     max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
     truth_scale: float = 1.0  #: emulated engines' steps take this × what they predict (model error on purpose)
+    #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
+    nats_auth: bool = True
+    #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
+    nats_secrets_dir: str | None = None
+    #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
+    api_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -138,12 +146,35 @@ def nats_server_binary() -> str:
     return found
 
 
-def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
-    """Every service process to start, in start order (configs validated here: bad → ConfigError)."""
+def node_ids(opts: UpOptions) -> list[str]:
+    """The node agents ``kairos up`` starts (``prefill-<i>``, then ``decode-<i>``)."""
+    return [f"prefill-{i}" for i in range(opts.prefill)] + [f"decode-{i}" for i in range(opts.decode)]
+
+
+def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ingress's API key settings: ``--api-key`` values, else this shell's ``KAIROS_API_KEYS`` and
+    ``KAIROS_API_KEY_FILE`` (made absolute: children run in the repo directory)."""
+    env = dict(os.environ) if env is None else env
+    keys = opts.api_keys or tuple(k.strip() for k in env.get("KAIROS_API_KEYS", "").split(",") if k.strip())
+    key_file = env.get("KAIROS_API_KEY_FILE") or None
+    return {"api_keys": keys, "api_key_file": os.path.abspath(key_file) if key_file else None}
+
+
+def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None) -> list[Child]:
+    """Every service process to start, in start order (configs validated here: bad → ConfigError).
+
+    ``creds`` (``{user: password file}``, :func:`shared.permissions.write_secrets`): each service logs in to NATS
+    as its role (``KAIROS_NATS_USER`` + ``KAIROS_NATS_PASSWORD_FILE``); None: no NATS credentials
+    are set (the caller's environment is passed through)."""
     py = sys.executable
     # children run with the repo as cwd: a relative path from the user's shell must be made absolute
-    common = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
+    base = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
     children: list[Child] = []
+
+    def login(user: str) -> dict[str, Any]:
+        if creds is None:
+            return base
+        return {**base, "nats_user": user, "nats_password_file": str(creds[user])}
 
     def add(name: str, module: str, cfg: Any, endpoint: str, kind: str) -> None:
         env = {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}
@@ -151,7 +182,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
 
     mp = free_port()
     add("state_aggregator", "services.state_aggregator",
-        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **common),
+        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
     # kairos+ (ARCHITECTURE §4): several deflections per decode node, projected by the policy, and
     # the node-side guard that shrinks a chunk when decodes joined after the decision
@@ -165,18 +196,18 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
                             metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard,
-                            truth_scale=opts.truth_scale, **common),
+                            truth_scale=opts.truth_scale, **login(P.agent_user(node))),
                 f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, emulated)")
     for i in range(opts.dispatchers):
         mp = free_port()
         add(f"dispatcher-{i}", "services.dispatcher",
             DispatcherConfig(replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile, alpha=opts.alpha,
                              beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
-                             max_deflections_per_node=slots, metrics_port=mp, **common),
+                             max_deflections_per_node=slots, metrics_port=mp, **login(P.DISPATCHER)),
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=opts.tokenizer_path, **common),
+                      tokenizer_path=opts.tokenizer_path, **api_keys(opts), **login(P.INGRESS)),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 
@@ -194,6 +225,8 @@ class Supervisor:
         self.stopping = False
         #: set when startup failed or a child died on its own: the temp dir (logs) is then kept
         self.failed = False
+        #: generated NATS password files ``{user: path}`` (bundled NATS with auth), else None
+        self.creds: dict[str, Path] | None = None
 
     def msg(self, text: str) -> None:
         print(f"kairos up: {text}", file=self.err, flush=True)
@@ -226,11 +259,27 @@ class Supervisor:
             host, _, port = hostport.partition(":")
             if not _port_open(host or "127.0.0.1", int(port or 4222)):
                 raise RuntimeError(f"--nats-url {url}: nothing listens there")
+            if self.opts.nats_secrets_dir:
+                d = Path(self.opts.nats_secrets_dir).resolve()
+                self.creds = {u: d / f"{u}.password" for u in P.cluster_users(node_ids(self.opts))}
+                missing = [str(p) for u, p in self.creds.items() if u != P.PROFILER and not p.is_file()]
+                if missing:
+                    raise RuntimeError(f"--nats-secrets-dir: missing {', '.join(missing)} (write them with "
+                                       f"kairos nats-auth --secrets-dir {self.opts.nats_secrets_dir} --nodes "
+                                       f"{','.join(node_ids(self.opts))})")
             return url
         port = free_port()
         store = self.tmp / "jetstream"
-        c = Child("nats-server", "message bus (JetStream)", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p",
-                                                            str(port), "-sd", str(store)],
+        argv = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
+        if self.opts.nats_auth:
+            auth = GeneratedAuth.for_nodes(node_ids(self.opts))
+            self.creds = write_secrets(auth, self.tmp / "nats-credentials")
+            conf = self.tmp / "nats-credentials" / "nats-server.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(auth.server_config())
+            argv += ["-c", str(conf)]
+        c = Child("nats-server", "message bus (JetStream)", argv,
                   dict(os.environ), f"nats://127.0.0.1:{port}", self.log_dir / "nats-server.log",
                   extra={"store": str(store)})
         self._spawn(c)
@@ -249,7 +298,7 @@ class Supervisor:
         url = self.start()
         if self.stopping:
             return
-        for c in plan(self.opts, url, self.log_dir):
+        for c in plan(self.opts, url, self.log_dir, self.creds):
             self._spawn(c)
         self.write_prometheus_targets()
         # ready = every service's /health is 200 and the ingress sees every node as routable
@@ -307,8 +356,14 @@ class Supervisor:
                          f"kairos trace <id> --trace-file {o.trace_file})")
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             lines.append(f"OTLP         {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
-        lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
-                  f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
+        keyed = bool(api_keys(o)["api_keys"] or api_keys(o)["api_key_file"])
+        bus = ("one generated user per service role, subject permissions (docs/security.md)" if self.creds
+               else "no credentials")
+        lines += [f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
+                  f"NATS: {bus}",
+                  f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+                  + ("-H 'Authorization: Bearer $KEY' " if keyed else "")
+                  + f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
                   "Stop         Ctrl-C"]
         return "\n".join(lines)
 
@@ -353,6 +408,7 @@ class Supervisor:
                 c.proc.kill()
                 c.proc.wait()
         shutil.rmtree(self.tmp / "jetstream", ignore_errors=True)
+        shutil.rmtree(self.tmp / "nats-credentials", ignore_errors=True)  # never kept, even on failure
 
     def cleanup(self) -> Path | None:
         """After :meth:`down`: remove the temp dir except the logs in it. Returns the log dir if it
