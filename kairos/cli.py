@@ -252,8 +252,6 @@ def bench(**opts) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
-@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @click.option("--api-key", "api_keys", multiple=True,
               help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
                    "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
@@ -262,6 +260,8 @@ def bench(**opts) -> None:
                    "(docs/security.md).")
 @click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
               help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @policy_params_options
 def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
@@ -359,12 +359,20 @@ def demo(**opts) -> None:
 @click.option("--background", type=click.Choice(["handoff", "deflect"]), default="handoff", show_default=True,
               help="Start the background decodes by KV handoffs (all at once) or deflect jobs (one by one, "
                    "prefilled on the node: for backends that cannot pull a pseudo KV cache).")
+@click.option("--replay", default=None, metavar="WORKLOAD",
+              help="After the grid, replay this workload on the node (as for `kairos sim --workload`, e.g. "
+                   "azure-code:busiest) for realistic step mixes.")
+@click.option("--replay-duration", "replay_duration_s", type=click.FloatRange(0, min_open=True), default=30.0,
+              show_default=True, help="Seconds of --replay workload.")
+@click.option("--replay-rps", type=click.FloatRange(0, min_open=True), default=None, help="Rate of --replay.")
 @click.option("--connect-timeout", "connect_timeout_s", type=click.FloatRange(0, min_open=True), default=10.0,
               show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
 def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
     from kairos.profile import ProfileOptions, run_profile
     from services.profiler.service import ProfileError
+    from shared.bus import BusAuthError
+    from shared.envconfig import ConfigError
     from shared.latency import FitRefused
 
     if kw["emulated"] and kw["nats_url"]:
@@ -372,6 +380,13 @@ def profile(**kw) -> None:
     for opt in ("node_profile", "truth_profile", "base_profile"):
         if kw[opt]:
             load_model_or_exit(kw[opt], "--" + opt.replace("_", "-"))
+    if kw["replay"]:
+        from shared.workloads import WorkloadError, parse_workload
+
+        try:
+            parse_workload(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1)
+        except WorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--replay") from None
     kw["version"] = kw.pop("version_")
     try:
         run_profile(ProfileOptions(**kw))
@@ -381,6 +396,9 @@ def profile(**kw) -> None:
     except (ProfileError, RuntimeError, OSError) as exc:
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(1)
+    except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(2)
 
 
 @main.command()

@@ -48,6 +48,9 @@ class ProfileOptions:
     background: str = "handoff"
     quiet: bool = False
     connect_timeout_s: float = 10.0
+    replay: str | None = None  #: workload spec replayed after the grid (``azure-code:busiest``, ``bursty``)
+    replay_duration_s: float = 30.0
+    replay_rps: float | None = None
 
 
 def _start_emulated(stack: ExitStack, opts: ProfileOptions) -> str:
@@ -91,20 +94,32 @@ def _stop(proc: subprocess.Popen) -> None:
 
 async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[LatencyModel, dict[str, int]]:
     from services.profiler.service import Profiler, fit_run, publish_model
-    from shared.bus import close, connect
+    from shared.bus import close, connect, connect_service
+    from shared.envconfig import ServiceConfig, from_env
 
+    # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
+    # from the environment, as the services do; the bundled --emulated NATS has no authentication
+    login = connect(url, "kairos-profile") if opts.emulated else connect_service(
+        from_env(ServiceConfig, nats_url=url), "kairos-profile")
     try:  # connect() retries forever (services may start before NATS); a one-shot command gives up
-        nc = await asyncio.wait_for(connect(url, "kairos-profile"), opts.connect_timeout_s)
+        nc = await asyncio.wait_for(login, opts.connect_timeout_s)
     except asyncio.TimeoutError:
         raise RuntimeError(f"cannot reach NATS at {url} within {opts.connect_timeout_s:g} s") from None
     try:
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))
         grid = GRIDS[opts.grid]
+        replay = []
+        if opts.replay:
+            from shared.workloads import parse_workload
+
+            replay = parse_workload(opts.replay, opts.replay_rps, opts.replay_duration_s, 1,
+                                    max_model_len=base.engine.max_model_len)
         run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
-                             progress=say).run()
+                             progress=say).run(replay)
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else "unknown")
-        label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}")
+        label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
+                               + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
         model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",
                         version=opts.version, base=base, engine=engine, served_model=opts.served_model, label=label,
                         max_mape=opts.max_mape)

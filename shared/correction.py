@@ -96,6 +96,7 @@ class CorrectionEstimator:
         self.mixed_window_ms = window_ms * max(mixed_window_factor, 1.0)
         self._w: dict[str, _Window] = {}
         self._mixed: dict[str, _Window] = {}
+        self._last: dict[str, StepCorrection] = {}
 
     def observe(self, node: str, predicted_ms: float, actual_ms: float, t_ms: float, mixed: bool = False) -> bool:
         """Add one executed step of ``node`` ending at ``t_ms``; ``mixed``: it ran decodes and a
@@ -141,16 +142,22 @@ class CorrectionEstimator:
         return n, w.sr / n, math.exp(m + self.z * s * math.sqrt(1.0 + 1.0 / n))
 
     def correction(self, node: str, now_ms: float) -> StepCorrection:
-        """The node's correction from the steps of the last ``window_ms`` before ``now_ms``
-        (:data:`IDENTITY` factors until ``min_samples`` steps are in the window)."""
+        """The node's correction from the steps of the last ``window_ms`` before ``now_ms``:
+        :data:`IDENTITY` factors until ``min_samples`` steps were ever in the window; when fewer
+        are in it later (the node idled), the last correction computed (no new data is not
+        evidence that the model became right)."""
         n, bias, safety = self._stats(self._w.get(node), now_ms, self.window_ms)
-        if n < self.min_samples:
-            return StepCorrection(samples=n, window_ms=self.window_ms)
+        if n < self.min_samples:  # too few recent steps (e.g. the node idled): keep what was learned last
+            last = self._last.get(node)
+            return StepCorrection(bias=last.bias if last else 1.0, safety=last.safety if last else 1.0, samples=n,
+                                  window_ms=self.window_ms)
         nm, bias_m, safety_m = self._stats(self._mixed.get(node), now_ms, self.mixed_window_ms)
         if nm >= self.min_samples:
             bias, safety = bias_m, max(safety, safety_m)
-        return StepCorrection(bias=min(max(bias, MIN_FACTOR), MAX_FACTOR),
-                              safety=min(max(safety, MIN_FACTOR), MAX_FACTOR), samples=n, window_ms=self.window_ms)
+        c = StepCorrection(bias=min(max(bias, MIN_FACTOR), MAX_FACTOR),
+                           safety=min(max(safety, MIN_FACTOR), MAX_FACTOR), samples=n, window_ms=self.window_ms)
+        self._last[node] = c
+        return c
 
     def corrections(self, now_ms: float) -> dict[str, StepCorrection]:
         """node → correction, for every node that reported a step."""

@@ -10,7 +10,8 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   (``kairos.steps.<node>``), receives only its own jobs / KV handoffs (``kairos.jobs.<node>``,
   ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), and may delete only its own node's deflection
   reservations (``$KV.kairos_resv.decode.<node>.*``);
-* only dispatchers publish jobs (``kairos.jobs.*``), consume the request queue and create
+* only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
+  (``kairos.jobs.*``); only dispatchers consume the request queue and create
   reservations; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
   token streams (``kairos.out.*``); only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
@@ -139,8 +140,11 @@ def role_permissions(user: str) -> Permissions:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
         pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress"))]
-        pub += _kv_buckets_declared() + _read(kv_stream(view)) + _read(kv_stream(rec)) + _consumer_info()
-        sub += [_any(S.out_subject), S.ROUTED_SUBJECT]
+        # the request stream too (requests wait there for a dispatcher), and execution claims are read
+        pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + _read(kv_stream(rec))
+        pub += _consumer_info()
+        # heartbeats: the ingress judges node liveness itself (shared/heartbeat.py), aggregator or not
+        sub += [_any(S.out_subject), S.ROUTED_SUBJECT, S.STATE_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
         q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
@@ -155,11 +159,13 @@ def role_permissions(user: str) -> Permissions:
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == AGGREGATOR:
         pub = [_kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
-        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT]
+        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]  # step records: model correction
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
         pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))
-        sub += [S.STEPS_WILDCARD]
+        # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
+        pub += [_any(S.jobs_subject), _any(S.kv_subject), S.CANCEL_SUBJECT]
+        sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, _any(S.out_subject)]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user.startswith(AGENT_PREFIX):
         node = user[len(AGENT_PREFIX):]
@@ -169,8 +175,9 @@ def role_permissions(user: str) -> Permissions:
             raise RoleError(str(exc)) from None
         pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject),
                _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
-               _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode"))]
-        pub += _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
+               _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode")),
+               _kv(rec, _any(S.claim_key))]  # execution claims: create, read (below), compare-and-delete
+        pub += _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models)) + _read(kv_stream(rec))
         sub += [S.jobs_subject(node), S.kv_subject(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")

@@ -17,6 +17,7 @@ Hierarchy::
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
+    $KV.kairos_requests.<rid>.claim  the one node executing bus request <rid> (atomic create)
     $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
 """
 
@@ -129,12 +130,7 @@ def record_key(request_id: str, part: str) -> str:
     return f"{check_token(request_id, 'request id')}.{part}"
 
 
-# -- added for the permission table (shared/permissions.py); contract D, owned by the profiler ----
-def steps_subject(node: str) -> str:
-    """Step records of ``node``'s engine (``StepRecordEvent``): node agent -> profiler."""
-    return f"{PREFIX}.steps.{check_token(node, 'node id')}"
-
-
-STEPS_WILDCARD = f"{PREFIX}.steps.*"
-#: KV bucket of latency models (``latency.<profile>``, ``current``): profiler -> dispatchers, agents.
-MODELS_BUCKET = "kairos_models"
+def claim_key(request_id: str) -> str:
+    """KV key (bucket :data:`REQUESTS_BUCKET`) of the execution claim of bus request ``request_id``
+    (a :class:`~shared.wire.Claim`, created atomically by the node that runs it)."""
+    return f"{check_token(request_id, 'request id')}.claim"

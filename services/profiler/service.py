@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import nats.errors
 import numpy as np
@@ -29,6 +29,7 @@ from shared import subjects as S
 from shared.bus import ensure_models_bucket, publish, request_typed
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
+from shared.workloads import WorkloadRequest
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
                          OutEvent, SamplingParams, StepRecordEvent, WireError, decode, now_ms)
 
@@ -49,11 +50,13 @@ class ProfileRun:
     """What one profiling run collected."""
 
     events: list[StepRecordEvent] = field(default_factory=list)
+    replay_counts: dict[str, int] = field(default_factory=dict)  #: :meth:`Profiler.replay`'s counts, if any
     started_unix_ms: float = 0.0
     finished_unix_ms: float = 0.0
 
     @property
     def records(self) -> list[StepRecord]:
+        """The step records as fitting samples (:func:`shared.profiling.step_records`)."""
         return step_records(self.events)
 
 
@@ -211,9 +214,61 @@ class Profiler:
         await self._until(lambda: self.state is not None and self.state.sent_unix_ms > t and self.state.running == 0
                           and self.state.waiting == 0, self.step_timeout_s + 10.0, "did not become idle after cancels")
 
+    async def _handoff(self, prompt: int, output: int, i: int) -> str | None:
+        """One background decode by KV handoff; None if the node refused it."""
+        req = self._request(prompt, output)
+        msg = KvHandoff(request=req, src_node=f"profiler-{self.tag}-{i}", kv_tokens=prompt, prefill_done_unix_ms=now_ms())
+        ack = await self._ask(S.kv_subject(self.node), msg, KvAck)
+        if not ack.accepted:
+            return None
+        self._live.add(req.request_id)
+        return req.request_id
+
+    async def replay(self, workload: Sequence[WorkloadRequest], time_scale: float = 1.0) -> dict[str, int]:
+        """Trace replay on the node (realistic mixes of B, K and chunks): each request at its
+        arrival time (× ``time_scale``) becomes a deflection — its prefill runs here in chunks of
+        the engine's budget, then it decodes — when none of the profiler's is in flight, else a KV
+        handoff (it only decodes here). Requests the node refuses (too long, no memory) are
+        skipped and counted. Everything still running at the end is cancelled.
+
+        Returns:
+            counts: ``deflected``, ``handed_off``, ``refused``.
+        """
+        counts = {"deflected": 0, "handed_off": 0, "refused": 0}
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deflecting: asyncio.Task | None = None
+        try:
+            for i, w in enumerate(workload):
+                delay = t0 + w.arrival_s * time_scale - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # pacing the replay (arrival times), not synchronization
+                if deflecting is not None and deflecting.done():
+                    if deflecting.exception() is not None:
+                        counts["refused"] += 1
+                    deflecting = None
+                if deflecting is None:
+                    deflecting = asyncio.create_task(self._deflect(w.prompt_tokens, [], w.output_tokens))
+                    counts["deflected"] += 1
+                elif await self._handoff(w.prompt_tokens, w.output_tokens, i) is None:
+                    counts["refused"] += 1
+                else:
+                    counts["handed_off"] += 1
+            if deflecting is not None:
+                try:
+                    await deflecting
+                except ProfileError:
+                    counts["refused"] += 1
+        finally:
+            if deflecting is not None and not deflecting.done():
+                deflecting.cancel()
+        await self._drain(list(self._live))
+        return counts
+
     # -- the run --------------------------------------------------------------------------------
-    async def run(self) -> ProfileRun:
-        """Run the whole grid; every request started is cancelled even on failure.
+    async def run(self, replay: Sequence[WorkloadRequest] = ()) -> ProfileRun:
+        """Run the whole grid, then the optional trace ``replay`` (:meth:`replay`); every request
+        started is cancelled even on failure.
 
         Raises:
             ProfileError: the node refused, lost or never ran the profiler's work.
@@ -243,6 +298,9 @@ class Profiler:
                     await self._chunks(g.chunk_steps * (chi - batch), chi)
                 self.progress(f"B={batch} ctx={ctx} χ={chis}: {len(self.result.events)} steps recorded")
                 await self._drain(rids)
+            if replay:
+                counts = self.result.replay_counts = await self.replay(replay)
+                self.progress(f"replay of {len(replay)} requests {counts}: {len(self.result.events)} steps recorded")
         finally:
             for rid in list(self._live):
                 try:
@@ -265,7 +323,8 @@ def fit_run(run: ProfileRun, *, node: str, grid_name: str, grid: ProfileGrid, na
     """
     meta = provenance(node=node, grid_name=grid_name, grid=grid, events=run.events, engine=engine,
                       served_model=served_model, label=label, started_unix_ms=run.started_unix_ms,
-                      finished_unix_ms=run.finished_unix_ms)
+                      finished_unix_ms=run.finished_unix_ms,
+                      extra={"replay": run.replay_counts} if run.replay_counts else None)
     return fit_latency_model(run.records, name=name, version=version or default_version(), base=base,
                              metadata=meta, max_mape=max_mape)
 

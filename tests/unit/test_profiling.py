@@ -52,6 +52,7 @@ def test_the_committed_measured_artifact_says_what_it_is():
     (["--truth-profile", "no-such-profile"], "--truth-profile"),
     (["--grid", "huge"], "--grid"),
     (["--max-mape", "0"], "--max-mape"),
+    (["--replay", "nope"], "--replay"),
 ])
 def test_kairos_profile_rejects_bad_input(args, hint):
     res = CliRunner().invoke(main, ["profile", *args])
