@@ -3,8 +3,9 @@
 
 Prompts (the routed request's, the prefill queues' and the decode contexts) come from the Bursty
 workload generator; decode batches are 0-48 requests; a fifth of decode nodes hold a deflection;
-a quarter of the nodes hold a cached prefix of the request (0-90 % of it, whole 16-token blocks;
-read by cache-aware policies such as ``kairos+``).
+0-3 random nodes hold a cached prefix of the request (0-90 % of it, whole 16-token blocks — the
+nodes that served earlier turns of a conversation; read by cache-aware policies such as
+``kairos+``).
 Node states either evolve as in a dispatcher's view (``--states live``, default: a node's state
 changes only when its heartbeat arrives, every 100 ms, while requests arrive at 2 req/s per decode
 node — the policy reuses a node's cached chunk sweep until then) or are new at every decision
@@ -59,8 +60,9 @@ def main() -> None:
     def draw(n: int) -> list[int]:
         return [int(x) for x in rng.choice(prompts, size=n)]
 
-    def hit(ell: int) -> int:
-        return int(rng.uniform(0, 0.9) * ell) // 16 * 16 if rng.random() < 0.25 else 0
+    def hits(ell: int, n_nodes: int) -> dict[int, int]:
+        holders = rng.choice(n_nodes, size=int(rng.integers(0, 4)), replace=False) if n_nodes >= 3 else []
+        return {int(j): int(rng.uniform(0, 0.9) * ell) // 16 * 16 for j in holders}
 
     try:
         clusters = [tuple(int(x) for x in c.lower().split("x")) for c in args.clusters.split(",")]
@@ -82,16 +84,17 @@ def main() -> None:
         snaps = []
         for i in range(args.requests):
             ell = draw(1)[0]
+            held = hits(ell, n_p + n_d)  # node index (prefill nodes first) -> cached prefix tokens
             for j in range(n_d):
                 if rng.random() < refresh:
                     dstate[j] = decode_state()
             for j in range(n_p):
                 if rng.random() < refresh:
                     pstate[j] = prefill_state()
-            prefill = [PrefillNodeView(id=f"prefill-{j}", queue_prompt_tokens=pstate[j], cached_prefix_tokens=hit(ell))
+            prefill = [PrefillNodeView(id=f"prefill-{j}", queue_prompt_tokens=pstate[j], cached_prefix_tokens=held.get(j, 0))
                        for j in range(n_p)]
             decode = [DecodeNodeView(id=f"decode-{j}", batch_size=b, kv_tokens=k, deflection_in_flight=f,
-                                     cached_prefix_tokens=hit(ell))
+                                     cached_prefix_tokens=held.get(n_p + j, 0))
                       for j, (b, k, f) in enumerate(dstate)]
             snaps.append(ClusterSnapshot(request=RequestView(id=f"r{i}", prompt_tokens=ell),
                                          prefill_nodes=prefill, decode_nodes=decode))
@@ -102,6 +105,7 @@ def main() -> None:
         cpu = np.empty(len(snaps))
         deflections = 0
         gc.collect()
+        gc.freeze()  # the pre-built snapshots (requests × nodes structs) are not a dispatcher's heap
         for i, s in enumerate(snaps):
             c0 = time.thread_time_ns()
             t0 = time.perf_counter_ns()
@@ -109,6 +113,7 @@ def main() -> None:
             wall[i] = (time.perf_counter_ns() - t0) / 1000.0
             cpu[i] = (time.thread_time_ns() - c0) / 1000.0
             deflections += d.decision == "deflect"
+        gc.unfreeze()
         p50, p99 = np.percentile(wall, [50, 99])
         c50, c99 = np.percentile(cpu, [50, 99])
         print(json.dumps({

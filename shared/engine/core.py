@@ -556,6 +556,14 @@ class Engine:
              + len(self._ready) + len(self._decoding) + len(self._held))
         assert n == len(self._reqs), "phase indexes do not partition the requests"
         assert all(rid in self._await_kv for rid in self._alloc_log), "allocation log holds a non-awaiting id"
+        if self.cache is not None:
+            pins: dict[int, int] = {}
+            for r in self._reqs.values():
+                for h in r.pinned or ():
+                    pins[h] = pins.get(h, 0) + 1
+            assert pins == self.cache._ref, "prefix-cache pin counts drift from the requests' pins"
+            assert self.cache.free_tokens <= self._free_blocks * self.config.block_size, \
+                "evictable cached blocks exceed the free KV capacity"
 
     # -- prefix cache -------------------------------------------------------------------------
     def cached_prefix_tokens(self, req_id: str) -> int:

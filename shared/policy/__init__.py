@@ -84,6 +84,11 @@ class Policy:
         """``params`` with this policy's fixed switches applied (kairos+ turns its features on)."""
         return msgspec.structs.replace(params, **self.overrides) if self.overrides else params
 
+    def uses_prefix_caches(self, params: PolicyParams) -> bool:
+        """True when decisions read the snapshot's ``cached_prefix_tokens`` (kairos+, dynamo, or
+        ``prefix_aware`` set): the dispatcher then keeps a prefix index of the nodes' caches."""
+        return self.name == "dynamo" or self.params(params).prefix_aware
+
     def decide(self, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams) -> Decision:
         """Route ``snap.request`` (see the policy modules for each rule)."""
         return self.fn(self.spec, snap, model, self.params(params))

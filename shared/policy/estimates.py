@@ -26,6 +26,8 @@ Choices where the paper is ambiguous (also in docs/policies.md):
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
 from shared.latency import LatencyModel
@@ -99,117 +101,127 @@ class DecodeSweep:
     depends only on (B, K, c_i, β·τ, 𝒳), so the schedule of a prompt is a prefix of one unbounded
     sweep. The sweep is a few runs of equal χ (T is non-decreasing, so a χ that became unsafe
     stays unsafe), each with the number of steps it can take (``cap``); within a run T grows by a
-    constant per step, so a run's length and latency sum are closed-form. :meth:`schedule` cuts it
-    at a prompt length in O(runs). Sweeps are cached per (model, B, K, c, β·τ, 𝒳) by
-    :func:`decode_schedule`, so a dispatcher pays for a node's sweep once per state update.
+    constant per step, so a run's length and latency sum are closed-form. Runs are computed lazily,
+    only as far as the longest prompt asked so far; :meth:`ttft` / :meth:`schedule` then cut the
+    sweep at a prompt length in O(log runs). Sweeps are cached per (model, B, K, c, β·τ, 𝒳) by
+    :func:`decode_schedule` / :func:`cached_sweep`, so a dispatcher pays for a node's runs once per
+    state update.
 
-    Built by :func:`decode_sweep`; immutable.
+    Built by :func:`decode_sweep`.
     """
 
-    __slots__ = ("batch_size", "runs", "full", "_coef")
+    __slots__ = ("batch_size", "runs", "full", "ends", "_coef", "_kv", "_cands", "_limit", "_next")
 
-    def __init__(self, batch_size: int, runs: list[tuple], full: list[ChunkRun], coef: tuple) -> None:
+    def __init__(self, model: LatencyModel, batch_size: int, kv_tokens: int, candidates_desc: Sequence[int],
+                 step_limit_ms: float, cached_tokens: int) -> None:
         self.batch_size = batch_size
         #: per run: (χ, p, cap steps, first cached, first step, t1, slope, K at its first step,
         #: total ms of the runs before, prompt tokens covered before)
-        self.runs = runs
-        self.full = full  #: each run taken to its cap, as :class:`ChunkRun` (the ones a prompt passes)
-        self._coef = coef
+        self.runs: list[tuple] = []
+        self.full: list[ChunkRun] = []  #: each run taken to its cap (the runs a longer prompt passes)
+        #: prompt tokens covered at the end of each run (strictly increasing): a prompt of ``r``
+        #: tokens ends in run ``bisect_left(ends, r)`` (``need ≤ cap ⟺ r − covered ≤ cap·p``)
+        self.ends: list[int] = []
+        # model.mixed_step_ms inlined (bit-identical, see LatencyModel.mixed_terms): the hot path
+        self._coef = model.mixed_terms()
+        self._kv, self._cands, self._limit = kv_tokens, candidates_desc, step_limit_ms
+        #: where the next run starts: (candidate index, cached, step, total ms, covered), None: ended
+        self._next: tuple[int, int, int, float, int] | None = (0, cached_tokens, 0, 0.0, 0)
+
+    def _grow(self, remaining: int) -> None:
+        """Compute runs until one covers ``remaining`` prompt tokens or the sweep ends (no safe χ,
+        a run that never becomes unsafe, or :data:`MAX_TOKENS_PER_REQUEST` tokens)."""
+        B = self.batch_size
+        a, bd, kd, m1, m2, m3, m4 = self._coef
+        base = a + bd * B
+        limit, cands = self._limit, self._cands
+        n_cand = len(cands)
+        ends = self.ends
+        while self._next is not None and (not ends or ends[-1] < remaining):
+            k, cached, step, total, covered = self._next
+            if covered >= MAX_TOKENS_PER_REQUEST:
+                self._next = None
+                return
+            K = self._kv + step * B
+            # LargestSafe from the current index: larger χ were unsafe earlier and stay unsafe.
+            while k < n_cand:
+                p = cands[k] - B
+                if p > 0:
+                    t1 = base + kd * K + p * (m1 + m2 * p + m3 * cached + m4 * K)
+                    if t1 <= limit:
+                        break
+                k += 1
+            else:
+                self._next = None
+                return
+            K2 = K + B  # T(step j+1) − T(step j) within the run
+            slope = (base + kd * K2 + p * (m1 + m2 * p + m3 * (cached + p) + m4 * K2)) - t1
+            if slope > 0.0:
+                cap = 1 + int((limit - t1) / slope)
+                # guard the float division at the boundary
+                while cap > 1 and t1 + slope * (cap - 1) > limit:
+                    cap -= 1
+                while t1 + slope * cap <= limit:
+                    cap += 1
+            else:
+                cap = _UNBOUNDED
+            self.runs.append((cands[k], p, cap, cached, step, t1, slope, K, total, covered))
+            ends.append(covered + cap * p)
+            if cap >= _UNBOUNDED:
+                self._next = None
+                return
+            self.full.append(ChunkRun(cands[k], cap, p, cached, p, step, t1, slope, t1 + slope * (cap - 1)))
+            self._next = (k + 1, cached + cap * p, step + cap, total + (cap * t1 + slope * cap * (cap - 1) / 2.0),
+                          covered + cap * p)
+
+    def _run(self, remaining: int) -> tuple[int, int, float, float] | None:
+        """(run index, steps n in it, its last step's ms, TTFT ms) of a ``remaining``-token prompt."""
+        ends = self.ends
+        if not ends or ends[-1] < remaining:
+            self._grow(remaining)
+        i = bisect_left(ends, remaining)
+        if i == len(ends):
+            return None
+        B = self.batch_size
+        chi, p, cap, cached, step, t1, slope, K, before, covered = self.runs[i]
+        left = remaining - covered
+        n = -(-left // p)  # ceil: the steps this run takes (≤ cap)
+        last = left - (n - 1) * p
+        Kl = K + (n - 1) * B
+        a, bd, kd, m1, m2, m3, m4 = self._coef
+        t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
+        return i, n, t_last, before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
 
     def ttft(self, remaining: int) -> float | None:
-        """Eq. 6's TTFT_dec (ms) of a prompt with ``remaining`` tokens to prefill (> 0): the
-        first element of :meth:`schedule` without building the runs."""
-        B = self.batch_size
-        for chi, p, cap, cached, step, t1, slope, K, before, covered in self.runs:
-            left = remaining - covered
-            need = -(-left // p)  # ceil
-            if need <= cap:
-                n = need
-                last = left - (n - 1) * p
-                Kl = K + (n - 1) * B
-                a, bd, kd, m1, m2, m3, m4 = self._coef
-                t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
-                return before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
-        return None
+        """Eq. 6's TTFT_dec (ms) of a prompt with ``remaining`` tokens to prefill (> 0); None when
+        the sweep becomes unsafe before it is prefilled."""
+        r = self._run(remaining)
+        return None if r is None else r[3]
 
     def schedule(self, remaining: int) -> tuple[float, list[ChunkRun]] | None:
         """``(ttft_dec_ms, runs)`` of a prompt with ``remaining`` tokens to prefill (> 0), exactly
         what the greedy loop computes for it; None when the sweep becomes unsafe before."""
-        B = self.batch_size
-        for i, (chi, p, cap, cached, step, t1, slope, K, before, covered) in enumerate(self.runs):
-            left = remaining - covered
-            need = -(-left // p)  # ceil
-            if need <= cap:  # this run finishes the prompt; its last step may be partial
-                n = need
-                last = left - (n - 1) * p
-                Kl = K + (n - 1) * B
-                a, bd, kd, m1, m2, m3, m4 = self._coef
-                t_last = a + bd * B + kd * Kl + last * (m1 + m2 * last + m3 * (cached + (n - 1) * p) + m4 * Kl)
-                total = before + ((n - 1) * t1 + slope * (n - 1) * (n - 2) / 2.0 + t_last)
-                runs = self.full[:i]
-                runs.append(ChunkRun(chi, n, p, cached, last, step, t1, slope, t_last))
-                return total, runs
-        return None
+        r = self._run(remaining)
+        if r is None:
+            return None
+        i, n, t_last, total = r
+        chi, p, cap, cached, step, t1, slope, K, before, covered = self.runs[i]
+        runs = self.full[:i]
+        runs.append(ChunkRun(chi, n, p, cached, remaining - covered - (n - 1) * p, step, t1, slope, t_last))
+        return total, runs
 
 
 def decode_sweep(model: LatencyModel, batch_size: int, kv_tokens: int, candidates_desc: Sequence[int],
                  step_limit_ms: float, cached_tokens: int = 0) -> DecodeSweep:
-    """The unbounded greedy sweep of a node (see :class:`DecodeSweep` and :func:`decode_schedule`).
-
-    At step i (0-based) the largest χ in ``candidates_desc`` with
-    ``T(B, K + i·B, χ − B, c_i) ≤ step_limit_ms`` is taken, ``c_0 = cached_tokens``; the sweep ends
-    where no χ is safe, or with a run that never becomes unsafe, or past
-    :data:`shared.snapshot.MAX_TOKENS_PER_REQUEST` prompt tokens.
-    """
-    B = batch_size
-    # model.mixed_step_ms inlined (bit-identical, see LatencyModel.mixed_terms): this loop is the
-    # dispatcher's hot path
-    coef = model.mixed_terms()
-    a, bd, kd, m1, m2, m3, m4 = coef
-    base = a + bd * B
-    limit = step_limit_ms
-    cached, step, total, covered, k = cached_tokens, 0, 0.0, 0, 0
-    n_cand = len(candidates_desc)
-    runs: list[tuple] = []
-    full: list[ChunkRun] = []
-    while covered < MAX_TOKENS_PER_REQUEST:
-        K = kv_tokens + step * B
-        # LargestSafe from the current index: larger χ were unsafe earlier and stay unsafe.
-        while k < n_cand:
-            p = candidates_desc[k] - B
-            if p > 0:
-                t1 = base + kd * K + p * (m1 + m2 * p + m3 * cached + m4 * K)
-                if t1 <= limit:
-                    break
-            k += 1
-        else:
-            break
-        K2 = K + B  # T(step j+1) − T(step j) within the run
-        slope = (base + kd * K2 + p * (m1 + m2 * p + m3 * (cached + p) + m4 * K2)) - t1
-        if slope > 0.0:
-            cap = 1 + int((limit - t1) / slope)
-            # guard the float division at the boundary
-            while cap > 1 and t1 + slope * (cap - 1) > limit:
-                cap -= 1
-            while t1 + slope * cap <= limit:
-                cap += 1
-        else:
-            cap = _UNBOUNDED
-        runs.append((candidates_desc[k], p, cap, cached, step, t1, slope, K, total, covered))
-        if cap >= _UNBOUNDED:
-            break
-        full.append(ChunkRun(candidates_desc[k], cap, p, cached, p, step, t1, slope, t1 + slope * (cap - 1)))
-        total += cap * t1 + slope * cap * (cap - 1) / 2.0
-        cached += cap * p
-        covered += cap * p
-        step += cap
-        k += 1
-    return DecodeSweep(B, runs, full, coef)
+    """The (lazily computed) greedy sweep of a node state; see :class:`DecodeSweep` and
+    :func:`decode_schedule`. At step i (0-based) the largest χ in ``candidates_desc`` with
+    ``T(B, K + i·B, χ − B, c_i) ≤ step_limit_ms`` is taken, ``c_0 = cached_tokens``."""
+    return DecodeSweep(model, batch_size, kv_tokens, candidates_desc, step_limit_ms, cached_tokens)
 
 
-#: (id(model)) -> (model, {(B, K, c, β·τ, 𝒳): DecodeSweep}); bounded, cleared when full
+#: (id(model)) -> (model, {(B, K, c, β·τ, 𝒳): DecodeSweep}); bounded, oldest entry evicted first
 _SWEEPS: dict[int, tuple[LatencyModel, dict]] = {}
-_SWEEP_CACHE_MAX = 1 << 16
+_SWEEP_CACHE_MAX = 2048  # ≥ 8 × nodes of a 32P256D cluster; small, so the GC walks it fast
 
 
 def decode_schedule(
@@ -262,7 +274,7 @@ def sweep_cache(model: LatencyModel) -> dict:
     if entry is None or entry[0] is not model:
         if len(_SWEEPS) > 8:
             _SWEEPS.clear()
-        entry = _SWEEPS[id(model)] = (model, {})
+        entry = _SWEEPS[id(model)] = (model, OrderedDict())
     return entry[1]
 
 
@@ -272,8 +284,8 @@ def cached_sweep(cache: dict, model: LatencyModel, batch_size: int, kv_tokens: i
     key = (batch_size, kv_tokens, cached_tokens, step_limit_ms, candidates_desc)
     sweep = cache.get(key)
     if sweep is None:
-        if len(cache) >= _SWEEP_CACHE_MAX:
-            cache.clear()
+        if len(cache) >= _SWEEP_CACHE_MAX:  # evict the oldest entry: O(1), no latency spike
+            cache.popitem(last=False)
         sweep = cache[key] = decode_sweep(model, batch_size, kv_tokens, candidates_desc, step_limit_ms,
                                           cached_tokens)
     return sweep

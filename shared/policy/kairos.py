@@ -34,7 +34,10 @@ def decide_kairos(spec: str, snap: ClusterSnapshot, model: LatencyModel, params:
 
     Returns a deflect decision for the decode node with the lowest TTFT_dec (Eq. 6) when Eq. 7
     holds, else keep on the prefill node with the lowest TTFT_pf (Eq. 1) with the KV going to the
-    least-loaded decode node. Ties go to the node listed first.
+    least-loaded decode node (``prefix_aware``: the one holding the longest prefix of the request).
+    Ties go to the node listed first. Each node's chunk schedule comes from its cached
+    :class:`~shared.policy.estimates.DecodeSweep` (per node state; deterministic, so the decision
+    is a pure function of its inputs). O(nodes · log runs) per request for unchanged node states.
     """
     req = snap.request
     ell = req.prompt_tokens

@@ -8,7 +8,8 @@
 * ``dynamo[:L[:Q]]`` — Dynamo's conditional disaggregation (``DisaggregatedRouter.prefill_remote``
   in ai-dynamo/dynamo ``lib/llm/src/disagg_router.rs`` and the vLLM worker's
   ``prefill_remote and queue_size < max_prefill_queue_size``): the request's decode worker is the
-  one holding its longest cached prefix (Dynamo's KV router; least loaded on ties), and the
+  one holding its longest cached prefix (Dynamo's KV router; least loaded on ties; with no prefix
+  anywhere, the static policies' choice: least loaded, preferring no deflection in flight), and the
   prefill runs remotely iff the *uncached* prompt ``ℓ − prefix_hit > L`` (1000) and the prefill
   queue holds < Q (2) requests; else locally on that decode worker, computing only the uncached
   tokens. Dynamo has one global prefill queue; here "the prefill queue" is the queue of the
@@ -81,8 +82,10 @@ def decide_dynamo(max_local_prefill: int = 1000, max_queue: int = 2):
     """``dynamo[:L[:Q]]``."""
 
     def decide(spec: str, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams) -> Decision:
-        target = keep_receiver(snap, True)
-        if snap.request.prompt_tokens - target[1] <= max_local_prefill:
+        target: tuple[str, int] | None = keep_receiver(snap, True)
+        if not target[1]:  # no node holds a prefix: the load rules of the cache-blind version
+            target = None
+        if snap.request.prompt_tokens - (target[1] if target else 0) <= max_local_prefill:
             local, reason = True, "dynamo_short_prompt"
         elif min(sum(1 for t in pn.queue_prompt_tokens if t > 0) for pn in snap.prefill_nodes) >= max_queue:
             local, reason = True, "dynamo_prefill_queue_full"

@@ -204,6 +204,7 @@ def test_dynamo_rule_uses_the_uncached_prompt_on_the_decode_worker(snap):
     ell = snap.request.prompt_tokens
     target = min(snap.decode_nodes, key=lambda x: (-x.cached_prefix_tokens, x.kv_tokens, x.batch_size, x.waiting))
     hit = min(target.cached_prefix_tokens, ell - 1)
+    assume(hit > 0)  # without any cached prefix it is the cache-blind rule (test_policies_static.py)
     queue_full = min(sum(1 for t in p.queue_prompt_tokens if t > 0) for p in snap.prefill_nodes) >= 2
     remote = ell - hit > 1000 and not queue_full  # Dynamo: prefill_remote(ℓ, hit) and queue < Q
     assert d.decision == ("keep" if remote else "deflect")

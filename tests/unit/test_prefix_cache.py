@@ -189,3 +189,85 @@ def test_mooncake_trace_carries_its_hash_ids() -> None:
             seen.add(h)
             total += 1
     assert 0.3 < reused / total < 0.45  # the issue's "reuses 37 % of its 512-token blocks"
+
+
+# -- hashes and the heartbeat feed -----------------------------------------------------------
+def test_hash_chains_identify_prefixes() -> None:
+    from shared.prefix import request_block_hashes, text_block_hashes, token_block_hashes
+
+    a = token_block_hashes(list(range(40)), 16)
+    b = token_block_hashes(list(range(32)) + [7] * 8, 16)
+    c = token_block_hashes([1] + list(range(1, 40)), 16)
+    assert len(a) == 2 and a == b  # the partial third block is not hashed
+    assert c[0] != a[0] and c[1] != a[1]  # a different first block changes every later hash
+    assert token_block_hashes(list(range(16)) + [99] * 16, 16)[0] == a[0]
+    t = text_block_hashes("x" * 64 + "y" * 64, 16)  # 4 bytes per token: 64-byte blocks
+    assert len(t) == 2 and t[0] == text_block_hashes("x" * 64 + "z" * 70, 16)[0] != t[1]
+    assert request_block_hashes(None, "x" * 200, 0) == []
+    assert request_block_hashes([1] * 32, "ignored", 16) == token_block_hashes([1] * 32, 16)
+    assert all(0 <= h < 2 ** 63 for h in a + t)
+
+
+def test_heartbeat_feed_resyncs_after_a_lost_heartbeat() -> None:
+    index = PrefixIndex(16)
+    index.on_heartbeat("n", 1, 16, [1], [], full=False)  # no full state yet: ignored
+    assert index.node_hashes("n") == frozenset()
+    index.on_heartbeat("n", 2, 16, [1, 2], [], full=True)
+    index.on_heartbeat("n", 3, 16, [3], [1], full=False)
+    assert index.node_hashes("n") == {2, 3}
+    index.on_heartbeat("n", 5, 16, [4], [], full=False)  # seq 4 was lost: forget until the next full
+    assert index.node_hashes("n") == frozenset()
+    index.on_heartbeat("n", 6, 16, [5], [], full=False)
+    assert index.node_hashes("n") == frozenset()
+    index.on_heartbeat("n", 7, 16, [2, 3, 4, 5], [], full=True)
+    assert index.node_hashes("n") == {2, 3, 4, 5}
+    index.on_heartbeat("n", 8, 32, [9], [], full=True)  # another block size never matches
+    assert index.node_hashes("n") == frozenset()
+
+
+def test_emulated_backend_reports_what_its_engine_caches() -> None:
+    from services.node_agent.backend import EmulatedBackend
+
+    be = EmulatedBackend("prefill", MODEL)
+    be.note_block_hashes("a", [11, 12, 13], 16)
+    be.add_prefill("a", 60)
+    be.note_block_hashes("b", [21, 22], 512)  # another granularity: not used
+    be.add_prefill("b", 40)
+    run(be.engine)
+    assert be.cache_events(full=False) == (16, [11, 12, 13], [])
+    assert be.cache_events(full=False) == (16, [], [])
+    assert be.cache_events(full=True) == (16, [11, 12, 13], [])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["prefill", "deflect", "remote"]), st.integers(0, 3), st.integers(1, 9),
+                          st.booleans(), st.integers(0, 3)), min_size=1, max_size=30))
+def test_pins_and_capacity_stay_consistent_through_any_lifecycle(ops) -> None:
+    """Random adds (shared prefixes), partial runs, KV arrivals and aborts on a small node: pin
+    counts always equal the live requests' pins and evictable blocks fit in the free capacity."""
+    for role in ("prefill", "decode"):
+        e = engine(role, kv=480)
+        live: list[str] = []
+        for i, (kind, conv, blocks, abort, steps) in enumerate(ops):
+            rid, hashes = f"r{i}", [conv * 100 + j for j in range(blocks)]
+            if role == "prefill":
+                e.add_prefill(rid, blocks * 16 + 3, hashes)
+            elif kind == "deflect":
+                e.add_deflected(rid, blocks * 16 + 3, 2, [256], hashes)
+            else:
+                e.add_remote_decode(rid, blocks * 16 + 3, 2, hashes)
+            live.append(rid)
+            e.admit()
+            for a in e.poll_allocated():
+                e.kv_arrived(a)
+            for _ in range(steps):
+                plan = e.plan_step()
+                if plan is None:
+                    break
+                for done in e.commit_step(plan).prefill_done:
+                    e.release(done)
+            if abort and live:
+                e.abort(live.pop(0))
+            e.check_invariants()
+        run(e)
+        e.check_invariants()
