@@ -136,12 +136,14 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
               help="σ of multiplicative log-normal noise on every engine step.")
 @click.option("--tbt-guard/--no-tbt-guard", default=None,
               help="Node-side chunk guard (default: on for kairos+, off otherwise).")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Engines keep prefix caches (requests with block hashes, e.g. the mooncake trace, hit them).")
 @click.option("--sweep-rps", default=None, help="START:STOP[:STEP]: run every policy at each rate and plot.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), default="out/plots", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows as JSON.")
 @policy_params_options
 def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, heartbeat_ms, seed, truth_profile,
-        truth_scale, drift, noise, tbt_guard, sweep_rps, plots_dir, json_path, **params) -> None:
+        truth_scale, drift, noise, tbt_guard, prefix_cache, sweep_rps, plots_dir, json_path, **params) -> None:
     """Simulate the P/D cluster in virtual time and print the paper's metrics per policy."""
     import json as _json
 
@@ -185,7 +187,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
             guard = tbt_guard if tbt_guard is not None else pol.name == "kairos+"
             cfg = SimConfig(n_prefill=n_prefill, n_decode=n_decode, heartbeat_ms=heartbeat_ms, link=link,
                             tbt_guard=guard, truth=truth, truth_scale=truth_scale, drift_node=drift_node,
-                            drift_scale=drift_scale, drift_at_s=drift_at_s, noise=noise, seed=seed)
+                            drift_scale=drift_scale, drift_at_s=drift_at_s, noise=noise, seed=seed,
+                            prefix_caching=prefix_cache)
             row = run_one(wl, pol, model, pp, cfg, rps=rate)
             rows.append(row)
             click.echo(f"  {pol.spec} @ {rate or 'default'} rps: {row['requests']} requests, "
@@ -252,6 +255,8 @@ def bench(**opts) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @click.option("--api-key", "api_keys", multiple=True,
               help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
                    "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
@@ -260,8 +265,6 @@ def bench(**opts) -> None:
                    "(docs/security.md).")
 @click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
               help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
-@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @policy_params_options
 def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""

@@ -148,6 +148,12 @@ class LatencyModel:
         return self.decode_step_ms(batch_size, kv_tokens) + self.mixed_delta_ms(
             batch_size, kv_tokens, prefill_tokens, prefill_cached)
 
+    def mixed_terms(self) -> tuple[float, float, float, float, float, float, float]:
+        """``(a_d, b_d, c_d, m1, m2, m3, m4)``: the coefficients of :meth:`mixed_step_ms`, for hot
+        loops that inline it. ``(a_d + b_d·B + c_d·K) + p·(m1 + m2·p + m3·c + m4·K)``, evaluated
+        in this order, is bit-identical to ``mixed_step_ms(B, K, p, c)`` on Python floats."""
+        return (self.decode_intercept_ms, *self.decode_coef, *self.mixed_delta_coef)
+
     def step_ms(self, batch_size: int, kv_tokens: int, prefill_tokens: int, prefill_cached: int) -> float:
         """Latency (ms) of one engine step of any composition.
 

@@ -51,6 +51,9 @@ class PrefillNodeView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_backlog_ms: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
     #: learned mean actual/predicted step time of this node (kairos+ model correction; 1 = none)
     step_bias: Factor = 1.0
+    #: leading prompt tokens of the routed request this node holds in its prefix cache (the view's
+    #: prefix index, shared/prefix.py; 0 = none or unknown). Read by cache-aware policies only.
+    cached_prefix_tokens: NonNegInt = 0
 
 
 class InFlightDeflection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -76,6 +79,9 @@ class DecodeNodeView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_bias: Factor = 1.0
     #: learned upper bound of actual/predicted: Eq. 5 checks T·step_safety ≤ β·τ (kairos+)
     step_safety: Factor = 1.0
+    #: leading prompt tokens of the routed request this node holds in its prefix cache (the view's
+    #: prefix index, shared/prefix.py; 0 = none or unknown). Read by cache-aware policies only.
+    cached_prefix_tokens: NonNegInt = 0
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -83,6 +83,11 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     created_unix_ms: float  #: when the ingress accepted the request
     deadline_unix_ms: float  #: after this the ingress has answered 504; nobody should work on it
     sampling: SamplingParams = SamplingParams()  #: the client's sampling parameters (contract C)
+    #: prefix-cache hashes of the prompt's full blocks of ``block_hash_tokens`` tokens each
+    #: (shared/prefix.py: from the token ids, else from the text at the ingress's 4 bytes/token);
+    #: empty when the ingress hashes nothing
+    block_hashes: list[int] = []
+    block_hash_tokens: NonNeg = 0
     #: False when the client set no max_tokens (``max_tokens`` is then the endpoint's default: 16 for
     #: completions, the remaining context for chat); the emulated engine ends such requests with EOS
     max_tokens_explicit: bool = True
@@ -153,6 +158,7 @@ class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
     src_node: str  #: prefill node holding the KV blocks
     kv_tokens: NonNeg  #: KV tokens to transfer (the prompt length)
     prefill_done_unix_ms: float
+    cached_tokens: NonNeg = 0  #: prompt tokens the prefill node served from its prefix cache
 
 
 class KvAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -209,6 +215,13 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     running: NonNeg = 0
     kv_backlog_ms: float = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
     accepting: bool = True  #: False while draining
+    #: prefix-cache events (shared/engine/prefix.py, shared/prefix.py ``on_heartbeat``): the cache's
+    #: block size in tokens (0: the engine reports no cache), the block hashes stored and removed
+    #: since the previous heartbeat (net), or with ``cache_full`` the whole cache in ``cache_stored``
+    cache_block_tokens: NonNeg = 0
+    cache_stored: list[int] = []
+    cache_removed: list[int] = []
+    cache_full: bool = False
 
 
 class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -51,7 +51,8 @@ from shared.latency import LatencyModel
 from shared.metrics import RequestRecord
 from shared.policy import Policy, PolicyParams
 from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
-from shared.workloads import WorkloadRequest
+from shared.prefix import PrefixIndex
+from shared.workloads import MOONCAKE_BLOCK_TOKENS, WorkloadRequest
 
 # event kinds, in priority order for equal timestamps (heartbeats first so that a decision at the
 # same instant sees the fresh state; step ends before arrivals so freed capacity is visible)
@@ -76,6 +77,11 @@ class SimConfig:
         noise: σ of multiplicative log-normal noise on every step's latency (0: none).
         seed: RNG seed of the noise.
         correction_window_ms: sliding window of the model-correction estimator (ms).
+        prefix_caching: engines keep prefix caches (shared/engine/prefix.py); requests with block
+            hashes (the Mooncake trace) hit them. The dispatcher's prefix index is refreshed with
+            the view (every Δh) from the engines' cache events.
+        prefix_block_tokens: tokens per hashed block of the workload's ``block_hashes`` (the
+            Mooncake trace: 512).
     """
 
     n_prefill: int = 2
@@ -91,6 +97,8 @@ class SimConfig:
     noise: float = 0.0
     seed: int = 0
     correction_window_ms: float = 10_000.0
+    prefix_caching: bool = True
+    prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
 
 @dataclass
@@ -107,6 +115,8 @@ class _Req:
     # deflection bookkeeping: decodes running at decision and predicted step ms (violation attribution)
     decided_decodes: frozenset[str] = frozenset()
     predicted_steps: list[float] = field(default_factory=list)
+    transfer_tokens: int = 0  #: keep path: prompt tokens the decode node lacked (KV transferred)
+    cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
 
 
 @dataclass
@@ -175,10 +185,12 @@ class Simulator:
 
         guard = self.params.step_limit_ms if cfg.tbt_guard else None
         self.guard_ms = guard
-        self.prefill = [Engine(EngineConfig.from_limits("prefill", truth.engine), model, step_noise=noise,
+        pc = dict(prefix_block_tokens=cfg.prefix_block_tokens, prefix_caching=cfg.prefix_caching)
+        self.prefill = [Engine(EngineConfig.from_limits("prefill", truth.engine, **pc), model, step_noise=noise,
                                truth=ground_truth(n)) for n in self.prefill_ids]
-        self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine), model, step_noise=noise,
+        self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine, **pc), model, step_noise=noise,
                               tbt_guard_ms=guard, truth=ground_truth(n)) for n in self.decode_ids]
+        self.prefix_index = PrefixIndex(cfg.prefix_block_tokens)
         self.link = truth.link(cfg.link)
         self.kv_bytes = truth.kv_bytes_per_token
 
@@ -222,6 +234,7 @@ class Simulator:
             elif kind == _HEARTBEAT:
                 self._view_p = [e.state() for e in self.prefill]
                 self._view_d = [e.state() for e in self.decode]
+                self._refresh_prefix_index()
                 self._refresh_corrections(now)
                 for q in self.routed_since.values():
                     q.clear()
@@ -230,6 +243,13 @@ class Simulator:
         records = [self._record(r) for r in self.reqs.values()]
         return SimResult(records=records, decode_step_ms=self.decode_steps, deflected_steps=self.deflected_steps,
                          deflections=self.deflections, sim_seconds=now / 1000.0, decode_step_at=self.decode_step_at)
+
+    def _refresh_prefix_index(self) -> None:
+        """Apply every engine's prefix-cache events since the last refresh to the view's index."""
+        for nid, eng in zip(self.prefill_ids + self.decode_ids, self.prefill + self.decode):
+            stored, removed = eng.drain_cache_events()
+            if stored or removed:
+                self.prefix_index.apply(nid, stored, removed)
 
     def _refresh_corrections(self, now: float) -> None:
         """New per-node corrections (with the view); the guard of a correcting kairos+ node
@@ -248,11 +268,14 @@ class Simulator:
         vd = [e.state() for e in self.decode] if exact else self._view_d
         if exact:
             self._refresh_corrections(self._now)
+            self._refresh_prefix_index()
         corr = self._corr
+        hits = self.prefix_index.match_tokens(w.block_hashes, w.prompt_tokens) if w.block_hashes else {}
         prefill = [PrefillNodeView(id=self.prefill_ids[i],
                                    queue_prompt_tokens=list(s.queue_prompt_tokens) + ([] if exact else self.routed_since[i]),
                                    kv_backlog_ms=self._link_backlog_ms(i),
-                                   step_bias=corr.get(self.prefill_ids[i], IDENTITY).bias)
+                                   step_bias=corr.get(self.prefill_ids[i], IDENTITY).bias,
+                                   cached_prefix_tokens=hits.get(self.prefill_ids[i], 0))
                    for i, s in enumerate(vp)]
         decode = []
         for i, s in enumerate(vd):
@@ -263,7 +286,8 @@ class Simulator:
                 in_flight=[InFlightDeflection(prompt_tokens=self.reqs[r].w.prompt_tokens,
                                               output_tokens=self.reqs[r].w.output_tokens) for r in res],
                 waiting=s.waiting, step_bias=corr.get(self.decode_ids[i], IDENTITY).bias,
-                step_safety=corr.get(self.decode_ids[i], IDENTITY).safety))
+                step_safety=corr.get(self.decode_ids[i], IDENTITY).safety,
+                cached_prefix_tokens=hits.get(self.decode_ids[i], 0)))
         return ClusterSnapshot(request=RequestView(id=w.id, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens),
                                prefill_nodes=prefill, decode_nodes=decode)
 
@@ -272,7 +296,7 @@ class Simulator:
         total = 0.0
         for (pi, _), q in self.links.items():
             if pi == p:
-                total += sum(self.link.transfer_ms(self.reqs[r].w.prompt_tokens, self.kv_bytes) for r in q)
+                total += sum(self.link.transfer_ms(self.reqs[r].transfer_tokens, self.kv_bytes) for r in q)
         return total
 
     def _arrive(self, now: float, w: WorkloadRequest) -> None:
@@ -286,13 +310,14 @@ class Simulator:
             r.predicted_steps = list(d.predicted_step_ms)
             self.reserved[di][w.id] = w.prompt_tokens
             self.deflections += 1
-            self.decode[di].add_deflected(w.id, w.prompt_tokens, w.output_tokens, list(d.chunk_schedule))
+            self.decode[di].add_deflected(w.id, w.prompt_tokens, w.output_tokens, list(d.chunk_schedule),
+                                          w.block_hashes)
             self._kick(now, "d", di)
         else:
             pi = self.prefill_ids.index(d.node)
             r.prefill_node, r.decode_node = pi, self.decode_ids.index(d.decode_node)
             self.routed_since[pi].append(w.prompt_tokens)
-            self.prefill[pi].add_prefill(w.id, w.prompt_tokens)
+            self.prefill[pi].add_prefill(w.id, w.prompt_tokens, w.block_hashes)
             self._kick(now, "p", pi)
 
     # -- engines -------------------------------------------------------------------------------
@@ -315,6 +340,7 @@ class Simulator:
             r = self.reqs[rid]
             if r.prefill_start_ms is None:
                 r.prefill_start_ms = now
+                r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         self._push(now + plan.duration_ms, _STEP_END, (role, i, plan))
 
     def _step_end(self, now: float, role: str, i: int, plan) -> int:
@@ -346,7 +372,7 @@ class Simulator:
         for rid in res.prefill_done:  # keep path: hand the KV to the decode node
             r = self.reqs[rid]
             r.prefill_end_ms = now
-            self.decode[r.decode_node].add_remote_decode(rid, r.w.prompt_tokens, r.w.output_tokens)
+            self.decode[r.decode_node].add_remote_decode(rid, r.w.prompt_tokens, r.w.output_tokens, r.w.block_hashes)
             self._kick(now, "d", r.decode_node)
         self._kick(now, role, i)
         return len(res.finished)
@@ -354,6 +380,9 @@ class Simulator:
     def _allocated(self, now: float, di: int, rid: str) -> None:
         """Decode node ``di`` reserved blocks for ``rid``: queue its KV transfer on the link."""
         r = self.reqs[rid]
+        # only the blocks the decode node lacks cross the link (vLLM NixlConnector pulls the
+        # tokens past the decode side's local prefix hit)
+        r.transfer_tokens = r.w.prompt_tokens - self.decode[di].cached_prefix_tokens(rid)
         key = (r.prefill_node, di)
         self.links.setdefault(key, []).append(rid)
         self._start_transfer(now, key)
@@ -364,7 +393,7 @@ class Simulator:
             return
         rid = q.pop(0)
         self.link_busy.add(key)
-        ms = self.link.transfer_ms(self.reqs[rid].w.prompt_tokens, self.kv_bytes)
+        ms = self.link.transfer_ms(self.reqs[rid].transfer_tokens, self.kv_bytes)
         self._push(now + ms, _TRANSFER_END, (key, rid))
 
     def _transfer_end(self, now: float, key: tuple[int, int], rid: str) -> None:
@@ -394,4 +423,5 @@ class Simulator:
             id=r.w.id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_tokens,
             output_tokens=len(r.token_times_ms), ttft_ms=r.first_token_ms - a,
             token_times_s=[t / 1000.0 for t in r.token_times_ms], deflected=r.deflected,
-            prefill_queue_ms=pq, prefill_exec_ms=pe, kv_transfer_ms=kv, decode_queue_ms=dq)
+            prefill_queue_ms=pq, prefill_exec_ms=pe, kv_transfer_ms=kv, decode_queue_ms=dq,
+            cached_tokens=r.cached_tokens)

@@ -43,6 +43,10 @@ from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, 
                          KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
                          now_ms)
 
+#: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
+CACHE_RESYNC = 50
+
+
 #: after a NATS reconnect, a KV handoff nobody took is retried for this long (decode agents
 #: reconnect at their own pace) before it fails with kv_handoff_failed
 HANDOFF_SETTLE_S = 3.0
@@ -79,6 +83,7 @@ class _Req:
     last_token_ms: float | None = None
     tbt_max_ms: float = 0.0
     chunk_pred: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
     chunk_actual: list[float] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
     output: EmulatedCompletion | None = None  #: decode side: the output this node generates
@@ -152,10 +157,10 @@ class NodeAgent:
         self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
         self.buckets: Buckets | None = None
-        self.claims: Claims | None = None
-        self._bus: BusWatch | None = None
         #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
         self.corrector = CorrectionEstimator()
+        self.claims: Claims | None = None
+        self._bus: BusWatch | None = None
 
     def _truth(self) -> GroundTruth | None:
         """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
@@ -234,7 +239,13 @@ class NodeAgent:
     def node_state(self) -> NodeState:
         st = self.backend.state()
         self._seq += 1
-        return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+        # prefix-cache events: net deltas, the whole cache on the first and every CACHE_RESYNC-th
+        # heartbeat (a lost heartbeat makes the dispatchers' index forget the node until then)
+        cache = self.backend.cache_events(full=self._seq % CACHE_RESYNC == 1)
+        cache_fields = {} if cache is None else dict(
+            cache_block_tokens=cache[0], cache_stored=cache[1], cache_removed=cache[2],
+            cache_full=self._seq % CACHE_RESYNC == 1)
+        return NodeState(**cache_fields, node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
                          epoch_unix_ms=self.epoch_unix_ms,
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
                          queue_prompt_tokens=list(st.queue_prompt_tokens),
@@ -337,6 +348,7 @@ class NodeAgent:
                 self._rlog(rid).warning("claim_failed", error=claim.error)
         if reason is None:
             try:
+                self.backend.note_block_hashes(rid, job.request.block_hashes, job.request.block_hash_tokens)
                 if job.kind == "prefill":
                     self.backend.add_prefill(rid, job.request.prompt_tokens)
                 else:
@@ -402,7 +414,7 @@ class NodeAgent:
         headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
         r.handoff_sent_ms = now_ms()
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
-                        prefill_done_unix_ms=r.prefill_done_ms or now_ms())
+                        prefill_done_unix_ms=r.prefill_done_ms or now_ms(), cached_tokens=r.cached_tokens)
         tried: dict[str, str] = {}
         settle_until = asyncio.get_running_loop().time() + HANDOFF_SETTLE_S
         while True:
@@ -474,6 +486,7 @@ class NodeAgent:
         if reason is None:
             try:
                 output = emulated_output(h.request)
+                self.backend.note_block_hashes(rid, h.request.block_hashes, h.request.block_hash_tokens)
                 self.backend.add_remote_decode(rid, h.request.prompt_tokens, output.n_tokens)
             except EngineError as exc:
                 reason = f"engine_refused: {exc}"
@@ -485,7 +498,7 @@ class NodeAgent:
                                           attributes={telemetry.REQUEST_ID: rid, "kairos.src_node": h.src_node,
                                                       "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
         self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node,
-                              output=output)
+                              output=output, cached_tokens=h.cached_tokens)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
         await self._on_allocated(self.backend.take_allocated())
 
@@ -531,10 +544,11 @@ class NodeAgent:
             self.log.warning("step_record_failed", error=repr(exc))
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
-        for rid, _n, _cached in out.prefill_chunks:
+        for rid, _n, cached in out.prefill_chunks:
             r = self.reqs.get(rid)
             if r is not None and r.prefill_start_ms is None:
                 r.prefill_start_ms = out.started_unix_ms
+                r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         if out.deflected_chunk is not None:
             rid, idx, chi, toks = out.deflected_chunk
             r = self.reqs.get(rid)
@@ -594,7 +608,8 @@ class NodeAgent:
                 r.decode_span.end()
             await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
                 request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now,
-                finish_reason=r.output.finish_reason if r.output is not None else "length")))
+                finish_reason=r.output.finish_reason if r.output is not None else "length",
+                cached_tokens=r.cached_tokens)))
             self._write_decode_timing(r, finished_ms=now)
 
     def _decode_span(self, rid: str, r: _Req) -> Span:

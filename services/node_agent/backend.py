@@ -84,6 +84,26 @@ class EngineBackend(abc.ABC):
         """Tighten/relax the node-side chunk guard (kairos+ with the node's learned correction);
         a backend without a guard ignores it."""
 
+    def note_block_hashes(self, req_id: str, block_hashes: list[int], block_tokens: int) -> None:
+        """The prompt's prefix-cache block hashes, given just before ``add_*`` of ``req_id``
+        (``InferenceRequest.block_hashes``). A backend whose engine hashes prompts itself (vLLM)
+        ignores them."""
+
+    def cache_events(self, full: bool) -> tuple[int, list[int], list[int]] | None:
+        """``(block_tokens, stored, removed)`` prefix-cache block hashes since the last call (net),
+        or with ``full`` the whole cache as ``stored``; None: this backend reports no cache.
+
+        Hook for the vLLM backend (not implemented here): start vLLM with
+        ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...}'``,
+        subscribe to its ZMQ feed (``vllm/distributed/kv_events.py``: ``KVEventBatch`` of
+        ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size)`` /
+        ``BlockRemoved(block_hashes)`` / ``AllBlocksCleared``) and return the hashes accumulated
+        since the previous call. The dispatcher's index (shared/prefix.py) must then match them with
+        request hashes computed the same way as vLLM's (``hash_block_tokens`` over token ids, with
+        the same ``PYTHONHASHSEED``/sha256 setting), i.e. the ingress must hash token ids like vLLM.
+        """
+        return None
+
     @abc.abstractmethod
     async def run(self, on_step: Callable[[StepOutput], Awaitable[None]],
                   on_allocated: Callable[[list[str]], Awaitable[None]], stop: asyncio.Event) -> None:
@@ -106,9 +126,24 @@ class EmulatedBackend(EngineBackend):
                              truth=truth)
         self._wake = asyncio.Event()
         self._links: dict[str, asyncio.Lock] = {}  # src node -> the link's single transfer slot
+        self._hashes: dict[str, list[int]] = {}  # req id -> block hashes for its add_* call
 
     def set_tbt_guard_ms(self, ms: float | None) -> None:
         self.engine.tbt_guard_ms = ms
+
+    def note_block_hashes(self, req_id: str, block_hashes: list[int], block_tokens: int) -> None:
+        # hashes of another granularity would never match this engine's blocks: ignored
+        if block_hashes and self.engine.cache is not None and block_tokens == self.engine.cache.block_tokens:
+            self._hashes[req_id] = block_hashes
+
+    def cache_events(self, full: bool) -> tuple[int, list[int], list[int]] | None:
+        cache = self.engine.cache
+        if cache is None:
+            return None
+        stored, removed = self.engine.drain_cache_events()
+        if full:
+            return cache.block_tokens, sorted(cache.hashes()), []
+        return cache.block_tokens, stored, removed
 
     def kv_transfer_ms(self, kv_tokens: int) -> float:
         """Emulated transfer time of ``kv_tokens`` on this node's link, without queueing (ms)."""
@@ -118,21 +153,24 @@ class EmulatedBackend(EngineBackend):
         t0 = time.monotonic()
         async with self._links.setdefault(src_node, asyncio.Lock()):
             if self.engine.phase(req_id) == "awaiting_kv":  # not aborted while queued for the link
+                # only the blocks this node's prefix cache lacks cross the link (vLLM's NixlConnector
+                # pulls the tokens past the decode side's local prefix hit)
+                kv_tokens -= self.engine.cached_prefix_tokens(req_id)
                 await asyncio.sleep(self.kv_transfer_ms(kv_tokens) / 1000.0)
         return (time.monotonic() - t0) * 1000.0
 
     # lifecycle: every external event wakes the driver (it may be idle-waiting)
     def add_prefill(self, req_id: str, prompt_tokens: int) -> None:
-        self.engine.add_prefill(req_id, prompt_tokens)
+        self.engine.add_prefill(req_id, prompt_tokens, self._hashes.pop(req_id, ()))
         self._wake.set()
 
     def add_remote_decode(self, req_id: str, prompt_tokens: int, output_tokens: int) -> None:
-        self.engine.add_remote_decode(req_id, prompt_tokens, output_tokens)
+        self.engine.add_remote_decode(req_id, prompt_tokens, output_tokens, self._hashes.pop(req_id, ()))
         self.engine.admit()  # allocate now so the KV transfer can start without waiting for a step
         self._wake.set()
 
     def add_deflected(self, req_id: str, prompt_tokens: int, output_tokens: int, chunk_schedule: list[int]) -> None:
-        self.engine.add_deflected(req_id, prompt_tokens, output_tokens, chunk_schedule)
+        self.engine.add_deflected(req_id, prompt_tokens, output_tokens, chunk_schedule, self._hashes.pop(req_id, ()))
         self._wake.set()
 
     def kv_arrived(self, req_id: str) -> None:
