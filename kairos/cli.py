@@ -255,6 +255,8 @@ def bench(**opts) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @click.option("--api-key", "api_keys", multiple=True,
               help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
                    "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
@@ -263,8 +265,6 @@ def bench(**opts) -> None:
                    "(docs/security.md).")
 @click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
               help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
-@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @policy_params_options
 def up(**opts) -> None:
     """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""

@@ -322,9 +322,9 @@ async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
 
     File storage with a short history, so the previous artifacts of a key can be inspected.
     """
-    return await js.create_key_value(KeyValueConfig(
+    return await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
-        description="latency-model artifacts: latency.<name> and latency.current"))
+        description="latency-model artifacts: latency.<name> and latency.current")))
 
 
 async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[T], timeout: float,

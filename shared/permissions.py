@@ -160,7 +160,8 @@ def role_permissions(user: str) -> Permissions:
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == AGGREGATOR:
         pub = [_kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
-        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]  # step records: model correction
+        # step records: the aggregator's model correction (shared/correction.py)
+        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
         pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))

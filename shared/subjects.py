@@ -17,8 +17,8 @@ Hierarchy::
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
-    $KV.kairos_requests.<rid>.claim  the one node executing bus request <rid> (atomic create)
     $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
+    $KV.kairos_requests.<rid>.claim  the one node executing bus request <rid> (atomic create)
 """
 
 from __future__ import annotations

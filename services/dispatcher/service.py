@@ -33,7 +33,8 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream, publish,
+from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
+                        publish,
                         request_subscription, request_typed)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
@@ -149,9 +150,13 @@ class Dispatcher:
         new_watchers = [view_w, resv_w]
         new_tasks = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
         if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
-            models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
-            new_watchers.append(models_w)
-            new_tasks.append(asyncio.create_task(self._watch_models(models_w)))
+            try:
+                models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
+            except Exception as exc:  # optional: routing must not wait for it (the next re-declare retries)
+                self.log.warning("model_watch_failed", error=repr(exc))
+            else:
+                new_watchers.append(models_w)
+                new_tasks.append(asyncio.create_task(self._watch_models(models_w)))
         old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key

@@ -157,10 +157,10 @@ class NodeAgent:
         self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
         self.buckets: Buckets | None = None
-        self.claims: Claims | None = None
-        self._bus: BusWatch | None = None
         #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
         self.corrector = CorrectionEstimator()
+        self.claims: Claims | None = None
+        self._bus: BusWatch | None = None
 
     def _truth(self) -> GroundTruth | None:
         """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
