@@ -36,17 +36,9 @@ from shared.bus import Buckets, ensure_buckets, publish, request_typed
 from shared.engine import EngineError
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
+from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
                          KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
-
-_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
-          "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim")
-
-
-def token_text(index: int) -> str:
-    """Placeholder text of output token ``index`` (emulated engines produce no real text)."""
-    return " " + _WORDS[index % len(_WORDS)]
-
 
 @dataclass
 class _Req:
@@ -121,7 +113,7 @@ class NodeAgent:
                  backend: EngineBackend | None = None) -> None:
         self.cfg = cfg
         self.model = model or load_profile(cfg.profile)
-        self.backend = backend or make_backend(cfg.backend, cfg.role, self.model, cfg.tbt_guard_ms, cfg.link)
+        self.backend = backend or make_backend(cfg, self.model)
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
@@ -154,7 +146,7 @@ class NodeAgent:
         else:
             self._subs.append(await self.nc.subscribe(S.kvdone_subject(cfg.node_id), cb=self._on_kvdone))
         await self.nc.flush()
-        self._main = [asyncio.create_task(self.backend.run(self._on_step, self._on_allocated, self._stop)),
+        self._main = [asyncio.create_task(self.backend.run(self, self._stop)),
                       asyncio.create_task(self._heartbeats())]
         await self._send_state()
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
@@ -210,7 +202,7 @@ class NodeAgent:
                          deflection_in_flight=st.deflection_in_flight or bool(self.deflecting),
                          in_flight=[InFlight(f.prompt_tokens, f.output_tokens) for f in st.in_flight],
                          waiting=st.waiting, free_kv_tokens=st.free_kv_tokens, running=st.running,
-                         kv_backlog_ms=sum(self.kv_backlog.values()), accepting=self.accepting)
+                         kv_backlog_ms=sum(self.kv_backlog.values()), accepting=self.accepting and self.backend.available)
 
     async def _send_state(self) -> None:
         st = self.node_state()
@@ -264,18 +256,18 @@ class NodeAgent:
         if job.kind == "deflect" and len(self.deflecting) >= self.cfg.max_deflections:
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()
-        reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role, self.accepting,
+        reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role,
+                             self.accepting and self.backend.available,
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
         if reason is None:
             try:
                 if job.kind == "prefill":
-                    self.backend.add_prefill(rid, job.request.prompt_tokens)
+                    self.backend.add_prefill(job.request)
                 else:
-                    self.backend.add_deflected(rid, job.request.prompt_tokens, job.request.max_tokens,
-                                               list(job.chunk_schedule))
-            except EngineError as exc:
+                    self.backend.add_deflected(job.request, list(job.chunk_schedule), job.decision_batch_size)
+            except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
         ctx = telemetry.extract_context(msg.headers)
         if reason is not None:
@@ -331,7 +323,8 @@ class NodeAgent:
         headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
         r.handoff_sent_ms = now_ms()
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
-                        prefill_done_unix_ms=r.prefill_done_ms or now_ms())
+                        prefill_done_unix_ms=r.prefill_done_ms or now_ms(),
+                        kv_transfer_params=self.backend.handoff_params(rid))
         tried: dict[str, str] = {}
         for cand in r.job.decode_candidates:
             try:
@@ -382,10 +375,12 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
             return
         reason = None if self.accepting else "draining"
+        if reason is None and not self.backend.available:
+            reason = "engine_unavailable"
         if reason is None:
             try:
-                self.backend.add_remote_decode(rid, h.request.prompt_tokens, h.request.max_tokens)
-            except EngineError as exc:
+                self.backend.add_remote_decode(h.request, h.kv_transfer_params)
+            except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
         if reason is not None:
             await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason=reason)))
@@ -419,8 +414,12 @@ class NodeAgent:
         await publish(self.nc, S.kvdone_subject(r.src_node or ""),
                       KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
 
-    # -- stepping -------------------------------------------------------------------------------
-    async def _on_step(self, out: StepOutput) -> None:
+    # -- engine events (EngineEvents, services/node_agent/backend.py) -----------------------------
+    async def on_allocated(self, rids: list[str]) -> None:
+        await self._on_allocated(rids)
+
+    async def on_step(self, out: StepOutput) -> None:
+        """Step metrics and the deflected chunk's record (span event, predicted vs measured)."""
         node = self.cfg.node_id
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
@@ -447,17 +446,22 @@ class NodeAgent:
                     self.m.chunk_err.labels(node, "decision").observe((out.wall_ms - pred) / pred)
                 if out.predicted_ms > 0:
                     self.m.chunk_err.labels(node, "engine").observe((out.wall_ms - out.predicted_ms) / out.predicted_ms)
+
+    async def on_prefill_done(self, rid: str) -> None:
+        """Keep path, prefill node: hand the KV to a decode node."""
+        r = self.reqs.get(rid)
+        if r is not None:
+            r.prefill_done_ms = now_ms()
+            r.span.end()
+            self._bg(self._handoff(rid))
+
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
+        """Stream tokens to the client; the first one ends a deflection's prefill (slot released)."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return
         now = now_ms()
-        for rid in out.prefill_done:  # keep path, prefill node
-            r = self.reqs.get(rid)
-            if r is not None:
-                r.prefill_done_ms = now
-                r.span.end()
-                self._bg(self._handoff(rid))
-        for rid in out.first_tokens:
-            r = self.reqs.get(rid)
-            if r is None:
-                continue
+        if first_index == 0 and r.first_token_ms is None:
             r.first_token_ms = now
             if r.kind == "deflect":
                 r.prefill_done_ms = now
@@ -465,28 +469,35 @@ class NodeAgent:
                 r.span.end()
                 self._end_deflection(rid)
                 r.decode_span = self._decode_span(rid, r)
-        for rid, idx in out.tokens:
-            r = self.reqs.get(rid)
-            if r is None:
-                continue
-            r.tokens += 1
-            if r.last_token_ms is not None:
-                r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
-            r.last_token_ms = now
-            await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
-                request_id=rid, first_index=idx, count=1, text=token_text(idx), node=node, sent_unix_ms=now)))
-        if out.tokens:
-            self.m.tokens.labels(node).inc(len(out.tokens))
-        for rid in out.finished:
-            r = self.reqs.pop(rid, None)
-            if r is None:
-                continue
-            if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
-                r.decode_span.set_attributes(self._decode_summary(r))
-                r.decode_span.end()
-            await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
-                request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now)))
-            self._write_decode_timing(r, finished_ms=now)
+        r.tokens += count
+        if r.last_token_ms is not None:
+            r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
+        r.last_token_ms = now
+        await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
+            request_id=rid, first_index=first_index, count=count, text=text, node=self.cfg.node_id, sent_unix_ms=now)))
+        self.m.tokens.labels(self.cfg.node_id).inc(count)
+
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
+        """Last token emitted: close the spans, tell the client, write the decode record."""
+        r = self.reqs.pop(rid, None)
+        if r is None:
+            return
+        now = now_ms()
+        if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
+            r.decode_span.set_attributes(self._decode_summary(r))
+            r.decode_span.end()
+        done: dict = {"finish_reason": finish_reason}
+        if "cached_tokens" in DoneEvent.__struct_fields__:  # contract C (sampling parameters on the bus)
+            done["cached_tokens"] = cached_tokens
+        await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
+            request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now, **done)))
+        self._write_decode_timing(r, finished_ms=now)
+
+    async def on_failed(self, rid: str, status: int, code: str, message: str) -> None:
+        """The engine could not serve ``rid``: explicit error to the client."""
+        if rid in self.reqs:
+            self._rlog(rid).warning("engine_failed_request", code=code, message=message)
+            await self._fail(rid, status, code, message)
 
     def _decode_span(self, rid: str, r: _Req) -> Span:
         return self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span), attributes={
