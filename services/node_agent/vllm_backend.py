@@ -122,9 +122,12 @@ class VllmBackend(EngineBackend):
     # -- availability / state -------------------------------------------------------------------
     @property
     def available(self) -> bool:  # type: ignore[override]
-        """The server answered and its state stream is fresh (within ``stale_after_ms``)."""
-        return (self._ready.is_set() and self.snapshot is not None
-                and (time.monotonic() - self._snap_mono) * 1000.0 <= self.stale_after_ms)
+        """The server answered its model list and, once its state stream has started, the stream is
+        fresh (a snapshot within ``stale_after_ms``; an engine that never ran a request may not
+        have published yet)."""
+        if not self._ready.is_set():
+            return False
+        return self.snapshot is None or (time.monotonic() - self._snap_mono) * 1000.0 <= self.stale_after_ms
 
     def state(self) -> EngineState:
         """Heartbeat state from the last snapshot: B, K, free KV, the queue of prompt remainders
