@@ -10,6 +10,7 @@ kairos_vllm.tiny_model``, generated once per session; nothing is downloaded) wit
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -83,6 +84,12 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
             if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"vLLM servers not ready after {STARTUP_TIMEOUT_S:.0f} s: {[s.node for s, _ in pending]}")
             time.sleep(0.5)
+        for srv in servers:  # first requests are slow (warm-up), and the state stream starts with the first request
+            warm = urllib.request.Request(f"{srv.url}/v1/completions", headers={"Content-Type": "application/json"},
+                                          data=json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
+                                                           "cache_salt": "warm-up"}).encode())
+            with urllib.request.urlopen(warm, timeout=STARTUP_TIMEOUT_S):
+                pass
         yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0)
     finally:
         for proc in procs:

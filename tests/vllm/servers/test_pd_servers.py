@@ -122,15 +122,40 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-async def idle_kv(streams: dict) -> None:
-    """Both engines report no KV block in use (prefix-cached free blocks count as free)."""
-    await wait_until(lambda: all(s.last is not None and s.last.kv_cache_usage == 0 and s.last.num_running == 0
-                                 and s.last.num_waiting == 0 for s in streams.values()), 60, "both engines idle")
+def engine_metrics(url: str) -> dict[str, float]:
+    """vLLM's own Prometheus gauges (KV-cache usage, running/waiting requests) from ``/metrics``:
+    the engine's view, independent of the plugin's state stream (test-side only; the agent never
+    scrapes it)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def idle_kv(engines, timeout: float = 60) -> None:
+    """Both engines hold no KV block and no request (vLLM's /metrics; prefix-cached free blocks count as free)."""
+    seen: dict = {}
+
+    async def check() -> bool:
+        for srv in (engines.prefill, engines.decode):
+            seen[srv.node] = await asyncio.to_thread(engine_metrics, srv.url)
+        return all(m.get("vllm:kv_cache_usage_perc", 1) == 0 and m.get("vllm:num_requests_running", 1) == 0
+                   and m.get("vllm:num_requests_waiting", 1) == 0 for m in seen.values())
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engines not idle after {timeout} s: {seen}")
+        await asyncio.sleep(0.2)
 
 
 async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_single_server(cluster, engines):
     agents, streams, nc = cluster
-    await idle_kv(streams)
+    await idle_kv(engines)
     ids = prompt_ids(600, seed=1)
     job = Job(kind="prefill", request=request("keep-1", ids, 8), node="prefill-0", decode_candidates=["decode-0"])
     marks = {n: len(s.snaps) for n, s in streams.items()}
@@ -138,7 +163,7 @@ async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_
     await c.start(nc, job)
     done = await c.wait()
     assert done.completion_tokens == c.tokens == 8 and done.node == "decode-0"
-    await idle_kv(streams)  # the prefill node freed its blocks once the decode node read them
+    await idle_kv(engines)  # the prefill node freed its blocks once the decode node read them
     pre, dec = (streams[n].records_since(marks[n]) for n in ("prefill-0", "decode-0"))
     assert sum(r.prefill_tokens for r in pre) == 600, [r.prefill_tokens for r in pre]
     assert sum(r.prefill_tokens for r in dec) == 1, [r.prefill_tokens for r in dec]
@@ -150,9 +175,9 @@ async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_
     assert agents["prefill-0"].reqs == {} and agents["decode-0"].reqs == {}
 
 
-async def test_deflected_request_runs_its_chunk_schedule(cluster):
+async def test_deflected_request_runs_its_chunk_schedule(cluster, engines):
     agents, streams, nc = cluster
-    await idle_kv(streams)
+    await idle_kv(engines)
     ids = prompt_ids(600, seed=2)
     # χ counts the B = 2 decodes the decision assumed: the engine gets p = χ − 2 = 64, 128, 256, (256 …)
     job = Job(kind="deflect", request=request("defl-1", ids, 4), node="decode-0", decode_candidates=["decode-0"],
@@ -169,9 +194,9 @@ async def test_deflected_request_runs_its_chunk_schedule(cluster):
         ch.request_id != "defl-1" for r in streams["prefill-0"].records_since(0) for ch in r.chunks)
 
 
-async def test_state_stream_batch_and_kv_tokens_match_the_requests_in_flight(cluster):
+async def test_state_stream_batch_and_kv_tokens_match_the_requests_in_flight(cluster, engines):
     agents, streams, nc = cluster
-    await idle_kv(streams)
+    await idle_kv(engines)
     dec = agents["decode-0"]
     prompts = {"bk-1": prompt_ids(300, seed=3), "bk-2": prompt_ids(500, seed=4)}
     clients = {}
@@ -199,9 +224,9 @@ async def test_state_stream_batch_and_kv_tokens_match_the_requests_in_flight(clu
                      "B and K back to 0")
 
 
-async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster):
+async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster, engines):
     agents, streams, nc = cluster
-    await idle_kv(streams)
+    await idle_kv(engines)
     ids = prompt_ids(2000, seed=5)
     job = Job(kind="prefill", request=request("cancel-1", ids, 64), node="prefill-0", decode_candidates=["decode-0"])
     c = Client()
@@ -216,5 +241,5 @@ async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster):
     await nc.publish(S.CANCEL_SUBJECT, encode(Cancel(request_id="cancel-1", reason="client_disconnected")))
     await wait_until(lambda: all("cancel-1" not in a.reqs and a.backend.phase("cancel-1") is None
                                  for a in agents.values()), 30, "both agents dropped the request")
-    await idle_kv(streams)
+    await idle_kv(engines)
     assert c.end is None or not isinstance(c.end, DoneEvent)
