@@ -65,7 +65,10 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
         srv = VllmServer(node=node, role=role, model_dir=tiny_model_dir, served_model="tiny", port=free_port(),
                          state_addr=f"ipc://{run / f'{node}.sock'}", nixl_port=free_port(), ucx_ports=f"{ucx}-{ucx + 20}",
                          profile=profile, omp_cpus=str(k % (os.cpu_count() or 1)),
-                         extra_args=("--override-generation-config", '{"temperature": 0.0}'))
+                         extra_args=("--override-generation-config", '{"temperature": 0.0}',
+                                     # prefill server: 512-token steps, so a 1,900-token prompt takes 4 steps
+                                     # and a cancel after the first one lands mid-prefill
+                                     *(("--max-num-batched-tokens", "512") if role == "prefill" else ())))
         logs[node] = run / f"{node}.log"
         with open(logs[node], "wb") as f:
             procs.append(subprocess.Popen(srv.argv(VLLM_PYTHON), env=srv.env(), stdout=f, stderr=subprocess.STDOUT,
