@@ -71,6 +71,7 @@ class VllmServer:
             sharing a small machine should get disjoint cores: two servers both binding every core
             spin their OpenMP threads against each other.
         extra_args: more server flags (tests: ``--override-generation-config`` for greedy defaults).
+        nice: run the server under ``nice -n`` (0: not).
     """
 
     node: str
@@ -85,6 +86,7 @@ class VllmServer:
     kv_cache_gib: int = 1
     omp_cpus: str | None = None
     extra_args: tuple[str, ...] = ()
+    nice: int = 0
 
     @property
     def url(self) -> str:
@@ -92,7 +94,8 @@ class VllmServer:
 
     def argv(self, python: str) -> list[str]:
         """The server's command line."""
-        args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+        args = (["nice", "-n", str(self.nice)] if self.nice else []) + [
+                python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                 "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "float32", "--enforce-eager", "--scheduler-cls", SCHEDULER_CLS,
                 "--kv-transfer-config", kv_transfer_config(), "--enable-prompt-tokens-details",

@@ -65,11 +65,18 @@ class UpOptions:
     max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
     engine: str = "emulated"  #: ``emulated`` or ``vllm`` (one vLLM-CPU server per node)
     model_dir: str | None = None  #: vllm: local model directory (config, weights, tokenizer.json)
+    stale_after_ms: float | None = None  #: aggregator: node stale after this silence (None: 3 heartbeat periods)
 
 
 #: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the hand-fitted CPU
 #: profile, the served model name and a longer startup (each vLLM-CPU server takes 30–60 s on 2 cores)
-VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0}
+#: and a longer heartbeat silence before a node counts as lost (2 s: the engines' forward passes
+#: share the cores with the agents, whose event loops can stall for hundreds of ms)
+VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
+                 "stale_after_ms": 2000.0}
+#: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
+#: (heartbeats, routing) must not wait for the engines' forward passes
+ENGINE_NICE = 5
 
 
 @dataclass
@@ -174,7 +181,9 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = N
 
     mp = free_port()
     add("state_aggregator", "services.state_aggregator",
-        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **common),
+        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **common,
+                         stale_after_ms=opts.stale_after_ms
+                         or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
     # kairos+ (ARCHITECTURE §4): several deflections per decode node, projected by the policy, and
     # the node-side guard that shrinks a chunk when decodes joined after the decision
@@ -193,7 +202,8 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = N
                                  served_model=opts.served_model, port=free_port(),
                                  state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
                                  ucx_ports=f"{ucx}-{ucx + 20}", profile=profile,
-                                 omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind")
+                                 omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind",
+                                 nice=ENGINE_NICE)
                 k += 1
                 children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
                                       log_dir / f"vllm-{node}.log"))

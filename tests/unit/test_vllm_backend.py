@@ -170,6 +170,8 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     for node in ("prefill-0", "decode-0"):
         eng, agent = by[f"vllm-{node}"], by[node]
         argv = eng.argv
+        assert argv[:3] == ["nice", "-n", "5"]  # the control plane keeps the CPU it needs
+        argv = argv[3:]
         assert argv[0] == sys.executable and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
         assert flag["--scheduler-cls"] == "kairos_vllm.scheduler.KairosScheduler"
@@ -183,6 +185,8 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
         nixl.add(eng.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         assert children.index(eng) < children.index(agent)
     assert len(nixl) == 2
+    from services.state_aggregator.config import AggregatorConfig
+    assert from_env(AggregatorConfig, env=by["state_aggregator"].env).stale_after_ms == 2000.0
     ing = from_env(IngressConfig, env=by["ingress"].env)
     assert ing.tokenizer_path == str(tmp_path / "model" / "tokenizer.json") and ing.served_model == "tiny"
     with pytest.raises(ValueError, match="--model"):
