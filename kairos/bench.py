@@ -21,8 +21,17 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
   else one token — vLLM's client counts every chunk with choices as one token too. Unlike vLLM,
   a pure finish marker (empty text *and* a ``finish_reason``, as the Kairos ingress sends) is
   not a token. A chunk of k tokens records k equal times (gaps of 0 ms), see
-  :class:`~shared.metrics.RequestRecord`. ``output_tokens`` is the final ``usage`` count when the
-  server reports one (as vLLM does), else the tokens counted.
+  :class:`~shared.metrics.RequestRecord`. A chunk without generated text (an empty first chunk, a
+  role-only chat delta) carries no token unless its cumulative usage or logprobs say it does (a
+  special token), so TTFT is the first chunk that *generated* something. Here we differ from vLLM,
+  whose client takes TTFT at the first chunk with ``choices`` even if its text is empty: a server
+  that sends an empty chunk at once would get a TTFT of a few ms. ``output_tokens`` is the final ``usage`` count when the server reports one (as vLLM does),
+  else the tokens counted; the run warns when the server sent no usage at all.
+* **Figures** are :func:`shared.metrics.serving_metrics` (``vllm bench serve``'s names and
+  definitions: throughputs, mean/median/P99 TTFT, TPOT, ITL, E2EL, goodput) beside the paper's
+  metrics (:func:`shared.metrics.summarize`), and the offered vs achieved request rate.
+* **Progress**: a tqdm bar when stderr is a terminal, else one line every ``progress_interval_s``
+  (so a redirected run, e.g. under ``make run``, still shows it is alive).
 * **Failures** are counted, never fatal: an HTTP status ≠ 200, an ``error`` object in the stream,
   a stream that ends without ``data: [DONE]``, a connection error, or no answer within
   ``request_timeout_s`` (seconds, whole request). Only usage errors (bad URL, server unreachable
@@ -53,13 +62,14 @@ from typing import Any
 
 import msgspec
 
-from shared.metrics import RequestRecord, format_table, summarize
+from shared.metrics import RequestRecord, format_serving, format_table, serving_metrics, summarize
 from shared.workloads import DEFAULT_MAX_MODEL_LEN, WorkloadRequest
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 LOOKUP_CONCURRENCY = 16  #: parallel GET /v1/requests/{id} after the run
 LOOKUP_TIMEOUT_S = 10.0  #: per lookup / metrics scrape / model probe, seconds
+DEFAULT_PROGRESS_INTERVAL_S = 10.0  #: progress line period when stderr is not a terminal, seconds
 #: Prometheus sample names whose ``decision="deflect"`` series count deflections (summed)
 DEFLECT_COUNTERS: tuple[str, ...] = ("kairos_decisions_total", "kairos_dispatcher_decisions_total")
 
@@ -237,11 +247,7 @@ def chunk_tokens(choice: dict[str, Any], usage_completion_tokens: int | None, co
     text = choice.get("text")
     if text is None and isinstance(choice.get("delta"), dict):
         text = choice["delta"].get("content")
-    if not text and choice.get("finish_reason") is not None:
-        return 0  # a pure finish marker
-    if text is None and "text" not in choice:
-        return 0  # chat role-only delta
-    return 1
+    return 1 if text else 0  # a role-only delta, an empty first chunk or a pure finish marker carries none
 
 
 def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[float, int]], *,
@@ -320,7 +326,9 @@ class BenchConfig:
     model: str | None = None  #: None → the first id of ``GET /v1/models``
     max_concurrency: int | None = None  #: None → unbounded (pure open loop)
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
-    progress: bool = True  #: tqdm bar on stderr
+    progress: bool = True  #: progress on stderr: a tqdm bar on a terminal, else periodic lines
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S  #: seconds between progress lines (not a terminal)
+    api_key: str | None = None  #: sent as ``Authorization: Bearer`` (ingress with API keys)
 
 
 @dataclass
@@ -342,6 +350,7 @@ class BenchResult:
     model: str
     sent: int
     duration_s: float  #: bench start → last request finished, seconds
+    send_span_s: float  #: first → last request actually sent, seconds (achieved rate = (sent − 1) / span)
     deflections: int | None
     deflections_source: str | None  #: "requests" (GET /v1/requests/{id}), "metrics" or None
 
@@ -464,20 +473,19 @@ async def run_bench(cfg: BenchConfig,
         BenchError: bad URL, unreachable server, no model, empty workload.
     """
     import aiohttp
-    from tqdm import tqdm
 
     url = check_url(cfg.url)
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
+    auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                     trust_env=True) as session:
+                                     trust_env=True, headers=auth) as session:
         model, max_len = await probe(session, url, cfg.model)
         reqs = list(workload(max_len) if callable(workload) else workload)
         if not reqs:
             raise BenchError("the workload has no requests")
         metrics_before = await scrape_metrics(session, url)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = tqdm(total=len(reqs), unit="req", desc="bench", file=sys.stderr, disable=not cfg.progress,
-                   dynamic_ncols=True)
+        bar = ProgressReporter(len(reqs), enabled=cfg.progress, interval_s=cfg.progress_interval_s)
         n_failed = 0
 
         async def task(i: int, r: WorkloadRequest) -> Outcome:
@@ -488,8 +496,7 @@ async def run_bench(cfg: BenchConfig,
                 async with sem:
                     out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s)
             n_failed += out.error is not None
-            bar.set_postfix(failed=n_failed, refresh=False)
-            bar.update(1)
+            bar.update(n_failed)
             return out
 
         t0 = time.perf_counter()
@@ -501,6 +508,7 @@ async def run_bench(cfg: BenchConfig,
                     await asyncio.sleep(delay)
                 tasks.append(asyncio.create_task(task(i, r)))
             outcomes = list(await asyncio.gather(*tasks))
+            send_span_s = max(o.sent_s for o in outcomes) - min(o.sent_s for o in outcomes)
         finally:
             for t in tasks:
                 t.cancel()
@@ -521,25 +529,78 @@ async def run_bench(cfg: BenchConfig,
                            error=o.error, record=decisions.get(o.server_id or ""))
                for o in outcomes]
     return BenchResult(records=records, outcomes=outcomes, model=model, sent=len(outcomes), duration_s=duration_s,
-                       deflections=deflections, deflections_source=source)
+                       send_span_s=send_span_s, deflections=deflections, deflections_source=source)
+
+
+class ProgressReporter:
+    """Progress of a run on stderr: a tqdm bar when stderr is a terminal, else one plain line every
+    ``interval_s`` seconds (and one at the end), so a redirected run still shows it is alive."""
+
+    def __init__(self, total: int, *, enabled: bool, interval_s: float = DEFAULT_PROGRESS_INTERVAL_S,
+                 stream=None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.done, self.failed = total, 0, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled, self.interval_s, self.clock = enabled, interval_s, clock
+        self.t0 = self.last = clock()
+        self.bar = None
+        if enabled and _isatty(self.stream):
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="req", desc="bench", file=self.stream, dynamic_ncols=True)
+
+    def update(self, failed: int) -> None:
+        """One more request finished; ``failed`` is the failure count so far."""
+        self.done += 1
+        self.failed = failed
+        if self.bar is not None:
+            self.bar.set_postfix(failed=failed, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and self.clock() - self.last >= self.interval_s:
+            self.last = self.clock()
+            self._line()
+
+    def _line(self) -> None:
+        print(f"bench: {self.done}/{self.total} requests done, {self.failed} failed, "
+              f"{self.clock() - self.t0:.0f} s elapsed", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            self._line()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], label: str = "live",
                  tbt_slo_ms: float = 70.0, ttft_slo_ms: float = 4000.0, max_concurrency: int | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, goodput_slo_ms: dict[str, float] | None = None,
                  save_records: bool = False) -> dict[str, Any]:
     """The JSON report: :func:`shared.metrics.summarize`'s keys (ms; throughput over the bench's
     wall ``duration_s``) with ``deflections`` replaced by the measured count (None = unknown),
     plus ``label``, ``url``, ``model``, ``workload``, ``sent``, ``duration_s`` (s),
     ``deflections_source``, ``max_concurrency``, ``request_timeout_s``, ``tbt_slo_ms``,
-    ``ttft_slo_ms``, ``errors`` ({message: count}) and, if ``save_records``, ``records``."""
+    ``ttft_slo_ms``, ``errors`` ({message: count}), ``serving`` (:func:`shared.metrics.serving_metrics`,
+    ``vllm bench serve``'s keys; goodput under ``goodput_slo_ms``, default TTFT ≤ ``ttft_slo_ms``
+    and TPOT ≤ ``tbt_slo_ms``), ``offered_rps`` (the workload's rate), ``achieved_rps`` (requests
+    actually sent per second: (sent − 1) / first-to-last send span), ``usage_reported`` (responses
+    that carried ``usage``) and, if ``save_records``, ``records``."""
     summary = summarize(result.records, tbt_slo_ms=tbt_slo_ms, ttft_slo_ms=ttft_slo_ms,
                         duration_s=result.duration_s)
     summary["deflections"] = result.deflections
     errors = Counter(r.error for r in result.records if r.error is not None)
+    slos = goodput_slo_ms if goodput_slo_ms is not None else {"ttft": ttft_slo_ms, "tpot": tbt_slo_ms}
     report: dict[str, Any] = {
         "label": label, "url": url, "model": result.model, "workload": workload,
         "sent": result.sent, "duration_s": round(result.duration_s, 6), **summary,
+        "serving": serving_metrics(result.records, duration_s=result.duration_s, goodput_slo_ms=slos),
+        "goodput_slo_ms": slos, "offered_rps": workload.get("offered_rps"),
+        "achieved_rps": (result.sent - 1) / result.send_span_s if result.send_span_s > 0 else None,
+        "usage_reported": sum(o.state.usage_completion_tokens is not None for o in result.outcomes),
         "deflections_source": result.deflections_source,
         "max_concurrency": max_concurrency, "request_timeout_s": request_timeout_s,
         "tbt_slo_ms": tbt_slo_ms, "ttft_slo_ms": ttft_slo_ms,
@@ -552,11 +613,32 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
     return report
 
 
+def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
+    """``vllm bench serve --goodput`` syntax: ``KEY:VALUE`` pairs (ms), keys ttft, tpot, e2el.
+
+    Raises:
+        BenchError: malformed pair, unknown key or a value that is not a positive number.
+    """
+    out: dict[str, float] = {}
+    for spec in specs:
+        key, sep, value = spec.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if not sep or key not in ("ttft", "tpot", "e2el") or not (ms > 0 and ms != float("inf")):
+            raise BenchError(f"--goodput {spec!r}: expected ttft:MS, tpot:MS or e2el:MS with MS > 0")
+        out[key] = ms
+    return out
+
+
 def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | None, seed: int,
               model: str | None, max_concurrency: int | None, request_timeout: float, max_model_len: int | None,
               label: str, json_path: str | None, save_records: bool, progress: bool, tbt_slo_ms: float,
-              ttft_slo_ms: float) -> dict[str, Any]:
-    """What ``kairos bench`` does: run, print the table (stdout) and a summary (stderr), write JSON.
+              ttft_slo_ms: float, goodput: Sequence[str] = (),
+              progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None) -> dict[str, Any]:
+    """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
+    metrics table (stdout) and a summary (stderr), write JSON.
 
     Raises:
         BenchError: any usage error (the CLI exits 2).
@@ -570,6 +652,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
         raise BenchError("--duration and --rps must be > 0")
     if save_records and not json_path:
         raise BenchError("--save-records needs --json PATH")
+    slos = parse_goodput(goodput) if goodput else None
 
     def make_workload(n: int) -> list[WorkloadRequest]:
         try:
@@ -588,16 +671,22 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
 
     workload_fn(None)  # workload errors before touching the network
     cfg = BenchConfig(url=url, model=model, max_concurrency=max_concurrency, request_timeout_s=request_timeout,
-                      progress=progress)
+                      progress=progress, progress_interval_s=progress_interval_s, api_key=api_key)
     wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "seed": seed}
     result = asyncio.run(run_bench(cfg, workload_fn))
     wl = next(iter(cache.values()))
     span = wl[-1].arrival_s - wl[0].arrival_s
-    wl_info.update(requests=len(wl), offered_rps=round(len(wl) / span, 3) if span > 0 else None)
+    wl_info.update(requests=len(wl), offered_rps=round((len(wl) - 1) / span, 3) if span > 0 else None)
     report = build_report(result, url=url, workload=wl_info, label=label, tbt_slo_ms=tbt_slo_ms,
                           ttft_slo_ms=ttft_slo_ms, max_concurrency=max_concurrency,
-                          request_timeout_s=request_timeout, save_records=save_records)
-    click.echo(format_table([{**report, "policy": label, "rps": rps if rps is not None else wl_info["offered_rps"]}]))
+                          request_timeout_s=request_timeout, goodput_slo_ms=slos, save_records=save_records)
+    click.echo(format_serving(report["serving"], extra=[
+        ("Maximum request concurrency:", max_concurrency), ("Request rate offered (req/s):", report["offered_rps"]),
+        ("Request rate achieved (req/s):", report["achieved_rps"])]))
+    click.echo(format_table([{**report, "policy": label, "rps": report["achieved_rps"]}], name_column="run"))
+    if report["usage_reported"] == 0 and report["completed"]:
+        click.echo("kairos bench: warning: the server sent no usage; output tokens are counted as one per chunk "
+                   "with text, which undercounts when a chunk carries several tokens", err=True)
     src = f" (from {report['deflections_source']})" if report["deflections_source"] else ""
     click.echo(f"sent {report['sent']}, completed {report['completed']}, failed {report['failed']} in "
                f"{report['duration_s']:.1f} s; deflections: {report['deflections']}{src}", err=True)

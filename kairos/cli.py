@@ -35,8 +35,13 @@ def policy_params_options(fn):
     return fn
 
 
-def workload_options(fn):
-    """The workload options `kairos sim` and `kairos bench` share (``shared.workloads.parse_workload``)."""
+def workload_options(default_duration_s: float):
+    """The workload options `kairos sim` and `kairos bench` share (``shared.workloads.parse_workload``),
+    with the subcommand's default ``--duration`` (seconds)."""
+    return lambda fn: _workload_options(fn, default_duration_s)
+
+
+def _workload_options(fn, default_duration_s: float):
     opts = [
         click.option("--workload", default="bursty", show_default=True,
                      help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH; "
@@ -44,7 +49,8 @@ def workload_options(fn):
         click.option("--rps", type=float, default=None,
                      help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
                           "workloads, the trace's own timing for traces."),
-        click.option("--duration", type=float, default=600.0, show_default=True, help="Workload length, seconds."),
+        click.option("--duration", type=float, default=default_duration_s, show_default=True,
+                     help="Workload length, seconds."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -91,7 +97,7 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
 
 
 @main.command()
-@workload_options
+@workload_options(600.0)
 @click.option("--policy", "policies", default="pd,kairos", show_default=True, help="Comma list of policies.")
 @click.option("--prefill", "n_prefill", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=2, show_default=True)
@@ -117,7 +123,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
     from shared.metrics import format_table
     from shared.policy import parse_policies
     from shared.workloads import WorkloadError, parse_workload
-    from sim.experiments import parse_range, plot_sweep, run_one
+    from sim.experiments import parse_range, plot_sweep, run_one, sweep_title
     from sim.simulator import SimConfig
 
     try:
@@ -160,7 +166,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
                        f"({row['speedup']}x real time)", err=True)
     click.echo(format_table(rows))
     if sweep_rps:
-        for p in plot_sweep(rows, plots_dir, pp):
+        title = sweep_title(workload, duration, n_prefill, n_decode, profile, link, seed)
+        for p in plot_sweep(rows, plots_dir, pp, title=title):
             click.echo(f"plot: {p}", err=True)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +177,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 
 @main.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
-@workload_options
+@workload_options(60.0)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--model", default=None, help="Model name (default: the first id of GET /v1/models).")
 @click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Max requests in flight (default: none).")
@@ -181,9 +188,15 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 @click.option("--label", default="live", show_default=True, help="Row name in the table and the JSON.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
 @click.option("--save-records", is_flag=True, help="Include per-request records in the --json report.")
-@click.option("--progress/--no-progress", default=True, show_default=True, help="Progress bar on stderr.")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Progress on stderr: a bar on a terminal, else a line every 10 s.")
 @click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True, help="τ, TBT SLO in ms.")
 @click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True, help="TTFT SLO in ms.")
+@click.option("--goodput", multiple=True, metavar="KEY:MS",
+              help="Goodput SLOs as in `vllm bench serve` (ttft, tpot, e2el; ms; repeatable). "
+                   "Default: ttft:<--ttft-slo-ms> tpot:<--tbt-slo-ms>.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
+              help="Sent as Authorization: Bearer KEY (an ingress started with API keys).")
 def bench(**opts) -> None:
     """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
     from kairos.bench import BenchError, bench_cli
@@ -240,6 +253,14 @@ def _engine_defaults_or_exit(opts: dict) -> None:
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate; "
                    "with --engine vllm: the model's tokenizer.json).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--api-key", "api_keys", multiple=True,
+              help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
+                   "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
+@click.option("--nats-auth/--no-nats-auth", default=True, show_default=True,
+              help="Bundled NATS: one generated credential per service role with subject permissions "
+                   "(docs/security.md).")
+@click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
 @engine_options
 @policy_params_options
 def up(**opts) -> None:
@@ -251,11 +272,41 @@ def up(**opts) -> None:
     from kairos.up import UpOptions, run_up
 
     _engine_defaults_or_exit(opts)
+    opts["api_keys"] = tuple(opts["api_keys"])
+    if opts["nats_secrets_dir"] and not opts["nats_url"]:
+        raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
+    if any(not k or k.strip() != k or "," in k for k in opts["api_keys"]):
+        raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
+                                 param_hint="--api-key")
+
     _parse_policy_or_exit(opts["policy"])
     model_or_exit = load_model_or_exit(opts["profile"])
     make_params(opts["alpha"], opts["beta"], opts["tbt_slo_ms"], opts["ttft_slo_ms"])
     del model_or_exit
     sys.exit(run_up(UpOptions(**opts)))
+
+
+@main.command("nats-auth")
+@click.option("--nodes", default="prefill-0,prefill-1,decode-0,decode-1", show_default=True,
+              help="Comma list of node ids (one agent-<node> user each).")
+@click.option("--secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="Instead: write a fresh random password per role into this directory (<user>.password, "
+                   "and nats-server.env with NATS_PASSWORD_<USER> lines), e.g. ops/secrets for compose.")
+def nats_auth(nodes: str, secrets_dir: str | None) -> None:
+    """Print the nats-server authorization block (one user per role with its subject permissions;
+    passwords from NATS_PASSWORD_<USER> in the server's environment), or write those passwords."""
+    from shared import permissions as P
+    from shared.subjects import SubjectError
+
+    ids = [n.strip() for n in nodes.split(",") if n.strip()]
+    try:
+        if secrets_dir is None:
+            click.echo(P.deployment_auth_config(ids), nl=False)
+            return
+        files = P.write_secrets(P.GeneratedAuth.for_nodes(ids), Path(secrets_dir))
+    except SubjectError as exc:
+        raise click.BadParameter(str(exc), param_hint="--nodes") from None
+    click.echo(f"wrote {len(files)} password files and nats-server.env to {secrets_dir}", err=True)
 
 
 @main.command()
@@ -275,7 +326,8 @@ def up(**opts) -> None:
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
-@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr (default: on; a bar on a terminal, else a line every 10 s).")
 @engine_options
 def demo(**opts) -> None:
     """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down.

@@ -8,9 +8,10 @@ dispatcher replicas and the ingress — each ``python -m services.<name>`` with 
 is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
 agents, ingress, aggregator, NATS — in-flight requests end with an explicit error); a child that
 dies unexpectedly is reported and everything is stopped with exit code 1. Child output goes to
-per-service log files (JSON lines) in the printed log directory; the temporary directory (NATS store,
-default log directory) is removed on exit unless a child died or startup failed (then its path is
-printed so the logs can be read).
+per-service log files (JSON lines) in the printed log directory (``--log-dir``, default a temporary
+directory). On exit everything else in the temporary directory (the NATS store, generated files) is
+removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
+they are needed.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from services.dispatcher.config import DispatcherConfig
 from services.ingress.config import IngressConfig
 from services.node_agent.config import AgentConfig
 from services.state_aggregator.config import AggregatorConfig
+from shared import permissions as P
 from shared.envconfig import to_env
 from kairos.engines import VllmServer, tokenizer_path, vllm_python
+from shared.permissions import GeneratedAuth, write_secrets
 
 
 #: deflection slots per decode node under kairos+ (its projection plans each one after the others)
@@ -77,6 +80,12 @@ VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "sta
 #: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
 #: (heartbeats, routing) must not wait for the engines' forward passes
 ENGINE_NICE = 5
+    #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
+    nats_auth: bool = True
+    #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
+    nats_secrets_dir: str | None = None
+    #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
+    api_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -152,8 +161,27 @@ def nats_server_binary() -> str:
     return found
 
 
-def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = None) -> list[Child]:
+def node_ids(opts: UpOptions) -> list[str]:
+    """The node agents ``kairos up`` starts (``prefill-<i>``, then ``decode-<i>``)."""
+    return [f"prefill-{i}" for i in range(opts.prefill)] + [f"decode-{i}" for i in range(opts.decode)]
+
+
+def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The ingress's API key settings: ``--api-key`` values, else this shell's ``KAIROS_API_KEYS`` and
+    ``KAIROS_API_KEY_FILE`` (made absolute: children run in the repo directory)."""
+    env = dict(os.environ) if env is None else env
+    keys = opts.api_keys or tuple(k.strip() for k in env.get("KAIROS_API_KEYS", "").split(",") if k.strip())
+    key_file = env.get("KAIROS_API_KEY_FILE") or None
+    return {"api_keys": keys, "api_key_file": os.path.abspath(key_file) if key_file else None}
+
+
+def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None,
+         run_dir: Path | None = None) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError).
+
+    ``creds`` (``{user: password file}``, :func:`shared.permissions.write_secrets`): each service logs in to NATS
+    as its role (``KAIROS_NATS_USER`` + ``KAIROS_NATS_PASSWORD_FILE``); None: no NATS credentials
+    are set (the caller's environment is passed through).
 
     With ``opts.engine == "vllm"`` each node gets a vLLM server (started before its agent; its
     engine-state socket lives in ``run_dir``) and the ingress counts tokens with the model's
@@ -172,8 +200,13 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = N
         tokenizer = opts.tokenizer_path
     run_dir = run_dir or log_dir
     # children run with the repo as cwd: a relative path from the user's shell must be made absolute
-    common = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
+    base = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
     children: list[Child] = []
+
+    def login(user: str) -> dict[str, Any]:
+        if creds is None:
+            return base
+        return {**base, "nats_user": user, "nats_password_file": str(creds[user])}
 
     def add(name: str, module: str, cfg: Any, endpoint: str, kind: str) -> None:
         env = {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}
@@ -181,7 +214,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = N
 
     mp = free_port()
     add("state_aggregator", "services.state_aggregator",
-        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **common,
+        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR),
                          stale_after_ms=opts.stale_after_ms
                          or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
@@ -210,18 +243,19 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, run_dir: Path | None = N
                 engine = {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr}
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine, **common),
+                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,
+                            **login(P.agent_user(node))),
                 f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, {opts.engine})")
     for i in range(opts.dispatchers):
         mp = free_port()
         add(f"dispatcher-{i}", "services.dispatcher",
             DispatcherConfig(replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile, alpha=opts.alpha,
                              beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
-                             max_deflections_per_node=slots, metrics_port=mp, **common),
+                             max_deflections_per_node=slots, metrics_port=mp, **login(P.DISPATCHER)),
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=tokenizer, **common),
+                      tokenizer_path=tokenizer, **api_keys(opts), **login(P.INGRESS)),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 
@@ -239,6 +273,8 @@ class Supervisor:
         self.stopping = False
         #: set when startup failed or a child died on its own: the temp dir (logs) is then kept
         self.failed = False
+        #: generated NATS password files ``{user: path}`` (bundled NATS with auth), else None
+        self.creds: dict[str, Path] | None = None
 
     def msg(self, text: str) -> None:
         print(f"kairos up: {text}", file=self.err, flush=True)
@@ -271,11 +307,27 @@ class Supervisor:
             host, _, port = hostport.partition(":")
             if not _port_open(host or "127.0.0.1", int(port or 4222)):
                 raise RuntimeError(f"--nats-url {url}: nothing listens there")
+            if self.opts.nats_secrets_dir:
+                d = Path(self.opts.nats_secrets_dir).resolve()
+                self.creds = {u: d / f"{u}.password" for u in P.cluster_users(node_ids(self.opts))}
+                missing = [str(p) for u, p in self.creds.items() if u != P.PROFILER and not p.is_file()]
+                if missing:
+                    raise RuntimeError(f"--nats-secrets-dir: missing {', '.join(missing)} (write them with "
+                                       f"kairos nats-auth --secrets-dir {self.opts.nats_secrets_dir} --nodes "
+                                       f"{','.join(node_ids(self.opts))})")
             return url
         port = free_port()
         store = self.tmp / "jetstream"
-        c = Child("nats-server", "message bus (JetStream)", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p",
-                                                            str(port), "-sd", str(store)],
+        argv = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
+        if self.opts.nats_auth:
+            auth = GeneratedAuth.for_nodes(node_ids(self.opts))
+            self.creds = write_secrets(auth, self.tmp / "nats-credentials")
+            conf = self.tmp / "nats-credentials" / "nats-server.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(auth.server_config())
+            argv += ["-c", str(conf)]
+        c = Child("nats-server", "message bus (JetStream)", argv,
                   dict(os.environ), f"nats://127.0.0.1:{port}", self.log_dir / "nats-server.log",
                   extra={"store": str(store)})
         self._spawn(c)
@@ -294,7 +346,7 @@ class Supervisor:
         url = self.start()
         if self.stopping:
             return
-        for c in plan(self.opts, url, self.log_dir, self.tmp):
+        for c in plan(self.opts, url, self.log_dir, self.creds, self.tmp):
             self._spawn(c)
         self.write_prometheus_targets()
         # ready = every service's /health is 200 and the ingress sees every node as routable
@@ -347,15 +399,21 @@ class Supervisor:
         base = f"http://{o.host}:{o.port}"
         lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
                   f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
-                  f"Logs         {self.log_dir}" + ("" if o.log_dir else "  (removed on a clean stop)"),
+                  f"Logs         {self.log_dir}  (kept after the stack stops)",
                   f"Prometheus   {self.targets_path} (file_sd_configs targets of every /metrics)"]
         if o.trace_file:
             lines.append(f"Traces       {os.path.abspath(o.trace_file)} (JSON lines; "
                          f"kairos trace <id> --trace-file {o.trace_file})")
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             lines.append(f"OTLP         {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
-        lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
-                  f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
+        keyed = bool(api_keys(o)["api_keys"] or api_keys(o)["api_key_file"])
+        bus = ("one generated user per service role, subject permissions (docs/security.md)" if self.creds
+               else "no credentials")
+        lines += [f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
+                  f"NATS: {bus}",
+                  f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+                  + ("-H 'Authorization: Bearer $KEY' " if keyed else "")
+                  + f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
                   "Stop         Ctrl-C"]
         return "\n".join(lines)
 
@@ -401,24 +459,26 @@ class Supervisor:
                 c.proc.kill()
                 c.proc.wait()
         shutil.rmtree(self.tmp / "jetstream", ignore_errors=True)
+        shutil.rmtree(self.tmp / "nats-credentials", ignore_errors=True)  # never kept, even on failure
 
     def cleanup(self) -> Path | None:
-        """After :meth:`down`: remove the temp dir, unless logs in it are worth keeping (a child
-        died or startup failed, and no ``--log-dir`` was given). Returns the kept log dir, if any."""
+        """After :meth:`down`: remove the temp dir except the logs in it. Returns the log dir if it
+        holds a non-empty log (kept), else None (then nothing is left in the temp dir)."""
         logs = [p for p in self.log_dir.glob("*.log") if p.stat().st_size] if self.log_dir.is_dir() else []
-        if self.failed and logs and self.log_dir.is_relative_to(self.tmp):
-            return self.log_dir
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return None
+        inside = self.log_dir.is_relative_to(self.tmp)
+        for entry in list(self.tmp.iterdir()) if self.tmp.is_dir() else []:
+            if not (logs and inside and entry == self.log_dir):
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if not (logs and inside):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return self.log_dir if logs else None
 
     def finish(self) -> None:
-        """:meth:`down`, :meth:`cleanup` and the final lines on stderr."""
+        """:meth:`down`, :meth:`cleanup` and the final lines on stderr (where the logs are)."""
         self.down()
         kept = self.cleanup()
         if kept is not None:
             self.msg(f"logs kept in {kept}")
-        elif self.failed and self.opts.log_dir and self.procs:
-            self.msg(f"logs in {self.log_dir}")
         self.msg("stopped")
 
 

@@ -9,3 +9,6 @@
 
 How it fits together: docs/vllm.md.
 """
+
+#: The vLLM version the scheduler plugin is written and tested against (Makefile VLLM_VERSION).
+VLLM_VERSION = "0.32.0"

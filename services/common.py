@@ -11,14 +11,19 @@ stop.wait()``, then a draining ``close()``):
   SIGTERM, 130 for SIGINT) within a moment;
 * a **second** signal during the drain cancels the drain too (exit 128 + signal number).
 
-A bad ``KAIROS_*`` value exits 2 before any of this (``shared.envconfig.main_config``).
+A bad ``KAIROS_*`` value exits 2 before any of this (``shared.envconfig.main_config``); a
+:class:`~shared.envconfig.ConfigError` raised during startup (an unreadable password or API key
+file) exits 2 too, with its message on stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from typing import Any, Awaitable, Callable
+
+from shared.envconfig import ConfigError
 
 
 class StopEvent(asyncio.Event):
@@ -57,6 +62,9 @@ async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         await task
+    except ConfigError as exc:  # found at startup (e.g. an unreadable password or API key file)
+        print(f"bad configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except asyncio.CancelledError:
         if not got or not task.cancelled():
             raise  # cancelled from outside, not by a signal
@@ -75,12 +83,12 @@ async def start_metrics_and_connect(svc: Any, client_name: str) -> None:
     can still clean up) and ``svc.nc``.
     """
     from shared import telemetry
-    from shared.bus import connect
+    from shared.bus import connect_service
 
     cfg = svc.cfg
     if cfg.metrics_port >= 0:
         svc._runner, svc.metrics_port = await telemetry.start_metrics_server(
             svc.tel.registry, cfg.metrics_host, cfg.metrics_port,
             health=lambda: svc.nc is not None and svc.nc.is_connected)
-    svc.nc = await connect(cfg.nats_url, client_name, svc.log)
+    svc.nc = await connect_service(cfg, client_name, svc.log)
 

@@ -6,7 +6,9 @@ what it uses at start and services can start in any order. Names come from :mod:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -18,17 +20,91 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfi
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
+from shared.envconfig import ConfigError
+from shared.permissions import inbox_prefix
 from shared.wire import decode, encode
 
 T = TypeVar("T")
 
 
-async def connect(url: str, name: str, log=None) -> Client:
+class BusAuthError(ConfigError):
+    """The NATS credentials cannot be used (unreadable password file)."""
+
+
+@dataclass(frozen=True)
+class BusAuth:
+    """NATS credentials of one service (user/password; docs/security.md).
+
+    Attributes:
+        user: the role's NATS user (``shared.permissions``); its client uses the inbox prefix
+            ``_INBOX.<user>``, the only inbox the server lets that role subscribe to.
+        password: the password.
+    """
+
+    user: str
+    password: str = field(repr=False)
+
+    @classmethod
+    def from_config(cls, cfg) -> "BusAuth | None":
+        """From a :class:`shared.envconfig.ServiceConfig` (``KAIROS_NATS_USER`` +
+        ``KAIROS_NATS_PASSWORD`` or ``KAIROS_NATS_PASSWORD_FILE``); None when no user is set.
+
+        Raises:
+            BusAuthError: the password file cannot be read or is empty.
+        """
+        if not cfg.nats_user:
+            return None
+        pw = cfg.nats_password
+        if cfg.nats_password_file:
+            try:
+                pw = Path(cfg.nats_password_file).read_text().strip()
+            except OSError as exc:
+                raise BusAuthError(f"KAIROS_NATS_PASSWORD_FILE={cfg.nats_password_file}: {exc.strerror}") from None
+            if not pw:
+                raise BusAuthError(f"KAIROS_NATS_PASSWORD_FILE={cfg.nats_password_file} is empty")
+        return cls(cfg.nats_user, pw or "")
+
+
+def tls_context(cfg) -> ssl.SSLContext | None:
+    """The client TLS context of a :class:`shared.envconfig.ServiceConfig`: verify the server
+    against ``KAIROS_NATS_TLS_CA_FILE`` (else the system CAs) and present
+    ``KAIROS_NATS_TLS_CERT_FILE``/``KEY_FILE`` if set. None when no TLS file is set (a ``tls://``
+    URL then uses nats-py's default context: system CAs, no client certificate).
+
+    Raises:
+        BusAuthError: a file is missing or not valid PEM (the message names the variable).
+    """
+    if not (cfg.nats_tls_ca_file or cfg.nats_tls_cert_file):
+        return None
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.nats_tls_ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise BusAuthError(f"KAIROS_NATS_TLS_CA_FILE={cfg.nats_tls_ca_file}: {exc}") from None
+    if cfg.nats_tls_cert_file:
+        try:
+            ctx.load_cert_chain(cfg.nats_tls_cert_file, cfg.nats_tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise BusAuthError(f"KAIROS_NATS_TLS_CERT_FILE={cfg.nats_tls_cert_file} / KAIROS_NATS_TLS_KEY_FILE="
+                               f"{cfg.nats_tls_key_file}: {exc}") from None
+    return ctx
+
+
+async def connect_service(cfg, name: str, log=None) -> Client:
+    """:func:`connect` to ``cfg.nats_url`` with the credential and TLS settings of ``cfg`` (a
+    :class:`shared.envconfig.ServiceConfig`). Raises BusAuthError for unusable files."""
+    return await connect(cfg.nats_url, name, log, auth=BusAuth.from_config(cfg), tls=tls_context(cfg))
+
+
+async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
+                  tls: ssl.SSLContext | None = None) -> Client:
     """Connect with reconnects forever (a restarted nats-server is picked up again).
 
     The first connection is retried forever too (every 0.5 s, each failure logged as
     ``nats_error``), so services may start before NATS. This never gives up on its own: to abort
     it (a signal during startup), cancel the awaiting task — ``services.common.run_main`` does.
+    With ``auth`` the client logs in as that user and uses its private inbox prefix
+    (:func:`shared.permissions.inbox_prefix`); a refused login is logged as ``nats_error``
+    (``Authorization Violation``). ``tls``: the client TLS context (:func:`tls_context`).
     """
 
     async def on_error(exc: Exception) -> None:
@@ -43,9 +119,14 @@ async def connect(url: str, name: str, log=None) -> Client:
         if log is not None:
             log.info("nats_reconnected")
 
+    creds: dict = {}
+    if auth is not None:
+        creds = {"user": auth.user, "password": auth.password, "inbox_prefix": inbox_prefix(auth.user)}
+    if tls is not None:
+        creds["tls"] = tls
     return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                               error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                              connect_timeout=5, drain_timeout=2)
+                              connect_timeout=5, drain_timeout=2, **creds)
 
 
 async def close(nc: Client | None, graceful: bool = True) -> None:

@@ -116,21 +116,50 @@ def main_config(cls: type[T], service: str) -> T:
         sys.exit(2)
 
 
+def check_nats_auth(cfg: Any) -> None:
+    """The NATS credential and TLS fields of a :class:`ServiceConfig` are consistent (raises ConfigError)."""
+    has_pw = bool(cfg.nats_password) or bool(cfg.nats_password_file)
+    require(not (cfg.nats_password and cfg.nats_password_file), "nats_password_file",
+            "set either KAIROS_NATS_PASSWORD or KAIROS_NATS_PASSWORD_FILE, not both")
+    require(bool(cfg.nats_user) or not has_pw, "nats_user", "a NATS password needs KAIROS_NATS_USER")
+    require(not cfg.nats_user or has_pw, "nats_password",
+            f"KAIROS_NATS_USER={cfg.nats_user} needs KAIROS_NATS_PASSWORD or KAIROS_NATS_PASSWORD_FILE")
+    require(bool(cfg.nats_tls_cert_file) == bool(cfg.nats_tls_key_file), "nats_tls_key_file",
+            "a client certificate needs both KAIROS_NATS_TLS_CERT_FILE and KAIROS_NATS_TLS_KEY_FILE")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServiceConfig:
     """Fields every service has (inherit it; they are keyword-only and come after the service's own).
 
     Attributes:
         nats_url: the NATS server (JetStream enabled).
+        nats_user: NATS user (the service's role: ``ingress``, ``dispatcher``, ``aggregator``,
+            ``profiler``, ``agent-<node>``; ``shared/permissions.py``); None: no authentication.
+        nats_password: its password (prefer ``nats_password_file``: environments leak).
+        nats_password_file: a file whose content (stripped) is the password (Docker secrets).
+        nats_tls_ca_file: PEM CA bundle the NATS server's certificate must chain to (a private
+            CA; default: the system CAs when the URL is ``tls://``).
+        nats_tls_cert_file: PEM client certificate (mutual TLS, server ``verify: true``).
+        nats_tls_key_file: its private key (PEM).
         trace_file: append finished spans as JSON lines here (``kairos trace`` reads it).
         log_level: structlog level name.
         log_format: ``auto`` (console on a TTY, else JSON lines), ``json`` or ``console``.
     """
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password: str | None = dataclasses.field(default=None, repr=False)
+    nats_password_file: str | None = None
+    nats_tls_ca_file: str | None = None
+    nats_tls_cert_file: str | None = None
+    nats_tls_key_file: str | None = None
     trace_file: str | None = None
     log_level: str = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
+
+    def __post_init__(self) -> None:
+        check_nats_auth(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,4 +175,5 @@ class MetricsServiceConfig(ServiceConfig):
     metrics_port: int = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(-1 <= self.metrics_port <= 65535, "metrics_port", "must be -1..65535")

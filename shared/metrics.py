@@ -138,6 +138,123 @@ def summarize(records: Sequence[RequestRecord], *, tbt_slo_ms: float = 70.0, ttf
     }
 
 
+#: The metrics of ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py``, ``calculate_metrics``),
+#: in its order: (JSON key stem, printed name)
+SERVE_LATENCIES: tuple[tuple[str, str], ...] = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
+
+
+def serving_metrics(records: Sequence[RequestRecord], *, duration_s: float,
+                    goodput_slo_ms: dict[str, float] | None = None,
+                    percentiles: Sequence[float] = (99.0,)) -> dict[str, Any]:
+    """The figures ``vllm bench serve`` reports, with its names and definitions
+    (vLLM ``vllm/benchmarks/serve.py``, ``calculate_metrics``). Never raises on empty input.
+
+    Definitions, over the *completed* requests (not :attr:`RequestRecord.failed`):
+
+    * ``ttft`` = ``ttft_ms`` (first token with generated text);
+    * ``e2el`` = last token arrival − ``arrival_s``, ms (vLLM: the last chunk with choices);
+    * ``tpot`` = (e2el − ttft) / (output_tokens − 1), ms, for requests with > 1 output token;
+    * ``itl`` = the gaps between consecutive *chunks* of every request, ms: tokens that arrived in
+      one chunk share a time in ``token_times_s`` and count as one arrival, as vLLM appends one
+      ITL per received chunk;
+    * throughputs are per second of ``duration_s``; ``total_token_throughput`` counts prompt and
+      output tokens of completed requests;
+    * goodput: completed requests whose ttft, tpot (0 for a single-token request, as vLLM) and
+      e2el are all ≤ the SLOs given in ``goodput_slo_ms`` (keys ``ttft``, ``tpot``, ``e2el``), per
+      second; None when no SLO is given.
+
+    Args:
+        records: one per request sent.
+        duration_s: benchmark duration, seconds (start → last response).
+        goodput_slo_ms: SLOs in ms by metric stem, or None.
+        percentiles: which percentiles to report (vLLM's ``--metric-percentiles``, default 99).
+
+    Returns:
+        ``completed``, ``failed``, ``duration`` (s), ``total_input_tokens``, ``total_output_tokens``,
+        ``request_throughput``, ``request_goodput``, ``output_throughput``, ``total_token_throughput``
+        (per s), and for each stem in :data:`SERVE_LATENCIES` ``mean_<stem>_ms``, ``median_<stem>_ms``,
+        ``std_<stem>_ms`` and ``p<P>_<stem>_ms`` (None without data).
+
+    Raises:
+        ValueError: an unknown goodput key or a non-positive SLO.
+    """
+    slos = dict(goodput_slo_ms or {})
+    for k, v in slos.items():
+        if k not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"unknown goodput metric {k!r} (known: ttft, tpot, e2el)")
+        if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+            raise ValueError(f"goodput SLO {k} must be a positive number of ms, got {v!r}")
+    done = [r for r in records if not r.failed]
+    vals: dict[str, list[float]] = {stem: [] for stem, _ in SERVE_LATENCIES}
+    good = 0
+    for r in done:
+        e2el = (r.token_times_s[-1] - r.arrival_s) * 1000.0
+        tpot = (e2el - r.ttft_ms) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        vals["ttft"].append(r.ttft_ms)
+        vals["e2el"].append(e2el)
+        if r.output_tokens > 1:
+            vals["tpot"].append(tpot)
+        arrivals = np.unique(np.asarray(r.token_times_s, dtype=float))
+        vals["itl"].extend((np.diff(arrivals) * 1000.0).tolist())
+        got = {"ttft": r.ttft_ms, "tpot": tpot, "e2el": e2el}
+        good += all(got[k] <= v for k, v in slos.items())
+    in_tokens = sum(r.prompt_tokens for r in done)
+    out_tokens = sum(r.output_tokens for r in done)
+    per_s = (lambda x: x / duration_s) if duration_s > 0 and math.isfinite(duration_s) else (lambda x: 0.0)
+    out: dict[str, Any] = {
+        "completed": len(done), "failed": len(records) - len(done), "duration": float(duration_s),
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": float(per_s(len(done))),
+        "request_goodput": float(per_s(good)) if slos else None,
+        "output_throughput": float(per_s(out_tokens)),
+        "total_token_throughput": float(per_s(in_tokens + out_tokens)),
+    }
+    for stem, _ in SERVE_LATENCIES:
+        v = np.asarray(vals[stem], dtype=float)
+        out[f"mean_{stem}_ms"] = float(v.mean()) if v.size else None
+        out[f"median_{stem}_ms"] = float(np.median(v)) if v.size else None
+        out[f"std_{stem}_ms"] = float(v.std()) if v.size else None
+        for p, q in zip(percentiles, _pcts(v, percentiles)):
+            out[f"p{p:g}_{stem}_ms"] = q
+    return out
+
+
+def format_serving(m: dict[str, Any], *, title: str = "Serving Benchmark Result",
+                   extra: Sequence[tuple[str, Any]] = ()) -> str:
+    """Render :func:`serving_metrics` the way ``vllm bench serve`` prints it (same labels), with
+    ``extra`` (label, value) lines after the throughputs. Values that are None print as ``-``."""
+    def line(label: str, value: Any) -> str:
+        if value is None:
+            text = "-"
+        elif isinstance(value, float):
+            text = f"{value:.2f}"
+        else:
+            text = str(value)
+        return f"{label:<40} {text:<10}".rstrip()
+
+    rows = [f"{' ' + title + ' ':=^50}",
+            line("Successful requests:", m["completed"]), line("Failed requests:", m["failed"]),
+            *(line(a, b) for a, b in extra),
+            line("Benchmark duration (s):", m["duration"]), line("Total input tokens:", m["total_input_tokens"]),
+            line("Total generated tokens:", m["total_output_tokens"]),
+            line("Request throughput (req/s):", m["request_throughput"])]
+    if m.get("request_goodput") is not None:
+        rows.append(line("Request goodput (req/s):", m["request_goodput"]))
+    rows += [line("Output token throughput (tok/s):", m["output_throughput"]),
+             line("Total Token throughput (tok/s):", m["total_token_throughput"])]
+    heads = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+             "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for stem, name in SERVE_LATENCIES:
+        rows.append(f"{heads[stem]:-^50}")
+        rows.append(line(f"Mean {name} (ms):", m[f"mean_{stem}_ms"]))
+        rows.append(line(f"Median {name} (ms):", m[f"median_{stem}_ms"]))
+        for key in m:
+            if key.startswith("p") and key.endswith(f"_{stem}_ms"):
+                rows.append(line(f"P{key[1:-len(stem) - 4]} {name} (ms):", m[key]))
+    rows.append("=" * 50)
+    return "\n".join(rows) + "\n"
+
+
 def _fmt(value: Any, spec: str, scale: float | None = None) -> str:
     if value is None:
         return "-"
@@ -160,16 +277,18 @@ _COLUMNS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], name_column: str = "policy") -> str:
     """Render :func:`summarize` results as a plain-text table (rich, no colour codes).
 
     Each row is a summary dict, optionally with ``policy`` (str) and ``rps`` (float) keys; missing
-    values print as ``-``. Columns: policy, rps, requests, TTFT p50/p95/p99 (ms), TBT p50/p95
-    (ms), TBT viol %, SLO %, deflections.
+    values print as ``-``. Columns: policy (headed ``name_column``: ``kairos bench`` rows are runs,
+    not policies), rps, requests, TTFT p50/p95/p99 (ms), TBT p50/p95 (ms), TBT viol %, SLO %,
+    deflections.
     """
     table = Table(box=box.SIMPLE_HEAD)
     for header, _ in _COLUMNS:
-        table.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
+        table.add_column(name_column if header == "policy" else header,
+                         justify="left" if header == "policy" else "right", no_wrap=True)
     for row in rows:
         table.add_row(*(render(row) for _, render in _COLUMNS))
     buffer = io.StringIO()

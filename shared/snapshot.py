@@ -5,7 +5,8 @@ state aggregator's cluster view; the simulator builds it from its engine models 
 Where it goes: :func:`shared.policy.decide`.
 
 Structs are msgspec so that decoding validates types and bounds and names the offending field
-(``$.decode_nodes[0].kv_tokens``). Unknown fields are ignored, so richer views decode too.
+(``$.decode_nodes[0].kv_tokens``). Unknown fields are refused (a typo such as
+``deflection_in_flght`` would otherwise silently change the decision).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class SnapshotError(ValueError):
     """A snapshot is malformed. The message names the offending field (JSON path)."""
 
 
-class RequestView(msgspec.Struct, frozen=True):
+class RequestView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The request being routed."""
 
     id: Annotated[str, msgspec.Meta(min_length=1)]  #: request id
@@ -37,7 +38,7 @@ class RequestView(msgspec.Struct, frozen=True):
     output_tokens: NonNegInt | None = None  #: max_tokens if known (not used by Algorithm 1)
 
 
-class PrefillNodeView(msgspec.Struct, frozen=True):
+class PrefillNodeView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """State of one prefill node (§4.2 input)."""
 
     id: NodeId
@@ -48,14 +49,14 @@ class PrefillNodeView(msgspec.Struct, frozen=True):
     kv_backlog_ms: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
 
 
-class InFlightDeflection(msgspec.Struct, frozen=True):
+class InFlightDeflection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A deflected prefill still running on a decode node (used by kairos+ state projection)."""
 
     prompt_tokens: NonNegInt  #: prefill tokens not yet computed
     output_tokens: NonNegInt = 0  #: max output tokens of that request (0 if unknown)
 
 
-class DecodeNodeView(msgspec.Struct, frozen=True):
+class DecodeNodeView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """State of one decode node (§4.3 input)."""
 
     id: NodeId
@@ -69,7 +70,7 @@ class DecodeNodeView(msgspec.Struct, frozen=True):
     waiting: BatchSize = 0
 
 
-class ClusterSnapshot(msgspec.Struct, frozen=True):
+class ClusterSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One policy input: the request plus every routable node."""
 
     request: RequestView

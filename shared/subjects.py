@@ -107,3 +107,14 @@ def record_key(request_id: str, part: str) -> str:
     if part not in RECORD_PARTS:
         raise SubjectError(f"unknown record part {part!r}; known: {RECORD_PARTS}")
     return f"{check_token(request_id, 'request id')}.{part}"
+
+
+# -- added for the permission table (shared/permissions.py); contract D, owned by the profiler ----
+def steps_subject(node: str) -> str:
+    """Step records of ``node``'s engine (``StepRecordEvent``): node agent -> profiler."""
+    return f"{PREFIX}.steps.{check_token(node, 'node id')}"
+
+
+STEPS_WILDCARD = f"{PREFIX}.steps.*"
+#: KV bucket of latency models (``latency.<profile>``, ``current``): profiler -> dispatchers, agents.
+MODELS_BUCKET = "kairos_models"

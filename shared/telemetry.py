@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import sys
 import threading
 from dataclasses import dataclass
@@ -362,6 +363,10 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
     return runner, bound
 
 
+#: seconds :meth:`Telemetry.shutdown` waits for the span exporters (a service's whole stop stays within 5 s)
+SHUTDOWN_TIMEOUT_S = 3.0
+
+
 # --- one service instance -----------------------------------------------------------------------------
 
 @dataclass
@@ -374,9 +379,29 @@ class Telemetry:
     registry: CollectorRegistry
     log: structlog.stdlib.BoundLogger
 
-    def shutdown(self) -> None:
-        """Flush and stop span exporters."""
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """Flush and stop span exporters, waiting at most ``timeout_s`` seconds.
+
+        The OTLP exporter retries an unreachable collector with backoff for up to its own timeout
+        (``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s) per batch, and the SDK waits for it: a service
+        stopping with its collector down took 17.8 s. The flush runs in a daemon thread instead;
+        past ``timeout_s`` the spans still queued are abandoned (logged ``span_export_abandoned``)
+        and the process may exit. Returns whether the flush finished in time.
+        """
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self.provider.shutdown()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"otel-shutdown-{self.service}", daemon=True).start()
+        if done.wait(timeout_s):
+            return True
+        self.log.warning("span_export_abandoned", timeout_s=timeout_s,
+                         message="the trace exporter did not finish in time (collector unreachable?)")
+        return False
 
 
 def setup(service: str, instance: str | None = None, trace_file: str | None = None,

@@ -34,6 +34,40 @@ class WireError(ValueError):
 # ingress -> dispatchers (JetStream stream KAIROS_REQ, subject kairos.req.new)
 # --------------------------------------------------------------------------------------------
 
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Sampling parameters of one request, with the OpenAI / vLLM names (``None`` = engine default).
+
+    Carried on :class:`InferenceRequest` so every backend sees what the client asked for: a vLLM
+    backend merges :func:`sampling_body` into its ``/v1/completions`` body (the field names are
+    vLLM's ``CompletionRequest`` names, vllm/entrypoints/openai/protocol.py); the emulated engine
+    honours the ones that shape its deterministic output (``seed``, ``stop``, ``stop_token_ids``,
+    ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``; see
+    :mod:`shared.emulated_text`). The ingress validated the values (ranges, token ids against the
+    vocabulary) before building this.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None  #: stop strings (a single OpenAI string becomes a one-item list)
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None  #: token id (decimal string) -> bias in [-100, 100]
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+def sampling_body(sp: SamplingParams) -> dict:
+    """The non-``None`` fields of ``sp`` as a dict, ready to merge into a vLLM ``/v1/completions`` body."""
+    return {f: v for f in sp.__struct_fields__ if (v := getattr(sp, f)) is not None}
+
+
 class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One client request, as the ingress accepted it."""
 
@@ -47,6 +81,10 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int] | None = None  #: token-id prompt as sent by the client, or None
     created_unix_ms: float  #: when the ingress accepted the request
     deadline_unix_ms: float  #: after this the ingress has answered 504; nobody should work on it
+    sampling: SamplingParams = SamplingParams()  #: the client's sampling parameters (contract C)
+    #: False when the client set no max_tokens (``max_tokens`` is then the endpoint's default: 16 for
+    #: completions, the remaining context for chat); the emulated engine ends such requests with EOS
+    max_tokens_explicit: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,6 +276,7 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     request_id: str
     completion_tokens: NonNeg
     finish_reason: Literal["length", "stop", "abort"] = "length"
+    cached_tokens: NonNeg = 0  #: prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     node: str
     sent_unix_ms: float
 

@@ -81,10 +81,22 @@ def sweep(make_workload: Callable[[float], Sequence[WorkloadRequest]], rates: Se
     return rows
 
 
+def sweep_title(workload: str, duration_s: float, n_prefill: int, n_decode: int, profile: str,
+                link: str | None = None, seed: int | None = None) -> str:
+    """The title every sweep plot carries: what was simulated (workload, duration in s, cluster,
+    latency profile, KV link, seed)."""
+    parts = [workload, f"{duration_s:g} s", f"{n_prefill}P{n_decode}D", f"profile {profile}"]
+    if link:
+        parts.append(f"link {link}")
+    if seed is not None:
+        parts.append(f"seed {seed}")
+    return ", ".join(parts)
+
+
 def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, params: PolicyParams,
-               prefix: str = "sweep") -> list[Path]:
+               prefix: str = "sweep", title: str = "") -> list[Path]:
     """Write PNG plots (P95 TTFT, P95 TBT, SLO attainment, deflections vs RPS; one line per policy,
-    SLO lines drawn). Returns the paths."""
+    SLO lines drawn), each titled ``title`` (see :func:`sweep_title`). Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,6 +119,8 @@ def plot_sweep(rows: Sequence[dict[str, Any]], out_dir: str | Path, params: Poli
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
         if slo is not None:
             ax.axhline(slo, color="red", linestyle="--", linewidth=1, label="SLO")
+        if title:
+            ax.set_title(title, fontsize=8)
         ax.set_xlabel("request rate (RPS)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

@@ -23,7 +23,7 @@ import msgspec
 from shared.latency import load_profile
 from shared.policy import PolicyParams, parse_policy
 from shared.workloads import generate
-from sim.experiments import max_sustainable_rps, plot_sweep, run_one
+from sim.experiments import max_sustainable_rps, plot_sweep, run_one, sweep_title
 from sim.simulator import SimConfig
 
 # Paper figures (CALIBRATION.md §B–D): Table 3 P95 breakdown (ms) and Table 4 (Bursty).
@@ -106,7 +106,8 @@ def sweep6(duration: float, seed: int, link: str, params: PolicyParams, out: Pat
         wl = generate("bursty", rps, duration, seed)
         for spec in ("pd", "dynamo", "kairos"):
             rows.append(run_one(wl, parse_policy(spec), model, params, SimConfig(link=link), rps=rps))
-    plots = plot_sweep(rows, out / "plots", params, prefix=f"sweep-{link}{tag}")
+    plots = plot_sweep(rows, out / "plots", params, prefix=f"sweep-{link}{tag}",
+                       title=sweep_title("bursty", duration, 2, 2, model.name, link, seed))
     lines = ["| RPS | " + " | ".join(f"{p} P95 TTFT s / P95 TBT ms / SLO % / defl" for p in ("pd", "dynamo", "kairos")) + " |",
              "|---|---|---|---|"]
     for rps in rates:

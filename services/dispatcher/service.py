@@ -269,7 +269,9 @@ class Dispatcher:
                 except Exception as exc:
                     log.error("routing_failed", error=repr(exc))
                     span.record_exception(exc)
-                    await self._error(req, 500, "routing_failed", f"dispatcher {self.cfg.replica_id}: {exc!r}", span)
+                    # the client sees no exception name; the log line above has it, with the request id
+                    await self._error(req, 500, "routing_failed", f"dispatcher {self.cfg.replica_id} could not route "
+                                                                  "the request (internal error)", span)
                 await msg.ack()
             finally:
                 self.m.inflight.dec()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shared.envconfig import ServiceConfig, require
@@ -32,8 +33,19 @@ class IngressConfig(ServiceConfig):
     #: how often in-flight requests are checked for a client that closed its connection
     disconnect_poll_s: float = 0.2
     max_body_bytes: int = 64 * 1024 * 1024  #: larger request bodies get 413
+    #: accepted API keys (``Authorization: Bearer <key>``), comma-separated in KAIROS_API_KEYS;
+    #: with api_key_file, the union. None of either: the API is open (a warning is logged)
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    api_key_file: str | None = None  #: one key per line (blank lines and ``#`` comments ignored)
+    #: a client must send its complete request line and headers within this many seconds of
+    #: connecting (or of starting the next request on a kept-alive connection); else it is dropped
+    header_timeout_s: float = 10.0
+    #: reading the whole request body may take at most this long; else 408
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 75.0  #: idle kept-alive connections are closed after this
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(0 <= self.port <= 65535, "port", "must be 0..65535")
         require(bool(self.served_model), "served_model", "must not be empty")
         require(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
@@ -45,3 +57,8 @@ class IngressConfig(ServiceConfig):
         require(self.dispatcher_active_window_s > 0, "dispatcher_active_window_s", "must be > 0")
         require(self.disconnect_poll_s > 0, "disconnect_poll_s", "must be > 0")
         require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        require(all(k.strip() == k and k for k in self.api_keys), "api_keys",
+                "keys must be non-empty and without surrounding spaces")
+        require(self.header_timeout_s > 0, "header_timeout_s", "must be > 0")
+        require(self.body_timeout_s > 0, "body_timeout_s", "must be > 0")
+        require(self.keepalive_timeout_s > 0, "keepalive_timeout_s", "must be > 0")

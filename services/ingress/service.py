@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,11 +39,14 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.ingress.config import IngressConfig
+from services.ingress.http import (HardenedRunner, add_retry_after, api_key_middleware, clip, error_response,
+                                   load_api_keys)
 from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import connect, ensure_buckets, publish
+from shared.bus import connect_service, ensure_buckets, publish
+from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.latency import load_profile
 from shared.records import request_record
 from shared.routing import routable
@@ -52,6 +56,20 @@ from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, Done
 
 #: set on a request once its SSE headers are sent (no error response can replace them any more)
 STREAM_STARTED = web.RequestKey("kairos_stream_started", bool)
+#: set on a completion request once its id is assigned (error logs name it)
+REQUEST_ID = web.RequestKey("kairos_request_id", str)
+#: bytes reserved for the NATS headers of a request (traceparent, tracestate, Nats-Msg-Id)
+BUS_HEADER_ALLOWANCE = 1024
+
+
+def bus_request(parsed: oa.ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
+                deadline_unix_ms: float) -> InferenceRequest:
+    """The :class:`InferenceRequest` the ingress publishes for one attempt of ``parsed``."""
+    return InferenceRequest(request_id=request_id, model=parsed.model, prompt_tokens=prompt_tokens,
+                            max_tokens=parsed.max_tokens, prompt_tokens_exact=exact, prompt_text=parsed.prompt_text,
+                            prompt_token_ids=parsed.prompt_token_ids, created_unix_ms=created_unix_ms,
+                            deadline_unix_ms=deadline_unix_ms, sampling=parsed.sampling,
+                            max_tokens_explicit=parsed.max_tokens_explicit)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -59,7 +77,11 @@ def _json(body: dict, status: int = 200) -> web.Response:
 
 
 def _err(status: int, message: str, code: str | None = None, param: str | None = None) -> web.Response:
-    return _json(oa.error_body(message, oa.error_type_for(status), param, code), status)
+    return error_response(status, message, code, param)
+
+
+def _api_err(exc: oa.ApiError) -> web.Response:
+    return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
 class _Metrics:
@@ -96,6 +118,12 @@ class _Metrics:
                                    ("endpoint", "stream"), registry=reg)
         for outcome in ("resubmitted", "failed"):
             self.node_lost.labels(outcome)
+        self.auth_failures = Counter("kairos_ingress_auth_failures_total",
+                                     "Requests refused with 401 (API key missing or invalid)", ("reason",),
+                                     registry=reg)
+        self.slow_clients = Counter("kairos_ingress_slow_clients_dropped_total",
+                                    "Connections closed because their request head did not arrive within "
+                                    "header_timeout_s", registry=reg)
 
 
 @dataclass
@@ -148,7 +176,10 @@ class Ingress:
         self.cfg = cfg
         self.model = load_profile(cfg.profile)
         self.max_model_len = self.model.engine.max_model_len
-        self.counter = oa.tokenizer_counter(cfg.tokenizer_path) if cfg.tokenizer_path else None
+        self.counter, self.vocab_size = (oa.load_tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
+                                         else (None, EMULATED_VOCAB_SIZE))
+        self.chat_template = (oa.load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
+                              if cfg.tokenizer_path else None)
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
@@ -168,9 +199,14 @@ class Ingress:
         self._disp: dict | None = None  # cached dispatcher-consumer check
         self._disp_at = 0.0
         self._disp_lock = asyncio.Lock()
+        self.api_keys = load_api_keys(cfg.api_keys, cfg.api_key_file)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        middlewares = [self._errors]
+        if self.api_keys:
+            middlewares.append(api_key_middleware(self.api_keys, self._rejected))
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=middlewares)
+        app.on_response_prepare.append(add_retry_after)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -180,20 +216,26 @@ class Ingress:
         return app
 
     async def start(self) -> None:
-        self.nc = await connect(self.cfg.nats_url, f"ingress:{self.cfg.replica_id}", self.log)
+        self.nc = await connect_service(self.cfg, f"ingress:{self.cfg.replica_id}", self.log)
         self.js = self.nc.jetstream()
         self.buckets = await ensure_buckets(self.js)
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
         self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
         self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
         self._poll_task = asyncio.create_task(self._watch_clients())
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        if not self.api_keys:
+            self.log.warning("api_open", message="no API key configured (KAIROS_API_KEYS / KAIROS_API_KEY_FILE / "
+                                                 "kairos up --api-key): every client may use the API")
+        self._runner = HardenedRunner(self.app(), access_log=None, header_timeout_s=self.cfg.header_timeout_s,
+                                      keepalive_timeout=self.cfg.keepalive_timeout_s,
+                                      on_slow_client=self.m.slow_clients.inc)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.log.info("ingress_started", host=self.cfg.host, port=self.port, model=self.cfg.served_model,
-                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))")
+                      tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))", vocab_size=self.vocab_size,
+                      chat_template="model" if self.chat_template else "fixed")
 
     async def close(self) -> None:
         """Stop: every request still in flight ends now with an explicit 503 ``ingress_shutdown``
@@ -241,13 +283,19 @@ class Ingress:
         except Exception as exc:
             if request.get(STREAM_STARTED):
                 raise  # headers are out; nothing better to send
-            self.log.error("unhandled_error", path=request.path, method=request.method, error=repr(exc))
-            return _err(500, f"internal error in the ingress: {exc!r}", "internal_error")
+            error_id = "err-" + uuid.uuid4().hex[:16]  # the body names no exception; the log has it
+            self.log.error("unhandled_error", path=request.path, method=request.method, error=repr(exc),
+                           error_id=error_id, request_id=request.get(REQUEST_ID), exc_info=exc)
+            return _err(500, f"internal error in the ingress (error id {error_id})", "internal_error")
+
+    def _rejected(self, request: web.Request, reason: str) -> None:
+        self.m.auth_failures.labels(reason).inc()
+        self.log.info("api_key_rejected", reason=reason, path=request.path, client=request.remote)
 
     def _http_error(self, request: web.Request, exc: web.HTTPException) -> web.Response:
         status = exc.status
         if isinstance(exc, web.HTTPNotFound):
-            msg, code = (f"Unknown path {request.path!r}. Endpoints: POST /v1/completions, POST /v1/chat/completions, "
+            msg, code = (f"Unknown path {clip(request.path, 200)!r}. Endpoints: POST /v1/completions, POST /v1/chat/completions, "
                          f"GET /v1/models, GET /v1/requests/{{id}}, GET /health, GET /metrics"), "not_found"
         elif isinstance(exc, web.HTTPMethodNotAllowed):
             msg = (f"Method {request.method} is not allowed for {request.path}; use "
@@ -328,7 +376,8 @@ class Ingress:
             return {"consuming": False, "detail": f"consumer {S.DISPATCHER_CONSUMER!r} on stream "
                                                   f"{S.REQUEST_STREAM!r} does not exist: no dispatcher ever started"}
         except Exception as exc:
-            return {"consuming": False, "detail": f"consumer info failed: {exc!r}"}
+            self.log.warning("consumer_info_failed", error=repr(exc))  # the body names no exception
+            return {"consuming": False, "detail": "the consumer state could not be read from JetStream"}
         waiting = info.num_waiting or 0
         last = info.delivered.last_active if info.delivered is not None else None
         since = None
@@ -481,22 +530,29 @@ class Ingress:
     async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         received = now_ms()
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
         except web.HTTPRequestEntityTooLarge as exc:
             self.m.requests.labels(endpoint, "413").inc()
             return self._http_error(request, exc)
+        except asyncio.TimeoutError:
+            self.m.requests.labels(endpoint, "408").inc()
+            out = _err(408, f"the request body was not received within {self.cfg.body_timeout_s:g} s",
+                       "request_timeout")
+            out.force_close()
+            return out
         except orjson.JSONDecodeError as exc:
             self.m.requests.labels(endpoint, "400").inc()
             return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
         try:
-            parsed = oa.parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens)
-            prompt_tokens, exact = oa.count_prompt_tokens(parsed, self.counter)
-            oa.check_context(prompt_tokens, parsed.max_tokens, self.max_model_len,
-                             "prompt" if endpoint == "completions" else "messages")
+            parsed, prompt_tokens, exact = oa.prepare_request(
+                endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
+                self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
+            self._check_bus_payload(parsed, prompt_tokens, exact, endpoint)
         except oa.ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
-            return _json(exc.body(), exc.status)
+            return _api_err(exc)
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        request[REQUEST_ID] = rid
         created = int(received / 1000)
         self.m.inflight.inc()
         timing = {"received_unix_ms": received, "prompt_tokens": prompt_tokens}
@@ -546,6 +602,23 @@ class Ingress:
                          e2e_ms=round((done or now_ms()) - received, 3))
                 self._bg(self._write_timing(rid, timing))
 
+    def _check_bus_payload(self, parsed: oa.ParsedRequest, prompt_tokens: int, exact: bool, endpoint: str) -> None:
+        """The request must fit one NATS message (the server's ``max_payload``, 1 MiB by default).
+
+        Raises:
+            oa.ApiError: 400 ``prompt_too_large`` naming both sizes.
+        """
+        limit = getattr(self.nc, "max_payload", 0) if self.nc is not None else 0
+        if not limit:
+            return
+        probe = bus_request(parsed, "x" * 48, prompt_tokens, exact, 0.0, 0.0)
+        size = len(encode(probe)) + BUS_HEADER_ALLOWANCE
+        if size > limit:
+            field = "prompt" if endpoint == "completions" else "messages"
+            raise oa.ApiError(400, f"The {field} is too large to route: the request takes {size} bytes on the message "
+                                   f"bus, whose limit (NATS max_payload) is {limit} bytes. Shorten the {field}.",
+                              param=field, code="prompt_too_large")
+
     async def _run(self, request, parsed: oa.ParsedRequest, rid: str, created: int, prompt_tokens: int, exact: bool,
                    received: float, timing: dict, log, trace_id: str | None) -> tuple[web.StreamResponse, int]:
         cfg = self.cfg
@@ -579,10 +652,7 @@ class Ingress:
                 sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=on_out)
                 if old is not None:
                     await old.unsubscribe()
-                ireq = InferenceRequest(request_id=attempt_id, model=parsed.model, prompt_tokens=prompt_tokens,
-                                        max_tokens=parsed.max_tokens, prompt_tokens_exact=exact,
-                                        prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
-                                        created_unix_ms=received, deadline_unix_ms=deadline)
+                ireq = bus_request(parsed, attempt_id, prompt_tokens, exact, received, deadline)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 await self.nc.flush()
@@ -605,6 +675,7 @@ class Ingress:
         completion = 0  # tokens received for the current attempt
         sent = 0  # tokens delivered to the client (streaming)
         finish = "length"
+        cached = 0  # prompt tokens the engine served from its prefix cache (DoneEvent)
         resp: web.StreamResponse | None = None
         first = True
         last_token_ms = 0.0
@@ -615,7 +686,7 @@ class Ingress:
             timing["completion_tokens"] = sent if parsed.stream else 0
             if resp is None:
                 return _err(status, message, code), status
-            await self._sse(resp, oa.error_body(message, oa.error_type_for(status), None, code))
+            await self._sse(resp, oa.error_body(clip(message), oa.error_type_for(status), None, code))
             await self._sse_done(resp)
             return resp, status
 
@@ -623,7 +694,8 @@ class Ingress:
             exc = await submit(rid)
             if exc is not None:
                 timing["error"] = "enqueue_failed"
-                return _err(503, f"could not enqueue the request: {exc!r}", "enqueue_failed"), 503
+                return _err(503, "could not enqueue the request (the message bus is unavailable); retry",
+                            "enqueue_failed"), 503
             while True:
                 ev = await next_event()
                 if ev is None:
@@ -659,8 +731,8 @@ class Ingress:
                         exc = await submit(new_id)
                         if exc is not None:
                             timing["error"] = "enqueue_failed"
-                            return _err(503, f"node {ev.node} was lost and the request could not be re-submitted: "
-                                             f"{exc!r}", "enqueue_failed"), 503
+                            return _err(503, f"node {ev.node} was lost and the request could not be re-submitted "
+                                             "(the message bus is unavailable); retry", "enqueue_failed"), 503
                         continue
                     self.m.node_lost.labels("failed").inc()
                     await self._cancel(old_id, "node_lost")
@@ -698,6 +770,7 @@ class Ingress:
                     first = False
                 elif isinstance(ev, DoneEvent):
                     finish = ev.finish_reason
+                    cached = ev.cached_tokens
                     timing["finish_reason"] = finish
                     break
                 elif isinstance(ev, ErrorEvent):
@@ -709,14 +782,14 @@ class Ingress:
             self.m.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - received))
             if not parsed.stream:
                 out = _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
-                                             completion))
+                                             completion, cached))
                 out.headers["X-Request-Id"] = rid
                 return out, 200
             assert resp is not None
             await self._sse(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
                                                   finish))
             if parsed.include_usage:
-                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion))
+                await self._sse(resp, oa.usage_chunk(parsed, rid, created, prompt_tokens, completion, cached))
             await self._sse_done(resp)
             return resp, 200
         finally:

@@ -486,11 +486,9 @@ class NodeAgent:
         if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
             r.decode_span.set_attributes(self._decode_summary(r))
             r.decode_span.end()
-        done: dict = {"finish_reason": finish_reason}
-        if "cached_tokens" in DoneEvent.__struct_fields__:  # contract C (sampling parameters on the bus)
-            done["cached_tokens"] = cached_tokens
         await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
-            request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now, **done)))
+            request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now,
+            finish_reason=finish_reason, cached_tokens=cached_tokens)))
         self._write_decode_timing(r, finished_ms=now)
 
     async def on_failed(self, rid: str, status: int, code: str, message: str) -> None:

@@ -21,17 +21,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from shared.emulated_text import EmulatedCompletion, emulated_completion
 from shared.engine import Engine, EngineConfig, EngineState
 from shared.latency import LatencyModel
 from shared.wire import InferenceRequest
 
-_WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "do",
-          "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim")
-
-
-def token_text(index: int) -> str:
-    """Placeholder text of output token ``index`` (emulated engines produce no real text)."""
-    return " " + _WORDS[index % len(_WORDS)]
+def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
+    """The emulated engine's output of ``req``: its length (given to the engine model as the output
+    tokens), per-token text and finish reason, honouring the request's sampling parameters
+    (:mod:`shared.emulated_text`; a request without ``max_tokens`` ends with the emulated EOS)."""
+    return emulated_completion(req.sampling, req.max_tokens, req.prompt_text, req.prompt_token_ids,
+                               natural_end=not req.max_tokens_explicit)
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,7 @@ class EmulatedBackend(EngineBackend):
         self.engine = Engine(EngineConfig.from_limits(role, model.engine), model, tbt_guard_ms=tbt_guard_ms)
         self._wake = asyncio.Event()
         self._links: dict[str, asyncio.Lock] = {}  # src node -> the link's single transfer slot
+        self._outputs: dict[str, EmulatedCompletion] = {}  # decode side: the text each request generates
 
     def kv_transfer_ms(self, kv_tokens: int) -> float:
         """Emulated transfer time of ``kv_tokens`` on this node's link, without queueing (ms)."""
@@ -176,13 +177,17 @@ class EmulatedBackend(EngineBackend):
         self._wake.set()
 
     def add_remote_decode(self, req: InferenceRequest, kv_transfer_params: dict[str, Any] | None = None) -> None:
-        self.engine.add_remote_decode(req.request_id, req.prompt_tokens, req.max_tokens)
+        out = emulated_output(req)
+        self.engine.add_remote_decode(req.request_id, req.prompt_tokens, out.n_tokens)
+        self._outputs[req.request_id] = out
         self.engine.admit()  # allocate now so the KV transfer can start without waiting for a step
         self._wake.set()
 
     def add_deflected(self, req: InferenceRequest, chunk_schedule: list[int], decision_batch_size: int = 0) -> None:
         # the engine model applies χ_i − B with the B of each step itself (shared/engine/core.py)
-        self.engine.add_deflected(req.request_id, req.prompt_tokens, req.max_tokens, chunk_schedule)
+        out = emulated_output(req)
+        self.engine.add_deflected(req.request_id, req.prompt_tokens, out.n_tokens, chunk_schedule)
+        self._outputs[req.request_id] = out
         self._wake.set()
 
     def kv_arrived(self, req_id: str) -> None:
@@ -196,6 +201,7 @@ class EmulatedBackend(EngineBackend):
 
     def abort(self, req_id: str) -> bool:
         out = self.engine.abort(req_id)
+        self._outputs.pop(req_id, None)
         self._wake.set()
         return out
 
@@ -210,7 +216,7 @@ class EmulatedBackend(EngineBackend):
 
     async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
         """Plan, wait until the step's end on the wall clock, commit, report the step and then its
-        request events (prefill done, tokens with placeholder text, finished with ``length``).
+        request events (prefill done, tokens with the emulated text, finished with its finish reason).
 
         Step ends are absolute deadlines: a busy engine's step i+1 starts at step i's planned end,
         not when the event loop got round to it, so scheduling overhead (~0.1–1 ms per step) does
@@ -249,9 +255,11 @@ class EmulatedBackend(EngineBackend):
                 for rid in res.prefill_done:
                     await events.on_prefill_done(rid)
                 for rid, idx in res.tokens:
-                    await events.on_tokens(rid, idx, 1, token_text(idx))
+                    out = self._outputs.get(rid)
+                    await events.on_tokens(rid, idx, 1, out.text(idx) if out is not None else "")
                 for rid in res.finished:
-                    await events.on_finished(rid, "length", 0)
+                    out = self._outputs.pop(rid, None)
+                    await events.on_finished(rid, out.finish_reason if out is not None else "length", 0)
         finally:
             stop_wait.cancel()
 

@@ -21,7 +21,8 @@ async def test_keep_path_non_streaming(nats_url):
         status, body = await st.complete("the quick brown fox " * 50, max_tokens=5)
         assert status == 200, body
         assert body["object"] == "text_completion"
-        assert body["usage"] == {"prompt_tokens": 250, "completion_tokens": 5, "total_tokens": 255}
+        assert body["usage"] == {"prompt_tokens": 250, "completion_tokens": 5, "total_tokens": 255,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
         assert body["choices"][0]["finish_reason"] == "length"
         assert len(body["choices"][0]["text"].split()) == 5
         rec = await get_record(st, body["id"], components_known)

@@ -155,6 +155,7 @@ def test_kairos_up_serves_and_stops_everything(tmp_path, spawn):
     assert not wait_gone(children, 5)
     assert os.listdir(tmpdir) == [], "the temp dir (NATS store) must be removed on exit"
     assert (tmp_path / "logs" / "ingress.log").stat().st_size > 0
+    assert f"logs kept in {tmp_path / 'logs'}" in err, err  # a clean stop keeps the evidence too
     spans = [json.loads(x) for x in trace.read_text().splitlines()]
     names = {s["name"] for s in spans}
     assert {"ingress.request", "dispatcher.decide"} <= names, names
@@ -226,7 +227,9 @@ def test_sigterm_with_requests_in_flight_ends_them_explicitly(tmp_path, spawn):
     else:
         assert plain["body"]["usage"]["completion_tokens"] == long["max_tokens"], plain
     assert not wait_gone(children, 5)
-    assert os.listdir(tmpdir) == []
+    left = list(tmpdir.iterdir())  # the logs stay after a clean stop (issue 11), nothing else does
+    assert len(left) == 1 and [p.name for p in left[0].iterdir()] == ["logs"], left
+    assert (left[0] / "logs" / "ingress.log").stat().st_size > 0
 
 
 def test_busy_port_fails_before_starting_anything(tmp_path, spawn):
@@ -266,8 +269,9 @@ def test_child_death_stops_everything_and_keeps_the_logs(tmp_path, spawn):
     assert not wait_gone(children, 5)
 
 
-def test_demo_progress_bar_defaults_to_stderr_being_a_tty(monkeypatch):
-    """Under a non-TTY stderr (CliRunner, CI, ``make run | tee``) no progress bar unless asked."""
+def test_demo_progress_is_on_unless_turned_off(monkeypatch):
+    """Progress is on by default, also under a non-TTY stderr (CliRunner, CI, ``make run | tee``),
+    where the bench client prints periodic lines instead of a bar (issue 11)."""
     from click.testing import CliRunner
 
     import kairos.demo
@@ -278,8 +282,7 @@ def test_demo_progress_bar_defaults_to_stderr_being_a_tty(monkeypatch):
     for args in ([], ["--progress"], ["--no-progress"]):
         r = CliRunner().invoke(main, ["demo", *args])
         assert r.exit_code == 0, r.output
-    assert seen == [False, True, False]
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert seen == [True, True, False]
     assert kairos.demo.progress_default(None) is True
     assert kairos.demo.progress_default(False) is False
 
@@ -291,9 +294,113 @@ def test_demo_progress_bar_defaults_to_stderr_being_a_tty(monkeypatch):
     ("services.node_agent", {"KAIROS_ROLE": "decode"}, "KAIROS_NODE_ID"),
     ("services.ingress", {"KAIROS_PORT": "eighty"}, "KAIROS_PORT"),
     ("services.state_aggregator", {"KAIROS_STATE_PERIOD_MS": "-1"}, "KAIROS_STATE_PERIOD_MS"),
-], ids=["policy", "alpha", "role", "missing-node-id", "port", "period"])
+    ("services.dispatcher", {"KAIROS_NATS_USER": "dispatcher"}, "KAIROS_NATS_PASSWORD"),
+    ("services.state_aggregator", {"KAIROS_NATS_PASSWORD": "x"}, "KAIROS_NATS_USER"),
+    ("services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode", "KAIROS_NATS_USER": "agent-decode-0",
+                             "KAIROS_NATS_PASSWORD_FILE": "/nonexistent/pw"}, "KAIROS_NATS_PASSWORD_FILE"),
+    ("services.ingress", {"KAIROS_API_KEY_FILE": "/nonexistent/keys"}, "KAIROS_API_KEY_FILE"),
+], ids=["policy", "alpha", "role", "missing-node-id", "port", "period", "user-without-password",
+        "password-without-user", "unreadable-password-file", "unreadable-api-key-file"])
 def test_bad_config_exits_nonzero_naming_the_field(module, env, field):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}
     r = subprocess.run([sys.executable, "-m", module], env={**clean, **env}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert field in r.stderr, r.stderr
+
+
+def _call(port: int, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode() if body else None,
+                                 headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw = r.read()
+            return r.status, dict(r.headers), json.loads(raw) if path != "/metrics" else {}
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_kairos_up_with_api_key_and_nats_credentials(tmp_path, spawn):
+    """The whole stack serves with per-role NATS credentials (no permission violation logged by
+    the server), refuses anonymous bus clients, and requires the API key on /v1/*."""
+    import asyncio
+
+    import nats
+    import nats.errors
+
+    port = free_port()
+    logs = tmp_path / "logs"
+    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", "--api-key",
+                           "sk-test-1", "--log-dir", str(logs))
+    assert "API key required" in table and "one generated user per service role" in table, table
+    body = {"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 3}
+    status, headers, out = _call(port, "/v1/completions", body)
+    assert status == 401 and out["error"]["code"] == "invalid_api_key", out
+    assert out["error"]["type"] == "invalid_request_error" and headers.get("WWW-Authenticate") == "Bearer"
+    status, _, out = _call(port, "/v1/completions", body, key="sk-wrong")
+    assert status == 401 and "sk-wrong" not in json.dumps(out), out
+    assert _call(port, "/v1/models")[0] == 401
+    assert _call(port, "/health")[0] == 200  # probes stay open
+    assert _call(port, "/metrics")[0] == 200
+    status, _, out = _call(port, "/v1/completions", body, key="sk-test-1")
+    assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+    chat = {"model": "kairos-emulated", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(chat).encode(),
+                                 {"Content-Type": "application/json", "Authorization": "Bearer sk-test-1"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and r.read().rstrip().endswith(b"data: [DONE]")
+    # the request record is read back from the KV bucket under the ingress's credential
+    deadline = time.monotonic() + 10
+    while ((rec := _call(port, f"/v1/requests/{out['id']}", key="sk-test-1"))[0] != 200
+           or not all(rec[2]["records"][p] for p in ("ingress", "prefill", "decode"))):
+        assert time.monotonic() < deadline, rec
+        time.sleep(0.1)
+    nats_url = next(w for w in table.split() if w.startswith("nats://"))
+
+    async def anonymous() -> None:
+        await nats.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        asyncio.run(anonymous())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    server_log = (logs / "nats-server.log").read_text()
+    assert "authentication error" in server_log  # our anonymous attempt was logged ...
+    assert "Violation" not in server_log, \
+        [ln for ln in server_log.splitlines() if "Violation" in ln][:5]  # ... and no service hit a permission
+
+
+def test_kairos_up_on_an_external_nats_with_the_deployment_auth_config(tmp_path, spawn):
+    """An operator's nats-server configured with `kairos nats-auth` (passwords from its
+    environment) and `kairos up --nats-url … --nats-secrets-dir …` on it: requests are served."""
+    secrets = tmp_path / "secrets"
+    r = subprocess.run([sys.executable, "-m", "kairos", "nats-auth", "--nodes", "prefill-0,decode-0",
+                        "--secrets-dir", str(secrets)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    conf = subprocess.run([sys.executable, "-m", "kairos", "nats-auth", "--nodes", "prefill-0,decode-0"],
+                          capture_output=True, text=True, timeout=60).stdout
+    (tmp_path / "nats.conf").write_text(conf)
+    server_env = dict(ln.split("=", 1) for ln in (secrets / "nats-server.env").read_text().splitlines())
+    nport = free_port()
+    spawn([str(Path(sys.executable).parent / "nats-server"), "-c", str(tmp_path / "nats.conf"), "-js", "-a",
+           "127.0.0.1", "-p", str(nport), "-sd", str(tmp_path / "js")], env=server_env,
+          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", nport), timeout=0.2).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "nats-server did not start"
+            time.sleep(0.05)
+    port = free_port()
+    proc, _ = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", "--nats-url",
+                       f"nats://127.0.0.1:{nport}", "--nats-secrets-dir", str(secrets))
+    status, out = post(port, {"model": "kairos-emulated", "prompt": "Hello there", "max_tokens": 3})
+    assert status == 200 and out["usage"]["completion_tokens"] == 3, out
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+    assert (secrets / "ingress.password").is_file()  # an operator's secrets are never removed

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import numpy as np
 from aiohttp import web
 from click.testing import CliRunner
 
@@ -28,6 +29,7 @@ from shared.workloads import WorkloadRequest, load_plain_csv
 
 # prompt lengths that select a behaviour of the fake server
 PL_400, PL_CLOSE, PL_STREAM_ERR, PL_MULTI, PL_SLOW, PL_HOLD_A, PL_HOLD_B, PL_STALL = 13, 17, 19, 20, 30, 40, 41, 50
+PL_EMPTY_FIRST, PL_NO_USAGE = 60, 61  # an empty chunk at once, then the first text SLOW_FIRST_S later; no usage
 DEFLECTED_PL = {PL_MULTI, PL_SLOW}
 SLOW_FIRST_S = 0.15
 MODEL = "fake-model"
@@ -131,7 +133,9 @@ class FakeOpenAI:
                 await resp.write(raw)
 
         await resp.write(b": keep-alive\n\n")
-        if n_prompt == PL_SLOW:
+        if n_prompt == PL_EMPTY_FIRST:
+            await send(self._chunk(rid, ""))  # generated nothing yet: not the first token
+        if n_prompt in (PL_SLOW, PL_EMPTY_FIRST):
             await asyncio.sleep(SLOW_FIRST_S)  # the delay TTFT must show, not a synchronisation
         if n_prompt == PL_MULTI:  # two tokens per chunk, counted via logprobs.tokens
             for k in range(0, n_out, 2):
@@ -148,8 +152,10 @@ class FakeOpenAI:
                     await send("[DONE]")
                     return resp
         await send(self._chunk(rid, "", finish="length"))
-        await send({"id": rid, "object": "text_completion", "model": MODEL, "choices": [],
-                    "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}})
+        if n_prompt != PL_NO_USAGE:
+            await send({"id": rid, "object": "text_completion", "model": MODEL, "choices": [],
+                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                  "total_tokens": n_prompt + n_out}})
         leave()  # before [DONE]: a client bounded to one request cannot send the next one earlier
         await send("[DONE]")
         await resp.write_eof()
@@ -230,7 +236,8 @@ def test_sse_parser_ignores_events_without_data_and_flushes_unterminated_last_ev
 def test_chunk_tokens_rules():
     text = {"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}
     assert chunk_tokens(text, None, 0) == 1
-    assert chunk_tokens({**text, "text": ""}, None, 0) == 1  # e.g. a special token (vLLM counts it)
+    assert chunk_tokens({**text, "text": ""}, None, 0) == 0  # nothing generated (an empty first chunk): not a token
+    assert chunk_tokens({**text, "text": ""}, 1, 0) == 1  # ... unless usage says a (special) token was generated
     assert chunk_tokens({**text, "text": "", "finish_reason": "length"}, None, 0) == 0  # finish marker
     assert chunk_tokens({**text, "text": "x", "finish_reason": "length"}, None, 0) == 1  # last token + finish
     assert chunk_tokens({**text, "logprobs": {"tokens": ["a", "b", "c"]}}, None, 0) == 3
@@ -478,3 +485,105 @@ def test_make_record_takes_deflection_and_ttft_components_from_the_decision_reco
     assert rec.deflected and rec.prefill_exec_ms == 280.0 and rec.kv_transfer_ms == 0.0
     keep = make_record(req, 1.0, [(1.3, 1)], record={"decision": "keep", "measured": {"kv_transfer_ms": None}})
     assert not keep.deflected and keep.kv_transfer_ms is None and keep.prefill_queue_ms is None
+
+
+# --- vllm bench serve figures (issue 11) -------------------------------------------------------------
+
+def _rec(i: int, arrival_s: float, times: list[float], *, prompt: int = 10, error: str | None = None):
+    from shared.metrics import RequestRecord
+    return RequestRecord(id=f"r{i}", arrival_s=arrival_s, prompt_tokens=prompt, output_tokens=len(times),
+                         ttft_ms=(times[0] - arrival_s) * 1000 if times else None, token_times_s=times, error=error)
+
+
+def test_serving_metrics_follow_vllm_definitions():
+    from shared.metrics import serving_metrics
+    a = _rec(0, 0.0, [0.1, 0.2, 0.4])          # TTFT 100, E2EL 400, TPOT (400-100)/2 = 150, ITL 100, 200
+    b = _rec(1, 1.0, [1.5], prompt=20)         # one token: TTFT = E2EL = 500, no TPOT (0 for goodput), no ITL
+    c = _rec(2, 0.5, [0.9, 0.9, 1.0])          # 2 tokens in one chunk: ITL is one 100 ms gap between chunks
+    failed = _rec(3, 0.0, [], error="boom")
+    m = serving_metrics([a, b, c, failed], duration_s=2.0, goodput_slo_ms={"ttft": 450.0, "tpot": 200.0})
+    assert (m["completed"], m["failed"], m["duration"]) == (3, 1, 2.0)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (40, 7)
+    assert m["request_throughput"] == pytest.approx(1.5) and m["output_throughput"] == pytest.approx(3.5)
+    assert m["total_token_throughput"] == pytest.approx(23.5)
+    assert m["mean_ttft_ms"] == pytest.approx((100 + 500 + 400) / 3) and m["median_ttft_ms"] == pytest.approx(400)
+    assert m["mean_e2el_ms"] == pytest.approx((400 + 500 + 500) / 3)
+    # TPOT: a (400-100)/2 = 150, c (500-400)/2 = 50; b has none
+    assert m["mean_tpot_ms"] == pytest.approx(100) and m["median_tpot_ms"] == pytest.approx(100)
+    assert m["mean_itl_ms"] == pytest.approx((100 + 200 + 100) / 3)
+    assert m["p99_itl_ms"] == pytest.approx(float(np.percentile([100, 200, 100], 99)))
+    # goodput: a (100 ≤ 450, 150 ≤ 200) and c (400, 50) are good; b's TTFT 500 > 450
+    assert m["request_goodput"] == pytest.approx(2 / 2.0)
+    assert serving_metrics([], duration_s=0.0)["mean_ttft_ms"] is None
+    with pytest.raises(ValueError, match="unknown goodput metric 'itl'"):
+        serving_metrics([a], duration_s=1.0, goodput_slo_ms={"itl": 5.0})
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal():
+    import io
+    from kairos.bench import ProgressReporter
+    now = [0.0]
+    out = io.StringIO()  # not a terminal
+    rep = ProgressReporter(5, enabled=True, interval_s=10.0, stream=out, clock=lambda: now[0])
+    for t, failed in ((1.0, 0), (11.0, 1), (12.0, 1), (25.0, 1)):
+        now[0] = t
+        rep.update(failed)
+    rep.close()
+    lines = out.getvalue().splitlines()
+    assert lines == ["bench: 2/5 requests done, 1 failed, 11 s elapsed",
+                     "bench: 4/5 requests done, 1 failed, 25 s elapsed",
+                     "bench: 4/5 requests done, 1 failed, 25 s elapsed"]
+    quiet = io.StringIO()
+    ProgressReporter(5, enabled=False, stream=quiet, clock=lambda: 99.0).update(0)
+    assert quiet.getvalue() == ""
+
+
+async def test_ttft_waits_for_generated_text_and_counts_without_usage():
+    fake = FakeOpenAI()
+    wl = _wl((0.0, PL_EMPTY_FIRST, 3), (0.0, PL_NO_USAGE, 4))
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, request_timeout_s=10), wl)
+    empty, no_usage = res.records
+    assert empty.ttft_ms >= SLOW_FIRST_S * 1000 and empty.output_tokens == 3  # not the empty chunk's arrival
+    assert no_usage.output_tokens == 4 and not no_usage.failed  # counted from chunks, not off by one
+    report = build_report(res, url=url, workload={"offered_rps": None})
+    assert report["usage_reported"] == 1
+
+
+async def test_achieved_rate_is_below_the_offered_one_under_max_concurrency():
+    fake = FakeOpenAI()
+    wl = _wl(*[(0.01 * i, PL_SLOW, 2) for i in range(4)])  # offered: 3 intervals in 0.03 s = 100 req/s
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, max_concurrency=1, request_timeout_s=10), wl)
+    report = build_report(res, url=url, workload={"offered_rps": 100.0})
+    sent = sorted(r.arrival_s for r in res.records)
+    assert report["achieved_rps"] == pytest.approx(3 / (sent[-1] - sent[0]))
+    assert report["achieved_rps"] < 1 / SLOW_FIRST_S < report["offered_rps"]  # each waits for the previous one
+
+
+def test_cli_prints_the_vllm_result_block_and_warns_without_usage(tmp_path):
+    csv = write_csv(tmp_path / "wl.csv", [(0.0, PL_NO_USAGE, 3), (0.01, 12, 2)])
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{csv}", "--no-progress",
+                                        "--goodput", "ttft:5000", "--goodput", "e2el:9000"])
+    assert res.exit_code == 0, res.output
+    for label in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Request throughput (req/s):",
+                  "Request goodput (req/s):", "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Mean E2EL (ms):",
+                  "Request rate offered (req/s):", "Request rate achieved (req/s):"):
+        assert label in res.stdout, label
+    assert "run " in res.stdout and "policy" not in res.stdout  # the row is a run, not a policy
+    assert "warning" not in res.stderr  # one response carried usage
+    only = write_csv(tmp_path / "nousage.csv", [(0.0, PL_NO_USAGE, 3)])
+    with serve(FakeOpenAI()) as url:
+        res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{only}", "--no-progress"])
+    assert res.exit_code == 0 and "warning: the server sent no usage" in res.stderr
+    bad = CliRunner().invoke(main, ["bench", "--url", "http://127.0.0.1:9", "--goodput", "ttft=5"])
+    assert bad.exit_code == 2 and "--goodput 'ttft=5'" in bad.stderr
+
+
+def test_bench_defaults_to_a_one_minute_workload():
+    from kairos.cli import bench as bench_cmd
+    opt = next(o for o in bench_cmd.params if o.name == "duration")
+    assert opt.default == 60.0

@@ -74,9 +74,16 @@ def test_malformed_snapshot_exits_2_naming_the_field(doc, field):
     assert field in res.stderr
 
 
-def test_extra_fields_are_allowed():
-    doc = _mutated(lambda d: d.update(note="hi") or d["decode_nodes"][0].update(gpu="A100"))
-    assert run(["decide", "-"], doc).exit_code == 0
+@pytest.mark.parametrize("mutate,field", [
+    (lambda d: d["decode_nodes"][0].update(deflection_in_flght=True), "deflection_in_flght"),  # the typo of issue 11
+    (lambda d: d.update(note="hi"), "note"),
+    (lambda d: d["request"].update(prompt_token=5), "prompt_token"),
+    (lambda d: d["prefill_nodes"][0].update(queue=[1]), "queue"),
+])
+def test_unknown_fields_exit_2_naming_the_field(mutate, field):
+    res = run(["decide", "-"], _mutated(mutate))
+    assert res.exit_code == 2 and res.stdout == ""
+    assert f"unknown field `{field}`" in res.stderr
 
 
 @pytest.mark.parametrize("args,hint", [

@@ -335,3 +335,30 @@ def test_dockerignore_keeps_what_the_dockerfile_copies():
         if i.upper().startswith("COPY ") and "--from" not in i:
             for src in i.split()[1:-1]:
                 assert src.rstrip("/") in keep, f"COPY {src} is excluded by {DOCKERIGNORE.name}"
+
+
+def test_make_refuses_an_old_python_before_installing_anything(tmp_path):
+    """`make` on Python 3.10 says Python >= 3.11 is needed instead of failing in pip (issue 11)."""
+    import subprocess
+    fake = tmp_path / "python3.10"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "Python 3.10.12"; exit 0; fi\n'
+                    'if [ "$1" = "-c" ]; then exit 1; fi\necho "must not be used to build a venv" >&2; exit 3\n')
+    fake.chmod(0o755)
+    venv = tmp_path / "venv"
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(["make", "-C", str(root), f"PY={fake}", f"VENV={venv}", f"{venv}/.installed"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "Kairos needs Python >= 3.11" in r.stderr and "Python 3.10.12" in r.stderr
+    assert "must not be used" not in r.stderr and not venv.exists()
+
+
+def test_deploy_doc_names_the_default_profile_the_env_file_sets():
+    """docs/deploy.md and the shipped .env agree on what plain `docker compose up` starts (issue 11)."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(line.split("=", 1) for line in (root / ".env").read_text().splitlines()
+               if line.strip() and not line.startswith("#"))
+    profile = env["COMPOSE_PROFILES"].strip()
+    doc = (root / "docs" / "deploy.md").read_text()
+    assert f"Plain `docker compose up` starts profile `{profile}`" in " ".join(doc.split())
+    assert "starts only the control plane: the ingress" not in doc

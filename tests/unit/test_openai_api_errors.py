@@ -70,7 +70,7 @@ def test_sampling_options_are_type_and_range_checked(field, value, code):
 
 def test_well_typed_sampling_options_are_accepted():
     accept({"prompt": "x", "temperature": 0, "top_p": 0.9, "presence_penalty": -1.5, "frequency_penalty": 0.5,
-            "stop": ["\n", "END"], "seed": 42, "user": "u", "n": 1, "temperature_unknown_extra": 1})
+            "stop": ["\n", "END"], "seed": 42, "user": "u", "n": 1})
     accept({"prompt": "x", "stop": "\n", "temperature": None})
 
 

@@ -118,3 +118,20 @@ def test_kairos_sim_cli_writes_required_keys(tmp_path):
 def test_kairos_sim_cli_rejects_bad_input(args, hint):
     res = CliRunner().invoke(main, ["sim", "--duration", "5", *args])
     assert res.exit_code == 2 and hint in res.stderr
+
+
+def test_sweep_plots_carry_a_title_naming_the_run(tmp_path, monkeypatch):
+    """Every sweep plot says what was simulated (issue 11): workload, duration, cluster, profile."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    titles: list[str] = []
+    real = Axes.set_title
+    monkeypatch.setattr(Axes, "set_title", lambda self, label, *a, **k: titles.append(label) or real(self, label, *a, **k))
+    res = CliRunner().invoke(main, ["sim", "--workload", "lpld", "--duration", "5", "--policy", "pd",
+                                    "--sweep-rps", "1:2:1", "--plots-dir", str(tmp_path), "--prefill", "1"])
+    assert res.exit_code == 0, res.output
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert len(pngs) == 4 and len(titles) == 4
+    assert all(t == "lpld, 5 s, 1P2D, profile a100-dsv2lite, seed 1" for t in titles), titles

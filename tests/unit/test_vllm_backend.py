@@ -164,7 +164,7 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     (tmp_path / "model" / "tokenizer.json").write_text("{}")
     opts = UpOptions(prefill=1, decode=1, dispatchers=1, engine="vllm", model_dir=str(tmp_path / "model"),
                      profile="cpu-tiny-vllm", served_model="tiny")
-    children = plan(opts, "nats://127.0.0.1:4222", tmp_path / "logs", tmp_path)
+    children = plan(opts, "nats://127.0.0.1:4222", tmp_path / "logs", run_dir=tmp_path)
     by = {c.name: c for c in children}
     nixl = set()
     for node in ("prefill-0", "decode-0"):
@@ -190,4 +190,4 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     ing = from_env(IngressConfig, env=by["ingress"].env)
     assert ing.tokenizer_path == str(tmp_path / "model" / "tokenizer.json") and ing.served_model == "tiny"
     with pytest.raises(ValueError, match="--model"):
-        plan(UpOptions(engine="vllm"), "nats://127.0.0.1:4222", tmp_path, tmp_path)
+        plan(UpOptions(engine="vllm"), "nats://127.0.0.1:4222", tmp_path, run_dir=tmp_path)

@@ -1,0 +1,109 @@
+"""Control-plane throughput benchmark (issue 12, item 5): how many requests per second the bus
+system itself sustains — ingress → JetStream queue → dispatcher → node agents → tokens — when the
+engines take (almost) no time, and how much latency it adds.
+
+For each dispatcher replica count it starts the real stack (``kairos up``'s supervisor: a bundled
+nats-server, the aggregator, 2P2D emulated agents, the dispatchers, the ingress; one OS process
+each) with a *near-zero latency profile* — the bundled profile with every step coefficient scaled
+to ~0.05 ms steps and a free KV link — and replays an open-loop, evenly spaced stream of short
+streaming requests at each rate with ``kairos bench``'s client (on the same cores, as a user would).
+
+Per (replicas, rate) it prints one JSON line:
+
+* ``achieved_rps``: completed requests per second of the run (the client's ``request_throughput``);
+* ``added_ttft_ms`` p50/p99: client TTFT minus the engine's own time for the request (the profile's
+  prefill step for the prompt plus one decode step, ~0.1 ms) — the cost of the control plane;
+* ``failed``; ``sustained``: no failure, ≥ 95 % of the offered rate achieved;
+* ``p50_vs_target`` / ``p99_vs_target``: added latency over the issue's targets (2 ms / 10 ms).
+
+Not a test: figures depend on the machine and on what else runs on it. Usage::
+
+    python bench/control_plane.py [--dispatchers 1,2,4] [--rates 50,100,200] [--duration 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+TARGET_P50_MS = 2.0
+TARGET_P99_MS = 10.0
+STEP_MS = 0.05  #: the near-zero profile's step latency floor, ms
+
+
+def near_zero_profile(path: Path) -> Path:
+    """Write the bundled profile scaled to ~``STEP_MS`` steps and a free link; returns ``path``."""
+    from shared.latency import load_profile
+
+    doc = load_profile().to_dict()
+    doc["name"], doc["version"] = "near-zero", "bench"
+    doc["metadata"]["note"] = f"control-plane benchmark: ~{STEP_MS} ms steps, free KV link (not a model of any engine)"
+    doc["prefill"]["intercept_ms"] = doc["decode"]["intercept_ms"] = STEP_MS
+    for part in ("prefill", "decode", "mixed_delta"):
+        doc[part]["coef"] = [0.0 for _ in doc[part]["coef"]]
+    for link in doc["kv_transfer"]["links"].values():
+        link["bandwidth_gb_s"], link["setup_ms"] = 1e9, 0.0
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, output_tokens: int,
+             engine_ms: float) -> dict:
+    """One open-loop run at ``rate`` req/s for ``duration_s`` s; the figures of one JSON line."""
+    import numpy as np
+
+    from kairos.bench import BenchConfig, run_bench
+    from shared.metrics import serving_metrics
+    from shared.workloads import WorkloadRequest
+
+    n = max(1, int(rate * duration_s))
+    wl = [WorkloadRequest(f"cp-{i}", i / rate, prompt_tokens, output_tokens) for i in range(n)]
+    res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0), wl))
+    m = serving_metrics(res.records, duration_s=res.duration_s)
+    added = np.array([r.ttft_ms - engine_ms for r in res.records if not r.failed])
+    p50, p99 = (float(np.percentile(added, q)) for q in (50, 99)) if added.size else (None, None)
+    return {"offered_rps": rate, "requests": n, "failed": m["failed"], "achieved_rps": round(m["request_throughput"], 1),
+            "added_ttft_ms": {"p50": p50, "p99": p99},
+            "sustained": m["failed"] == 0 and m["request_throughput"] >= 0.95 * rate,
+            "p50_vs_target": None if p50 is None else round(p50 / TARGET_P50_MS, 2),
+            "p99_vs_target": None if p99 is None else round(p99 / TARGET_P99_MS, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dispatchers", default="1,2,4", help="Comma list of dispatcher replica counts.")
+    ap.add_argument("--rates", default="50,100,200", help="Comma list of offered request rates (req/s).")
+    ap.add_argument("--duration", type=float, default=15.0, help="Seconds per rate.")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--output-tokens", type=int, default=4)
+    args = ap.parse_args()
+
+    from kairos.up import Supervisor, UpOptions, free_port
+    from shared.latency import load_profile
+
+    with tempfile.TemporaryDirectory(prefix="kairos-cpbench-") as tmp:
+        prof = near_zero_profile(Path(tmp) / "near-zero.json")
+        model = load_profile(prof)
+        engine_ms = float(model.prefill_step_ms(args.prompt_tokens, 0) + model.decode_step_ms(1, args.prompt_tokens))
+        for reps in (int(x) for x in args.dispatchers.split(",")):
+            sup = Supervisor(UpOptions(port=free_port(), profile=str(prof), dispatchers=reps,
+                                       log_dir=str(Path(tmp) / f"logs-{reps}")))
+            try:
+                sup.up()
+                url = f"http://{sup.opts.host}:{sup.opts.port}"
+                for rate in (float(x) for x in args.rates.split(",")):
+                    row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms)
+                    print(json.dumps({"dispatchers": reps, **row}), flush=True)
+            finally:
+                sup.down()
+                sup.cleanup()
+    print(f"targets: added TTFT p50 <= {TARGET_P50_MS} ms, p99 <= {TARGET_P99_MS} ms at >= 200 req/s sustained",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

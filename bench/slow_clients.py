@@ -1,0 +1,83 @@
+"""How long slow-header clients (slowloris) hold ingress connections.
+
+Starts a bundled nats-server and one ingress (defaults: ``KAIROS_HEADER_TIMEOUT_S`` = 10 s), opens
+``--connections`` connections that each send a request line and one header and then nothing, and
+prints when the ingress closed them. Not a test: it prints measured figures (docs/security.md).
+
+    .venv/bin/python bench/slow_clients.py --connections 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.ingress.config import IngressConfig  # noqa: E402
+from services.ingress.service import Ingress  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def measure(nats_url: str, n: int, header_timeout_s: float) -> None:
+    ing = Ingress(IngressConfig(nats_url=nats_url, port=0, header_timeout_s=header_timeout_s, log_level="error"))
+    await ing.start()
+    try:
+        t0 = time.monotonic()
+        conns = [await asyncio.open_connection("127.0.0.1", ing.port) for _ in range(n)]
+        for _, w in conns:
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            await w.drain()
+
+        async def closed(reader: asyncio.StreamReader) -> float:
+            await reader.read()
+            return time.monotonic() - t0
+
+        ts = await asyncio.gather(*(asyncio.wait_for(closed(r), header_timeout_s + 60) for r, _ in conns))
+        print(f"{n} slow-header connections, header timeout {header_timeout_s:g} s: all closed by the ingress; "
+              f"first after {min(ts):.2f} s, last after {max(ts):.2f} s; "
+              f"kairos_ingress_slow_clients_dropped_total = {ing.m.slow_clients._value.get():.0f}")
+    finally:
+        await ing.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connections", type=int, default=300)
+    ap.add_argument("--header-timeout-s", type=float, default=IngressConfig.header_timeout_s)
+    args = ap.parse_args()
+    store = Path(tempfile.mkdtemp(prefix="kairos-slow-"))
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "nats-server"), "-js", "-a", "127.0.0.1", "-p",
+                             str(port), "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("nats-server did not start")
+                time.sleep(0.05)
+        asyncio.run(measure(f"nats://127.0.0.1:{port}", args.connections, args.header_timeout_s))
+    finally:
+        proc.terminate()
+        proc.wait(5)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Who may publish and subscribe to what on the bus: one credential per service role, with subject
+permissions derived from :mod:`shared.subjects` here and nowhere else (docs/security.md).
+
+Roles (NATS user names): ``ingress``, ``dispatcher``, ``aggregator``, ``profiler`` and one
+``agent-<node>`` per node agent. Replicas of one role share its credential (same trust).
+
+What the table enforces (nats-server checks every PUB and SUB against it):
+
+* an agent publishes only its own node's state (``kairos.state.<node>``) and step records
+  (``kairos.steps.<node>``), receives only its own jobs / KV handoffs (``kairos.jobs.<node>``,
+  ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), and may delete only its own node's deflection
+  reservations (``$KV.kairos_resv.decode.<node>.*``);
+* only dispatchers publish jobs (``kairos.jobs.*``), consume the request queue and create
+  reservations; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
+  token streams (``kairos.out.*``); only the aggregator writes the cluster view
+  (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
+* replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
+  (:func:`inbox_prefix`) and may subscribe only below it, so no role can read another's
+  request-reply answers or JetStream deliveries (e.g. the prompts a dispatcher pulls);
+  responders (agents) answer through ``allow_responses`` (only to requests they received).
+
+Not enforceable by subject (documented limits): ``kairos.out.<request-id>`` is per request, not
+per node, so any agent (and dispatcher, which publishes routing errors there) may publish to any
+request's stream — the ingress checks the token source itself; any role that declares a
+stream may create it if it does not exist yet (with Kairos' own config); JetStream API calls are
+allowed per stream, never ``STREAM.DELETE``/``PURGE``/``UPDATE``.
+
+JetStream: KV writes are publishes to ``$KV.<bucket>.<key>``; reads go through the JetStream API
+(``$JS.API.STREAM.INFO.<stream>``, ``CONSUMER.CREATE`` for watchers, ``DIRECT.GET`` /
+``STREAM.MSG.GET`` for gets) plus ``$JS.FC.<stream>.>`` (flow-control replies of ordered
+consumers); pull consumers need ``CONSUMER.MSG.NEXT`` and ``$JS.ACK.<stream>.<consumer>.>``.
+Sources: nats-server "Authorization" and "JetStream API reference" docs; nats-py 2.16
+``nats/js/manager.py`` and ``nats/js/kv.py`` (the subjects it calls).
+
+No network I/O here: :func:`server_auth_config` renders the ``authorization { users = [...] }``
+block of a nats-server config file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared import subjects as S
+
+INGRESS, DISPATCHER, AGGREGATOR, PROFILER = "ingress", "dispatcher", "aggregator", "profiler"
+SERVICE_ROLES = (INGRESS, DISPATCHER, AGGREGATOR, PROFILER)
+AGENT_PREFIX = "agent-"
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream behind KV bucket ``bucket`` (JetStream names it ``KV_<bucket>``)."""
+    return f"KV_{bucket}"
+
+
+class RoleError(ValueError):
+    """An unknown role or a node id that cannot be a subject token."""
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """One role's permissions.
+
+    Attributes:
+        user: the NATS user name (the role).
+        publish: subjects (wildcards allowed) the role may publish to.
+        subscribe: subjects the role may subscribe to.
+        allow_responses: may publish to the reply subject of a request it received (responders).
+    """
+
+    user: str
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+
+def agent_user(node: str) -> str:
+    """The NATS user of node ``node``'s agent (``agent-<node>``)."""
+    return AGENT_PREFIX + S.check_token(node, "node id")
+
+
+def inbox_prefix(user: str) -> str:
+    """The inbox prefix ``user``'s client must use (nats-py ``inbox_prefix``): ``_INBOX.<user>``."""
+    return f"_INBOX.{S.check_token(user, 'user')}"
+
+
+def _declare(stream: str) -> list[str]:
+    """Create (idempotent, Kairos' config) and look up a stream."""
+    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}"]
+
+
+def _read(stream: str) -> list[str]:
+    """Read a stream / KV bucket: info, watchers (ordered push consumers), gets."""
+    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>"]
+
+
+def _kv_buckets_declared() -> list[str]:
+    """What :func:`shared.bus.ensure_buckets` needs (every service calls it at start)."""
+    out = ["$JS.API.INFO"]  # create_key_value checks the server's API level
+    for b in (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET):
+        out += _declare(kv_stream(b))
+    return out
+
+
+def _consumer_info() -> list[str]:
+    """Read the dispatchers' consumer state (ingress /health, aggregator)."""
+    return [f"$JS.API.CONSUMER.INFO.{S.REQUEST_STREAM}.{S.DISPATCHER_CONSUMER}"]
+
+
+def _kv(bucket: str, key: str) -> str:
+    return f"$KV.{bucket}.{key}"
+
+
+_ANY = "ANY0TOKEN"  # a valid token the subject builders accept, replaced by the NATS wildcard
+
+
+def _any(build, *args) -> str:
+    """``build(<any token>, *args)`` as a wildcard pattern: every id position becomes ``*``."""
+    return build(_ANY, *args).replace(_ANY, "*")
+
+
+def role_permissions(user: str) -> Permissions:
+    """The permissions of NATS user ``user`` (a service role or ``agent-<node>``).
+
+    Raises:
+        RoleError: unknown role, or an agent node id that is not a subject token.
+    """
+    rec, view, resv, models = S.REQUESTS_BUCKET, S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.MODELS_BUCKET
+    try:
+        sub = [inbox_prefix(user) + ".>"]
+    except S.SubjectError as exc:
+        raise RoleError(str(exc)) from None
+    if user == INGRESS:
+        pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress"))]
+        pub += _kv_buckets_declared() + _read(kv_stream(view)) + _read(kv_stream(rec)) + _consumer_info()
+        sub += [_any(S.out_subject), S.ROUTED_SUBJECT]
+        return Permissions(user, _uniq(pub), _uniq(sub))
+    if user == DISPATCHER:
+        q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
+        pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject),
+               _kv(resv, _any(S.reservation_key, 0).rsplit(".", 1)[0] + ".*"), _kv(rec, _any(S.record_key, "decision"))]
+        pub += _kv_buckets_declared() + _declare(q) + [
+            f"$JS.API.CONSUMER.CREATE.{q}.{c}", f"$JS.API.CONSUMER.CREATE.{q}.{c}.>",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{q}.{c}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
+            f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
+        pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
+        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT]
+        return Permissions(user, _uniq(pub), _uniq(sub))
+    if user == AGGREGATOR:
+        pub = [_kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
+        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT]
+        return Permissions(user, _uniq(pub), _uniq(sub))
+    if user == PROFILER:
+        pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))
+        sub += [S.STEPS_WILDCARD]
+        return Permissions(user, _uniq(pub), _uniq(sub))
+    if user.startswith(AGENT_PREFIX):
+        node = user[len(AGENT_PREFIX):]
+        try:
+            S.check_token(node, "node id")
+        except S.SubjectError as exc:
+            raise RoleError(str(exc)) from None
+        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject),
+               _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
+               _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode"))]
+        pub += _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
+        sub += [S.jobs_subject(node), S.kv_subject(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
+        return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
+    raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")
+
+
+def _uniq(xs: list[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(xs))
+
+
+def cluster_users(nodes: list[str] | tuple[str, ...]) -> list[str]:
+    """Every user of a cluster with these node agents: the service roles, then ``agent-<node>``."""
+    return [*SERVICE_ROLES, *(agent_user(n) for n in nodes)]
+
+
+def new_password() -> str:
+    """A random password (32 bytes from :mod:`secrets`, URL-safe base64)."""
+    return secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Credential:
+    """One role's login. ``password`` is the literal password, or with ``env_ref`` the name of an
+    environment variable the nats-server resolves when it reads its config (``$NAME``)."""
+
+    user: str
+    password: str
+    env_ref: bool = False
+
+
+def password_env_var(user: str) -> str:
+    """The environment variable holding ``user``'s password in deployments (compose ``.env``):
+    ``NATS_PASSWORD_<USER>`` with ``-`` → ``_`` and upper case (no ``KAIROS_`` prefix: those are
+    service config fields, and this one is read by the nats-server)."""
+    return "NATS_PASSWORD_" + re.sub(r"[^A-Za-z0-9]", "_", user).upper()
+
+
+def server_auth_config(creds: list[Credential]) -> str:
+    """The ``authorization { ... }`` block of a nats-server config granting each credential its
+    role's permissions (:func:`role_permissions`). Include it from the main config file.
+
+    Raises:
+        RoleError: a user that is not a known role.
+    """
+    lines = ["# Generated by shared/permissions.py (one user per Kairos role; docs/security.md). Do not edit.",
+             "authorization {", "  users = ["]
+    for c in creds:
+        p = role_permissions(c.user)
+        pw = f"${c.password}" if c.env_ref else json.dumps(c.password)
+        perms = {"publish": {"allow": list(p.publish)}, "subscribe": {"allow": list(p.subscribe)}}
+        body = json.dumps(perms, indent=None)
+        resp = ", allow_responses: true" if p.allow_responses else ""
+        lines.append(f"    {{user: {json.dumps(c.user)}, password: {pw}, permissions: {body[:-1]}{resp}}}}}")
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+@dataclass
+class GeneratedAuth:
+    """Credentials generated for one cluster (``kairos up``): ``passwords[user]``."""
+
+    passwords: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def for_nodes(cls, nodes: list[str] | tuple[str, ...]) -> "GeneratedAuth":
+        """Fresh random passwords for every role of a cluster with these node agents."""
+        return cls({u: new_password() for u in cluster_users(nodes)})
+
+    def server_config(self) -> str:
+        """The nats-server ``authorization`` block for these credentials."""
+        return server_auth_config([Credential(u, p) for u, p in self.passwords.items()])
+
+
+#: the node agents of docker-compose.yml (both profiles use the same four node ids)
+COMPOSE_NODES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+
+
+def deployment_auth_config(nodes: list[str] | tuple[str, ...]) -> str:
+    """The ``authorization`` block for a deployment whose passwords the nats-server reads from its
+    environment (``NATS_PASSWORD_<USER>``, :func:`password_env_var`) — the committed
+    ``ops/nats/auth.conf`` is this for :data:`COMPOSE_NODES`."""
+    return server_auth_config([Credential(u, password_env_var(u), env_ref=True) for u in cluster_users(nodes)])
+
+
+def write_secrets(auth: GeneratedAuth, directory: Path) -> dict[str, Path]:
+    """Write ``<user>.password`` per user and ``nats-server.env`` (``NATS_PASSWORD_<USER>=…`` lines
+    for a server using :func:`deployment_auth_config`) into ``directory`` (created 0700; files
+    0600, replaced). Returns ``{user: password file}``."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def write(path: Path, text: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    out = {}
+    for user, pw in auth.passwords.items():
+        out[user] = directory / f"{user}.password"
+        write(out[user], pw + "\n")
+    write(directory / "nats-server.env", "".join(f"{password_env_var(u)}={pw}\n" for u, pw in auth.passwords.items()))
+    return out

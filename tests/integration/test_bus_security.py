@@ -1,0 +1,287 @@
+"""NATS authentication and subject permissions against a real nats-server run with the config
+``shared/permissions.py`` generates (the one ``kairos up`` uses).
+
+Each "cannot" is shown two ways: the server reports a permissions violation to the offending
+client, and the message never reaches a legitimate subscriber, which does receive a control
+message sent after it (so absence is not just slowness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import nats
+import nats.errors
+import pytest
+
+from shared import subjects as S
+from shared.bus import ensure_buckets, ensure_request_stream, request_subscription
+from shared.permissions import GeneratedAuth, agent_user, inbox_prefix
+from shared.wire import InferenceRequest, encode
+from tests.integration.conftest import NATS_BIN, free_port
+
+NODES = ["prefill-0", "decode-0", "decode-1"]
+
+
+@pytest.fixture(scope="module")
+def secure_nats(tmp_path_factory):
+    """A nats-server with JetStream and the generated per-role users; yields (url, passwords)."""
+    d = tmp_path_factory.mktemp("secure-nats")
+    auth = GeneratedAuth.for_nodes(NODES)
+    conf = d / "nats.conf"
+    conf.write_text(auth.server_config())
+    port = free_port()
+    log = d / "nats.log"
+    proc = subprocess.Popen([str(NATS_BIN), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
+                             str(d / "js"), "-l", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import socket
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("nats-server did not start")
+            time.sleep(0.02)
+    yield f"nats://127.0.0.1:{port}", auth.passwords
+    proc.terminate()
+    proc.wait(5)
+
+
+class Client:
+    """A NATS connection as one role that records the errors the server reports to it."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc = None
+
+    async def open(self, url: str, user: str, password: str) -> "Client":
+        async def on_error(exc: Exception) -> None:
+            self.errors.append(str(exc))
+
+        self.nc = await nats.connect(url, user=user, password=password, inbox_prefix=inbox_prefix(user),
+                                     error_cb=on_error, allow_reconnect=False, max_reconnect_attempts=0)
+        return self
+
+    async def violation(self, subject: str, kind: str, timeout: float = 5.0) -> str:
+        """Wait until the server reported a ``kind`` (publish/subscription) violation for ``subject``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.errors:
+                if "violation" in e.lower() and kind in e.lower() and f"\"{subject.lower()}\"" in e.lower():
+                    return e
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no {kind} violation for {subject}; errors: {self.errors}")
+
+
+async def as_role(url: str, passwords: dict[str, str], user: str) -> Client:
+    return await Client().open(url, user, passwords[user])
+
+
+async def wait_for(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def _close(*clients: Client) -> None:
+    for c in clients:
+        if c.nc is not None and not c.nc.is_closed:
+            await c.nc.close()
+
+
+async def test_client_without_or_with_wrong_credentials_is_refused(secure_nats):
+    url, passwords = secure_nats
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(url, user="ingress", password="wrong", allow_reconnect=False, max_reconnect_attempts=0,
+                           connect_timeout=2)
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # a role's password is its own
+        await nats.connect(url, user="dispatcher", password=passwords["ingress"], allow_reconnect=False,
+                           max_reconnect_attempts=0, connect_timeout=2)
+    ok = await as_role(url, passwords, "ingress")
+    assert ok.nc.is_connected
+    await _close(ok)
+
+
+async def test_agent_cannot_publish_another_nodes_state(secure_nats):
+    url, passwords = secure_nats
+    agg = await as_role(url, passwords, "aggregator")
+    agent = await as_role(url, passwords, agent_user("decode-0"))
+    got: list[str] = []
+
+    async def on_state(msg) -> None:
+        got.append(msg.subject)
+
+    await agg.nc.subscribe(S.STATE_WILDCARD, cb=on_state)
+    await agg.nc.flush()
+    await agent.nc.publish(S.state_subject("decode-1"), b"forged")  # someone else's heartbeat
+    await agent.nc.publish(S.steps_subject("decode-1"), b"forged")
+    await agent.nc.publish(S.state_subject("decode-0"), b"own")  # control
+    await agent.nc.flush()
+    await wait_for(lambda: S.state_subject("decode-0") in got)
+    assert got == [S.state_subject("decode-0")]
+    await agent.violation(S.state_subject("decode-1"), "publish")
+    await agent.violation(S.steps_subject("decode-1"), "publish")
+    await _close(agg, agent)
+
+
+async def test_only_dispatchers_publish_jobs_and_agents_receive_only_their_own(secure_nats):
+    url, passwords = secure_nats
+    disp = await as_role(url, passwords, "dispatcher")
+    ingress = await as_role(url, passwords, "ingress")
+    a0 = await as_role(url, passwords, agent_user("decode-0"))
+    a1 = await as_role(url, passwords, agent_user("decode-1"))
+    jobs0: list[bytes] = []
+    jobs1: list[bytes] = []
+    stolen: list[bytes] = []
+
+    async def collect(into):
+        async def cb(msg) -> None:
+            into.append(msg.data)
+        return cb
+
+    await a0.nc.subscribe(S.jobs_subject("decode-0"), cb=await collect(jobs0))
+    await a0.nc.subscribe(S.jobs_subject("decode-1"), cb=await collect(stolen))  # not its jobs
+    collector = await a1.nc.subscribe(S.jobs_subject("decode-1"), cb=await collect(jobs1))
+    for c in (a0, a1):
+        await c.nc.flush()
+    await a0.violation(S.jobs_subject("decode-1"), "subscription")
+
+    # forged jobs: the ingress and another node's agent may not publish jobs
+    await ingress.nc.publish(S.jobs_subject("decode-1"), b"from-ingress")
+    await ingress.nc.flush()
+    await a0.nc.publish(S.jobs_subject("decode-1"), b"from-agent-0")
+    await a0.nc.flush()
+    await disp.nc.publish(S.jobs_subject("decode-1"), b"from-dispatcher")
+    await disp.nc.publish(S.jobs_subject("decode-0"), b"from-dispatcher")
+    await disp.nc.flush()
+    await wait_for(lambda: jobs1 and jobs0)
+    assert jobs1 == [b"from-dispatcher"] and jobs0 == [b"from-dispatcher"]
+    assert stolen == []
+    await ingress.violation(S.jobs_subject("decode-1"), "publish")
+    await a0.violation(S.jobs_subject("decode-1"), "publish")
+
+    # request-reply still works: the agent answers through allow_responses (one subscription per
+    # subject, as the agent has: nats-server refuses the response when one connection holds two)
+    async def answer(msg) -> None:
+        await msg.respond(b"accepted")
+
+    await collector.unsubscribe()
+    await a1.nc.subscribe(S.jobs_subject("decode-1"), cb=answer)
+    await a1.nc.flush()
+    reply = await disp.nc.request(S.jobs_subject("decode-1"), b"job", timeout=5)
+    assert reply.data == b"accepted"
+    await _close(disp, ingress, a0, a1)
+
+
+async def test_only_the_aggregator_writes_the_view(secure_nats):
+    url, passwords = secure_nats
+    agg = await as_role(url, passwords, "aggregator")
+    disp = await as_role(url, passwords, "dispatcher")
+    ingress = await as_role(url, passwords, "ingress")
+    b_agg = await ensure_buckets(agg.nc.jetstream())
+    await b_agg.view.put(S.VIEW_KEY, b"real-view")
+    for c in (disp, ingress):
+        b = await ensure_buckets(c.nc.jetstream(timeout=1.0))
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, asyncio.TimeoutError)):
+            await b.view.put(S.VIEW_KEY, b"forged-view")
+        await c.violation(f"$KV.{S.VIEW_BUCKET}.{S.VIEW_KEY}", "publish")
+        e = await b.view.get(S.VIEW_KEY)  # reading is allowed
+        assert e.value == b"real-view"
+    await _close(agg, disp, ingress)
+
+
+async def test_agent_cannot_delete_another_nodes_reservation(secure_nats):
+    url, passwords = secure_nats
+    disp = await as_role(url, passwords, "dispatcher")
+    a0 = await as_role(url, passwords, agent_user("decode-0"))
+    bd = await ensure_buckets(disp.nc.jetstream())
+    ba = await ensure_buckets(a0.nc.jetstream(timeout=1.0))
+    key1, key0 = S.reservation_key("decode-1", 0), S.reservation_key("decode-0", 0)
+    await bd.reservations.put(key1, b"held-by-decode-1")
+    rev0 = await bd.reservations.put(key0, b"held-by-decode-0")
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, asyncio.TimeoutError)):
+        await ba.reservations.delete(key1)
+    assert (await bd.reservations.get(key1)).value == b"held-by-decode-1"
+    await ba.reservations.delete(key0, last=rev0)  # its own: allowed
+    await a0.violation(f"$KV.{S.RESERVATION_BUCKET}.{key1}", "publish")
+    await _close(disp, a0)
+
+
+async def test_prompts_reach_only_the_dispatchers(secure_nats):
+    """An agent can neither subscribe to the request subject nor to the inboxes the dispatchers
+    pull requests into; the dispatcher gets the request."""
+    url, passwords = secure_nats
+    disp = await as_role(url, passwords, "dispatcher")
+    ingress = await as_role(url, passwords, "ingress")
+    spy = await as_role(url, passwords, agent_user("prefill-0"))
+    seen: list[str] = []
+
+    async def cb(msg) -> None:
+        seen.append(msg.subject)
+
+    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_subject("cmpl-x")):
+        await spy.nc.subscribe(subject, cb=cb)
+    await spy.nc.flush()
+    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_subject("cmpl-x")):
+        await spy.violation(subject, "subscription")
+    js = disp.nc.jetstream()
+    await ensure_request_stream(js)
+    sub = await request_subscription(js)
+    req = InferenceRequest(request_id="cmpl-secret", model="m", prompt_tokens=3, max_tokens=1,
+                           prompt_text="my secret prompt", created_unix_ms=0.0, deadline_unix_ms=1e15)
+    await ingress.nc.jetstream().publish(S.REQUEST_SUBJECT, encode(req), stream=S.REQUEST_STREAM)
+    msgs = await sub.fetch(1, timeout=5)
+    assert b"my secret prompt" in msgs[0].data
+    await msgs[0].ack()
+    await spy.nc.flush()
+    assert seen == []
+    # and the agent may not enqueue requests itself
+    await spy.nc.publish(S.REQUEST_SUBJECT, encode(req))
+    await spy.violation(S.REQUEST_SUBJECT, "publish")
+    await _close(disp, ingress, spy)
+
+
+async def test_committed_compose_auth_config_reads_passwords_from_the_environment(tmp_path):
+    """ops/nats/auth.conf (included by ops/nats/nats.conf in compose): the server resolves each
+    ``$NATS_PASSWORD_<USER>`` from its environment."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from shared.permissions import COMPOSE_NODES, cluster_users, new_password, password_env_var
+
+    root = Path(__file__).resolve().parents[2]
+    shutil.copy(root / "ops" / "nats" / "auth.conf", tmp_path / "auth.conf")
+    (tmp_path / "main.conf").write_text("include ./auth.conf\n")
+    pw = {u: new_password() for u in cluster_users(COMPOSE_NODES)}
+    env = {**os.environ, **{password_env_var(u): p for u, p in pw.items()}}
+    port = free_port()
+    proc = subprocess.Popen([str(NATS_BIN), "-c", str(tmp_path / "main.conf"), "-js", "-a", "127.0.0.1", "-p",
+                             str(port), "-sd", str(tmp_path / "js")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                c = await as_role(url, pw, "agent-decode-1")
+                break
+            except (OSError, nats.errors.NoServersError):
+                assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
+                await asyncio.sleep(0.05)
+        assert c.nc.is_connected
+        await _close(c)
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, user="ingress", password=pw["dispatcher"], allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=2)
+    finally:
+        proc.terminate()
+        proc.wait(5)

@@ -1,0 +1,273 @@
+"""HTTP hardening of the ingress against raw sockets and a real nats-server (one whose
+``max_payload`` is 64 KiB, so a prompt too large for the bus is cheap to build).
+
+Each test would fail on the ingress before the hardening: slow-header clients were held until
+aiohttp's keep-alive timeout (3630 s), protocol errors were ``text/plain``, a 1 MB model name
+came back in a 1 MB body, a 500 named the exception, 503s had no ``Retry-After``, and a prompt
+over the bus's payload limit was a 503 ``enqueue_failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import time
+
+import aiohttp
+import pytest
+
+from services.ingress.config import IngressConfig
+from services.ingress.service import Ingress
+from tests.integration.conftest import NATS_BIN, free_port, reset_bus
+
+pytestmark = pytest.mark.integration
+
+MODEL = "kairos-emulated"
+SMALL_PAYLOAD = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_nats(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("small-nats")
+    conf = d / "nats.conf"
+    conf.write_text(f"max_payload: {SMALL_PAYLOAD}\n")
+    port = free_port()
+    proc = subprocess.Popen([str(NATS_BIN), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
+                             str(d / "js")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("nats-server did not start")
+            time.sleep(0.02)
+    yield f"nats://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(5)
+
+
+class running:
+    """An ingress alone (no dispatcher, no nodes) on a free port."""
+
+    def __init__(self, url: str, **cfg) -> None:
+        self.cfg = IngressConfig(nats_url=url, port=0, **cfg)
+
+    async def __aenter__(self) -> Ingress:
+        await reset_bus(self.cfg.nats_url)
+        self.ing = Ingress(self.cfg)
+        await self.ing.start()
+        return self.ing
+
+    async def __aexit__(self, *exc) -> None:
+        await self.ing.close()
+
+
+async def raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``data`` on a fresh connection and read until the server closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    out = await asyncio.wait_for(reader.read(), timeout)
+    writer.close()
+    return out
+
+
+async def one_response(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``data`` and read one response (head + ``Content-Length`` body); the connection may stay
+    open (aiohttp lingers to drain an unread request body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    n = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:"))
+    body = await asyncio.wait_for(reader.readexactly(n), timeout)
+    writer.close()
+    return head + body
+
+
+def split_response(resp: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = resp.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def assert_openai_error(body: bytes | dict, code: str | None = None) -> dict:
+    obj = json.loads(body) if isinstance(body, (bytes, str)) else body
+    assert set(obj) == {"error"} and {"message", "type", "param", "code"} <= set(obj["error"]), obj
+    if code is not None:
+        assert obj["error"]["code"] == code, obj
+    return obj["error"]
+
+
+async def test_slow_header_clients_are_dropped(small_nats):
+    async with running(small_nats, header_timeout_s=0.5) as ing:
+        t0 = time.monotonic()
+        conns = [await asyncio.open_connection("127.0.0.1", ing.port) for _ in range(30)]
+        for _, w in conns:
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finishes its headers
+            await w.drain()
+
+        async def trickle() -> bytes:  # keeps sending header bytes: still bounded by the deadline
+            r, w = await asyncio.open_connection("127.0.0.1", ing.port)
+            w.write(b"GET /v1/models HTTP/1.1\r\n")
+            while not r.at_eof() and time.monotonic() - t0 < 10:
+                try:
+                    w.write(b"X-Slow: 1\r\n")
+                    await w.drain()
+                except ConnectionError:
+                    break
+                try:
+                    return await asyncio.wait_for(r.read(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+            return b""
+
+        outs = await asyncio.gather(*(asyncio.wait_for(r.read(), 5) for r, _ in conns), trickle())
+        dropped_after = time.monotonic() - t0
+        assert all(o == b"" for o in outs), outs[:3]  # closed without a response
+        assert dropped_after < 3.0, dropped_after
+        assert ing.m.slow_clients._value.get() == 31
+        async with aiohttp.ClientSession() as http:  # a normal client is still served
+            async with http.get(f"http://127.0.0.1:{ing.port}/v1/models") as r:
+                assert r.status == 200
+
+
+async def test_slow_body_gets_408_json(small_nats):
+    async with running(small_nats, body_timeout_s=0.5) as ing:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        status, headers, body = split_response(await one_response(ing.port, head))
+        assert status == 408 and headers["content-type"].startswith("application/json")
+        assert "0.5 s" in assert_openai_error(body, "request_timeout")["message"]
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 400),  # too long
+    (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header Name: 1\r\n\r\n", 400),
+])
+async def test_protocol_errors_are_openai_json(small_nats, request_bytes, status):
+    async with running(small_nats) as ing:
+        got, headers, body = split_response(await raw(ing.port, request_bytes))
+        assert got == status
+        assert headers["content-type"].startswith("application/json"), headers
+        err = assert_openai_error(body)
+        assert err["type"] == "invalid_request_error" and len(body) < 2048
+        assert "Traceback" not in body.decode() and "aiohttp" not in body.decode()
+
+
+async def test_echoed_values_are_truncated(small_nats):
+    async with running(small_nats) as ing, aiohttp.ClientSession() as http:
+        name = "m" * 1_000_000
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
+                             json={"model": name, "prompt": "hi"}) as r:
+            body = await r.read()
+            assert r.status == 404 and len(body) < 4096, len(body)
+            msg = assert_openai_error(body, "model_not_found")["message"]
+            assert "more characters]" in msg
+        async with http.get(f"http://127.0.0.1:{ing.port}/" + "p" * 7000) as r:
+            body = await r.read()
+            assert r.status == 404 and len(body) < 2048, len(body)
+        chat = {"model": MODEL, "messages": [{"role": "r" * 100_000, "content": "x"}]}
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/chat/completions", json=chat) as r:
+            body = await r.read()
+            assert r.status == 400 and len(body) < 4096, len(body)
+
+
+async def test_internal_errors_name_no_exception(small_nats, monkeypatch):
+    async def broken(self, _req):
+        raise RuntimeError("SecretInternalDetail")
+
+    monkeypatch.setattr(Ingress, "models", broken)
+    async with running(small_nats) as ing, aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{ing.port}/v1/models") as r:
+            body = await r.read()
+            assert r.status == 500
+        err = assert_openai_error(body, "internal_error")
+        assert "RuntimeError" not in body.decode() and "SecretInternalDetail" not in body.decode()
+        assert "err-" in err["message"]  # the error id to find the log line
+
+
+async def test_every_503_has_retry_after(small_nats):
+    async with running(small_nats) as ing, aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{ing.port}/health") as r:  # no aggregator, no nodes
+            assert r.status == 503 and r.headers.get("Retry-After") == "1"
+        await ing.nc.close()  # the bus is gone: enqueueing fails
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
+                             json={"model": MODEL, "prompt": "hi"}) as r:
+            body = await r.read()
+            assert r.status == 503 and r.headers.get("Retry-After") == "1"
+            assert "Error" not in assert_openai_error(body, "enqueue_failed")["message"]  # no exception name
+
+
+async def test_prompt_too_large_for_the_bus_is_400_naming_the_limit(small_nats):
+    async with running(small_nats) as ing, aiohttp.ClientSession() as http:
+        prompt = "word " * 20_000  # 100 kB: ~25k tokens by the estimate, fits the context window
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
+                             json={"model": MODEL, "prompt": prompt, "max_tokens": 4}) as r:
+            body = await r.read()
+            assert r.status == 400
+        err = assert_openai_error(body, "prompt_too_large")
+        assert str(SMALL_PAYLOAD) in err["message"] and err["param"] == "prompt"
+
+
+async def test_body_over_the_limit_is_413_naming_it(small_nats):
+    async with running(small_nats, max_body_bytes=4096) as ing, aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
+                             json={"model": MODEL, "prompt": "x" * 10_000}) as r:
+            body = await r.read()
+            assert r.status == 413
+        assert "4096" in assert_openai_error(body, "request_too_large")["message"]
+
+
+async def test_api_keys_from_config_and_file(small_nats, tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# ops keys\nsk-file\n\n")
+    async with running(small_nats, api_keys=("sk-env",), api_key_file=str(key_file)) as ing, \
+            aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{ing.port}"
+
+        async def get(path: str, key: str | None = None, scheme: str = "Bearer"):
+            headers = {"Authorization": f"{scheme} {key}"} if key is not None else {}
+            async with http.get(base + path, headers=headers) as r:
+                return r.status, r.headers, await r.read()
+
+        status, headers, body = await get("/v1/models")
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
+        assert assert_openai_error(body, "invalid_api_key")["type"] == "invalid_request_error"
+        status, _, body = await get("/v1/models", "sk-nope")
+        assert status == 401 and b"sk-nope" not in body
+        assert (await get("/v1/models", "sk-env", scheme="Basic"))[0] == 401
+        assert (await get("/v1/models", "sk-env"))[0] == 200
+        assert (await get("/v1/models", "sk-file"))[0] == 200
+        assert (await get("/v1/requests/cmpl-x"))[0] == 401
+        assert (await get("/health"))[0] == 503  # open (503: no cluster here), not 401
+        assert (await get("/metrics"))[0] == 200
+        async with http.post(base + "/v1/completions", json={"model": MODEL, "prompt": "hi"}) as r:
+            assert r.status == 401
+        assert ing.m.auth_failures.labels("missing")._value.get() == 4  # incl. the Basic one
+        assert ing.m.auth_failures.labels("invalid")._value.get() == 1
+
+
+async def test_slow_second_request_on_a_kept_alive_connection_is_dropped(small_nats):
+    async with running(small_nats, header_timeout_s=0.5) as ing:
+        reader, writer = await asyncio.open_connection("127.0.0.1", ing.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        n = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:"))
+        await reader.readexactly(n)
+        assert head.startswith(b"HTTP/1.1 200")
+        idle_ok = time.monotonic()
+        await asyncio.sleep(0.8)  # idle between requests is the keep-alive timeout's business (75 s), not this one
+        assert not reader.at_eof()
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")  # ... then a second head that never ends
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert time.monotonic() - idle_ok < 4.0
+        writer.close()

@@ -1,0 +1,32 @@
+"""`kairos demo`'s live-vs-simulated table: SLO attainment and TBT violations are shown, and a ratio
+outside the stated tolerance is flagged (issue 11)."""
+
+from kairos.demo import FIDELITY_TOLERANCE, side_by_side
+
+
+def _summary(ttft_p50, slo, viol, defl=10):
+    return {"ttft_ms": {"p50": ttft_p50, "p95": 2 * ttft_p50}, "tbt_ms": {"p50": 48.0},
+            "ttft_breakdown_p95_ms": {}, "tbt_violation_rate": viol, "slo_attainment": slo, "deflections": defl}
+
+
+def _row(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.strip().startswith(name))
+
+
+def test_slo_and_tbt_rows_with_flags_outside_the_tolerance():
+    live = _summary(1100.0, 0.408, 0.063)
+    sim = _summary(1000.0, 0.707, 0.0002)
+    text = side_by_side(live, sim)
+    flag = f"outside ±{FIDELITY_TOLERANCE * 100:g} %"
+    slo = _row(text, "SLO attainment %")
+    assert "40.8" in slo and "70.7" in slo and "0.58" in slo and flag in slo
+    viol = _row(text, "TBT violations %")
+    assert "6.30" in viol and "0.02" in viol and flag in viol
+    ttft = _row(text, "TTFT p50 ms")  # 1.10: inside ±15 %
+    assert "1.10" in ttft and flag not in ttft
+    assert flag not in _row(text, "deflections")
+
+
+def test_missing_values_are_dashes_not_flags():
+    text = side_by_side(_summary(1000.0, None, None), _summary(1000.0, 0.5, 0.0))
+    assert "outside" not in _row(text, "SLO attainment %") and "outside" not in _row(text, "TBT violations %")

@@ -1,0 +1,148 @@
+"""The permission table (shared/permissions.py): derived from shared/subjects.py, complete, and
+the committed compose config is what the generator produces."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from shared import permissions as P
+from shared import subjects as S
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard match (``*`` one token, ``>`` the rest)."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def can_pub(user: str, subject: str) -> bool:
+    return any(_matches(p, subject) for p in P.role_permissions(user).publish)
+
+
+def can_sub(user: str, subject: str) -> bool:
+    return any(_matches(p, subject) for p in P.role_permissions(user).subscribe)
+
+
+def test_committed_compose_auth_config_is_generated():
+    assert (ROOT / "ops" / "nats" / "auth.conf").read_text() == P.deployment_auth_config(P.COMPOSE_NODES), \
+        "regenerate: kairos nats-auth > ops/nats/auth.conf"
+
+
+def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
+    """A subject added to shared/subjects.py without a permission fails here (add it to
+    role_permissions): every *_subject builder, *_SUBJECT / *_WILDCARD constant and bucket is
+    published or subscribed by some role."""
+    users = P.cluster_users(["n1"])
+    everything = [p for u in users for perms in (P.role_permissions(u),) for p in perms.publish + perms.subscribe]
+    for name, fn in inspect.getmembers(S, inspect.isfunction):
+        if name.endswith("_subject"):
+            subj = fn("n1")
+            assert any(_matches(p, subj) for p in everything), f"{name}() -> {subj} is in no role's permissions"
+    for name, value in vars(S).items():
+        if name.endswith(("_SUBJECT", "_WILDCARD")):
+            assert any(_matches(p, value.replace("*", "x")) for p in everything), name
+        if name.endswith("_BUCKET"):
+            assert any(p.startswith(f"$KV.{value}.") for p in everything), f"nobody writes bucket {value}"
+
+
+@pytest.mark.parametrize("user,subject,allowed", [
+    ("agent-decode-0", S.state_subject("decode-0"), True),
+    ("agent-decode-0", S.state_subject("decode-1"), False),
+    ("agent-decode-0", S.steps_subject("decode-1"), False),
+    ("agent-decode-0", S.jobs_subject("decode-1"), False),
+    ("agent-decode-0", "$KV.kairos_resv." + S.reservation_key("decode-1", 0), False),
+    ("agent-decode-0", "$KV.kairos_resv." + S.reservation_key("decode-0", 3), True),
+    ("agent-decode-0", "$KV.kairos_view.view", False),
+    ("agent-decode-0", S.REQUEST_SUBJECT, False),
+    ("ingress", S.jobs_subject("decode-0"), False),
+    ("ingress", S.REQUEST_SUBJECT, True),
+    ("ingress", "$KV.kairos_view.view", False),
+    ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
+    ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "ingress"), True),
+    ("dispatcher", S.jobs_subject("decode-0"), True),
+    ("dispatcher", "$KV.kairos_view.view", False),
+    ("dispatcher", S.CANCEL_SUBJECT, False),
+    ("aggregator", "$KV.kairos_view.view", True),
+    ("aggregator", S.jobs_subject("decode-0"), False),
+    ("profiler", "$KV.kairos_models.latency.x", True),
+    ("dispatcher", "$KV.kairos_models.current", False),
+    ("dispatcher", "$JS.API.STREAM.DELETE.KAIROS_REQ", False),
+    ("ingress", "$JS.API.STREAM.PURGE.KV_kairos_requests", False),
+])
+def test_publish_rules(user, subject, allowed):
+    assert can_pub(user, subject) is allowed
+
+
+@pytest.mark.parametrize("user,subject,allowed", [
+    ("agent-decode-0", S.jobs_subject("decode-0"), True),
+    ("agent-decode-0", S.jobs_subject("decode-1"), False),
+    ("agent-decode-0", S.out_subject("cmpl-1"), False),
+    ("agent-decode-0", S.REQUEST_SUBJECT, False),
+    ("agent-decode-0", "_INBOX.dispatcher.abc.def", False),
+    ("agent-decode-0", "_INBOX.agent-decode-0.abc.def", True),
+    ("ingress", S.out_subject("cmpl-1"), True),
+    ("dispatcher", S.out_subject("cmpl-1"), False),
+    ("aggregator", S.state_subject("decode-3"), True),
+    ("profiler", S.steps_subject("decode-3"), True),
+])
+def test_subscribe_rules(user, subject, allowed):
+    assert can_sub(user, subject) is allowed
+
+
+def test_unknown_roles_and_bad_node_ids_are_refused():
+    with pytest.raises(P.RoleError, match="unknown NATS role"):
+        P.role_permissions("admin")
+    with pytest.raises(P.RoleError):
+        P.role_permissions("agent-a.b")
+
+
+def test_generated_config_quotes_literal_passwords_and_references_env_ones():
+    lit = P.server_auth_config([P.Credential("ingress", 'p"w$x')])
+    assert 'password: "p\\"w$x"' in lit
+    ref = P.deployment_auth_config(["n1"])
+    assert re.search(r"password: \$NATS_PASSWORD_AGENT_N1,", ref)
+    assert P.password_env_var("agent-decode-0") == "NATS_PASSWORD_AGENT_DECODE_0"
+
+
+def test_compose_gives_every_service_its_own_roles_secret():
+    """Each Kairos service in docker-compose.yml logs in as its role (agents as agent-<their node>)
+    with the password file of that role, declared as a compose secret under ops/secrets/."""
+    yaml = pytest.importorskip("yaml")
+    from tests.unit.test_deploy_files import env_of, kairos_services
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    declared = compose["secrets"]
+    roles = {"services.ingress": "ingress", "services.dispatcher": "dispatcher",
+             "services.state_aggregator": "aggregator"}
+    for name, (svc, mod) in kairos_services(compose["services"]).items():
+        env = env_of(svc)
+        want = P.agent_user(env["KAIROS_NODE_ID"]) if mod == "services.node_agent" else roles[mod]
+        assert env["KAIROS_NATS_USER"] == want, name
+        assert svc["secrets"] == [f"nats-{want}"], name
+        assert env["KAIROS_NATS_PASSWORD_FILE"] == f"/run/secrets/nats-{want}", name
+        assert declared[f"nats-{want}"]["file"] == f"ops/secrets/{want}.password"
+        assert "KAIROS_NATS_PASSWORD" not in env, f"{name}: a password in the compose file"
+    assert compose["services"]["nats"]["env_file"] == ["ops/secrets/nats-server.env"]
+
+
+def test_write_secrets_files_are_private_and_match_the_server_env(tmp_path):
+    auth = P.GeneratedAuth.for_nodes(["decode-0"])
+    files = P.write_secrets(auth, tmp_path / "s")
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+    for user, path in files.items():
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert path.read_text().strip() == auth.passwords[user]
+    env = dict(ln.split("=", 1) for ln in (tmp_path / "s" / "nats-server.env").read_text().splitlines())
+    assert env == {P.password_env_var(u): pw for u, pw in auth.passwords.items()}
+    assert len(set(auth.passwords.values())) == len(auth.passwords)  # one password per role
