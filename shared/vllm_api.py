@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shared.wire import InferenceRequest
+from shared.wire import InferenceRequest, sampling_body
 
 
 class EngineApiError(ValueError):
@@ -58,18 +58,9 @@ def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -
 
 
 def sampling_fields(req: InferenceRequest) -> dict[str, Any]:
-    """The request's OpenAI sampling parameters as vLLM body fields (None/unset fields left out).
-
-    Uses ``shared.wire.sampling_body`` on ``req.sampling`` when the wire schema carries sampling
-    parameters; requests without them get the engine's defaults.
-    """
-    sp = getattr(req, "sampling", None)
-    if sp is None:
-        return {}
-    from shared import wire
-
-    body = getattr(wire, "sampling_body", None)
-    return dict(body(sp)) if body is not None else {}
+    """The request's OpenAI sampling parameters as vLLM body fields (unset ones left out: the
+    engine's defaults apply), :func:`shared.wire.sampling_body`."""
+    return sampling_body(req.sampling)
 
 
 def _prompt(req: InferenceRequest) -> str | list[int]:

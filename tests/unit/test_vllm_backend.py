@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import msgspec
 import pytest
 
 from kairos_vllm.protocol import DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest
@@ -16,7 +17,7 @@ from shared.envconfig import ConfigError
 from shared.latency import load_profile
 from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
                              prefill_body, prefill_result)
-from shared.wire import InferenceRequest, Job, KvHandoff, decode, encode
+from shared.wire import InferenceRequest, Job, KvHandoff, SamplingParams, decode, encode
 
 MODEL = load_profile("cpu-tiny-vllm")
 
@@ -48,6 +49,11 @@ def test_request_bodies_follow_the_nixl_protocol():
     assert d["kv_transfer_params"] == params and d["max_tokens"] == 9 and d["stream"] is True
     assert d["stream_options"] == {"include_usage": True} and d["return_token_ids"] is True
     assert "kairos_prefill_chunks" not in d["vllm_xargs"]
+    sp = SamplingParams(temperature=0.0, seed=7, stop=["w9"], ignore_eos=True)
+    g = decode_body(msgspec.structs.replace(r, sampling=sp), "tiny")
+    assert (g["temperature"], g["seed"], g["stop"], g["ignore_eos"]) == (0.0, 7, ["w9"], True)
+    assert "top_p" not in g and "temperature" not in d  # unset: the engine's default
+    assert "temperature" not in prefill_body(msgspec.structs.replace(r, sampling=sp), "tiny")
     f = decode_body(req(text="hello"), "tiny", prefill_chunks=[64, 128])
     assert f["vllm_xargs"] == {"kairos_rid": "r1", "kairos_prefill_chunks": [64, 128]}
     assert "kv_transfer_params" not in f and f["prompt"] == "hello"
