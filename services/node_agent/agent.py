@@ -436,9 +436,12 @@ class NodeAgent:
                 r.chunk_pred.append(pred)
                 r.chunk_actual.append(out.wall_ms)
                 r.chunk_sizes.append(chi)
-                r.span.add_event("chunk", {"chi": chi, "step_index": idx, "prefill_tokens": toks,
-                                           "predicted_ms": pred, "engine_predicted_ms": out.predicted_ms,
-                                           "actual_ms": out.wall_ms, "batch_size": out.batch_size})
+                # a real engine's last chunk record can arrive after the first token (separate
+                # channels): the prefill span has ended then, the decode span gets the event
+                span = r.span if r.span.is_recording() or r.decode_span is None else r.decode_span
+                span.add_event("chunk", {"chi": chi, "step_index": idx, "prefill_tokens": toks,
+                                         "predicted_ms": pred, "engine_predicted_ms": out.predicted_ms,
+                                         "actual_ms": out.wall_ms, "batch_size": out.batch_size})
                 self.m.chunks.labels(node).inc()
                 self.m.chunk_pred.labels(node).observe(telemetry.seconds(pred))
                 self.m.chunk_meas.labels(node).observe(telemetry.seconds(out.wall_ms))
