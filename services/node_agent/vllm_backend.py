@@ -30,6 +30,7 @@ notifies the prefill side, ``NixlConnector.request_finished``), or by the lease 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -390,8 +391,6 @@ async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     if resp.status != 200:
         raise EngineApiError(f"HTTP {resp.status}: {text[:500]}")
     try:
-        import json
-
         return json.loads(text)
     except ValueError:
         raise EngineApiError(f"not JSON: {text[:200]!r}") from None
