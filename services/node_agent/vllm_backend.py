@@ -48,6 +48,9 @@ from shared.wire import InferenceRequest
 
 log = structlog.get_logger("kairos.node_agent.vllm")
 
+#: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve)
+REMOTE_DECODE_RETRIES = 2
+
 
 @dataclass
 class _VReq:
@@ -64,6 +67,7 @@ class _VReq:
     kv_ready: asyncio.Future | None = None  #: remote decode: set when the first token arrived
     started: bool = False  #: a step computed some of its prompt (StepOutput.prefill_chunks)
     remaining: int = 0  #: prompt tokens still to prefill, per the last snapshot
+    tokens_out: int = 0  #: output tokens received so far
 
 
 def step_output(rec: Any, reqs: dict[str, "_VReq"], started: list[tuple[str, int, int]],
@@ -239,23 +243,39 @@ class VllmBackend(EngineBackend):
         return self._session
 
     async def _serve(self, r: _VReq) -> None:
+        """Run ``r``'s HTTP request; on failure end it with an explicit ``502 engine_error``.
+
+        A keep-path decode that fails before its first token is sent again (up to
+        :data:`REMOTE_DECODE_RETRIES` times): vLLM 0.32.0's NIXL handshake with a new prefill peer
+        waits a fixed 5 s for its reply (``nixl/base_worker.py``), which a busy CPU prefill server can
+        miss; the prefill side keeps the blocks for their lease, so the same ``kv_transfer_params``
+        still work."""
         rid = r.req.request_id
-        try:
-            await self._ready.wait()
-            if r.kind == "prefill":
-                await self._prefill(r)
-            else:
-                await self._stream(r)
-        except asyncio.CancelledError:
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, EngineApiError, ValueError) as exc:
-            if self._reqs.get(rid) is r:
+        attempts = 0
+        await self._ready.wait()
+        while True:
+            try:
+                if r.kind == "prefill":
+                    await self._prefill(r)
+                else:
+                    await self._stream(r)
+                return
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, EngineApiError, ValueError) as exc:
+                if self._reqs.get(rid) is not r:
+                    return
+                if r.kind == "remote_decode" and r.tokens_out == 0 and attempts < REMOTE_DECODE_RETRIES:
+                    attempts += 1
+                    log.warning("remote_decode_retry", request_id=rid, attempt=attempts, error=repr(exc))
+                    continue
                 del self._reqs[rid]
                 if r.kv_ready is not None and not r.kv_ready.done():
                     r.kv_ready.set_result(False)
                 log.warning("engine_request_failed", request_id=rid, error=repr(exc))
                 if self._events is not None:
                     await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
+                return
 
     async def _prefill(self, r: _VReq) -> None:
         rid = r.req.request_id
@@ -293,6 +313,7 @@ class VllmBackend(EngineBackend):
                             r.phase = "decoding"
                     await self._events.on_tokens(rid, index, d.token_count, d.text)
                     index += d.token_count
+                    r.tokens_out = index
         if self._reqs.get(rid) is not r:
             return
         del self._reqs[rid]

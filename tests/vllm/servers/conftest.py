@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,13 @@ def _ready(srv: VllmServer) -> bool:
         return False
 
 
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=STARTUP_TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, tmp_path_factory) -> Engines:
     """Start the prefill and decode servers in parallel and wait for both (bounded)."""
@@ -87,12 +95,21 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
             if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"vLLM servers not ready after {STARTUP_TIMEOUT_S:.0f} s: {[s.node for s, _ in pending]}")
             time.sleep(0.5)
-        for srv in servers:  # first requests are slow (warm-up), and the state stream starts with the first request
-            warm = urllib.request.Request(f"{srv.url}/v1/completions", headers={"Content-Type": "application/json"},
-                                          data=json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2,
-                                                           "cache_salt": "warm-up"}).encode())
-            with urllib.request.urlopen(warm, timeout=STARTUP_TIMEOUT_S):
-                pass
+        # warm-up, outside the tests' timings: first requests are slow, and the first P/D transfer
+        # makes the NIXL handshake between the two servers (a fixed 5 s reply timeout in vLLM 0.32.0
+        # that a loaded machine can miss: retried here, as the agent's backend retries its decodes)
+        for srv in servers:
+            _post(srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "warm-up"})
+        for attempt in range(3):
+            pre = _post(servers[0].url, {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 1,
+                                         "kv_transfer_params": {"do_remote_decode": True}})
+            try:
+                _post(servers[1].url, {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 2,
+                                       "kv_transfer_params": pre["kv_transfer_params"]})
+                break
+            except urllib.error.HTTPError:
+                if attempt == 2:
+                    raise
         yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0)
     finally:
         for proc in procs:
