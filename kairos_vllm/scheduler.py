@@ -111,7 +111,7 @@ class KairosSchedulerMixin:
     """The Kairos behaviour on top of a vLLM ``Scheduler`` subclass (see the module docstring).
 
     Attributes: ``kairos_publisher`` (None without ``$KAIROS_ENGINE_STATE_ADDR``),
-    ``kairos_steps`` (steps with scheduled tokens so far).
+    ``kairos_steps`` (steps with scheduled tokens so far; counted only while publishing).
     Raises :class:`VllmCompatError` at construction when an expected attribute is missing, and
     :class:`RuntimeError` when the state address cannot be bound.
     """

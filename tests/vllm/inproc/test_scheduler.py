@@ -60,6 +60,13 @@ def test_deflected_chunks_equal_schedule_while_another_request_decodes(engine, r
     assert all(s["dec"].tokens == 1 for s in prefill_steps), "the decoding request must keep decoding"
 
 
+def test_invalid_schedule_is_ignored_not_fatal(engine, recorder):
+    engine.add("bad", ids(12, 200), max_tokens=2, kairos_rid="K-bad", kairos_prefill_chunks=[64, 0])
+    done = engine.run()
+    assert len(done["bad"]) == 2
+    assert recorder.tokens_of("bad") == [200, 1], "an invalid schedule must leave the request uncapped"
+
+
 def test_request_without_schedule_is_unchanged(engine, recorder):
     """Same workload on KairosScheduler and on the stock vLLM Scheduler (same engine, the stock
     methods bound over every override): identical tokens per step, including a long prefill
