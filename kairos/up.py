@@ -69,6 +69,12 @@ class UpOptions:
     engine: str = "emulated"  #: ``emulated`` or ``vllm`` (one vLLM-CPU server per node)
     model_dir: str | None = None  #: vllm: local model directory (config, weights, tokenizer.json)
     stale_after_ms: float | None = None  #: aggregator: node stale after this silence (None: 3 heartbeat periods)
+    #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
+    nats_auth: bool = True
+    #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
+    nats_secrets_dir: str | None = None
+    #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
+    api_keys: tuple[str, ...] = ()
 
 
 #: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the hand-fitted CPU
@@ -80,12 +86,6 @@ VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "sta
 #: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
 #: (heartbeats, routing) must not wait for the engines' forward passes
 ENGINE_NICE = 5
-    #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
-    nats_auth: bool = True
-    #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
-    nats_secrets_dir: str | None = None
-    #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
-    api_keys: tuple[str, ...] = ()
 
 
 @dataclass
