@@ -119,6 +119,7 @@ class VllmBackend(EngineBackend):
         self._snap_mono = 0.0
         self._reqs: dict[str, _VReq] = {}
         self._allocated: list[str] = []
+        self._started: list[tuple[str, int, int]] = []  #: keep-path prefills started since the last step record
         self._events: EngineEvents | None = None
         self._ready = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
@@ -347,21 +348,27 @@ class VllmBackend(EngineBackend):
                 pass
 
     def _on_snapshot(self, snap: Any) -> list[tuple[str, int, int]]:
-        """Update the state; returns keep-path prefills seen computing for the first time
-        ``(rid, tokens computed, 0)``."""
+        """Update the state. Returns the keep-path prefills seen computing for the first time since
+        the last step record ``(rid, tokens computed, 0)``: collected over every snapshot (a step's
+        own message can be dropped or follow the one that showed the progress) and handed out, then
+        cleared, when ``snap`` carries a step record."""
         self.snapshot, self._snap_mono = snap, time.monotonic()
         self.snapshots += 1
-        started = []
+        started = self._started
         waiting = {w.request_id: w for w in snap.waiting}
         for rid, r in self._reqs.items():
-            if r.phase not in ("prefilling", "deflected_prefill"):
+            # "held": the prefill's HTTP answer can overtake the stream's messages about its steps
+            if r.phase not in ("prefilling", "deflected_prefill") and not (r.phase == "held" and not r.started):
                 continue
             w = waiting.get(rid)
-            if w is not None:
+            if w is not None and r.phase != "held":
                 r.remaining = w.remaining_prefill_tokens
             if r.kind == "prefill" and not r.started and (w is None or w.remaining_prefill_tokens < w.prompt_tokens):
                 r.started = True
                 started.append((rid, r.req.prompt_tokens - (w.remaining_prefill_tokens if w else 0), 0))
+        if snap.step_record is None:
+            return []
+        self._started = []
         return started
 
     async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:

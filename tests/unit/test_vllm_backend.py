@@ -128,10 +128,13 @@ async def test_state_and_step_output_from_the_plugins_snapshot():
 async def test_prefill_node_state_lists_every_waiting_prompt_and_marks_started_prefills():
     b = VllmBackend("prefill", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
     b.add_prefill(req("p1", prompt=2000, ids=[3] * 2000))
-    started = b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976), WaitingRequest("x", 30, 30)]))
-    assert started == [("p1", 1024, 0)]
+    rec = StepRecord(step=6, started_unix_ms=1.0, wall_ms=30.0, prefill_tokens=1024, decode_count=0, kv_tokens=0,
+                     cached_tokens=0, chunks=[])
+    # progress seen on a message without a step record is kept for the next step record
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976), WaitingRequest("x", 30, 30)])) == []
     assert b.state().queue_prompt_tokens == [976, 30]
-    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 0)])) == []  # reported once
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976)], step_record=rec)) == [("p1", 1024, 0)]
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 0)], step_record=rec)) == []  # reported once
     b.abort("p1")
     await asyncio_drain()
 
