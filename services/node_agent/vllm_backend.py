@@ -361,6 +361,9 @@ class VllmBackend(EngineBackend):
             if r.phase not in ("prefilling", "deflected_prefill") and not (r.phase == "held" and not r.started):
                 continue
             w = waiting.get(rid)
+            if r.phase == "held" and w is None:  # done before any message showed it: no start to report
+                r.started = True
+                continue
             if w is not None and r.phase != "held":
                 r.remaining = w.remaining_prefill_tokens
             if r.kind == "prefill" and not r.started and (w is None or w.remaining_prefill_tokens < w.prompt_tokens):
