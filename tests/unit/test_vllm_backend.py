@@ -189,6 +189,7 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
         assert flag["--served-model-name"] == "tiny"
         cfg = from_env(AgentConfig, env=agent.env)
         assert cfg.backend == "vllm" and cfg.engine_url == eng.endpoint == f"http://127.0.0.1:{flag['--port']}"
+        assert cfg.kv_handoff_timeout_s == 10.0
         assert cfg.engine_state_addr == eng.env["KAIROS_ENGINE_STATE_ADDR"]
         assert eng.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
         nixl.add(eng.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])

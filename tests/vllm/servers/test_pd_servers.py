@@ -15,6 +15,7 @@ import urllib.request
 import nats
 import pytest
 
+from kairos.up import VLLM_DEFAULTS
 from kairos_vllm.subscriber import EngineStateSubscriber
 from services.node_agent.agent import NodeAgent
 from services.node_agent.config import AgentConfig
@@ -64,7 +65,8 @@ async def cluster(engines, nats_url):
     streams = {srv.node: Stream(srv.state_addr) for srv in (engines.prefill, engines.decode)}
     for srv in (engines.prefill, engines.decode):
         cfg = AgentConfig(node_id=srv.node, role=srv.role, profile=PROFILE, nats_url=nats_url, backend="vllm",
-                          engine_url=srv.url, engine_state_addr=srv.state_addr, log_level="warning")
+                          engine_url=srv.url, engine_state_addr=srv.state_addr, log_level="warning",
+                          kv_handoff_timeout_s=VLLM_DEFAULTS["kv_handoff_timeout_s"])
         agents[srv.node] = NodeAgent(cfg, model)
         await agents[srv.node].start()
     nc = await nats.connect(nats_url)
