@@ -1,18 +1,27 @@
-"""Small NATS helpers: connect, declare the streams/consumers/KV buckets, typed request-reply.
+"""Small NATS helpers: connect, declare the streams/consumers/KV buckets, typed request-reply,
+and survive a NATS restart (:class:`BusWatch`).
 
 Every declaration is idempotent (same config → the existing object), so each service declares
 what it uses at start and services can start in any order. Names come from :mod:`shared.subjects`.
+
+NATS restarts (docs/bus.md "Surviving a NATS restart"): every stream and bucket is file-backed, so a
+server restarted on the same store keeps them (queued requests, claims, reservations, the last view);
+and every service re-declares what it uses and restarts its KV watchers after each reconnect
+(:class:`BusWatch`), so a server that comes back with an empty store is repopulated too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import msgspec
 import nats
+import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType,
@@ -161,12 +170,34 @@ class RequestQueueSettings:
     max_age_s: float = 600.0
 
 
-async def ensure_request_stream(js: JetStreamContext, q: RequestQueueSettings = RequestQueueSettings()) -> None:
-    """Declare the work-queue stream KAIROS_REQ and the shared durable consumer."""
-    await js.add_stream(StreamConfig(
+#: nats-server's generic "error creating store for stream" (JSStreamCreateErrF): seen when a file
+#: stream is created while the store directory of a just-deleted stream of that name is still being
+#: removed, or by two services declaring it at the same instant
+_STORE_CREATE_ERR = 10049
+
+
+async def _creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait_s: float = 0.1) -> T:
+    """``declare()``, retried (``attempts`` × ``wait_s``) on the transient store-creation error."""
+    for i in range(attempts):
+        try:
+            return await declare()
+        except nats.js.errors.ServerError as exc:
+            if getattr(exc, "err_code", None) != _STORE_CREATE_ERR or i == attempts - 1:
+                raise
+            await asyncio.sleep(wait_s)
+    raise AssertionError("unreachable")
+
+
+async def ensure_request_stream(js: JetStreamContext, q: RequestQueueSettings = RequestQueueSettings(),
+                                consumer: bool = True) -> None:
+    """Declare the work-queue stream KAIROS_REQ and (``consumer``) the shared durable consumer.
+    The ingress declares the stream only (it publishes; requests wait there for a dispatcher)."""
+    await _creating(lambda: js.add_stream(StreamConfig(
         name=S.REQUEST_STREAM, subjects=[S.REQUEST_SUBJECT], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=q.max_age_s, duplicate_window=120.0,
-        description="Kairos client requests: ingress -> dispatchers (work queue)"))
+        description="Kairos client requests: ingress -> dispatchers (work queue)")))
+    if not consumer:
+        return
     await js.add_consumer(S.REQUEST_STREAM, ConsumerConfig(
         durable_name=S.DISPATCHER_CONSUMER, name=S.DISPATCHER_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
         ack_wait=q.ack_wait_s, max_deliver=q.max_deliver, filter_subject=S.REQUEST_SUBJECT,
@@ -186,17 +217,99 @@ class Buckets:
 
 
 async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) -> Buckets:
-    """Declare (or open) the three KV buckets."""
-    view = await js.create_key_value(KeyValueConfig(
-        bucket=S.VIEW_BUCKET, history=1, storage=StorageType.MEMORY,
-        description="cluster view written by the state aggregator"))
-    resv = await js.create_key_value(KeyValueConfig(
-        bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.MEMORY, limit_marker_ttl=1.0,
-        description="one deflection slot per decode node (atomic create, per-message TTL)"))
-    reqs = await js.create_key_value(KeyValueConfig(
+    """Declare (or open) the three KV buckets, all file-backed so a restarted nats-server keeps
+    them (the view and reservations used to be memory-backed and vanished on a restart)."""
+    view = await _creating(lambda: js.create_key_value(KeyValueConfig(
+        bucket=S.VIEW_BUCKET, history=1, storage=StorageType.FILE,
+        description="cluster view written by the state aggregator")))
+    resv = await _creating(lambda: js.create_key_value(KeyValueConfig(
+        bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.FILE, limit_marker_ttl=1.0,
+        description="one deflection slot per decode node (atomic create, per-message TTL)")))
+    reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s,
-        description="per-request decision records and measured TTFT components"))
+        description="per-request decision records, measured TTFT components and execution claims")))
     return Buckets(view=view, reservations=resv, requests=reqs)
+
+
+class BusWatch:
+    """Follows one connection's ups and downs and re-establishes what a NATS restart loses.
+
+    nats-py re-subscribes core subscriptions by itself after a reconnect, but a restarted server
+    may have lost streams/buckets (empty store) and JetStream watchers (ordered push consumers) may
+    be left on a consumer that no longer exists. After every reconnect ``on_reconnect()`` (the
+    service's re-declare + restart-watchers coroutine) is retried every ``retry_s`` until it
+    succeeds; ``on_disconnect()`` runs when the connection drops. The connection is polled every
+    ``poll_s`` (no private nats-py callbacks; the stats counter ``reconnects`` tells a reconnect).
+
+    Attributes:
+        disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected.
+        reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
+        reconnects: reconnects handled so far.
+    """
+
+    def __init__(self, nc: Client, on_reconnect: Callable[[], Awaitable[None]],
+                 on_disconnect: Callable[[], Awaitable[None]] | None = None, log=None,
+                 poll_s: float = 0.1, retry_s: float = 0.25) -> None:
+        self.nc, self.on_reconnect, self.on_disconnect, self.log = nc, on_reconnect, on_disconnect, log
+        self.poll_s, self.retry_s = poll_s, retry_s
+        self.disconnected_since: float | None = None
+        self.reconnected_at: float | None = None
+        self.reconnects = 0
+        self._seen = nc.stats.get("reconnects", 0)
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> "BusWatch":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while not self.nc.is_closed:
+            await asyncio.sleep(self.poll_s)
+            if not self.nc.is_connected:
+                if self.disconnected_since is None:
+                    self.disconnected_since = time.monotonic()
+                    if self.on_disconnect is not None:
+                        await self._safe(self.on_disconnect, "bus_disconnect_hook_failed")
+                continue
+            n = self.nc.stats.get("reconnects", 0)
+            if n == self._seen and self.disconnected_since is None:
+                continue
+            self._seen = n
+            self.reconnected_at = time.monotonic()
+            while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)
+                if await self._safe(self.on_reconnect, "bus_resume_failed"):
+                    break
+                await asyncio.sleep(self.retry_s)
+            else:
+                continue  # dropped again meanwhile: the next round starts over
+            outage = None if self.disconnected_since is None else time.monotonic() - self.disconnected_since
+            self.disconnected_since = None
+            self.reconnects += 1
+            if self.log is not None:
+                self.log.info("bus_resumed", outage_s=None if outage is None else round(outage, 3))
+
+    def settling(self, window_s: float) -> bool:
+        """True while disconnected or within ``window_s`` of the last reconnect: other clients
+        (node agents) may not have re-subscribed yet, so "no responders" proves nothing."""
+        if self.disconnected_since is not None or not self.nc.is_connected:
+            return True
+        return self.reconnected_at is not None and time.monotonic() - self.reconnected_at < window_s
+
+    async def _safe(self, fn: Callable[[], Awaitable[None]], what: str) -> bool:
+        try:
+            await fn()
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self.log is not None:
+                self.log.warning(what, error=repr(exc))
+            return False
 
 
 async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[T], timeout: float,

@@ -139,8 +139,11 @@ def role_permissions(user: str) -> Permissions:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
         pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress"))]
-        pub += _kv_buckets_declared() + _read(kv_stream(view)) + _read(kv_stream(rec)) + _consumer_info()
-        sub += [_any(S.out_subject), S.ROUTED_SUBJECT]
+        # the request stream too (requests wait there for a dispatcher), and execution claims are read
+        pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + _read(kv_stream(rec))
+        pub += _consumer_info()
+        # heartbeats: the ingress judges node liveness itself (shared/heartbeat.py), aggregator or not
+        sub += [_any(S.out_subject), S.ROUTED_SUBJECT, S.STATE_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
         q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
@@ -169,8 +172,9 @@ def role_permissions(user: str) -> Permissions:
             raise RoleError(str(exc)) from None
         pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject),
                _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
-               _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode"))]
-        pub += _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
+               _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode")),
+               _kv(rec, _any(S.claim_key))]  # execution claims: create, read (below), compare-and-delete
+        pub += _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models)) + _read(kv_stream(rec))
         sub += [S.jobs_subject(node), S.kv_subject(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")

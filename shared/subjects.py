@@ -16,6 +16,7 @@ Hierarchy::
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
+    $KV.kairos_requests.<rid>.claim  the one node executing bus request <rid> (atomic create)
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def record_key(request_id: str, part: str) -> str:
     if part not in RECORD_PARTS:
         raise SubjectError(f"unknown record part {part!r}; known: {RECORD_PARTS}")
     return f"{check_token(request_id, 'request id')}.{part}"
+
+
+def claim_key(request_id: str) -> str:
+    """KV key (bucket :data:`REQUESTS_BUCKET`) of the execution claim of bus request ``request_id``
+    (a :class:`~shared.wire.Claim`, created atomically by the node that runs it)."""
+    return f"{check_token(request_id, 'request id')}.claim"
 
 
 # -- added for the permission table (shared/permissions.py); contract D, owned by the profiler ----

@@ -14,12 +14,16 @@ Rules:
   node. Each accepted job's routing event is folded into that node's view (prompt appended to a
   prefill queue; deflection marked in flight on a decode node) until a heartbeat *sent after the
   node accepted the job* (same node clock) arrives, which already contains it.
+* **Heartbeat validation** (:class:`shared.heartbeat.HeartbeatGuard`): per-node epoch + seq;
+  replays, implausible seq jumps and far-future timestamps are refused (and counted by the
+  aggregator), an agent restart (newer epoch) is accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.heartbeat import HeartbeatGuard
 from shared.wire import ClusterView, InFlight, NodeState, NodeView, RoutedEvent
 
 
@@ -49,19 +53,28 @@ class ViewBuilder:
     _nodes: dict[str, _NodeEntry] = field(default_factory=dict)
     _orphans: dict[str, list[tuple[float, RoutedEvent]]] = field(default_factory=dict)
     _seq: int = 0
+    guard: HeartbeatGuard | None = None  #: default: a guard with ``stale_after_ms``
 
     def __post_init__(self) -> None:
         if self.stale_after_ms is None:
             self.stale_after_ms = 3.0 * self.period_ms
+        if self.guard is None:
+            self.guard = HeartbeatGuard(stale_after_ms=float(self.stale_after_ms))
 
-    def on_state(self, st: NodeState, now_ms: float) -> None:
-        """A heartbeat arrived (``now_ms``: aggregator clock)."""
+    def on_state(self, st: NodeState, now_ms: float, now_unix_ms: float | None = None) -> str | None:
+        """A heartbeat arrived (``now_ms``: aggregator monotonic clock; ``now_unix_ms``: its wall
+        clock, default ``st.sent_unix_ms`` — no future check). Returns None if it was used, else why
+        it was refused (:data:`shared.heartbeat.REJECT_REASONS`)."""
+        assert self.guard is not None
+        why = self.guard.check(st.node, st.epoch_unix_ms, st.seq, st.sent_unix_ms, st.period_ms,
+                               st.sent_unix_ms if now_unix_ms is None else now_unix_ms, now_ms)
+        if why is not None:
+            return why
         entry = self._nodes.get(st.node)
-        if entry is not None and st.seq < entry.state.seq and st.sent_unix_ms <= entry.state.sent_unix_ms:
-            return  # late duplicate of an older heartbeat (a restarted agent resets seq but not its clock)
         pending = entry.pending if entry else [ev for _, ev in self._orphans.pop(st.node, [])]
         pending = [ev for ev in pending if ev.node_accepted_unix_ms > st.sent_unix_ms]
         self._nodes[st.node] = _NodeEntry(state=st, received_ms=now_ms, pending=pending)
+        return None
 
     def on_routed(self, ev: RoutedEvent, now_ms: float) -> None:
         """A dispatcher routed a job that ``ev.node`` accepted."""
@@ -81,6 +94,8 @@ class ViewBuilder:
             age = now_ms - e.received_ms
             if age > self.forget_after_ms:
                 del self._nodes[nid]
+                assert self.guard is not None
+                self.guard.forget(nid)
                 continue
             e.pending = [p for p in e.pending
                          if p.node_accepted_unix_ms >= e.state.sent_unix_ms - self.pending_max_age_ms

@@ -114,14 +114,33 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
 
 
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of ``<bus request id>.claim`` in the ``kairos_requests`` bucket: the one node that
+    executes this attempt. Created atomically (KV ``create``) by the node agent before its engine
+    gets the request; a second node finds it and refuses (``claimed``), so a redelivered request
+    never runs twice, whichever dispatcher and node it reaches (docs/bus.md)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str  #: bus request id (``<id>`` or ``<id>-r<n>`` after a re-submission)
+    node: str  #: the node executing it
+    kind: JobKind
+    decode_node: str = ""  #: the job's first decode candidate (keep) or the node itself (deflect)
+    dispatcher_id: str = ""
+    attempt: NonNeg = 0  #: the job's attempt (re-route count) that won the claim
+    claimed_unix_ms: float  #: node clock
+
+
 class JobAck(msgspec.Struct, frozen=True, kw_only=True):
     """Reply of a node agent to a :class:`Job`."""
 
     v: int = SCHEMA_VERSION
     accepted: bool
     node: str
-    reason: str = ""  #: why not (``wrong_role``, ``draining``, ``too_long``, ``no_capacity``...) or ``duplicate``
+    #: why not (``wrong_role``, ``draining``, ``too_long``, ``claimed``, ``claim_failed``, …) or ``duplicate``
+    reason: str = ""
     accepted_unix_ms: float = 0.0  #: node clock when the engine got the job (aggregator dedup key)
+    #: ``reason == "claimed"``: the claim of the node that already executes the request
+    claim: Claim | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,8 +199,10 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     v: int = SCHEMA_VERSION
     node: str
     role: NodeRole
-    seq: NonNeg  #: increments per heartbeat (restart resets it)
+    seq: NonNeg  #: increments per heartbeat within one incarnation (restart resets it)
     sent_unix_ms: float
+    #: the agent's incarnation: its start time (wall clock ms); a restart is a newer epoch (shared/heartbeat.py)
+    epoch_unix_ms: float = 0.0
     period_ms: float  #: heartbeat period the agent uses
     batch_size: NonNeg = 0  #: B_n, running decodes
     kv_tokens: NonNeg = 0  #: K_n, cached KV tokens of those decodes

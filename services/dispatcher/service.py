@@ -26,21 +26,25 @@ import nats.js.errors
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.dispatcher import faults
 from services.dispatcher.config import DispatcherConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (RequestQueueSettings, ensure_buckets, ensure_request_stream, publish,
+from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_request_stream, publish,
                         request_subscription, request_typed)
 from shared.latency import LatencyModel, load_profile
 from shared.policy import Decision, parse_policy
 from shared.routing import build_snapshot, fold_recent, keep_instead, live_reservations, make_job, reservation_ttl_s
-from shared.wire import (Cancel, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, Reservation,
-                         RoutedEvent, WireError, decode, encode, now_ms)
+from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck,
+                         Reservation, RoutedEvent, WireError, decode, encode, now_ms)
 
 #: routed events kept for folding into the view (the aggregator folds them within one Δh)
 RECENT_ROUTED_S = 5.0
+#: after a reconnect, "no responders"/timeouts for this long do not exclude a node (agents reconnect
+#: at their own pace, up to reconnect_time_wait + jitter later)
+RECONNECT_SETTLE_S = 3.0
 #: cancelled request ids remembered (a request can wait in the queue while all dispatchers are down)
 MAX_CANCELLED = 100_000
 
@@ -73,6 +77,9 @@ class _Metrics:
         self.redeliveries = Counter("kairos_dispatcher_redeliveries_total",
                                     "JetStream redeliveries received (a request whose earlier delivery was not "
                                     "acknowledged in time)", registry=reg)
+        self.adopted = Counter("kairos_dispatcher_claimed_elsewhere_total",
+                               "Requests found already claimed by a node (an earlier delivery's job was accepted): "
+                               "recorded as routed there, not executed again", registry=reg)
         self.expired = Counter("kairos_dispatcher_expired_total",
                                "Requests dequeued after their deadline (the ingress had answered 504)", registry=reg)
         self.inflight = Gauge("kairos_dispatcher_requests_in_flight", "Requests being routed by this replica",
@@ -101,7 +108,9 @@ class Dispatcher:
         self._tasks: set[asyncio.Task] = set()
         self._main: list[asyncio.Task] = []
         self._watchers: list = []
+        self._watch_tasks: list[asyncio.Task] = []
         self._runner = None
+        self._bus: BusWatch | None = None
         self.nc = None
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -109,27 +118,48 @@ class Dispatcher:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"dispatcher:{cfg.replica_id}")
         js = self.nc.jetstream()
-        await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=cfg.ack_wait_s, max_deliver=cfg.max_deliver))
-        self.buckets = await ensure_buckets(js)
-        view_w = await self.buckets.view.watch(S.VIEW_KEY)
-        resv_w = await self.buckets.reservations.watchall()
-        self._watchers = [view_w, resv_w]
+        await self._declare()
         # routed jobs of every replica (folded into the view until the aggregator has them) and
         # cancels (requests the ingress already answered must not be routed when dequeued later)
         self._subs = [await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed),
                       await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
         self.sub = await request_subscription(js)
-        self._main = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w)),
-                      asyncio.create_task(self._pull())]
+        self._main = [asyncio.create_task(self._pull())]
+        self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         self.log.info("dispatcher_started", policy=self.policy.spec, model=self.model.artifact_version,
                       metrics_port=self.metrics_port)
+
+    async def _declare(self) -> None:
+        """Declare the request stream, its consumer and the buckets, and (re)start the KV watchers:
+        at start and after every reconnect (a restarted NATS may have lost them; old watchers may
+        sit on consumers that no longer exist)."""
+        js = self.nc.jetstream()
+        await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=self.cfg.ack_wait_s,
+                                                             max_deliver=self.cfg.max_deliver))
+        self.buckets = await ensure_buckets(js)
+        view_w = await self.buckets.view.watch(S.VIEW_KEY)
+        resv_w = await self.buckets.reservations.watchall()
+        old, self._watchers = self._watchers, [view_w, resv_w]
+        if old:
+            self.reservations.clear()  # the new watcher replays every live key
+        old_tasks, self._watch_tasks = self._watch_tasks, [
+            asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
+        for t in old_tasks:
+            t.cancel()
+        for w in old:
+            try:
+                await w.stop()
+            except Exception:
+                pass
 
     async def close(self, drain: bool = True) -> None:
         """Stop pulling; ``drain`` waits for in-flight requests (else they are redelivered elsewhere)."""
         self._stop.set()
-        for t in self._main:
+        if self._bus is not None:
+            await self._bus.stop()
+        for t in [*self._main, *self._watch_tasks]:
             t.cancel()
-        await asyncio.gather(*self._main, return_exceptions=True)
+        await asyncio.gather(*self._main, *self._watch_tasks, return_exceptions=True)
         if drain and self._tasks:
             await asyncio.wait(self._tasks, timeout=5.0)
         for t in self._tasks:
@@ -264,6 +294,7 @@ class Dispatcher:
                     log.info("request_expired")  # the ingress has already answered (504 / client gone)
                     await msg.ack()
                     return
+                faults.die("before_decide")
                 try:
                     await self._route(req, msg, span, log)
                 except Exception as exc:
@@ -272,6 +303,7 @@ class Dispatcher:
                     # the client sees no exception name; the log line above has it, with the request id
                     await self._error(req, 500, "routing_failed", f"dispatcher {self.cfg.replica_id} could not route "
                                                                   "the request (internal error)", span)
+                faults.die("before_ack")
                 await msg.ack()
             finally:
                 self.m.inflight.dec()
@@ -336,12 +368,18 @@ class Dispatcher:
                         conflicts.append(node)
                         full.add(node)
                         continue
+            faults.die("after_reserve")
             attempts += 1
             job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_key, resv_rev)
             if not decision.deflected:  # count it in the view at once; the node's ack replaces it
                 self._provisional(req, decision.node, decision.decode_node)
             headers = telemetry.inject_headers()
             why = None
+            if faults.armed("after_publish"):  # the job reaches the node; this replica dies before the answer
+                await self.nc.publish(S.jobs_subject(decision.node), encode(job), reply=self.nc.new_inbox(),
+                                      headers=headers)
+                await self.nc.flush()
+                faults.die("after_publish")
             try:
                 ack = await request_typed(self.nc, S.jobs_subject(decision.node), job, JobAck,
                                           self.cfg.job_ack_timeout_s, headers)
@@ -351,6 +389,34 @@ class Dispatcher:
                 why = "no_responders"
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 why = "timeout"
+            if why == "claimed" and ack.claim is not None:  # an earlier delivery's job runs there: not again
+                if resv_key is not None:
+                    await self._release(resv_key, resv_rev)
+                self._forget_routed(rid)
+                await self._adopt(req, ack.claim, span, log)
+                return
+            if why in ("no_responders", "timeout") and self._bus is not None and self._bus.settling(RECONNECT_SETTLE_S) \
+                    and self.nc.is_connected and now_ms() < req.deadline_unix_ms:
+                # NATS just came back: the node's agent may not have re-subscribed yet
+                log.info("job_retry_after_reconnect", node=decision.node, why=why)
+                self._forget_routed(rid)
+                if resv_key is not None:
+                    await self._release(resv_key, resv_rev)
+                await asyncio.sleep(0.2)
+                await msg.in_progress()
+                continue
+            if why is not None and not self.nc.is_connected:
+                # our own bus is down, not the node: wait for it (nothing excluded); the claim makes a
+                # job that did reach the node safe to send again
+                log.info("job_send_disconnected", node=decision.node, why=why)
+                self._forget_routed(rid)
+                if resv_key is not None:
+                    await self._release(resv_key, resv_rev)
+                await self._wait_connected(req.deadline_unix_ms)
+                if not self.nc.is_connected:
+                    raise ConnectionError("NATS unavailable until the request's deadline")
+                await msg.in_progress()
+                continue
             if why is not None:
                 self._forget_routed(rid)
                 self.m.reroutes.labels(why.split(":")[0]).inc()
@@ -370,9 +436,28 @@ class Dispatcher:
                                       span)
                     return
                 continue
+            faults.die("after_accept")
             await self._accepted(req, decision, ack, snap.state_age_ms, attempts, excluded, conflicts, decide_ms,
                                  (time.perf_counter() - t_start) * 1000.0, span)
             return
+
+    async def _wait_connected(self, deadline_unix_ms: float) -> None:
+        """Poll (every 50 ms) until this replica is connected again or the deadline passed."""
+        while not self.nc.is_connected and now_ms() < deadline_unix_ms and not self._stop.is_set():
+            await asyncio.sleep(0.05)
+
+    async def _adopt(self, req: InferenceRequest, claim: Claim, span, log) -> None:
+        """``req`` was already claimed by ``claim.node`` (a previous delivery's job, whose
+        dispatcher died or stalled before acking): publish where it is — the routing event may never
+        have been sent — and let the message be acked. If that node is dead, the ingress's liveness
+        check re-submits the request under a new bus id."""
+        self.m.adopted.inc()
+        span.set_attribute("kairos.outcome", "claimed_elsewhere")
+        span.set_attribute("kairos.accepted_by", claim.node)
+        log.info("request_claimed_elsewhere", node=claim.node, claim_dispatcher=claim.dispatcher_id)
+        await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
+            request_id=req.request_id, kind=claim.kind, node=claim.node, decode_node=claim.decode_node,
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms))
 
     async def _accepted(self, req: InferenceRequest, d: Decision, ack: JobAck, state_age_ms: float | None,
                         attempts: int, excluded: dict, conflicts: list, decide_ms: float, routing_ms: float,

@@ -33,6 +33,14 @@ class IngressConfig(ServiceConfig):
     #: how often in-flight requests are checked for a client that closed its connection
     disconnect_poll_s: float = 0.2
     max_body_bytes: int = 64 * 1024 * 1024  #: larger request bodies get 413
+    #: a node silent (no heartbeat, no token) this long is dead: its in-flight requests are moved or ended
+    liveness_timeout_s: float = 3.0
+    #: after a NATS reconnect, a routed request with no event for this long lost its stream: moved or ended
+    outage_grace_s: float = 3.0
+    #: NATS unreachable this long: every in-flight request ends with 503 bus_unavailable
+    bus_outage_timeout_s: float = 10.0
+    #: heartbeats stamped further ahead of this clock are refused (tolerated clock skew), ms
+    heartbeat_max_future_ms: float = 5000.0
     #: accepted API keys (``Authorization: Bearer <key>``), comma-separated in KAIROS_API_KEYS;
     #: with api_key_file, the union. None of either: the API is open (a warning is logged)
     api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
@@ -57,6 +65,10 @@ class IngressConfig(ServiceConfig):
         require(self.dispatcher_active_window_s > 0, "dispatcher_active_window_s", "must be > 0")
         require(self.disconnect_poll_s > 0, "disconnect_poll_s", "must be > 0")
         require(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+        require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
+        require(self.outage_grace_s > 0, "outage_grace_s", "must be > 0")
+        require(self.bus_outage_timeout_s > 0, "bus_outage_timeout_s", "must be > 0")
+        require(self.heartbeat_max_future_ms > 0, "heartbeat_max_future_ms", "must be > 0")
         require(all(k.strip() == k and k for k in self.api_keys), "api_keys",
                 "keys must be non-empty and without surrounding spaces")
         require(self.header_timeout_s > 0, "header_timeout_s", "must be > 0")

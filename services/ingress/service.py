@@ -9,16 +9,25 @@ OpenAI-shaped error, promptly:
 
 * dispatcher/agent errors are relayed;
 * **node lost**: the ingress follows where each request is (routing events on
-  ``kairos.route.decided``, the node of its tokens, the prefill record's handoff node) and watches
-  the cluster view; when that node goes stale or leaves the view, a request that has sent nothing
-  to the client yet is re-submitted to the dispatchers under a new bus id ``<id>-r<n>`` (at most
-  ``max_resubmits`` times; the old id is cancelled), otherwise it ends with 503 ``node_lost``
-  (SSE error event mid-stream) and a cancel to the nodes;
+  ``kairos.route.decided``, the node of its tokens, the prefill record's handoff node) and hears
+  every node's heartbeats itself (``kairos.state.*``, validated like the aggregator does); when that
+  node has been silent — no heartbeat and no token — for ``liveness_timeout_s`` (positive evidence
+  of death; routing staleness is not enough, and the aggregator is not needed), a request that has
+  sent nothing to the client yet is re-submitted to the dispatchers under a new bus id ``<id>-r<n>``
+  (at most ``max_resubmits`` times; the old id is cancelled), otherwise it ends with 503
+  ``node_lost`` (SSE error event mid-stream) and a cancel to the nodes;
+* **bus outage**: tokens carry their index, so lost ones are noticed (``stream_interrupted``: moved
+  or ended like a lost node); a routed request silent for ``outage_grace_s`` after NATS comes back
+  is too; NATS unreachable for ``bus_outage_timeout_s`` ends every in-flight request with 503
+  ``bus_unavailable``;
 * a client that closes its connection (streaming or not) is noticed within ``disconnect_poll_s``:
   cancel to the nodes, recorded as 499 ``client_disconnected`` with the tokens delivered;
 * silence past ``idle_timeout_s`` or ``request_timeout_s`` becomes 504 (and a cancel).
 
-Every HTTP error (including aiohttp's own 404/405/413) is an OpenAI-shaped JSON body (middleware).
+The rules of a request's life (which attempt is followed, what moves it, when it may be re-submitted
+or must end) are the state machine :class:`shared.lifecycle.RequestLifecycle`; this module does the
+I/O it asks for. Every HTTP error (including aiohttp's own 404/405/413) is an OpenAI-shaped JSON
+body (middleware).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import datetime
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.errors
@@ -45,13 +54,16 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import connect_service, ensure_buckets, publish
+from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, publish
 from shared.emulated_text import EMULATED_VOCAB_SIZE
+from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
+from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
 from shared.records import request_record
 from shared.routing import routable
-from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest, IngressTiming,
-                         OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode, encode, now_ms)
+from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest,
+                         IngressTiming, NodeState, OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode,
+                         encode, now_ms)
 
 
 #: set on a request once its SSE headers are sent (no error response can replace them any more)
@@ -116,8 +128,23 @@ class _Metrics:
         self.disconnects = Counter("kairos_ingress_client_disconnects_total",
                                    "Requests whose client closed the connection before the end (499)",
                                    ("endpoint", "stream"), registry=reg)
+        self.interrupted = Counter("kairos_ingress_stream_interrupted_total",
+                                   "In-flight requests whose token stream lost events (a bus outage), by outcome",
+                                   ("outcome",), registry=reg)
+        self.dropped = Counter("kairos_ingress_dropped_events_total",
+                               "Out events not relayed, by reason (old_attempt, foreign_node: tokens of another "
+                               "execution; duplicate)", ("reason",), registry=reg)
+        self.hb_rejected = Counter("kairos_ingress_heartbeats_rejected_total",
+                                   "Heartbeats refused by the liveness tracker, by reason", ("reason",), registry=reg)
+        self.bus_down = Counter("kairos_ingress_bus_unavailable_total",
+                                "Requests ended because NATS stayed unreachable", registry=reg)
         for outcome in ("resubmitted", "failed"):
             self.node_lost.labels(outcome)
+            self.interrupted.labels(outcome)
+        for r in ("old_attempt", "foreign_node", "duplicate"):
+            self.dropped.labels(r)
+        for r in REJECT_REASONS:
+            self.hb_rejected.labels(r)
         self.auth_failures = Counter("kairos_ingress_auth_failures_total",
                                      "Requests refused with 401 (API key missing or invalid)", ("reason",),
                                      registry=reg)
@@ -128,10 +155,25 @@ class _Metrics:
 
 @dataclass
 class _NodeLost:
-    """Queue item: a node the request depends on went stale or left the view."""
+    """Queue item: a node the request depends on is dead (liveness timeout)."""
 
     node: str
     attempt_id: str
+
+
+@dataclass
+class _Interrupted:
+    """Queue item: the attempt's stream lost events (silent after a bus outage)."""
+
+    attempt_id: str
+    detail: str
+
+
+@dataclass
+class _BusDown:
+    """Queue item: NATS has been unreachable for ``outage_s``."""
+
+    outage_s: float
 
 
 class _ClientGone:
@@ -144,23 +186,23 @@ class _Shutdown:
 
 @dataclass
 class _Flight:
-    """Where one in-flight request is, as far as the ingress knows (keyed by its current bus id)."""
+    """One in-flight request: its lifecycle (:mod:`shared.lifecycle`, where it is and what it may
+    do) plus the I/O bits (keyed in ``Ingress._flights`` by its current bus id)."""
 
-    rid: str  #: the id the client sees
-    attempt_id: str  #: the id on the bus for the current attempt (rid, then rid-r1, rid-r2)
+    lc: RequestLifecycle
     queue: asyncio.Queue
     request: web.Request
-    kind: str | None = None  #: "prefill" (keep) or "deflect", from the routing event
-    node: str | None = None  #: node that accepted the job
-    handoff_node: str | None = None  #: keep path: decode node that took the KV (prefill record)
-    token_node: str | None = None  #: node the tokens come from
-    lost: bool = False  #: a _NodeLost was queued for this attempt
+    lost: bool = False  #: a _NodeLost/_Interrupted was queued for the current attempt
     client_gone: bool = False
-    checking: bool = False  #: a prefill-record lookup is running
+    bus_down: bool = False  #: a _BusDown was queued
+    checking: bool = False  #: a prefill-record / claim lookup is running
+    quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
+    #: node -> its incarnation when this request first depended on it (a newer one = restarted, lost)
+    dep_epochs: dict[str, float] = field(default_factory=dict)
 
-    def reset(self, attempt_id: str) -> None:
-        self.attempt_id, self.kind, self.node, self.handoff_node, self.token_node = attempt_id, None, None, None, None
-        self.lost = False
+    @property
+    def attempt_id(self) -> str:
+        return self.lc.attempt_id
 
 
 def predicted_ttft_ms(rec: DecisionRecord) -> float | None:
@@ -190,9 +232,11 @@ class Ingress:
         self.view: ClusterView | None = None
         self._view_rx: float | None = None  # time.monotonic() when the last view arrived
         self._view_task: asyncio.Task | None = None
-        self._seen_nodes: set[str] = set()
         self._roles: dict[str, str] = {}
-        self.dead_nodes: set[str] = set()  #: nodes stale in, or gone from, the current view
+        self.guard = HeartbeatGuard(max_future_ms=cfg.heartbeat_max_future_ms)
+        self.liveness = Liveness(timeout_ms=cfg.liveness_timeout_s * 1000.0)
+        self.dead_nodes: set[str] = set()  #: nodes silent past the liveness timeout
+        self._bus: BusWatch | None = None
         self._flights: dict[str, _Flight] = {}
         self._subs: list = []
         self._poll_task: asyncio.Task | None = None
@@ -218,10 +262,11 @@ class Ingress:
     async def start(self) -> None:
         self.nc = await connect_service(self.cfg, f"ingress:{self.cfg.replica_id}", self.log)
         self.js = self.nc.jetstream()
-        self.buckets = await ensure_buckets(self.js)
-        self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
-        self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
+        self._view_watcher = None
+        await self._declare()
+        self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log).start()
         self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
+        self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
         self._poll_task = asyncio.create_task(self._watch_clients())
         if not self.api_keys:
             self.log.warning("api_open", message="no API key configured (KAIROS_API_KEYS / KAIROS_API_KEY_FILE / "
@@ -237,12 +282,43 @@ class Ingress:
                       tokenizer=self.cfg.tokenizer_path or "estimate(ceil(bytes/4))", vocab_size=self.vocab_size,
                       chat_template="model" if self.chat_template else "fixed")
 
+    async def _declare(self) -> None:
+        """Declare the request stream (requests wait there for a dispatcher) and the buckets, and
+        (re)start the view watcher: at start and after every reconnect."""
+        await ensure_request_stream(self.js, consumer=False)
+        self.buckets = await ensure_buckets(self.js)
+        old_w, old_t = self._view_watcher, self._view_task
+        self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
+        self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
+        if old_t is not None:
+            old_t.cancel()
+        if old_w is not None:
+            try:
+                await old_w.stop()
+            except Exception:
+                pass
+
+    async def _on_bus_lost(self) -> None:
+        self.liveness.pause()  # we hear nobody now; that is not the nodes' fault
+        self.log.warning("bus_lost", in_flight=len(self._flights))
+
+    async def _resume(self) -> None:
+        """NATS is back: re-declare, restart every node's liveness clock, and give each in-flight
+        request ``outage_grace_s`` to show its stream is still alive."""
+        await self._declare()
+        self.liveness.resume(time.monotonic() * 1000.0)
+        grace = time.monotonic() + self.cfg.outage_grace_s
+        for f in self._flights.values():
+            f.quiet_deadline = grace
+
     async def close(self) -> None:
         """Stop: every request still in flight ends now with an explicit 503 ``ingress_shutdown``
         (normally none: ``kairos up`` stops dispatchers and agents first, whose errors are relayed),
         then the HTTP server waits for those handlers to send their answers."""
         for f in list(self._flights.values()):
             f.queue.put_nowait(_Shutdown())
+        if self._bus is not None:
+            await self._bus.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._view_task is not None:
@@ -405,18 +481,23 @@ class Ingress:
 
     # -- where requests are, and nodes that die under them --------------------------------------
     def _on_view(self, view: ClusterView) -> None:
-        present = {n.node for n in view.nodes}
-        self._seen_nodes |= present
+        """The view is for routing and /health only: a stale node or one missing from the view
+        (e.g. a restarted aggregator's first views) is *not* dead for in-flight requests."""
         self._roles.update((n.node, n.role) for n in view.nodes)
-        dead = {n.node for n in view.nodes if n.stale} | (self._seen_nodes - present)
-        newly = dead - self.dead_nodes
-        if newly:
-            self.log.warning("nodes_lost", nodes=sorted(newly), in_flight=len(self._flights))
-        self.dead_nodes = dead
-        if dead:
-            decode_died = any(self._roles.get(n) == "decode" for n in newly)
-            for f in list(self._flights.values()):
-                self._check_flight(f, decode_died)
+
+    async def _on_state(self, msg) -> None:
+        """A heartbeat: validated (epoch/seq/future, like the aggregator), then it is a sign of life."""
+        try:
+            st = decode(msg.data, NodeState)
+        except WireError:
+            return
+        mono = time.monotonic() * 1000.0
+        why = self.guard.check(st.node, st.epoch_unix_ms, st.seq, st.sent_unix_ms, st.period_ms, now_ms(), mono)
+        if why is not None:
+            self.m.hb_rejected.labels(why).inc()
+            return
+        self._roles[st.node] = st.role
+        self.liveness.heard(st.node, mono, st.epoch_unix_ms)
 
     async def _on_routed(self, msg) -> None:
         try:
@@ -426,33 +507,42 @@ class Ingress:
         f = self._flights.get(ev.request_id)
         if f is None:
             return
-        f.kind, f.node = ev.kind, ev.node
-        if self.dead_nodes:
-            self._check_flight(f, True)
+        f.lc.on_routed(ev.request_id, ev.kind, ev.node)
+        self.liveness.watch(ev.node, time.monotonic() * 1000.0)
 
-    def _check_flight(self, f: _Flight, decode_may_have_died: bool) -> None:
-        """Queue a _NodeLost for ``f`` if a node it depends on is dead. Keep path before the first
-        token: the prefill node, or — after the handoff — the decode node that took the KV (read
-        from the prefill record; the decision's decode node alone does not count, the prefill
-        agent tries the other candidates)."""
-        if f.lost or f.client_gone:
-            return
-        dead = self.dead_nodes
-        if f.token_node is not None:
-            if f.token_node in dead:
-                self._lost(f, f.token_node)
-            return
-        if f.kind == "deflect":
-            if f.node in dead:
-                self._lost(f, f.node)
-            return
-        if f.kind == "prefill":
-            if f.handoff_node is not None:
-                if f.handoff_node in dead:
-                    self._lost(f, f.handoff_node)
-            elif (f.node in dead or decode_may_have_died) and not f.checking:
-                f.checking = True
-                self._bg(self._check_handoff(f, f.attempt_id))
+    def _check_liveness(self) -> None:
+        """Every ``disconnect_poll_s``: queue a _NodeLost for each request whose node is dead.
+        Keep path before the first token: the prefill node's death, or any decode node's, is first
+        checked against the prefill record (was the KV handed off, and to whom?) — the decision's
+        decode node alone does not count, the prefill agent tries the other candidates."""
+        mono = time.monotonic() * 1000.0
+        dead = self.liveness.dead_nodes(mono)
+        newly = dead - self.dead_nodes
+        if newly:
+            self.log.warning("nodes_lost", nodes=sorted(newly), in_flight=len(self._flights),
+                             liveness_timeout_s=self.cfg.liveness_timeout_s)
+        self.dead_nodes = dead
+        decode_died = any(self._roles.get(n) == "decode" for n in newly)
+        for f in list(self._flights.values()):
+            lc = f.lc
+            if f.lost or f.client_gone or lc.ended:
+                continue
+            if lc.phase is Phase.ROUTED and lc.kind == "prefill" and lc.handoff_node is None:
+                if (lc.node in dead or decode_died or self._restarted(f, lc.node)) and not f.checking:
+                    f.checking = True
+                    self._bg(self._check_handoff(f, f.attempt_id))
+                continue
+            node = lc.depends_on()
+            if node is not None and (node in dead or self._restarted(f, node)):
+                self._lost(f, node)
+
+    def _restarted(self, f: _Flight, node: str) -> bool:
+        """``node`` has a newer incarnation than when ``f`` started depending on it: the agent
+        restarted (within the liveness timeout) and lost the request."""
+        epoch = self.liveness.epoch(node)
+        if epoch is None:
+            return False
+        return f.dep_epochs.setdefault(node, epoch) != epoch
 
     async def _check_handoff(self, f: _Flight, attempt_id: str) -> None:
         try:
@@ -466,21 +556,54 @@ class Ingress:
                 rec = None
         finally:
             f.checking = False
-        if f.attempt_id != attempt_id or f.lost or f.client_gone or f.token_node is not None:
+        lc = f.lc
+        if lc.attempt_id != attempt_id or f.lost or f.client_gone or lc.phase is not Phase.ROUTED:
             return
         if rec is not None and rec.handoff_node:
-            f.handoff_node = rec.handoff_node
-            if f.handoff_node in self.dead_nodes:
-                self._lost(f, f.handoff_node)
-        elif f.node in self.dead_nodes:
-            self._lost(f, f.node)
+            lc.on_handoff(attempt_id, rec.handoff_node)
+        node = lc.depends_on()
+        if node is not None and (node in self.dead_nodes or self._restarted(f, node)):
+            self._lost(f, node)
 
     def _lost(self, f: _Flight, node: str) -> None:
         f.lost = True
         f.queue.put_nowait(_NodeLost(node=node, attempt_id=f.attempt_id))
 
+    def _check_quiet(self) -> None:
+        """After a reconnect: a request that heard nothing within ``outage_grace_s`` lost its
+        stream if it was routed (known, or its execution claim exists); a request still on the
+        work queue (file-backed, it survived) keeps waiting."""
+        now = time.monotonic()
+        for f in list(self._flights.values()):
+            if f.quiet_deadline is None or now < f.quiet_deadline or f.lost or f.client_gone or f.lc.ended:
+                continue
+            f.quiet_deadline = None
+            if f.lc.phase is not Phase.QUEUED:
+                f.lost = True
+                f.queue.put_nowait(_Interrupted(f.attempt_id, f"no event for {self.cfg.outage_grace_s:g} s after "
+                                                              f"the bus came back"))
+            elif not f.checking:
+                f.checking = True
+                self._bg(self._check_claim(f, f.attempt_id))
+
+    async def _check_claim(self, f: _Flight, attempt_id: str) -> None:
+        try:
+            e = await self.buckets.requests.get(S.claim_key(attempt_id))
+            claim = decode(e.value, Claim) if e.value else None
+        except Exception:
+            claim = None
+        finally:
+            f.checking = False
+        if claim is None or f.attempt_id != attempt_id or f.lost or f.client_gone or f.lc.ended:
+            return
+        f.lc.on_routed(attempt_id, claim.kind, claim.node)
+        f.lost = True
+        f.queue.put_nowait(_Interrupted(attempt_id, f"node {claim.node} took it and nothing arrived for "
+                                                    f"{self.cfg.outage_grace_s:g} s after the bus came back"))
+
     async def _watch_clients(self) -> None:
-        """Notice clients that closed their connection (aiohttp does not cancel the handler)."""
+        """Every ``disconnect_poll_s``: clients that closed their connection (aiohttp does not
+        cancel the handler), dead nodes, streams silent after a reconnect, a bus down too long."""
         while True:
             await asyncio.sleep(self.cfg.disconnect_poll_s)
             for f in list(self._flights.values()):
@@ -488,6 +611,17 @@ class Ingress:
                 if not f.client_gone and (t is None or t.is_closing()):
                     f.client_gone = True
                     f.queue.put_nowait(_ClientGone())
+            try:
+                self._check_liveness()
+                self._check_quiet()
+                since = self._bus.disconnected_since if self._bus is not None else None
+                if since is not None and time.monotonic() - since > self.cfg.bus_outage_timeout_s:
+                    for f in list(self._flights.values()):
+                        if not f.bus_down:
+                            f.bus_down = True
+                            f.queue.put_nowait(_BusDown(time.monotonic() - since))
+            except Exception as exc:  # never let the watcher die
+                self.log.error("flight_check_failed", error=repr(exc))
 
     async def models(self, _req: web.Request) -> web.Response:
         return _json(oa.models_response([self.cfg.served_model], self.max_model_len))
@@ -621,9 +755,12 @@ class Ingress:
 
     async def _run(self, request, parsed: oa.ParsedRequest, rid: str, created: int, prompt_tokens: int, exact: bool,
                    received: float, timing: dict, log, trace_id: str | None) -> tuple[web.StreamResponse, int]:
+        """Serve one request: submit it, then carry out what its :class:`RequestLifecycle` says
+        about every event until it completes or ends with an explicit error."""
         cfg = self.cfg
         queue: asyncio.Queue = asyncio.Queue()
-        flight = _Flight(rid=rid, attempt_id=rid, queue=queue, request=request)
+        lc = RequestLifecycle(rid=rid, max_resubmits=cfg.max_resubmits)
+        flight = _Flight(lc=lc, queue=queue, request=request)
         deadline = received + cfg.request_timeout_s * 1000.0
         sub = None
 
@@ -633,30 +770,34 @@ class Ingress:
             except WireError as exc:
                 log.warning("bad_out_event", error=str(exc))
                 return
-            if ev.request_id != flight.attempt_id:  # late event of an abandoned attempt
-                return
-            if isinstance(ev, TokenEvent) and flight.token_node != ev.node:
-                flight.token_node = ev.node
-                if ev.node in self.dead_nodes:
-                    self._check_flight(flight, False)
+            if isinstance(ev, TokenEvent):  # a token is a sign of life of its node
+                self.liveness.heard(ev.node, time.monotonic() * 1000.0)
+            if ev.request_id == flight.attempt_id:
+                flight.quiet_deadline = None
             queue.put_nowait(ev)
 
         async def submit(attempt_id: str) -> Exception | None:
             """(Re-)subscribe for ``attempt_id``'s events, then publish it onto the work queue."""
             nonlocal sub
-            self._flights.pop(flight.attempt_id, None)
-            flight.reset(attempt_id)
+            for k in [k for k, f in self._flights.items() if f is flight]:
+                del self._flights[k]
             self._flights[attempt_id] = flight
+            flight.lost = flight.checking = False
+            flight.quiet_deadline = None
+            flight.dep_epochs.clear()
             old = sub
             try:
+                if not self.nc.is_connected:
+                    raise ConnectionError("the ingress is not connected to NATS")
                 sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=on_out)
                 if old is not None:
                     await old.unsubscribe()
                 ireq = bus_request(parsed, attempt_id, prompt_tokens, exact, received, deadline)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
-                await self.nc.flush()
-                await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM)
+                await self.nc.flush(timeout=2)
+                await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM,
+                                      timeout=2)
             except Exception as exc:
                 log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
                 return exc
@@ -672,14 +813,11 @@ class Ingress:
                 return None
 
         text_parts: list[str] = []
-        completion = 0  # tokens received for the current attempt
         sent = 0  # tokens delivered to the client (streaming)
         finish = "length"
         cached = 0  # prompt tokens the engine served from its prefix cache (DoneEvent)
         resp: web.StreamResponse | None = None
-        first = True
         last_token_ms = 0.0
-        resubmits = 0
 
         async def fail(status: int, code: str, message: str) -> tuple[web.StreamResponse, int]:
             timing["error"] = code
@@ -698,89 +836,111 @@ class Ingress:
                             "enqueue_failed"), 503
             while True:
                 ev = await next_event()
+                time_left = deadline > now_ms()
+                first = lc.received == 0
                 if ev is None:
-                    await self._cancel(flight.attempt_id, "timeout")
-                    if first:
-                        log.warning("request_timeout_before_first_token")
-                        return await fail(504, "timeout", f"request {rid} timed out before its first token")
-                    log.warning("request_timeout_mid_stream", completion_tokens=completion)
-                    return await fail(504, "timeout", f"request {rid} timed out waiting for tokens")
-                if isinstance(ev, _ClientGone):
+                    action = lc.on_timeout(before_first_token=first)
+                    log.warning("request_timeout_before_first_token" if first else "request_timeout_mid_stream",
+                                completion_tokens=lc.received)
+                elif isinstance(ev, _ClientGone):
+                    lc.on_client_gone()
                     return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
-                if isinstance(ev, _Shutdown):
-                    await self._cancel(flight.attempt_id, "ingress_shutdown")
+                elif isinstance(ev, _Shutdown):
+                    action = lc.on_shutdown()
                     log.warning("request_ended_by_shutdown", tokens_sent=sent)
-                    return await fail(503, "ingress_shutdown", f"the ingress serving request {rid} is shutting "
-                                                               "down; retry the request")
-                if isinstance(ev, _NodeLost):
-                    if ev.attempt_id != flight.attempt_id:
+                elif isinstance(ev, _BusDown):
+                    action = lc.on_bus_unavailable(ev.outage_s)
+                    self.m.bus_down.inc()
+                    log.warning("request_ended_bus_unavailable", outage_s=round(ev.outage_s, 3), tokens_sent=sent)
+                elif isinstance(ev, _NodeLost):
+                    if ev.attempt_id != lc.attempt_id:
                         continue
-                    old_id = flight.attempt_id
-                    # nothing reached the client yet (a non-streaming answer is sent only at the end)
-                    if resp is None and resubmits < cfg.max_resubmits and deadline > now_ms():
-                        resubmits += 1
-                        new_id = f"{rid}-r{resubmits}"
-                        await self._cancel(old_id, "node_lost")  # frees whatever other nodes hold for it
-                        self.m.node_lost.labels("resubmitted").inc()
-                        log.warning("node_lost_resubmitting", node=ev.node, lost_attempt=old_id, attempt_id=new_id,
-                                    discarded_tokens=completion)
-                        timing.setdefault("resubmitted_as", []).append(new_id)
-                        text_parts.clear()
-                        completion, first = 0, True
-                        timing.pop("first_token_unix_ms", None)
-                        exc = await submit(new_id)
-                        if exc is not None:
-                            timing["error"] = "enqueue_failed"
-                            return _err(503, f"node {ev.node} was lost and the request could not be re-submitted "
-                                             "(the message bus is unavailable); retry", "enqueue_failed"), 503
+                    action = lc.on_node_dead(ev.node, time_left)
+                    if isinstance(action, Ignore):
+                        flight.lost = False  # it moved on meanwhile (e.g. the handoff node took over)
                         continue
-                    self.m.node_lost.labels("failed").inc()
-                    await self._cancel(old_id, "node_lost")
-                    why = ("tokens were already streamed" if resp is not None else
-                           f"re-submitted {resubmits} time(s) already" if resubmits else "no time left")
-                    log.warning("node_lost_failed", node=ev.node, attempt_id=old_id, why=why, tokens_sent=sent)
-                    return await fail(503, "node_lost", f"node {ev.node} serving request {rid} was lost (no "
-                                                        f"heartbeat; it may have crashed) and the request cannot be "
-                                                        f"moved: {why}")
-                if isinstance(ev, TokenEvent):
-                    t = now_ms()
-                    if first:
-                        timing["first_token_unix_ms"] = t
-                        self.m.ttft.observe(telemetry.seconds(t - received))
-                    else:  # TBT per token: a k-token event spreads its gap over k tokens
-                        gap = telemetry.seconds(t - last_token_ms) / max(1, ev.count)
-                        for _ in range(max(1, ev.count)):
-                            self.m.tbt.observe(gap)
-                    last_token_ms = t
-                    completion += ev.count
-                    if parsed.stream:
-                        if resp is None:
-                            headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Request-Id": rid}
-                            if trace_id:
-                                headers["X-Trace-Id"] = trace_id
-                            resp = web.StreamResponse(headers=headers)
-                            request[STREAM_STARTED] = True
-                            await resp.prepare(request)
-                        if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, ev.text, None, first)):
-                            return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
-                        sent += ev.count
-                    else:
-                        text_parts.append(ev.text)
-                    first = False
+                    self.m.node_lost.labels("resubmitted" if isinstance(action, Resubmit) else "failed").inc()
+                elif isinstance(ev, _Interrupted):
+                    if ev.attempt_id != lc.attempt_id:
+                        continue
+                    action = lc.interrupted(ev.detail, time_left)
+                elif isinstance(ev, TokenEvent):
+                    action = lc.on_token(ev, time_left)
                 elif isinstance(ev, DoneEvent):
-                    finish = ev.finish_reason
-                    cached = ev.cached_tokens
+                    action = lc.on_done(ev, time_left)
+                else:
+                    action = lc.on_error(ev)
+                if isinstance(action, Resubmit) and action.why.startswith("stream_interrupted"):
+                    self.m.interrupted.labels("resubmitted").inc()
+                elif isinstance(action, Fail) and action.code == "stream_interrupted":
+                    self.m.interrupted.labels("failed").inc()
+
+                if isinstance(action, Ignore):
+                    if action.reason in ("old_attempt", "foreign_node", "duplicate"):
+                        self.m.dropped.labels(action.reason).inc()
+                        if action.reason == "foreign_node":
+                            log.warning("foreign_node_event_dropped", node=getattr(ev, "node", None))
+                    continue
+                if isinstance(action, Resubmit):
+                    await self._cancel(action.old_attempt_id, "resubmitted")  # frees what other nodes hold for it
+                    log.warning("request_resubmitted", why=action.why, lost_attempt=action.old_attempt_id,
+                                attempt_id=action.new_attempt_id, discarded_tokens=len(text_parts))
+                    timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
+                    text_parts.clear()
+                    timing.pop("first_token_unix_ms", None)
+                    exc = await submit(action.new_attempt_id)
+                    if exc is not None:
+                        timing["error"] = "enqueue_failed"
+                        return _err(503, f"request {rid} lost its node or stream ({action.why}) and could not be "
+                                         "re-submitted (the message bus is unavailable); retry", "enqueue_failed"), 503
+                    continue
+                if isinstance(action, Fail):
+                    if action.cancel:
+                        await self._cancel(action.attempt_id, action.code)
+                    if action.code in ("node_lost", "stream_interrupted"):
+                        log.warning("request_lost", code=action.code, message=action.message, tokens_sent=sent)
+                    elif isinstance(ev, ErrorEvent):
+                        log.warning("request_failed" if resp is None else "request_failed_mid_stream", code=ev.code,
+                                    message=ev.message, source=ev.source)
+                    return await fail(action.status, action.code, action.message)
+                if isinstance(action, Complete):
+                    finish = action.finish_reason
+                    cached = action.cached_tokens
                     timing["finish_reason"] = finish
                     break
-                elif isinstance(ev, ErrorEvent):
-                    log.warning("request_failed" if resp is None else "request_failed_mid_stream", code=ev.code,
-                                message=ev.message, source=ev.source)
-                    return await fail(ev.status, ev.code, ev.message)
+                assert isinstance(action, Relay)
+                tok = action.event
+                t = now_ms()
+                if first:
+                    timing["first_token_unix_ms"] = t
+                    self.m.ttft.observe(telemetry.seconds(t - received))
+                else:  # TBT per token: a k-token event spreads its gap over k tokens
+                    gap = telemetry.seconds(t - last_token_ms) / max(1, tok.count)
+                    for _ in range(max(1, tok.count)):
+                        self.m.tbt.observe(gap)
+                last_token_ms = t
+                if parsed.stream:
+                    if resp is None:
+                        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                   "X-Request-Id": rid}
+                        if trace_id:
+                            headers["X-Trace-Id"] = trace_id
+                        resp = web.StreamResponse(headers=headers)
+                        request[STREAM_STARTED] = True
+                        lc.committed_to_client()
+                        await resp.prepare(request)
+                    if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, tok.text, None, first)):
+                        lc.on_client_gone()
+                        return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
+                    sent += tok.count
+                else:
+                    text_parts.append(tok.text)
+            completion = lc.received
             timing["finished_unix_ms"] = now_ms()
             timing["completion_tokens"] = completion
             self.m.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - received))
             if not parsed.stream:
+                lc.committed_to_client()
                 out = _json(oa.full_response(parsed, rid, created, "".join(text_parts), finish, prompt_tokens,
                                              completion, cached))
                 out.headers["X-Request-Id"] = rid
@@ -793,7 +953,8 @@ class Ingress:
             await self._sse_done(resp)
             return resp, 200
         finally:
-            self._flights.pop(flight.attempt_id, None)
+            for k in [k for k, f in self._flights.items() if f is flight]:
+                del self._flights[k]
             if sub is not None:
                 try:
                     await sub.unsubscribe()

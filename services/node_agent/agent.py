@@ -26,19 +26,25 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.node_agent.acceptance import Claims
 from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import Buckets, ensure_buckets, publish, request_typed
+from shared.bus import Buckets, BusWatch, ensure_buckets, publish, request_typed
 from shared.engine import EngineError
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
                          KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+
+#: after a NATS reconnect, a KV handoff nobody took is retried for this long (decode agents
+#: reconnect at their own pace) before it fails with kv_handoff_failed
+HANDOFF_SETTLE_S = 3.0
+
 
 @dataclass
 class _Req:
@@ -131,14 +137,18 @@ class NodeAgent:
         self._subs: list[Any] = []
         self._runner = None
         self._seq = 0
+        self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
         self.buckets: Buckets | None = None
+        self.claims: Claims | None = None
+        self._bus: BusWatch | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"node_agent:{cfg.node_id}")
-        self.buckets = await ensure_buckets(self.nc.jetstream())
+        await self._declare()
+        self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))
         if cfg.role == "decode":
@@ -151,10 +161,17 @@ class NodeAgent:
         await self._send_state()
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
 
+    async def _declare(self) -> None:
+        """(Re-)declare the buckets: at start and after every reconnect (a restarted NATS)."""
+        self.buckets = await ensure_buckets(self.nc.jetstream())
+        self.claims = Claims(self.buckets.requests, self.cfg.node_id, self.epoch_unix_ms)
+
     async def close(self, drain: bool = True) -> None:
         """Stop. ``drain``: refuse new work and send an explicit error for every request still
         here; ``drain=False`` emulates a crash (connection dropped, nothing sent)."""
         self.accepting = False
+        if self._bus is not None:
+            await self._bus.stop()
         if drain and self.nc is not None and self.nc.is_connected:
             for s in self._subs:
                 await s.unsubscribe()
@@ -197,6 +214,7 @@ class NodeAgent:
         st = self.backend.state()
         self._seq += 1
         return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+                         epoch_unix_ms=self.epoch_unix_ms,
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
                          queue_prompt_tokens=list(st.queue_prompt_tokens),
                          deflection_in_flight=st.deflection_in_flight or bool(self.deflecting),
@@ -250,6 +268,8 @@ class NodeAgent:
         rid = job.request.request_id
         self.jobs_received.append(rid)
         if rid in self.reqs:  # a redelivered request re-sent to the node that already has it
+            self.m.jobs.labels(self.cfg.node_id, job.kind, "duplicate").inc()
+            self._rlog(rid).info("job_duplicate", attempt=job.attempt, dispatcher=job.dispatcher_id)
             await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
                                             accepted_unix_ms=self.reqs[rid].received_ms)))
             return
@@ -261,6 +281,32 @@ class NodeAgent:
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
+        claim = None
+        if reason is None:  # cluster-wide: at most one node executes this bus request id
+            assert self.claims is not None
+            claim = await self.claims.claim(job)
+            if claim.outcome == "mine" or rid in self.reqs:  # executed (or being executed) here already
+                self.m.jobs.labels(self.cfg.node_id, job.kind, "duplicate").inc()
+                self._rlog(rid).info("job_duplicate", attempt=job.attempt, dispatcher=job.dispatcher_id)
+                await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
+                                                accepted_unix_ms=self.reqs[rid].received_ms if rid in self.reqs
+                                                else now_ms())))
+                return
+            if claim.outcome == "claimed":
+                self.m.jobs.labels(self.cfg.node_id, job.kind, "claimed_elsewhere").inc()
+                self._rlog(rid).info("job_claimed_elsewhere", claimed_by=claim.claim.node if claim.claim else None)
+                await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="claimed",
+                                                claim=claim.claim)))
+                if claim.claim is not None and claim.claim.node == self.cfg.node_id:
+                    # this node's previous incarnation held it and died with it: say so (the ingress
+                    # re-submits it under a new bus id; this one must not run again)
+                    await publish(self.nc, S.out_subject(rid), ErrorEvent(
+                        request_id=rid, status=503, code="node_lost", source=f"node_agent:{self.cfg.node_id}",
+                        message=f"node {self.cfg.node_id} restarted and lost request {rid}", sent_unix_ms=now_ms()))
+                return
+            if claim.outcome == "failed":
+                reason = "claim_failed"
+                self._rlog(rid).warning("claim_failed", error=claim.error)
         if reason is None:
             try:
                 if job.kind == "prefill":
@@ -269,6 +315,8 @@ class NodeAgent:
                     self.backend.add_deflected(job.request, list(job.chunk_schedule), job.decision_batch_size)
             except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
+                if claim is not None and claim.revision is not None:
+                    await self.claims.release(rid, claim.revision)  # another node may take it
         ctx = telemetry.extract_context(msg.headers)
         if reason is not None:
             self.m.jobs.labels(self.cfg.node_id, job.kind, "refused").inc()
@@ -293,6 +341,7 @@ class NodeAgent:
             self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
             self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
         self.m.jobs.labels(self.cfg.node_id, job.kind, "accepted").inc()
+        self._rlog(rid, span).info("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
         await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, accepted_unix_ms=now_ms())))
 
     async def _on_cancel(self, msg) -> None:
@@ -326,6 +375,24 @@ class NodeAgent:
                         prefill_done_unix_ms=r.prefill_done_ms or now_ms(),
                         kv_transfer_params=self.backend.handoff_params(rid))
         tried: dict[str, str] = {}
+        settle_until = asyncio.get_running_loop().time() + HANDOFF_SETTLE_S
+        while True:
+            ok = await self._try_handoff(rid, r, msg, headers, tried)
+            if ok is not None:
+                return
+            # right after a NATS reconnect the decode agents may not have re-subscribed yet
+            if not (self._bus is not None and self._bus.settling(HANDOFF_SETTLE_S)
+                    and asyncio.get_running_loop().time() < settle_until and rid in self.reqs):
+                break
+            await asyncio.sleep(0.2)
+            tried.clear()
+        self._rlog(rid, r.span).warning("kv_handoff_failed", tried=tried)
+        await self._fail(rid, 503, "kv_handoff_failed", f"no decode node took the KV cache: {tried}")
+
+    async def _try_handoff(self, rid: str, r: _Req, msg: KvHandoff, headers, tried: dict[str, str]) -> bool | None:
+        """One pass over the decode candidates: True = handed off, False = cancelled meanwhile,
+        None = nobody took it (``tried`` says why)."""
+        assert r.job is not None and r.handoff_span is not None
         for cand in r.job.decode_candidates:
             try:
                 ack = await request_typed(self.nc, S.kv_subject(cand), msg, KvAck, self.cfg.kv_handoff_timeout_s,
@@ -338,17 +405,16 @@ class NodeAgent:
                 continue
             if ack.accepted:
                 if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
-                    return
+                    return False
                 r.handoff_node = cand
                 r.handoff_span.set_attribute("kairos.decode_node", cand)
                 if tried:
                     r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
                 self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
                 self._write_prefill_timing(r)
-                return
+                return True
             tried[cand] = ack.reason or "refused"
-        self._rlog(rid, r.span).warning("kv_handoff_failed", tried=tried)
-        await self._fail(rid, 503, "kv_handoff_failed", f"no decode node took the KV cache: {tried}")
+        return None
 
     async def _on_kvdone(self, msg) -> None:
         try:

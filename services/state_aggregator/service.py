@@ -3,6 +3,11 @@
 All rules (staleness, folding routed-but-unreported jobs) are in :mod:`shared.view`; this shell
 subscribes, feeds the :class:`~shared.view.ViewBuilder` with its own monotonic clock, and writes the
 view every ``state_period_ms``.
+
+Restarts: a new aggregator writes its first view only after one ``stale_after_ms`` of listening
+(warm-up), so its empty first view never replaces the previous one (the bucket is file-backed and
+keeps it) — every live node has heartbeated by then. A NATS restart is survived by re-declaring the
+bucket after each reconnect (:class:`shared.bus.BusWatch`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import ensure_buckets
+from shared.bus import BusWatch, ensure_buckets
+from shared.heartbeat import REJECT_REASONS
 from shared.view import ViewBuilder
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, encode, now_ms
 
@@ -35,6 +41,12 @@ class StateAggregator:
         reg = self.tel.registry
         self.m_states = Counter("kairos_aggregator_states_total", "Heartbeats received", registry=reg)
         self.m_routed = Counter("kairos_aggregator_routed_total", "Routing events received", registry=reg)
+        self.m_rejected = Counter("kairos_aggregator_heartbeats_rejected_total",
+                                  "Heartbeats refused, by reason (future: timestamp or epoch too far ahead of this "
+                                  "clock; replay: seq not newer; seq_jump: implausibly large seq; old_epoch: a previous "
+                                  "incarnation)", ("reason",), registry=reg)
+        for r in REJECT_REASONS:
+            self.m_rejected.labels(r)
         self.m_views = Counter("kairos_aggregator_views_total", "Views written", registry=reg)
         self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
         self.m_age = Gauge("kairos_aggregator_node_state_age_seconds",
@@ -53,12 +65,17 @@ class StateAggregator:
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._runner = None
+        self._bus: BusWatch | None = None
         self.nc = None
+
+    async def _declare(self) -> None:
+        self.buckets = await ensure_buckets(self.nc.jetstream())
 
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, "state_aggregator")
-        self.buckets = await ensure_buckets(self.nc.jetstream())
+        await self._declare()
+        self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
         await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
         await self.nc.flush()
@@ -68,6 +85,8 @@ class StateAggregator:
 
     async def close(self) -> None:
         self._stop.set()
+        if self._bus is not None:
+            await self._bus.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -83,7 +102,11 @@ class StateAggregator:
             self.log.warning("bad_state", error=str(exc))
             return
         self.m_states.inc()
-        self.builder.on_state(st, _mono_ms())
+        why = self.builder.on_state(st, _mono_ms(), now_ms())
+        if why is not None:
+            self.m_rejected.labels(why).inc()
+            self.log.warning("heartbeat_rejected", node=st.node, reason=why, seq=st.seq, epoch_unix_ms=st.epoch_unix_ms,
+                             sent_unix_ms=st.sent_unix_ms)
 
     async def _on_routed(self, msg) -> None:
         try:
@@ -96,6 +119,10 @@ class StateAggregator:
 
     async def _loop(self) -> None:
         period = self.cfg.state_period_ms / 1000.0
+        try:  # warm-up: hear every live node before the first view replaces the previous aggregator's
+            await asyncio.wait_for(self._stop.wait(), float(self.builder.stale_after_ms) / 1000.0)
+        except asyncio.TimeoutError:
+            pass
         while not self._stop.is_set():
             view = self.builder.build(_mono_ms(), built_unix_ms=now_ms())
             self.view = view
