@@ -28,7 +28,8 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     wl = parse_workload(workload, rps, duration, seed, max_model_len=model.engine.max_model_len)
     policy = parse_policy(opts.policy)
     cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms,
-                    tbt_guard=policy.name == "kairos+")  # kairos up turns the node-side guard on for kairos+
+                    tbt_guard=policy.name == "kairos+",  # kairos up turns the node-side guard on for kairos+
+                    truth_scale=opts.truth_scale)
     return run_one(wl, policy, model, params, cfg, rps=rps, label="simulated")
 
 
@@ -162,7 +163,7 @@ def demo_command(**o) -> None:
                  "dispatchers": VLLM_DEMO["dispatchers"] if o["dispatchers"] == 2 else o["dispatchers"]}
     opts = UpOptions(**{"port": o["port"] or free_port(), "policy": o["policy"], "profile": o["profile"],
                         "prefill": o["prefill"], "decode": o["decode"], "dispatchers": o["dispatchers"],
-                        "trace_file": o["trace_file"], **extra})
+                        "trace_file": o["trace_file"], "truth_scale": o.get("truth_scale", 1.0), **extra})
     try:
         code = run_demo(opts, workload=o["workload"], rps=rps, duration=o["duration"], seed=o["seed"],
                         json_path=o["json_path"], progress=progress_default(o["progress"]))

@@ -69,6 +69,7 @@ class UpOptions:
     engine: str = "emulated"  #: ``emulated`` or ``vllm`` (one vLLM-CPU server per node)
     model_dir: str | None = None  #: vllm: local model directory (config, weights, tokenizer.json)
     stale_after_ms: float | None = None  #: aggregator: node stale after this silence (None: 3 heartbeat periods)
+    truth_scale: float = 1.0  #: emulated engines' steps take this × what they predict (model error on purpose)
     #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
     nats_auth: bool = True
     #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
@@ -246,7 +247,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
                             metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,
-                            **login(P.agent_user(node))),
+                            truth_scale=opts.truth_scale, **login(P.agent_user(node))),
                 f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, {opts.engine})")
     for i in range(opts.dispatchers):
         mp = free_port()

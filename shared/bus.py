@@ -231,6 +231,16 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
     return Buckets(view=view, reservations=resv, requests=reqs)
 
 
+async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
+    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch).
+
+    File storage with a short history, so the previous artifacts of a key can be inspected.
+    """
+    return await js.create_key_value(KeyValueConfig(
+        bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
+        description="latency-model artifacts: latency.<name> and latency.current"))
+
+
 class BusWatch:
     """Follows one connection's ups and downs and re-establishes what a NATS restart loses.
 
@@ -244,6 +254,7 @@ class BusWatch:
     Attributes:
         disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected.
         reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
+        connected_at: ``time.monotonic()`` when this watch started (the service's first connection).
         reconnects: reconnects handled so far.
     """
 
@@ -254,6 +265,7 @@ class BusWatch:
         self.poll_s, self.retry_s = poll_s, retry_s
         self.disconnected_since: float | None = None
         self.reconnected_at: float | None = None
+        self.connected_at = time.monotonic()
         self.reconnects = 0
         self._seen = nc.stats.get("reconnects", 0)
         self._task: asyncio.Task | None = None
@@ -294,11 +306,14 @@ class BusWatch:
                 self.log.info("bus_resumed", outage_s=None if outage is None else round(outage, 3))
 
     def settling(self, window_s: float) -> bool:
-        """True while disconnected or within ``window_s`` of the last reconnect: other clients
-        (node agents) may not have re-subscribed yet, so "no responders" proves nothing."""
+        """True while disconnected or within ``window_s`` of the last reconnect or of this
+        service's first connection: other clients (node agents) may not have re-subscribed yet, so
+        "no responders" proves nothing. A replica that starts just after a NATS restart meets the
+        agents in the middle of their reconnect, exactly as one that reconnected itself."""
         if self.disconnected_since is not None or not self.nc.is_connected:
             return True
-        return self.reconnected_at is not None and time.monotonic() - self.reconnected_at < window_s
+        last = max(self.connected_at, self.reconnected_at or 0.0)
+        return time.monotonic() - last < window_s
 
     async def _safe(self, fn: Callable[[], Awaitable[None]], what: str) -> bool:
         try:

@@ -154,11 +154,13 @@ def role_permissions(user: str) -> Permissions:
             f"$JS.API.CONSUMER.DURABLE.CREATE.{q}.{c}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
             f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
-        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT]
+        # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
+        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == AGGREGATOR:
         pub = [_kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
-        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT]
+        # step records: the aggregator's model correction (shared/correction.py)
+        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
         pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))

@@ -89,14 +89,16 @@ def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> Clus
 
 def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Mapping[str, Reservation],
                    excluded: Mapping[str, str], now_unix_ms: float, max_deflections: int = 1,
-                   full: frozenset[str] | set[str] = frozenset()) -> ClusterSnapshot | None:
+                   full: frozenset[str] | set[str] = frozenset(),
+                   prefix_hits: Mapping[str, int] = {}) -> ClusterSnapshot | None:
     """The policy input for ``req``, or None when no prefill or no decode node is routable.
 
     ``reserved`` is every live reservation (any key); a decode node with ``max_deflections``
     reservations of other requests, or listed in ``full`` (a conflict this dispatcher just met), is
     shown with ``deflection_in_flight=True`` and no projection data (no policy deflects there); a
     node with fewer is shown with its reservations as ``in_flight`` deflections (kairos+ projects
-    them; kairos skips the node, §5.3).
+    them; kairos skips the node, §5.3). ``prefix_hits`` (node → leading prompt tokens it holds,
+    from the dispatcher's :class:`shared.prefix.PrefixIndex`) becomes ``cached_prefix_tokens``.
     """
     pfs, dcs = routable(view, excluded)
     if not pfs or not dcs or view is None:
@@ -111,9 +113,12 @@ def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Ma
             in_flight = [InFlightDeflection(prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens) for r in mine]
             busy = bool(mine)
         decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
-                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting))
+                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting,
+                                     step_bias=n.correction.bias, step_safety=n.correction.safety,
+                                     cached_prefix_tokens=prefix_hits.get(n.node, 0)))
     prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
-                               kv_backlog_ms=n.kv_backlog_ms) for n in pfs]
+                               kv_backlog_ms=n.kv_backlog_ms, step_bias=n.correction.bias,
+                               cached_prefix_tokens=prefix_hits.get(n.node, 0)) for n in pfs]
     age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
     return ClusterSnapshot(
         request=RequestView(id=req.request_id, prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens),

@@ -34,12 +34,18 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import Buckets, BusWatch, ensure_buckets, publish, request_typed
-from shared.engine import EngineError
+from shared.correction import CorrectionEstimator
+from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+                         KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
+                         now_ms)
+
+#: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
+CACHE_RESYNC = 50
+
 
 #: after a NATS reconnect, a KV handoff nobody took is retried for this long (decode agents
 #: reconnect at their own pace) before it fails with kv_handoff_failed
@@ -69,6 +75,7 @@ class _Req:
     last_token_ms: float | None = None
     tbt_max_ms: float = 0.0
     chunk_pred: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
     chunk_actual: list[float] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
 
@@ -119,7 +126,7 @@ class NodeAgent:
                  backend: EngineBackend | None = None) -> None:
         self.cfg = cfg
         self.model = model or load_profile(cfg.profile)
-        self.backend = backend or make_backend(cfg, self.model)
+        self.backend = backend or make_backend(cfg, self.model, self._truth())
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
@@ -140,8 +147,17 @@ class NodeAgent:
         self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
         self.buckets: Buckets | None = None
+        #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
+        self.corrector = CorrectionEstimator()
         self.claims: Claims | None = None
         self._bus: BusWatch | None = None
+
+    def _truth(self) -> GroundTruth | None:
+        """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
+        if self.cfg.truth_profile is None and self.cfg.truth_scale == 1.0:
+            return None
+        truth = load_profile(self.cfg.truth_profile) if self.cfg.truth_profile else self.model
+        return GroundTruth(truth, scale=self.cfg.truth_scale)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -213,7 +229,13 @@ class NodeAgent:
     def node_state(self) -> NodeState:
         st = self.backend.state()
         self._seq += 1
-        return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+        # prefix-cache events: net deltas, the whole cache on the first and every CACHE_RESYNC-th
+        # heartbeat (a lost heartbeat makes the dispatchers' index forget the node until then)
+        cache = self.backend.cache_events(full=self._seq % CACHE_RESYNC == 1)
+        cache_fields = {} if cache is None else dict(
+            cache_block_tokens=cache[0], cache_stored=cache[1], cache_removed=cache[2],
+            cache_full=self._seq % CACHE_RESYNC == 1)
+        return NodeState(**cache_fields, node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
                          epoch_unix_ms=self.epoch_unix_ms,
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
                          queue_prompt_tokens=list(st.queue_prompt_tokens),
@@ -238,10 +260,17 @@ class NodeAgent:
             except Exception as exc:  # disconnected: keep trying, nats-py reconnects
                 self.log.warning("heartbeat_failed", error=repr(exc))
             self._expire_held()
+            self._tighten_guard()
             try:
                 await asyncio.wait_for(self._stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+    def _tighten_guard(self) -> None:
+        """kairos+ node-side guard: β·τ / the node's learned safety factor (as in the simulator)."""
+        if self.cfg.tbt_guard_ms is not None and self.cfg.guard_correction:
+            safety = self.corrector.correction(self.cfg.node_id, now_ms()).safety
+            self.backend.set_tbt_guard_ms(self.cfg.tbt_guard_ms / safety)
 
     def _expire_held(self) -> None:
         """Prefill node: free the blocks of handed-off KV caches whose decode node never said it
@@ -309,6 +338,7 @@ class NodeAgent:
                 self._rlog(rid).warning("claim_failed", error=claim.error)
         if reason is None:
             try:
+                self.backend.note_block_hashes(rid, job.request.block_hashes, job.request.block_hash_tokens)
                 if job.kind == "prefill":
                     self.backend.add_prefill(job.request)
                 else:
@@ -372,7 +402,7 @@ class NodeAgent:
         headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
         r.handoff_sent_ms = now_ms()
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
-                        prefill_done_unix_ms=r.prefill_done_ms or now_ms(),
+                        prefill_done_unix_ms=r.prefill_done_ms or now_ms(), cached_tokens=r.cached_tokens,
                         kv_transfer_params=self.backend.handoff_params(rid))
         tried: dict[str, str] = {}
         settle_until = asyncio.get_running_loop().time() + HANDOFF_SETTLE_S
@@ -445,6 +475,7 @@ class NodeAgent:
             reason = "engine_unavailable"
         if reason is None:
             try:
+                self.backend.note_block_hashes(rid, h.request.block_hashes, h.request.block_hash_tokens)
                 self.backend.add_remote_decode(h.request, h.kv_transfer_params)
             except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
@@ -455,7 +486,8 @@ class NodeAgent:
                                           kind=SpanKind.CONSUMER,
                                           attributes={telemetry.REQUEST_ID: rid, "kairos.src_node": h.src_node,
                                                       "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
-        self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node)
+        self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node,
+                              cached_tokens=h.cached_tokens)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
         await self._on_allocated(self.backend.take_allocated())
 
@@ -481,18 +513,36 @@ class NodeAgent:
                       KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
 
     # -- engine events (EngineEvents, services/node_agent/backend.py) -----------------------------
+    def step_record(self, out: StepOutput) -> StepRecordEvent:
+        """The bus record of one executed step (contract D: ``kairos.steps.<node>``)."""
+        n = sum(t for _, t, _ in out.prefill_chunks)
+        cached = sum(t * c for _, t, c in out.prefill_chunks) / n if n else 0.0
+        return StepRecordEvent(node=self.cfg.node_id, role=self.cfg.role, step=out.step,
+                               started_unix_ms=out.started_unix_ms, wall_ms=out.wall_ms, predicted_ms=out.predicted_ms,
+                               batch_size=out.batch_size, kv_tokens=out.kv_tokens, prefill_tokens=out.prefill_tokens,
+                               prefill_cached=cached, prefill_chunks=len(out.prefill_chunks),
+                               deflected=out.deflected_chunk is not None, model_version=self.model.artifact_version)
+
     async def on_allocated(self, rids: list[str]) -> None:
         await self._on_allocated(rids)
 
     async def on_step(self, out: StepOutput) -> None:
-        """Step metrics and the deflected chunk's record (span event, predicted vs measured)."""
+        """Step metrics, the step record on the bus, the node's step-time correction and the
+        deflected chunk's record (span event, predicted vs measured)."""
         node = self.cfg.node_id
+        self.corrector.observe(node, out.predicted_ms, out.wall_ms, out.started_unix_ms + out.wall_ms,
+                               mixed=out.batch_size > 0 and out.prefill_tokens > 0)
+        try:
+            await self.nc.publish(S.steps_subject(node), encode(self.step_record(out)))
+        except Exception as exc:  # disconnected: the step still counts, the record is lost
+            self.log.warning("step_record_failed", error=repr(exc))
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
-        for rid, _n, _cached in out.prefill_chunks:
+        for rid, _n, cached in out.prefill_chunks:
             r = self.reqs.get(rid)
             if r is not None and r.prefill_start_ms is None:
                 r.prefill_start_ms = out.started_unix_ms
+                r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         if out.deflected_chunk is not None:
             rid, idx, chi, toks = out.deflected_chunk
             r = self.reqs.get(rid)
@@ -557,7 +607,10 @@ class NodeAgent:
             r.decode_span.end()
         await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
             request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now,
-            finish_reason=finish_reason, cached_tokens=cached_tokens)))
+            finish_reason=finish_reason,
+            # keep path: what the prefill node served from its cache (KvHandoff); else the larger of
+            # the engine's report (vLLM usage) and the prefix hit seen in the step records
+            cached_tokens=r.cached_tokens if r.kind == "remote_decode" else max(cached_tokens, r.cached_tokens))))
         self._write_decode_timing(r, finished_ms=now)
 
     async def on_failed(self, rid: str, status: int, code: str, message: str) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shared.emulated_text import EmulatedCompletion, emulated_completion
-from shared.engine import Engine, EngineConfig, EngineState
+from shared.engine import Engine, EngineConfig, EngineState, GroundTruth
 from shared.latency import LatencyModel
 from shared.wire import InferenceRequest
 
@@ -143,22 +143,70 @@ class EngineBackend(abc.ABC):
         """Expected transfer time of ``kv_tokens`` (ms) for the prefill side's backlog estimate."""
         return 0.0
 
+    def set_tbt_guard_ms(self, ms: float | None) -> None:
+        """Tighten/relax the node-side chunk guard (kairos+ with the node's learned correction);
+        a backend without a guard ignores it."""
+
+    def note_block_hashes(self, req_id: str, block_hashes: list[int], block_tokens: int) -> None:
+        """The prompt's prefix-cache block hashes, given just before ``add_*`` of ``req_id``
+        (``InferenceRequest.block_hashes``). A backend whose engine hashes prompts itself (vLLM)
+        ignores them."""
+
+    def cache_events(self, full: bool) -> tuple[int, list[int], list[int]] | None:
+        """``(block_tokens, stored, removed)`` prefix-cache block hashes since the last call (net),
+        or with ``full`` the whole cache as ``stored``; None: this backend reports no cache.
+
+        Hook for the vLLM backend (not implemented here): start vLLM with
+        ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...}'``,
+        subscribe to its ZMQ feed (``vllm/distributed/kv_events.py``: ``KVEventBatch`` of
+        ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size)`` /
+        ``BlockRemoved(block_hashes)`` / ``AllBlocksCleared``) and return the hashes accumulated
+        since the previous call. The dispatcher's index (shared/prefix.py) must then match them with
+        request hashes computed the same way as vLLM's (``hash_block_tokens`` over token ids, with
+        the same ``PYTHONHASHSEED``/sha256 setting), i.e. the ingress must hash token ids like vLLM.
+        """
+        return None
+
     @abc.abstractmethod
     async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
         """Drive the engine until ``stop`` is set, reporting to ``events``."""
 
 
 class EmulatedBackend(EngineBackend):
-    """:class:`shared.engine.Engine` advanced in real time (``asyncio.sleep(duration)``)."""
+    """:class:`shared.engine.Engine` advanced in real time (``asyncio.sleep(duration)``).
+
+    ``model`` is what the node believes (``StepOutput.predicted_ms``, the guard); ``truth`` (a
+    :class:`~shared.engine.GroundTruth`, e.g. another artifact or a scale) is how long its steps
+    really take — None: exactly the model. ``kairos profile`` recovers the truth, not the model.
+    """
 
     def __init__(self, role: str, model: LatencyModel, tbt_guard_ms: float | None = None,
-                 link: str | None = None) -> None:
+                 link: str | None = None, truth: GroundTruth | None = None) -> None:
         self.model = model
         self.link = link
-        self.engine = Engine(EngineConfig.from_limits(role, model.engine), model, tbt_guard_ms=tbt_guard_ms)
+        self.engine = Engine(EngineConfig.from_limits(role, model.engine), model, tbt_guard_ms=tbt_guard_ms,
+                             truth=truth)
         self._wake = asyncio.Event()
         self._links: dict[str, asyncio.Lock] = {}  # src node -> the link's single transfer slot
         self._outputs: dict[str, EmulatedCompletion] = {}  # decode side: the text each request generates
+        self._hashes: dict[str, list[int]] = {}  # req id -> block hashes for its add_* call
+
+    def set_tbt_guard_ms(self, ms: float | None) -> None:
+        self.engine.tbt_guard_ms = ms
+
+    def note_block_hashes(self, req_id: str, block_hashes: list[int], block_tokens: int) -> None:
+        # hashes of another granularity would never match this engine's blocks: ignored
+        if block_hashes and self.engine.cache is not None and block_tokens == self.engine.cache.block_tokens:
+            self._hashes[req_id] = block_hashes
+
+    def cache_events(self, full: bool) -> tuple[int, list[int], list[int]] | None:
+        cache = self.engine.cache
+        if cache is None:
+            return None
+        stored, removed = self.engine.drain_cache_events()
+        if full:
+            return cache.block_tokens, sorted(cache.hashes()), []
+        return cache.block_tokens, stored, removed
 
     def kv_transfer_ms(self, kv_tokens: int) -> float:
         """Emulated transfer time of ``kv_tokens`` on this node's link, without queueing (ms)."""
@@ -168,17 +216,21 @@ class EmulatedBackend(EngineBackend):
         t0 = time.monotonic()
         async with self._links.setdefault(src_node, asyncio.Lock()):
             if self.engine.phase(req_id) == "awaiting_kv":  # not aborted while queued for the link
+                # only the blocks this node's prefix cache lacks cross the link (vLLM's NixlConnector
+                # pulls the tokens past the decode side's local prefix hit)
+                kv_tokens -= self.engine.cached_prefix_tokens(req_id)
                 await asyncio.sleep(self.kv_transfer_ms(kv_tokens) / 1000.0)
         return (time.monotonic() - t0) * 1000.0
 
     # lifecycle: every external event wakes the driver (it may be idle-waiting)
     def add_prefill(self, req: InferenceRequest) -> None:
-        self.engine.add_prefill(req.request_id, req.prompt_tokens)
+        self.engine.add_prefill(req.request_id, req.prompt_tokens, self._hashes.pop(req.request_id, ()))
         self._wake.set()
 
     def add_remote_decode(self, req: InferenceRequest, kv_transfer_params: dict[str, Any] | None = None) -> None:
         out = emulated_output(req)
-        self.engine.add_remote_decode(req.request_id, req.prompt_tokens, out.n_tokens)
+        self.engine.add_remote_decode(req.request_id, req.prompt_tokens, out.n_tokens,
+                                      self._hashes.pop(req.request_id, ()))
         self._outputs[req.request_id] = out
         self.engine.admit()  # allocate now so the KV transfer can start without waiting for a step
         self._wake.set()
@@ -186,7 +238,8 @@ class EmulatedBackend(EngineBackend):
     def add_deflected(self, req: InferenceRequest, chunk_schedule: list[int], decision_batch_size: int = 0) -> None:
         # the engine model applies χ_i − B with the B of each step itself (shared/engine/core.py)
         out = emulated_output(req)
-        self.engine.add_deflected(req.request_id, req.prompt_tokens, out.n_tokens, chunk_schedule)
+        self.engine.add_deflected(req.request_id, req.prompt_tokens, out.n_tokens, chunk_schedule,
+                                  self._hashes.pop(req.request_id, ()))
         self._outputs[req.request_id] = out
         self._wake.set()
 
@@ -264,15 +317,16 @@ class EmulatedBackend(EngineBackend):
             stop_wait.cancel()
 
 
-def make_backend(cfg: Any, model: LatencyModel) -> EngineBackend:
+def make_backend(cfg: Any, model: LatencyModel, truth: GroundTruth | None = None) -> EngineBackend:
     """The backend ``cfg.backend`` names (``emulated`` or ``vllm``) for an
-    :class:`~services.node_agent.config.AgentConfig`.
+    :class:`~services.node_agent.config.AgentConfig`. ``truth``: the emulated engine's real step
+    times (see :class:`EmulatedBackend`); a real engine has its own.
 
     Raises:
         ValueError: an unknown backend name.
     """
     if cfg.backend == "emulated":
-        return EmulatedBackend(cfg.role, model, cfg.tbt_guard_ms, cfg.link)
+        return EmulatedBackend(cfg.role, model, cfg.tbt_guard_ms, cfg.link, truth)
     if cfg.backend == "vllm":
         from services.node_agent.vllm_backend import VllmBackend
 

@@ -30,7 +30,13 @@ class AgentConfig(MetricsServiceConfig):
     kv_handoff_timeout_s: float = 2.0  #: prefill side: decode agent must accept a handoff within this
     kv_hold_timeout_s: float = 60.0  #: prefill side: free KV blocks whose decode node never confirmed the pull
     tbt_guard_ms: float | None = None  #: engine-side TBT guard for deflected chunks (kairos+), ms
+    #: the guard is tbt_guard_ms / the node's learned step-time safety factor (shared/correction.py)
+    guard_correction: bool = True
     max_deflections: int = 1  #: deflections this decode node takes at once (kairos: 1, §5.3; kairos+: several)
+    #: emulated engine's real step times: this artifact (bundled name or path) × ``truth_scale``;
+    #: None: the ``profile`` itself (the node's predictions are then exact)
+    truth_profile: str | None = None
+    truth_scale: float = 1.0  #: emulated engine: steps take this × the truth (1.1: 10 % slower than predicted)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -43,6 +49,7 @@ class AgentConfig(MetricsServiceConfig):
         require(self.max_deflections >= 1, "max_deflections", "must be >= 1")
         require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be > 0")
         require(self.kv_hold_timeout_s > 0, "kv_hold_timeout_s", "must be > 0")
+        require(self.truth_scale > 0, "truth_scale", "must be > 0")
         require(self.engine_stale_after_ms > 0, "engine_stale_after_ms", "must be > 0")
         if self.backend == "vllm":
             require(bool(self.engine_url) and str(self.engine_url).startswith(("http://", "https://")), "engine_url",

@@ -36,3 +36,6 @@ class Req:
     computed: int = 0  #: prompt tokens computed on this node
     generated: int = 0  #: output tokens emitted
     steps: int = 0  #: prefill steps run
+    hashes: tuple[int, ...] = ()  #: prefix-cache hashes of the prompt's full blocks
+    hit: int = 0  #: prompt tokens served from this node's prefix cache at admission
+    pinned: list[int] | None = None  #: cache hashes this request pins (released when it leaves)

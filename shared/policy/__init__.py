@@ -53,10 +53,12 @@ POLICIES: dict[str, tuple[Callable[[list[int]], DecideFn], dict, str]] = {
     "pd": (_no_arg(decide_pd), {}, "P/D disaggregation, never deflect (DistServe baseline)"),
     "sq": (_one_arg(decide_sq, "θ, prefill queue length"), {}, "deflect when every prefill queue > θ, χ=128 (§3.4)"),
     "sl": (_one_arg(decide_sl, "ℓ, prompt tokens"), {}, "deflect prompts shorter than ℓ tokens, χ=128 (§3.4)"),
-    "dynamo": (_dynamo, {}, "local prefill if prompt ≤ 1000 or prefill queue ≥ 2 (Dynamo)"),
+    "dynamo": (_dynamo, {}, "local prefill if uncached prompt ≤ 1000 or prefill queue ≥ 2 (Dynamo, prefix-aware)"),
     "kairos": (_no_arg(decide_kairos), {}, "Algorithm 1, Eq. 1-7, one in-flight deflection per decode node"),
-    "kairos+": (_no_arg(decide_kairos), {"kv_transfer_aware": True, "project_decode_state": True},
-                "kairos + KV-transfer-aware TTFT_pf + projected decode state"),
+    "kairos+": (_no_arg(decide_kairos), {"kv_transfer_aware": True, "project_decode_state": True,
+                                         "model_correction": True, "prefix_aware": True},
+                "kairos + KV-transfer-aware TTFT_pf + projected decode state + learned model correction"
+                " + cache-aware Eq. 1-6"),
 }
 
 
@@ -72,6 +74,11 @@ class Policy:
     def params(self, params: PolicyParams) -> PolicyParams:
         """``params`` with this policy's fixed switches applied (kairos+ turns its features on)."""
         return msgspec.structs.replace(params, **self.overrides) if self.overrides else params
+
+    def uses_prefix_caches(self, params: PolicyParams) -> bool:
+        """True when decisions read the snapshot's ``cached_prefix_tokens`` (kairos+, dynamo, or
+        ``prefix_aware`` set): the dispatcher then keeps a prefix index of the nodes' caches."""
+        return self.name == "dynamo" or self.params(params).prefix_aware
 
     def decide(self, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams) -> Decision:
         """Route ``snap.request`` (see the policy modules for each rule)."""

@@ -35,6 +35,15 @@ class PolicyParams(msgspec.Struct, frozen=True):
         project_decode_state: kairos+ — instead of the one-in-flight rule, project each decode
             node's (B, K) forward with the deflections already sent to it since its last heartbeat.
         link: KV-transfer link name of the profile used by kv_transfer_aware (None: default link).
+        model_correction: kairos+ — apply each node's learned step-time correction (the snapshot's
+            ``step_bias``/``step_safety``, shared/correction.py): TTFT estimates (Eq. 1–3, 6) are
+            scaled by the node's bias, and Eq. 5 checks ``T·step_safety ≤ β·τ``. Off: Algorithm 1
+            as printed (the fields are ignored).
+        prefix_aware: kairos+ — use the snapshot's per-node ``cached_prefix_tokens``: Eq. 1–3
+            prefill only the chosen prefill node's uncached tokens and the keep path transfers only
+            what its decode node lacks (the receiver is the node holding the longest prefix);
+            Eq. 4–6 schedule only the decode node's uncached tokens, from its cached prefix c > 0.
+            Off: caches are ignored (Algorithm 1 as printed).
     """
 
     alpha: float = 1.3
@@ -47,6 +56,8 @@ class PolicyParams(msgspec.Struct, frozen=True):
     kv_transfer_aware: bool = False
     project_decode_state: bool = False
     link: str | None = None
+    model_correction: bool = False
+    prefix_aware: bool = False
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms"):
