@@ -164,9 +164,20 @@ def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, d
         return Job(kind="deflect", request=req, node=decision.node, decode_candidates=[decision.node],
                    chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
                    reservation_key=reservation_key, reservation_revision=reservation_revision,
-                   dispatcher_id=dispatcher_id, attempt=attempt)
+                   decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
+                   attempt=attempt)
     return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
                dispatcher_id=dispatcher_id, attempt=attempt)
+
+
+def decision_batch_size(decision: Decision, snap: ClusterSnapshot) -> int:
+    """B the decision's chunk schedule was computed with on ``decision.node``: the node's B_n, plus
+    one per deflection in flight there that kairos+ projected ahead of this one (each joins the
+    batch before this prefill runs, shared/policy/kairos.py). 0 when the node is not in the snapshot."""
+    for dn in snap.decode_nodes:
+        if dn.id == decision.node:
+            return dn.batch_size + len(dn.in_flight)
+    return 0
 
 
 def reservation_ttl_s(decision: Decision, floor_s: float) -> int:
