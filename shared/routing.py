@@ -35,6 +35,22 @@ from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection,
 from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation, RoutedEvent
 
 
+#: deflection slots per decode node of ``kairos+`` (the live default of ``kairos up``; kairos: 1, §5.3)
+KAIROS_PLUS_SLOTS = 4
+
+
+def deflection_slots(policy_name: str) -> int | None:
+    """Deflections a decode node holds at once under ``policy_name`` — the default of the live
+    dispatcher (``max_deflections_per_node``) and of the simulator: ``kairos+`` →
+    :data:`KAIROS_PLUS_SLOTS`, ``taichi`` → None (no cap: TaiChi queues its decode-heavy prefills,
+    simulator only), every other policy → 1 (rule 3 turns a deflection onto a full node into a keep)."""
+    if policy_name == "kairos+":
+        return KAIROS_PLUS_SLOTS
+    if policy_name == "taichi":
+        return None
+    return 1
+
+
 def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
     """(prefill, decode) nodes a dispatcher may route to, in view order."""
     if view is None:
@@ -158,9 +174,20 @@ def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, d
         return Job(kind="deflect", request=req, node=decision.node, decode_candidates=[decision.node],
                    chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
                    reservation_key=reservation_key, reservation_revision=reservation_revision,
-                   dispatcher_id=dispatcher_id, attempt=attempt)
+                   decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
+                   attempt=attempt)
     return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
                dispatcher_id=dispatcher_id, attempt=attempt)
+
+
+def decision_batch_size(decision: Decision, snap: ClusterSnapshot) -> int:
+    """B the decision's chunk schedule was computed with on ``decision.node``: the node's B_n, plus
+    one per deflection in flight there that kairos+ projected ahead of this one (each joins the
+    batch before this prefill runs, shared/policy/kairos.py). 0 when the node is not in the snapshot."""
+    for dn in snap.decode_nodes:
+        if dn.id == decision.node:
+            return dn.batch_size + len(dn.in_flight)
+    return 0
 
 
 def reservation_ttl_s(decision: Decision, floor_s: float) -> int:

@@ -138,14 +138,3 @@ def claim_key(request_id: str) -> str:
     """KV key (bucket :data:`REQUESTS_BUCKET`) of the execution claim of bus request ``request_id``
     (a :class:`~shared.wire.Claim`, created atomically by the node that runs it)."""
     return f"{check_token(request_id, 'request id')}.claim"
-
-
-# -- added for the permission table (shared/permissions.py); contract D, owned by the profiler ----
-def steps_subject(node: str) -> str:
-    """Step records of ``node``'s engine (``StepRecordEvent``): node agent -> profiler."""
-    return f"{PREFIX}.steps.{check_token(node, 'node id')}"
-
-
-STEPS_WILDCARD = f"{PREFIX}.steps.*"
-#: KV bucket of latency models (``latency.<profile>``, ``current``): profiler -> dispatchers, agents.
-MODELS_BUCKET = "kairos_models"

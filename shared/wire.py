@@ -9,7 +9,7 @@ durations are ``*_ms``. Decoding validates types and names the offending field.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import msgspec
 
@@ -113,6 +113,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     predicted_step_ms: list[float] = []  #: deflect: the policy's predicted latency per step, ms
     reservation_key: str | None = None  #: deflect: KV key reserving this decode node
     reservation_revision: int | None = None  #: deflect: its revision (release = compare-and-delete)
+    #: deflect: B_n of the decode node the decision assumed (its chunk schedule's χ_i include these
+    #: B decode tokens; a vLLM engine is given p_i = χ_i − B prompt tokens per step)
+    decision_batch_size: NonNeg = 0
     dispatcher_id: str = ""  #: replica that routed the job
     attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
 
@@ -159,6 +162,9 @@ class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: NonNeg  #: KV tokens to transfer (the prompt length)
     prefill_done_unix_ms: float
     cached_tokens: NonNeg = 0  #: prompt tokens the prefill node served from its prefix cache
+    #: vLLM prefill node: the engine's ``kv_transfer_params`` for this KV (NIXL remote block ids,
+    #: engine id, host, port, …), passed unchanged to the decode node's engine; None when emulated
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class KvAck(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,6 +22,20 @@ Model of the cluster:
   prefill end − first chunk start; KV transfer = KV arrived − prefill end; decode queue = first
   token − KV arrived. For a deflected request the "prefill" runs on the decode node and the last two
   are 0. The four sum to the TTFT exactly.
+* **Reservations (dispatcher rule 3, shared/routing.py).** A decode node holds at most
+  ``deflection_slots(policy)`` deflections (kairos and the static policies 1, kairos+ 4, taichi
+  unlimited), exactly as the live dispatcher: a node at its cap is shown to the policy as busy
+  with no projection data, and a deflection onto it (static policies pick a target without
+  looking) becomes a keep on the best prefill node (``keep_reservation_conflict``).
+  ``SimConfig.reservation_rule=False`` lets such deflections queue on the node instead (the
+  simulator's behaviour before the rule was shared; the report shows both for Table 4).
+* **TaiChi** (``params.flowing_decode``): prefill nodes are P-heavy instances with step budget
+  ``params.prefill_chunk_tokens``; a keep-path request decodes on its prefill node from its first
+  token on (PD aggregation) and, once its mean time per output token exceeds
+  ``flow_tpot_fraction``·τ, migrates live to the decode node with the fewest KV tokens: the target
+  reserves blocks, the KV of prompt + tokens so far crosses the link while the source keeps
+  decoding, then the source drops it and the target resumes at the next token (its KV transfer
+  is not part of TTFT). Steps of prefill nodes with decodes in them count as decode steps.
 * **Ground truth.** The engines plan with the policy's model (their predictions, the node-side
   guard) but advance the clock by their own :class:`~shared.engine.GroundTruth`: ``truth``
   (another artifact: an error of form), ``truth_scale`` (a bias), ``drift`` (one node slower from
@@ -38,6 +52,7 @@ Event order is deterministic: the heap is keyed ``(time_ms, priority, sequence)`
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -50,6 +65,7 @@ from shared.engine import Engine, EngineConfig, GroundTruth
 from shared.latency import LatencyModel
 from shared.metrics import RequestRecord
 from shared.policy import Policy, PolicyParams
+from shared.routing import deflection_slots, keep_instead
 from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
 from shared.prefix import PrefixIndex
 from shared.workloads import MOONCAKE_BLOCK_TOKENS, WorkloadRequest
@@ -77,6 +93,10 @@ class SimConfig:
         noise: σ of multiplicative log-normal noise on every step's latency (0: none).
         seed: RNG seed of the noise.
         correction_window_ms: sliding window of the model-correction estimator (ms).
+        reservation_rule: apply the live dispatcher's reservation rule (shared/routing.py rule 3)
+            with ``deflection_slots`` per decode node; False: deflections queue on any node.
+        deflection_slots: deflections per decode node under the rule; 0: the policy's live
+            default (:func:`shared.routing.deflection_slots`).
         prefix_caching: engines keep prefix caches (shared/engine/prefix.py); requests with block
             hashes (the Mooncake trace) hit them. The dispatcher's prefix index is refreshed with
             the view (every Δh) from the engines' cache events.
@@ -97,6 +117,8 @@ class SimConfig:
     noise: float = 0.0
     seed: int = 0
     correction_window_ms: float = 10_000.0
+    reservation_rule: bool = True
+    deflection_slots: int = 0
     prefix_caching: bool = True
     prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
@@ -115,6 +137,11 @@ class _Req:
     # deflection bookkeeping: decodes running at decision and predicted step ms (violation attribution)
     decided_decodes: frozenset[str] = frozenset()
     predicted_steps: list[float] = field(default_factory=list)
+    # TaiChi flowing decode: decoding on its prefill node; migration in progress; tokens at its start
+    local: bool = False
+    migrating: bool = False
+    migrate_from: int = 0
+    done: bool = False
     transfer_tokens: int = 0  #: keep path: prompt tokens the decode node lacked (KV transferred)
     cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
 
@@ -137,11 +164,13 @@ class SimResult:
     """Raw output of one run."""
 
     records: list[RequestRecord]
-    decode_step_ms: list[float]  #: latency of every decode-node step with ≥ 1 decode in it
+    #: latency of every step with ≥ 1 decode in it (decode nodes; prefill nodes only under TaiChi)
+    decode_step_ms: list[float]
     deflected_steps: list[DeflectedStep]
     deflections: int
     sim_seconds: float
-    #: (end time ms, decode node index) of each entry of ``decode_step_ms`` (drift analysis)
+    #: (end time ms, node) of each entry of ``decode_step_ms``: decode node index i, or −1−i for
+    #: prefill node i (drift analysis)
     decode_step_at: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -186,8 +215,12 @@ class Simulator:
         guard = self.params.step_limit_ms if cfg.tbt_guard else None
         self.guard_ms = guard
         pc = dict(prefix_block_tokens=cfg.prefix_block_tokens, prefix_caching=cfg.prefix_caching)
-        self.prefill = [Engine(EngineConfig.from_limits("prefill", truth.engine, **pc), model, step_noise=noise,
-                               truth=ground_truth(n)) for n in self.prefill_ids]
+        pcfg = EngineConfig.from_limits("prefill", truth.engine, **pc)
+        if self.params.flowing_decode:  # TaiChi P-heavy instances: the chunk-size slider
+            pcfg = dataclasses.replace(pcfg, max_num_batched_tokens=max(self.params.prefill_chunk_tokens,
+                                                                        pcfg.max_num_seqs))
+        self.slots = (cfg.deflection_slots or deflection_slots(policy.name)) if cfg.reservation_rule else None
+        self.prefill = [Engine(pcfg, model, step_noise=noise, truth=ground_truth(n)) for n in self.prefill_ids]
         self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine, **pc), model, step_noise=noise,
                               tbt_guard_ms=guard, truth=ground_truth(n)) for n in self.decode_ids]
         self.prefix_index = PrefixIndex(cfg.prefix_block_tokens)
@@ -280,11 +313,12 @@ class Simulator:
         decode = []
         for i, s in enumerate(vd):
             res = self.reserved[i]
+            full = self.slots is not None and len(res) >= self.slots  # as shared.routing.build_snapshot
             decode.append(DecodeNodeView(
                 id=self.decode_ids[i], batch_size=s.batch_size, kv_tokens=s.kv_tokens,
                 deflection_in_flight=bool(res),
-                in_flight=[InFlightDeflection(prompt_tokens=self.reqs[r].w.prompt_tokens,
-                                              output_tokens=self.reqs[r].w.output_tokens) for r in res],
+                in_flight=[] if full else [InFlightDeflection(prompt_tokens=self.reqs[r].w.prompt_tokens,
+                                                              output_tokens=self.reqs[r].w.output_tokens) for r in res],
                 waiting=s.waiting, step_bias=corr.get(self.decode_ids[i], IDENTITY).bias,
                 step_safety=corr.get(self.decode_ids[i], IDENTITY).safety,
                 cached_prefix_tokens=hits.get(self.decode_ids[i], 0)))
@@ -302,7 +336,11 @@ class Simulator:
     def _arrive(self, now: float, w: WorkloadRequest) -> None:
         r = _Req(w)
         self.reqs[w.id] = r
-        d = self.policy.decide(self._snapshot(w), self.model, self.params)
+        snap = self._snapshot(w)
+        d = self.policy.decide(snap, self.model, self.params)
+        if d.decision == "deflect" and self.slots is not None \
+                and len(self.reserved[self.decode_ids.index(d.node)]) >= self.slots:
+            d = keep_instead(d, snap, self.model, self.params, "keep_reservation_conflict")
         if d.decision == "deflect":
             di = self.decode_ids.index(d.node)
             r.deflected, r.decode_node = True, di
@@ -317,7 +355,9 @@ class Simulator:
             pi = self.prefill_ids.index(d.node)
             r.prefill_node, r.decode_node = pi, self.decode_ids.index(d.decode_node)
             self.routed_since[pi].append(w.prompt_tokens)
-            self.prefill[pi].add_prefill(w.id, w.prompt_tokens, w.block_hashes)
+            r.local = self.params.flowing_decode
+            self.prefill[pi].add_prefill(w.id, w.prompt_tokens, w.block_hashes,
+                                         output_tokens=w.output_tokens if r.local else 0)
             self._kick(now, "p", pi)
 
     # -- engines -------------------------------------------------------------------------------
@@ -350,10 +390,10 @@ class Simulator:
         if self._correcting:
             self.corrector.observe((self.prefill_ids if role == "p" else self.decode_ids)[i], plan.predicted_ms,
                                    plan.duration_ms, now, mixed=plan.batch_size > 0 and plan.prefill_tokens > 0)
+        if plan.batch_size > 0:  # prefill nodes decode only under TaiChi (aggregation)
+            self.decode_steps.append(plan.duration_ms)
+            self.decode_step_at.append((now, i if role == "d" else -1 - i))
         if role == "d":
-            if plan.batch_size > 0:
-                self.decode_steps.append(plan.duration_ms)
-                self.decode_step_at.append((now, i))
             if plan.deflected_chunk is not None:
                 rid, idx, _, _ = plan.deflected_chunk
                 r = self.reqs[rid]
@@ -365,10 +405,20 @@ class Simulator:
             self.reqs[rid].token_times_ms.append(now)
         for rid in res.first_tokens:
             r = self.reqs[rid]
+            if r.first_token_ms is not None:
+                continue  # a migrated decode resuming at token 0 on its new node
             r.first_token_ms = now
-            if r.deflected:
+            if r.deflected or r.local:
                 r.prefill_end_ms = now
+            if r.deflected:
                 self.reserved[r.decode_node].pop(rid, None)
+        for rid in res.finished:
+            r = self.reqs[rid]
+            r.done = True
+            if r.migrating and role == "p":  # finished on the source before its KV moved
+                self._cancel_migration(now, r)
+        if role == "p" and self.params.flowing_decode:
+            self._flow(now, i, plan)
         for rid in res.prefill_done:  # keep path: hand the KV to the decode node
             r = self.reqs[rid]
             r.prefill_end_ms = now
@@ -382,7 +432,9 @@ class Simulator:
         r = self.reqs[rid]
         # only the blocks the decode node lacks cross the link (vLLM NixlConnector pulls the
         # tokens past the decode side's local prefix hit)
-        r.transfer_tokens = r.w.prompt_tokens - self.decode[di].cached_prefix_tokens(rid)
+        # (a TaiChi migration also carries the tokens decoded on the source so far)
+        r.transfer_tokens = r.w.prompt_tokens + (r.migrate_from if r.migrating else 0) \
+            - self.decode[di].cached_prefix_tokens(rid)
         key = (r.prefill_node, di)
         self.links.setdefault(key, []).append(rid)
         self._start_transfer(now, key)
@@ -393,17 +445,72 @@ class Simulator:
             return
         rid = q.pop(0)
         self.link_busy.add(key)
-        ms = self.link.transfer_ms(self.reqs[rid].transfer_tokens, self.kv_bytes)
+        r = self.reqs[rid]
+        ms = self.link.transfer_ms(r.transfer_tokens, self.kv_bytes)
         self._push(now + ms, _TRANSFER_END, (key, rid))
 
     def _transfer_end(self, now: float, key: tuple[int, int], rid: str) -> None:
         self.link_busy.discard(key)
         r = self.reqs[rid]
+        if r.migrating:
+            self._migrated(now, key, r)
+            return
         r.kv_arrived_ms = now
         self.prefill[r.prefill_node].release(rid)
         self.decode[r.decode_node].kv_arrived(rid)
         self._start_transfer(now, key)
         self._kick(now, "p", r.prefill_node)  # freed blocks may admit waiting prefills
+        self._kick(now, "d", r.decode_node)
+
+    # -- TaiChi flowing decode ------------------------------------------------------------------
+    def _flow(self, now: float, p: int, plan) -> None:
+        """After a step of P-heavy node ``p``: start migrating each request that decoded in it and
+        whose mean time per output token so far exceeds ``flow_tpot_fraction``·τ."""
+        limit = self.params.flow_tpot_fraction * self.params.tbt_slo_ms
+        src = self.prefill[p]
+        for rid in plan.decode_ids:
+            r = self.reqs[rid]
+            if r.migrating or r.done or len(r.token_times_ms) < 2:
+                continue
+            tpot = (r.token_times_ms[-1] - r.token_times_ms[0]) / (len(r.token_times_ms) - 1)
+            if tpot <= limit:
+                continue
+            prog = src.progress(rid)
+            if prog is None:
+                continue
+            generated = prog[1]
+            di = min(range(len(self.decode)), key=lambda j: (self.decode[j].state().kv_tokens, j))
+            r.migrating, r.migrate_from, r.decode_node = True, generated, di
+            self.decode[di].add_remote_decode(rid, r.w.prompt_tokens + generated, r.w.output_tokens - generated,
+                                              r.w.block_hashes)
+            self._kick(now, "d", di)
+
+    def _migrated(self, now: float, key: tuple[int, int], r: _Req) -> None:
+        """The migrating KV of ``r`` arrived: the source drops it, the target resumes decoding."""
+        src, dst = self.prefill[r.prefill_node], self.decode[r.decode_node]
+        r.migrating = False
+        prog = src.progress(r.w.id)
+        if prog is None:  # finished on the source meanwhile (its target reservation is gone)
+            dst.abort(r.w.id)
+        else:
+            src.abort(r.w.id)
+            dst.kv_arrived(r.w.id, generated=prog[1] - r.migrate_from)
+        self._start_transfer(now, key)
+        self._kick(now, "p", r.prefill_node)
+        self._kick(now, "d", r.decode_node)
+
+    def _cancel_migration(self, now: float, r: _Req) -> None:
+        """``r`` finished on its P-heavy node while migrating: free the target's reservation and
+        drop a transfer that has not started (a running one ends in :meth:`_migrated`)."""
+        key = (r.prefill_node, r.decode_node)
+        q = self.links.get(key)
+        if q and r.w.id in q:
+            q.remove(r.w.id)
+            r.migrating = False
+            self.decode[r.decode_node].abort(r.w.id)
+        elif self.decode[r.decode_node].phase(r.w.id) == "waiting":
+            r.migrating = False
+            self.decode[r.decode_node].abort(r.w.id)
         self._kick(now, "d", r.decode_node)
 
     # -- results -------------------------------------------------------------------------------
@@ -413,7 +520,7 @@ class Simulator:
             return RequestRecord(id=r.w.id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_tokens,
                                  output_tokens=0, deflected=r.deflected, error="not finished")
         pq = r.prefill_start_ms - a
-        if r.deflected:
+        if r.deflected or r.local:
             pe, kv, dq = r.first_token_ms - r.prefill_start_ms, 0.0, 0.0
         else:
             pe = r.prefill_end_ms - r.prefill_start_ms

@@ -150,15 +150,20 @@ class Dispatcher:
         self.buckets = await ensure_buckets(js)
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
-        old, self._watchers = self._watchers, [view_w, resv_w]
+        new_watchers = [view_w, resv_w]
+        new_tasks = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
+        if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
+            try:
+                models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
+            except Exception as exc:  # optional: routing must not wait for it (the next re-declare retries)
+                self.log.warning("model_watch_failed", error=repr(exc))
+            else:
+                new_watchers.append(models_w)
+                new_tasks.append(asyncio.create_task(self._watch_models(models_w)))
+        old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key
-        old_tasks, self._watch_tasks = self._watch_tasks, [
-            asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
-        if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
-            models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
-            self._watchers.append(models_w)
-            self._watch_tasks.append(asyncio.create_task(self._watch_models(models_w)))
+        old_tasks, self._watch_tasks = self._watch_tasks, new_tasks
         for t in old_tasks:
             t.cancel()
         for w in old:

@@ -105,18 +105,28 @@ class Engine:
         self.cache: PrefixCache | None = PrefixCache(config.cache_block_tokens) if config.prefix_caching else None
 
     # -- adding requests ----------------------------------------------------------------------
-    def add_prefill(self, req_id: str, prompt_tokens: int, block_hashes: tuple[int, ...] | list[int] = ()) -> None:
+    def add_prefill(self, req_id: str, prompt_tokens: int, block_hashes: tuple[int, ...] | list[int] = (),
+                    output_tokens: int = 0) -> None:
         """Keep path on a prefill node: compute the prompt, then hold its KV until :meth:`release`.
 
         The request waits FIFO for ``ceil(prompt_tokens / block_size)`` blocks and a running slot.
         Its chunks share steps with other prefills (vLLM chunked prefill). No token is emitted
         here: the keep path's first token comes from the decode node.
 
+        With ``output_tokens > 0`` the node also decodes the request (PD aggregation, the TaiChi
+        baseline's prefill-heavy instances): blocks for prompt + output are reserved, the step
+        that completes the prompt emits token 0, and the request then decodes here one token per
+        step, sharing steps with the node's prefill chunks, until it finishes or the caller
+        migrates it (:meth:`progress`, :meth:`abort`, then ``add_remote_decode`` +
+        ``kv_arrived(generated=…)`` on the target).
+
         Raises:
-            EngineError: not a prefill node, duplicate id, ``prompt_tokens < 1``, or the prompt
-                needs more blocks than the node has.
+            EngineError: not a prefill node, duplicate id, ``prompt_tokens < 1``, ``output_tokens
+                < 0``, or the request needs more blocks than the node has.
         """
-        self._add(req_id, PREFILL, "prefill", prompt_tokens, 0, (), block_hashes)
+        if as_count(req_id, "output_tokens", output_tokens) < 0:
+            raise EngineError(f"{req_id!r}: output_tokens must be >= 0, got {output_tokens}")
+        self._add(req_id, PREFILL, "prefill", prompt_tokens, output_tokens, (), block_hashes)
 
     def add_remote_decode(self, req_id: str, prompt_tokens: int, output_tokens: int,
                           block_hashes: tuple[int, ...] | list[int] = ()) -> None:
@@ -237,17 +247,26 @@ class Engine:
         self._alloc_log.clear()
         return out
 
-    def kv_arrived(self, req_id: str) -> None:
+    def kv_arrived(self, req_id: str, generated: int = 0) -> None:
         """The KV cache of remote decode ``req_id`` has arrived: it becomes a running decode now if
         a running slot is free (and no earlier arrival waits for one), else when one frees up.
         It is not part of a step planned before this call.
 
+        ``generated`` (live migration of a decoding request, TaiChi's flowing decode): output
+        tokens the source node emitted while the KV was in transit; the request resumes at that
+        token index (its first step here emits token ``generated``), with K counting them.
+
         Raises:
-            EngineError: unknown id, or the request is not awaiting its KV.
+            EngineError: unknown id, the request is not awaiting its KV, or ``generated`` is not
+                in ``[0, output_tokens)``.
         """
         r = self._get(req_id)
         if r.phase != AWAIT_KV:
             raise EngineError(f"kv_arrived({req_id!r}): request is {PHASE_NAMES[r.phase]}, not awaiting_kv")
+        g = as_count(req_id, "generated", generated)
+        if not 0 <= g < r.output:
+            raise EngineError(f"kv_arrived({req_id!r}): generated must be in [0, {r.output}), got {g}")
+        r.generated = g
         del self._await_kv[req_id]
         self._alloc_log.pop(req_id, None)
         self._cache_insert(r)
@@ -416,6 +435,16 @@ class Engine:
                 if r.computed >= r.prompt:
                     self._prefilling.remove(r)  # a FIFO prefix: found at the front
                     self._cache_insert(r)
+                    if r.output > 0:  # aggregated: first token here, then decode here
+                        r.generated = 1
+                        tokens.append((r.id, 0))
+                        first.append(r.id)
+                        if r.output <= 1:
+                            self._drop(r)
+                            finished.append(r.id)
+                        else:
+                            self._start_decode(r)
+                        continue
                     r.phase = HELD
                     self._held[r.id] = r
                     done.append(r.id)

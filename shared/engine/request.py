@@ -29,7 +29,7 @@ class Req:
     id: str
     kind: int  #: PREFILL, REMOTE or DEFLECT
     prompt: int  #: prompt tokens
-    output: int  #: output tokens to emit (0 on prefill nodes)
+    output: int  #: output tokens to emit (0 on prefill nodes unless they also decode: PD aggregation)
     blocks: int  #: KV blocks reserved at admission
     schedule: tuple[int, ...] = ()  #: deflected: χ per prefill step (total step tokens)
     phase: int = WAITING

@@ -21,6 +21,7 @@ from shared.latency import LatencyModel
 from shared.policy.base import DEFAULT_CANDIDATES, Decision, PolicyError, PolicyParams
 from shared.policy.kairos import decide_kairos
 from shared.policy.static import decide_dynamo, decide_pd, decide_sl, decide_sq
+from shared.policy.taichi import decide_taichi
 from shared.snapshot import ClusterSnapshot
 
 DecideFn = Callable[[str, ClusterSnapshot, LatencyModel, PolicyParams], Decision]
@@ -42,6 +43,12 @@ def _one_arg(factory: Callable[[int], DecideFn], what: str) -> Callable[[list[in
     return build
 
 
+def _taichi(args: list[int]) -> DecideFn:
+    if len(args) > 2:
+        raise PolicyError("takes at most two arguments (decode-heavy chunk tokens, max prompt tokens on decode-heavy)")
+    return decide_taichi(*args)
+
+
 def _dynamo(args: list[int]) -> DecideFn:
     if len(args) > 2:
         raise PolicyError("takes at most two arguments (max local prefill tokens, prefill queue size)")
@@ -59,6 +66,8 @@ POLICIES: dict[str, tuple[Callable[[list[int]], DecideFn], dict, str]] = {
                                          "model_correction": True, "prefix_aware": True},
                 "kairos + KV-transfer-aware TTFT_pf + projected decode state + learned model correction"
                 " + cache-aware Eq. 1-6"),
+    "taichi": (_taichi, {"flowing_decode": True},
+               "TaiChi baseline: P-heavy/D-heavy instances, length-aware prefill, flowing decode (simulator)"),
 }
 
 
@@ -94,7 +103,7 @@ def parse_policy(spec: str) -> Policy:
     name, *raw = spec.strip().split(":")
     if name not in POLICIES:
         raise PolicyError(f"unknown policy {spec!r}; known: {', '.join(sorted(POLICIES))} "
-                          "(e.g. pd, sq:1, sl:1024, dynamo, kairos, kairos+)")
+                          "(e.g. pd, sq:1, sl:1024, dynamo, kairos, kairos+, taichi)")
     try:
         args = [int(a) for a in raw]
     except ValueError:

@@ -12,6 +12,7 @@ import pytest
 
 from services.node_agent.backend import EmulatedBackend
 from shared.engine import GroundTruth
+from shared.wire import InferenceRequest
 from tests.factories import tiny_model
 
 # the node believes ~2-6 ms steps (the tiny model scaled down 10x) ...
@@ -61,21 +62,46 @@ PREFILL_STEPS = [  # per step: [(req, tokens, cached)]
 ]
 
 
-async def realtime_run(backend: EmulatedBackend, expected: int) -> list[tuple]:
-    stop = asyncio.Event()
-    steps: list = []
-    t0 = time.monotonic()
+def request(rid: str, prompt: int, output: int = 1) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=output,
+                            created_unix_ms=0.0, deadline_unix_ms=1e15)
 
-    async def on_step(s) -> None:
-        steps.append((s, (time.monotonic() - t0) * 1000.0))
-        if len(steps) == expected:
-            stop.set()
 
-    async def on_allocated(ids) -> None:  # no remote decodes in these cases
+class Recorder:
+    """The agent's side of EngineEvents: steps with their wall-clock end, and the request events."""
+
+    def __init__(self, expected: int, stop: asyncio.Event) -> None:
+        self.steps: list = []
+        self.events: list[tuple] = []
+        self.expected, self.stop, self.t0 = expected, stop, time.monotonic()
+
+    async def on_step(self, s) -> None:
+        self.steps.append((s, (time.monotonic() - self.t0) * 1000.0))
+        if len(self.steps) == self.expected:
+            self.stop.set()  # the run loop still reports this step's request events
+
+    async def on_allocated(self, ids) -> None:  # no remote decodes in these cases
         raise AssertionError(ids)
 
-    await asyncio.wait_for(backend.run(on_step, on_allocated, stop), timeout=30)
-    return steps
+    async def on_prefill_done(self, rid) -> None:
+        self.events.append(("prefill_done", rid))
+
+    async def on_tokens(self, rid, first_index, count, text) -> None:
+        self.events.append(("tokens", rid, first_index, count))
+
+    async def on_finished(self, rid, finish_reason, cached_tokens) -> None:
+        self.events.append(("finished", rid, finish_reason))
+
+    async def on_failed(self, rid, status, code, message) -> None:
+        raise AssertionError((rid, code, message))
+
+
+async def realtime_run(backend: EmulatedBackend, expected: int, rec: Recorder | None = None) -> list[tuple]:
+    stop = asyncio.Event()
+    rec = rec or Recorder(expected, stop)
+    rec.stop = stop
+    await asyncio.wait_for(backend.run(rec, stop), timeout=30)
+    return rec.steps
 
 
 def check_times(real: list[tuple], comps: list[tuple[int, int, int, float]]) -> None:
@@ -93,7 +119,7 @@ def check_times(real: list[tuple], comps: list[tuple[int, int, int, float]]) -> 
 async def test_decode_node_runs_hand_derived_chunks_in_true_time():
     backend = EmulatedBackend("decode", BELIEF, truth=GroundTruth(TRUTH, scale=SCALE))
     for rid, prompt, output, sched in DECODE_CASE:
-        backend.add_deflected(rid, prompt, output, sched)
+        backend.add_deflected(request(rid, prompt, output), sched)
     real = await realtime_run(backend, len(DECODE_STEPS))
     got = [(s.batch_size, s.kv_tokens, s.prefill_tokens, s.prefill_chunks[0][2] if s.prefill_chunks else 0)
            for s, _ in real]
@@ -104,7 +130,7 @@ async def test_decode_node_runs_hand_derived_chunks_in_true_time():
 async def test_prefill_node_runs_hand_derived_chunks_in_true_time():
     backend = EmulatedBackend("prefill", BELIEF, truth=GroundTruth(TRUTH, scale=SCALE))
     for rid, prompt in PREFILL_CASE:
-        backend.add_prefill(rid, prompt)
+        backend.add_prefill(request(rid, prompt))
     real = await realtime_run(backend, len(PREFILL_STEPS))
     assert [list(s.prefill_chunks) for s, _ in real] == PREFILL_STEPS
     comps = []
@@ -112,3 +138,22 @@ async def test_prefill_node_runs_hand_derived_chunks_in_true_time():
         n = sum(t for _, t, _ in chunks)
         comps.append((0, 0, n, sum(t * c for _, t, c in chunks) / n))
     check_times(real, comps)
+
+
+async def test_emulated_backend_reports_request_events_from_its_steps():
+    """Every output token is reported once, in order from index 0, then the request finishes with
+    ``length``; a prefill node reports prefill done once per prompt and no tokens."""
+    backend = EmulatedBackend("decode", BELIEF)
+    for rid, prompt, output, sched in DECODE_CASE:
+        backend.add_deflected(request(rid, prompt, output), sched)
+    rec = Recorder(len(DECODE_STEPS), asyncio.Event())
+    await realtime_run(backend, len(DECODE_STEPS), rec)
+    for rid, _prompt, output, _sched in DECODE_CASE:
+        mine = [e for e in rec.events if e[1] == rid]
+        assert mine == [("tokens", rid, i, 1) for i in range(output)] + [("finished", rid, "length")]
+    backend = EmulatedBackend("prefill", BELIEF)
+    for rid, prompt in PREFILL_CASE:
+        backend.add_prefill(request(rid, prompt))
+    rec = Recorder(len(PREFILL_STEPS), asyncio.Event())
+    await realtime_run(backend, len(PREFILL_STEPS), rec)
+    assert sorted(rec.events) == sorted(("prefill_done", rid) for rid, _ in PREFILL_CASE)

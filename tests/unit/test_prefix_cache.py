@@ -228,11 +228,17 @@ def test_heartbeat_feed_resyncs_after_a_lost_heartbeat() -> None:
 def test_emulated_backend_reports_what_its_engine_caches() -> None:
     from services.node_agent.backend import EmulatedBackend
 
+    from shared.wire import InferenceRequest
+
+    def req(rid: str, prompt: int) -> InferenceRequest:
+        return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=1, created_unix_ms=0.0,
+                                deadline_unix_ms=1e15)
+
     be = EmulatedBackend("prefill", MODEL)
     be.note_block_hashes("a", [11, 12, 13], 16)
-    be.add_prefill("a", 60)
+    be.add_prefill(req("a", 60))
     be.note_block_hashes("b", [21, 22], 512)  # another granularity: not used
-    be.add_prefill("b", 40)
+    be.add_prefill(req("b", 40))
     run(be.engine)
     assert be.cache_events(full=False) == (16, [11, 12, 13], [])
     assert be.cache_events(full=False) == (16, [], [])

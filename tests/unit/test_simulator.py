@@ -27,7 +27,7 @@ def simulate(policy: str, **cfg):
     return Simulator(SimConfig(**cfg), MODEL, parse_policy(policy), PARAMS).run(WORKLOAD)
 
 
-@pytest.mark.parametrize("policy", ["pd", "kairos", "kairos+", "sl:2048", "dynamo"])
+@pytest.mark.parametrize("policy", ["pd", "kairos", "kairos+", "sl:2048", "dynamo", "sq:1", "taichi"])
 def test_conservation_every_request_finishes_once_and_components_sum_to_ttft(policy):
     res = simulate(policy, tbt_guard=policy == "kairos+")
     assert len(res.records) == len(WORKLOAD)
