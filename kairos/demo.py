@@ -28,7 +28,8 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     wl = parse_workload(workload, rps, duration, seed, max_model_len=model.engine.max_model_len)
     policy = parse_policy(opts.policy)
     cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms,
-                    tbt_guard=policy.name == "kairos+")  # kairos up turns the node-side guard on for kairos+
+                    tbt_guard=policy.name == "kairos+",  # kairos up turns the node-side guard on for kairos+
+                    truth_scale=opts.truth_scale)
     return run_one(wl, policy, model, params, cfg, rps=rps, label="simulated")
 
 
@@ -126,13 +127,50 @@ def progress_default(explicit: bool | None) -> bool:
     return True if explicit is None else explicit
 
 
+#: ``kairos demo --engine vllm``: 1P1D on 2 CPU cores, ~30 requests of the Bursty mix (prompts capped
+#: at the tiny model's 2,048-token context), SLOs scaled to CPU step times (cpu-tiny-vllm profile:
+#: a 1,024-token chunk step ≈ 48 ms, 512 ≈ 25 ms), one dispatcher (cores are scarce)
+VLLM_DEMO = {"workload": "bursty", "rps": 2.0, "duration": 15.0, "prefill": 1, "decode": 1, "dispatchers": 1,
+             "tbt_slo_ms": 50.0, "ttft_slo_ms": 2000.0}
+
+
 def demo_command(**o) -> None:
-    """Thin click body (see kairos/cli.py)."""
-    opts = UpOptions(port=o["port"] or free_port(), policy=o["policy"], profile=o["profile"],
-                     prefill=o["prefill"], decode=o["decode"], dispatchers=o["dispatchers"],
-                     trace_file=o["trace_file"])
-    sys.exit(run_demo(opts, workload=o["workload"], rps=o["rps"], duration=o["duration"], seed=o["seed"],
-                      json_path=o["json_path"], progress=progress_default(o["progress"])))
+    """Thin click body (see kairos/cli.py); fills the engine-dependent defaults."""
+    import tempfile
+
+    vllm = o.get("engine") == "vllm"
+    dflt = VLLM_DEMO if vllm else {"workload": "azure-code:busiest", "rps": None, "duration": 60.0, "prefill": 2,
+                                   "decode": 2}
+    for key in ("workload", "duration", "prefill", "decode"):
+        if o.get(key) is None:
+            o[key] = dflt[key]
+    rps = o["rps"] if o["rps"] is not None or o["workload"] != dflt["workload"] else dflt["rps"]
+    extra: dict[str, Any] = {}
+    tmp = None
+    if vllm:
+        from kairos.engines import make_tiny_model
+        from kairos.up import VLLM_DEFAULTS
+
+        model_dir = o.get("model_dir")
+        if model_dir is None:
+            tmp = tempfile.TemporaryDirectory(prefix="kairos-tiny-model-")
+            model_dir = tmp.name
+            print(f"kairos demo: writing the tiny random-weight model to {model_dir} ...", file=sys.stderr, flush=True)
+            make_tiny_model(model_dir)
+        extra = {"engine": "vllm", "model_dir": model_dir, "served_model": VLLM_DEFAULTS["served_model"],
+                 "startup_timeout_s": VLLM_DEFAULTS["startup_timeout_s"], "tbt_slo_ms": VLLM_DEMO["tbt_slo_ms"],
+                 "ttft_slo_ms": VLLM_DEMO["ttft_slo_ms"],
+                 "dispatchers": VLLM_DEMO["dispatchers"] if o["dispatchers"] == 2 else o["dispatchers"]}
+    opts = UpOptions(**{"port": o["port"] or free_port(), "policy": o["policy"], "profile": o["profile"],
+                        "prefill": o["prefill"], "decode": o["decode"], "dispatchers": o["dispatchers"],
+                        "trace_file": o["trace_file"], "truth_scale": o.get("truth_scale", 1.0), **extra})
+    try:
+        code = run_demo(opts, workload=o["workload"], rps=rps, duration=o["duration"], seed=o["seed"],
+                        json_path=o["json_path"], progress=progress_default(o["progress"]))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    sys.exit(code)
 
 
 __all__ = ["run_demo", "demo_command", "progress_default", "side_by_side", "simulate_same"]

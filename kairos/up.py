@@ -1,7 +1,8 @@
 """``kairos up``: the whole stack on this machine, one OS process per service.
 
 Starts (unless ``--nats-url`` points at a running server) a bundled ``nats-server -js`` on a free
-port with a temporary store, then the state aggregator, the node agents (emulated engines), the
+port with a temporary store, then the state aggregator, the node agents (emulated engines, or with
+``--engine vllm`` one vLLM-CPU server per node beside its agent, kairos/engines.py), the
 dispatcher replicas and the ingress — each ``python -m services.<name>`` with its configuration in
 ``KAIROS_*`` environment variables. Waits for the ingress's ``/health``, prints where everything
 is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
@@ -36,11 +37,13 @@ from services.node_agent.config import AgentConfig
 from services.state_aggregator.config import AggregatorConfig
 from shared import permissions as P
 from shared.envconfig import to_env
+from kairos.engines import VllmServer, tokenizer_path, vllm_python
 from shared.permissions import GeneratedAuth, write_secrets
 
 
-#: deflection slots per decode node under kairos+ (its projection plans each one after the others)
-KAIROS_PLUS_SLOTS = 4
+#: deflection slots per decode node under kairos+ (its projection plans each one after the others);
+#: one definition, shared with the simulator
+from shared.routing import KAIROS_PLUS_SLOTS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,28 @@ class UpOptions:
     log_dir: str | None = None
     startup_timeout_s: float = 60.0
     max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
+    engine: str = "emulated"  #: ``emulated`` or ``vllm`` (one vLLM-CPU server per node)
+    model_dir: str | None = None  #: vllm: local model directory (config, weights, tokenizer.json)
+    stale_after_ms: float | None = None  #: aggregator: node stale after this silence (None: 3 heartbeat periods)
+    truth_scale: float = 1.0  #: emulated engines' steps take this × what they predict (model error on purpose)
     #: bundled NATS: one generated user/password per role with subject permissions (shared/permissions.py)
     nats_auth: bool = True
     #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
     nats_secrets_dir: str | None = None
     #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
     api_keys: tuple[str, ...] = ()
+
+
+#: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the hand-fitted CPU
+#: profile, the served model name and a longer startup (each vLLM-CPU server takes 30–60 s on 2 cores)
+#: and a longer heartbeat silence before a node counts as lost (2 s: the engines' forward passes
+#: share the cores with the agents, whose event loops can stall for hundreds of ms)
+#: and for a decode agent to accept a KV handoff (10 s instead of 2 s, for the same reason)
+VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
+                 "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
+#: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
+#: (heartbeats, routing) must not wait for the engines' forward passes
+ENGINE_NICE = 5
 
 
 @dataclass
@@ -159,13 +178,30 @@ def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, An
     return {"api_keys": keys, "api_key_file": os.path.abspath(key_file) if key_file else None}
 
 
-def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None) -> list[Child]:
+def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None,
+         run_dir: Path | None = None) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError).
 
     ``creds`` (``{user: password file}``, :func:`shared.permissions.write_secrets`): each service logs in to NATS
     as its role (``KAIROS_NATS_USER`` + ``KAIROS_NATS_PASSWORD_FILE``); None: no NATS credentials
-    are set (the caller's environment is passed through)."""
+    are set (the caller's environment is passed through).
+
+    With ``opts.engine == "vllm"`` each node gets a vLLM server (started before its agent; its
+    engine-state socket lives in ``run_dir``) and the ingress counts tokens with the model's
+    ``tokenizer.json``. Raises FileNotFoundError when the vLLM python or the tokenizer is missing.
+    """
     py = sys.executable
+    vllm = opts.engine == "vllm"
+    if vllm:
+        if not opts.model_dir:
+            raise ValueError("--engine vllm needs --model DIR (a local model directory)")
+        from shared.latency import load_profile
+
+        vpy, profile = vllm_python(), load_profile(opts.profile)
+        tokenizer = tokenizer_path(opts.model_dir)
+    else:
+        tokenizer = opts.tokenizer_path
+    run_dir = run_dir or log_dir
     # children run with the repo as cwd: a relative path from the user's shell must be made absolute
     base = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
     children: list[Child] = []
@@ -181,21 +217,39 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
 
     mp = free_port()
     add("state_aggregator", "services.state_aggregator",
-        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR)),
+        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR),
+                         stale_after_ms=opts.stale_after_ms
+                         or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
     # kairos+ (ARCHITECTURE §4): several deflections per decode node, projected by the policy, and
     # the node-side guard that shrinks a chunk when decodes joined after the decision
     plus = opts.policy.strip().startswith("kairos+")
     slots = opts.max_deflections_per_node or (KAIROS_PLUS_SLOTS if plus else 1)
     guard = opts.beta * opts.tbt_slo_ms if plus else None
+    ncpu, k = os.cpu_count() or 1, 0
     for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
         for i in range(n):
             mp = free_port()
             node = f"{role}-{i}"
+            engine: dict[str, Any] = {}
+            if vllm:
+                engine["kv_handoff_timeout_s"] = VLLM_DEFAULTS["kv_handoff_timeout_s"]
+                ucx = free_port()
+                srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(opts.model_dir),
+                                 served_model=opts.served_model, port=free_port(),
+                                 state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
+                                 ucx_ports=f"{ucx}-{ucx + 20}", profile=profile,
+                                 omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind",
+                                 nice=ENGINE_NICE)
+                k += 1
+                children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
+                                      log_dir / f"vllm-{node}.log"))
+                engine |= {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr}
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **login(P.agent_user(node))),
-                f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, emulated)")
+                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,
+                            truth_scale=opts.truth_scale, **login(P.agent_user(node))),
+                f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, {opts.engine})")
     for i in range(opts.dispatchers):
         mp = free_port()
         add(f"dispatcher-{i}", "services.dispatcher",
@@ -205,7 +259,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=opts.tokenizer_path, **api_keys(opts), **login(P.INGRESS)),
+                      tokenizer_path=tokenizer, **api_keys(opts), **login(P.INGRESS)),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 
@@ -296,13 +350,14 @@ class Supervisor:
         url = self.start()
         if self.stopping:
             return
-        for c in plan(self.opts, url, self.log_dir, self.creds):
+        for c in plan(self.opts, url, self.log_dir, self.creds, self.tmp):
             self._spawn(c)
         self.write_prometheus_targets()
         # ready = every service's /health is 200 and the ingress sees every node as routable
         want = {f"prefill-{i}" for i in range(self.opts.prefill)} | {f"decode-{i}" for i in range(self.opts.decode)}
         ingress = f"http://{self.opts.host}:{self.opts.port}/health"
         pending = {c.name: c.endpoint.replace("/metrics", "/health") for c in self.procs if c.endpoint.endswith("/metrics")}
+        pending |= {c.name: f"{c.endpoint}/v1/models" for c in self.procs if c.kind.startswith("vllm")}
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while not self.stopping:  # a signal during startup: stop waiting (the caller calls down())
             dead = self._dead()
@@ -341,8 +396,9 @@ class Supervisor:
         if o.nats_url:
             rows.insert(1, ("nats", "message bus (external)", "-", o.nats_url))
         w = [max(len(r[i]) for r in rows) for i in range(4)]
+        engines = "emulated engines" if o.engine == "emulated" else f"vLLM engines ({o.model_dir})"
         lines = [f"Kairos is up: {o.prefill}P{o.decode}D, {o.dispatchers} dispatcher(s), policy {o.policy}, "
-                 f"profile {o.profile}, emulated engines", ""]
+                 f"profile {o.profile}, {engines}", ""]
         lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)).rstrip() for r in rows]
         base = f"http://{o.host}:{o.port}"
         lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
@@ -378,9 +434,10 @@ class Supervisor:
 
     #: stop order (matched against a child's kind or name): dispatchers first (nothing new is
     #: routed), then the node agents (each ends its in-flight requests with an explicit
-    #: ``node_shutdown`` error), then the ingress (it relays those errors to the clients, then closes),
-    #: then the aggregator and NATS, which the others need until they are gone
-    STOP_ORDER = (("dispatcher",), ("agent",), ("ingress",), ("aggregator",), ("message bus",))
+    #: ``node_shutdown`` error), then the vLLM engines (if any; their agents are gone), then the
+    #: ingress (it relays those errors to the clients, then closes), then the aggregator and NATS,
+    #: which the others need until they are gone
+    STOP_ORDER = (("dispatcher",), ("agent",), ("vllm",), ("ingress",), ("aggregator",), ("message bus",))
 
     def down(self) -> None:
         """Stop every started process in :attr:`STOP_ORDER`, group by group; a process still running

@@ -244,6 +244,7 @@ class BusWatch:
     Attributes:
         disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected.
         reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
+        connected_at: ``time.monotonic()`` when this watch started (the service's first connection).
         reconnects: reconnects handled so far.
     """
 
@@ -254,6 +255,7 @@ class BusWatch:
         self.poll_s, self.retry_s = poll_s, retry_s
         self.disconnected_since: float | None = None
         self.reconnected_at: float | None = None
+        self.connected_at = time.monotonic()
         self.reconnects = 0
         self._seen = nc.stats.get("reconnects", 0)
         self._task: asyncio.Task | None = None
@@ -294,11 +296,14 @@ class BusWatch:
                 self.log.info("bus_resumed", outage_s=None if outage is None else round(outage, 3))
 
     def settling(self, window_s: float) -> bool:
-        """True while disconnected or within ``window_s`` of the last reconnect: other clients
-        (node agents) may not have re-subscribed yet, so "no responders" proves nothing."""
+        """True while disconnected or within ``window_s`` of the last reconnect or of this
+        service's first connection: other clients (node agents) may not have re-subscribed yet, so
+        "no responders" proves nothing. A replica that starts just after a NATS restart meets the
+        agents in the middle of their reconnect, exactly as one that reconnected itself."""
         if self.disconnected_since is not None or not self.nc.is_connected:
             return True
-        return self.reconnected_at is not None and time.monotonic() - self.reconnected_at < window_s
+        last = max(self.connected_at, self.reconnected_at or 0.0)
+        return time.monotonic() - last < window_s
 
     async def _safe(self, fn: Callable[[], Awaitable[None]], what: str) -> bool:
         try:
@@ -310,6 +315,16 @@ class BusWatch:
             if self.log is not None:
                 self.log.warning(what, error=repr(exc))
             return False
+
+
+async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
+    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch).
+
+    File storage with a short history, so the previous artifacts of a key can be inspected.
+    """
+    return await _creating(lambda: js.create_key_value(KeyValueConfig(
+        bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
+        description="latency-model artifacts: latency.<name> and latency.current")))
 
 
 async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[T], timeout: float,

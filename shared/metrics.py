@@ -48,6 +48,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     prefill_exec_ms: float | None = None  #: prefill execution time; None when unknown
     kv_transfer_ms: float | None = None  #: KV-cache transfer incl. link queueing; None when unknown
     decode_queue_ms: float | None = None  #: wait for decode admission; None when unknown
+    cached_tokens: int | None = None  #: prompt tokens served from the prefilling node's prefix cache
     error: str | None = None  #: failure reason; None if the request completed
 
     @property

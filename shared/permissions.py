@@ -10,7 +10,8 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   (``kairos.steps.<node>``), receives only its own jobs / KV handoffs (``kairos.jobs.<node>``,
   ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), and may delete only its own node's deflection
   reservations (``$KV.kairos_resv.decode.<node>.*``);
-* only dispatchers publish jobs (``kairos.jobs.*``), consume the request queue and create
+* only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
+  (``kairos.jobs.*``); only dispatchers consume the request queue and create
   reservations; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
   token streams (``kairos.out.*``); only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
@@ -154,15 +155,19 @@ def role_permissions(user: str) -> Permissions:
             f"$JS.API.CONSUMER.DURABLE.CREATE.{q}.{c}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
             f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
-        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT]
+        # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
+        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == AGGREGATOR:
         pub = [_kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
-        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT]
+        # step records: the aggregator's model correction (shared/correction.py)
+        sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
         pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))
-        sub += [S.STEPS_WILDCARD]
+        # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
+        pub += [_any(S.jobs_subject), _any(S.kv_subject), S.CANCEL_SUBJECT]
+        sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, _any(S.out_subject)]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user.startswith(AGENT_PREFIX):
         node = user[len(AGENT_PREFIX):]

@@ -35,6 +35,22 @@ from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection,
 from shared.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation, RoutedEvent
 
 
+#: deflection slots per decode node of ``kairos+`` (the live default of ``kairos up``; kairos: 1, §5.3)
+KAIROS_PLUS_SLOTS = 4
+
+
+def deflection_slots(policy_name: str) -> int | None:
+    """Deflections a decode node holds at once under ``policy_name`` — the default of the live
+    dispatcher (``max_deflections_per_node``) and of the simulator: ``kairos+`` →
+    :data:`KAIROS_PLUS_SLOTS`, ``taichi`` → None (no cap: TaiChi queues its decode-heavy prefills,
+    simulator only), every other policy → 1 (rule 3 turns a deflection onto a full node into a keep)."""
+    if policy_name == "kairos+":
+        return KAIROS_PLUS_SLOTS
+    if policy_name == "taichi":
+        return None
+    return 1
+
+
 def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
     """(prefill, decode) nodes a dispatcher may route to, in view order."""
     if view is None:
@@ -89,14 +105,16 @@ def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> Clus
 
 def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Mapping[str, Reservation],
                    excluded: Mapping[str, str], now_unix_ms: float, max_deflections: int = 1,
-                   full: frozenset[str] | set[str] = frozenset()) -> ClusterSnapshot | None:
+                   full: frozenset[str] | set[str] = frozenset(),
+                   prefix_hits: Mapping[str, int] = {}) -> ClusterSnapshot | None:
     """The policy input for ``req``, or None when no prefill or no decode node is routable.
 
     ``reserved`` is every live reservation (any key); a decode node with ``max_deflections``
     reservations of other requests, or listed in ``full`` (a conflict this dispatcher just met), is
     shown with ``deflection_in_flight=True`` and no projection data (no policy deflects there); a
     node with fewer is shown with its reservations as ``in_flight`` deflections (kairos+ projects
-    them; kairos skips the node, §5.3).
+    them; kairos skips the node, §5.3). ``prefix_hits`` (node → leading prompt tokens it holds,
+    from the dispatcher's :class:`shared.prefix.PrefixIndex`) becomes ``cached_prefix_tokens``.
     """
     pfs, dcs = routable(view, excluded)
     if not pfs or not dcs or view is None:
@@ -111,9 +129,12 @@ def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Ma
             in_flight = [InFlightDeflection(prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens) for r in mine]
             busy = bool(mine)
         decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
-                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting))
+                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting,
+                                     step_bias=n.correction.bias, step_safety=n.correction.safety,
+                                     cached_prefix_tokens=prefix_hits.get(n.node, 0)))
     prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
-                               kv_backlog_ms=n.kv_backlog_ms) for n in pfs]
+                               kv_backlog_ms=n.kv_backlog_ms, step_bias=n.correction.bias,
+                               cached_prefix_tokens=prefix_hits.get(n.node, 0)) for n in pfs]
     age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
     return ClusterSnapshot(
         request=RequestView(id=req.request_id, prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens),
@@ -143,9 +164,20 @@ def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, d
         return Job(kind="deflect", request=req, node=decision.node, decode_candidates=[decision.node],
                    chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
                    reservation_key=reservation_key, reservation_revision=reservation_revision,
-                   dispatcher_id=dispatcher_id, attempt=attempt)
+                   decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
+                   attempt=attempt)
     return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
                dispatcher_id=dispatcher_id, attempt=attempt)
+
+
+def decision_batch_size(decision: Decision, snap: ClusterSnapshot) -> int:
+    """B the decision's chunk schedule was computed with on ``decision.node``: the node's B_n, plus
+    one per deflection in flight there that kairos+ projected ahead of this one (each joins the
+    batch before this prefill runs, shared/policy/kairos.py). 0 when the node is not in the snapshot."""
+    for dn in snap.decode_nodes:
+        if dn.id == decision.node:
+            return dn.batch_size + len(dn.in_flight)
+    return 0
 
 
 def reservation_ttl_s(decision: Decision, floor_s: float) -> int:

@@ -24,6 +24,8 @@ PosInt = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_PER_REQUEST)]
 KvTokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_KV_TOKENS)]
 BatchSize = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+#: a learned multiplicative correction of the latency model (shared/correction.py bounds it)
+Factor = Annotated[float, msgspec.Meta(gt=0, le=100)]
 
 
 class SnapshotError(ValueError):
@@ -47,6 +49,11 @@ class PrefillNodeView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     queue_prompt_tokens: list[NonNegInt] = []
     #: KV-transfer work queued on this node's outgoing links, in ms (kairos+ only; 0 if unknown).
     kv_backlog_ms: Annotated[float, msgspec.Meta(ge=0, le=1e9)] = 0.0
+    #: learned mean actual/predicted step time of this node (kairos+ model correction; 1 = none)
+    step_bias: Factor = 1.0
+    #: leading prompt tokens of the routed request this node holds in its prefix cache (the view's
+    #: prefix index, shared/prefix.py; 0 = none or unknown). Read by cache-aware policies only.
+    cached_prefix_tokens: NonNegInt = 0
 
 
 class InFlightDeflection(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -68,6 +75,13 @@ class DecodeNodeView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     in_flight: list[InFlightDeflection] = []
     #: Requests waiting for admission (KV handoffs not yet running), informational.
     waiting: BatchSize = 0
+    #: learned mean actual/predicted step time of this node (kairos+ model correction; 1 = none)
+    step_bias: Factor = 1.0
+    #: learned upper bound of actual/predicted: Eq. 5 checks T·step_safety ≤ β·τ (kairos+)
+    step_safety: Factor = 1.0
+    #: leading prompt tokens of the routed request this node holds in its prefix cache (the view's
+    #: prefix index, shared/prefix.py; 0 = none or unknown). Read by cache-aware policies only.
+    cached_prefix_tokens: NonNegInt = 0
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,9 +13,11 @@ Hierarchy::
     kairos.kvdone.<node>          KV pulled, release blocks: decode agent -> prefill agent
     kairos.out.<request_id>       token stream / final result / error: node_agent -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
+    kairos.steps.<node>           one record per engine step: node_agent -> aggregator, profiler
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
+    $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
     $KV.kairos_requests.<rid>.claim  the one node executing bus request <rid> (atomic create)
 """
 
@@ -43,6 +45,11 @@ VIEW_KEY = "view"
 RESERVATION_BUCKET = "kairos_resv"
 #: KV bucket of per-request records: ``<rid>.decision``, ``<rid>.prefill``, ``<rid>.decode``, ``<rid>.ingress``.
 REQUESTS_BUCKET = "kairos_requests"
+
+#: KV bucket of latency-model artifacts written by ``kairos profile``: ``latency.<name>`` per
+#: profile, and :data:`CURRENT_MODEL_KEY`, the one dispatchers watch and hot-reload.
+MODELS_BUCKET = "kairos_models"
+CURRENT_MODEL_KEY = "latency.current"
 
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -100,6 +107,19 @@ def node_of_reservation_key(key: str) -> str | None:
     return parts[1] if len(parts) == 3 and parts[0] == "decode" and parts[2].isdigit() else None
 
 
+def steps_subject(node: str) -> str:
+    """Subject of ``node``'s per-step records (:class:`shared.wire.StepRecordEvent`)."""
+    return f"{PREFIX}.steps.{check_token(node, 'node id')}"
+
+
+STEPS_WILDCARD = f"{PREFIX}.steps.*"
+
+
+def model_key(name: str) -> str:
+    """KV key (bucket :data:`MODELS_BUCKET`) of the latency artifact named ``name``."""
+    return f"latency.{check_token(name, 'profile name')}"
+
+
 RECORD_PARTS = ("decision", "prefill", "decode", "ingress")
 
 
@@ -114,14 +134,3 @@ def claim_key(request_id: str) -> str:
     """KV key (bucket :data:`REQUESTS_BUCKET`) of the execution claim of bus request ``request_id``
     (a :class:`~shared.wire.Claim`, created atomically by the node that runs it)."""
     return f"{check_token(request_id, 'request id')}.claim"
-
-
-# -- added for the permission table (shared/permissions.py); contract D, owned by the profiler ----
-def steps_subject(node: str) -> str:
-    """Step records of ``node``'s engine (``StepRecordEvent``): node agent -> profiler."""
-    return f"{PREFIX}.steps.{check_token(node, 'node id')}"
-
-
-STEPS_WILDCARD = f"{PREFIX}.steps.*"
-#: KV bucket of latency models (``latency.<profile>``, ``current``): profiler -> dispatchers, agents.
-MODELS_BUCKET = "kairos_models"

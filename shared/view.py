@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
+from shared.correction import StepCorrection
 from shared.heartbeat import HeartbeatGuard
 from shared.wire import ClusterView, InFlight, NodeState, NodeView, RoutedEvent
 
@@ -125,3 +128,12 @@ def fold_pending(st: NodeState, pending: list[RoutedEvent], age_ms: float, stale
                     deflection_in_flight=deflecting, in_flight=in_flight, waiting=st.waiting,
                     kv_backlog_ms=st.kv_backlog_ms, pending_routed=len(pending),
                     state_sent_unix_ms=st.sent_unix_ms, pending_ids=[p.request_id for p in pending])
+
+
+def with_corrections(view: ClusterView, corrections: dict[str, StepCorrection]) -> ClusterView:
+    """``view`` with each node's learned step-time correction (nodes without one keep the identity)."""
+    if not corrections:
+        return view
+    nodes = [msgspec.structs.replace(n, correction=corrections[n.node]) if n.node in corrections else n
+             for n in view.nodes]
+    return msgspec.structs.replace(view, nodes=nodes)

@@ -9,10 +9,11 @@ durations are ``*_ms``. Decoding validates types and names the offending field.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import msgspec
 
+from shared.correction import StepCorrection
 from shared.policy.base import Decision
 
 SCHEMA_VERSION = 1
@@ -82,6 +83,11 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     created_unix_ms: float  #: when the ingress accepted the request
     deadline_unix_ms: float  #: after this the ingress has answered 504; nobody should work on it
     sampling: SamplingParams = SamplingParams()  #: the client's sampling parameters (contract C)
+    #: prefix-cache hashes of the prompt's full blocks of ``block_hash_tokens`` tokens each
+    #: (shared/prefix.py: from the token ids, else from the text at the ingress's 4 bytes/token);
+    #: empty when the ingress hashes nothing
+    block_hashes: list[int] = []
+    block_hash_tokens: NonNeg = 0
     #: False when the client set no max_tokens (``max_tokens`` is then the endpoint's default: 16 for
     #: completions, the remaining context for chat); the emulated engine ends such requests with EOS
     max_tokens_explicit: bool = True
@@ -107,6 +113,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     predicted_step_ms: list[float] = []  #: deflect: the policy's predicted latency per step, ms
     reservation_key: str | None = None  #: deflect: KV key reserving this decode node
     reservation_revision: int | None = None  #: deflect: its revision (release = compare-and-delete)
+    #: deflect: B_n of the decode node the decision assumed (its chunk schedule's χ_i include these
+    #: B decode tokens; a vLLM engine is given p_i = χ_i − B prompt tokens per step)
+    decision_batch_size: NonNeg = 0
     dispatcher_id: str = ""  #: replica that routed the job
     attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
 
@@ -152,6 +161,10 @@ class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
     src_node: str  #: prefill node holding the KV blocks
     kv_tokens: NonNeg  #: KV tokens to transfer (the prompt length)
     prefill_done_unix_ms: float
+    cached_tokens: NonNeg = 0  #: prompt tokens the prefill node served from its prefix cache
+    #: vLLM prefill node: the engine's ``kv_transfer_params`` for this KV (NIXL remote block ids,
+    #: engine id, host, port, …), passed unchanged to the decode node's engine; None when emulated
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class KvAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -208,6 +221,13 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     running: NonNeg = 0
     kv_backlog_ms: float = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
     accepting: bool = True  #: False while draining
+    #: prefix-cache events (shared/engine/prefix.py, shared/prefix.py ``on_heartbeat``): the cache's
+    #: block size in tokens (0: the engine reports no cache), the block hashes stored and removed
+    #: since the previous heartbeat (net), or with ``cache_full`` the whole cache in ``cache_stored``
+    cache_block_tokens: NonNeg = 0
+    cache_stored: list[int] = []
+    cache_removed: list[int] = []
+    cache_full: bool = False
 
 
 class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
@@ -221,6 +241,31 @@ class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: NonNeg
     output_tokens: NonNeg
     node_accepted_unix_ms: float  #: from JobAck (node clock, comparable with NodeState.sent_unix_ms)
+
+
+class StepRecordEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One executed engine step (``kairos.steps.<node>``, core NATS), from the backend-neutral
+    ``StepOutput`` of any backend: predicted vs actual for the closed-loop correction (aggregator)
+    and the samples ``kairos profile`` fits.
+
+    ``prefill_cached`` is the token-weighted mean of the chunks' cached prompt tokens (the model's
+    ``c``/``prefill_cached`` input, exact for its bilinear features).
+    """
+
+    v: int = SCHEMA_VERSION
+    node: str
+    role: NodeRole
+    step: NonNeg
+    started_unix_ms: float
+    wall_ms: float  #: measured step time, ms
+    predicted_ms: float  #: the node's latency model on this step's batch, ms
+    batch_size: NonNeg  #: B, decodes in the step
+    kv_tokens: NonNeg  #: K, their context tokens
+    prefill_tokens: NonNeg  #: new prompt tokens in the step (all chunks)
+    prefill_cached: float = 0.0
+    prefill_chunks: NonNeg = 0  #: prefill chunks in the step
+    deflected: bool = False  #: a deflected chunk ran in this step
+    model_version: str = ""  #: ``name@version`` of the node's latency model
 
 
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
@@ -242,6 +287,8 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     #: node clock time its last state was sent (RoutedEvent.node_accepted_unix_ms is comparable)
     state_sent_unix_ms: float = 0.0
     pending_ids: list[str] = []  #: request ids of the routed jobs folded in (``pending_routed`` of them)
+    #: learned step-time correction of this node (aggregator, from kairos.steps.<node>); kairos+ uses it
+    correction: StepCorrection = StepCorrection()
 
 
 class ClusterView(msgspec.Struct, frozen=True, kw_only=True):

@@ -57,6 +57,7 @@ BUNDLED_TRACES: dict[str, str] = {
 }
 DEFAULT_MAX_MODEL_LEN = 32768  #: context window in tokens (§3: DeepSeek-V2-Lite, 32K)
 MOONCAKE_BUCKET_MS = 3000.0  #: the Mooncake trace's timestamps are rounded to ~3 s buckets
+MOONCAKE_BLOCK_TOKENS = 512  #: tokens per ``hash_ids`` block of the Mooncake trace (its README)
 
 # Paper §3 overall percentiles (tokens) and the log-normal σ fitted to them (CALIBRATION.md §B).
 PROMPT_P25, PROMPT_P50, PROMPT_P90 = 2071, 3569, 10336
@@ -93,6 +94,10 @@ class WorkloadRequest(msgspec.Struct, frozen=True):
     arrival_s: float  #: arrival time in seconds since the workload start, >= 0
     prompt_tokens: int  #: prompt length in tokens, >= 1
     output_tokens: int  #: completion length in tokens (the replay's max_tokens), >= 1
+    #: prefix-cache hashes of the prompt's blocks (block i's hash stands for tokens
+    #: [0, (i+1)·bt)): the Mooncake trace's ``hash_ids`` (bt = :data:`MOONCAKE_BLOCK_TOKENS`); empty
+    #: for traces and generators without content (no prefix reuse is invented)
+    block_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
@@ -111,14 +116,15 @@ def _fit(prompt: int, output: int, max_model_len: int) -> tuple[int, int]:
 
 
 def _build(path: Path, prefix: str | None, rows: Sequence[tuple[float, int, int]],
-           max_model_len: int) -> list[WorkloadRequest]:
-    """Requests from (arrival_s, prompt, output) rows: ids by file row, sorted by arrival (stable,
-    so file order breaks ties)."""
+           max_model_len: int, hashes: Sequence[tuple[int, ...]] | None = None) -> list[WorkloadRequest]:
+    """Requests from (arrival_s, prompt, output) rows (and per-row block hashes): ids by file row,
+    sorted by arrival (stable, so file order breaks ties)."""
     if not rows:
         raise WorkloadError(f"{path}: no requests")
     if max_model_len < 2:
         raise WorkloadError(f"max_model_len must be >= 2, got {max_model_len}")
-    reqs = [WorkloadRequest(f"{prefix or path.stem}-{i:06d}", float(t), *_fit(p, o, max_model_len))
+    reqs = [WorkloadRequest(f"{prefix or path.stem}-{i:06d}", float(t), *_fit(p, o, max_model_len),
+                            block_hashes=hashes[i] if hashes else ())
             for i, (t, p, o) in enumerate(rows)]
     return sorted(reqs, key=lambda r: r.arrival_s)
 
@@ -192,13 +198,18 @@ class _MooncakeRow(msgspec.Struct):
     timestamp: Annotated[float, msgspec.Meta(ge=0)]  # ms, rounded to ~3 s buckets
     input_length: Annotated[int, msgspec.Meta(ge=1)]  # prompt tokens
     output_length: Annotated[int, msgspec.Meta(ge=0)]  # completion tokens (0 is clamped to 1)
+    hash_ids: list[int] = []  # one id per 512-token block of the prompt, shared prefixes share ids
 
 
 def load_mooncake_jsonl(path: str | Path, seed: int = 0, *, bucket_ms: float = MOONCAKE_BUCKET_MS,
                         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
                         id_prefix: str | None = None) -> list[WorkloadRequest]:
     """Load a Mooncake JSON-lines trace (fields ``timestamp`` in ms, ``input_length``,
-    ``output_length``; others such as ``hash_ids`` are ignored).
+    ``output_length``, optional ``hash_ids``).
+
+    ``hash_ids`` (one per :data:`MOONCAKE_BLOCK_TOKENS`-token block; requests sharing a prefix
+    share its ids — the Mooncake paper's salted block hashes, each standing for the whole prefix
+    up to its block) become ``block_hashes``, so the engines' prefix caches see the trace's reuse.
 
     The public timestamps are rounded to ~3 s buckets, which would replay as bursts of simultaneous
     arrivals. Each distinct timestamp ``t`` is a bucket ``[t, t + w)`` with ``w = min(bucket_ms,
@@ -216,6 +227,7 @@ def load_mooncake_jsonl(path: str | Path, seed: int = 0, *, bucket_ms: float = M
     decoder = msgspec.json.Decoder(_MooncakeRow)
     stamps: list[float] = []
     lengths: list[tuple[int, int]] = []
+    hashes: list[tuple[int, ...]] = []
     with _open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -226,6 +238,7 @@ def load_mooncake_jsonl(path: str | Path, seed: int = 0, *, bucket_ms: float = M
                 raise WorkloadError(f"{path}:{lineno}: {exc}") from None
             stamps.append(row.timestamp)
             lengths.append((row.input_length, row.output_length))
+            hashes.append(tuple(row.hash_ids))
     if not stamps:
         raise WorkloadError(f"{path}: no requests")
     ts = np.asarray(stamps)
@@ -234,7 +247,7 @@ def load_mooncake_jsonl(path: str | Path, seed: int = 0, *, bucket_ms: float = M
     offsets = np.random.default_rng(seed).uniform(0.0, 1.0, ts.size) * width[bucket]
     arrivals_s = (ts - starts[0] + offsets) / 1000.0
     return _build(path, id_prefix, [(t, p, o) for t, (p, o) in zip(arrivals_s.tolist(), lengths)],
-                  max_model_len)
+                  max_model_len, hashes)
 
 
 def load_plain_csv(path: str | Path, *, max_model_len: int = DEFAULT_MAX_MODEL_LEN,

@@ -31,6 +31,36 @@ def violation_attribution(result: SimResult, limit_ms: float) -> dict[str, int]:
     return out
 
 
+def drift_violations(result: SimResult, node: int, at_ms: float, limit_ms: float,
+                     settle_s: float = 30.0) -> dict[str, Any]:
+    """TBT violations on decode node ``node`` (index) around a drift starting at ``at_ms``.
+
+    Returns the rate of its decode steps over ``limit_ms`` before the drift, in the first
+    ``settle_s`` after it and from then on (fractions of that node's steps in the interval, None
+    without steps), and ``last_violation_after_s``: seconds from the drift to the last over-limit
+    step on the node (0 when there is none after the drift).
+    """
+    before, first, after = [0, 0], [0, 0], [0, 0]
+    last = 0.0
+    settle_ms = at_ms + settle_s * 1000.0
+    for ms, (t, i) in zip(result.decode_step_ms, result.decode_step_at):
+        if i != node:
+            continue
+        bucket = before if t < at_ms else first if t < settle_ms else after
+        bucket[1] += 1
+        if ms > limit_ms:
+            bucket[0] += 1
+            if t >= at_ms:
+                last = max(last, (t - at_ms) / 1000.0)
+
+    def rate(b: list[int]) -> float | None:
+        return b[0] / b[1] if b[1] else None
+
+    return {"node": node, "at_s": at_ms / 1000.0, "settle_s": settle_s, "rate_before": rate(before),
+            "rate_first_settle": rate(first), "rate_after_settle": rate(after), "steps_after_settle": after[1],
+            "last_violation_after_s": round(last, 3)}
+
+
 def run_one(workload: Sequence[WorkloadRequest], policy: Policy, model: LatencyModel, params: PolicyParams,
             cfg: SimConfig, rps: float | None = None, label: str | None = None) -> dict[str, Any]:
     """Simulate one policy on one workload and summarize.
@@ -38,8 +68,9 @@ def run_one(workload: Sequence[WorkloadRequest], policy: Policy, model: LatencyM
     Returns the row: ``policy``, ``rps``, ``requests``, ``ttft_ms`` {p50,p95,p99},
     ``ttft_breakdown_p95_ms`` {prefill_queue, prefill_exec, kv_transfer, decode_queue}, ``tbt_ms``
     {p50,p95}, ``tbt_violation_rate`` (decode steps > τ), ``slo_attainment``, ``deflections``,
-    throughput, ``sim_seconds``, ``wall_seconds``, ``speedup`` (sim s per wall s) and
-    ``deflected_step_violations`` (see :func:`violation_attribution`).
+    throughput, ``sim_seconds``, ``wall_seconds``, ``speedup`` (sim s per wall s),
+    ``deflected_step_violations`` (see :func:`violation_attribution`) and, when a decode node
+    drifts, ``drift`` (see :func:`drift_violations`).
     """
     t0 = time.perf_counter()
     res = Simulator(cfg, model, policy, params).run(workload)
@@ -51,6 +82,9 @@ def run_one(workload: Sequence[WorkloadRequest], policy: Policy, model: LatencyM
     row = {"policy": label or policy.spec, "rps": rps, **row, "sim_seconds": round(res.sim_seconds, 3),
            "wall_seconds": round(wall, 3), "speedup": round(res.sim_seconds / wall, 1) if wall > 0 else None,
            "deflected_step_violations": violation_attribution(res, pp.step_limit_ms)}
+    if cfg.drift_node is not None and cfg.drift_node.startswith("decode-"):
+        row["drift"] = drift_violations(res, int(cfg.drift_node.split("-")[1]), cfg.drift_at_s * 1000.0,
+                                        pp.tbt_slo_ms)
     return row
 
 

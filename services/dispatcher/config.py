@@ -29,6 +29,11 @@ class DispatcherConfig(MetricsServiceConfig):
     ack_wait_s: float = 5.0  #: work-queue ack wait: a silent replica's requests are redelivered after this
     max_deliver: int = 5
     max_concurrency: int = 64  #: requests routed concurrently by this replica
+    #: hot-reload the latency model from KV ``kairos_models``/``latency.current`` (``kairos profile --publish``)
+    watch_models: bool = True
+    #: tokens per prefix-cache block the ingress hashes and the engines cache (prefix-aware
+    #: policies: kairos+, dynamo); must equal the ingress's ``KAIROS_PREFIX_BLOCK_TOKENS``
+    prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()

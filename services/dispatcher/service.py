@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 
 import nats.errors
@@ -32,12 +33,14 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_request_stream, publish,
+from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
+                        publish,
                         request_subscription, request_typed)
-from shared.latency import LatencyModel, load_profile
+from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
+from shared.prefix import PrefixIndex
 from shared.routing import build_snapshot, fold_recent, keep_instead, live_reservations, make_job, reservation_ttl_s
-from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck,
+from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, NodeState,
                          Reservation, RoutedEvent, WireError, decode, encode, now_ms)
 
 #: routed events kept for folding into the view (the aggregator folds them within one Δh)
@@ -102,6 +105,9 @@ class Dispatcher:
         self._subs: list = []
         self.metrics_port: int | None = None
         self.routed = 0
+        #: prefix caches of the nodes, fed by their heartbeats' cache events (prefix-aware policies only)
+        self.prefix: PrefixIndex | None = (PrefixIndex(cfg.prefix_block_tokens)
+                                           if self.policy.uses_prefix_caches(self.params) else None)
         self._view_changed = asyncio.Event()
         self._sem = asyncio.Semaphore(cfg.max_concurrency)
         self._stop = asyncio.Event()
@@ -123,6 +129,8 @@ class Dispatcher:
         # cancels (requests the ingress already answered must not be routed when dequeued later)
         self._subs = [await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed),
                       await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
+        if self.prefix is not None:  # heartbeats' incremental cache events → this replica's index
+            self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
         self.sub = await request_subscription(js)
         self._main = [asyncio.create_task(self._pull())]
         self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
@@ -139,11 +147,20 @@ class Dispatcher:
         self.buckets = await ensure_buckets(js)
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
-        old, self._watchers = self._watchers, [view_w, resv_w]
+        new_watchers = [view_w, resv_w]
+        new_tasks = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
+        if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
+            try:
+                models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
+            except Exception as exc:  # optional: routing must not wait for it (the next re-declare retries)
+                self.log.warning("model_watch_failed", error=repr(exc))
+            else:
+                new_watchers.append(models_w)
+                new_tasks.append(asyncio.create_task(self._watch_models(models_w)))
+        old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key
-        old_tasks, self._watch_tasks = self._watch_tasks, [
-            asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
+        old_tasks, self._watch_tasks = self._watch_tasks, new_tasks
         for t in old_tasks:
             t.cancel()
         for w in old:
@@ -179,6 +196,25 @@ class Dispatcher:
             await self._runner.cleanup()
         self.tel.shutdown()
 
+    async def _watch_models(self, watcher) -> None:
+        """Hot-reload: a new artifact under ``latency.current`` replaces the model for the next
+        decisions (each decision records the ``name@version`` it used); an invalid one is logged
+        and ignored."""
+        async for e in watcher:
+            if e is None or e.value is None or e.operation is not None:
+                continue
+            try:
+                model = LatencyModel.from_dict(json.loads(e.value))
+            except (ProfileError, ValueError) as exc:
+                self.log.warning("bad_model_artifact", key=e.key, revision=e.revision, error=str(exc))
+                continue
+            if model.artifact_version == self.model.artifact_version:
+                continue
+            old, self.model = self.model.artifact_version, model
+            self.params = self.cfg.params(model.engine.max_num_batched_tokens)
+            self.log.info("model_reloaded", model=model.artifact_version, previous=old, revision=e.revision,
+                          mape=model.mape)
+
     async def _watch_view(self, watcher) -> None:
         async for e in watcher:
             if e is None or e.value is None or e.operation is not None:
@@ -196,6 +232,21 @@ class Dispatcher:
         self.recent_routed.append((time.monotonic(), RoutedEvent(
             request_id=req.request_id, kind="prefill", node=node, decode_node=decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=float("inf"))))
+
+    async def _on_state(self, msg) -> None:
+        try:
+            st = decode(msg.data, NodeState)
+        except WireError:
+            return  # the aggregator logs malformed heartbeats
+        if st.cache_block_tokens:
+            self.prefix.on_heartbeat(st.node, st.seq, st.cache_block_tokens, st.cache_stored, st.cache_removed,
+                                     st.cache_full)
+
+    def _prefix_hits(self, req: InferenceRequest) -> dict[str, int]:
+        """node → leading prompt tokens of ``req`` its prefix cache holds (empty: unknown/none)."""
+        if self.prefix is None or not req.block_hashes or req.block_hash_tokens != self.prefix.block_tokens:
+            return {}
+        return self.prefix.match_tokens(req.block_hashes, req.prompt_tokens)
 
     def _forget_routed(self, request_id: str) -> None:
         self.recent_routed = collections.deque((t, ev) for t, ev in self.recent_routed if ev.request_id != request_id)
@@ -318,11 +369,12 @@ class Dispatcher:
         waited_since: float | None = None
         rid = req.request_id
         max_attempts = 2 * (len(self.view.nodes) if self.view else 4) + 4
+        hits = self._prefix_hits(req)
         while True:
             now = now_ms()
             held = live_reservations(self.reservations, now)
             view = fold_recent(self.view, self._recent_routed())
-            snap = build_snapshot(req, view, held, excluded, now, self.cfg.max_deflections_per_node, full)
+            snap = build_snapshot(req, view, held, excluded, now, self.cfg.max_deflections_per_node, full, hits)
             if snap is None:
                 if waited_since is None:
                     span.add_event("waiting_for_nodes", {"excluded": [f"{k}:{v}" for k, v in excluded.items()]})

@@ -51,6 +51,9 @@ class IngressConfig(ServiceConfig):
     #: reading the whole request body may take at most this long; else 408
     body_timeout_s: float = 30.0
     keepalive_timeout_s: float = 75.0  #: idle kept-alive connections are closed after this
+    #: tokens per prefix-cache block hashed into each request (shared/prefix.py; the engines' block
+    #: size, vLLM's 16); 0: no hashes (prefix-aware policies then see no cache)
+    prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -59,6 +59,7 @@ from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
 from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
+from shared.prefix import request_block_hashes
 from shared.records import request_record
 from shared.routing import routable
 from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest,
@@ -75,13 +76,16 @@ BUS_HEADER_ALLOWANCE = 1024
 
 
 def bus_request(parsed: oa.ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
-                deadline_unix_ms: float) -> InferenceRequest:
-    """The :class:`InferenceRequest` the ingress publishes for one attempt of ``parsed``."""
+                deadline_unix_ms: float, block_hashes: list[int] | None = None,
+                block_tokens: int = 0) -> InferenceRequest:
+    """The :class:`InferenceRequest` the ingress publishes for one attempt of ``parsed``, with the
+    prompt's prefix-cache ``block_hashes`` of ``block_tokens`` tokens each (shared/prefix.py)."""
     return InferenceRequest(request_id=request_id, model=parsed.model, prompt_tokens=prompt_tokens,
                             max_tokens=parsed.max_tokens, prompt_tokens_exact=exact, prompt_text=parsed.prompt_text,
                             prompt_token_ids=parsed.prompt_token_ids, created_unix_ms=created_unix_ms,
                             deadline_unix_ms=deadline_unix_ms, sampling=parsed.sampling,
-                            max_tokens_explicit=parsed.max_tokens_explicit)
+                            max_tokens_explicit=parsed.max_tokens_explicit, block_hashes=block_hashes or [],
+                            block_hash_tokens=block_tokens if block_hashes else 0)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:
@@ -745,7 +749,10 @@ class Ingress:
         limit = getattr(self.nc, "max_payload", 0) if self.nc is not None else 0
         if not limit:
             return
-        probe = bus_request(parsed, "x" * 48, prompt_tokens, exact, 0.0, 0.0)
+        bt = self.cfg.prefix_block_tokens
+        n_hashes = 0 if bt <= 0 else (len(parsed.prompt_token_ids) // bt if parsed.prompt_token_ids is not None
+                                      else len((parsed.prompt_text or "").encode()) // (4 * bt))
+        probe = bus_request(parsed, "x" * 48, prompt_tokens, exact, 0.0, 0.0, [2 ** 63 - 1] * n_hashes, bt)
         size = len(encode(probe)) + BUS_HEADER_ALLOWANCE
         if size > limit:
             field = "prompt" if endpoint == "completions" else "messages"
@@ -763,6 +770,7 @@ class Ingress:
         flight = _Flight(lc=lc, queue=queue, request=request)
         deadline = received + cfg.request_timeout_s * 1000.0
         sub = None
+        hashes = request_block_hashes(parsed.prompt_token_ids, parsed.prompt_text, cfg.prefix_block_tokens)
 
         async def on_out(msg) -> None:
             try:
@@ -792,7 +800,8 @@ class Ingress:
                 sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=on_out)
                 if old is not None:
                     await old.unsubscribe()
-                ireq = bus_request(parsed, attempt_id, prompt_tokens, exact, received, deadline)
+                ireq = bus_request(parsed, attempt_id, prompt_tokens, exact, received, deadline, hashes,
+                                   cfg.prefix_block_tokens)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 await self.nc.flush(timeout=2)

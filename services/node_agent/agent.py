@@ -34,24 +34,22 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import Buckets, BusWatch, ensure_buckets, publish, request_typed
-from shared.emulated_text import EmulatedCompletion, emulated_completion
-from shared.engine import EngineError
+from shared.correction import CorrectionEstimator
+from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
+from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, TokenEvent, WireError, decode, encode, now_ms)
+                         KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
+                         now_ms)
+
+#: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
+CACHE_RESYNC = 50
+
 
 #: after a NATS reconnect, a KV handoff nobody took is retried for this long (decode agents
 #: reconnect at their own pace) before it fails with kv_handoff_failed
 HANDOFF_SETTLE_S = 3.0
-
-
-def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
-    """The emulated engine's output of ``req``: its length (given to the engine model as the output
-    tokens), per-token text and finish reason, honouring the request's sampling parameters
-    (:mod:`shared.emulated_text`; a request without ``max_tokens`` ends with the emulated EOS)."""
-    return emulated_completion(req.sampling, req.max_tokens, req.prompt_text, req.prompt_token_ids,
-                               natural_end=not req.max_tokens_explicit)
 
 
 @dataclass
@@ -77,9 +75,9 @@ class _Req:
     last_token_ms: float | None = None
     tbt_max_ms: float = 0.0
     chunk_pred: list[float] = field(default_factory=list)
+    cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
     chunk_actual: list[float] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)
-    output: EmulatedCompletion | None = None  #: decode side: the output this node generates
 
 
 class _Metrics:
@@ -128,7 +126,7 @@ class NodeAgent:
                  backend: EngineBackend | None = None) -> None:
         self.cfg = cfg
         self.model = model or load_profile(cfg.profile)
-        self.backend = backend or make_backend(cfg.backend, cfg.role, self.model, cfg.tbt_guard_ms, cfg.link)
+        self.backend = backend or make_backend(cfg, self.model, self._truth())
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
@@ -149,8 +147,17 @@ class NodeAgent:
         self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
         self.buckets: Buckets | None = None
+        #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
+        self.corrector = CorrectionEstimator()
         self.claims: Claims | None = None
         self._bus: BusWatch | None = None
+
+    def _truth(self) -> GroundTruth | None:
+        """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
+        if self.cfg.truth_profile is None and self.cfg.truth_scale == 1.0:
+            return None
+        truth = load_profile(self.cfg.truth_profile) if self.cfg.truth_profile else self.model
+        return GroundTruth(truth, scale=self.cfg.truth_scale)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -165,7 +172,7 @@ class NodeAgent:
         else:
             self._subs.append(await self.nc.subscribe(S.kvdone_subject(cfg.node_id), cb=self._on_kvdone))
         await self.nc.flush()
-        self._main = [asyncio.create_task(self.backend.run(self._on_step, self._on_allocated, self._stop)),
+        self._main = [asyncio.create_task(self.backend.run(self, self._stop)),
                       asyncio.create_task(self._heartbeats())]
         await self._send_state()
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
@@ -222,14 +229,20 @@ class NodeAgent:
     def node_state(self) -> NodeState:
         st = self.backend.state()
         self._seq += 1
-        return NodeState(node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
+        # prefix-cache events: net deltas, the whole cache on the first and every CACHE_RESYNC-th
+        # heartbeat (a lost heartbeat makes the dispatchers' index forget the node until then)
+        cache = self.backend.cache_events(full=self._seq % CACHE_RESYNC == 1)
+        cache_fields = {} if cache is None else dict(
+            cache_block_tokens=cache[0], cache_stored=cache[1], cache_removed=cache[2],
+            cache_full=self._seq % CACHE_RESYNC == 1)
+        return NodeState(**cache_fields, node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
                          epoch_unix_ms=self.epoch_unix_ms,
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,
                          queue_prompt_tokens=list(st.queue_prompt_tokens),
                          deflection_in_flight=st.deflection_in_flight or bool(self.deflecting),
                          in_flight=[InFlight(f.prompt_tokens, f.output_tokens) for f in st.in_flight],
                          waiting=st.waiting, free_kv_tokens=st.free_kv_tokens, running=st.running,
-                         kv_backlog_ms=sum(self.kv_backlog.values()), accepting=self.accepting)
+                         kv_backlog_ms=sum(self.kv_backlog.values()), accepting=self.accepting and self.backend.available)
 
     async def _send_state(self) -> None:
         st = self.node_state()
@@ -247,10 +260,17 @@ class NodeAgent:
             except Exception as exc:  # disconnected: keep trying, nats-py reconnects
                 self.log.warning("heartbeat_failed", error=repr(exc))
             self._expire_held()
+            self._tighten_guard()
             try:
                 await asyncio.wait_for(self._stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
+
+    def _tighten_guard(self) -> None:
+        """kairos+ node-side guard: β·τ / the node's learned safety factor (as in the simulator)."""
+        if self.cfg.tbt_guard_ms is not None and self.cfg.guard_correction:
+            safety = self.corrector.correction(self.cfg.node_id, now_ms()).safety
+            self.backend.set_tbt_guard_ms(self.cfg.tbt_guard_ms / safety)
 
     def _expire_held(self) -> None:
         """Prefill node: free the blocks of handed-off KV caches whose decode node never said it
@@ -285,11 +305,11 @@ class NodeAgent:
         if job.kind == "deflect" and len(self.deflecting) >= self.cfg.max_deflections:
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()
-        reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role, self.accepting,
+        reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role,
+                             self.accepting and self.backend.available,
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
-        output = None
         claim = None
         if reason is None:  # cluster-wide: at most one node executes this bus request id
             assert self.claims is not None
@@ -318,13 +338,12 @@ class NodeAgent:
                 self._rlog(rid).warning("claim_failed", error=claim.error)
         if reason is None:
             try:
+                self.backend.note_block_hashes(rid, job.request.block_hashes, job.request.block_hash_tokens)
                 if job.kind == "prefill":
-                    self.backend.add_prefill(rid, job.request.prompt_tokens)
+                    self.backend.add_prefill(job.request)
                 else:
-                    output = emulated_output(job.request)
-                    self.backend.add_deflected(rid, job.request.prompt_tokens, output.n_tokens,
-                                               list(job.chunk_schedule))
-            except EngineError as exc:
+                    self.backend.add_deflected(job.request, list(job.chunk_schedule), job.decision_batch_size)
+            except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
                 if claim is not None and claim.revision is not None:
                     await self.claims.release(rid, claim.revision)  # another node may take it
@@ -347,7 +366,7 @@ class NodeAgent:
         else:
             attrs["kairos.decode_candidates"] = list(job.decode_candidates)
         span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
-        self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job, output=output)
+        self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
         if job.kind == "deflect":
             self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
             self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
@@ -383,7 +402,8 @@ class NodeAgent:
         headers = telemetry.inject_headers(trace.set_span_in_context(r.handoff_span))
         r.handoff_sent_ms = now_ms()
         msg = KvHandoff(request=r.req, src_node=self.cfg.node_id, kv_tokens=r.req.prompt_tokens,
-                        prefill_done_unix_ms=r.prefill_done_ms or now_ms())
+                        prefill_done_unix_ms=r.prefill_done_ms or now_ms(), cached_tokens=r.cached_tokens,
+                        kv_transfer_params=self.backend.handoff_params(rid))
         tried: dict[str, str] = {}
         settle_until = asyncio.get_running_loop().time() + HANDOFF_SETTLE_S
         while True:
@@ -451,12 +471,13 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
             return
         reason = None if self.accepting else "draining"
-        output = None
+        if reason is None and not self.backend.available:
+            reason = "engine_unavailable"
         if reason is None:
             try:
-                output = emulated_output(h.request)
-                self.backend.add_remote_decode(rid, h.request.prompt_tokens, output.n_tokens)
-            except EngineError as exc:
+                self.backend.note_block_hashes(rid, h.request.block_hashes, h.request.block_hash_tokens)
+                self.backend.add_remote_decode(h.request, h.kv_transfer_params)
+            except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
         if reason is not None:
             await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason=reason)))
@@ -466,7 +487,7 @@ class NodeAgent:
                                           attributes={telemetry.REQUEST_ID: rid, "kairos.src_node": h.src_node,
                                                       "kairos.kv_tokens": h.kv_tokens, "kairos.node": self.cfg.node_id})
         self.reqs[rid] = _Req(req=h.request, kind="remote_decode", received_ms=now_ms(), span=span, src_node=h.src_node,
-                              output=output)
+                              cached_tokens=h.cached_tokens)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
         await self._on_allocated(self.backend.take_allocated())
 
@@ -491,15 +512,37 @@ class NodeAgent:
         await publish(self.nc, S.kvdone_subject(r.src_node or ""),
                       KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
 
-    # -- stepping -------------------------------------------------------------------------------
-    async def _on_step(self, out: StepOutput) -> None:
+    # -- engine events (EngineEvents, services/node_agent/backend.py) -----------------------------
+    def step_record(self, out: StepOutput) -> StepRecordEvent:
+        """The bus record of one executed step (contract D: ``kairos.steps.<node>``)."""
+        n = sum(t for _, t, _ in out.prefill_chunks)
+        cached = sum(t * c for _, t, c in out.prefill_chunks) / n if n else 0.0
+        return StepRecordEvent(node=self.cfg.node_id, role=self.cfg.role, step=out.step,
+                               started_unix_ms=out.started_unix_ms, wall_ms=out.wall_ms, predicted_ms=out.predicted_ms,
+                               batch_size=out.batch_size, kv_tokens=out.kv_tokens, prefill_tokens=out.prefill_tokens,
+                               prefill_cached=cached, prefill_chunks=len(out.prefill_chunks),
+                               deflected=out.deflected_chunk is not None, model_version=self.model.artifact_version)
+
+    async def on_allocated(self, rids: list[str]) -> None:
+        await self._on_allocated(rids)
+
+    async def on_step(self, out: StepOutput) -> None:
+        """Step metrics, the step record on the bus, the node's step-time correction and the
+        deflected chunk's record (span event, predicted vs measured)."""
         node = self.cfg.node_id
+        self.corrector.observe(node, out.predicted_ms, out.wall_ms, out.started_unix_ms + out.wall_ms,
+                               mixed=out.batch_size > 0 and out.prefill_tokens > 0)
+        try:
+            await self.nc.publish(S.steps_subject(node), encode(self.step_record(out)))
+        except Exception as exc:  # disconnected: the step still counts, the record is lost
+            self.log.warning("step_record_failed", error=repr(exc))
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
-        for rid, _n, _cached in out.prefill_chunks:
+        for rid, _n, cached in out.prefill_chunks:
             r = self.reqs.get(rid)
             if r is not None and r.prefill_start_ms is None:
                 r.prefill_start_ms = out.started_unix_ms
+                r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         if out.deflected_chunk is not None:
             rid, idx, chi, toks = out.deflected_chunk
             r = self.reqs.get(rid)
@@ -509,9 +552,12 @@ class NodeAgent:
                 r.chunk_pred.append(pred)
                 r.chunk_actual.append(out.wall_ms)
                 r.chunk_sizes.append(chi)
-                r.span.add_event("chunk", {"chi": chi, "step_index": idx, "prefill_tokens": toks,
-                                           "predicted_ms": pred, "engine_predicted_ms": out.predicted_ms,
-                                           "actual_ms": out.wall_ms, "batch_size": out.batch_size})
+                # a real engine's last chunk record can arrive after the first token (separate
+                # channels): the prefill span has ended then, the decode span gets the event
+                span = r.span if r.span.is_recording() or r.decode_span is None else r.decode_span
+                span.add_event("chunk", {"chi": chi, "step_index": idx, "prefill_tokens": toks,
+                                         "predicted_ms": pred, "engine_predicted_ms": out.predicted_ms,
+                                         "actual_ms": out.wall_ms, "batch_size": out.batch_size})
                 self.m.chunks.labels(node).inc()
                 self.m.chunk_pred.labels(node).observe(telemetry.seconds(pred))
                 self.m.chunk_meas.labels(node).observe(telemetry.seconds(out.wall_ms))
@@ -519,17 +565,22 @@ class NodeAgent:
                     self.m.chunk_err.labels(node, "decision").observe((out.wall_ms - pred) / pred)
                 if out.predicted_ms > 0:
                     self.m.chunk_err.labels(node, "engine").observe((out.wall_ms - out.predicted_ms) / out.predicted_ms)
+
+    async def on_prefill_done(self, rid: str) -> None:
+        """Keep path, prefill node: hand the KV to a decode node."""
+        r = self.reqs.get(rid)
+        if r is not None:
+            r.prefill_done_ms = now_ms()
+            r.span.end()
+            self._bg(self._handoff(rid))
+
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
+        """Stream tokens to the client; the first one ends a deflection's prefill (slot released)."""
+        r = self.reqs.get(rid)
+        if r is None:
+            return
         now = now_ms()
-        for rid in out.prefill_done:  # keep path, prefill node
-            r = self.reqs.get(rid)
-            if r is not None:
-                r.prefill_done_ms = now
-                r.span.end()
-                self._bg(self._handoff(rid))
-        for rid in out.first_tokens:
-            r = self.reqs.get(rid)
-            if r is None:
-                continue
+        if first_index == 0 and r.first_token_ms is None:
             r.first_token_ms = now
             if r.kind == "deflect":
                 r.prefill_done_ms = now
@@ -537,30 +588,36 @@ class NodeAgent:
                 r.span.end()
                 self._end_deflection(rid)
                 r.decode_span = self._decode_span(rid, r)
-        for rid, idx in out.tokens:
-            r = self.reqs.get(rid)
-            if r is None:
-                continue
-            r.tokens += 1
-            if r.last_token_ms is not None:
-                r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
-            r.last_token_ms = now
-            text = r.output.text(idx) if r.output is not None else ""
-            await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
-                request_id=rid, first_index=idx, count=1, text=text, node=node, sent_unix_ms=now)))
-        if out.tokens:
-            self.m.tokens.labels(node).inc(len(out.tokens))
-        for rid in out.finished:
-            r = self.reqs.pop(rid, None)
-            if r is None:
-                continue
-            if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
-                r.decode_span.set_attributes(self._decode_summary(r))
-                r.decode_span.end()
-            await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
-                request_id=rid, completion_tokens=r.tokens, node=node, sent_unix_ms=now,
-                finish_reason=r.output.finish_reason if r.output is not None else "length")))
-            self._write_decode_timing(r, finished_ms=now)
+        r.tokens += count
+        if r.last_token_ms is not None:
+            r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
+        r.last_token_ms = now
+        await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
+            request_id=rid, first_index=first_index, count=count, text=text, node=self.cfg.node_id, sent_unix_ms=now)))
+        self.m.tokens.labels(self.cfg.node_id).inc(count)
+
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
+        """Last token emitted: close the spans, tell the client, write the decode record."""
+        r = self.reqs.pop(rid, None)
+        if r is None:
+            return
+        now = now_ms()
+        if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
+            r.decode_span.set_attributes(self._decode_summary(r))
+            r.decode_span.end()
+        await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
+            request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now,
+            finish_reason=finish_reason,
+            # keep path: what the prefill node served from its cache (KvHandoff); else the larger of
+            # the engine's report (vLLM usage) and the prefix hit seen in the step records
+            cached_tokens=r.cached_tokens if r.kind == "remote_decode" else max(cached_tokens, r.cached_tokens))))
+        self._write_decode_timing(r, finished_ms=now)
+
+    async def on_failed(self, rid: str, status: int, code: str, message: str) -> None:
+        """The engine could not serve ``rid``: explicit error to the client."""
+        if rid in self.reqs:
+            self._rlog(rid).warning("engine_failed_request", code=code, message=message)
+            await self._fail(rid, status, code, message)
 
     def _decode_span(self, rid: str, r: _Req) -> Span:
         return self.tel.tracer.start_span("node.decode", context=trace.set_span_in_context(r.span), attributes={

@@ -2,7 +2,9 @@
 
 All rules (staleness, folding routed-but-unreported jobs) are in :mod:`shared.view`; this shell
 subscribes, feeds the :class:`~shared.view.ViewBuilder` with its own monotonic clock, and writes the
-view every ``state_period_ms``.
+view every ``state_period_ms``. It also feeds every node's step records (``kairos.steps.*``) to one
+:class:`~shared.correction.CorrectionEstimator` (the simulator's class) and puts each node's
+correction into the view, so all dispatcher replicas apply the same one (kairos+).
 
 Restarts: a new aggregator writes its first view only after one ``stale_after_ms`` of listening
 (warm-up), so its empty first view never replaces the previous one (the bucket is file-backed and
@@ -23,9 +25,10 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import BusWatch, ensure_buckets
+from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
-from shared.view import ViewBuilder
-from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, encode, now_ms
+from shared.view import ViewBuilder, with_corrections
+from shared.wire import ClusterView, NodeState, RoutedEvent, StepRecordEvent, WireError, decode, encode, now_ms
 
 
 def _mono_ms() -> float:
@@ -36,6 +39,7 @@ class StateAggregator:
     def __init__(self, cfg: AggregatorConfig) -> None:
         self.cfg = cfg
         self.builder = ViewBuilder(period_ms=cfg.state_period_ms, stale_after_ms=cfg.stale_after_ms)
+        self.corrector = CorrectionEstimator(window_ms=cfg.correction_window_ms)
         self.tel = telemetry.setup("state_aggregator", "aggregator", cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         reg = self.tel.registry
@@ -48,6 +52,10 @@ class StateAggregator:
         for r in REJECT_REASONS:
             self.m_rejected.labels(r)
         self.m_views = Counter("kairos_aggregator_views_total", "Views written", registry=reg)
+        self.m_steps = Counter("kairos_aggregator_step_records_total", "Engine step records received", registry=reg)
+        self.m_corr = Gauge("kairos_aggregator_node_step_correction",
+                            "Learned step-time correction per node (actual / predicted): factor=bias (mean) or "
+                            "safety (Eq. 5 bound)", ("node", "factor"), registry=reg)
         self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
         self.m_age = Gauge("kairos_aggregator_node_state_age_seconds",
                            "Time since the node's last heartbeat was received, when the view was built",
@@ -78,6 +86,7 @@ class StateAggregator:
         self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
         await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
+        await self.nc.subscribe(S.STEPS_WILDCARD, cb=self._on_step)
         await self.nc.flush()
         self._task = asyncio.create_task(self._loop())
         self.log.info("aggregator_started", metrics_port=self.metrics_port,
@@ -108,6 +117,16 @@ class StateAggregator:
             self.log.warning("heartbeat_rejected", node=st.node, reason=why, seq=st.seq, epoch_unix_ms=st.epoch_unix_ms,
                              sent_unix_ms=st.sent_unix_ms)
 
+    async def _on_step(self, msg) -> None:
+        try:
+            rec = decode(msg.data, StepRecordEvent)
+        except WireError as exc:
+            self.log.warning("bad_step_record", error=str(exc))
+            return
+        self.m_steps.inc()
+        self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, _mono_ms(),
+                               mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
+
     async def _on_routed(self, msg) -> None:
         try:
             ev = decode(msg.data, RoutedEvent)
@@ -124,7 +143,11 @@ class StateAggregator:
         except asyncio.TimeoutError:
             pass
         while not self._stop.is_set():
-            view = self.builder.build(_mono_ms(), built_unix_ms=now_ms())
+            corrections = self.corrector.corrections(_mono_ms())
+            view = with_corrections(self.builder.build(_mono_ms(), built_unix_ms=now_ms()), corrections)
+            for node, c in corrections.items():
+                self.m_corr.labels(node, "bias").set(c.bias)
+                self.m_corr.labels(node, "safety").set(c.safety)
             self.view = view
             self._report(view)
             try:

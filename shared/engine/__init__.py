@@ -8,6 +8,7 @@ same plans. See :mod:`shared.engine.core` for the semantics and the vLLM behavio
 """
 
 from shared.engine.core import Engine
+from shared.engine.truth import GroundTruth
 from shared.engine.types import EngineConfig, EngineError, EngineState, Role, StepPlan, StepResult
 
-__all__ = ["Engine", "EngineConfig", "EngineError", "EngineState", "Role", "StepPlan", "StepResult"]
+__all__ = ["Engine", "GroundTruth", "EngineConfig", "EngineError", "EngineState", "Role", "StepPlan", "StepResult"]

@@ -47,8 +47,10 @@ from collections import deque
 from typing import Callable
 
 from shared.engine.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
+from shared.engine.prefix import PrefixCache
 from shared.engine.request import (AWAIT_KV, DECODING, DEFLECT, DEFLECTING, GONE, HELD, PHASE_NAMES, PREFILL,
                                    PREFILLING, READY, REMOTE, WAITING, Req, as_count)
+from shared.engine.truth import GroundTruth
 from shared.engine.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
 from shared.latency import LatencyModel
 from shared.snapshot import InFlightDeflection
@@ -63,21 +65,26 @@ class Engine:
             simulator's seeded multiplicative noise. None: duration = prediction.
         tbt_guard_ms: kairos+ node-side guard (paper §7: decodes that join after the dispatch
             decision are not known to it): when set, a deflected chunk is shrunk so that the
-            predicted step (current B and K) stays ≤ this many ms; still ≥ 1 token.
+            predicted step (current B and K) stays ≤ this many ms; still ≥ 1 token. Settable (the
+            simulator tightens it with the node's learned correction).
+        truth: the node's real step times (:class:`shared.engine.truth.GroundTruth`), independent
+            of ``model``; None: the step takes what ``model`` predicts. ``step_noise`` then applies
+            to the true time.
     """
 
-    __slots__ = ("config", "model", "tbt_guard_ms", "_noise", "_total_blocks", "_free_blocks",
+    __slots__ = ("config", "model", "tbt_guard_ms", "truth", "_noise", "_total_blocks", "_free_blocks",
                  "_reqs", "_waiting", "_prefilling", "_deflect", "_await_kv", "_ready",
-                 "_decoding", "_held", "_decode_kv", "_alloc_log", "_plan", "_plan_refs", "_steps")
+                 "_decoding", "_held", "_decode_kv", "_alloc_log", "_plan", "_plan_refs", "_steps", "cache")
 
     def __init__(self, config: EngineConfig, model: LatencyModel,
                  step_noise: Callable[[float], float] | None = None, *,
-                 tbt_guard_ms: float | None = None) -> None:
+                 tbt_guard_ms: float | None = None, truth: GroundTruth | None = None) -> None:
         if tbt_guard_ms is not None and not tbt_guard_ms > 0:
             raise EngineError(f"tbt_guard_ms must be > 0 or None, got {tbt_guard_ms!r}")
         self.config = config
         self.model = model
         self.tbt_guard_ms = tbt_guard_ms
+        self.truth = truth
         self._noise = step_noise
         self._total_blocks = config.total_blocks
         self._free_blocks = self._total_blocks
@@ -94,22 +101,35 @@ class Engine:
         self._plan: StepPlan | None = None
         self._plan_refs: tuple[list[Req], list[tuple[Req, int]]] = ([], [])
         self._steps = 0
+        #: the node's prefix cache (None when ``config.prefix_caching`` is off)
+        self.cache: PrefixCache | None = PrefixCache(config.cache_block_tokens) if config.prefix_caching else None
 
     # -- adding requests ----------------------------------------------------------------------
-    def add_prefill(self, req_id: str, prompt_tokens: int) -> None:
+    def add_prefill(self, req_id: str, prompt_tokens: int, block_hashes: tuple[int, ...] | list[int] = (),
+                    output_tokens: int = 0) -> None:
         """Keep path on a prefill node: compute the prompt, then hold its KV until :meth:`release`.
 
         The request waits FIFO for ``ceil(prompt_tokens / block_size)`` blocks and a running slot.
         Its chunks share steps with other prefills (vLLM chunked prefill). No token is emitted
         here: the keep path's first token comes from the decode node.
 
-        Raises:
-            EngineError: not a prefill node, duplicate id, ``prompt_tokens < 1``, or the prompt
-                needs more blocks than the node has.
-        """
-        self._add(req_id, PREFILL, "prefill", prompt_tokens, 0, ())
+        With ``output_tokens > 0`` the node also decodes the request (PD aggregation, the TaiChi
+        baseline's prefill-heavy instances): blocks for prompt + output are reserved, the step
+        that completes the prompt emits token 0, and the request then decodes here one token per
+        step, sharing steps with the node's prefill chunks, until it finishes or the caller
+        migrates it (:meth:`progress`, :meth:`abort`, then ``add_remote_decode`` +
+        ``kv_arrived(generated=…)`` on the target).
 
-    def add_remote_decode(self, req_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        Raises:
+            EngineError: not a prefill node, duplicate id, ``prompt_tokens < 1``, ``output_tokens
+                < 0``, or the request needs more blocks than the node has.
+        """
+        if as_count(req_id, "output_tokens", output_tokens) < 0:
+            raise EngineError(f"{req_id!r}: output_tokens must be >= 0, got {output_tokens}")
+        self._add(req_id, PREFILL, "prefill", prompt_tokens, output_tokens, (), block_hashes)
+
+    def add_remote_decode(self, req_id: str, prompt_tokens: int, output_tokens: int,
+                          block_hashes: tuple[int, ...] | list[int] = ()) -> None:
         """Keep path on a decode node: blocks for prompt + output, then KV transfer, then decode.
 
         Waits FIFO for blocks; once allocated (inside :meth:`admit` / :meth:`plan_step`) the id is
@@ -120,10 +140,11 @@ class Engine:
         Raises:
             EngineError: not a decode node, duplicate id, a token count < 1, or too large to ever fit.
         """
-        self._add(req_id, REMOTE, "decode", prompt_tokens, output_tokens, ())
+        self._add(req_id, REMOTE, "decode", prompt_tokens, output_tokens, (), block_hashes)
 
     def add_deflected(self, req_id: str, prompt_tokens: int, output_tokens: int,
-                      chunk_schedule: list[int] | tuple[int, ...]) -> None:
+                      chunk_schedule: list[int] | tuple[int, ...],
+                      block_hashes: tuple[int, ...] | list[int] = ()) -> None:
         """Deflect path on a decode node: chunked prefill following the schedule, then decode here.
 
         Waits FIFO for blocks (prompt + output), then for the deflected prefills admitted before it
@@ -139,10 +160,10 @@ class Engine:
         sched = tuple(as_count(req_id, "chunk_schedule", c) for c in chunk_schedule)
         if any(c < 1 for c in sched):
             raise EngineError(f"{req_id!r}: chunk_schedule entries must be ints >= 1, got {list(sched)}")
-        self._add(req_id, DEFLECT, "decode", prompt_tokens, output_tokens, sched)
+        self._add(req_id, DEFLECT, "decode", prompt_tokens, output_tokens, sched, block_hashes)
 
     def _add(self, req_id: str, kind: int, role: str, prompt: int, output: int,
-             sched: tuple[int, ...]) -> None:
+             sched: tuple[int, ...], hashes: tuple[int, ...] | list[int] = ()) -> None:
         if self.config.role != role:
             raise EngineError(f"{req_id!r}: a {role} request was sent to a {self.config.role} engine")
         if not isinstance(req_id, str) or not req_id:
@@ -158,6 +179,8 @@ class Engine:
             raise EngineError(f"{req_id!r}: needs {blocks} KV blocks ({prompt + output} tokens), the node "
                               f"has {self._total_blocks} in total; it could never be admitted")
         r = Req(req_id, kind, prompt, output, blocks, sched)
+        if hashes and self.cache is not None:  # full blocks only (vLLM caches no partial block)
+            r.hashes = tuple(hashes[:prompt // self.cache.block_tokens])
         self._reqs[req_id] = r
         self._waiting.append(r)
 
@@ -188,6 +211,12 @@ class Engine:
                 break
             waiting.popleft()
             self._free_blocks -= r.blocks
+            if r.hashes:  # prefix-cache hit: pin it; prompts computed here start after it
+                cache = self.cache
+                r.hit = cache.hit_tokens(r.hashes, r.prompt)
+                r.pinned = cache.pin(r.hashes[:r.hit // cache.block_tokens])
+                if r.kind != REMOTE:
+                    r.computed = r.hit
             if r.kind == REMOTE:
                 r.phase = AWAIT_KV
                 self._await_kv[r.id] = r
@@ -202,6 +231,8 @@ class Engine:
                 running += 1
         for rid in new:
             self._alloc_log[rid] = None
+        if self.cache is not None:
+            self.cache.evict_to(self._free_blocks * self.config.block_size)
         return new
 
     def poll_allocated(self) -> list[str]:
@@ -216,19 +247,29 @@ class Engine:
         self._alloc_log.clear()
         return out
 
-    def kv_arrived(self, req_id: str) -> None:
+    def kv_arrived(self, req_id: str, generated: int = 0) -> None:
         """The KV cache of remote decode ``req_id`` has arrived: it becomes a running decode now if
         a running slot is free (and no earlier arrival waits for one), else when one frees up.
         It is not part of a step planned before this call.
 
+        ``generated`` (live migration of a decoding request, TaiChi's flowing decode): output
+        tokens the source node emitted while the KV was in transit; the request resumes at that
+        token index (its first step here emits token ``generated``), with K counting them.
+
         Raises:
-            EngineError: unknown id, or the request is not awaiting its KV.
+            EngineError: unknown id, the request is not awaiting its KV, or ``generated`` is not
+                in ``[0, output_tokens)``.
         """
         r = self._get(req_id)
         if r.phase != AWAIT_KV:
             raise EngineError(f"kv_arrived({req_id!r}): request is {PHASE_NAMES[r.phase]}, not awaiting_kv")
+        g = as_count(req_id, "generated", generated)
+        if not 0 <= g < r.output:
+            raise EngineError(f"kv_arrived({req_id!r}): generated must be in [0, {r.output}), got {g}")
+        r.generated = g
         del self._await_kv[req_id]
         self._alloc_log.pop(req_id, None)
+        self._cache_insert(r)
         running = len(self._prefilling) + len(self._deflect) + len(self._decoding)
         if not self._ready and running < self.config.max_num_seqs:
             self._start_decode(r)
@@ -337,11 +378,12 @@ class Engine:
             return None
         cached = pcw / ptok if ptok else 0.0
         predicted = self.model.step_ms(B, K, ptok, cached)
-        duration = predicted
+        duration = predicted if self.truth is None else self.truth.step_ms(B, K, ptok, cached)
         if self._noise is not None:
-            duration = float(self._noise(predicted))
+            true_ms = duration
+            duration = float(self._noise(true_ms))
             if not (duration >= 0.0 and math.isfinite(duration)):
-                raise EngineError(f"step_noise({predicted!r}) returned {duration!r}; need a finite ms >= 0")
+                raise EngineError(f"step_noise({true_ms!r}) returned {duration!r}; need a finite ms >= 0")
         plan = StepPlan(duration, predicted, tuple(self._decoding), tuple(chunks), B, K, ptok, cached,
                         defl, allocated, self._steps)
         self._plan = plan
@@ -392,6 +434,17 @@ class Engine:
                 r.steps += 1
                 if r.computed >= r.prompt:
                     self._prefilling.remove(r)  # a FIFO prefix: found at the front
+                    self._cache_insert(r)
+                    if r.output > 0:  # aggregated: first token here, then decode here
+                        r.generated = 1
+                        tokens.append((r.id, 0))
+                        first.append(r.id)
+                        if r.output <= 1:
+                            self._drop(r)
+                            finished.append(r.id)
+                        else:
+                            self._start_decode(r)
+                        continue
                     r.phase = HELD
                     self._held[r.id] = r
                     done.append(r.id)
@@ -400,6 +453,7 @@ class Engine:
                 r.steps += 1
                 if r.computed >= r.prompt:
                     self._deflect.popleft()  # r is the head: only abort can remove it earlier
+                    self._cache_insert(r)
                     r.generated = 1
                     tokens.append((r.id, 0))
                     first.append(r.id)
@@ -502,6 +556,43 @@ class Engine:
              + len(self._ready) + len(self._decoding) + len(self._held))
         assert n == len(self._reqs), "phase indexes do not partition the requests"
         assert all(rid in self._await_kv for rid in self._alloc_log), "allocation log holds a non-awaiting id"
+        if self.cache is not None:
+            pins: dict[int, int] = {}
+            for r in self._reqs.values():
+                for h in r.pinned or ():
+                    pins[h] = pins.get(h, 0) + 1
+            assert pins == self.cache._ref, "prefix-cache pin counts drift from the requests' pins"
+            assert self.cache.free_tokens <= self._free_blocks * self.config.block_size, \
+                "evictable cached blocks exceed the free KV capacity"
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def cached_prefix_tokens(self, req_id: str) -> int:
+        """Prompt tokens of ``req_id`` served from this node's prefix cache at its admission (0
+        before admission or without hashes). On a decode node, the keep path's KV transfer only
+        carries ``prompt − this`` tokens.
+
+        Raises:
+            EngineError: unknown id.
+        """
+        return self._get(req_id).hit
+
+    def prefix_hit_tokens(self, block_hashes: tuple[int, ...] | list[int], prompt_tokens: int) -> int:
+        """Leading tokens of a ``prompt_tokens`` prompt with ``block_hashes`` this node would serve
+        from its cache now (0 when caching is off); see :meth:`PrefixCache.hit_tokens`."""
+        if self.cache is None or not block_hashes:
+            return 0
+        return self.cache.hit_tokens(block_hashes, prompt_tokens)
+
+    def drain_cache_events(self) -> tuple[list[int], list[int]]:
+        """``(stored, removed)`` block hashes since the last call (net; vLLM KV events); both
+        empty when caching is off. Feed them to :meth:`shared.prefix.PrefixIndex.apply`."""
+        return self.cache.drain_events() if self.cache is not None else ([], [])
+
+    def _cache_insert(self, r: Req) -> None:
+        """``r``'s prompt is computed (or its KV arrived) here: cache its full blocks."""
+        if r.hashes:
+            have = r.pinned or []
+            r.pinned = have + self.cache.insert(r.hashes[len(have):])
 
     # -- internals ----------------------------------------------------------------------------
     def _get(self, req_id: str) -> Req:
@@ -519,5 +610,9 @@ class Engine:
         """Forget an admitted request and free its blocks (caller removed it from its index)."""
         del self._reqs[r.id]
         self._free_blocks += r.blocks
+        if r.pinned is not None:
+            self.cache.unpin(r.pinned)
+            r.pinned = None
+            self.cache.evict_to(self._free_blocks * self.config.block_size)
         self._alloc_log.pop(r.id, None)  # unpolled allocation: its transfer must not start
         r.phase = GONE

@@ -29,10 +29,13 @@ class Req:
     id: str
     kind: int  #: PREFILL, REMOTE or DEFLECT
     prompt: int  #: prompt tokens
-    output: int  #: output tokens to emit (0 on prefill nodes)
+    output: int  #: output tokens to emit (0 on prefill nodes unless they also decode: PD aggregation)
     blocks: int  #: KV blocks reserved at admission
     schedule: tuple[int, ...] = ()  #: deflected: χ per prefill step (total step tokens)
     phase: int = WAITING
     computed: int = 0  #: prompt tokens computed on this node
     generated: int = 0  #: output tokens emitted
     steps: int = 0  #: prefill steps run
+    hashes: tuple[int, ...] = ()  #: prefix-cache hashes of the prompt's full blocks
+    hit: int = 0  #: prompt tokens served from this node's prefix cache at admission
+    pinned: list[int] | None = None  #: cache hashes this request pins (released when it leaves)

@@ -47,6 +47,11 @@ class EngineConfig:
         kv_capacity_tokens: paged KV-cache capacity in tokens; the engine manages
             ``kv_capacity_tokens // block_size`` whole blocks.
         block_size: tokens per KV block (vLLM ``--block-size``).
+        prefix_block_tokens: tokens per hashed block of the prefix cache (the granularity of the
+            requests' ``block_hashes``); 0 = ``block_size``. The Mooncake trace hashes 512-token
+            blocks. See :mod:`shared.engine.prefix`.
+        prefix_caching: keep a prefix cache (vLLM ``--enable-prefix-caching``, on by default in
+            V1). Requests without block hashes never hit, so it only matters for those with.
     """
 
     role: Role
@@ -54,10 +59,14 @@ class EngineConfig:
     max_num_batched_tokens: int
     kv_capacity_tokens: int
     block_size: int
+    prefix_block_tokens: int = 0
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise EngineError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if not isinstance(self.prefix_block_tokens, int) or self.prefix_block_tokens < 0:
+            raise EngineError(f"prefix_block_tokens must be an int >= 0, got {self.prefix_block_tokens!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_capacity_tokens", "block_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -73,7 +82,8 @@ class EngineConfig:
                               f"({self.block_size} tokens)")
 
     @classmethod
-    def from_limits(cls, role: Role, limits: EngineLimits) -> "EngineConfig":
+    def from_limits(cls, role: Role, limits: EngineLimits, prefix_block_tokens: int = 0,
+                    prefix_caching: bool = True) -> "EngineConfig":
         """Config of a node of ``role`` from a profile's :class:`EngineLimits`.
 
         Prefill nodes use ``limits.max_num_batched_tokens`` (χ_p of Eq. 2–3), decode nodes
@@ -81,7 +91,13 @@ class EngineConfig:
         """
         budget = limits.max_num_batched_tokens if role == "prefill" else limits.decode_max_num_batched_tokens
         return cls(role=role, max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=budget,
-                   kv_capacity_tokens=limits.kv_capacity_tokens, block_size=limits.block_size)
+                   kv_capacity_tokens=limits.kv_capacity_tokens, block_size=limits.block_size,
+                   prefix_block_tokens=prefix_block_tokens, prefix_caching=prefix_caching)
+
+    @property
+    def cache_block_tokens(self) -> int:
+        """Tokens per hashed prefix-cache block (``prefix_block_tokens`` or ``block_size``)."""
+        return self.prefix_block_tokens or self.block_size
 
     @property
     def total_blocks(self) -> int:
@@ -94,8 +110,9 @@ class StepPlan:
     """What the next engine step runs and how long it takes (returned by ``plan_step()``).
 
     Attributes:
-        duration_ms: the step's latency to advance the clock by: ``step_noise(predicted_ms)`` when
-            the engine has a noise function (the simulator's ground truth), else ``predicted_ms``.
+        duration_ms: the step's latency to advance the clock by: the engine's ground truth
+            (``truth.step_ms``, else ``predicted_ms``), passed through ``step_noise`` when the
+            engine has a noise function (the simulator's per-step noise).
         predicted_ms: the latency model's prediction ``model.step_ms(batch_size, kv_tokens,
             prefill_tokens, prefill_cached)``, ms.
         decode_ids: running decodes in the step, one token each, in the order they started decoding.

@@ -21,6 +21,7 @@ from shared.latency import LatencyModel
 from shared.policy.base import DEFAULT_CANDIDATES, Decision, PolicyError, PolicyParams
 from shared.policy.kairos import decide_kairos
 from shared.policy.static import decide_dynamo, decide_pd, decide_sl, decide_sq
+from shared.policy.taichi import decide_taichi
 from shared.snapshot import ClusterSnapshot
 
 DecideFn = Callable[[str, ClusterSnapshot, LatencyModel, PolicyParams], Decision]
@@ -42,6 +43,12 @@ def _one_arg(factory: Callable[[int], DecideFn], what: str) -> Callable[[list[in
     return build
 
 
+def _taichi(args: list[int]) -> DecideFn:
+    if len(args) > 2:
+        raise PolicyError("takes at most two arguments (decode-heavy chunk tokens, max prompt tokens on decode-heavy)")
+    return decide_taichi(*args)
+
+
 def _dynamo(args: list[int]) -> DecideFn:
     if len(args) > 2:
         raise PolicyError("takes at most two arguments (max local prefill tokens, prefill queue size)")
@@ -53,10 +60,14 @@ POLICIES: dict[str, tuple[Callable[[list[int]], DecideFn], dict, str]] = {
     "pd": (_no_arg(decide_pd), {}, "P/D disaggregation, never deflect (DistServe baseline)"),
     "sq": (_one_arg(decide_sq, "θ, prefill queue length"), {}, "deflect when every prefill queue > θ, χ=128 (§3.4)"),
     "sl": (_one_arg(decide_sl, "ℓ, prompt tokens"), {}, "deflect prompts shorter than ℓ tokens, χ=128 (§3.4)"),
-    "dynamo": (_dynamo, {}, "local prefill if prompt ≤ 1000 or prefill queue ≥ 2 (Dynamo)"),
+    "dynamo": (_dynamo, {}, "local prefill if uncached prompt ≤ 1000 or prefill queue ≥ 2 (Dynamo, prefix-aware)"),
     "kairos": (_no_arg(decide_kairos), {}, "Algorithm 1, Eq. 1-7, one in-flight deflection per decode node"),
-    "kairos+": (_no_arg(decide_kairos), {"kv_transfer_aware": True, "project_decode_state": True},
-                "kairos + KV-transfer-aware TTFT_pf + projected decode state"),
+    "kairos+": (_no_arg(decide_kairos), {"kv_transfer_aware": True, "project_decode_state": True,
+                                         "model_correction": True, "prefix_aware": True},
+                "kairos + KV-transfer-aware TTFT_pf + projected decode state + learned model correction"
+                " + cache-aware Eq. 1-6"),
+    "taichi": (_taichi, {"flowing_decode": True},
+               "TaiChi baseline: P-heavy/D-heavy instances, length-aware prefill, flowing decode (simulator)"),
 }
 
 
@@ -73,6 +84,11 @@ class Policy:
         """``params`` with this policy's fixed switches applied (kairos+ turns its features on)."""
         return msgspec.structs.replace(params, **self.overrides) if self.overrides else params
 
+    def uses_prefix_caches(self, params: PolicyParams) -> bool:
+        """True when decisions read the snapshot's ``cached_prefix_tokens`` (kairos+, dynamo, or
+        ``prefix_aware`` set): the dispatcher then keeps a prefix index of the nodes' caches."""
+        return self.name == "dynamo" or self.params(params).prefix_aware
+
     def decide(self, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams) -> Decision:
         """Route ``snap.request`` (see the policy modules for each rule)."""
         return self.fn(self.spec, snap, model, self.params(params))
@@ -87,7 +103,7 @@ def parse_policy(spec: str) -> Policy:
     name, *raw = spec.strip().split(":")
     if name not in POLICIES:
         raise PolicyError(f"unknown policy {spec!r}; known: {', '.join(sorted(POLICIES))} "
-                          "(e.g. pd, sq:1, sl:1024, dynamo, kairos, kairos+)")
+                          "(e.g. pd, sq:1, sl:1024, dynamo, kairos, kairos+, taichi)")
     try:
         args = [int(a) for a in raw]
     except ValueError:

@@ -35,6 +35,21 @@ class PolicyParams(msgspec.Struct, frozen=True):
         project_decode_state: kairos+ — instead of the one-in-flight rule, project each decode
             node's (B, K) forward with the deflections already sent to it since its last heartbeat.
         link: KV-transfer link name of the profile used by kv_transfer_aware (None: default link).
+        model_correction: kairos+ — apply each node's learned step-time correction (the snapshot's
+            ``step_bias``/``step_safety``, shared/correction.py): TTFT estimates (Eq. 1–3, 6) are
+            scaled by the node's bias, and Eq. 5 checks ``T·step_safety ≤ β·τ``. Off: Algorithm 1
+            as printed (the fields are ignored).
+        flowing_decode: TaiChi (``taichi``) — keep-path requests decode on their prefill
+            (P-heavy) node from the first token on and migrate their KV to a decode (D-heavy)
+            node once at risk; prefill nodes' step budget is ``prefill_chunk_tokens``. Simulator
+            only (the live node agents do not migrate decodes).
+        flow_tpot_fraction: TaiChi flowing decode: a request on a P-heavy node starts migrating
+            when its mean time per output token so far exceeds this × ``tbt_slo_ms``.
+        prefix_aware: kairos+ — use the snapshot's per-node ``cached_prefix_tokens``: Eq. 1–3
+            prefill only the chosen prefill node's uncached tokens and the keep path transfers only
+            what its decode node lacks (the receiver is the node holding the longest prefix);
+            Eq. 4–6 schedule only the decode node's uncached tokens, from its cached prefix c > 0.
+            Off: caches are ignored (Algorithm 1 as printed).
     """
 
     alpha: float = 1.3
@@ -47,6 +62,10 @@ class PolicyParams(msgspec.Struct, frozen=True):
     kv_transfer_aware: bool = False
     project_decode_state: bool = False
     link: str | None = None
+    model_correction: bool = False
+    flowing_decode: bool = False
+    flow_tpot_fraction: float = 1.0
+    prefix_aware: bool = False
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms"):
@@ -62,6 +81,8 @@ class PolicyParams(msgspec.Struct, frozen=True):
             raise PolicyError(f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}")
         if not self.chunk_candidates or any(c <= 0 for c in self.chunk_candidates):
             raise PolicyError(f"chunk_candidates must be positive token counts, got {self.chunk_candidates}")
+        if not (math.isfinite(self.flow_tpot_fraction) and self.flow_tpot_fraction > 0):
+            raise PolicyError(f"flow_tpot_fraction must be > 0, got {self.flow_tpot_fraction}")
         if self.prefill_chunk_tokens <= 0 or self.static_chunk_tokens <= 0:
             raise PolicyError("prefill_chunk_tokens and static_chunk_tokens must be > 0")
 

@@ -141,32 +141,23 @@ def test_every_kairos_variable_is_a_config_field_of_that_service(services):
         set_vars = {k for k in env_of(svc) if k.startswith("KAIROS_")}
         unknown = set_vars - known
         assert not unknown, f"{name} ({mod}) sets {sorted(unknown)}, which {cls.__name__} does not read"
+    from kairos_vllm.protocol import STATE_ADDR_ENV
+
     for name, svc in services.items():
         if kairos_module(svc) is None:
-            assert not [k for k in env_of(svc) if k.startswith("KAIROS_")], f"{name} is not a Kairos service"
-
-
-def _backend_values() -> tuple[str, ...]:
-    from services.node_agent.config import AgentConfig
-    return typing.get_args(typing.get_type_hints(AgentConfig)["backend"])
+            # vLLM engines read one Kairos variable: the plugin's state-stream address
+            allowed = {STATE_ADDR_ENV} if svc.get("image", "").startswith("vllm/") else set()
+            extra = [k for k in env_of(svc) if k.startswith("KAIROS_") and k not in allowed]
+            assert not extra, f"{name} is not a Kairos service but sets {extra}"
 
 
 def test_every_kairos_environment_parses(services):
-    """Each service's environment (interpolation defaults) builds its config without errors.
-
-    The vLLM-profile agents set KAIROS_BACKEND=vllm; until the node agent has that backend, the
-    only error allowed for them is that one (everything else in their environment must parse).
-    """
-    backends = _backend_values()
+    """Each service's environment (interpolation defaults) builds its config without errors,
+    including the vLLM-profile agents (KAIROS_BACKEND=vllm with the engine URL and state stream)."""
     for name, (svc, mod) in kairos_services(services).items():
         cls = config_class(mod)
         env = {k: v for k, v in env_of(svc).items() if v is not None}
-        if env.get("KAIROS_BACKEND") and env["KAIROS_BACKEND"] not in backends:
-            with pytest.raises(ConfigError, match="KAIROS_BACKEND"):
-                from_env(cls, env=env)
-            from_env(cls, env=env, backend=backends[0])
-        else:
-            from_env(cls, env=env)
+        from_env(cls, env=env)
 
 
 def test_node_ids_and_replica_ids_are_unique_per_profile(services):
@@ -184,18 +175,59 @@ def test_node_ids_and_replica_ids_are_unique_per_profile(services):
     assert len(replicas) == 2 and None not in replicas and len(set(replicas)) == 2
 
 
+def _vllm_args(engine: dict) -> dict[str, str]:
+    """``--flag=value`` arguments of an engine's command (the model is the first, positional)."""
+    return dict(a[2:].split("=", 1) for a in (interpolate(x) for x in engine["command"][1:]) if "=" in a)
+
+
 def test_vllm_agents_sit_beside_their_engine(services):
+    nixl_hosts = set()
     for node in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
         agent, engine = services[f"vllm-agent-{node}"], services[f"vllm-{node}"]
-        assert env_of(agent)["KAIROS_NODE_ID"] == node
-        assert env_of(agent)["KAIROS_BACKEND"] == "vllm"
+        aenv, eenv = env_of(agent), env_of(engine)
+        assert aenv["KAIROS_NODE_ID"] == node
+        assert aenv["KAIROS_BACKEND"] == "vllm"
         assert agent["depends_on"][f"vllm-{node}"]["condition"] == "service_healthy"
         assert engine["image"] == "vllm/vllm-openai:v0.32.0"
         devices = engine["deploy"]["resources"]["reservations"]["devices"]
         assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+        # the agent talks to its own engine: HTTP port and state-stream port are the engine's
+        args = _vllm_args(engine)
+        assert aenv["KAIROS_ENGINE_URL"] == f"http://vllm-{node}:{args['port']}"
+        bind = eenv["KAIROS_ENGINE_STATE_ADDR"]
+        assert bind.startswith("tcp://*:"), bind
+        assert aenv["KAIROS_ENGINE_STATE_ADDR"] == f"tcp://vllm-{node}:{bind.rsplit(':', 1)[1]}"
+        # NIXL: each engine advertises its own container name for the handshake
+        assert eenv["VLLM_NIXL_SIDE_CHANNEL_HOST"] == f"vllm-{node}"
+        assert int(eenv["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
+        nixl_hosts.add(eenv["VLLM_NIXL_SIDE_CHANNEL_HOST"])
+    assert len(nixl_hosts) == 4
     gpus = [interpolate(services[f"vllm-{n}"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0])
             for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")]
     assert len(set(gpus)) == 4, f"engines share GPUs by default: {gpus}"
+
+
+def test_vllm_engines_load_the_kairos_plugin_and_the_kv_connector(services):
+    """The engines' flags name things that exist: the scheduler class in kairos_vllm (mounted from
+    this repository onto the engine's PYTHONPATH), NixlConnector with kv_both, the served model the
+    ingress accepts, and the prompt-token details the agent reads cached tokens from."""
+    import json
+
+    ingress_model = env_of(services["ingress"])["KAIROS_SERVED_MODEL"]
+    for node in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+        engine = services[f"vllm-{node}"]
+        args, env = _vllm_args(engine), env_of(engine)
+        module, _, cls = args["scheduler-cls"].rpartition(".")
+        src = ROOT / Path(*module.split(".")).with_suffix(".py")
+        assert src.is_file(), f"--scheduler-cls {args['scheduler-cls']}: no {src}"
+        assert re.search(rf"^class {cls}\(", src.read_text(), re.M), f"{src} defines no class {cls}"
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in engine["volumes"]}
+        pkg_dir = module.split(".")[0]
+        assert mounts[f"{env['PYTHONPATH']}/{pkg_dir}"] == f"./{pkg_dir}", "the plugin package is not on PYTHONPATH"
+        kv = json.loads(args["kv-transfer-config"])
+        assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert args["served-model-name"] == ingress_model
+        assert "--enable-prompt-tokens-details" in engine["command"]
 
 
 def test_every_service_reaches_nats_and_jaeger(services):

@@ -107,3 +107,30 @@ def test_kv_transfer_formula():
     assert TRUE.kv_transfer_ms(10_000, "rdma") == pytest.approx(link.setup_ms + 12.4416)
     with pytest.raises(ProfileError, match="unknown link"):
         TRUE.kv_transfer_ms(1, "pigeon")
+
+
+def test_fit_hygiene_rejects_invalid_and_outlier_samples_and_counts_them():
+    clean = synthetic_records(TRUE, 600, seed=4, noise=0.02)
+    bad = [StepRecord(4, 4000, 0, 0, float("nan")), StepRecord(4, 4000, 0, 0, -3.0), StepRecord(0, 0, 0, 0, 5.0),
+           StepRecord(-1, 10, 0, 0, 40.0)]
+    # stalls: 20 decode steps that took 10x their time (a GC pause, a preempted CPU)
+    stalls = [StepRecord(r.batch_size, r.kv_tokens, 0, 0, 10 * r.latency_ms) for r in clean[1:60:3]]
+    fitted = fit_latency_model(clean + bad + stalls, name="fit", version="1", seed=1)
+    fit = fitted.metadata["fit"]
+    assert fit["rejected"]["invalid"] == 4
+    assert 12 <= fit["rejected"]["outlier"] <= 25  # the ~16 stalls in the training split, few clean rows
+    baseline = fit_latency_model(clean, name="fit", version="1", seed=1)
+    assert fitted.decode_coef == pytest.approx(baseline.decode_coef, rel=0.05)
+    assert fitted.decode_intercept_ms == pytest.approx(baseline.decode_intercept_ms, rel=0.05)
+    assert set(fit["mape_regions"]) == {"prefill", "decode", "mixed"}
+    assert all(v["rows"] > 0 for regs in fit["mape_regions"].values() for v in regs.values())
+
+
+def test_fit_above_the_mape_threshold_is_refused():
+    from shared.latency import FitRefused
+
+    noisy = synthetic_records(TRUE, 600, seed=5, noise=0.2)
+    with pytest.raises(FitRefused, match="MAPE above 3") as exc:
+        fit_latency_model(noisy, name="fit", version="1", max_mape=3.0)
+    assert exc.value.model.mape["decode"] > 3.0
+    assert fit_latency_model(synthetic_records(TRUE, 600, seed=5, noise=0.01), name="fit", version="1", max_mape=3.0)

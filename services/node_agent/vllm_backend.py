@@ -1,0 +1,427 @@
+"""The node agent's vLLM backend: a vLLM OpenAI server beside the agent (``KAIROS_BACKEND=vllm``).
+
+Requests go to the server over HTTP (aiohttp, ``POST /v1/completions``; the bodies are built in
+:mod:`shared.vllm_api`), engine state comes from the ``kairos_vllm`` scheduler plugin's ZMQ stream
+(:class:`kairos_vllm.subscriber.EngineStateSubscriber`, contract A): every snapshot updates the
+state the agent's heartbeats report, every snapshot carrying a ``StepRecord`` becomes a
+:class:`~services.node_agent.backend.StepOutput`. No ``/metrics`` scraping on the hot path.
+
+Paths (vLLM's NIXL P/D protocol, ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``):
+
+* keep, prefill node — :meth:`VllmBackend.add_prefill`: ``max_tokens`` 1 with
+  ``kv_transfer_params {"do_remote_decode": true}``; the answer's ``kv_transfer_params`` are kept
+  (phase ``held``) and travel to the decode agent in the ``KvHandoff`` (:meth:`handoff_params`).
+  vLLM keeps the blocks until the decode server has read them (then frees them itself) or their
+  lease ``kv_lease_duration`` (default 30 s, extended by the decode server's heartbeats while its
+  request waits) expires; :meth:`release` only forgets the request.
+* keep, decode node — :meth:`add_remote_decode`: streamed request with those
+  ``kv_transfer_params``; vLLM pulls the KV, computes the last prompt token and decodes.
+  :meth:`pull_kv` returns when the first token arrived (the KV is in place by then).
+* deflect, decode node — :meth:`add_deflected`: streamed request with
+  ``vllm_xargs.kairos_prefill_chunks`` = χ_i − B_decision (:func:`shared.vllm_api.engine_prefill_chunks`).
+
+Cancel (:meth:`abort`) closes the HTTP request; vLLM aborts a request whose client disconnected
+(``with_cancellation`` on the completions route) and frees its blocks. A keep-path request cancelled
+after its prefill (phase ``held``) has no HTTP request left on the prefill node: its blocks are
+freed when the decode server's request for it is aborted before reading them (the decode side then
+notifies the prefill side, ``NixlConnector.request_finished``), or by the lease — docs/services.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+
+from services.node_agent.backend import EngineBackend, EngineEvents, StepOutput
+from shared.engine import EngineState
+from shared.latency import LatencyModel
+from shared.snapshot import InFlightDeflection
+from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
+                             prefill_body, prefill_result)
+from shared.wire import InferenceRequest
+
+log = structlog.get_logger("kairos.node_agent.vllm")
+
+#: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve)
+REMOTE_DECODE_RETRIES = 2
+
+
+@dataclass
+class _VReq:
+    """One request this backend has in its vLLM server."""
+
+    req: InferenceRequest
+    kind: str  # "prefill" | "remote_decode" | "deflect"
+    phase: str  # "prefilling" | "held" | "awaiting_kv" | "deflected_prefill" | "decoding"
+    chunk_schedule: list[int] = field(default_factory=list)
+    engine_chunks: list[int] = field(default_factory=list)  #: p_i sent to vLLM
+    kv_params: dict[str, Any] | None = None
+    task: asyncio.Task | None = None
+    submitted_mono: float = 0.0
+    kv_ready: asyncio.Future | None = None  #: remote decode: set when the first token arrived
+    started: bool = False  #: a step computed some of its prompt (StepOutput.prefill_chunks)
+    remaining: int = 0  #: prompt tokens still to prefill, per the last snapshot
+    tokens_out: int = 0  #: output tokens received so far
+
+
+def step_output(rec: Any, reqs: dict[str, "_VReq"], started: list[tuple[str, int, int]],
+                model: LatencyModel) -> StepOutput:
+    """A :class:`StepOutput` from the plugin's ``StepRecord`` (kairos_vllm.protocol).
+
+    ``deflected_chunk`` is the first deflected chunk of the step whose request this backend knows:
+    (rid, chunk_index, χ of the dispatcher's schedule at that index — the last entry repeats —,
+    prompt tokens run). ``prefill_chunks`` lists every request seen prefilling in the step:
+    deflected chunks from the record, keep-path prefills from ``started`` (rid, tokens, 0).
+    ``predicted_ms`` is the latency model on the step actually run (B, K, prompt tokens).
+    """
+    chunks: list[tuple[str, int, int]] = list(started)
+    deflected = None
+    for c in rec.chunks:
+        chunks.append((c.request_id, c.tokens, 0))
+        r = reqs.get(c.request_id)
+        if deflected is None and r is not None and r.chunk_schedule:
+            chi = r.chunk_schedule[min(c.chunk_index, len(r.chunk_schedule) - 1)]
+            deflected = (c.request_id, c.chunk_index, chi, c.tokens)
+    predicted = float(model.step_ms(rec.decode_count, rec.kv_tokens, rec.prefill_tokens, 0.0))
+    return StepOutput(step=rec.step, started_unix_ms=rec.started_unix_ms, wall_ms=rec.wall_ms, predicted_ms=predicted,
+                      batch_size=rec.decode_count, kv_tokens=rec.kv_tokens, prefill_tokens=rec.prefill_tokens,
+                      prefill_chunks=tuple(chunks), deflected_chunk=deflected, tokens=(), first_tokens=(),
+                      prefill_done=(), finished=(), cached_tokens=rec.cached_tokens)
+
+
+class VllmBackend(EngineBackend):
+    """A local vLLM OpenAI server with the ``kairos_vllm`` plugin (see module docstring).
+
+    Args:
+        role: ``prefill`` or ``decode``.
+        model: the latency profile (the step predictions in :class:`StepOutput`).
+        engine_url: the server's base URL (``http://127.0.0.1:8100``).
+        state_addr: the plugin's ZMQ PUB address (the engine's ``KAIROS_ENGINE_STATE_ADDR``).
+        stale_after_ms: no snapshot for this long → :attr:`available` False (the agent reports
+            ``accepting=False`` and refuses jobs). The plugin sends at least every 100 ms.
+    """
+
+    def __init__(self, role: str, model: LatencyModel, engine_url: str, state_addr: str,
+                 stale_after_ms: float = 2000.0) -> None:
+        self.role = role
+        self.model = model
+        self.url = engine_url.rstrip("/")
+        self.state_addr = state_addr
+        self.stale_after_ms = stale_after_ms
+        self.served_model: str | None = None  #: the server's model id (GET /v1/models), set by run()
+        self.snapshot: Any = None  #: last kairos_vllm EngineSnapshot
+        self._snap_mono = 0.0
+        self._reqs: dict[str, _VReq] = {}
+        self._allocated: list[str] = []
+        self._started: list[tuple[str, int, int]] = []  #: keep-path prefills started since the last step record
+        self._events: EngineEvents | None = None
+        self._ready = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+        self.snapshots = 0  #: snapshots received (tests, debugging)
+
+    # -- availability / state -------------------------------------------------------------------
+    @property
+    def available(self) -> bool:  # type: ignore[override]
+        """The server answered its model list and, once its state stream has started, the stream is
+        fresh (a snapshot within ``stale_after_ms``; an engine that never ran a request may not
+        have published yet)."""
+        if not self._ready.is_set():
+            return False
+        return self.snapshot is None or (time.monotonic() - self._snap_mono) * 1000.0 <= self.stale_after_ms
+
+    def state(self) -> EngineState:
+        """Heartbeat state from the last snapshot: B, K, free KV, the queue of prompt remainders
+        (prefill node: every waiting request; decode node: the deflected ones) and the deflected
+        requests still prefilling (``in_flight``)."""
+        s = self.snapshot
+        deflecting = [r for r in self._reqs.values() if r.kind == "deflect" and r.phase == "deflected_prefill"]
+        in_flight = [InFlightDeflection(prompt_tokens=max(r.remaining, 0), output_tokens=r.req.max_tokens)
+                     for r in deflecting]
+        if s is None:
+            return EngineState(role=self.role, batch_size=0, kv_tokens=0,
+                               queue_prompt_tokens=[r.remaining for r in self._reqs.values()
+                                                    if r.phase in ("prefilling", "deflected_prefill")],
+                               deflection_in_flight=bool(deflecting), in_flight=in_flight, waiting=0,
+                               free_kv_tokens=0, running=0)
+        if self.role == "prefill":
+            queue = [w.remaining_prefill_tokens for w in s.waiting]
+        else:
+            queue = [w.remaining_prefill_tokens for w in s.waiting
+                     if (r := self._reqs.get(w.request_id)) is not None and r.kind == "deflect"]
+        used = int(round(s.free_kv_tokens * s.kv_cache_usage / (1.0 - s.kv_cache_usage))) if s.kv_cache_usage < 1 else 0
+        return EngineState(role=self.role, batch_size=s.batch_size, kv_tokens=s.kv_tokens, queue_prompt_tokens=queue,
+                           deflection_in_flight=bool(deflecting), in_flight=in_flight, waiting=s.num_waiting,
+                           free_kv_tokens=s.free_kv_tokens, running=s.num_running,
+                           awaiting_kv=sum(1 for r in self._reqs.values() if r.phase == "awaiting_kv"),
+                           held=sum(1 for r in self._reqs.values() if r.phase == "held"),
+                           used_kv_tokens=used, steps=s.step)
+
+    def phase(self, req_id: str) -> str | None:
+        r = self._reqs.get(req_id)
+        return None if r is None else r.phase
+
+    def handoff_params(self, req_id: str) -> dict[str, Any] | None:
+        r = self._reqs.get(req_id)
+        return None if r is None else r.kv_params
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def add_prefill(self, req: InferenceRequest) -> None:
+        self._add(_VReq(req=req, kind="prefill", phase="prefilling", remaining=req.prompt_tokens))
+
+    def add_remote_decode(self, req: InferenceRequest, kv_transfer_params: dict[str, Any] | None = None) -> None:
+        if not kv_transfer_params:
+            raise EngineApiError(f"{req.request_id}: a vLLM decode node needs the prefill server's kv_transfer_params "
+                                 "(was the prefill node running the emulated backend?)")
+        r = _VReq(req=req, kind="remote_decode", phase="awaiting_kv", kv_params=dict(kv_transfer_params))
+        r.kv_ready = asyncio.get_running_loop().create_future()
+        self._add(r)
+        self._allocated.append(req.request_id)  # vLLM allocates and pulls by itself once submitted
+
+    def add_deflected(self, req: InferenceRequest, chunk_schedule: list[int], decision_batch_size: int = 0) -> None:
+        self._add(_VReq(req=req, kind="deflect", phase="deflected_prefill", chunk_schedule=list(chunk_schedule),
+                        engine_chunks=engine_prefill_chunks(list(chunk_schedule), decision_batch_size),
+                        remaining=req.prompt_tokens))
+
+    def _add(self, r: _VReq) -> None:
+        rid = r.req.request_id
+        if rid in self._reqs:
+            raise EngineApiError(f"request {rid} is already on this engine")
+        if r.req.prompt_text is None and r.req.prompt_token_ids is None:
+            raise EngineApiError(f"request {rid} has no prompt text or token ids (a real engine needs the prompt)")
+        self._reqs[rid] = r
+        r.submitted_mono = time.monotonic()
+        r.task = asyncio.get_running_loop().create_task(self._serve(r), name=f"vllm:{rid}")
+
+    def kv_arrived(self, req_id: str) -> None:
+        r = self._reqs.get(req_id)
+        if r is not None and r.phase == "awaiting_kv":
+            r.phase = "decoding"
+
+    def release(self, req_id: str) -> None:
+        """Prefill node: the decode node has the KV. vLLM frees the blocks itself once read (NIXL
+        notification), so this only forgets the request."""
+        r = self._reqs.get(req_id)
+        if r is not None and r.phase == "held":
+            del self._reqs[req_id]
+
+    def abort(self, req_id: str) -> bool:
+        """Close ``req_id``'s HTTP request (vLLM aborts it and frees its blocks). Returns whether
+        a request was running here. A ``held`` prefill has nothing left to close (module docstring)."""
+        r = self._reqs.pop(req_id, None)
+        if r is None:
+            return False
+        if r.kv_ready is not None and not r.kv_ready.done():
+            r.kv_ready.set_result(False)
+        if r.task is not None and not r.task.done():
+            r.task.cancel()
+            return True
+        return False
+
+    def take_allocated(self) -> list[str]:
+        out, self._allocated = self._allocated, []
+        return out
+
+    async def pull_kv(self, src_node: str, req_id: str, kv_tokens: int) -> float:
+        """Wait until vLLM has pulled the KV and produced the first token (or the request ended);
+        returns ms since the decode request was submitted (queueing + transfer + last prompt token)."""
+        r = self._reqs.get(req_id)
+        if r is None or r.kv_ready is None:
+            return 0.0
+        await asyncio.shield(r.kv_ready)
+        return (time.monotonic() - r.submitted_mono) * 1000.0
+
+    # -- HTTP -----------------------------------------------------------------------------------
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # no total timeout: a long decode streams for minutes; the ingress deadline cancels
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        return self._session
+
+    async def _serve(self, r: _VReq) -> None:
+        """Run ``r``'s HTTP request; on failure end it with an explicit ``502 engine_error``.
+
+        A keep-path decode that fails before its first token is sent again (up to
+        :data:`REMOTE_DECODE_RETRIES` times): vLLM 0.32.0's NIXL handshake with a new prefill peer
+        waits a fixed 5 s for its reply (``nixl/base_worker.py``), which a busy CPU prefill server can
+        miss; the prefill side keeps the blocks for their lease, so the same ``kv_transfer_params``
+        still work."""
+        rid = r.req.request_id
+        attempts = 0
+        await self._ready.wait()
+        while True:
+            try:
+                if r.kind == "prefill":
+                    await self._prefill(r)
+                else:
+                    await self._stream(r)
+                return
+            except asyncio.CancelledError:
+                raise
+            except (aiohttp.ClientError, asyncio.TimeoutError, EngineApiError, ValueError) as exc:
+                if self._reqs.get(rid) is not r:
+                    return
+                if r.kind == "remote_decode" and r.tokens_out == 0 and attempts < REMOTE_DECODE_RETRIES:
+                    attempts += 1
+                    log.warning("remote_decode_retry", request_id=rid, attempt=attempts, error=repr(exc))
+                    continue
+                del self._reqs[rid]
+                if r.kv_ready is not None and not r.kv_ready.done():
+                    r.kv_ready.set_result(False)
+                log.warning("engine_request_failed", request_id=rid, error=repr(exc))
+                if self._events is not None:
+                    await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
+                return
+
+    async def _prefill(self, r: _VReq) -> None:
+        rid = r.req.request_id
+        async with self._client().post(f"{self.url}/v1/completions", json=prefill_body(r.req, self.served_model)) as resp:
+            body = await _json_or_raise(resp)
+        params, _n = prefill_result(body)
+        if self._reqs.get(rid) is not r:  # aborted meanwhile
+            return
+        r.kv_params, r.phase, r.remaining = params, "held", 0
+        if self._events is not None:
+            await self._events.on_prefill_done(rid)
+
+    async def _stream(self, r: _VReq) -> None:
+        rid = r.req.request_id
+        body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if r.kind == "remote_decode" else None,
+                           prefill_chunks=r.engine_chunks or None)
+        index, finish, usage = 0, None, None
+        async with self._client().post(f"{self.url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                await _json_or_raise(resp)
+            async for raw in resp.content:
+                d = parse_sse_line(raw.decode("utf-8", "replace"))
+                if d is None:
+                    continue
+                if d.usage is not None:
+                    usage = d.usage
+                if d.finish_reason is not None:
+                    finish = d.finish_reason
+                if d.token_count > 0 and self._reqs.get(rid) is r:
+                    if index == 0:
+                        r.remaining = 0
+                        if r.kv_ready is not None and not r.kv_ready.done():
+                            r.kv_ready.set_result(True)
+                        if r.phase == "deflected_prefill":
+                            r.phase = "decoding"
+                    await self._events.on_tokens(rid, index, d.token_count, d.text)
+                    index += d.token_count
+                    r.tokens_out = index
+        if self._reqs.get(rid) is not r:
+            return
+        del self._reqs[rid]
+        if r.kv_ready is not None and not r.kv_ready.done():
+            r.kv_ready.set_result(index > 0)
+        if finish is None:
+            raise EngineApiError("the engine's stream ended without a finish_reason")
+        await self._events.on_finished(rid, finish if finish in ("stop", "length", "abort") else "stop",
+                                       cached_tokens(usage))
+
+    # -- driver ---------------------------------------------------------------------------------
+    async def _wait_ready(self, stop: asyncio.Event) -> None:
+        """Poll ``/health`` and ``/v1/models`` until the server answers (it may still be loading)."""
+        warned = False
+        while not stop.is_set():
+            try:
+                async with self._client().get(f"{self.url}/v1/models") as resp:
+                    if resp.status == 200:
+                        data = (await resp.json()).get("data") or []
+                        if data:
+                            self.served_model = data[0]["id"]
+                            return
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+                pass
+            if not warned:
+                log.info("waiting_for_engine", url=self.url)
+                warned = True
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    def _on_snapshot(self, snap: Any) -> list[tuple[str, int, int]]:
+        """Update the state. Returns the keep-path prefills seen computing for the first time since
+        the last step record ``(rid, tokens computed, 0)``: collected over every snapshot (a step's
+        own message can be dropped or follow the one that showed the progress) and handed out, then
+        cleared, when ``snap`` carries a step record."""
+        self.snapshot, self._snap_mono = snap, time.monotonic()
+        self.snapshots += 1
+        started = self._started
+        waiting = {w.request_id: w for w in snap.waiting}
+        for rid, r in self._reqs.items():
+            # "held": the prefill's HTTP answer can overtake the stream's messages about its steps
+            if r.phase not in ("prefilling", "deflected_prefill") and not (r.phase == "held" and not r.started):
+                continue
+            w = waiting.get(rid)
+            if r.phase == "held" and w is None:  # done before any message showed it: no start to report
+                r.started = True
+                continue
+            if w is not None and r.phase != "held":
+                r.remaining = w.remaining_prefill_tokens
+            if r.kind == "prefill" and not r.started and (w is None or w.remaining_prefill_tokens < w.prompt_tokens):
+                r.started = True
+                started.append((rid, r.req.prompt_tokens - (w.remaining_prefill_tokens if w else 0), 0))
+        if snap.step_record is None:
+            return []
+        self._started = []
+        return started
+
+    async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
+        """Wait for the server, then follow its state stream until ``stop``; every snapshot with a
+        step record is reported as a :class:`StepOutput`."""
+        from kairos_vllm.subscriber import EngineStateSubscriber
+
+        self._events = events
+        sub = EngineStateSubscriber(self.state_addr)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        try:
+            await self._wait_ready(stop)
+            if stop.is_set():
+                return
+            self._ready.set()
+            log.info("engine_ready", url=self.url, model=self.served_model, state_addr=self.state_addr)
+            while not stop.is_set():
+                recv = asyncio.ensure_future(sub.recv())
+                await asyncio.wait({recv, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if not recv.done():
+                    recv.cancel()
+                    break
+                try:
+                    snap = recv.result()
+                except ValueError as exc:  # EngineStateError: a bad message; keep listening
+                    log.warning("bad_engine_state", error=str(exc))
+                    continue
+                started = self._on_snapshot(snap)
+                if snap.step_record is not None:
+                    await events.on_step(step_output(snap.step_record, self._reqs, started, self.model))
+        finally:
+            stop_wait.cancel()
+            sub.close()
+            for r in list(self._reqs.values()):
+                if r.task is not None:
+                    r.task.cancel()
+            if self._session is not None:
+                await self._session.close()
+
+
+async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    """The JSON body of a 200 answer.
+
+    Raises:
+        EngineApiError: any other status (the message carries vLLM's error text).
+    """
+    text = await resp.text()
+    if resp.status != 200:
+        raise EngineApiError(f"HTTP {resp.status}: {text[:500]}")
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise EngineApiError(f"not JSON: {text[:200]!r}") from None

@@ -1,0 +1,163 @@
+"""Prefix cache of an engine: KV blocks keyed by a hash chain, LRU eviction, incremental events.
+
+Where it is used: every :class:`shared.engine.Engine` (simulator and emulated node agent alike)
+owns one :class:`PrefixCache`; requests carry their block hashes (``block_hashes``: one per
+``block_tokens``-token run of the prompt, each hash covering the whole prefix up to its block, so
+a hash equal on two nodes means the same leading tokens — vLLM ``hash_block_tokens`` /
+``BlockHash``; the Mooncake trace's ``hash_ids``). Where its output goes: the events
+(:meth:`PrefixCache.drain_events`, stored and removed hashes, like vLLM's ``BlockStored`` /
+``BlockRemoved`` KV events from ``--kv-events-config``) feed a :class:`shared.prefix.PrefixIndex`
+in the state view (the simulator's dispatcher; live: the aggregator).
+
+Semantics (vLLM V1 ``KVCacheManager`` / ``BlockPool``, ``vllm/v1/core/block_pool.py``):
+
+* only **computed full blocks** are cached: a request's blocks are inserted once its prompt is
+  computed on the node (prefill done, deflected prefill done, remote KV arrived); a partial last
+  block is never cached;
+* a request **pins** (``ref_cnt``) the cached blocks it uses, from its admission (hits) or from
+  insertion until it leaves the node; pinned blocks are never evicted;
+* unpinned cached blocks sit in the **free pool** in LRU order (vLLM's ``FreeKVCacheBlockQueue``;
+  a request's blocks are freed tail first, so a prompt's head outlives its tail) and are evicted,
+  oldest first, when the node's free KV capacity can no longer hold them;
+* a **hit** is the longest run of leading hashes present, capped so that at least one prompt token
+  is computed (vLLM recomputes the last token to get logits): ``min(hits·block_tokens,
+  ⌊(prompt − 1) / block_tokens⌋·block_tokens)``.
+
+Simplification (documented in docs/policies.md): the engine model still reserves KV for the whole
+prompt of every request (no block sharing in the memory accounting), so caching saves compute
+and KV transfer, never capacity — conservative.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+
+class PrefixCache:
+    """Block-hash prefix cache of one node (see module docstring).
+
+    Args:
+        block_tokens: tokens per hashed block (vLLM ``--block-size``; 512 for the Mooncake trace).
+
+    Raises:
+        ValueError: ``block_tokens < 1``.
+    """
+
+    __slots__ = ("block_tokens", "_ref", "_free", "_stored", "_removed")
+
+    def __init__(self, block_tokens: int) -> None:
+        if not isinstance(block_tokens, int) or block_tokens < 1:
+            raise ValueError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        self.block_tokens = block_tokens
+        self._ref: dict[int, int] = {}  # pinned hash -> number of requests using it
+        self._free: OrderedDict[int, None] = OrderedDict()  # unpinned cached hashes, LRU first
+        self._stored: list[int] = []
+        self._removed: list[int] = []
+
+    def __len__(self) -> int:
+        """Cached blocks (pinned + free)."""
+        return len(self._ref) + len(self._free)
+
+    def __contains__(self, h: int) -> bool:
+        return h in self._ref or h in self._free
+
+    @property
+    def free_tokens(self) -> int:
+        """Tokens held by unpinned (evictable) cached blocks."""
+        return len(self._free) * self.block_tokens
+
+    def hit_blocks(self, hashes: Sequence[int]) -> int:
+        """Number of leading ``hashes`` cached here (pinned or free)."""
+        n = 0
+        for h in hashes:
+            if h in self._ref or h in self._free:
+                n += 1
+            else:
+                break
+        return n
+
+    def hit_tokens(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """Leading prompt tokens served from the cache for a ``prompt_tokens`` prompt with these
+        block hashes: ``min(hit_blocks·block_tokens, ⌊(prompt − 1)/block_tokens⌋·block_tokens)``
+        (at least one token is computed, as in vLLM)."""
+        bt = self.block_tokens
+        return min(self.hit_blocks(hashes) * bt, (prompt_tokens - 1) // bt * bt) if prompt_tokens > 0 else 0
+
+    def pin(self, hashes: Sequence[int]) -> list[int]:
+        """Pin the cached ``hashes`` (a request uses them); returns those pinned, in order.
+
+        Hashes not in the cache are ignored (the caller pins its hits only).
+        """
+        out = []
+        ref, free = self._ref, self._free
+        for h in hashes:
+            if h in ref:
+                ref[h] += 1
+            elif h in free:
+                del free[h]
+                ref[h] = 1
+            else:
+                continue
+            out.append(h)
+        return out
+
+    def insert(self, hashes: Sequence[int]) -> list[int]:
+        """A request computed these full blocks: cache (and pin) every hash; returns all of them.
+
+        New hashes are reported as stored by :meth:`drain_events`; hashes already cached are just
+        pinned (once more).
+        """
+        ref, free = self._ref, self._free
+        for h in hashes:
+            if h in ref:
+                ref[h] += 1
+            else:
+                if h in free:
+                    del free[h]
+                else:
+                    self._stored.append(h)
+                ref[h] = 1
+        return list(hashes)
+
+    def unpin(self, hashes: Sequence[int]) -> None:
+        """The request using ``hashes`` (returned by :meth:`pin`/:meth:`insert`) left the node.
+
+        Blocks whose last user left join the free pool, tail first (most recent = the prompt's
+        head), as vLLM frees a request's blocks in reverse order.
+        """
+        ref, free = self._ref, self._free
+        for h in reversed(hashes):
+            n = ref.get(h)
+            if n is None:
+                continue
+            if n > 1:
+                ref[h] = n - 1
+            else:
+                del ref[h]
+                free[h] = None
+
+    def evict_to(self, free_capacity_tokens: int) -> None:
+        """Evict unpinned blocks, least recently used first, until they fit in
+        ``free_capacity_tokens`` (the node's free KV capacity)."""
+        free, bt = self._free, self.block_tokens
+        while free and len(free) * bt > free_capacity_tokens:
+            h, _ = free.popitem(last=False)
+            self._removed.append(h)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """``(stored, removed)`` hashes since the last call (vLLM ``BlockStored``/``BlockRemoved``).
+
+        Net changes: a hash in ``stored`` is cached now, one in ``removed`` is not (a hash stored
+        and evicted between two drains is only in ``removed``), so the order a consumer applies
+        them in does not matter and applying them twice is harmless.
+        """
+        ref, free = self._ref, self._free
+        stored = list(dict.fromkeys(h for h in self._stored if h in ref or h in free))
+        removed = list(dict.fromkeys(h for h in self._removed if h not in ref and h not in free))
+        self._stored, self._removed = [], []
+        return stored, removed
+
+    def hashes(self) -> set[int]:
+        """Every cached hash (tests, a full resync of an index)."""
+        return set(self._ref) | set(self._free)

@@ -1,0 +1,138 @@
+"""Profiling plan and artifact provenance for ``kairos profile`` (no I/O; the service is
+``services/profiler``).
+
+The §3.2 grid, driven on one decode node (its engine runs all three step kinds):
+
+* **mixed steps** — for each decode batch ``B`` and context per decode ``ctx`` (so ``K ≈ B·ctx``),
+  ``B`` background decodes are started on the node; then, for each chunk size χ, one deflected
+  prefill of ``chunk_steps × (χ − B)`` prompt tokens with the schedule ``[χ] × chunk_steps`` runs
+  five successive chunks: steps with ``p = χ − B`` new tokens after ``c = 0, p, 2p, …`` cached.
+* **decode-only steps** — every step of the background decodes without a chunk
+  (``decode_dwell_steps`` of them before the first chunk of each batch).
+* **prefill-only steps with a cached prefix** — on the idle node, a deflected prefill of
+  ``chunk_steps × χ`` tokens with ``[χ] × chunk_steps``: ``n = χ`` after ``c = 0, χ, 2χ, …``.
+
+Where the samples go: :func:`shared.latency.fit_latency_model` (via :func:`step_records`), and the
+artifact's ``metadata`` (:func:`provenance`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+from shared.latency import LatencyModel, StepRecord
+from shared.wire import StepRecordEvent
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    """The profiling grid (token counts in tokens).
+
+    Attributes:
+        batch_sizes: decode batches B with background decodes (mixed and decode-only steps).
+        contexts: context tokens per background decode (K ≈ B × ctx).
+        chunks: chunk sizes χ of the mixed steps (total step tokens incl. the B decode tokens).
+        prefill_chunks: chunk sizes n of the prefill-only steps.
+        chunk_steps: successive chunks per measurement (§3.2: five).
+        decode_dwell_steps: decode-only steps recorded per batch before its first chunk.
+    """
+
+    batch_sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    chunks: tuple[int, ...]
+    prefill_chunks: tuple[int, ...]
+    chunk_steps: int = 5
+    decode_dwell_steps: int = 8
+
+    def mixed_plan(self) -> list[tuple[int, int, list[int]]]:
+        """(B, ctx, χ values with χ > B) per background batch; batches with no such χ are left out."""
+        out = []
+        for b in self.batch_sizes:
+            for ctx in self.contexts:
+                chis = [c for c in self.chunks if c > b]
+                if chis:
+                    out.append((b, ctx, chis))
+        return out
+
+    def steps_planned(self) -> int:
+        """Chunk steps the plan runs (mixed + prefill-only), excluding decode-only steps."""
+        mixed = sum(len(chis) for _, _, chis in self.mixed_plan())
+        return (mixed + len(self.prefill_chunks)) * self.chunk_steps
+
+
+#: ``quick``: the CI round trip and the README (~15 s on the emulated default profile);
+#: ``paper``: the §3.2 grid (B up to 128, 8K context tokens per decode, χ 128…2048; batches that do not fit
+#: the node's free KV are skipped).
+GRIDS: dict[str, ProfileGrid] = {
+    "quick": ProfileGrid(batch_sizes=(4, 16), contexts=(1024,), chunks=(256, 512, 1024),
+                         prefill_chunks=(256, 512, 1024, 2048)),
+    "paper": ProfileGrid(batch_sizes=(1, 8, 32, 64, 128), contexts=(512, 2048, 8192),
+                         chunks=(128, 256, 512, 1024, 2048), prefill_chunks=(128, 256, 512, 1024, 2048)),
+}
+
+
+def step_records(events: Iterable[StepRecordEvent]) -> list[StepRecord]:
+    """Fitting samples from step records (wall time as the latency; no filtering here — the fit's
+    hygiene rejects and counts bad samples)."""
+    return [StepRecord(e.batch_size, e.kv_tokens, e.prefill_tokens, int(round(e.prefill_cached)), e.wall_ms)
+            for e in events]
+
+
+def hardware() -> dict[str, Any]:
+    """This host: CPU model, cores, machine, OS (what an artifact was measured on)."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform()}
+
+
+def provenance(*, node: str, grid_name: str, grid: ProfileGrid, events: list[StepRecordEvent], engine: str,
+               served_model: str, label: str, started_unix_ms: float, finished_unix_ms: float,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The artifact's ``metadata``: where, on what and how it was measured.
+
+    ``label`` is the human statement of what the artifact is (e.g. "emulated engine under CPU
+    load, not a real engine"); ``engine`` the backend (``emulated``, ``vllm x.y``).
+    """
+    versions = sorted({e.model_version for e in events if e.model_version})
+    return {
+        "provenance": "kairos profile",
+        "label": label,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hardware(),
+        "engine": engine,
+        "model": served_model,
+        "node": node,
+        "node_model_versions": versions,
+        "grid": {"name": grid_name, **asdict(grid)},
+        "steps_recorded": len(events),
+        "duration_s": round((finished_unix_ms - started_unix_ms) / 1000.0, 1),
+        **(extra or {}),
+    }
+
+
+def default_version() -> str:
+    """A sortable version string: the UTC time of the fit (``20261130T134501Z``)."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def fit_summary(model: LatencyModel) -> str:
+    """Human-readable fit report: held-out MAPE per model and per grid region, samples, rejections."""
+    fit = model.metadata.get("fit", {})
+    lines = [f"latency model {model.artifact_version}"]
+    rej = fit.get("rejected", {})
+    lines.append(f"  samples {fit.get('samples', {})}; rejected: {rej.get('invalid', 0)} invalid, "
+                 f"{rej.get('outlier', 0)} outliers ({fit.get('outlier_rule', '')})")
+    for kind in ("prefill", "decode", "mixed"):
+        m = model.mape.get(kind)
+        lines.append(f"  {kind:8s} held-out MAPE {'–' if m is None else f'{m:.2f} %'}")
+        for region, v in fit.get("mape_regions", {}).get(kind, {}).items():
+            lines.append(f"      {region:22s} {v['mape']:7.2f} %  ({v['rows']} rows)")
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""`kairos profile` round trip and the model/correction paths on a real bus.
+
+* Round trip: an emulated decode node whose steps follow a *hidden* truth (another artifact than the
+  one it predicts with, 15 % slower on top) is profiled as separate processes (bundled nats-server,
+  node agent) through the same code as ``kairos profile --emulated``; the fitted model must recover
+  the truth within 3 % MAPE on compositions it was not fitted on.
+* Hot reload: an artifact put under ``kairos_models/latency.current`` becomes the model the
+  dispatchers decide with (and record); an invalid one is ignored.
+* Corrections: step records on ``kairos.steps.<node>`` whose actual time is 1.3 × the prediction
+  reach every dispatcher's view as that node's correction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nats
+import numpy as np
+import pytest
+
+from kairos.profile import ProfileOptions, run_profile
+from services.profiler.service import publish_model
+from shared import subjects as S
+from shared.latency import LatencyModel, load_profile
+from shared.routing import build_snapshot
+from shared.wire import InferenceRequest, StepRecordEvent, encode, now_ms
+from tests.integration.conftest import fast_model, stack, wait_until
+
+BELIEF = load_profile()
+
+
+def hidden_truth(tmp_path):
+    """Another form than the node's belief: a slower fixed cost per step and per decode, a smaller
+    K cost, dearer chunks. (Steps of 70+ ms: a busy CI machine's event-loop lateness, ~1 ms, stays
+    a small fraction of each measurement.)"""
+    d = BELIEF.to_dict()
+    d["name"], d["version"] = "hidden-truth", "1"
+    d["decode"]["intercept_ms"] = 60.0
+    d["decode"]["coef"] = [0.4, 1.0e-5]
+    d["prefill"]["intercept_ms"] = 30.0
+    d["mixed_delta"]["coef"] = [0.03, 5e-6, 2e-5, 1e-8]
+    path = tmp_path / "hidden.json"
+    path.write_text(json.dumps(d))
+    return load_profile(path), path
+
+
+def test_profile_an_emulated_node_recovers_its_hidden_truth_within_3_percent(tmp_path):
+    truth, path = hidden_truth(tmp_path)
+    scale = 1.15
+    out = tmp_path / "fitted.json"
+    fitted = run_profile(ProfileOptions(emulated=True, truth_profile=str(path), truth_scale=scale, grid="quick",
+                                        name="roundtrip", version="t1", out=str(out), publish=False, max_mape=10.0,
+                                        quiet=True))
+    assert load_profile(out).to_dict() == json.loads(json.dumps(fitted.to_dict()))
+    # independent check: compositions inside the quick grid's ranges, not the sampled points
+    rng = np.random.default_rng(0)
+    t, f = [], []
+    for _ in range(300):
+        kind = rng.integers(3)
+        if kind == 0:
+            B, K, p, c = 0, 0, int(rng.integers(256, 2049)), int(rng.integers(0, 4)) * 512
+        elif kind == 1:
+            B = int(rng.integers(4, 17))
+            B, K, p, c = B, B * int(rng.integers(1024, 1100)), 0, 0
+        else:
+            B = int(rng.integers(4, 17))
+            B, K, p, c = B, B * int(rng.integers(1024, 1100)), int(rng.integers(240, 1009)), int(rng.integers(0, 4000))
+        t.append(truth.step_ms(B, K, p, c) * scale)
+        f.append(fitted.step_ms(B, K, p, c))
+    err = np.abs(np.array(f) - np.array(t)) / np.array(t) * 100
+    print(f"MAPE of the fitted model vs the hidden truth: {err.mean():.2f} %")
+    assert err.mean() <= 3.0, f"MAPE vs the hidden truth {err.mean():.2f} %"
+    # ... and it is not the model the node predicted with (the test can tell them apart)
+    belief = [BELIEF.step_ms(0, 0, 1024, 0), BELIEF.step_ms(16, 16 * 1024, 0, 0)]
+    assert fitted.step_ms(16, 16 * 1024, 0, 0) != pytest.approx(belief[1], rel=0.05)
+    meta = fitted.metadata
+    for key in ("hardware", "engine", "model", "date", "grid", "steps_recorded", "fit"):
+        assert key in meta, key
+    assert set(meta["fit"]["samples"]) == {"prefill", "decode", "mixed"}
+    assert all(v is not None and v <= 10.0 for v in fitted.mape.values())
+
+
+async def test_dispatchers_hot_reload_the_published_model_and_ignore_a_bad_one(nats_url):
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=2) as st:
+        old = st.dispatchers[0].model.artifact_version
+        d = fast_model().to_dict()
+        d["name"], d["version"] = "reloaded", "v2"
+        new = LatencyModel.from_dict(d)
+        nc = await nats.connect(nats_url)
+        try:
+            await publish_model(nc, new)
+            await wait_until(lambda: all(x.model.artifact_version == "reloaded@v2" for x in st.dispatchers), 10,
+                             "every dispatcher on the published model")
+            assert old != "reloaded@v2"
+            status, body = await st.complete("hello there", max_tokens=2)
+            assert status == 200, body
+            rec = await wait_for_decision(st, body["id"])
+            assert rec["routing"]["model_version"] == "reloaded@v2"
+            kv = await nc.jetstream().key_value(S.MODELS_BUCKET)
+            await kv.put(S.CURRENT_MODEL_KEY, b'{"schema_version": 1, "name": "broken"}')
+            await kv.put(S.model_key("probe"), b"{}")  # an unrelated key: not watched
+            await publish_model(nc, LatencyModel.from_dict({**d, "version": "v3"}))
+            await wait_until(lambda: all(x.model.artifact_version == "reloaded@v3" for x in st.dispatchers), 10,
+                             "the next valid artifact after an invalid one")
+        finally:
+            await nc.close()
+
+
+async def wait_for_decision(st, rid: str) -> dict:
+    from tests.integration.conftest import get_record
+
+    return await get_record(st, rid, lambda r: r.get("routing") is not None)
+
+
+async def test_step_records_become_corrections_in_every_dispatchers_view(nats_url):
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=2, policy="kairos+") as st:
+        nc = await nats.connect(nats_url)
+        try:
+            rng = np.random.default_rng(1)
+            for i in range(200):
+                pred = 40.0 + 10 * rng.random()
+                await nc.publish(S.steps_subject("prefill-0"), encode(StepRecordEvent(
+                    node="prefill-0", role="prefill", step=i, started_unix_ms=now_ms(), wall_ms=1.3 * pred,
+                    predicted_ms=pred, batch_size=0, kv_tokens=0, prefill_tokens=512)))
+            await nc.flush()
+
+            def corr():
+                out = []
+                for d in st.dispatchers:
+                    n = next((n for n in (d.view.nodes if d.view else []) if n.node == "prefill-0"), None)
+                    out.append(n.correction if n is not None else None)
+                return out
+            # the node's real (emulated, exact) steps keep arriving too: wait for the 1.3 to dominate
+            await wait_until(lambda: all(c is not None and c.samples >= 100 and c.bias > 1.2 for c in corr()), 10,
+                             "the correction in every dispatcher's view")
+            view = st.dispatchers[0].view
+            req = InferenceRequest(request_id="r1", model="m", prompt_tokens=100, max_tokens=4,
+                                   created_unix_ms=now_ms(), deadline_unix_ms=now_ms() + 1e4)
+            snap = build_snapshot(req, view, {}, {}, now_ms())
+            assert snap is not None and snap.prefill_nodes[0].step_bias > 1.2
+        finally:
+            await nc.close()
+
+
+async def test_trace_replay_mixes_deflections_and_handoffs_and_leaves_the_node_idle(nats_url):
+    from services.node_agent.agent import NodeAgent
+    from services.node_agent.config import AgentConfig
+    from services.profiler.service import Profiler
+    from shared.profiling import ProfileGrid
+    from shared.workloads import generate
+
+    agent = NodeAgent(AgentConfig(node_id="decode-7", role="decode", nats_url=nats_url, metrics_port=-1,
+                                  state_period_ms=50.0), model=fast_model())
+    await agent.start()
+    nc = await nats.connect(nats_url)
+    try:
+        wl = generate("bursty", 6, 4, seed=2)
+        # the replay alone (the grid is covered by the round trip): a grid without points
+        empty = ProfileGrid(batch_sizes=(), contexts=(), chunks=(), prefill_chunks=())
+        prof = Profiler(nc, "decode-7", empty)
+        counts = (await asyncio.wait_for(prof.run(replay=wl), 60)).replay_counts
+        assert sum(counts.values()) == len(wl) and counts["deflected"] >= 1 and counts["handed_off"] >= 1
+        evs = prof.result.events
+        assert any(e.batch_size > 0 and e.prefill_tokens > 0 for e in evs)  # mixed steps
+        assert any(e.batch_size > 0 and e.prefill_tokens == 0 for e in evs)  # decode-only steps
+        assert prof.state is not None and prof.state.running == 0 and not prof._live
+    finally:
+        await nc.close()
+        await agent.close()

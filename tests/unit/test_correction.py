@@ -1,0 +1,117 @@
+"""Closed-loop correction: the estimator against residuals drawn from a known distribution, the
+policy's use of it (Eq. 5 limit and Eq. 6 scale), the ground truth's drift, and `kairos sim`'s
+model-error options."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import msgspec
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kairos.cli import main
+from shared.correction import IDENTITY, CorrectionEstimator
+from shared.engine import GroundTruth
+from shared.policy import PolicyParams, parse_policy
+from shared.policy.estimates import decode_schedule
+from shared.snapshot import DecodeNodeView
+from tests.factories import snapshot, tiny_model
+
+MODEL = tiny_model()
+
+
+def feed(est: CorrectionEstimator, node: str, ratios, t0: float = 0.0, dt: float = 10.0) -> float:
+    t = t0
+    for r in ratios:
+        est.observe(node, 50.0, 50.0 * r, t)
+        t += dt
+    return t
+
+
+def test_bias_and_safety_match_the_residual_distribution():
+    rng = np.random.default_rng(0)
+    sigma, scale = 0.05, 1.1
+    ratios = scale * np.exp(sigma * rng.standard_normal(2000))
+    est = CorrectionEstimator(window_ms=1e9, quantile=0.999)
+    t = feed(est, "d0", ratios)
+    c = est.correction("d0", t)
+    assert c.samples == 2000
+    assert c.bias == pytest.approx(scale * math.exp(sigma ** 2 / 2), rel=0.01)
+    assert c.safety == pytest.approx(scale * math.exp(3.09 * sigma), rel=0.02)
+    # the bound holds out of sample: fresh ratios exceed it about 0.1 % of the time
+    fresh = scale * np.exp(sigma * rng.standard_normal(200_000))
+    assert np.mean(fresh > c.safety) < 0.003
+
+
+def test_window_forgets_old_steps_and_follows_a_drift():
+    est = CorrectionEstimator(window_ms=1000.0, min_samples=10)
+    t = feed(est, "d0", [1.0] * 200)  # 2 s at exact
+    assert est.correction("d0", t).safety == pytest.approx(1.0)
+    t = feed(est, "d0", [1.15] * 50, t0=t)  # 0.5 s after a 15 % drift: a mixture, margin widened
+    mid = est.correction("d0", t)
+    assert mid.safety > 1.15
+    t = feed(est, "d0", [1.15] * 150, t0=t)  # the window holds only drifted steps
+    assert est.correction("d0", t).bias == pytest.approx(1.15)
+    idle = est.correction("d0", t + 5000)  # all aged out (the node idled): the last correction stays
+    assert idle.samples == 0 and idle.bias == pytest.approx(1.15)
+
+
+def test_too_few_or_bad_samples_give_identity():
+    est = CorrectionEstimator(min_samples=30)
+    c = est.correction("nobody", 0.0)
+    assert (c.bias, c.safety, c.samples) == (IDENTITY.bias, IDENTITY.safety, 0)
+    feed(est, "d0", [2.0] * 29)
+    assert est.correction("d0", 300.0).bias == 1.0
+    assert not est.observe("d0", 0.0, 5.0, 1.0) and not est.observe("d0", 5.0, math.nan, 1.0)
+    with pytest.raises(ValueError):
+        CorrectionEstimator(quantile=1.0)
+
+
+def test_policy_applies_the_safety_to_eq5_and_the_bias_to_eq6():
+    snap = snapshot(126, [[5000]], [(2, 1000, False)])
+    plain = parse_policy("kairos").decide(snap, MODEL, PolicyParams())
+    node = msgspec.structs.replace(snap.decode_nodes[0], step_bias=1.2, step_safety=1.5)
+    corrected_snap = msgspec.structs.replace(snap, decode_nodes=[node])
+    pp = PolicyParams(model_correction=True)
+    got = parse_policy("kairos").decide(corrected_snap, MODEL, pp)
+    limit = pp.step_limit_ms / 1.5
+    want = decode_schedule(MODEL, 2, 1000, 126, sorted(pp.chunk_candidates, reverse=True), limit)
+    assert want is not None
+    assert plain.chunk_schedule == [256] and got.chunk_schedule == [128]  # 256: T = 48.4 ms > 70 / 1.5
+    assert got.ttft_decode_est_ms["decode-0"] == pytest.approx(1.2 * want[0])
+    assert all(t / 1.2 <= limit + 1e-9 for t in got.predicted_step_ms)
+    assert got.ttft_decode_est_ms["decode-0"] != pytest.approx(plain.ttft_decode_est_ms["decode-0"])
+    # kairos (Algorithm 1 as printed) ignores the fields
+    assert parse_policy("kairos").decide(corrected_snap, MODEL, PolicyParams()) == plain
+    assert parse_policy("kairos+").params(PolicyParams()).model_correction
+
+
+def test_ground_truth_scale_and_drift_from_its_clock():
+    now = [0.0]
+    gt = GroundTruth(MODEL, scale=1.1, drift_scale=1.15, drift_at_ms=1000.0, clock=lambda: now[0])
+    base = MODEL.step_ms(4, 1000, 0, 0)
+    assert gt.step_ms(4, 1000, 0, 0) == pytest.approx(1.1 * base)
+    now[0] = 1000.0
+    assert gt.step_ms(4, 1000, 0, 0) == pytest.approx(1.1 * 1.15 * base)
+    with pytest.raises(ValueError):
+        GroundTruth(MODEL, scale=0.0)
+
+
+@pytest.mark.parametrize("drift", ["decode-9:15:10", "decode-0:15", "decode-0:-100:1", "x:y:z"])
+def test_kairos_sim_rejects_a_bad_drift(drift):
+    res = CliRunner().invoke(main, ["sim", "--duration", "5", "--drift", drift])
+    assert res.exit_code == 2 and "--drift" in res.stderr
+
+
+def test_kairos_sim_truth_scale_and_drift_slow_the_engines(tmp_path):
+    def tbt_p50(*extra) -> float:
+        out = tmp_path / "r.json"
+        res = CliRunner().invoke(main, ["sim", "--duration", "30", "--policy", "pd", "--json", str(out), *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(out.read_text())[0]["tbt_ms"]["p50"]
+    base = tbt_p50()
+    assert tbt_p50("--truth-scale", "1.5") == pytest.approx(1.5 * base, rel=0.05)
+    assert base < tbt_p50("--drift", "decode-0:50:0") < 1.5 * base  # one of two decode nodes slower

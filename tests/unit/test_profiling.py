@@ -1,0 +1,65 @@
+"""Profiling plan, samples and the `kairos profile` command's input checks (the bus round trip is
+tests/integration/test_profiler.py)."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from kairos.cli import main
+from shared.latency import load_profile
+from shared.profiling import GRIDS, ProfileGrid, fit_summary, step_records
+from shared.wire import StepRecordEvent
+
+
+def test_mixed_plan_leaves_out_chunks_that_carry_no_prompt_tokens():
+    g = ProfileGrid(batch_sizes=(4, 300), contexts=(512, 1024), chunks=(128, 256), prefill_chunks=(256,))
+    # B = 300 fills every χ with decode tokens alone: no mixed step possible, batch left out
+    assert g.mixed_plan() == [(4, 512, [128, 256]), (4, 1024, [128, 256])]
+    assert g.steps_planned() == (4 + 1) * 5
+
+
+def test_the_paper_grid_covers_the_section_3_2_ranges():
+    g = GRIDS["paper"]
+    assert min(g.chunks) == 128 and max(g.chunks) == 2048 and g.chunk_steps == 5
+    assert max(g.batch_sizes) >= 128 and max(g.contexts) >= 8192
+
+
+def test_step_records_carry_the_model_inputs_and_the_measured_time():
+    ev = StepRecordEvent(node="d0", role="decode", step=3, started_unix_ms=1.0, wall_ms=61.5, predicted_ms=55.0,
+                         batch_size=8, kv_tokens=9000, prefill_tokens=504, prefill_cached=1007.6)
+    (r,) = step_records([ev])
+    assert (r.batch_size, r.kv_tokens, r.prefill_tokens, r.prefill_cached, r.latency_ms) == (8, 9000, 504, 1008, 61.5)
+
+
+def test_fit_summary_lists_every_model_and_region():
+    text = fit_summary(load_profile("emulated-cpu"))
+    for kind in ("prefill", "decode", "mixed"):
+        assert f"{kind}" in text
+    assert "held-out MAPE" in text and "outliers" in text and "B≤8" in text
+
+
+def test_the_committed_measured_artifact_says_what_it_is():
+    m = load_profile("emulated-cpu")
+    assert "EMULATED" in m.metadata["label"] and "NOT a real engine" in m.metadata["label"]
+    assert all(v is not None and v < 3.0 for v in m.mape.values())
+    for key in ("hardware", "engine", "date", "grid", "fit"):
+        assert key in m.metadata
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["--emulated", "--nats-url", "nats://127.0.0.1:1"], "--nats-url"),
+    (["--truth-profile", "no-such-profile"], "--truth-profile"),
+    (["--grid", "huge"], "--grid"),
+    (["--max-mape", "0"], "--max-mape"),
+    (["--replay", "nope"], "--replay"),
+])
+def test_kairos_profile_rejects_bad_input(args, hint):
+    res = CliRunner().invoke(main, ["profile", *args])
+    assert res.exit_code == 2 and hint in res.stderr, res.output
+
+
+def test_kairos_profile_without_nats_gives_up_with_a_message():
+    res = CliRunner().invoke(main, ["profile", "--nats-url", "nats://127.0.0.1:1", "--no-publish",
+                                    "--connect-timeout", "1"])
+    assert res.exit_code == 1 and "cannot reach NATS" in res.stderr

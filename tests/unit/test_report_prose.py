@@ -1,0 +1,57 @@
+"""The reproduction report tells the truth by construction: its prose (sim/report_template.md,
+sim/report_notes.md) holds no typed-in figure — every number is a placeholder the report run fills
+from its own rows — and every placeholder the notes use is one the report provides."""
+
+from __future__ import annotations
+
+import re
+import string
+from pathlib import Path
+
+import pytest
+
+import sim.report as report
+
+SIM = Path(report.__file__).parent
+PROSE = [SIM / "report_template.md", SIM / "report_notes.md"]
+
+#: digits that are names, not figures: percentiles, section/equation/table/figure numbers, issue
+#: numbers, a citation year, and code spans (policy specs such as `sq:1`, file names)
+ALLOWED = [r"<!-- \w+ -->", r"`[^`\n]*`", r"\bP\d{2}\b", r"§\d+(\.\d+)*", r"\bTable \d+", r"\bEq\. \d+(–\d+)?", r"\bAlgorithm \d",
+           r"\bFigure \d+", r"[Ii]ssue-\d+", r"et al\., \d{4}"]
+
+
+def figures_outside_placeholders(text: str) -> list[str]:
+    """Lines of ``text`` that still hold a digit once placeholders and allowed names are removed."""
+    text = re.sub(r"\{[^{}\n]*\}", "", text)
+    for pat in ALLOWED:
+        text = re.sub(pat, "", text)
+    return [line.strip() for line in text.splitlines() if re.search(r"\d", line)]
+
+
+@pytest.mark.parametrize("path", PROSE, ids=lambda p: p.name)
+def test_prose_has_no_typed_in_figures(path):
+    assert figures_outside_placeholders(path.read_text()) == []
+
+
+def test_the_scanner_catches_a_typed_figure():
+    assert figures_outside_placeholders("Kairos cuts P95 TTFT by 40 % ({x} s) in Table 4") == [
+        "Kairos cuts  TTFT by 40 % ( s) in"]
+    assert figures_outside_placeholders("`sq:1` at {rps:g} RPS, P99 and §6") == []
+
+
+def placeholders(text: str) -> set[str]:
+    return {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(text) if name}
+
+
+def test_every_note_placeholder_is_a_fact_or_a_template_value():
+    notes = report.read_notes(SIM / "report_notes.md")
+    needed = set().union(*(placeholders(v) for v in notes.values()))
+    provided = set(report.template_values(report.PolicyParams(), 60.0, 1, 0.0))
+    facts_src = Path(report.__file__).read_text()
+    provided |= set(re.findall(r'f\["(\w+)"\]', facts_src))
+    provided |= {m for pat in re.findall(r'f\[f"(\w*)\{', facts_src) for m in (pat,)}  # f[f"t4_best_{link}"] …
+    missing = {n for n in needed if n not in provided and not any(n.startswith(p) and p for p in provided)}
+    assert not missing, f"notes use placeholders the report never fills: {sorted(missing)}"
+    template = (SIM / "report_template.md").read_text()
+    assert set(notes) <= placeholders(template), "a notes section the template does not place"

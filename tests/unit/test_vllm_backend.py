@@ -1,0 +1,203 @@
+"""The vLLM backend's pure parts: request bodies, stream parsing, chunk conversion, step records →
+StepOutput, heartbeat state from a snapshot, the agent config, and ``kairos up --engine vllm``'s plan.
+(The same code against real servers: tests/vllm/servers.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import msgspec
+import pytest
+
+from kairos_vllm.protocol import DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest
+from services.node_agent.config import AgentConfig
+from services.node_agent.vllm_backend import VllmBackend, step_output
+from shared.envconfig import ConfigError
+from shared.latency import load_profile
+from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
+                             prefill_body, prefill_result)
+from shared.wire import InferenceRequest, Job, KvHandoff, SamplingParams, decode, encode
+
+MODEL = load_profile("cpu-tiny-vllm")
+
+
+def req(rid="r1", prompt=10, out=4, text=None, ids=None) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=out, prompt_text=text,
+                            prompt_token_ids=ids, created_unix_ms=0.0, deadline_unix_ms=1e15)
+
+
+def test_engine_chunks_subtract_the_decision_batch():
+    assert engine_prefill_chunks([66, 130, 258], 2) == [64, 128, 256]
+    assert engine_prefill_chunks([512, 512], 0) == [512, 512]
+    assert engine_prefill_chunks([8, 100], 10) == [1, 90]  # χ ≤ B still makes progress: 1 token
+    assert engine_prefill_chunks([], 5) == []
+    with pytest.raises(ValueError):
+        engine_prefill_chunks([0], 0)
+    with pytest.raises(ValueError):
+        engine_prefill_chunks([10], -1)
+
+
+def test_request_bodies_follow_the_nixl_protocol():
+    r = req(ids=[5, 6, 7], prompt=3, out=9)
+    p = prefill_body(r, "tiny")
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert p["vllm_xargs"] == {"kairos_rid": "r1"} and p["prompt"] == [5, 6, 7]
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e"}
+    d = decode_body(r, "tiny", kv_transfer_params=params)
+    assert d["kv_transfer_params"] == params and d["max_tokens"] == 9 and d["stream"] is True
+    assert d["stream_options"] == {"include_usage": True} and d["return_token_ids"] is True
+    assert "kairos_prefill_chunks" not in d["vllm_xargs"]
+    sp = SamplingParams(temperature=0.0, seed=7, stop=["w9"], ignore_eos=True)
+    g = decode_body(msgspec.structs.replace(r, sampling=sp), "tiny")
+    assert (g["temperature"], g["seed"], g["stop"], g["ignore_eos"]) == (0.0, 7, ["w9"], True)
+    assert "top_p" not in g and "temperature" not in d  # unset: the engine's default
+    assert "temperature" not in prefill_body(msgspec.structs.replace(r, sampling=sp), "tiny")
+    f = decode_body(req(text="hello"), "tiny", prefill_chunks=[64, 128])
+    assert f["vllm_xargs"] == {"kairos_rid": "r1", "kairos_prefill_chunks": [64, 128]}
+    assert "kv_transfer_params" not in f and f["prompt"] == "hello"
+    with pytest.raises(EngineApiError, match="neither prompt text nor token ids"):
+        prefill_body(req(), "tiny")
+
+
+def test_stream_lines_parse_tokens_finish_usage_and_errors():
+    assert parse_sse_line("") is None and parse_sse_line("data: [DONE]") is None and parse_sse_line(": ping") is None
+    d = parse_sse_line('data: {"choices": [{"text": " a b", "token_ids": [4, 5], "finish_reason": null}]}')
+    assert (d.text, d.token_count, d.finish_reason) == (" a b", 2, None)
+    d = parse_sse_line('data: {"choices": [{"text": "", "token_ids": [], "finish_reason": "stop"}]}')
+    assert (d.token_count, d.finish_reason) == (0, "stop")
+    u = parse_sse_line('data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, '
+                       '"prompt_tokens_details": {"cached_tokens": 128}}}')
+    assert u.usage["completion_tokens"] == 3 and cached_tokens(u.usage) == 128
+    assert cached_tokens({"prompt_tokens_details": None}) == 0
+    with pytest.raises(EngineApiError, match="boom"):
+        parse_sse_line('data: {"error": {"message": "boom", "code": 400}}')
+    with pytest.raises(EngineApiError):
+        parse_sse_line("data: {not json")
+
+
+def test_prefill_result_needs_kv_transfer_params():
+    params, n = prefill_result({"kv_transfer_params": {"remote_engine_id": "e"}, "usage": {"prompt_tokens": 7}})
+    assert params == {"remote_engine_id": "e"} and n == 7
+    with pytest.raises(EngineApiError, match="kv-transfer-config"):
+        prefill_result({"choices": [], "usage": {}})
+
+
+def test_wire_carries_the_batch_at_decision_and_the_kv_transfer_params():
+    j = Job(kind="deflect", request=req(ids=[1]), node="decode-0", chunk_schedule=[66], decision_batch_size=2)
+    assert decode(encode(j), Job).decision_batch_size == 2
+    h = KvHandoff(request=req(ids=[1]), src_node="prefill-0", kv_tokens=1, prefill_done_unix_ms=0.0,
+                  kv_transfer_params={"remote_block_ids": [[1, 2]], "remote_port": 5600})
+    assert decode(encode(h), KvHandoff).kv_transfer_params == {"remote_block_ids": [[1, 2]], "remote_port": 5600}
+    assert decode(encode(KvHandoff(request=req(ids=[1]), src_node="p", kv_tokens=1, prefill_done_unix_ms=0.0)),
+                  KvHandoff).kv_transfer_params is None
+
+
+def snapshot(**kw) -> EngineSnapshot:
+    base = dict(seq=1, sent_unix_ms=0.0, engine_pid=1, step=5, batch_size=2, kv_tokens=900, waiting=[],
+                num_running=3, num_waiting=0, kv_cache_usage=0.25, free_kv_tokens=3000, block_size=128)
+    return EngineSnapshot(**{**base, **kw})
+
+
+async def test_state_and_step_output_from_the_plugins_snapshot():
+    b = VllmBackend("decode", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
+    b.add_deflected(req("d1", prompt=600, ids=list(range(3, 603))), [66, 130, 258], decision_batch_size=2)
+    assert b._reqs["d1"].engine_chunks == [64, 128, 256]
+    snap = snapshot(waiting=[WaitingRequest("d1", 600, 408), WaitingRequest("other", 50, 50)])
+    b._on_snapshot(snap)
+    st = b.state()
+    assert (st.batch_size, st.kv_tokens, st.free_kv_tokens, st.running, st.steps) == (2, 900, 3000, 3, 5)
+    assert st.queue_prompt_tokens == [408]  # decode node: deflected prompts only
+    assert st.deflection_in_flight and [(f.prompt_tokens, f.output_tokens) for f in st.in_flight] == [(408, 4)]
+    assert st.used_kv_tokens == 1000  # 25 % used, 3000 free
+    rec = StepRecord(step=6, started_unix_ms=1.0, wall_ms=30.0, prefill_tokens=128, decode_count=2, kv_tokens=900,
+                     cached_tokens=0, chunks=[DeflectedChunk("d1", 1, 128)])
+    out = step_output(rec, b._reqs, [], MODEL)
+    assert out.deflected_chunk == ("d1", 1, 130, 128)  # χ of the dispatcher's schedule, tokens the engine ran
+    assert out.prefill_chunks == (("d1", 128, 0),) and (out.batch_size, out.kv_tokens) == (2, 900)
+    assert out.predicted_ms == pytest.approx(MODEL.step_ms(2, 900, 128, 0))
+    past = step_output(StepRecord(step=7, started_unix_ms=1.0, wall_ms=1.0, prefill_tokens=30, decode_count=2,
+                                  kv_tokens=900, cached_tokens=0, chunks=[DeflectedChunk("d1", 5, 30)]),
+                       b._reqs, [], MODEL)
+    assert past.deflected_chunk == ("d1", 5, 258, 30)  # past the end the last χ repeats
+    assert b.abort("d1") is True and b.phase("d1") is None
+    await asyncio_drain()
+
+
+async def test_prefill_node_state_lists_every_waiting_prompt_and_marks_started_prefills():
+    b = VllmBackend("prefill", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
+    b.add_prefill(req("p1", prompt=2000, ids=[3] * 2000))
+    rec = StepRecord(step=6, started_unix_ms=1.0, wall_ms=30.0, prefill_tokens=1024, decode_count=0, kv_tokens=0,
+                     cached_tokens=0, chunks=[])
+    # progress seen on a message without a step record is kept for the next step record
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976), WaitingRequest("x", 30, 30)])) == []
+    assert b.state().queue_prompt_tokens == [976, 30]
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976)], step_record=rec)) == [("p1", 1024, 0)]
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 0)], step_record=rec)) == []  # reported once
+    b.abort("p1")
+    await asyncio_drain()
+
+
+async def test_remote_decode_without_kv_transfer_params_is_refused():
+    b = VllmBackend("decode", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
+    with pytest.raises(EngineApiError, match="kv_transfer_params"):
+        b.add_remote_decode(req(ids=[1]), None)
+    with pytest.raises(EngineApiError, match="no prompt"):
+        b.add_deflected(req(), [10])
+
+
+async def asyncio_drain() -> None:
+    import asyncio
+
+    await asyncio.sleep(0)  # let cancelled request tasks finish
+
+
+def test_agent_config_requires_the_engine_url_and_state_stream_for_vllm():
+    AgentConfig(node_id="decode-0", role="decode", backend="vllm", engine_url="http://127.0.0.1:8100",
+                engine_state_addr="ipc:///tmp/x.sock")
+    with pytest.raises(ConfigError, match="KAIROS_ENGINE_URL"):
+        AgentConfig(node_id="decode-0", role="decode", backend="vllm", engine_state_addr="ipc:///tmp/x.sock")
+    with pytest.raises(ConfigError, match="KAIROS_ENGINE_STATE_ADDR"):
+        AgentConfig(node_id="decode-0", role="decode", backend="vllm", engine_url="http://127.0.0.1:8100",
+                    engine_state_addr="/tmp/x.sock")
+
+
+def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypatch):
+    from kairos.up import UpOptions, plan
+    from shared.envconfig import from_env
+    from services.ingress.config import IngressConfig
+
+    monkeypatch.setenv("KAIROS_VLLM_PYTHON", sys.executable)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    opts = UpOptions(prefill=1, decode=1, dispatchers=1, engine="vllm", model_dir=str(tmp_path / "model"),
+                     profile="cpu-tiny-vllm", served_model="tiny")
+    children = plan(opts, "nats://127.0.0.1:4222", tmp_path / "logs", run_dir=tmp_path)
+    by = {c.name: c for c in children}
+    nixl = set()
+    for node in ("prefill-0", "decode-0"):
+        eng, agent = by[f"vllm-{node}"], by[node]
+        argv = eng.argv
+        assert argv[:3] == ["nice", "-n", "5"]  # the control plane keeps the CPU it needs
+        argv = argv[3:]
+        assert argv[0] == sys.executable and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
+        assert flag["--scheduler-cls"] == "kairos_vllm.scheduler.KairosScheduler"
+        assert json.loads(flag["--kv-transfer-config"])["kv_role"] == "kv_both"
+        assert flag["--dtype"] == "float32" and flag["--max-model-len"] == "2048" and "--enforce-eager" in argv
+        assert flag["--served-model-name"] == "tiny"
+        cfg = from_env(AgentConfig, env=agent.env)
+        assert cfg.backend == "vllm" and cfg.engine_url == eng.endpoint == f"http://127.0.0.1:{flag['--port']}"
+        assert cfg.kv_handoff_timeout_s == 10.0
+        assert cfg.engine_state_addr == eng.env["KAIROS_ENGINE_STATE_ADDR"]
+        assert eng.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        nixl.add(eng.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        assert children.index(eng) < children.index(agent)
+    assert len(nixl) == 2
+    from services.state_aggregator.config import AggregatorConfig
+    assert from_env(AggregatorConfig, env=by["state_aggregator"].env).stale_after_ms == 2000.0
+    ing = from_env(IngressConfig, env=by["ingress"].env)
+    assert ing.tokenizer_path == str(tmp_path / "model" / "tokenizer.json") and ing.served_model == "tiny"
+    with pytest.raises(ValueError, match="--model"):
+        plan(UpOptions(engine="vllm"), "nats://127.0.0.1:4222", tmp_path, run_dir=tmp_path)

