@@ -954,7 +954,11 @@ class Ingress:
                         resp = _SseResponse(headers=headers)
                         request[STREAM_STARTED] = True
                         lc.committed_to_client()
-                        await resp.prepare(request)
+                        try:
+                            await resp.prepare(request)
+                        except (ConnectionResetError, RuntimeError):  # gone while the headers were written
+                            lc.on_client_gone()
+                            return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
                     if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, tok.text, None, first)):
                         lc.on_client_gone()
                         return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
@@ -995,7 +999,7 @@ class Ingress:
         self.m.disconnects.labels(parsed.endpoint, str(parsed.stream).lower()).inc()
         log.info("client_disconnected", tokens_sent=sent, stream=parsed.stream)
         await self._cancel(attempt_id, "client_disconnected")
-        if resp is None:  # nobody will read it; the status is for the log, metrics and record
+        if resp is None or not resp.prepared:  # nobody will read it; the status is for the log, metrics and record
             return _err(499, "client closed the connection", "client_disconnected"), 499
         return resp, 499
 

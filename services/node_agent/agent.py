@@ -388,6 +388,12 @@ class NodeAgent:
         for sp in (r.span, r.handoff_span, r.decode_span):
             telemetry.end_span(sp, f"cancelled: {c.reason}")
         self._rlog(c.request_id, r.span).info("request_cancelled", reason=c.reason)
+        # the stages that ran stay visible in GET /v1/requests/{id} (a prefill record written at the
+        # handoff already says everything about this node's part)
+        if r.kind != "prefill":
+            self._write_decode_timing(r, error=f"cancelled: {c.reason}")
+        elif r.handoff_node is None:
+            self._write_prefill_timing(r, error=f"cancelled: {c.reason}")
 
     # -- keep path: prefill node ----------------------------------------------------------------
     async def _handoff(self, rid: str) -> None:

@@ -171,6 +171,35 @@ async def test_streaming_disconnect_records_the_tokens_sent(nats_url):
         assert 9 <= ing["completion_tokens"] < 2000
 
 
+async def test_disconnect_while_the_stream_headers_are_written_is_a_499_with_its_stages(nats_url, monkeypatch):
+    """aiohttp raises ClientConnectionResetError from prepare() when the client left just as the
+    first token's headers go out: a 499 like any other disconnect, never a 500 with a traceback, and
+    the stages that ran are in the request's record (issue 11)."""
+    from aiohttp import ClientConnectionResetError, web
+
+    real_prepare = web.StreamResponse.prepare
+
+    async def prepare(self, request):
+        if self.headers.get("Content-Type") == "text/event-stream":
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        return await real_prepare(self, request)
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd", idle_timeout_s=30.0) as st:
+        body = {"model": MODEL, "prompt": "x y z", "max_tokens": 50, "stream": True}
+        async with st.http.post(st.base + "/v1/completions", json=body) as r:
+            assert r.status == 499, await r.text()  # (a real client is gone; this one reads the record's status)
+        assert counter(st.ingress.m.disconnects.labels("completions", "true")) == 1
+        [rid] = st.agents["prefill-0"].jobs_received  # the one request this stack served
+        rec = await get_record(st, rid, lambda x: x["records"]["ingress"] is not None
+                               and x["records"]["decode"] is not None and x["records"]["prefill"] is not None)
+        ing, dec = rec["records"]["ingress"], rec["records"]["decode"]
+        assert ing["status"] == 499 and ing["error"] == "client_disconnected"
+        assert dec["kv_arrived_unix_ms"] is not None and dec["first_token_unix_ms"] is not None  # those stages ran
+        assert dec["error"] and "client_disconnected" in dec["error"]
+        assert rec["measured"]["kv_transfer_ms"] is not None
+
+
 # -- 4. /health tells the truth ---------------------------------------------------------------------
 
 async def test_health_503_when_the_cluster_view_is_stale(nats_url):
