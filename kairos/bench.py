@@ -542,6 +542,7 @@ class ProgressReporter:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled, self.interval_s, self.clock = enabled, interval_s, clock
         self.t0 = self.last = clock()
+        self.printed = -1  #: ``done`` at the last progress line
         self.bar = None
         if enabled and _isatty(self.stream):
             from tqdm import tqdm
@@ -559,13 +560,14 @@ class ProgressReporter:
             self._line()
 
     def _line(self) -> None:
+        self.printed = self.done
         print(f"bench: {self.done}/{self.total} requests done, {self.failed} failed, "
               f"{self.clock() - self.t0:.0f} s elapsed", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
+        elif self.enabled and self.printed != self.done:
             self._line()
 
 
@@ -599,7 +601,7 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
         "sent": result.sent, "duration_s": round(result.duration_s, 6), **summary,
         "serving": serving_metrics(result.records, duration_s=result.duration_s, goodput_slo_ms=slos),
         "goodput_slo_ms": slos, "offered_rps": workload.get("offered_rps"),
-        "achieved_rps": (result.sent - 1) / result.send_span_s if result.send_span_s > 0 else None,
+        "achieved_rps": round((result.sent - 1) / result.send_span_s, 3) if result.send_span_s > 0 else None,
         "usage_reported": sum(o.state.usage_completion_tokens is not None for o in result.outcomes),
         "deflections_source": result.deflections_source,
         "max_concurrency": max_concurrency, "request_timeout_s": request_timeout_s,

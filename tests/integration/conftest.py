@@ -7,16 +7,15 @@ No mocking of the bus; waits are on conditions with deadlines, never fixed sleep
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import aiohttp
 import nats
@@ -60,26 +59,36 @@ def fast_model(scale: float = 0.25, link_scale: float = 0.25) -> LatencyModel:
 def nats_url(tmp_path_factory) -> str:
     """A real nats-server with JetStream for this module; torn down afterwards."""
     store = tmp_path_factory.mktemp("js")
-    port = free_port()
-    proc = subprocess.Popen([str(NATS_BIN), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("nats-server did not start")
-            time.sleep(0.02)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_nats(store) as port:
+        yield f"nats://127.0.0.1:{port}"
     shutil.rmtree(store, ignore_errors=True)
+
+
+@contextmanager
+def running_nats(store: Path, *extra: str):
+    """Start ``nats-server -js`` on a free loopback port with its store in ``store`` and the
+    ``extra`` arguments (``-c CONF``, ``-l LOG``…), wait until it accepts connections (10 s), yield
+    the port, then stop it. Raises RuntimeError when it exits or never listens."""
+    port = free_port()
+    proc = subprocess.Popen([str(NATS_BIN), *extra, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("nats-server did not start") from None
+                time.sleep(0.02)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition") -> Any:

@@ -20,7 +20,7 @@ from shared import subjects as S
 from shared.bus import ensure_buckets, ensure_request_stream, request_subscription
 from shared.permissions import GeneratedAuth, agent_user, inbox_prefix
 from shared.wire import InferenceRequest, encode
-from tests.integration.conftest import NATS_BIN, free_port
+from tests.integration.conftest import NATS_BIN, free_port, running_nats
 
 NODES = ["prefill-0", "decode-0", "decode-1"]
 
@@ -32,24 +32,8 @@ def secure_nats(tmp_path_factory):
     auth = GeneratedAuth.for_nodes(NODES)
     conf = d / "nats.conf"
     conf.write_text(auth.server_config())
-    port = free_port()
-    log = d / "nats.log"
-    proc = subprocess.Popen([str(NATS_BIN), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
-                             str(d / "js"), "-l", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import socket
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("nats-server did not start")
-            time.sleep(0.02)
-    yield f"nats://127.0.0.1:{port}", auth.passwords
-    proc.terminate()
-    proc.wait(5)
+    with running_nats(d / "js", "-c", str(conf), "-l", str(d / "nats.log")) as port:
+        yield f"nats://127.0.0.1:{port}", auth.passwords
 
 
 class Client:

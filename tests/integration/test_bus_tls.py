@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -17,7 +16,7 @@ import pytest
 from services.ingress.config import IngressConfig
 from shared.bus import BusAuthError, connect_service, tls_context
 from shared.permissions import GeneratedAuth
-from tests.integration.conftest import NATS_BIN, free_port
+from tests.integration.conftest import running_nats
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -55,22 +54,8 @@ tls {{
   verify: true
 }}
 """)
-    port = free_port()
-    proc = subprocess.Popen([str(NATS_BIN), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
-                             str(d / "js")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("nats-server did not start")
-            time.sleep(0.02)
-    yield f"tls://127.0.0.1:{port}", auth.passwords
-    proc.terminate()
-    proc.wait(5)
+    with running_nats(d / "js", "-c", str(conf)) as port:
+        yield f"tls://127.0.0.1:{port}", auth.passwords
 
 
 def cfg(url: str, passwords: dict, certs, **tls) -> IngressConfig:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 import time
 
 import aiohttp
@@ -20,7 +18,7 @@ import pytest
 
 from services.ingress.config import IngressConfig
 from services.ingress.service import Ingress
-from tests.integration.conftest import NATS_BIN, free_port, reset_bus
+from tests.integration.conftest import reset_bus, running_nats
 
 pytestmark = pytest.mark.integration
 
@@ -33,22 +31,8 @@ def small_nats(tmp_path_factory) -> str:
     d = tmp_path_factory.mktemp("small-nats")
     conf = d / "nats.conf"
     conf.write_text(f"max_payload: {SMALL_PAYLOAD}\n")
-    port = free_port()
-    proc = subprocess.Popen([str(NATS_BIN), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd",
-                             str(d / "js")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("nats-server did not start")
-            time.sleep(0.02)
-    yield f"nats://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(5)
+    with running_nats(d / "js", "-c", str(conf)) as port:
+        yield f"nats://127.0.0.1:{port}"
 
 
 class running:
