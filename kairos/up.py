@@ -6,8 +6,12 @@ port with a temporary store, then the state aggregator, the node agents (emulate
 dispatcher replicas and the ingress — each ``python -m services.<name>`` with its configuration in
 ``KAIROS_*`` environment variables. Waits for the ingress's ``/health``, prints where everything
 is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
-agents, ingress, aggregator, NATS — in-flight requests end with an explicit error); a child that
-dies unexpectedly is reported and everything is stopped with exit code 1. Child output goes to
+agents, ingress, aggregator, NATS — in-flight requests end with an explicit error). A child that
+dies unexpectedly is reported with its last log lines; the rest keeps serving (a dead dispatcher's
+requests are redelivered to the others, a dead node's streams end with ``node_lost`` or are
+re-submitted: README "Reliability") unless nothing can serve any more — NATS or the ingress died,
+or no dispatcher, prefill agent or decode agent is left — then everything is stopped. Either way
+the exit code is then 1. Child output goes to
 per-service log files (JSON lines) in the printed log directory (``--log-dir``, default a temporary
 directory). On exit everything else in the temporary directory (the NATS store, generated files) is
 removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
@@ -422,15 +426,38 @@ class Supervisor:
         return "\n".join(lines)
 
     def supervise(self) -> int:
-        """Block until a signal (→ 0) or an unexpected child exit (→ 1)."""
+        """Block until a signal or until nothing can serve any more (see the module docstring).
+        Returns 0 after a signal with every child alive, else 1."""
+        reported: set[str] = set()
         while not self.stopping:
-            dead = self._dead()
-            if dead is not None:
-                self.msg(f"{dead.name} (pid {dead.proc.pid}) exited unexpectedly with code {dead.proc.returncode}; "
-                         f"stopping everything. Last log lines ({dead.log_path}):\n{self._tail(dead)}")
-                return 1
+            for c in self.procs:
+                if c.proc is None or c.proc.poll() is None or c.name in reported:
+                    continue
+                reported.add(c.name)
+                fatal = self._cannot_serve()
+                self.msg(f"{c.name} (pid {c.proc.pid}) exited unexpectedly with code {c.proc.returncode}; "
+                         + (f"{fatal}: stopping everything." if fatal else "the rest of the stack keeps serving "
+                            "without it (restart kairos up to get it back).")
+                         + f" Last log lines ({c.log_path}):\n{self._tail(c)}")
+                if fatal:
+                    return 1
             time.sleep(0.2)
-        return 0
+        return 1 if reported else 0
+
+    def _cannot_serve(self) -> str | None:
+        """Why the stack cannot serve any request with the children alive now, or None."""
+        alive = [c for c in self.procs if c.proc is not None and c.proc.poll() is None]
+        for what, found in (("the message bus is gone", any(c.kind.startswith("message bus") for c in alive)
+                             or bool(self.opts.nats_url)),
+                            ("the ingress is gone", any(c.name == "ingress" for c in alive)),
+                            ("no dispatcher is left", any(c.kind.startswith("dispatcher") for c in alive)),
+                            ("no prefill node agent is left", any(c.kind.startswith("agent") and "prefill" in c.name
+                                                                  for c in alive)),
+                            ("no decode node agent is left", any(c.kind.startswith("agent") and "decode" in c.name
+                                                                 for c in alive))):
+            if not found:
+                return what
+        return None
 
     #: stop order (matched against a child's kind or name): dispatchers first (nothing new is
     #: routed), then the node agents (each ends its in-flight requests with an explicit

@@ -269,6 +269,25 @@ def test_child_death_stops_everything_and_keeps_the_logs(tmp_path, spawn):
     assert not wait_gone(children, 5)
 
 
+def test_a_dead_replica_does_not_stop_the_stack(tmp_path, spawn):
+    """One of two dispatchers killed: kairos up reports it and keeps serving with the other (the
+    reliability the README promises must be visible locally); the exit code then says a child died."""
+    port = free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "2", tmpdir=tmpdir)
+    victim = next(int(line.split()[-2]) for line in table.splitlines() if line.strip().startswith("dispatcher-0"))
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(3):  # served by dispatcher-1 (a request dispatcher-0 had pulled is redelivered)
+        status, out = post(port, {"model": "kairos-emulated", "prompt": "still there?", "max_tokens": 3})
+        assert status == 200, out
+    assert proc.poll() is None, "kairos up stopped after one replica died"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 1  # a child died during the run
+    err = proc.stderr.read()
+    assert "dispatcher-0" in err and "keeps serving without it" in err and "stopping everything" not in err, err
+
+
 def test_demo_progress_is_on_unless_turned_off(monkeypatch):
     """Progress is on by default, also under a non-TTY stderr (CliRunner, CI, ``make run | tee``),
     where the bench client prints periodic lines instead of a bar (issue 11)."""
