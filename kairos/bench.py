@@ -365,8 +365,8 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
     """Check the server is reachable and pick the model: ``(model, max_model_len or None)``.
 
     Raises:
-        BenchError: connection refused/timeout, no ``--model`` and no model listed, or a
-            ``--model`` the server does not list.
+        BenchError: connection refused/timeout, a 401 (missing or wrong API key), no ``--model``
+            and no model listed, or a ``--model`` the server does not list.
     """
     import aiohttp
 
@@ -374,6 +374,9 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
         status, text = await _get(session, f"{url}/v1/models")
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         raise BenchError(f"cannot reach the ingress at {url}: {type(exc).__name__}: {exc}") from None
+    if status == 401:
+        raise BenchError(f"{url} requires an API key (HTTP 401 from /v1/models): pass --api-key KEY or set "
+                         f"OPENAI_API_KEY, or check the key")
     cards: list = []
     if status == 200:
         try:
@@ -650,8 +653,11 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     from shared.workloads import WorkloadError, parse_workload
 
     url = check_url(url)
-    if (duration is not None and duration <= 0) or (rps is not None and rps <= 0):
-        raise BenchError("--duration and --rps must be > 0")
+    from kairos.cli import check_workload_size
+    try:
+        check_workload_size(duration, [rps])
+    except click.BadParameter as exc:
+        raise BenchError(f"{exc.param_hint}: {exc.message}") from None
     if save_records and not json_path:
         raise BenchError("--save-records needs --json PATH")
     slos = parse_goodput(goodput) if goodput else None
@@ -684,7 +690,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
                           request_timeout_s=request_timeout, goodput_slo_ms=slos, save_records=save_records)
     click.echo(format_serving(report["serving"], extra=[
         ("Maximum request concurrency:", max_concurrency), ("Request rate offered (req/s):", report["offered_rps"]),
-        ("Request rate achieved (req/s):", report["achieved_rps"])]))
+        ("Request send rate achieved (req/s):", report["achieved_rps"])]))
     click.echo(format_table([{**report, "policy": label, "rps": report["achieved_rps"]}], name_column="run"))
     if report["usage_reported"] == 0 and report["completed"]:
         click.echo("kairos bench: warning: the server sent no usage; output tokens are counted as one per chunk "

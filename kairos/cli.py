@@ -78,6 +78,29 @@ def parse_drift(spec: str | None, n_prefill: int, n_decode: int) -> tuple[str | 
     return node, scale, at_s
 
 
+#: Longest workload `kairos sim` / `kairos bench` generate, seconds (a week), and the highest rate:
+#: beyond them the request list alone would not fit in memory.
+MAX_WORKLOAD_S = 7 * 24 * 3600.0
+MAX_RPS = 100_000.0
+
+
+def check_workload_size(duration_s: float | None, rates: list[float | None]) -> None:
+    """``--duration`` (s) and ``--rps`` must be finite, > 0 and within :data:`MAX_WORKLOAD_S` /
+    :data:`MAX_RPS`.
+
+    Raises:
+        click.BadParameter: naming the option.
+    """
+    import math
+
+    if duration_s is not None and not (math.isfinite(duration_s) and 0 < duration_s <= MAX_WORKLOAD_S):
+        raise click.BadParameter(f"must be > 0 and <= {MAX_WORKLOAD_S:g} s, got {duration_s:g}",
+                                 param_hint="--duration")
+    for r in rates:
+        if r is not None and not (math.isfinite(r) and 0 < r <= MAX_RPS):
+            raise click.BadParameter(f"must be > 0 and <= {MAX_RPS:g} requests/s, got {r:g}", param_hint="--rps")
+
+
 def make_params(alpha: float, beta: float, tbt_slo_ms: float, ttft_slo_ms: float, **extra) -> PolicyParams:
     """Build PolicyParams or exit 2 naming the bad value."""
     try:
@@ -169,8 +192,7 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
         rates = parse_range(sweep_rps) if sweep_rps else [rps]
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--sweep-rps") from None
-    if duration <= 0 or any(r is not None and r <= 0 for r in rates):
-        raise click.UsageError("--duration and --rps must be > 0")
+    check_workload_size(duration, rates)
     if sweep_rps:  # fail before the sweep runs, not after
         try:
             Path(plots_dir).mkdir(parents=True, exist_ok=True)
@@ -232,10 +254,13 @@ def bench(**opts) -> None:
     from kairos.bench import BenchError, bench_cli
 
     try:
-        bench_cli(**opts)
+        report = bench_cli(**opts)
     except BenchError as exc:
         click.echo(f"kairos bench: {exc}", err=True)
         sys.exit(2)
+    if report["completed"] == 0:  # a run in which nothing completed measured nothing: not a success
+        click.echo("kairos bench: no request completed (see the errors above)", err=True)
+        sys.exit(1)
 
 
 def engine_options(f):
@@ -372,7 +397,15 @@ def demo(**opts) -> None:
 
     _engine_defaults_or_exit(opts)
     _parse_policy_or_exit(opts["policy"])
-    load_model_or_exit(opts["profile"])
+    model = load_model_or_exit(opts["profile"])
+    check_workload_size(opts["duration"], [opts["rps"]])
+    from shared.workloads import WorkloadError, parse_workload
+    if opts["workload"] is not None:  # a given one is checked before anything starts (the defaults are valid)
+        try:
+            parse_workload(opts["workload"], opts["rps"], opts["duration"] or 60.0, opts["seed"],
+                           max_model_len=model.engine.max_model_len)
+        except WorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--workload") from None
     demo_command(**opts)
 
 

@@ -423,3 +423,18 @@ def test_kairos_up_on_an_external_nats_with_the_deployment_auth_config(tmp_path,
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     assert (secrets / "ingress.password").is_file()  # an operator's secrets are never removed
+
+
+def test_demo_rejects_a_bad_workload_before_starting_anything(tmp_path, monkeypatch):
+    """`kairos demo --workload nope` is a usage error at once, not after the stack came up."""
+    from click.testing import CliRunner
+
+    import kairos.demo
+    from kairos.cli import main
+
+    started = []
+    monkeypatch.setattr(kairos.demo, "demo_command", lambda **o: started.append(o))
+    r = CliRunner().invoke(main, ["demo", "--workload", "nope"])
+    assert r.exit_code == 2 and "--workload" in r.stderr and started == []
+    r = CliRunner().invoke(main, ["demo", "--duration", "1e12"])
+    assert r.exit_code == 2 and "--duration" in r.stderr and started == []

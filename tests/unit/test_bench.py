@@ -575,7 +575,7 @@ def test_cli_prints_the_vllm_result_block_and_warns_without_usage(tmp_path):
     for label in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Request throughput (req/s):",
                   "Request goodput (req/s):", "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
                   "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Mean E2EL (ms):",
-                  "Request rate offered (req/s):", "Request rate achieved (req/s):"):
+                  "Request rate offered (req/s):", "Request send rate achieved (req/s):"):
         assert label in res.stdout, label
     assert "run " in res.stdout and "policy" not in res.stdout  # the row is a run, not a policy
     assert "warning" not in res.stderr  # one response carried usage
@@ -591,3 +591,19 @@ def test_bench_defaults_to_a_one_minute_workload():
     from kairos.cli import bench as bench_cmd
     opt = next(o for o in bench_cmd.params if o.name == "duration")
     assert opt.default == 60.0
+
+
+def test_a_run_where_nothing_completed_exits_1(tmp_path):
+    csv = write_csv(tmp_path / "wl.csv", [(0.0, PL_400, 3), (0.01, PL_400, 2)])
+    with serve(FakeOpenAI()) as url:
+        res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{csv}", "--no-progress"])
+    assert res.exit_code == 1 and "no request completed" in res.stderr
+
+
+async def test_a_401_says_an_api_key_is_needed():
+    class Locked(FakeOpenAI):
+        async def models(self, _r):
+            return web.json_response({"error": {"message": "bad key", "code": "invalid_api_key"}}, status=401)
+    with serve(Locked()) as url:
+        with pytest.raises(BenchError, match="requires an API key .* --api-key"):
+            await run_bench(BenchConfig(url=url, progress=False, model=MODEL), _wl((0.0, 10, 1)))

@@ -135,6 +135,8 @@ def test_kairos_sim_cli_writes_required_keys(tmp_path):
 @pytest.mark.parametrize("args,hint", [
     (["--workload", "nope"], "--workload"), (["--policy", "x"], "--policy"), (["--sweep-rps", "5:1"], "--sweep-rps"),
     (["--link", "carrier-pigeon"], "--link"),
+    (["--duration", "1e12"], "--duration"), (["--duration", "nan"], "--duration"),  # was a 32 TiB MemoryError
+    (["--rps", "nan"], "--rps"), (["--rps", "inf"], "--rps"),
 ])
 def test_kairos_sim_cli_rejects_bad_input(args, hint):
     res = CliRunner().invoke(main, ["sim", "--duration", "5", *args])
