@@ -232,6 +232,9 @@ MAX_INT_FIELD = 2**31 - 1
 #: ``seed`` range (vLLM: ``Field(ge=-2**63, le=2**63 - 1)``, vllm/entrypoints/openai/completion/protocol.py).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
+#: The fields a chat message may carry (OpenAI's message objects); anything else is refused.
+CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
 #: Chat roles accepted in ``messages[].role``.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -560,9 +563,20 @@ def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
         if m["role"] not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
                            param=f"messages[{i}].role", code="invalid_value")
-        content = m.get("content", "")
-        if content is None and m["role"] == "assistant":  # an assistant turn that only called tools
+        unknown = sorted(set(m) - CHAT_MESSAGE_FIELDS)
+        if unknown:
+            raise ApiError(400, f"messages[{i}] has unsupported field(s) {', '.join(map(repr, unknown))} (supported: "
+                           f"{', '.join(sorted(CHAT_MESSAGE_FIELDS))})", param=f"messages[{i}].{unknown[0]}",
+                           code="invalid_value")
+        content = m.get("content")
+        if content is None:
+            if m["role"] != "assistant" or m.get("tool_calls") is None:  # only a tool-calling turn may omit it
+                raise ApiError(400, f"messages[{i}].content is required for role {m['role']!r}",
+                               param=f"messages[{i}].content", code="missing_required_parameter")
             content = ""
+        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise ApiError(400, f"messages[{i}]: a tool message needs 'tool_call_id' (the id of the call it answers)",
+                           param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
         msg: dict[str, Any] = {"role": m["role"], "content": _chat_content(content, i)}
         if m.get("tool_calls") is not None:
             if m["role"] != "assistant":

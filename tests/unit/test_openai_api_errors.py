@@ -80,9 +80,22 @@ def test_unknown_chat_role_is_rejected():
 
 
 def test_known_chat_roles_are_accepted():
-    msgs = [{"role": r, "content": "x"} for r in oa.CHAT_ROLES]
-    msgs.insert(2, {"role": "assistant", "content": None})  # a tool-calling assistant turn
+    msgs = [{"role": r, "content": "x", **({"tool_call_id": "c1"} if r == "tool" else {})} for r in oa.CHAT_ROLES]
+    msgs.insert(2, {"role": "assistant", "content": None,  # a tool-calling assistant turn
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
     assert "<|developer|>" in accept({"messages": msgs}, "chat").prompt_text
+
+
+@pytest.mark.parametrize("msg,param,code", [
+    ({"role": "user"}, "messages[0].content", "missing_required_parameter"),  # was 200 with 83 tokens
+    ({"role": "assistant", "content": None}, "messages[0].content", "missing_required_parameter"),
+    ({"role": "user", "content": "hi", "foo": 1}, "messages[0].foo", "invalid_value"),  # was silently ignored
+    ({"role": "tool", "content": "42"}, "messages[0].tool_call_id", "missing_required_parameter"),
+])
+def test_chat_messages_like_openai_refuses_them(msg, param, code):
+    with pytest.raises(oa.ApiError) as ei:
+        accept({"messages": [msg]}, "chat")
+    assert ei.value.status == 400 and ei.value.param == param and ei.value.code == code
 
 
 def test_context_length_names_the_prompt_when_the_prompt_alone_is_too_long():
