@@ -157,14 +157,21 @@ class RequestLifecycle:
         """The HTTP layer sent something to the client (SSE headers / first chunk)."""
         self.committed = True
 
-    def on_token(self, ev: TokenEvent, time_left: bool) -> Action:
-        """Tokens of some attempt arrived."""
+    def _not_followed(self, ev: TokenEvent | DoneEvent) -> Action | None:
+        """A Drop for an event of another attempt, after the end, or from a node other than the one
+        whose tokens are followed; None for an event of the followed stream."""
         if ev.request_id != self.attempt_id:
             return self._drop("old_attempt")
         if self.ended:
             return self._drop("ended")
         if self.token_node is not None and ev.node != self.token_node:
             return self._drop("foreign_node")
+        return None
+
+    def on_token(self, ev: TokenEvent, time_left: bool) -> Action:
+        """Tokens of some attempt arrived."""
+        if (drop := self._not_followed(ev)) is not None:
+            return drop
         if ev.first_index < self.received:
             if ev.first_index + ev.count <= self.received:
                 return self._drop("duplicate")
@@ -178,12 +185,8 @@ class RequestLifecycle:
         return Relay(ev)
 
     def on_done(self, ev: DoneEvent, time_left: bool) -> Action:
-        if ev.request_id != self.attempt_id:
-            return self._drop("old_attempt")
-        if self.ended:
-            return self._drop("ended")
-        if self.token_node is not None and ev.node != self.token_node:
-            return self._drop("foreign_node")
+        if (drop := self._not_followed(ev)) is not None:
+            return drop
         if ev.completion_tokens != self.received:
             return self.interrupted(f"done after {ev.completion_tokens} tokens, {self.received} arrived", time_left)
         self.phase = Phase.ENDED

@@ -436,14 +436,7 @@ class Engine:
                     self._prefilling.remove(r)  # a FIFO prefix: found at the front
                     self._cache_insert(r)
                     if r.output > 0:  # aggregated: first token here, then decode here
-                        r.generated = 1
-                        tokens.append((r.id, 0))
-                        first.append(r.id)
-                        if r.output <= 1:
-                            self._drop(r)
-                            finished.append(r.id)
-                        else:
-                            self._start_decode(r)
+                        self._first_token(r, tokens, first, finished)
                         continue
                     r.phase = HELD
                     self._held[r.id] = r
@@ -454,18 +447,23 @@ class Engine:
                 if r.computed >= r.prompt:
                     self._deflect.popleft()  # r is the head: only abort can remove it earlier
                     self._cache_insert(r)
-                    r.generated = 1
-                    tokens.append((r.id, 0))
-                    first.append(r.id)
-                    if r.output <= 1:
-                        self._drop(r)
-                        finished.append(r.id)
-                    else:
-                        self._start_decode(r)
+                    self._first_token(r, tokens, first, finished)
         result = StepResult(tuple(tokens), tuple(first), tuple(done), tuple(finished), plan.allocated,
                             self._steps)
         self._steps += 1
         return result
+
+    def _first_token(self, r, tokens: list, first: list, finished: list) -> None:
+        """``r``'s prefill completed on this node: its first output token is emitted in this step
+        (index 0); then it decodes here, or is finished if it wanted one token."""
+        r.generated = 1
+        tokens.append((r.id, 0))
+        first.append(r.id)
+        if r.output <= 1:
+            self._drop(r)
+            finished.append(r.id)
+        else:
+            self._start_decode(r)
 
     # -- views --------------------------------------------------------------------------------
     def state(self) -> EngineState:
