@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from shared.latency import load_profile
 from shared.policy import PolicyParams, parse_policy
 from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from tests.unit.test_policy_properties import reference_schedule  # Algorithm 1's loop, from a cached prefix c0
 
 MODEL = load_profile()
 KAIROS_PLUS = parse_policy("kairos+")
@@ -24,24 +25,6 @@ DYNAMO = parse_policy("dynamo")
 
 
 # -- the literal reference --------------------------------------------------------------------
-def ref_schedule(model, B, K, ell, cands_desc, limit, c0=0):
-    """Algorithm 1's ``while served < ℓ_r`` loop from a cached prefix c0: (χs, step ms) or None."""
-    chis, steps, served = [], [], c0
-    while served < ell:
-        k_i = K + len(chis) * B
-        chosen = None
-        for chi in cands_desc:  # LargestSafe over every candidate, every step
-            if chi - B > 0 and model.mixed_step_ms(B, k_i, chi - B, served) <= limit:
-                chosen = chi
-                break
-        if chosen is None:
-            return None
-        tokens = min(chosen - B, ell - served)
-        chis.append(chosen)
-        steps.append(model.mixed_step_ms(B, k_i, tokens, served))
-        served += tokens
-    return chis, steps
-
 
 def ref_prefill_ttft(model, ell, c, queue, chi_p):
     """Eq. 1 = Eq. 2 + Eq. 3, Eq. 3 summed chunk by chunk over the ℓ − c uncached tokens."""
@@ -91,7 +74,7 @@ def reference(snap, model, params):
             unsafe = False
             for f in dn.in_flight:
                 if f.prompt_tokens:
-                    ahead = ref_schedule(model, B, K, f.prompt_tokens, cands, lim)
+                    ahead = reference_schedule(model, B, K, f.prompt_tokens, cands, lim)
                     if ahead is None:
                         unsafe = True
                         break
@@ -100,7 +83,7 @@ def reference(snap, model, params):
             if unsafe:
                 ests[dn.id] = None
                 continue
-        sched = ref_schedule(model, B, K, ell, cands, lim, hit(dn))
+        sched = reference_schedule(model, B, K, ell, cands, lim, hit(dn))
         if sched is None:
             ests[dn.id] = None
             continue

@@ -19,9 +19,10 @@ MODEL = load_profile()
 KAIROS = parse_policy("kairos")
 
 
-def reference_schedule(model, B, K, ell, cands_desc, limit):
-    """Algorithm 1, lines 'while served < ℓ_r': one LargestSafe per step. Returns (χs, steps) or None."""
-    chis, steps, served = [], [], 0
+def reference_schedule(model, B, K, ell, cands_desc, limit, c0=0):
+    """Algorithm 1, lines 'while served < ℓ_r': one LargestSafe per step, from a cached prefix of
+    ``c0`` prompt tokens (0: the paper's case). Returns (χs, steps) or None."""
+    chis, steps, served = [], [], c0
     while served < ell:
         chosen = None
         # Eq. 5's K_n + Σ_{j<i} χ^(j): the B decode tokens of every earlier step, and the prompt so far
