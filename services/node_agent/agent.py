@@ -51,6 +51,11 @@ CACHE_RESYNC = 50
 #: reconnect at their own pace) before it fails with kv_handoff_failed
 HANDOFF_SETTLE_S = 3.0
 
+#: longest wait (s) for the engine to answer a health probe when its state stream is late and a
+#: job (within the dispatcher's 1 s ack timeout) or a KV handoff (within kv_handoff_timeout_s / 2) arrives
+ENGINE_PROBE_JOB_S = 0.5
+ENGINE_PROBE_KV_S = 3.0
+
 
 @dataclass
 class _Req:
@@ -305,8 +310,9 @@ class NodeAgent:
         if job.kind == "deflect" and len(self.deflecting) >= self.cfg.max_deflections:
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()
+        engine_ok = self.backend.available or await self.backend.confirm_available(ENGINE_PROBE_JOB_S)
         reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role,
-                             self.accepting and self.backend.available,
+                             self.accepting and engine_ok,
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
@@ -477,7 +483,9 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
             return
         reason = None if self.accepting else "draining"
-        if reason is None and not self.backend.available:
+        if reason is None and not (self.backend.available
+                                   or await self.backend.confirm_available(
+                                       min(ENGINE_PROBE_KV_S, self.cfg.kv_handoff_timeout_s / 2))):
             reason = "engine_unavailable"
         if reason is None:
             try:

@@ -100,6 +100,13 @@ class EngineBackend(abc.ABC):
     #: False while the engine cannot take work (the agent then reports ``accepting=False``)
     available: bool = True
 
+    async def confirm_available(self, timeout_s: float) -> bool:
+        """Whether the engine can take a request now, asked when :attr:`available` alone would
+        refuse one (``timeout_s``: the longest this may wait, seconds). An engine whose state is
+        late but which still answers is slow, not dead (issue 10): a backend that can ask the
+        engine directly overrides this; the default is :attr:`available`."""
+        return self.available
+
     @abc.abstractmethod
     def add_prefill(self, req: InferenceRequest) -> None:
         """Keep path, prefill node: compute ``req``'s prompt and hold its KV for a decode node."""

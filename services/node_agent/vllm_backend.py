@@ -135,6 +135,25 @@ class VllmBackend(EngineBackend):
             return False
         return self.snapshot is None or (time.monotonic() - self._snap_mono) * 1000.0 <= self.stale_after_ms
 
+    async def confirm_available(self, timeout_s: float) -> bool:
+        """:attr:`available`, or, when only the state stream is late (a loaded machine can starve
+        the engine's publisher thread for seconds), whether the server answers ``GET /health``
+        within ``timeout_s`` seconds: vLLM queues what it is sent, so a late stream alone is no
+        reason to refuse a request the dispatcher already routed here."""
+        if self.available:
+            return True
+        if not self._ready.is_set():
+            return False
+        try:
+            async with self._client().get(f"{self.url}/health",
+                                          timeout=aiohttp.ClientTimeout(total=max(timeout_s, 0.01))) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            ok = False
+        log.warning("engine_state_late", url=self.url, health_ok=ok,
+                    state_age_ms=round((time.monotonic() - self._snap_mono) * 1000.0, 1))
+        return ok
+
     def state(self) -> EngineState:
         """Heartbeat state from the last snapshot: B, K, free KV, the queue of prompt remainders
         (prefill node: every waiting request; decode node: the deflected ones) and the deflected

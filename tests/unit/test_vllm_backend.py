@@ -147,6 +147,41 @@ async def test_remote_decode_without_kv_transfer_params_is_refused():
         b.add_deflected(req(), [10])
 
 
+async def test_a_late_state_stream_is_slow_not_dead_while_the_server_answers_health():
+    """Issue 10 on vLLM: a stale stream alone refuses nothing the server can still take; a server
+    that does not answer (here: nothing listens) is unavailable. Real HTTP server, real socket."""
+    import time
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    health = {"status": 200}
+
+    async def on_health(_request):
+        return web.Response(status=health["status"])
+
+    app = web.Application()
+    app.router.add_get("/health", on_health)
+    async with TestServer(app) as server:
+        b = VllmBackend("decode", MODEL, str(server.make_url("")), "ipc:///tmp/none", stale_after_ms=50)
+        assert await b.confirm_available(1.0) is False  # not ready: the model list never answered
+        b._ready.set()
+        b._on_snapshot(snapshot())
+        assert b.available and await b.confirm_available(1.0)
+        b._snap_mono = time.monotonic() - 1.0  # the last snapshot is 1 s old: stale
+        assert not b.available
+        assert await b.confirm_available(1.0) is True
+        health["status"] = 503
+        assert await b.confirm_available(1.0) is False
+        await b._session.close()
+    dead = VllmBackend("decode", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none", stale_after_ms=50)
+    dead._ready.set()
+    dead._on_snapshot(snapshot())
+    dead._snap_mono = time.monotonic() - 1.0
+    assert await dead.confirm_available(1.0) is False
+    await dead._session.close()
+
+
 async def asyncio_drain() -> None:
     import asyncio
 
