@@ -12,6 +12,7 @@ import click
 
 from shared.latency import DEFAULT_PROFILE, LatencyModel, ProfileError, load_profile
 from shared.policy import PolicyError, PolicyParams, parse_policy
+from shared.profiling import GRIDS
 
 
 def load_model_or_exit(profile: str, option: str = "--profile") -> LatencyModel:
@@ -414,28 +415,40 @@ def demo(**opts) -> None:
 @click.option("--nats-url", default=None, help="NATS of a running cluster (default nats://127.0.0.1:4222).")
 @click.option("--emulated", is_flag=True,
               help="Self-contained: start a bundled nats-server and one emulated decode node, profile it, stop.")
+@click.option("--vllm", is_flag=True,
+              help="Self-contained: start a bundled nats-server, one vLLM-CPU server (kairos_vllm plugin, the "
+                   "tiny model unless --model) and its decode node agent, profile it, stop. Implies --grid cpu-tiny, "
+                   "--background deflect, --base-profile cpu-tiny-vllm, --served-model kairos-vllm unless given.")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="--vllm: local model directory (default: the cached tiny model, python -m kairos_vllm.tiny_model).")
 @click.option("--node-profile", default=DEFAULT_PROFILE, show_default=True,
               help="--emulated: the profile the node predicts with.")
 @click.option("--truth-profile", default=None, help="--emulated: what the node's steps really take (default: --node-profile).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="--emulated: the node's steps take this × the truth profile.")
-@click.option("--grid", type=click.Choice(["quick", "paper"]), default="quick", show_default=True,
-              help="quick (~15 s) or the paper's §3.2 grid (minutes).")
+@click.option("--grid", type=click.Choice(sorted(GRIDS)), default=None,
+              help="quick (~15 s emulated; the default), the paper's §3.2 grid (minutes), cpu-tiny (the --vllm "
+                   "default: tiny model, 2,048-token context, ~1 min) or cpu-tiny-ci (its smallest fittable grid).")
 @click.option("--name", default=None, help="Artifact name (default profiled-<node>).")
 @click.option("--version", "version_", default=None, help="Artifact version (default: UTC time of the fit).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Artifact path (default out/profiles/<name>.json).")
+@click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the raw step records (JSON lines, kairos.steps.<node> messages) to this file.")
 @click.option("--publish/--no-publish", default=True, show_default=True,
               help="Put it into KV kairos_models (latency.<name> and latency.current; dispatchers hot-reload).")
 @click.option("--max-mape", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
               help="Refuse (exit 1, nothing written) if a model's held-out MAPE exceeds this, percent.")
-@click.option("--base-profile", default=DEFAULT_PROFILE, show_default=True,
-              help="KV-transfer links and engine limits are carried over from this profile.")
+@click.option("--base-profile", default=None,
+              help=f"KV-transfer links and engine limits are carried over from this profile (default {DEFAULT_PROFILE}; "
+                   "cpu-tiny-vllm with --vllm, whose vLLM server also gets its engine limits).")
 @click.option("--engine", default=None, help="Engine label for the provenance (e.g. 'vllm 0.11.0 CPU').")
-@click.option("--served-model", default="kairos-emulated", show_default=True, help="Model label for the provenance.")
+@click.option("--served-model", default=None,
+              help="Model name of the requests and label for the provenance (default kairos-emulated; kairos-vllm with --vllm).")
 @click.option("--label", default=None, help="What this artifact is, in words (recorded in its metadata).")
-@click.option("--background", type=click.Choice(["handoff", "deflect"]), default="handoff", show_default=True,
+@click.option("--background", type=click.Choice(["handoff", "deflect"]), default=None,
               help="Start the background decodes by KV handoffs (all at once) or deflect jobs (one by one, "
-                   "prefilled on the node: for backends that cannot pull a pseudo KV cache).")
+                   "prefilled on the node: for backends that cannot pull a pseudo KV cache; the --vllm default). "
+                   "Default handoff.")
 @click.option("--replay", default=None, metavar="WORKLOAD",
               help="After the grid, replay this workload on the node (as for `kairos sim --workload`, e.g. "
                    "azure-code:busiest) for realistic step mixes.")
@@ -452,8 +465,22 @@ def profile(**kw) -> None:
     from shared.envconfig import ConfigError
     from shared.latency import FitRefused
 
-    if kw["emulated"] and kw["nats_url"]:
-        raise click.UsageError("--emulated starts its own NATS; do not pass --nats-url with it")
+    if kw["emulated"] and kw["vllm"]:
+        raise click.UsageError("--emulated and --vllm are two different self-contained nodes: choose one")
+    if (kw["emulated"] or kw["vllm"]) and kw["nats_url"]:
+        raise click.UsageError(f"--{'vllm' if kw['vllm'] else 'emulated'} starts its own NATS; do not pass --nats-url "
+                               "with it")
+    if kw["model_dir"] and not kw["vllm"]:
+        raise click.UsageError("--model is the model of the --vllm server; pass --vllm with it")
+    vllm = kw["vllm"]
+    for opt, default, vllm_default in (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
+                                       ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"),
+                                       ("served_model", "kairos-emulated", "kairos-vllm")):
+        if kw[opt] is None:
+            kw[opt] = vllm_default if vllm else default
+    if vllm and kw["background"] == "handoff":
+        raise click.BadParameter("vLLM cannot pull the KV cache of a pseudo prefill node: use --background deflect",
+                                 param_hint="--background")
     for opt in ("node_profile", "truth_profile", "base_profile"):
         if kw[opt]:
             load_model_or_exit(kw[opt], "--" + opt.replace("_", "-"))

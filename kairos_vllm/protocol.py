@@ -43,6 +43,9 @@ class DeflectedChunk(msgspec.Struct, frozen=True):
     request_id: str  #: Kairos request id, else vLLM's
     chunk_index: int  #: index into the request's ``kairos_prefill_chunks`` (past the end: last entry repeats)
     tokens: int  #: prompt tokens scheduled for it in this step
+    #: its ``num_computed_tokens`` before this step (prefix-cache hit + earlier chunks): the ``c`` of the
+    #: latency model's ``p·c`` / ``n·c`` terms (shared/latency.py); 0 from a plugin that predates the field
+    computed_tokens: int = 0
 
 
 class StepRecord(msgspec.Struct, frozen=True):

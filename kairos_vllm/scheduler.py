@@ -199,7 +199,7 @@ class KairosSchedulerMixin:
             if sched is not None:
                 k, _ = chunk_position(sched, before)
                 extra = req.sampling_params.extra_args if req.sampling_params is not None else None
-                chunks.append(DeflectedChunk(kairos_request_id(extra, rid), k, p))
+                chunks.append(DeflectedChunk(kairos_request_id(extra, rid), k, p, before))
         self._kairos_pending.append(_PendingStep(out, started_mono, started_unix_ms, prefill, decodes, kv, cached, chunks))
         return out
 

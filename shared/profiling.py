@@ -39,6 +39,8 @@ class ProfileGrid:
         prefill_chunks: chunk sizes n of the prefill-only steps.
         chunk_steps: successive chunks per measurement (§3.2: five).
         decode_dwell_steps: decode-only steps recorded per batch before its first chunk.
+        repeats: each chunked prefill (prefill-only and mixed) is measured this many times (more
+            samples per grid point where single steps are noisy, e.g. on a shared CPU).
     """
 
     batch_sizes: tuple[int, ...]
@@ -47,6 +49,7 @@ class ProfileGrid:
     prefill_chunks: tuple[int, ...]
     chunk_steps: int = 5
     decode_dwell_steps: int = 8
+    repeats: int = 1
 
     def mixed_plan(self) -> list[tuple[int, int, list[int]]]:
         """(B, ctx, χ values with χ > B) per background batch; batches with no such χ are left out."""
@@ -61,17 +64,27 @@ class ProfileGrid:
     def steps_planned(self) -> int:
         """Chunk steps the plan runs (mixed + prefill-only), excluding decode-only steps."""
         mixed = sum(len(chis) for _, _, chis in self.mixed_plan())
-        return (mixed + len(self.prefill_chunks)) * self.chunk_steps
+        return (mixed + len(self.prefill_chunks)) * self.chunk_steps * self.repeats
 
 
 #: ``quick``: the CI round trip and the README (~15 s on the emulated default profile);
 #: ``paper``: the §3.2 grid (B up to 128, 8K context tokens per decode, χ 128…2048; batches that do not fit
-#: the node's free KV are skipped).
+#: the node's free KV are skipped);
+#: ``cpu-tiny``: vLLM-CPU with the tiny model (``kairos profile --vllm``): every request fits its 2,048-token
+#: context (three chunks of ≤ 512 prompt tokens; background decodes of 256 or 1,024 context tokens plus
+#: ≤ 1,024 output tokens), B ≤ 32 (the deflected request needs one of the 64 running slots), χ ≤ 512 (the
+#: 1,024-token step budget); its CPU step times are ~1–40 ms, so the grid runs in about a minute;
+#: ``cpu-tiny-ci``: the same engine's smallest fittable grid (the vLLM test tier's round trip).
 GRIDS: dict[str, ProfileGrid] = {
     "quick": ProfileGrid(batch_sizes=(4, 16), contexts=(1024,), chunks=(256, 512, 1024),
                          prefill_chunks=(256, 512, 1024, 2048)),
     "paper": ProfileGrid(batch_sizes=(1, 8, 32, 64, 128), contexts=(512, 2048, 8192),
                          chunks=(128, 256, 512, 1024, 2048), prefill_chunks=(128, 256, 512, 1024, 2048)),
+    "cpu-tiny": ProfileGrid(batch_sizes=(1, 4, 16, 32), contexts=(256, 1024), chunks=(128, 256, 512),
+                            prefill_chunks=(32, 64, 128, 192, 256, 384, 512), chunk_steps=3, decode_dwell_steps=8,
+                            repeats=2),
+    "cpu-tiny-ci": ProfileGrid(batch_sizes=(2, 8), contexts=(256,), chunks=(128, 384), prefill_chunks=(64, 256, 512),
+                               chunk_steps=3, decode_dwell_steps=8),
 }
 
 

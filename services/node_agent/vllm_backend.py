@@ -77,18 +77,22 @@ def step_output(rec: Any, reqs: dict[str, "_VReq"], started: list[tuple[str, int
     ``deflected_chunk`` is the first deflected chunk of the step whose request this backend knows:
     (rid, chunk_index, χ of the dispatcher's schedule at that index — the last entry repeats —,
     prompt tokens run). ``prefill_chunks`` lists every request seen prefilling in the step:
-    deflected chunks from the record, keep-path prefills from ``started`` (rid, tokens, 0).
-    ``predicted_ms`` is the latency model on the step actually run (B, K, prompt tokens).
+    deflected chunks from the record as (rid, tokens, prompt tokens computed before the chunk),
+    keep-path prefills from ``started`` (rid, tokens, 0).
+    ``predicted_ms`` is the latency model on the step actually run (B, K, prompt tokens, and the
+    token-weighted computed prefix ``c`` of its chunks, as in the agent's step record).
     """
     chunks: list[tuple[str, int, int]] = list(started)
     deflected = None
     for c in rec.chunks:
-        chunks.append((c.request_id, c.tokens, 0))
+        chunks.append((c.request_id, c.tokens, c.computed_tokens))
         r = reqs.get(c.request_id)
         if deflected is None and r is not None and r.chunk_schedule:
             chi = r.chunk_schedule[min(c.chunk_index, len(r.chunk_schedule) - 1)]
             deflected = (c.request_id, c.chunk_index, chi, c.tokens)
-    predicted = float(model.step_ms(rec.decode_count, rec.kv_tokens, rec.prefill_tokens, 0.0))
+    n = sum(t for _, t, _ in chunks)
+    cached = sum(t * c for _, t, c in chunks) / n if n else 0.0
+    predicted = float(model.step_ms(rec.decode_count, rec.kv_tokens, rec.prefill_tokens, cached))
     return StepOutput(step=rec.step, started_unix_ms=rec.started_unix_ms, wall_ms=rec.wall_ms, predicted_ms=predicted,
                       batch_size=rec.decode_count, kv_tokens=rec.kv_tokens, prefill_tokens=rec.prefill_tokens,
                       prefill_chunks=tuple(chunks), deflected_chunk=deflected, tokens=(), first_tokens=(),

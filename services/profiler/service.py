@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import nats.errors
 import numpy as np
@@ -34,8 +34,11 @@ from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAc
                          OutEvent, SamplingParams, StepRecordEvent, WireError, decode, now_ms)
 
 
-#: token ids of the profiler's prompts are drawn from this range (inside any real vocabulary)
-PROMPT_ID_RANGE = (100, 30_000)
+#: token ids of the profiler's prompts are drawn from this range (half-open): inside any real vocabulary,
+#: the tiny test model's too (every id in [1, 1000] is a token; vLLM refuses an id outside the vocabulary).
+#: 993 values are plenty against prefix-cache hits: two random prompts share a 16-token block with
+#: probability 993^-16
+PROMPT_ID_RANGE = (7, 1000)
 #: output tokens of a background decode: outlasts one batch's measurements (dwell + chunks + bus
 #: round trips are a few hundred steps at most); they are cancelled afterwards anyway
 BACKGROUND_TOKENS = 1024
@@ -51,6 +54,7 @@ class ProfileRun:
 
     events: list[StepRecordEvent] = field(default_factory=list)
     replay_counts: dict[str, int] = field(default_factory=dict)  #: :meth:`Profiler.replay`'s counts, if any
+    extra: dict[str, Any] = field(default_factory=dict)  #: more provenance for the artifact's metadata (load average)
     started_unix_ms: float = 0.0
     finished_unix_ms: float = 0.0
 
@@ -73,13 +77,18 @@ class Profiler:
             whose KV pull cannot take a pseudo source).
         served_model: the model name the requests carry (a real engine checks it).
         step_timeout_s: the node must report a step within this while it has work.
+        max_model_len: the node's context limit (prompt + output tokens; None: no limit). Background
+            decodes then get at most ``max_model_len − ctx`` output tokens, and grid points whose
+            prompt does not fit are skipped (reported through ``progress``) instead of refused by
+            a real engine mid-run.
         seed: seed of the random prompt token ids.
         progress: called with one line per grid point (None: silent).
     """
 
     def __init__(self, nc, node: str, grid: ProfileGrid, *, background: str = "handoff",
                  served_model: str = "kairos-emulated", step_timeout_s: float = 10.0,
-                 progress: Callable[[str], None] | None = None, seed: int = 0) -> None:
+                 progress: Callable[[str], None] | None = None, seed: int = 0,
+                 max_model_len: int | None = None) -> None:
         if background not in ("handoff", "deflect"):
             raise ValueError(f"background must be handoff or deflect, got {background!r}")
         self.nc, self.node, self.grid = nc, S.check_token(node, "node id"), grid
@@ -87,6 +96,7 @@ class Profiler:
         self.served_model = served_model
         self._rng = np.random.default_rng(seed)
         self.step_timeout_s = step_timeout_s
+        self.max_model_len = max_model_len
         self.progress = progress or (lambda _line: None)
         self.tag = uuid.uuid4().hex[:8]
         self._n = 0
@@ -149,11 +159,12 @@ class Profiler:
         """Start ``batch`` decodes of ``ctx`` context tokens (KV handoffs from distinct pseudo
         sources, so their transfers run in parallel) and wait until they all decode."""
         rids = []
+        out = self._background_tokens(ctx)
         for i in range(batch):
             if self.background == "deflect":
-                rids.append(await self._deflect(ctx, [], BACKGROUND_TOKENS))
+                rids.append(await self._deflect(ctx, [], out))
                 continue
-            req = self._request(ctx, BACKGROUND_TOKENS)
+            req = self._request(ctx, out)
             msg = KvHandoff(request=req, src_node=f"profiler-{self.tag}-{i}", kv_tokens=ctx,
                             prefill_done_unix_ms=now_ms())
             ack = await self._ask(S.kv_subject(self.node), msg, KvAck)
@@ -167,12 +178,21 @@ class Profiler:
                           self.step_timeout_s + 30.0, f"{batch} background decodes never ran together")
         return rids
 
-    async def _chunks(self, prompt: int, chi: int) -> None:
-        """One deflected prefill with ``[χ] × chunk_steps``; returns when its prefill is done."""
-        rid = await self._deflect(prompt, [chi] * self.grid.chunk_steps, 1)
+    def _background_tokens(self, ctx: int) -> int:
+        """Output tokens of a background decode of ``ctx`` context tokens (within the node's context)."""
+        return BACKGROUND_TOKENS if self.max_model_len is None else min(BACKGROUND_TOKENS, self.max_model_len - ctx)
+
+    def _fits(self, prompt: int, output: int) -> bool:
+        return self.max_model_len is None or prompt + output <= self.max_model_len
+
+    async def _chunks(self, prompt: int, chi: int, batch: int = 0) -> None:
+        """One deflected prefill with ``[χ] × chunk_steps`` beside ``batch`` background decodes (the job's
+        ``decision_batch_size``: a vLLM node runs χ − B prompt tokens per step, the emulated engine
+        subtracts its own B); returns when its prefill is done."""
+        rid = await self._deflect(prompt, [chi] * self.grid.chunk_steps, 1, batch)
         self._live.discard(rid)  # max_tokens 1: finished with its first token
 
-    async def _deflect(self, prompt: int, schedule: list[int], max_tokens: int) -> str:
+    async def _deflect(self, prompt: int, schedule: list[int], max_tokens: int, batch: int = 0) -> str:
         """Send one deflect job and wait for its first token (its prefill is done); returns its id."""
         req = self._request(prompt, max_tokens)
         rid = req.request_id
@@ -180,7 +200,7 @@ class Profiler:
         fut = self._outs[rid] = asyncio.get_running_loop().create_future()
         try:
             job = Job(kind="deflect", request=req, node=self.node, chunk_schedule=schedule,
-                      dispatcher_id=f"profiler-{self.tag}")
+                      decision_batch_size=batch, dispatcher_id=f"profiler-{self.tag}")
             ack = await self._ask(S.jobs_subject(self.node), job, JobAck)
             if not ack.accepted:
                 raise ProfileError(f"node {self.node} refused a profiling job: {ack.reason}")
@@ -285,17 +305,32 @@ class Profiler:
                                    "(its engine runs prefill-only, decode-only and mixed steps)")
             await self._drain([])
             for n in g.prefill_chunks:  # prefill-only steps with a growing cached prefix
-                await self._chunks(g.chunk_steps * n, n)
+                if not self._fits(g.chunk_steps * n, 1):
+                    self.progress(f"prefill-only χ={n}: skipped, {g.chunk_steps} × {n} prompt tokens exceed the "
+                                  f"node's context {self.max_model_len}")
+                    continue
+                for _ in range(g.repeats):
+                    await self._chunks(g.chunk_steps * n, n)
                 self.progress(f"prefill-only χ={n}: {len(self.result.events)} steps recorded")
             for batch, ctx, chis in g.mixed_plan():
-                need = batch * (ctx + BACKGROUND_TOKENS)
+                fit = [chi for chi in chis if self._fits(g.chunk_steps * (chi - batch), 1)]
+                if self._background_tokens(ctx) < self.grid.decode_dwell_steps or not fit:
+                    self.progress(f"B={batch} ctx={ctx}: skipped, its requests exceed the node's context "
+                                  f"{self.max_model_len}")
+                    continue
+                if fit != chis:
+                    self.progress(f"B={batch} ctx={ctx}: χ={sorted(set(chis) - set(fit))} skipped (prompts exceed "
+                                  f"the node's context {self.max_model_len})")
+                    chis = fit
+                need = batch * (ctx + self._background_tokens(ctx))
                 if self.state is not None and need > self.state.free_kv_tokens:
                     self.progress(f"B={batch} ctx={ctx}: skipped, needs {need} KV tokens, node has "
                                   f"{self.state.free_kv_tokens} free")
                     continue
                 rids = await self._background(batch, ctx)
                 for chi in chis:
-                    await self._chunks(g.chunk_steps * (chi - batch), chi)
+                    for _ in range(g.repeats):
+                        await self._chunks(g.chunk_steps * (chi - batch), chi, batch)
                 self.progress(f"B={batch} ctx={ctx} χ={chis}: {len(self.result.events)} steps recorded")
                 await self._drain(rids)
             if replay:
@@ -324,7 +359,7 @@ def fit_run(run: ProfileRun, *, node: str, grid_name: str, grid: ProfileGrid, na
     meta = provenance(node=node, grid_name=grid_name, grid=grid, events=run.events, engine=engine,
                       served_model=served_model, label=label, started_unix_ms=run.started_unix_ms,
                       finished_unix_ms=run.finished_unix_ms,
-                      extra={"replay": run.replay_counts} if run.replay_counts else None)
+                      extra={**({"replay": run.replay_counts} if run.replay_counts else {}), **run.extra})
     return fit_latency_model(run.records, name=name, version=version or default_version(), base=base,
                              metadata=meta, max_mape=max_mape)
 

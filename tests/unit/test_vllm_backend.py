@@ -112,11 +112,13 @@ async def test_state_and_step_output_from_the_plugins_snapshot():
     assert st.deflection_in_flight and [(f.prompt_tokens, f.output_tokens) for f in st.in_flight] == [(408, 4)]
     assert st.used_kv_tokens == 1000  # 25 % used, 3000 free
     rec = StepRecord(step=6, started_unix_ms=1.0, wall_ms=30.0, prefill_tokens=128, decode_count=2, kv_tokens=900,
-                     cached_tokens=0, chunks=[DeflectedChunk("d1", 1, 128)])
+                     cached_tokens=0, chunks=[DeflectedChunk("d1", 1, 128, computed_tokens=64)])
     out = step_output(rec, b._reqs, [], MODEL)
     assert out.deflected_chunk == ("d1", 1, 130, 128)  # χ of the dispatcher's schedule, tokens the engine ran
-    assert out.prefill_chunks == (("d1", 128, 0),) and (out.batch_size, out.kv_tokens) == (2, 900)
-    assert out.predicted_ms == pytest.approx(MODEL.step_ms(2, 900, 128, 0))
+    # the chunk's computed prefix (c = 64, the first chunk) reaches the step record and the prediction
+    assert out.prefill_chunks == (("d1", 128, 64),) and (out.batch_size, out.kv_tokens) == (2, 900)
+    assert out.predicted_ms == pytest.approx(MODEL.step_ms(2, 900, 128, 64))
+    assert MODEL.step_ms(2, 900, 128, 64) != MODEL.step_ms(2, 900, 128, 0)
     past = step_output(StepRecord(step=7, started_unix_ms=1.0, wall_ms=1.0, prefill_tokens=30, decode_count=2,
                                   kv_tokens=900, cached_tokens=0, chunks=[DeflectedChunk("d1", 5, 30)]),
                        b._reqs, [], MODEL)

@@ -174,11 +174,13 @@ def test_state_stream_matches_the_scheduler(engine, recorder):
         dec = [s for s in step.values() if s.before >= s.prompt]
         assert rec.decode_count == len(dec) and rec.kv_tokens == sum(s.before for s in dec)
         assert rec.prefill_tokens == sum(min(s.tokens, s.prompt - s.before) for s in step.values() if s.before < s.prompt)
-        want = [("K-defl", step["defl"].tokens)] if "defl" in step and step["defl"].before < 260 else []
-        assert [(c.request_id, c.tokens) for c in rec.chunks] == want
+        want = ([("K-defl", step["defl"].tokens, step["defl"].before)] if "defl" in step and step["defl"].before < 260
+                else [])
+        assert [(c.request_id, c.tokens, c.computed_tokens) for c in rec.chunks] == want
         assert rec.wall_ms > 0
     chunks = [c for s in after for c in s.step_record.chunks]
-    assert [(c.chunk_index, c.tokens) for c in chunks] == [(0, 64), (1, 96), (2, 96), (3, 4)]
+    assert [(c.chunk_index, c.tokens, c.computed_tokens) for c in chunks] == [(0, 64, 0), (1, 96, 64), (2, 96, 160),
+                                                                             (3, 4, 256)]
     assert any(s.batch_size >= 2 for s in after) and any(s.waiting for s in after)
     walls = sorted(s.step_record.wall_ms for s in after)
     print(f"\nstep wall_ms over {len(walls)} steps: median {statistics.median(walls):.2f}, max {walls[-1]:.2f}")

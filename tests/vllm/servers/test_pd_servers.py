@@ -249,3 +249,46 @@ async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster, engines):
     computed = sum(r.prefill_tokens for r in streams["prefill-0"].records_since(mark))
     assert 0 < computed < len(ids), f"the prefill was not cut short: {computed} of {len(ids)} tokens computed"
     assert "cancel-1" not in agents["decode-0"].jobs_received and c.end is None
+
+
+async def test_profile_round_trip_fits_the_engines_own_step_times(cluster, engines):
+    """`kairos profile`'s path on a real engine: the profiler's samples (bus) are the engine's own step
+    records (state stream, read here independently) one for one, and the fitted model predicts
+    those measured step times: in total within 25 % and per step kind within a factor of 2 at the
+    median (single CPU steps are noisy, ~20-30 % around their median under load: docs/calibration.md)."""
+    import statistics
+
+    from services.profiler.service import Profiler, fit_run
+    from shared.profiling import GRIDS
+
+    agents, streams, nc = cluster
+    await idle_kv(engines)
+    base = load_profile(PROFILE)
+    grid = GRIDS["cpu-tiny-ci"]
+    mark = len(streams["decode-0"].snaps)
+    run = await Profiler(nc, "decode-0", grid, background="deflect", served_model="tiny", step_timeout_s=60.0,
+                         max_model_len=base.engine.max_model_len).run()
+    truth = {r.step: r for r in streams["decode-0"].records_since(mark)}
+    matched = [(e, truth[e.step]) for e in run.events if e.step in truth]
+    assert len(matched) >= 0.95 * max(len(run.events), len(truth)) > 0, (len(matched), len(run.events), len(truth))
+    with_prefix = 0
+    for e, t in matched:
+        assert (e.batch_size, e.kv_tokens, e.prefill_tokens) == (t.decode_count, t.kv_tokens, t.prefill_tokens)
+        assert e.wall_ms == pytest.approx(t.wall_ms)
+        if len(t.chunks) == 1:  # c of the model: the chunk's prompt tokens computed before it, as the engine saw it
+            assert e.prefill_cached == t.chunks[0].computed_tokens
+            with_prefix += t.chunks[0].computed_tokens > 0
+    assert with_prefix >= grid.chunk_steps - 1, "no chunk after a computed prefix was recorded"
+    model = fit_run(run, node="decode-0", grid_name="cpu-tiny-ci", grid=grid, name="ci-vllm", version="1", base=base,
+                    engine="vllm-cpu", served_model="tiny", label="CI round trip", max_mape=None)
+    steps = list(truth.values())
+    pred = [model.step_ms(t.decode_count, t.kv_tokens, t.prefill_tokens,
+                          t.chunks[0].computed_tokens if len(t.chunks) == 1 else 0) for t in steps]
+    total = sum(pred) / sum(t.wall_ms for t in steps)
+    assert 0.8 <= total <= 1.25, f"predicted / measured step time over {len(steps)} steps: {total:.2f}"
+    for kind, sel in (("prefill", lambda t: t.decode_count == 0), ("decode", lambda t: t.prefill_tokens == 0),
+                      ("mixed", lambda t: t.decode_count > 0 and t.prefill_tokens > 0)):
+        ratios = [p / t.wall_ms for p, t in zip(pred, steps) if sel(t)]
+        assert len(ratios) >= 5, f"too few {kind} steps: {len(ratios)}"
+        assert 0.5 <= statistics.median(ratios) <= 2.0, f"{kind}: median predicted/measured {statistics.median(ratios):.2f}"
+    await idle_kv(engines)
