@@ -32,7 +32,7 @@ from kairos.engines import SCHEDULER_CLS, VLLM_VERSION
 from services.node_agent.config import AgentConfig
 from shared.envconfig import to_env
 from shared.latency import FitRefused, LatencyModel, load_profile
-from shared.profiling import GRIDS, fit_summary
+from shared.profiling import GRIDS, decode_spread, fit_summary
 
 
 @dataclass(frozen=True)
@@ -99,9 +99,10 @@ def _tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> tuple[str, list[Path]]:
+def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> tuple[str, list[Path], dict]:
     """``--emulated`` / ``--vllm``: a bundled nats-server and one decode node (child processes, stopped
-    when ``stack`` closes). Returns the NATS URL and the children's log files.
+    when ``stack`` closes). Returns the NATS URL, the children's log files and provenance of the
+    engine (``--vllm``: the model's architecture, :func:`model_card`).
 
     Raises:
         RuntimeError: the nats-server or the vLLM server did not start (with its last log lines).
@@ -111,12 +112,14 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kairos-profile-")))
     engine: dict = {}
     logs = []
+    info: dict = {}
     if opts.vllm:
         from kairos.engines import cached_tiny_model, vllm_python
         from kairos.up import vllm_node
 
         py = vllm_python()
         model_dir = opts.model_dir or cached_tiny_model(py)
+        info["model_card"] = model_card(model_dir)
         ncpu = os.cpu_count() or 1  # the core `kairos up --engine vllm` gives decode-0 of a 1P1D stack
         srv, engine = vllm_node(opts.node, "decode", model_dir, opts.served_model, base, tmp,
                                 omp_cpus=str(min(1, ncpu - 1)))
@@ -133,7 +136,24 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
     logs.append(log)
     _spawn(stack, [sys.executable, "-m", "services.node_agent"],
            {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}, log)
-    return url, logs
+    return url, logs, info
+
+
+def model_card(model_dir: str) -> dict:
+    """What a model directory holds, for the artifact's provenance: its ``config.json`` architecture
+    fields (those present) and the tiny model's seed/fingerprint (``kairos-tiny-model.json``), if any."""
+    import json
+
+    card: dict = {"dir": Path(model_dir).name}
+    keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "torch_dtype")
+    for name, pick in (("config.json", keys), ("kairos-tiny-model.json", None)):
+        try:
+            doc = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        card.update({k: v for k, v in doc.items() if pick is None or k in pick})
+    return card
 
 
 def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, timeout_s: float) -> None:
@@ -168,7 +188,8 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[LatencyModel, dict[str, int]]:
+async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
+                   info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
     from services.profiler.service import Profiler, fit_run, publish_model
     from shared.bus import close, connect, connect_service
     from shared.envconfig import ServiceConfig, from_env
@@ -196,6 +217,8 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel) -> tuple[
                              progress=say, max_model_len=base.engine.max_model_len).run(replay)
         run.extra["load_average"] = {"before": [round(x, 2) for x in load_before],
                                      "after": [round(x, 2) for x in os.getloadavg()], "of": "1, 5, 15 min"}
+        run.extra["decode_spread"] = decode_spread(run.events)
+        run.extra.update(info or {})
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else
                                  f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
                                  if opts.vllm else "unknown")
@@ -227,12 +250,13 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
     base = load_profile(opts.base_profile)
     with ExitStack() as stack:
         logs: list[Path] = []
+        info: dict = {}
         if opts.emulated or opts.vllm:
-            url, logs = _start_node(stack, opts, base)
+            url, logs, info = _start_node(stack, opts, base)
         else:
             url = opts.nats_url or "nats://127.0.0.1:4222"
         try:
-            model, revisions = asyncio.run(_profile(opts, url, base))
+            model, revisions = asyncio.run(_profile(opts, url, base, info))
         except FitRefused as exc:
             print(fit_summary(exc.model))
             raise

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any, Iterable
 
+import numpy as np
+
 from shared.latency import LatencyModel, StepRecord
 from shared.wire import StepRecordEvent
 
@@ -82,7 +84,7 @@ GRIDS: dict[str, ProfileGrid] = {
                          chunks=(128, 256, 512, 1024, 2048), prefill_chunks=(128, 256, 512, 1024, 2048)),
     "cpu-tiny": ProfileGrid(batch_sizes=(1, 4, 16, 32), contexts=(256, 1024), chunks=(128, 256, 512),
                             prefill_chunks=(32, 64, 128, 192, 256, 384, 512), chunk_steps=3, decode_dwell_steps=8,
-                            repeats=2),
+                            repeats=3),
     "cpu-tiny-ci": ProfileGrid(batch_sizes=(2, 8), contexts=(256,), chunks=(128, 384), prefill_chunks=(64, 256, 512),
                                chunk_steps=3, decode_dwell_steps=8),
 }
@@ -93,6 +95,28 @@ def step_records(events: Iterable[StepRecordEvent]) -> list[StepRecord]:
     hygiene rejects and counts bad samples)."""
     return [StepRecord(e.batch_size, e.kv_tokens, e.prefill_tokens, int(round(e.prefill_cached)), e.wall_ms)
             for e in events]
+
+
+def decode_spread(events: Iterable[StepRecordEvent], min_steps: int = 5) -> dict[str, Any]:
+    """How noisy the node's steps were: the MAPE (percent) of each decode-only step's wall time
+    against the median of the decode-only steps with the same batch size B (groups of at least
+    ``min_steps``), over all those steps. A model of B and K cannot get much below this on these
+    samples (K varies little within a group), so it is the floor to read a decode MAPE against.
+
+    Returns ``{"mape": float | None, "steps": int, "batch_sizes": int}`` (None: no group large enough).
+    """
+    groups: dict[int, list[float]] = {}
+    for e in events:
+        if e.prefill_tokens == 0 and e.batch_size > 0 and e.wall_ms > 0:
+            groups.setdefault(e.batch_size, []).append(e.wall_ms)
+    errs: list[float] = []
+    used = 0
+    for walls in groups.values():
+        if len(walls) >= min_steps:
+            med = float(np.median(walls))
+            errs += [abs(w - med) / w for w in walls]
+            used += 1
+    return {"mape": round(100.0 * float(np.mean(errs)), 2) if errs else None, "steps": len(errs), "batch_sizes": used}
 
 
 def hardware() -> dict[str, Any]:
@@ -148,4 +172,11 @@ def fit_summary(model: LatencyModel) -> str:
         lines.append(f"  {kind:8s} held-out MAPE {'–' if m is None else f'{m:.2f} %'}")
         for region, v in fit.get("mape_regions", {}).get(kind, {}).items():
             lines.append(f"      {region:22s} {v['mape']:7.2f} %  ({v['rows']} rows)")
+    spread = model.metadata.get("decode_spread") or {}
+    if spread.get("mape") is not None:
+        lines.append(f"  noise: decode-only steps lie {spread['mape']:.2f} % (MAPE) from the median of their batch size "
+                     f"({spread['steps']} steps, {spread['batch_sizes']} batch sizes)")
+    load = model.metadata.get("load_average")
+    if load:
+        lines.append(f"  load average (1, 5, 15 min): before {load['before']}, after {load['after']}")
     return "\n".join(lines)

@@ -304,6 +304,7 @@ class Profiler:
                 raise ProfileError(f"node {self.node} is a {self.state.role} node; profile a decode node "
                                    "(its engine runs prefill-only, decode-only and mixed steps)")
             await self._drain([])
+            self.result.extra["idle_free_kv_tokens"] = self.state.free_kv_tokens  # the node's KV capacity, measured
             for n in g.prefill_chunks:  # prefill-only steps with a growing cached prefix
                 if not self._fits(g.chunk_steps * n, 1):
                     self.progress(f"prefill-only χ={n}: skipped, {g.chunk_steps} × {n} prompt tokens exceed the "

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from kairos.cli import main
 from shared.latency import load_profile
-from shared.profiling import GRIDS, ProfileGrid, fit_summary, step_records
+from shared.profiling import GRIDS, ProfileGrid, decode_spread, fit_summary, step_records
 from shared.wire import StepRecordEvent
 
 
@@ -53,6 +53,10 @@ def test_the_committed_measured_artifact_says_what_it_is():
     (["--grid", "huge"], "--grid"),
     (["--max-mape", "0"], "--max-mape"),
     (["--replay", "nope"], "--replay"),
+    (["--vllm", "--nats-url", "nats://127.0.0.1:1"], "--nats-url"),
+    (["--vllm", "--emulated"], "--vllm"),
+    (["--vllm", "--background", "handoff"], "--background"),
+    (["--model", "."], "--model"),
 ])
 def test_kairos_profile_rejects_bad_input(args, hint):
     res = CliRunner().invoke(main, ["profile", *args])
@@ -63,3 +67,28 @@ def test_kairos_profile_without_nats_gives_up_with_a_message():
     res = CliRunner().invoke(main, ["profile", "--nats-url", "nats://127.0.0.1:1", "--no-publish",
                                     "--connect-timeout", "1"])
     assert res.exit_code == 1 and "cannot reach NATS" in res.stderr
+
+
+def test_decode_spread_is_the_mape_around_each_batch_sizes_median():
+    def ev(b, w, p=0):
+        return StepRecordEvent(node="d0", role="decode", step=1, started_unix_ms=0.0, wall_ms=w, predicted_ms=1.0,
+                               batch_size=b, kv_tokens=100 * b, prefill_tokens=p, prefill_cached=0.0)
+
+    evs = [ev(4, w) for w in (10, 10, 10, 20, 5)] + [ev(8, 9)] * 4 + [ev(2, 50, p=128)] * 6
+    out = decode_spread(evs)
+    # only B=4 has ≥ 5 decode-only steps (median 10): |w − 10| / w = 0, 0, 0, 0.5, 1.0
+    assert out == {"mape": 30.0, "steps": 5, "batch_sizes": 1}
+    assert decode_spread(evs[5:])["mape"] is None
+
+
+def test_the_cpu_tiny_grids_fit_the_tiny_models_engine_limits():
+    """Every request of the --vllm grids fits the context, the running slots and the step budget of
+    the vLLM server it runs on (a real engine refuses what does not, mid-run)."""
+    e = load_profile("cpu-tiny-vllm").engine
+    for name in ("cpu-tiny", "cpu-tiny-ci"):
+        g = GRIDS[name]
+        assert g.chunk_steps * max(g.prefill_chunks) + 1 <= e.max_model_len, name
+        for b, ctx, chis in g.mixed_plan():
+            assert g.chunk_steps * (max(chis) - b) + 1 <= e.max_model_len, (name, b, chis)
+            assert ctx + g.decode_dwell_steps <= e.max_model_len and b + 1 <= e.max_num_seqs, (name, b, ctx)
+            assert max(chis) <= e.decode_max_num_batched_tokens, (name, chis)
