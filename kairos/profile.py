@@ -129,8 +129,9 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
         logs.append(log)
         proc = _spawn(stack, srv.argv(py), srv.env(), log)
         _wait_vllm(srv.url, proc, log, opts.served_model, opts.vllm_startup_timeout_s)
-    cfg = AgentConfig(node_id=opts.node, role="decode", profile=opts.base_profile if opts.vllm else opts.node_profile,
-                      nats_url=url, metrics_port=-1,
+    node_profile = opts.base_profile if opts.vllm else opts.node_profile
+    cfg = AgentConfig(node_id=opts.node, role="decode", nats_url=url, metrics_port=-1,
+                      profile=os.path.abspath(node_profile) if Path(node_profile).exists() else node_profile,
                       truth_profile=os.path.abspath(opts.truth_profile) if opts.truth_profile and
                       Path(opts.truth_profile).exists() else opts.truth_profile,
                       truth_scale=opts.truth_scale, log_format="json", log_level="warning", **engine)
