@@ -229,7 +229,24 @@ def render_block(name: str, results_dir: Path = RESULTS) -> str:
     if fn is None:
         raise DocgenError(f"no renderer for generated block {name!r} (kairos/docblocks.py RENDERERS)")
     text = fn(lambda n: load_result(n, results_dir))
-    return text.rstrip("\n") + "\n"
+    return wrap(text.rstrip("\n")) + "\n"
+
+
+def wrap(text: str, width: int = 100) -> str:
+    """Prose lines of ``text`` filled to ``width`` columns (as the hand-written docs are); table rows,
+    list items' continuation, code fences and their contents are left as they are."""
+    import textwrap
+
+    out, in_code = [], False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            in_code = not in_code
+            out.append(line)
+        elif in_code or line.startswith("|") or len(line) <= width:
+            out.append(line)
+        else:
+            out.append(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False))
+    return "\n".join(out)
 
 
 def regenerate(text: str, results_dir: Path = RESULTS) -> str:
