@@ -232,6 +232,9 @@ def render_block(name: str, results_dir: Path = RESULTS) -> str:
     return wrap(text.rstrip("\n")) + "\n"
 
 
+UNIT_SPACE = re.compile(r"(?<=\d) (?=(?:ms|s|µs|%|×|req/s|RPS|GB|requests)\b|[%×])")
+
+
 def wrap(text: str, width: int = 100) -> str:
     """Prose lines of ``text`` filled to ``width`` columns (as the hand-written docs are); table rows,
     list items' continuation, code fences and their contents are left as they are."""
@@ -245,7 +248,8 @@ def wrap(text: str, width: int = 100) -> str:
         elif in_code or line.startswith("|") or len(line) <= width:
             out.append(line)
         else:
-            out.append(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False))
+            glued = UNIT_SPACE.sub("\0", line)  # never break between a figure and its unit
+            out.append(textwrap.fill(glued, width, break_long_words=False, break_on_hyphens=False).replace("\0", " "))
     return "\n".join(out)
 
 
