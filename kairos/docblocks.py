@@ -52,11 +52,12 @@ def pct(frac: float | None, nd: int = 0) -> str:
 
 def command(meta: dict) -> str:
     """The recorded command as a user types it: without the ``.venv/bin/`` prefix and without the
-    ``--json PATH`` the recorder used to collect the rows."""
+    ``--json PATH`` / ``--no-progress`` the recorder used to collect the rows quietly."""
     cmd = meta.get("command", "")
     cmd = re.sub(r"^timeout \d+ ", "", cmd)
     cmd = re.sub(r"(^|\s)\.venv/bin/", r"\1", cmd)
     cmd = re.sub(r"\s--json\s+\S+", "", cmd)
+    cmd = re.sub(r"\s--no-progress\b", "", cmd)
     return cmd
 
 
@@ -155,7 +156,9 @@ def decision_cost(load: Load) -> str:
         ok = [p for p in ("kairos", "kairos+") if verdict.get((p, kind))]
         return {0: "neither policy", 1: f"`{ok[0]}` only", 2: "both policies"}[len(ok)]
 
-    lines += ["", f"The p99 targets are met in wall-clock time by {met('wall')} and in CPU time by {met('cpu')}. "
+    where = (f"by {met('wall')} in wall-clock and in CPU time" if met("wall") == met("cpu")
+             else f"in wall-clock time by {met('wall')} and in CPU time by {met('cpu')}")
+    lines += ["", f"The p99 targets are met {where}. "
               f"With every node's state new at every decision (`--states cold`, nothing reusable — not what a "
               f"dispatcher sees) `kairos` costs "
               + " and ".join(f"p50 {us(x['cpu_p50_us'])} / p99 {us(x['cpu_p99_us'])} CPU at {x['cluster']}"
@@ -219,7 +222,7 @@ def fidelity(load: Load) -> str:
     ok = all(abs(x - 1.0) <= FIDELITY_TOLERANCE for x in ratios)
     return (f"`{command(r.meta)}` (one run: {provenance(r)}); {num(live['completed'])}/{num(live['sent'])} requests "
             f"completed:\n\n```\n{side_by_side(live, sim)}\n```\n\n"
-            f"The targets (TTFT P50 and P95 within ±{FIDELITY_TOLERANCE:.0%} of the simulator's) are "
+            f"The targets (TTFT P50 and P95 within ±{100 * FIDELITY_TOLERANCE:.0f} % of the simulator's) are "
             f"{'met' if ok else 'not met'} in this run (live / sim {ratios[0]:.2f} at P50, {ratios[1]:.2f} at P95).")
 
 
