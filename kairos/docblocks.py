@@ -82,6 +82,7 @@ def span(values: list[float], fmt: Callable[[float], str]) -> str:
 # ---------------------------------------------------------------- README: results
 
 def sim_bursty(load: Load) -> str:
+    """`kairos sim` on Bursty 4 RPS, pd vs kairos (result ``sim-bursty``)."""
     r = load("sim-bursty")
     pd, k = r.one(policy="pd"), r.one(policy="kairos")
     return (f"`{command(r.meta)}`: P95 TTFT {seconds(pd['ttft_ms']['p95'])} (pd) → "
@@ -92,6 +93,7 @@ def sim_bursty(load: Load) -> str:
 
 
 def sim_speed(load: Load) -> str:
+    """Simulated vs wall seconds of the two runs against :data:`sim.report.SPEED_TARGETS` (``sim-bursty``, ``sim-speed-8p32d``)."""
     from sim.report import SPEED_TARGETS
 
     small, big = load("sim-bursty"), load("sim-speed-8p32d")
@@ -105,6 +107,7 @@ def sim_speed(load: Load) -> str:
 
 
 def sim_mooncake(load: Load) -> str:
+    """P95 TTFT and SLO attainment per policy on the Mooncake trace, with and without prefix caches."""
     r, nc = load("sim-mooncake"), load("sim-mooncake-no-prefix-cache")
 
     def fig(row: dict) -> str:
@@ -117,6 +120,7 @@ def sim_mooncake(load: Load) -> str:
 
 
 def prefix_index(load: Load) -> str:
+    """``bench/prefix_index.py``: per-cluster lookup cost (µs) of the prefix index."""
     r = load("prefix-index")
     rows = r.rows
     p50s = ", ".join(f"{us(x['p50_us'])} ({x['cluster']})" for x in rows)
@@ -127,6 +131,7 @@ def prefix_index(load: Load) -> str:
 
 
 def decision_cost(load: Load) -> str:
+    """``bench/decision_cost.py`` for kairos, kairos+ and cold states: a table (µs) and the verdict on :data:`DECISION_TARGETS_US`."""
     k, kp = load("decision-cost-kairos"), load("decision-cost-kairos+")
     cold = load("decision-cost-cold")
     lines = [
@@ -213,6 +218,7 @@ def control_plane(load: Load) -> str:
 
 
 def fidelity(load: Load) -> str:
+    """``kairos demo --json`` (live report + ``simulated``): :func:`kairos.demo.side_by_side` and the TTFT targets."""
     from kairos.demo import FIDELITY_TOLERANCE, side_by_side
 
     r = load("fidelity")
@@ -227,6 +233,7 @@ def fidelity(load: Load) -> str:
 
 
 def bench_example(load: Load) -> str:
+    """``kairos bench --json``'s report printed as ``kairos bench`` prints it (:func:`kairos.bench.format_report`)."""
     from kairos.bench import format_report
 
     r = load("bench-example")
@@ -290,6 +297,7 @@ def vllm_demo(load: Load) -> str:
 # ---------------------------------------------------------------- docs/policies.md
 
 def model_error_table(load: Load) -> str:
+    """The model-error rows of docs/results/paper-reproduction.json (``python -m sim.report``)."""
     data = json.loads((ROOT / "docs" / "results" / "paper-reproduction.json").read_text())
     rows = data["model-error"]
 
@@ -316,6 +324,7 @@ def model_error_table(load: Load) -> str:
 # ---------------------------------------------------------------- docs/security.md
 
 def slow_clients(load: Load) -> str:
+    """``bench/slow_clients.py``: when the ingress closed slow-header connections (s)."""
     r = load("slow-clients")
     x = r.rows[0]
     return (f"Measured (`{command(r.meta)}`; one run: {provenance(r)}): {num(x['connections'])} connections that send a "

@@ -145,7 +145,10 @@ def record(name: str, command: list[str], rows_from: str | None = None, results_
     if rc != 0:
         raise DocgenError(f"{' '.join(command)} exited with {rc}; {name}.jsonl not written")
     if rows_from:
-        data = json.loads((ROOT / rows_from).read_text())
+        src = ROOT / rows_from
+        if not src.is_file() or src.stat().st_mtime < started.timestamp() - 1.0:
+            raise DocgenError(f"{rows_from} was not written by this run; {name}.jsonl not written")
+        data = json.loads(src.read_text())
         rows = list(data) if isinstance(data, list) else [data]
     if not rows:
         raise DocgenError(f"{' '.join(command)} printed no JSON rows; {name}.jsonl not written")

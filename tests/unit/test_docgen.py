@@ -6,6 +6,7 @@ what the renderers read."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 
@@ -80,3 +81,13 @@ def test_a_result_file_without_meta_is_read_and_a_missing_one_named(tmp_path):
     assert r.meta == {} and r.rows == [{"dispatchers": 1, "offered_rps": 100}]
     with pytest.raises(docgen.DocgenError, match="record it: python -m kairos.docgen record absent"):
         docgen.load_result("absent", tmp_path)
+
+
+def test_record_rows_from_a_file_the_command_writes_and_not_from_a_stale_one(tmp_path):
+    out = tmp_path / "rows.json"
+    code = f"import json; open({str(out)!r}, 'w').write(json.dumps([{{'policy': 'pd', 'rps': 4}}]))"
+    docgen.record("sim", [sys.executable, "-c", code], rows_from=str(out), results_dir=tmp_path)
+    assert docgen.load_result("sim", tmp_path).rows == [{"policy": "pd", "rps": 4}]
+    os.utime(out, (out.stat().st_atime - 60, out.stat().st_mtime - 60))  # left over from an earlier run
+    with pytest.raises(docgen.DocgenError, match="not written by this run"):
+        docgen.record("stale", [sys.executable, "-c", "pass"], rows_from=str(out), results_dir=tmp_path)
