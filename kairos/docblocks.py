@@ -281,19 +281,6 @@ def decide_example(load: Load) -> str:
     return f"```\n{{\n{body},\n  ...\n}}\n```\n(abridged: the real output is the full indented JSON with unrounded floats.)"
 
 
-def vllm_demo(load: Load) -> str:
-    """`kairos demo --engine vllm --json`: the live report with the simulator's row beside it."""
-    r = load("demo-vllm")
-    live = r.rows[0]
-    sim = live["simulated"]
-    return (f"One run of `{command(r.meta)}` ({provenance(r)}): {num(live['completed'])}/{num(live['sent'])} "
-            f"requests completed, {num(live['failed'])} failed, {num(live['deflections'])} deflected; TTFT p50 / p95 "
-            f"{seconds(live['ttft_ms']['p50'], 2)} / {seconds(live['ttft_ms']['p95'], 2)} live against "
-            f"{seconds(sim['ttft_ms']['p50'], 2)} / {seconds(sim['ttft_ms']['p95'], 2)} simulated with the same "
-            f"profile ({num(sim['deflections'])} deflections); TBT p50 {ms(live['tbt_ms']['p50'])} live, "
-            f"{ms(sim['tbt_ms']['p50'])} simulated.")
-
-
 # ---------------------------------------------------------------- docs/policies.md
 
 def model_error_table(load: Load) -> str:
@@ -403,5 +390,4 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "calibration-link": calibration_link,
     "emulated-cpu-fit": emulated_cpu_fit,
     "slow-clients": slow_clients,
-    "vllm-demo": vllm_demo,
 }
