@@ -343,6 +343,29 @@ def calibration_link(load: Load) -> str:
             f"gives {num(kv('rdma'))} ms.")
 
 
+def profile_fit(load: Load, name: str) -> str:
+    """Block ``profile-fit.<name>``: what the fitted artifact ``shared/profiles/<name>.json`` records about
+    its own fit (``kairos profile``'s provenance): held-out MAPE per model and the worst grid region (%),
+    steps and seconds profiled, rejected outliers, engine and hardware."""
+    path = ROOT / "shared" / "profiles" / f"{name}.json"
+    if not path.is_file():
+        raise DocgenError(f"profile-fit.{name}: no {path.relative_to(ROOT)}")
+    art = json.loads(path.read_text())
+    meta = art.get("metadata", {})
+    fit = meta.get("fit")
+    if not fit:
+        raise DocgenError(f"profile-fit.{name}: {path.name} records no fit (a calibration, not a measurement?)")
+    worst_model, worst_region, worst = max(((m, reg, v["mape"]) for m, regs in fit["mape_regions"].items()
+                                            for reg, v in regs.items()), key=lambda x: x[2])
+    hw = meta.get("hardware", {})
+    return (f"`{name}` ({meta.get('engine', '?')}, model {meta.get('model', '?')}, {hw.get('cores', '?')} cores "
+            f"{hw.get('cpu', '')}, {meta.get('date', '?')[:10]}): held-out MAPE {art['prefill']['mape_heldout']:.1f} % "
+            f"(prefill), {art['decode']['mape_heldout']:.1f} % (decode), {art['mixed_delta']['mape_heldout']:.1f} % "
+            f"(mixed), per grid region up to {worst:.1f} % ({worst_model} steps with {worst_region}); "
+            f"{num(meta.get('steps_recorded', 0))} steps in {meta.get('duration_s', 0):.0f} s, "
+            f"{num(fit['rejected']['outlier'])} rejected as outliers.")
+
+
 def emulated_cpu_fit(load: Load) -> str:
     """What the committed `emulated-cpu` artifact's own metadata says about its fit, and how its
     coefficients compare with the `a100-dsv2lite` calibration it emulated."""
@@ -373,6 +396,11 @@ def emulated_cpu_fit(load: Load) -> str:
                       if k.startswith("prefill") else f", except {k} ({v:+.0f} %)" for k, v in big.items())
             + " — as they should be for the emulated engine (its metadata records all of this).")
 
+
+#: block name prefix → renderer of the blocks ``<prefix>.<argument>`` (takes the loader and the argument)
+PARAM_RENDERERS: dict[str, Callable[[Load, str], str]] = {
+    "profile-fit": profile_fit,
+}
 
 #: block name → renderer (takes the result loader, returns markdown)
 RENDERERS: dict[str, Callable[[Load], str]] = {

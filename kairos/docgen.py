@@ -228,10 +228,16 @@ def render_block(name: str, results_dir: Path = RESULTS) -> str:
     """The text of block ``name`` (ends with a newline). Raises :class:`DocgenError`."""
     from kairos import docblocks
 
-    fn = docblocks.RENDERERS.get(name)
-    if fn is None:
+    def load(n: str) -> Result:
+        return load_result(n, results_dir)
+
+    prefix, _, arg = name.partition(".")
+    if name in docblocks.RENDERERS:
+        text = docblocks.RENDERERS[name](load)
+    elif arg and prefix in docblocks.PARAM_RENDERERS:
+        text = docblocks.PARAM_RENDERERS[prefix](load, arg)
+    else:
         raise DocgenError(f"no renderer for generated block {name!r} (kairos/docblocks.py RENDERERS)")
-    text = fn(lambda n: load_result(n, results_dir))
     return wrap(text.rstrip("\n")) + "\n"
 
 

@@ -21,7 +21,18 @@ def test_every_generated_block_equals_its_rendering_from_the_committed_results()
 
 def test_every_renderer_has_a_block_and_every_block_a_renderer():
     used = {m.group("name") for rel in docgen.DOC_FILES for m in docgen.BLOCK.finditer((docgen.ROOT / rel).read_text())}
-    assert used == set(docblocks.RENDERERS)
+    assert {n for n in used if n.partition(".")[0] not in docblocks.PARAM_RENDERERS} == set(docblocks.RENDERERS)
+
+
+def test_a_fitted_profile_renders_from_its_own_metadata_and_a_calibration_is_refused():
+    art = json.loads((docgen.ROOT / "shared" / "profiles" / "emulated-cpu.json").read_text())
+    text = " ".join(docgen.render_block("profile-fit.emulated-cpu").split())
+    assert f"held-out MAPE {art['prefill']['mape_heldout']:.1f} % (prefill)" in text
+    assert f"{art['metadata']['steps_recorded']} steps in {art['metadata']['duration_s']:.0f} s" in text
+    with pytest.raises(docgen.DocgenError, match="records no fit"):
+        docgen.render_block("profile-fit.a100-dsv2lite")
+    with pytest.raises(docgen.DocgenError, match="no renderer"):
+        docgen.render_block("no-such-block")
 
 
 def test_converted_sections_hold_no_typed_figures():
