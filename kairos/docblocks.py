@@ -56,6 +56,7 @@ def command(meta: dict) -> str:
     cmd = meta.get("command", "")
     cmd = re.sub(r"^timeout \d+ ", "", cmd)
     cmd = re.sub(r"(^|\s)\.venv/bin/", r"\1", cmd)
+    cmd = re.sub(r"(^|\s)/(?:root|home/[^/\s]+)/\.cache/", r"\1~/.cache/", cmd)
     cmd = re.sub(r"\s--json\s+\S+", "", cmd)
     cmd = re.sub(r"\s--no-progress\b", "", cmd)
     return cmd
@@ -281,6 +282,24 @@ def decide_example(load: Load) -> str:
     return f"```\n{{\n{body},\n  ...\n}}\n```\n(abridged: the real output is the full indented JSON with unrounded floats.)"
 
 
+# ---------------------------------------------------------------- docs/vllm.md
+
+def vllm_step_times(load: Load) -> str:
+    """``bench/vllm_step_times.py``: step wall times (ms) of a real vLLM-CPU engine from its own step records."""
+    r = load("vllm-step-times")
+    lines = [f"One run of `PYTHONPATH=. {command(r.meta)}` ({provenance(r)}):", "",
+             "| scenario | median ms | p90 ms | max ms | samples |",
+             "|---|---|---|---|---|"]
+    for row in r.rows:
+        if "scenario" not in row:
+            continue
+        what = (f"decode only, B = {row['B']}" if row["scenario"] == "decode"
+                else f"{row['chunk']}-token chunk + B = {row['B']} decodes")
+        lines.append(f"| {what} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} | {row['max_ms']:.2f} | "
+                     f"{row['samples']} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- docs/policies.md
 
 def model_error_table(load: Load) -> str:
@@ -418,4 +437,5 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "calibration-link": calibration_link,
     "emulated-cpu-fit": emulated_cpu_fit,
     "slow-clients": slow_clients,
+    "vllm-step-times": vllm_step_times,
 }
