@@ -304,8 +304,7 @@ def vllm_step_times(load: Load) -> str:
 
 def model_error_table(load: Load) -> str:
     """The model-error rows of docs/results/paper-reproduction.json (``python -m sim.report``)."""
-    data = json.loads((ROOT / "docs" / "results" / "paper-reproduction.json").read_text())
-    rows = data["model-error"]
+    rows = _reproduction()["model-error"]
 
     def get(scen: str, pol: str) -> dict[str, Any]:
         m = [r for r in rows if r["scenario"] == scen and r["policy"] == pol]

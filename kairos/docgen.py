@@ -13,8 +13,9 @@ Markdown files hold *generated blocks*::
     ...rendered text...
     <!-- /kairos:generated -->
 
-and :data:`RENDERERS` maps each NAME to a function that renders the block's text from the result
-files (see :mod:`kairos.docblocks`). Usage::
+and ``kairos.docblocks.RENDERERS`` maps each NAME to a function that renders the block's text from
+the result files or other committed data (``PARAM_RENDERERS``: names ``PREFIX.ARG``, e.g.
+``profile-fit.emulated-cpu``). Usage::
 
     python -m kairos.docgen record NAME [--rows-from PATH] -- COMMAND ARGS...  # run, write bench/results/NAME.jsonl
     python -m kairos.docgen            # rewrite every generated block from the result files (make docs)
