@@ -392,8 +392,13 @@ class Ingress:
                    f"{' or '.join(sorted(exc.allowed_methods))}")
             code = "method_not_allowed"
         elif isinstance(exc, web.HTTPRequestEntityTooLarge):
-            msg, code = (f"request body is too large: the limit is {self.cfg.max_body_bytes} bytes"
-                         f"{f' (got {request.content_length})' if request.content_length else ''}"), "request_too_large"
+            # a compressed body is limited after decompression: its Content-Length is not the size that counted
+            encoded = request.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
+            got = (f" (got more than that after decoding the {clip(request.headers['Content-Encoding'], 20)} "
+                   f"body of {request.content_length} bytes)" if encoded and request.content_length
+                   else f" (got {request.content_length})" if request.content_length else "")
+            msg, code = (f"request body is too large: the limit is {self.cfg.max_body_bytes} bytes{got}",
+                         "request_too_large")
         else:
             msg, code = exc.text or exc.reason, exc.reason.lower().replace(" ", "_")
         out = _err(status, msg, code)
