@@ -102,8 +102,9 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     wl = [WorkloadRequest(f"cp-{i}", i / rate, prompt_tokens, output_tokens) for i in range(n)]
     load1 = os.getloadavg()[0]
     cpu0 = cpu_by_kind(procs or {})
-    res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0), wl))
-    cpu1 = cpu_by_kind(procs or {})  # before the record lookups below (not part of serving)
+    res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0,
+                                                   lookup_records=False), wl))
+    cpu1 = cpu_by_kind(procs or {})  # before any record lookup (not part of serving)
     m = serving_metrics(res.records, duration_s=res.duration_s)
     ids = [o.server_id for o, r in zip(res.outcomes, res.records) if o.server_id and not r.failed]
     found = asyncio.run(_ingress_ttfts(url, ids))
