@@ -34,8 +34,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        publish,
-                        request_subscription, request_typed)
+                        kv_create, publish, request_subscription, request_typed)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
@@ -101,6 +100,9 @@ class Dispatcher:
         self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
+        #: reservation key -> revision of its delete marker, as watched (the key is free): lets a
+        #: reservation be created in one JetStream write (shared.bus.kv_create)
+        self.resv_deleted: dict[str, int] = {}
         #: request id -> (monotonic s when heard, its routed event), oldest first: O(1) replace/forget
         #: per event (a list scan per routed event was quadratic in the rate, issue 12)
         self.recent_routed: dict[str, tuple[float, RoutedEvent]] = {}
@@ -121,6 +123,7 @@ class Dispatcher:
         self._runner = None
         self._bus: BusWatch | None = None
         self.nc = None
+        self.js = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,7 +147,7 @@ class Dispatcher:
         """Declare the request stream, its consumer and the buckets, and (re)start the KV watchers:
         at start and after every reconnect (a restarted NATS may have lost them; old watchers may
         sit on consumers that no longer exist)."""
-        js = self.nc.jetstream()
+        js = self.js = self.nc.jetstream()
         await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=self.cfg.ack_wait_s,
                                                              max_deliver=self.cfg.max_deliver))
         self.buckets = await ensure_buckets(js)
@@ -163,6 +166,7 @@ class Dispatcher:
         old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key
+            self.resv_deleted.clear()
         old_tasks, self._watch_tasks = self._watch_tasks, new_tasks
         for t in old_tasks:
             t.cancel()
@@ -304,7 +308,9 @@ class Dispatcher:
                 continue
             if e.operation is not None or not e.value:  # DEL / PURGE / TTL-expiry marker
                 self.reservations.pop(e.key, None)
+                self.resv_deleted[e.key] = e.revision
                 continue
+            self.resv_deleted.pop(e.key, None)
             try:
                 self.reservations[e.key] = decode(e.value, Reservation)
             except WireError:
@@ -428,7 +434,8 @@ class Dispatcher:
                                         created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
                     for key in free:  # first free slot wins; another replica may take it first
                         try:
-                            resv_rev = await self.buckets.reservations.create(key, encode(value), msg_ttl=ttl)
+                            resv_rev = await kv_create(self.js, self.buckets.reservations, S.RESERVATION_BUCKET, key,
+                                                       encode(value), ttl, self.resv_deleted.get(key))
                             resv_key = key
                             break
                         except nats.js.errors.KeyWrongLastSequenceError:
