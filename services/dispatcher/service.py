@@ -117,6 +117,7 @@ class Dispatcher:
         self._sem = asyncio.Semaphore(cfg.max_concurrency)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._bg_tasks: set[asyncio.Task] = set()  #: record writes in flight (:meth:`_background`)
         self._main: list[asyncio.Task] = []
         self._watchers: list = []
         self._watch_tasks: list[asyncio.Task] = []
@@ -188,6 +189,8 @@ class Dispatcher:
             await asyncio.wait(self._tasks, timeout=5.0)
         for t in self._tasks:
             t.cancel()
+        if self._bg_tasks:
+            await asyncio.wait(self._bg_tasks, timeout=2.0 if drain else 0.0)
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -321,7 +324,10 @@ class Dispatcher:
             await self._sem.acquire()
             self._sem.release()
             try:
-                msgs = await self.sub.fetch(batch=4, timeout=1.0)
+                # one message per pull: a lingering pull the server answers with the next request (a
+                # batch pull costs an extra "no more messages" status per fetch, and requests arrive
+                # one by one; under a backlog each pull still returns at once)
+                msgs = await self.sub.fetch(batch=1, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as exc:  # disconnected: nats-py reconnects
@@ -561,10 +567,21 @@ class Dispatcher:
             request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
             predicted_ttft_ms=predicted_ttft_ms(d)))
+        # in the background: the work-queue ack does not wait for the record's PubAck, so the routing
+        # event, the record and the ack leave in one socket write
+        self._background(self._put_decision(rid, rec))
+
+    async def _put_decision(self, rid: str, rec: DecisionRecord) -> None:
         try:
             await self.buckets.requests.put(S.record_key(rid, "decision"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` without waiting for it (``close`` lets these finish before disconnecting)."""
+        t = asyncio.create_task(coro)
+        self._bg_tasks.add(t)
+        t.add_done_callback(self._bg_tasks.discard)
 
     async def _release(self, key: str, rev: int | None) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import nats
 import nats.js.errors
@@ -10,7 +11,8 @@ import pytest
 
 from shared import subjects as S
 from shared.bus import ensure_buckets, kv_create
-from shared.wire import StepRecordEvent, WireError, decode_step_records, encode
+from services.ingress.service import _SseResponse
+from shared.wire import DoneEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
 from tests.integration.conftest import reset_bus, stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -91,3 +93,43 @@ async def test_a_single_step_record_is_still_understood():
     assert decode_step_records(encode([rec, rec])) == [rec, rec]
     with pytest.raises(WireError):
         decode_step_records(b'{"node": "n"}')
+
+
+async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkeypatch):
+    """Token events that are already waiting when the ingress relays one go out in one socket write
+    with it (and the end of the stream with them); the client gets every token, in order."""
+    writes: list[bytes] = []
+    orig_write, orig_eof = _SseResponse.write, _SseResponse.write_eof
+
+    async def write(self, data: bytes) -> None:
+        writes.append(bytes(data))
+        await orig_write(self, data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        writes.append(bytes(data))
+        await orig_eof(self, data)
+    monkeypatch.setattr(_SseResponse, "write", write)
+    monkeypatch.setattr(_SseResponse, "write_eof", write_eof)
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:  # nobody routes: the test is the node
+        body = {"model": "kairos-emulated", "prompt": "hi", "max_tokens": 8, "stream": True}
+
+        async def client() -> list[str]:  # the headers come with the first token
+            async with st.http.post(st.base + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                return [line.strip()[6:].decode() async for line in r.content if line.startswith(b"data: ")]
+        reader = asyncio.create_task(client())
+        rid = await wait_until(lambda: next(iter(st.ingress._flights), None), 5, "the request in flight")
+        nc = st.aggregator.nc  # any other connection: one flush, so the ingress reads them together
+        for i in range(8):
+            await nc.publish(S.out_subject(rid), encode(TokenEvent(request_id=rid, first_index=i, count=1,
+                                                                  text=f"t{i} ", node="decode-0",
+                                                                  sent_unix_ms=now_ms())))
+        await nc.publish(S.out_subject(rid), encode(DoneEvent(request_id=rid, completion_tokens=8,
+                                                             finish_reason="length", node="decode-0",
+                                                             sent_unix_ms=now_ms())))
+        await nc.flush()
+        payloads = await asyncio.wait_for(reader, 10)
+    texts = [json.loads(p)["choices"][0]["text"] for p in payloads[:-1]]
+    assert payloads[-1] == "[DONE]" and "".join(texts) == "".join(f"t{i} " for i in range(8))
+    assert sum(w.count(b"data: ") for w in writes) == len(payloads)  # every event written exactly once
+    assert len(writes) < 9  # 9 events + [DONE]: one write each before; a burst now shares writes
