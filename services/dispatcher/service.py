@@ -7,9 +7,10 @@ Per request (rules in :mod:`shared.routing`, decision in :mod:`shared.policy`):
    TTL) — on conflict the node is shown as reserved and the policy runs again;
 3. the job goes to the node by request-reply; no responder, a timeout or a refusal excludes the
    node (and releases the reservation) and routing starts over — a re-route, never a drop;
-4. accepted: decision record (KV), routing event (aggregator), span with ``kairos.*``
-   attributes, then the work-queue message is acknowledged. A replica that dies before that
-   point leaves the message unacknowledged and another replica gets it after ``ack_wait_s``.
+4. accepted: routing event (aggregator, ingress, replicas), span with ``kairos.*`` attributes,
+   the decision record (KV; written in the background: the ack does not wait for its PubAck),
+   then the work-queue message is acknowledged. A replica that dies before that point leaves the
+   message unacknowledged and another replica gets it after ``ack_wait_s``.
 
 Nothing routable for ``no_node_wait_s`` (or every node refused) → an explicit 503 error event to
 the client, then ack.
