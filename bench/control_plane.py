@@ -21,6 +21,10 @@ Per (replicas, rate) it prints one JSON line:
   spent per request during the run — where the 2 cores go — with ``client`` (this process) and
   ``nats`` (the nats-server); ``loadavg``: the 1-minute load average when the rate started (other
   jobs on the machine show up here);
+* ``bus_msgs_per_request``: NATS messages per request during the run, from nats-server's monitoring
+  (``/varz``, ``/connz``): ``in`` (published by clients, JetStream API calls and acks included) and
+  ``out`` (delivered by the server) in total, and per kind of process ``[sent, received]`` — the
+  bus traffic each request costs (heartbeats and views of the run's duration included);
 * ``failed``; ``sustained``: no failure, ≥ 95 % of the offered rate achieved;
 * ``p50_vs_target`` / ``p99_vs_target``: added latency over the issue's targets (2 ms / 10 ms).
 
@@ -82,6 +86,44 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: nats-server connection name prefix (``shared.bus.connect``'s ``name``) → kind of process
+CONN_KINDS = {"ingress": "ingress", "dispatcher": "dispatcher", "node_agent": "agent", "state_aggregator": "aggregator"}
+
+
+def bus_counters(monitor_url: str | None) -> dict[str, tuple[int, int]]:
+    """Message counters of a nats-server (``monitor_url``: its HTTP monitoring): ``"server"`` →
+    (in_msgs, out_msgs), and per kind of process (:data:`CONN_KINDS`) → (messages it sent, messages
+    it received). Empty without ``monitor_url``.
+
+    Raises:
+        OSError: the monitoring endpoint does not answer.
+    """
+    import urllib.request
+
+    if not monitor_url:
+        return {}
+    with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as r:
+        v = json.load(r)
+    out = {"server": (int(v["in_msgs"]), int(v["out_msgs"]))}
+    with urllib.request.urlopen(f"{monitor_url}/connz?limit=1024", timeout=5) as r:
+        conns = json.load(r).get("connections") or []
+    for c in conns:
+        kind = CONN_KINDS.get(str(c.get("name") or "").split(":")[0])
+        if kind is not None:
+            sent, recv = out.get(kind, (0, 0))
+            out[kind] = (sent + int(c["in_msgs"]), recv + int(c["out_msgs"]))  # the server's in = the client's sent
+    return out
+
+
+def bus_per_request(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]], n: int) -> dict:
+    """``bus_msgs_per_request`` of a run of ``n`` requests from two :func:`bus_counters` readings."""
+    if not before or not after:
+        return {}
+    d = {k: tuple(round((after[k][i] - before[k][i]) / n, 2) for i in (0, 1)) for k in after if k in before}
+    server = d.pop("server")
+    return {"in": server[0], "out": server[1], **{k: list(v) for k, v in sorted(d.items())}}
+
+
 def cpu_by_kind(procs: dict[str, list[int]]) -> dict[str, float]:
     """kind → CPU seconds so far of its processes (``client``: this process, from ``os.times``)."""
     t = os.times()
@@ -89,9 +131,10 @@ def cpu_by_kind(procs: dict[str, list[int]]) -> dict[str, float]:
 
 
 def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, output_tokens: int,
-             engine_ms: float, procs: dict[str, list[int]] | None = None) -> dict:
+             engine_ms: float, procs: dict[str, list[int]] | None = None, monitor_url: str | None = None) -> dict:
     """One open-loop run at ``rate`` req/s for ``duration_s`` s; the figures of one JSON line.
-    ``procs``: kind → pids of the stack's processes, for ``cpu_ms_per_request``."""
+    ``procs``: kind → pids of the stack's processes, for ``cpu_ms_per_request``; ``monitor_url``:
+    the nats-server's HTTP monitoring, for ``bus_msgs_per_request``."""
     import numpy as np
 
     from kairos.bench import BenchConfig, run_bench
@@ -101,10 +144,12 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     n = max(1, int(rate * duration_s))
     wl = [WorkloadRequest(f"cp-{i}", i / rate, prompt_tokens, output_tokens) for i in range(n)]
     load1 = os.getloadavg()[0]
+    bus0 = bus_counters(monitor_url)
     cpu0 = cpu_by_kind(procs or {})
     res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0,
                                                    lookup_records=False), wl))
     cpu1 = cpu_by_kind(procs or {})  # before any record lookup (not part of serving)
+    bus1 = bus_counters(monitor_url)
     m = serving_metrics(res.records, duration_s=res.duration_s)
     ids = [o.server_id for o, r in zip(res.outcomes, res.records) if o.server_id and not r.failed]
     found = asyncio.run(_ingress_ttfts(url, ids))
@@ -118,6 +163,7 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
             "added_ms": {"p50": p50, "p99": p99, "n": len(found)}, "client_added_ms": {"p50": c50, "p99": c99},
             "sustained": m["failed"] == 0 and m["request_throughput"] >= 0.95 * rate,
             "cpu_ms_per_request": {k: round((cpu1[k] - cpu0[k]) * 1000.0 / n, 3) for k in cpu1},
+            "bus_msgs_per_request": bus_per_request(bus0, bus1, n),
             "loadavg": round(load1, 2),
             "p50_vs_target": None if p50 is None else round(p50 / TARGET_P50_MS, 2),
             "p99_vs_target": None if p99 is None else round(p99 / TARGET_P99_MS, 2)}
@@ -151,14 +197,15 @@ def main() -> None:
         model = load_profile(prof)
         engine_ms = float(model.prefill_step_ms(args.prompt_tokens, 0) + model.decode_step_ms(1, args.prompt_tokens))
         for reps in (int(x) for x in args.dispatchers.split(",")):
+            mport = free_port()
             sup = Supervisor(UpOptions(port=free_port(), profile=str(prof), dispatchers=reps,
-                                       log_dir=str(Path(tmp) / f"logs-{reps}")))
+                                       log_dir=str(Path(tmp) / f"logs-{reps}"), nats_monitor_port=mport))
             try:
                 sup.up()
                 url = f"http://{sup.opts.host}:{sup.opts.port}"
                 for rate in (float(x) for x in args.rates.split(",")):
                     row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms,
-                                   stack_pids(sup))
+                                   stack_pids(sup), f"http://127.0.0.1:{mport}")
                     print(json.dumps({"dispatchers": reps, **row}), flush=True)
             finally:
                 sup.down()
