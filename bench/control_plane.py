@@ -15,6 +15,10 @@ Per (replicas, rate) it prints one JSON line:
   first token relayed, from its request record, ``GET /v1/requests/{id}``) minus the engine's own
   time for the request (the profile's prefill step for the prompt plus one decode step, ~0.1 ms):
   the cost of the control plane;
+* ``deflected_ttft_p50_ms``: where a deflected request's TTFT goes (p50 of each segment, from its
+  records' timestamps, :func:`hops`): ``to_node`` (ingress → queue → dispatcher → reservation →
+  job → execution claim), ``on_node`` (→ first token), ``to_ingress`` (→ relayed), and ``decide``
+  (the policy's own evaluation, part of ``to_node``);
 * ``client_added_ms`` p50/p99: the same from the client's TTFT (adds the client's HTTP and the
   ingress's body parsing, all on the same cores);
 * ``cpu_ms_per_request``: CPU time (user + system, from ``/proc/<pid>/stat``) each kind of process
@@ -64,16 +68,36 @@ def near_zero_profile(path: Path) -> Path:
     return path
 
 
-async def _ingress_ttfts(url: str, ids: list[str]) -> list[float]:
-    """The ingress-measured TTFT (ms, ``measured.ttft_ms`` of each request record) of ``ids``."""
+async def _records(url: str, ids: list[str]) -> list[dict]:
+    """The request records (``GET /v1/requests/{id}``) of ``ids`` that were found."""
     import aiohttp
 
     from kairos.bench import lookup_decisions
 
     async with aiohttp.ClientSession() as session:
-        recs = await lookup_decisions(session, url, ids)
-    return [float(r["measured"]["ttft_ms"]) for r in recs.values()
+        return list((await lookup_decisions(session, url, ids)).values())
+
+
+def ingress_ttfts(recs: list[dict]) -> list[float]:
+    """The ingress-measured TTFT (ms, ``measured.ttft_ms``) of each record that has one."""
+    return [float(r["measured"]["ttft_ms"]) for r in recs
             if isinstance(r.get("measured"), dict) and r["measured"].get("ttft_ms") is not None]
+
+
+def hops(rec: dict) -> dict[str, float] | None:
+    """Where a deflected request's TTFT went (ms), from the timestamps of its records (one machine,
+    one clock): ``to_node`` — ingress received → the decode node took the job (queue, dispatcher,
+    reservation, job, execution claim); ``on_node`` — → its first token (the engine's steps and
+    the node's scheduling); ``to_ingress`` — → the ingress relayed it (one NATS hop); ``decide`` —
+    the dispatcher's policy evaluation inside ``to_node``. None for other paths or missing stamps."""
+    recs = rec.get("records") or {}
+    ing, dec = recs.get("ingress") or {}, recs.get("decode") or {}
+    t = [ing.get("received_unix_ms"), dec.get("received_unix_ms"), dec.get("first_token_unix_ms"),
+         ing.get("first_token_unix_ms")]
+    if rec.get("decision") != "deflect" or any(x is None for x in t):
+        return None
+    return {"to_node": t[1] - t[0], "on_node": t[2] - t[1], "to_ingress": t[3] - t[2],
+            "decide": float((rec.get("routing") or {}).get("decide_ms") or 0.0)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -152,7 +176,9 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     bus1 = bus_counters(monitor_url)
     m = serving_metrics(res.records, duration_s=res.duration_s)
     ids = [o.server_id for o, r in zip(res.outcomes, res.records) if o.server_id and not r.failed]
-    found = asyncio.run(_ingress_ttfts(url, ids))
+    recs = asyncio.run(_records(url, ids))
+    found = ingress_ttfts(recs)
+    steps = [h for h in map(hops, recs) if h is not None]
 
     def pct(xs: list[float]) -> tuple[float | None, float | None]:
         return tuple(round(float(np.percentile(xs, q)), 2) for q in (50, 99)) if xs else (None, None)  # type: ignore
@@ -161,6 +187,8 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     c50, c99 = pct([r.ttft_ms - engine_ms for r in res.records if not r.failed])
     return {"offered_rps": rate, "requests": n, "failed": m["failed"], "achieved_rps": round(m["request_throughput"], 1),
             "added_ms": {"p50": p50, "p99": p99, "n": len(found)}, "client_added_ms": {"p50": c50, "p99": c99},
+            "deflected_ttft_p50_ms": {**{k: pct([h[k] for h in steps])[0] for k in ("to_node", "on_node", "to_ingress",
+                                                                                   "decide")}, "n": len(steps)},
             "sustained": m["failed"] == 0 and m["request_throughput"] >= 0.95 * rate,
             "cpu_ms_per_request": {k: round((cpu1[k] - cpu0[k]) * 1000.0 / n, 3) for k in cpu1},
             "bus_msgs_per_request": bus_per_request(bus0, bus1, n),

@@ -700,7 +700,9 @@ class Ingress:
     async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         received = now_ms()
         try:
-            body = orjson.loads(await asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
+            async with asyncio.timeout(self.cfg.body_timeout_s):  # no task per request (wait_for makes one)
+                raw = await request.read()
+            body = orjson.loads(raw)
         except web.HTTPRequestEntityTooLarge as exc:
             self.m.requests.labels(endpoint, "413").inc()
             return self._http_error(request, exc)
@@ -842,8 +844,9 @@ class Ingress:
             if left <= 0:
                 return None
             try:
-                return await asyncio.wait_for(queue.get(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):  # not wait_for: no task and no extra loop turn per event
+                    return await queue.get()
+            except TimeoutError:
                 return None
 
         text_parts: list[str] = []
