@@ -24,7 +24,9 @@ Per (replicas, rate) it prints one JSON line:
 * ``cpu_ms_per_request``: CPU time (user + system, from ``/proc/<pid>/stat``) each kind of process
   spent per request during the run — where the 2 cores go — with ``client`` (this process) and
   ``nats`` (the nats-server); ``loadavg``: the 1-minute load average when the rate started (other
-  jobs on the machine show up here);
+  jobs on the machine show up here); ``cpu_pressure_pct``: the share of the run during which some
+  runnable process on the machine waited for a core (Linux PSI, ``/proc/pressure/cpu`` "some"; None
+  where unavailable) — how contended the cores were, whoever caused it;
 * ``bus_msgs_per_request``: NATS messages per request during the run, from nats-server's monitoring
   (``/varz``, ``/connz``): ``in`` (published by clients, JetStream API calls and acks included) and
   ``out`` (delivered by the server) in total, and per kind of process ``[sent, received]`` — the
@@ -45,6 +47,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 TARGET_P50_MS = 2.0
@@ -148,6 +151,16 @@ def bus_per_request(before: dict[str, tuple[int, int]], after: dict[str, tuple[i
     return {"in": server[0], "out": server[1], **{k: list(v) for k, v in sorted(d.items())}}
 
 
+def cpu_stall_us() -> int | None:
+    """Microseconds so far during which some runnable task waited for a CPU (``/proc/pressure/cpu``,
+    line "some", field ``total``); None without PSI."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return int(line.rpartition("total=")[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def cpu_by_kind(procs: dict[str, list[int]]) -> dict[str, float]:
     """kind → CPU seconds so far of its processes (``client``: this process, from ``os.times``)."""
     t = os.times()
@@ -169,11 +182,15 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     wl = [WorkloadRequest(f"cp-{i}", i / rate, prompt_tokens, output_tokens) for i in range(n)]
     load1 = os.getloadavg()[0]
     bus0 = bus_counters(monitor_url)
+    stall0, wall0 = cpu_stall_us(), time.monotonic()
     cpu0 = cpu_by_kind(procs or {})
     res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0,
                                                    lookup_records=False), wl))
     cpu1 = cpu_by_kind(procs or {})  # before any record lookup (not part of serving)
     bus1 = bus_counters(monitor_url)
+    stall1, wall1 = cpu_stall_us(), time.monotonic()
+    pressure = (None if stall0 is None or stall1 is None
+                else round(100.0 * (stall1 - stall0) / 1e6 / max(wall1 - wall0, 1e-9), 1))
     m = serving_metrics(res.records, duration_s=res.duration_s)
     ids = [o.server_id for o, r in zip(res.outcomes, res.records) if o.server_id and not r.failed]
     recs = asyncio.run(_records(url, ids))
@@ -192,7 +209,7 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
             "sustained": m["failed"] == 0 and m["request_throughput"] >= 0.95 * rate,
             "cpu_ms_per_request": {k: round((cpu1[k] - cpu0[k]) * 1000.0 / n, 3) for k in cpu1},
             "bus_msgs_per_request": bus_per_request(bus0, bus1, n),
-            "loadavg": round(load1, 2),
+            "loadavg": round(load1, 2), "cpu_pressure_pct": pressure,
             "p50_vs_target": None if p50 is None else round(p50 / TARGET_P50_MS, 2),
             "p99_vs_target": None if p99 is None else round(p99 / TARGET_P99_MS, 2)}
 
