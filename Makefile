@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm vllm-venv bench decide clean
+.PHONY: run test test-vllm vllm-venv bench docs decide clean
 
 # vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
 # The version must equal kairos_vllm.VLLM_VERSION (the scheduler plugin's pin, checked at import).
@@ -62,6 +62,10 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 ## Decision-cost benchmark (not a test: prints measured figures).
 bench: $(STAMP)
 	$(BIN)/python bench/decision_cost.py
+
+## README/docs figures: rewrite every generated block from bench/results/*.jsonl (kairos/docgen.py).
+docs: $(STAMP)
+	$(BIN)/python -m kairos.docgen
 
 clean:
 	rm -rf $(VENV)

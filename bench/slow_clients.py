@@ -2,7 +2,7 @@
 
 Starts a bundled nats-server and one ingress (defaults: ``KAIROS_HEADER_TIMEOUT_S`` = 10 s), opens
 ``--connections`` connections that each send a request line and one header and then nothing, and
-prints when the ingress closed them. Not a test: it prints measured figures (docs/security.md).
+prints when the ingress closed them (a sentence on stderr, one JSON line on stdout). Not a test: it prints measured figures (docs/security.md).
 
     .venv/bin/python bench/slow_clients.py --connections 300
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
@@ -46,9 +47,13 @@ async def measure(nats_url: str, n: int, header_timeout_s: float) -> None:
             return time.monotonic() - t0
 
         ts = await asyncio.gather(*(asyncio.wait_for(closed(r), header_timeout_s + 60) for r, _ in conns))
+        dropped = ing.m.slow_clients._value.get()
         print(f"{n} slow-header connections, header timeout {header_timeout_s:g} s: all closed by the ingress; "
               f"first after {min(ts):.2f} s, last after {max(ts):.2f} s; "
-              f"kairos_ingress_slow_clients_dropped_total = {ing.m.slow_clients._value.get():.0f}")
+              f"kairos_ingress_slow_clients_dropped_total = {dropped:.0f}", file=sys.stderr)
+        print(json.dumps({"connections": n, "header_timeout_s": header_timeout_s, "closed": len(ts),
+                          "first_closed_s": round(min(ts), 3), "last_closed_s": round(max(ts), 3),
+                          "dropped_counter": dropped}))
     finally:
         await ing.close()
 

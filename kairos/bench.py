@@ -626,6 +626,19 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
     return report
 
 
+def format_report(report: dict[str, Any]) -> str:
+    """What ``kairos bench`` prints on stdout for a :func:`build_report` report: ``vllm bench serve``'s
+    result block (:func:`shared.metrics.format_serving`), then the paper's metrics
+    (:func:`shared.metrics.format_table`) in one row labelled ``report["label"]``. Also renders a
+    saved ``--json`` report (``kairos.docgen``)."""
+    serving = format_serving(report["serving"], extra=[
+        ("Maximum request concurrency:", report.get("max_concurrency")),
+        ("Request rate offered (req/s):", report["offered_rps"]),
+        ("Request send rate achieved (req/s):", report["achieved_rps"])])
+    table = format_table([{**report, "policy": report["label"], "rps": report["achieved_rps"]}], name_column="run")
+    return f"{serving}\n{table}"
+
+
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     """``vllm bench serve --goodput`` syntax: ``KEY:VALUE`` pairs (ms), keys ttft, tpot, e2el.
 
@@ -696,10 +709,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     report = build_report(result, url=url, workload=wl_info, label=label, tbt_slo_ms=tbt_slo_ms,
                           ttft_slo_ms=ttft_slo_ms, max_concurrency=max_concurrency,
                           request_timeout_s=request_timeout, goodput_slo_ms=slos, save_records=save_records)
-    click.echo(format_serving(report["serving"], extra=[
-        ("Maximum request concurrency:", max_concurrency), ("Request rate offered (req/s):", report["offered_rps"]),
-        ("Request send rate achieved (req/s):", report["achieved_rps"])]))
-    click.echo(format_table([{**report, "policy": label, "rps": report["achieved_rps"]}], name_column="run"))
+    click.echo(format_report(report))
     if report["usage_reported"] == 0 and report["completed"]:
         click.echo("kairos bench: warning: the server sent no usage; output tokens are counted as one per chunk "
                    "with text, which undercounts when a chunk carries several tokens", err=True)

@@ -106,7 +106,11 @@ def make_params(alpha: float, beta: float, tbt_slo_ms: float, ttft_slo_ms: float
     try:
         return PolicyParams(alpha=alpha, beta=beta, tbt_slo_ms=tbt_slo_ms, ttft_slo_ms=ttft_slo_ms, **extra)
     except PolicyError as exc:
-        raise click.UsageError(str(exc)) from None
+        msg = str(exc)
+        field = msg.split(" ", 1)[0]
+        if field in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms"):  # name the flag the user typed
+            msg = f"--{field.replace('_', '-')}: {msg}"
+        raise click.UsageError(msg) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,8 +8,10 @@ Everything it runs is the product: ``kairos up``'s supervisor, ``kairos bench``'
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from kairos.up import Supervisor, UpOptions, free_port
@@ -95,6 +97,8 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
                            label=f"live {opts.policy}", json_path=json_path, save_records=False, progress=progress,
                            tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
         sim_row = simulate_same(workload, rps, duration, seed, opts)
+        if json_path:  # the live report (written by bench_cli) gains the simulator's row beside it
+            Path(json_path).write_text(json.dumps({**report, "simulated": sim_row}, indent=2) + "\n")
         print("\nSame workload through the simulator (kairos sim), side by side:")
         print(side_by_side(report, sim_row), flush=True)
         lost = report["sent"] - report["completed"] - report["failed"]
@@ -134,13 +138,17 @@ VLLM_DEMO = {"workload": "bursty", "rps": 2.0, "duration": 15.0, "prefill": 1, "
              "tbt_slo_ms": 50.0, "ttft_slo_ms": 2000.0}
 
 
+#: ``kairos demo`` (``make run``) on emulated engines: the busiest minute of the Azure code trace at its own
+#: timing, 2P2D
+EMULATED_DEMO = {"workload": "azure-code:busiest", "rps": None, "duration": 60.0, "prefill": 2, "decode": 2}
+
+
 def demo_command(**o) -> None:
     """Thin click body (see kairos/cli.py); fills the engine-dependent defaults."""
     import tempfile
 
     vllm = o.get("engine") == "vllm"
-    dflt = VLLM_DEMO if vllm else {"workload": "azure-code:busiest", "rps": None, "duration": 60.0, "prefill": 2,
-                                   "decode": 2}
+    dflt = VLLM_DEMO if vllm else EMULATED_DEMO
     for key in ("workload", "duration", "prefill", "decode"):
         if o.get(key) is None:
             o[key] = dflt[key]

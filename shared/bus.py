@@ -138,6 +138,26 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
                               connect_timeout=5, drain_timeout=2, **creds)
 
 
+async def flush_barrier(nc: Client, timeout: float = 5.0) -> None:
+    """Return once the server has processed everything ``nc`` sent before the call (SUB, UNSUB,
+    PUB), so that another connection may act on it (e.g. publish to a subject just subscribed).
+
+    ``Client.flush()`` alone does not guarantee this in nats-py 2.16: ``_send_ping`` writes the
+    PING straight to the socket while earlier commands still wait in the client's pending buffer
+    for the flusher task, so the PONG can come back before the server has seen them (a subscribe
+    + flush followed by a publish from another connection lost the message in ~2 % of runs on a
+    loaded machine). The first flush kicks the flusher, which writes the pending buffer before the
+    first PONG can be read (same event loop); the second PING therefore follows those commands on
+    the wire, and its PONG proves they were processed. ``timeout`` is per round trip, seconds.
+
+    Raises:
+        nats.errors.FlushTimeoutError: no PONG within ``timeout``.
+        nats.errors.ConnectionClosedError: ``nc`` is closed.
+    """
+    await nc.flush(timeout=timeout)
+    await nc.flush(timeout=timeout)
+
+
 async def close(nc: Client | None, graceful: bool = True) -> None:
     """Flush what is buffered (``graceful``) and close; never raises, never hangs for long."""
     if nc is None or nc.is_closed:

@@ -166,6 +166,18 @@ class Liveness:
         for n in self._heard:
             self._heard[n] = now_ms
 
+    def stalled(self, gap_ms: float) -> None:
+        """The receiver itself did not run for ``gap_ms`` (its checks came that much later than
+        due: a starved or blocked event loop). Heartbeats that arrived meanwhile still wait in its
+        socket buffers, so the gap is not the nodes' silence: every node's clock moves forward by
+        it. Without this, the first check after a stall of more than ``timeout_ms`` runs before
+        the queued heartbeats are read and declares every node dead (seen with two vLLM-CPU
+        engines saturating 2 cores: requests ended with ``node_lost``)."""
+        if gap_ms <= 0:
+            return
+        for n in self._heard:
+            self._heard[n] += gap_ms
+
     def silent_ms(self, node: str, now_ms: float) -> float:
         """How long ``node`` has been silent (0 for a node never heard of)."""
         return now_ms - self._heard.get(node, now_ms)

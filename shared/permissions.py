@@ -43,6 +43,7 @@ import json
 import os
 import re
 import secrets
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -195,8 +196,13 @@ def cluster_users(nodes: list[str] | tuple[str, ...]) -> list[str]:
 
 
 def new_password() -> str:
-    """A random password (32 bytes from :mod:`secrets`, URL-safe base64)."""
-    return secrets.token_urlsafe(32)
+    """A random password: a letter, then 32 bytes from :mod:`secrets` in URL-safe base64 (44 chars).
+
+    The leading letter matters: the committed ``ops/nats/auth.conf`` reads passwords from the
+    environment (``password: $NATS_PASSWORD_<USER>``) and nats-server parses a variable's value as
+    a config token, so a value starting with a digit is taken for a number and the server refuses
+    to start ("Expected a digit but got 'G'"), which one in five generated password sets did."""
+    return secrets.choice(string.ascii_letters) + secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)

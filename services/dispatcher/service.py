@@ -35,7 +35,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        kv_create, publish, request_subscription, request_typed)
+                        flush_barrier, kv_create, publish, request_subscription, request_typed)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
@@ -463,7 +463,7 @@ class Dispatcher:
             if faults.armed("after_publish"):  # the job reaches the node; this replica dies before the answer
                 await self.nc.publish(S.jobs_subject(decision.node), encode(job), reply=self.nc.new_inbox(),
                                       headers=headers)
-                await self.nc.flush()
+                await flush_barrier(self.nc)
                 faults.die("after_publish")
             try:
                 ack = await request_typed(self.nc, S.jobs_subject(decision.node), job, JobAck,

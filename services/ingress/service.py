@@ -74,6 +74,9 @@ STREAM_STARTED = web.RequestKey("kairos_stream_started", bool)
 REQUEST_ID = web.RequestKey("kairos_request_id", str)
 #: bytes reserved for the NATS headers of a request (traceparent, tracestate, Nats-Msg-Id)
 BUS_HEADER_ALLOWANCE = 1024
+#: the client/liveness watcher woke this much (s) later than due: this process stalled, and the
+#: silence of the nodes over that gap is not evidence (Liveness.stalled)
+LOOP_STALL_S = 0.25
 #: key of the (decision kind, predicted TTFT ms) pair in a request's timing dict (not part of its record)
 PREDICTED = "predicted_ttft"
 
@@ -394,8 +397,13 @@ class Ingress:
                    f"{' or '.join(sorted(exc.allowed_methods))}")
             code = "method_not_allowed"
         elif isinstance(exc, web.HTTPRequestEntityTooLarge):
-            msg, code = (f"request body is too large: the limit is {self.cfg.max_body_bytes} bytes"
-                         f"{f' (got {request.content_length})' if request.content_length else ''}"), "request_too_large"
+            # a compressed body is limited after decompression: its Content-Length is not the size that counted
+            encoded = request.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
+            got = (f" (got more than that after decoding the {clip(request.headers['Content-Encoding'], 20)} "
+                   f"body of {request.content_length} bytes)" if encoded and request.content_length
+                   else f" (got {request.content_length})" if request.content_length else "")
+            msg, code = (f"request body is too large: the limit is {self.cfg.max_body_bytes} bytes{got}",
+                         "request_too_large")
         else:
             msg, code = exc.text or exc.reason, exc.reason.lower().replace(" ", "_")
         out = _err(status, msg, code)
@@ -640,8 +648,14 @@ class Ingress:
     async def _watch_clients(self) -> None:
         """Every ``disconnect_poll_s``: clients that closed their connection (aiohttp does not
         cancel the handler), dead nodes, streams silent after a reconnect, a bus down too long."""
+        due = time.monotonic() + self.cfg.disconnect_poll_s
         while True:
-            await asyncio.sleep(self.cfg.disconnect_poll_s)
+            await asyncio.sleep(max(due - time.monotonic(), 0.0))
+            late_s = time.monotonic() - due
+            due = time.monotonic() + self.cfg.disconnect_poll_s
+            if late_s > LOOP_STALL_S:  # this process did not run: the nodes were not silent, we were deaf
+                self.liveness.stalled(late_s * 1000.0)
+                self.log.warning("ingress_loop_stalled", stalled_s=round(late_s, 3))
             for f in list(self._flights.values()):
                 t = f.request.transport
                 if not f.client_gone and (t is None or t.is_closing()):

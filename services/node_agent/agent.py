@@ -33,7 +33,7 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import Buckets, BusWatch, ensure_buckets, publish, request_typed
+from shared.bus import Buckets, BusWatch, ensure_buckets, flush_barrier, publish, request_typed
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
@@ -178,7 +178,7 @@ class NodeAgent:
             self._subs.append(await self.nc.subscribe(S.kv_subject(cfg.node_id), cb=self._on_kv))
         else:
             self._subs.append(await self.nc.subscribe(S.kvdone_subject(cfg.node_id), cb=self._on_kvdone))
-        await self.nc.flush()
+        await flush_barrier(self.nc)
         self._main = [asyncio.create_task(self.backend.run(self, self._stop)),
                       asyncio.create_task(self._heartbeats())]
         await self._send_state()

@@ -26,7 +26,7 @@ import nats.errors
 import numpy as np
 
 from shared import subjects as S
-from shared.bus import ensure_models_bucket, publish, request_typed
+from shared.bus import ensure_models_bucket, flush_barrier, publish, request_typed
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
 from shared.workloads import WorkloadRequest
@@ -275,7 +275,7 @@ class Profiler:
         """
         self._subs = [await self.nc.subscribe(S.steps_subject(self.node), cb=self._on_step),
                       await self.nc.subscribe(S.state_subject(self.node), cb=self._on_state)]
-        await self.nc.flush()
+        await flush_barrier(self.nc)
         self.result.started_unix_ms = now_ms()
         g = self.grid
         try:

@@ -24,7 +24,7 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, ensure_buckets
+from shared.bus import BusWatch, ensure_buckets, flush_barrier
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
 from shared.view import ViewBuilder, with_corrections
@@ -87,7 +87,7 @@ class StateAggregator:
         await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
         await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
         await self.nc.subscribe(S.STEPS_WILDCARD, cb=self._on_step)
-        await self.nc.flush()
+        await flush_barrier(self.nc)
         self._task = asyncio.create_task(self._loop())
         self.log.info("aggregator_started", metrics_port=self.metrics_port,
                       stale_after_ms=self.builder.stale_after_ms)

@@ -11,6 +11,7 @@ import pytest
 
 from shared import permissions as P
 from shared import subjects as S
+from shared.bus import flush_barrier
 from shared.wire import NodeState, decode, encode, now_ms
 from tests.faults.conftest import Cluster, apoll, check, get_json, request
 
@@ -104,7 +105,7 @@ async def test_forged_heartbeats_are_refused_and_counted(cluster: Cluster):
         for f in forged:
             await nc.publish(S.state_subject("decode-0"), encode(f))
         await nc.publish(S.state_subject("decode-0"), msg.data)  # a replay of a real heartbeat
-        await nc.flush()
+        await flush_barrier(nc)
         # for 1.5 s (5 × the staleness limit) decode-0 must stay routable: its real heartbeats count
         end = time.monotonic() + 1.5
         while time.monotonic() < end:

@@ -65,13 +65,17 @@ def nats_url(tmp_path_factory) -> str:
 
 
 @contextmanager
-def running_nats(store: Path, *extra: str):
-    """Start ``nats-server -js`` on a free loopback port with its store in ``store`` and the
-    ``extra`` arguments (``-c CONF``, ``-l LOG``…), wait until it accepts connections (10 s), yield
-    the port, then stop it. Raises RuntimeError when it exits or never listens."""
+def running_nats(store: Path, *extra: str, env: dict[str, str] | None = None):
+    """Start ``nats-server -js`` on a free loopback port with its store in ``store``, the
+    ``extra`` arguments (``-c CONF``, ``-l LOG``…) and environment ``env`` (default: ours), wait
+    until it accepts connections (10 s), yield the port, then stop it. Raises RuntimeError when it
+    exits or never listens. (Connect only once it listens: nats-py's ``connect`` with
+    ``max_reconnect_attempts=0`` retries a refused first connection forever.)"""
     port = free_port()
+    store.mkdir(parents=True, exist_ok=True)
+    out = open(store.parent / f"{store.name}.nats-server.out", "w+b")
     proc = subprocess.Popen([str(NATS_BIN), *extra, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -80,7 +84,9 @@ def running_nats(store: Path, *extra: str):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("nats-server did not start") from None
+                    out.seek(0)
+                    raise RuntimeError(f"nats-server did not start (exit code {proc.poll()}): "
+                                       f"{out.read()[-2000:].decode(errors='replace')}") from None
                 time.sleep(0.02)
         yield port
     finally:
@@ -89,6 +95,7 @@ def running_nats(store: Path, *extra: str):
             proc.wait(5)
         except subprocess.TimeoutExpired:
             proc.kill()
+        out.close()
 
 
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition") -> Any:

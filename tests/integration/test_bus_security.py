@@ -9,7 +9,6 @@ message sent after it (so absence is not just slowness).
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 
 import nats
@@ -17,10 +16,10 @@ import nats.errors
 import pytest
 
 from shared import subjects as S
-from shared.bus import ensure_buckets, ensure_request_stream, request_subscription
+from shared.bus import ensure_buckets, ensure_request_stream, flush_barrier, request_subscription
 from shared.permissions import GeneratedAuth, agent_user, inbox_prefix
 from shared.wire import InferenceRequest, encode
-from tests.integration.conftest import NATS_BIN, free_port, running_nats
+from tests.integration.conftest import running_nats
 
 NODES = ["prefill-0", "decode-0", "decode-1"]
 
@@ -66,10 +65,10 @@ async def as_role(url: str, passwords: dict[str, str], user: str) -> Client:
     return await Client().open(url, user, passwords[user])
 
 
-async def wait_for(cond, timeout: float = 5.0) -> None:
+async def wait_for(cond, timeout: float = 5.0, what=lambda: "") -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
+        assert time.monotonic() < deadline, f"condition not met in time {what()}"
         await asyncio.sleep(0.01)
 
 
@@ -104,12 +103,13 @@ async def test_agent_cannot_publish_another_nodes_state(secure_nats):
         got.append(msg.subject)
 
     await agg.nc.subscribe(S.STATE_WILDCARD, cb=on_state)
-    await agg.nc.flush()
+    await flush_barrier(agg.nc)
     await agent.nc.publish(S.state_subject("decode-1"), b"forged")  # someone else's heartbeat
     await agent.nc.publish(S.steps_subject("decode-1"), b"forged")
     await agent.nc.publish(S.state_subject("decode-0"), b"own")  # control
-    await agent.nc.flush()
-    await wait_for(lambda: S.state_subject("decode-0") in got)
+    await flush_barrier(agent.nc)
+    await wait_for(lambda: S.state_subject("decode-0") in got,
+                   what=lambda: f"got {got}; aggregator errors {agg.errors}; agent errors {agent.errors}")
     assert got == [S.state_subject("decode-0")]
     await agent.violation(S.state_subject("decode-1"), "publish")
     await agent.violation(S.steps_subject("decode-1"), "publish")
@@ -135,17 +135,17 @@ async def test_only_dispatchers_publish_jobs_and_agents_receive_only_their_own(s
     await a0.nc.subscribe(S.jobs_subject("decode-1"), cb=await collect(stolen))  # not its jobs
     collector = await a1.nc.subscribe(S.jobs_subject("decode-1"), cb=await collect(jobs1))
     for c in (a0, a1):
-        await c.nc.flush()
+        await flush_barrier(c.nc)
     await a0.violation(S.jobs_subject("decode-1"), "subscription")
 
     # forged jobs: the ingress and another node's agent may not publish jobs
     await ingress.nc.publish(S.jobs_subject("decode-1"), b"from-ingress")
-    await ingress.nc.flush()
+    await flush_barrier(ingress.nc)
     await a0.nc.publish(S.jobs_subject("decode-1"), b"from-agent-0")
-    await a0.nc.flush()
+    await flush_barrier(a0.nc)
     await disp.nc.publish(S.jobs_subject("decode-1"), b"from-dispatcher")
     await disp.nc.publish(S.jobs_subject("decode-0"), b"from-dispatcher")
-    await disp.nc.flush()
+    await flush_barrier(disp.nc)
     await wait_for(lambda: jobs1 and jobs0)
     assert jobs1 == [b"from-dispatcher"] and jobs0 == [b"from-dispatcher"]
     assert stolen == []
@@ -159,8 +159,11 @@ async def test_only_dispatchers_publish_jobs_and_agents_receive_only_their_own(s
 
     await collector.unsubscribe()
     await a1.nc.subscribe(S.jobs_subject("decode-1"), cb=answer)
-    await a1.nc.flush()
-    reply = await disp.nc.request(S.jobs_subject("decode-1"), b"job", timeout=5)
+    await flush_barrier(a1.nc)
+    try:
+        reply = await disp.nc.request(S.jobs_subject("decode-1"), b"job", timeout=5)
+    except nats.errors.TimeoutError:
+        raise AssertionError(f"no reply; agent errors {a1.errors}, dispatcher errors {disp.errors}") from None
     assert reply.data == b"accepted"
     await _close(disp, ingress, a0, a1)
 
@@ -213,7 +216,7 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
 
     for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_subject("cmpl-x")):
         await spy.nc.subscribe(subject, cb=cb)
-    await spy.nc.flush()
+    await flush_barrier(spy.nc)
     for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_subject("cmpl-x")):
         await spy.violation(subject, "subscription")
     js = disp.nc.jetstream()
@@ -225,7 +228,7 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
     msgs = await sub.fetch(1, timeout=5)
     assert b"my secret prompt" in msgs[0].data
     await msgs[0].ack()
-    await spy.nc.flush()
+    await flush_barrier(spy.nc)
     assert seen == []
     # and the agent may not enqueue requests itself
     await spy.nc.publish(S.REQUEST_SUBJECT, encode(req))
@@ -247,25 +250,11 @@ async def test_committed_compose_auth_config_reads_passwords_from_the_environmen
     (tmp_path / "main.conf").write_text("include ./auth.conf\n")
     pw = {u: new_password() for u in cluster_users(COMPOSE_NODES)}
     env = {**os.environ, **{password_env_var(u): p for u, p in pw.items()}}
-    port = free_port()
-    proc = subprocess.Popen([str(NATS_BIN), "-c", str(tmp_path / "main.conf"), "-js", "-a", "127.0.0.1", "-p",
-                             str(port), "-sd", str(tmp_path / "js")], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
+    with running_nats(tmp_path / "js", "-c", str(tmp_path / "main.conf"), env=env) as port:
         url = f"nats://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                c = await as_role(url, pw, "agent-decode-1")
-                break
-            except (OSError, nats.errors.NoServersError):
-                assert proc.poll() is None and time.monotonic() < deadline, "nats-server did not start"
-                await asyncio.sleep(0.05)
+        c = await as_role(url, pw, "agent-decode-1")
         assert c.nc.is_connected
         await _close(c)
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
             await nats.connect(url, user="ingress", password=pw["dispatcher"], allow_reconnect=False,
                                max_reconnect_attempts=0, connect_timeout=2)
-    finally:
-        proc.terminate()
-        proc.wait(5)

@@ -14,7 +14,7 @@ import nats.errors
 import pytest
 
 from services.ingress.config import IngressConfig
-from shared.bus import BusAuthError, connect_service, tls_context
+from shared.bus import BusAuthError, connect_service, flush_barrier, tls_context
 from shared.permissions import GeneratedAuth
 from tests.integration.conftest import running_nats
 
@@ -74,11 +74,11 @@ async def test_service_connects_with_private_ca_and_client_certificate(tls_nats,
             got.append(msg.data)
 
         await nc.subscribe("kairos.route.decided", cb=cb)  # the ingress may read routing events
-        await nc.flush()
+        await flush_barrier(nc)
         dispatcher = await nats.connect(url, user="dispatcher", password=pw["dispatcher"],
                                         inbox_prefix="_INBOX.dispatcher", tls=tls_context(c))
         await dispatcher.publish("kairos.route.decided", b"over-tls")
-        await dispatcher.flush()
+        await flush_barrier(dispatcher)
         deadline = time.monotonic() + 5
         while not got:
             assert time.monotonic() < deadline

@@ -9,7 +9,7 @@ import nats
 import pytest
 
 from shared import subjects as S
-from tests.integration.conftest import get_record, stack, wait_until
+from tests.integration.conftest import fast_model, get_record, stack, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,15 +37,22 @@ async def test_two_replicas_never_overlap_deflections_on_a_decode_node(nats_url)
 
 async def test_several_deflection_slots_per_node_are_never_exceeded(nats_url):
     # kairos+ mode: 2 slots on the one decode node, 2 replicas racing, every request wants a deflection
-    async with stack(nats_url, policy="sl:100000", dispatchers=2, decode=1, max_deflections=2) as st:
+    # the full-latency profile: each deflected prefill lasts long enough for the next to overlap it
+    async with stack(nats_url, policy="sl:100000", dispatchers=2, decode=1, max_deflections=2,
+                     model=fast_model(1.0)) as st:
         rng = random.Random(2)
-        reqs = [st.complete([1] * rng.randint(300, 1500), max_tokens=rng.randint(2, 6), stream=rng.random() < 0.5)
-                for _ in range(30)]
-        results = await asyncio.gather(*reqs)
-        assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
         agent = st.agents["decode-0"]
+        # bursts until the second slot has been used (on a loaded machine one burst may happen to
+        # run its deflections one at a time); the third slot is never used in any of them
+        for _burst in range(5):
+            reqs = [st.complete([1] * rng.randint(300, 1500), max_tokens=rng.randint(2, 6), stream=rng.random() < 0.5)
+                    for _ in range(30)]
+            results = await asyncio.gather(*reqs)
+            assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
+            assert agent.max_concurrent_deflections <= 2 and agent.deflect_overlaps == 0
+            if agent.max_concurrent_deflections == 2:
+                break
         assert agent.max_concurrent_deflections == 2  # the second slot was used, the third never
-        assert agent.deflect_overlaps == 0
         # both replicas routed, and the reservations really were contended
         assert all(d.routed > 0 for d in st.dispatchers)
 

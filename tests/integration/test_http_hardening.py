@@ -10,6 +10,7 @@ over the bus's payload limit was a 503 ``enqueue_failed``.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 
@@ -208,6 +209,16 @@ async def test_body_over_the_limit_is_413_naming_it(small_nats):
             body = await r.read()
             assert r.status == 413
         assert "4096" in assert_openai_error(body, "request_too_large")["message"]
+        # gzip: the limit counts the decompressed body, and the message does not pretend the
+        # (small) compressed size was too large
+        packed = gzip.compress(json.dumps({"model": MODEL, "prompt": "x" * 10_000}).encode())
+        assert len(packed) < 4096
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions", data=packed,
+                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+            body = await r.read()
+            assert r.status == 413
+        msg = assert_openai_error(body, "request_too_large")["message"]
+        assert "4096" in msg and f"decoding the gzip body of {len(packed)} bytes" in msg, msg
 
 
 async def test_api_keys_from_config_and_file(small_nats, tmp_path):

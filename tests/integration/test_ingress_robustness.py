@@ -89,6 +89,25 @@ async def test_decode_node_killed_mid_stream_ends_with_node_lost_error_fast(nats
         assert ing["completion_tokens"] >= streamed > 0  # tokens really sent, not 0
 
 
+async def test_an_ingress_that_stalled_longer_than_the_liveness_timeout_does_not_call_live_nodes_lost(nats_url):
+    # the whole process (ingress and the nodes it watches) stops running for 2.5 liveness timeouts,
+    # as a starved machine does; afterwards the nodes' heartbeats are still queued, unread: the
+    # stream must go on, not end with node_lost
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd", idle_timeout_s=30.0,
+                     request_timeout_s=60.0, ingress_overrides={"liveness_timeout_s": 1.0}) as st:
+        body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 300, "stream": True}
+        async with st.http.post(st.base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            head = await read_sse(r, 3)
+            time.sleep(2.5)  # the fault: a blocked event loop (not synchronisation)
+            rest = await asyncio.wait_for(read_sse(r), 30)
+        assert rest[-1] == "[DONE]"
+        events = [json.loads(e) for e in head + rest[:-1]]
+        assert not [e for e in events if "error" in e], [e for e in events if "error" in e]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert counter(st.ingress.m.node_lost.labels("failed")) == 0
+
+
 async def test_non_streaming_request_on_a_dead_decode_node_is_resubmitted(nats_url):
     async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0) as st:
         req = asyncio.ensure_future(st.complete("hello", max_tokens=250))

@@ -22,6 +22,7 @@ import pytest
 from kairos.profile import ProfileOptions, run_profile
 from services.profiler.service import publish_model
 from shared import subjects as S
+from shared.bus import flush_barrier
 from shared.latency import LatencyModel, load_profile
 from shared.routing import build_snapshot
 from shared.wire import InferenceRequest, StepRecordEvent, encode, now_ms
@@ -123,7 +124,7 @@ async def test_step_records_become_corrections_in_every_dispatchers_view(nats_ur
                 await nc.publish(S.steps_subject("prefill-0"), encode(StepRecordEvent(
                     node="prefill-0", role="prefill", step=i, started_unix_ms=now_ms(), wall_ms=1.3 * pred,
                     predicted_ms=pred, batch_size=0, kv_tokens=0, prefill_tokens=512)))
-            await nc.flush()
+            await flush_barrier(nc)
 
             def corr():
                 out = []

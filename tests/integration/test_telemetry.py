@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.node_agent.agent import NodeAgent
 from services.node_agent.config import AgentConfig
 from shared import telemetry
+from shared.bus import flush_barrier
 from shared.tracefile import trace_report
 from tests.integration.conftest import components_known, fast_model, get_record, stack, wait_until
 
@@ -163,7 +164,7 @@ async def test_trace_context_travels_in_nats_headers(nats_url):
             seen.append(msg)
         sub = await st.ingress.nc.subscribe("kairos.jobs.>", cb=spy)  # an extra listener: gets a copy
         kv_sub = await st.ingress.nc.subscribe("kairos.kv.>", cb=spy)
-        await st.ingress.nc.flush()
+        await flush_barrier(st.ingress.nc)
         status, body = await st.complete("hello", max_tokens=2)
         assert status == 200
         by_name = await _trace_of(exporter, body["id"], KEEP_SPANS)

@@ -87,8 +87,8 @@ def test_unknown_fields_exit_2_naming_the_field(mutate, field):
 
 
 @pytest.mark.parametrize("args,hint", [
-    (["--policy", "magic"], "unknown policy"), (["--profile", "nope"], "no profile"), (["--alpha", "0.5"], "alpha"),
-    (["--tbt-slo-ms", "inf"], "finite"), (["--beta", "nan"], "finite"),
+    (["--policy", "magic"], "unknown policy"), (["--profile", "nope"], "no profile"), (["--alpha", "0.5"], "--alpha:"),
+    (["--tbt-slo-ms", "inf"], "finite"), (["--beta", "nan"], "finite"), (["--tbt-slo-ms", "0"], "--tbt-slo-ms:"),
 ])
 def test_bad_options_exit_2(args, hint):
     res = run(["decide", "-", *args], EXAMPLE)

@@ -87,3 +87,15 @@ def test_liveness_needs_silence_and_pauses_with_our_own_outage():
     lv.watch("b", 63_000)  # never heard of: gets the full timeout from now
     assert not lv.dead("b", 65_000) and lv.dead("b", 66_500)
     assert not lv.dead("unknown", 10 ** 9)
+
+
+def test_liveness_does_not_count_the_receivers_own_stall_as_silence():
+    lv = Liveness(timeout_ms=1000)
+    lv.heard("a", 0)
+    lv.heard("b", 800)
+    lv.stalled(2500)  # we did not run from ~200 to ~2700: what they sent then is still unread
+    assert not lv.dead("a", 2700) and not lv.dead("b", 2700)
+    assert lv.dead("a", 3600) and not lv.dead("b", 3600)  # silence after the stall still counts
+    lv.stalled(0)
+    lv.stalled(-5)  # no stall: nothing moves
+    assert lv.silent_ms("b", 3600) == 300

@@ -110,6 +110,15 @@ def test_unknown_roles_and_bad_node_ids_are_refused():
         P.role_permissions("agent-a.b")
 
 
+def test_generated_passwords_start_with_a_letter_so_nats_server_reads_them_from_the_environment():
+    # auth.conf's `password: $NATS_PASSWORD_X` is parsed as a config token: a leading digit makes
+    # nats-server take it for a number and refuse to start (tests/integration/test_bus_security.py
+    # starts a real server with such a config)
+    for _ in range(2000):
+        pw = P.new_password()
+        assert re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{43}", pw), pw
+
+
 def test_generated_config_quotes_literal_passwords_and_references_env_ones():
     lit = P.server_auth_config([P.Credential("ingress", 'p"w$x')])
     assert 'password: "p\\"w$x"' in lit
