@@ -329,6 +329,10 @@ class BenchConfig:
     progress: bool = True  #: progress on stderr: a tqdm bar on a terminal, else periodic lines
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S  #: seconds between progress lines (not a terminal)
     api_key: str | None = None  #: sent as ``Authorization: Bearer`` (ingress with API keys)
+    #: after the replay, read each request's record (``GET /v1/requests/{id}``: decisions, deflection
+    #: count); False skips it (``deflections`` is then None): bench/control_plane.py measures the
+    #: CPU of serving alone and reads the records itself afterwards
+    lookup_records: bool = True
 
 
 @dataclass
@@ -519,10 +523,14 @@ async def run_bench(cfg: BenchConfig,
         duration_s = time.perf_counter() - t0
 
         ids = sorted({o.server_id for o in outcomes if o.server_id})
-        decisions = await lookup_decisions(session, url, ids) if ids else {}
-        if decisions:
-            source: str | None = "requests"
-            deflections: int | None = sum(d.get("decision") == "deflect" for d in decisions.values())
+        decisions = await lookup_decisions(session, url, ids) if ids and cfg.lookup_records else {}
+        source: str | None
+        deflections: int | None
+        if not cfg.lookup_records:
+            source, deflections = None, None
+        elif decisions:
+            source = "requests"
+            deflections = sum(d.get("decision") == "deflect" for d in decisions.values())
         else:
             delta = deflect_delta(metrics_before, await scrape_metrics(session, url))
             source = "metrics" if delta is not None else None

@@ -81,6 +81,9 @@ class UpOptions:
     nats_secrets_dir: str | None = None
     #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
     api_keys: tuple[str, ...] = ()
+    #: bundled NATS: serve nats-server's HTTP monitoring (``/varz``, ``/connz``) on this port of 127.0.0.1
+    #: (bench/control_plane.py counts the bus messages per request there); None: off
+    nats_monitor_port: int | None = None
 
 
 #: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the measured CPU
@@ -333,6 +336,8 @@ class Supervisor:
         port = free_port()
         store = self.tmp / "jetstream"
         argv = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
+        if self.opts.nats_monitor_port:
+            argv += ["-m", str(self.opts.nats_monitor_port)]  # bound to -a's 127.0.0.1 like the client port
         if self.opts.nats_auth:
             auth = GeneratedAuth.for_nodes(node_ids(self.opts))
             self.creds = write_secrets(auth, self.tmp / "nats-credentials")

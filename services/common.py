@@ -19,6 +19,7 @@ file) exits 2 too, with its message on stderr.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from typing import Any, Awaitable, Callable
@@ -72,6 +73,38 @@ async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+#: ``KAIROS_EVENT_LOOP`` values: ``auto`` (uvloop when installed, else asyncio's own loop)
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def serve(run: Callable[..., Awaitable[Any]], config: Any, service: str) -> None:
+    """``python -m services.<name>``: :func:`run_main` on the event loop ``KAIROS_EVENT_LOOP``
+    names — ``auto`` (default): uvloop if installed (libuv's loop in C: the services spend most of
+    their CPU in the event loop and socket I/O, issue 12 item 5), else asyncio's; ``uvloop``
+    (required); ``asyncio`` (the standard library's selector loop).
+
+    Raises:
+        SystemExit: 2 with a message naming the variable for an unknown value or a missing uvloop;
+            else as :func:`run_main`.
+    """
+    choice = os.environ.get("KAIROS_EVENT_LOOP", "auto").strip().lower() or "auto"
+    if choice not in EVENT_LOOPS:
+        print(f"{service}: bad configuration: KAIROS_EVENT_LOOP: {choice!r} is not one of {', '.join(EVENT_LOOPS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                print(f"{service}: bad configuration: KAIROS_EVENT_LOOP: uvloop is not installed", file=sys.stderr)
+                raise SystemExit(2) from None
+        else:
+            uvloop.run(run_main(run, config))
+            return
+    asyncio.run(run_main(run, config))
 
 
 async def start_metrics_and_connect(svc: Any, client_name: str) -> None:

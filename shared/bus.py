@@ -24,8 +24,8 @@ import nats
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig, RetentionPolicy, StorageType,
-                         StreamConfig)
+from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, Header, KeyValueConfig, RetentionPolicy,
+                         StorageType, StreamConfig)
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
@@ -363,3 +363,40 @@ async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_typ
 async def publish(nc: Client, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None) -> None:
     """Core-NATS publish of a typed message."""
     await nc.publish(subject, encode(msg), headers=headers)
+
+
+#: JetStream's "wrong last sequence" error codes (JSStreamWrongLastSequenceErrF, …ConstantErr)
+_WRONG_LAST_SEQ = (10071, 10164)
+
+
+async def kv_create(js: JetStreamContext, kv: KeyValue, bucket: str, key: str, value: bytes,
+                    msg_ttl: float | None = None, deleted_revision: int | None = None) -> int:
+    """Atomically create ``key`` in ``kv`` (bucket name ``bucket``): the same outcome as
+    ``kv.create(key, value, msg_ttl=msg_ttl)`` in one JetStream write when the caller knows the key's
+    delete marker.
+
+    ``KeyValue.create`` of a key whose last message is a delete marker (every released reservation
+    slot) takes three round trips: a publish expecting last sequence 0 (refused: the marker is there),
+    a read of the marker, then a publish expecting the marker's sequence. A caller that watches the
+    bucket knows that sequence (``deleted_revision``, the revision of the DEL/PURGE entry it saw
+    last for ``key`` — never the revision of a value: that would overwrite it): publishing with ``Nats-Expected-Last-Subject-Sequence: deleted_revision``
+    succeeds iff the marker is still the key's last message — the key does not exist, exactly
+    ``create``'s condition. If it is not (someone wrote the key since, or the server removed the
+    marker), this falls back to ``kv.create``, which decides from the server's current state.
+
+    Returns:
+        the new revision (stream sequence).
+
+    Raises:
+        nats.js.errors.KeyWrongLastSequenceError: the key exists (another writer holds it).
+        nats.errors.TimeoutError / nats.js.errors.APIError: the bus did not answer or refused.
+    """
+    if deleted_revision:
+        try:
+            ack = await js.publish(f"$KV.{bucket}.{key}", value, msg_ttl=msg_ttl,
+                                   headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(deleted_revision)})
+            return ack.seq
+        except nats.js.errors.APIError as exc:
+            if getattr(exc, "err_code", None) not in _WRONG_LAST_SEQ:
+                raise
+    return await kv.create(key, value, msg_ttl=msg_ttl)

@@ -7,9 +7,10 @@ Per request (rules in :mod:`shared.routing`, decision in :mod:`shared.policy`):
    TTL) — on conflict the node is shown as reserved and the policy runs again;
 3. the job goes to the node by request-reply; no responder, a timeout or a refusal excludes the
    node (and releases the reservation) and routing starts over — a re-route, never a drop;
-4. accepted: decision record (KV), routing event (aggregator), span with ``kairos.*``
-   attributes, then the work-queue message is acknowledged. A replica that dies before that
-   point leaves the message unacknowledged and another replica gets it after ``ack_wait_s``.
+4. accepted: routing event (aggregator, ingress, replicas), span with ``kairos.*`` attributes,
+   the decision record (KV; written in the background: the ack does not wait for its PubAck),
+   then the work-queue message is acknowledged. A replica that dies before that point leaves the
+   message unacknowledged and another replica gets it after ``ack_wait_s``.
 
 Nothing routable for ``no_node_wait_s`` (or every node refused) → an explicit 503 error event to
 the client, then ack.
@@ -34,7 +35,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        flush_barrier, publish, request_subscription, request_typed)
+                        flush_barrier, kv_create, publish, request_subscription, request_typed)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
@@ -100,6 +101,9 @@ class Dispatcher:
         self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
+        #: reservation key -> revision of its delete marker, as watched (the key is free): lets a
+        #: reservation be created in one JetStream write (shared.bus.kv_create)
+        self.resv_deleted: dict[str, int] = {}
         #: request id -> (monotonic s when heard, its routed event), oldest first: O(1) replace/forget
         #: per event (a list scan per routed event was quadratic in the rate, issue 12)
         self.recent_routed: dict[str, tuple[float, RoutedEvent]] = {}
@@ -114,12 +118,14 @@ class Dispatcher:
         self._sem = asyncio.Semaphore(cfg.max_concurrency)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._bg_tasks: set[asyncio.Task] = set()  #: record writes in flight (:meth:`_background`)
         self._main: list[asyncio.Task] = []
         self._watchers: list = []
         self._watch_tasks: list[asyncio.Task] = []
         self._runner = None
         self._bus: BusWatch | None = None
         self.nc = None
+        self.js = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,7 +149,7 @@ class Dispatcher:
         """Declare the request stream, its consumer and the buckets, and (re)start the KV watchers:
         at start and after every reconnect (a restarted NATS may have lost them; old watchers may
         sit on consumers that no longer exist)."""
-        js = self.nc.jetstream()
+        js = self.js = self.nc.jetstream()
         await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=self.cfg.ack_wait_s,
                                                              max_deliver=self.cfg.max_deliver))
         self.buckets = await ensure_buckets(js)
@@ -162,6 +168,7 @@ class Dispatcher:
         old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key
+            self.resv_deleted.clear()
         old_tasks, self._watch_tasks = self._watch_tasks, new_tasks
         for t in old_tasks:
             t.cancel()
@@ -183,6 +190,8 @@ class Dispatcher:
             await asyncio.wait(self._tasks, timeout=5.0)
         for t in self._tasks:
             t.cancel()
+        if self._bg_tasks:
+            await asyncio.wait(self._bg_tasks, timeout=2.0 if drain else 0.0)
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -303,7 +312,9 @@ class Dispatcher:
                 continue
             if e.operation is not None or not e.value:  # DEL / PURGE / TTL-expiry marker
                 self.reservations.pop(e.key, None)
+                self.resv_deleted[e.key] = e.revision
                 continue
+            self.resv_deleted.pop(e.key, None)
             try:
                 self.reservations[e.key] = decode(e.value, Reservation)
             except WireError:
@@ -314,7 +325,10 @@ class Dispatcher:
             await self._sem.acquire()
             self._sem.release()
             try:
-                msgs = await self.sub.fetch(batch=4, timeout=1.0)
+                # one message per pull: a lingering pull the server answers with the next request (a
+                # batch pull costs an extra "no more messages" status per fetch, and requests arrive
+                # one by one; under a backlog each pull still returns at once)
+                msgs = await self.sub.fetch(batch=1, timeout=1.0)
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
             except Exception as exc:  # disconnected: nats-py reconnects
@@ -427,7 +441,8 @@ class Dispatcher:
                                         created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
                     for key in free:  # first free slot wins; another replica may take it first
                         try:
-                            resv_rev = await self.buckets.reservations.create(key, encode(value), msg_ttl=ttl)
+                            resv_rev = await kv_create(self.js, self.buckets.reservations, S.RESERVATION_BUCKET, key,
+                                                       encode(value), ttl, self.resv_deleted.get(key))
                             resv_key = key
                             break
                         except nats.js.errors.KeyWrongLastSequenceError:
@@ -553,10 +568,21 @@ class Dispatcher:
             request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
             predicted_ttft_ms=predicted_ttft_ms(d)))
+        # in the background: the work-queue ack does not wait for the record's PubAck, so the routing
+        # event, the record and the ack leave in one socket write
+        self._background(self._put_decision(rid, rec))
+
+    async def _put_decision(self, rid: str, rec: DecisionRecord) -> None:
         try:
             await self.buckets.requests.put(S.record_key(rid, "decision"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` without waiting for it (``close`` lets these finish before disconnecting)."""
+        t = asyncio.create_task(coro)
+        self._bg_tasks.add(t)
+        t.add_done_callback(self._bg_tasks.discard)
 
     async def _release(self, key: str, rev: int | None) -> None:
         try:

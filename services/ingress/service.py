@@ -102,6 +102,11 @@ class _SseResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+def sse_event(obj: dict) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON (``data: {…}`` and the blank line)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
 def _json(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
@@ -709,7 +714,9 @@ class Ingress:
     async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         received = now_ms()
         try:
-            body = orjson.loads(await asyncio.wait_for(request.read(), self.cfg.body_timeout_s))
+            async with asyncio.timeout(self.cfg.body_timeout_s):  # no task per request (wait_for makes one)
+                raw = await request.read()
+            body = orjson.loads(raw)
         except web.HTTPRequestEntityTooLarge as exc:
             self.m.requests.labels(endpoint, "413").inc()
             return self._http_error(request, exc)
@@ -845,12 +852,15 @@ class Ingress:
             return None
 
         async def next_event():
+            if not queue.empty():  # already here (a burst of token events): no timer, no task
+                return queue.get_nowait()
             left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
             if left <= 0:
                 return None
             try:
-                return await asyncio.wait_for(queue.get(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):  # not wait_for: no task and no extra loop turn per event
+                    return await queue.get()
+            except TimeoutError:
                 return None
 
         text_parts: list[str] = []
@@ -859,13 +869,18 @@ class Ingress:
         cached = 0  # prompt tokens the engine served from its prefix cache (DoneEvent)
         resp: web.StreamResponse | None = None
         last_token_ms = 0.0
+        #: SSE chunks relayed but not written yet, and their tokens: written when no further event is
+        #: already waiting (one socket write per burst; never held back while the queue is empty)
+        unsent: list[bytes] = []
+        unsent_tokens = 0
 
         async def fail(status: int, code: str, message: str) -> tuple[web.StreamResponse, int]:
             timing["error"] = code
-            timing["completion_tokens"] = sent if parsed.stream else 0
+            timing["completion_tokens"] = sent + unsent_tokens if parsed.stream else 0  # unsent: written below
             if resp is None:
                 return _err(status, message, code), status
-            await self._sse_done(resp, oa.error_body(clip(message), oa.error_type_for(status), None, code))
+            await self._sse_done(resp, oa.error_body(clip(message), oa.error_type_for(status), None, code),
+                                 before=b"".join(unsent))
             return resp, status
 
         try:
@@ -973,10 +988,16 @@ class Ingress:
                         except (ConnectionResetError, RuntimeError):  # gone while the headers were written
                             lc.on_client_gone()
                             return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
-                    if not await self._sse(resp, oa.stream_chunk(parsed, rid, created, tok.text, None, first)):
-                        lc.on_client_gone()
-                        return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
-                    sent += tok.count
+                    unsent.append(sse_event(oa.stream_chunk(parsed, rid, created, tok.text, None, first)))
+                    unsent_tokens += tok.count
+                    if queue.empty():
+                        ok = await self._sse_write(resp, b"".join(unsent))
+                        unsent.clear()
+                        if not ok:
+                            lc.on_client_gone()
+                            return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
+                        sent += unsent_tokens
+                        unsent_tokens = 0
                 else:
                     text_parts.append(tok.text)
             completion = lc.received
@@ -993,7 +1014,7 @@ class Ingress:
             await self._sse_done(resp, oa.stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "",
                                                        finish),
                                  *([oa.usage_chunk(parsed, rid, created, prompt_tokens, completion, cached)]
-                                   if parsed.include_usage else []))
+                                   if parsed.include_usage else []), before=b"".join(unsent))
             return resp, 200
         finally:
             if flight.predicted is not None:
@@ -1017,18 +1038,19 @@ class Ingress:
             return _err(499, "client closed the connection", "client_disconnected"), 499
         return resp, 499
 
-    async def _sse(self, resp: web.StreamResponse, obj: dict) -> bool:
+    async def _sse_write(self, resp: web.StreamResponse, data: bytes) -> bool:
+        """Write SSE bytes (one or more events); False if the client is gone."""
         try:
-            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+            await resp.write(data)
             return True
         except (ConnectionResetError, RuntimeError):
             return False
 
-    async def _sse_done(self, resp: web.StreamResponse, *last: dict) -> None:
-        """End the stream: the ``last`` events, ``data: [DONE]`` and the chunked-encoding end in
-        one write (one syscall instead of three or four per request)."""
+    async def _sse_done(self, resp: web.StreamResponse, *last: dict, before: bytes = b"") -> None:
+        """End the stream: ``before`` (events relayed but not written yet), the ``last`` events,
+        ``data: [DONE]`` and the chunked-encoding end in one write (one syscall instead of several)."""
         try:
-            await resp.write_eof(b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in last) + b"data: [DONE]\n\n")
+            await resp.write_eof(before + b"".join(sse_event(o) for o in last) + b"data: [DONE]\n\n")
         except (ConnectionResetError, RuntimeError):
             pass
 

@@ -40,8 +40,8 @@ from shared.latency import LatencyModel, load_profile
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, StepRecordEvent, TokenEvent, WireError, decode, encode,
-                         now_ms)
+                         KvHandoff, NodeState, PrefillTiming, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent, TokenEvent,
+                         WireError, decode, encode, now_ms)
 
 #: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
 CACHE_RESYNC = 50
@@ -156,6 +156,8 @@ class NodeAgent:
         self.corrector = CorrectionEstimator()
         self.claims: Claims | None = None
         self._bus: BusWatch | None = None
+        self._steps: list[StepRecordEvent] = []  #: step records not sent yet (:meth:`_queue_step`)
+        self._steps_timer: asyncio.TimerHandle | None = None
 
     def _truth(self) -> GroundTruth | None:
         """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
@@ -204,6 +206,10 @@ class NodeAgent:
         for t in self._main:
             t.cancel()
         await asyncio.gather(*self._main, return_exceptions=True)
+        if drain:
+            self._flush_steps()  # the last steps' records go out before the connection closes
+        elif self._steps_timer is not None:
+            self._steps_timer.cancel()
         if self._tasks and drain:
             await asyncio.wait(self._tasks, timeout=2.0)
         for t in self._tasks:
@@ -540,16 +546,38 @@ class NodeAgent:
     async def on_allocated(self, rids: list[str]) -> None:
         await self._on_allocated(rids)
 
+    def _queue_step(self, rec: StepRecordEvent) -> None:
+        """Batch ``rec`` for ``kairos.steps.<node>``: sent at most ``STEP_BATCH_S`` after the batch's
+        first step, or at once at ``STEP_BATCH_MAX`` records (one bus message per batch; nothing is
+        sent while the engine is idle)."""
+        self._steps.append(rec)
+        if len(self._steps) >= STEP_BATCH_MAX:
+            self._flush_steps()
+        elif self._steps_timer is None:
+            self._steps_timer = asyncio.get_running_loop().call_later(STEP_BATCH_S, self._flush_steps)
+
+    def _flush_steps(self) -> None:
+        """Publish the waiting step records as one message (a JSON array, :data:`shared.wire.StepRecords`)."""
+        if self._steps_timer is not None:
+            self._steps_timer.cancel()
+            self._steps_timer = None
+        batch, self._steps = self._steps, []
+        if batch and self.nc is not None:
+            self._bg(self._publish_steps(batch))
+
+    async def _publish_steps(self, batch: list[StepRecordEvent]) -> None:
+        try:
+            await self.nc.publish(S.steps_subject(self.cfg.node_id), encode(batch))
+        except Exception as exc:  # disconnected: the steps still count, their records are lost
+            self.log.warning("step_record_failed", error=repr(exc), records=len(batch))
+
     async def on_step(self, out: StepOutput) -> None:
         """Step metrics, the step record on the bus, the node's step-time correction and the
         deflected chunk's record (span event, predicted vs measured)."""
         node = self.cfg.node_id
         self.corrector.observe(node, out.predicted_ms, out.wall_ms, out.started_unix_ms + out.wall_ms,
                                mixed=out.batch_size > 0 and out.prefill_tokens > 0)
-        try:
-            await self.nc.publish(S.steps_subject(node), encode(self.step_record(out)))
-        except Exception as exc:  # disconnected: the step still counts, the record is lost
-            self.log.warning("step_record_failed", error=repr(exc))
+        self._queue_step(self.step_record(out))
         self.m.steps.labels(node).inc()
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
         for rid, _n, cached in out.prefill_chunks:

@@ -31,7 +31,7 @@ from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_mod
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
 from shared.workloads import WorkloadRequest
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
-                         OutEvent, SamplingParams, StepRecordEvent, WireError, decode, now_ms)
+                         OutEvent, SamplingParams, StepRecordEvent, WireError, decode, decode_step_records, now_ms)
 
 
 #: token ids of the profiler's prompts are drawn from this range (half-open): inside any real vocabulary,
@@ -110,7 +110,7 @@ class Profiler:
     # -- bus plumbing ---------------------------------------------------------------------------
     async def _on_step(self, msg) -> None:
         try:
-            self.result.events.append(decode(msg.data, StepRecordEvent))
+            self.result.events.extend(decode_step_records(msg.data))
         except WireError:
             return
         self._changed.set()

@@ -28,7 +28,7 @@ from shared.bus import BusWatch, ensure_buckets, flush_barrier
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
 from shared.view import ViewBuilder, with_corrections
-from shared.wire import ClusterView, NodeState, RoutedEvent, StepRecordEvent, WireError, decode, encode, now_ms
+from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode, now_ms
 
 
 def _mono_ms() -> float:
@@ -119,13 +119,15 @@ class StateAggregator:
 
     async def _on_step(self, msg) -> None:
         try:
-            rec = decode(msg.data, StepRecordEvent)
+            recs = decode_step_records(msg.data)
         except WireError as exc:
             self.log.warning("bad_step_record", error=str(exc))
             return
-        self.m_steps.inc()
-        self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, _mono_ms(),
-                               mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
+        self.m_steps.inc(len(recs))
+        now = _mono_ms()
+        for rec in recs:
+            self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, now,
+                                   mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
 
     async def _on_routed(self, msg) -> None:
         try:

@@ -50,6 +50,7 @@ class FakeOpenAI:
         self.in_flight = 0
         self.max_in_flight = 0
         self.n = 0
+        self.lookups = 0  #: GET /v1/requests/{id} calls
         self.b_received: asyncio.Event | None = None
         self.release: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -69,6 +70,7 @@ class FakeOpenAI:
 
     async def request_info(self, r: web.Request) -> web.Response:
         rid = r.match_info["rid"]
+        self.lookups += 1
         if rid not in self.decisions:
             return web.json_response({"error": {"message": "not found"}}, status=404)
         return web.json_response({"id": rid, "decision": self.decisions[rid]})
@@ -355,6 +357,17 @@ async def test_replay_counts_ttft_tokens_and_deflections():
     assert [r["id"] for r in report["records"]] == [w.id for w in wl]
     assert all((r["server_id"] is None) == (r["id"] == e400.id) for r in report["records"])
     assert report["duration_s"] >= SLOW_FIRST_S
+
+
+async def test_without_record_lookups_no_request_record_is_read():
+    fake = FakeOpenAI()
+    wl = _wl((0.0, 10, 3), (0.0, PL_MULTI, 4))
+    with serve(fake) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False, request_timeout_s=10, lookup_records=False), wl)
+        assert fake.lookups == 0
+        with_lookups = await run_bench(BenchConfig(url=url, progress=False, request_timeout_s=10), wl)
+    assert not any(r.failed for r in res.records) and res.deflections is None and res.deflections_source is None
+    assert fake.lookups == 2 and with_lookups.deflections == 1  # the same run with lookups reads both records
 
 
 async def test_open_loop_does_not_wait_for_earlier_requests():
