@@ -15,6 +15,35 @@ from shared.policy import PolicyError, PolicyParams, parse_policy
 from shared.profiling import GRIDS
 
 
+def writable_file(ctx, param, value):
+    """Click callback for an output file option: create its directory and check it can be written
+    now, so a bad path is a usage error (exit 2) before any work, not a traceback after it."""
+    if value is None:
+        return value
+    path = Path(value)
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {value}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return value
+
+
+def creatable_dir(ctx, param, value):
+    """Click callback for an output directory option: create it (with parents) now, or exit 2 naming it."""
+    if value is None:
+        return value
+    try:
+        Path(value).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot create {value}: {exc.strerror or exc}") from None
+    return value
+
+
 def load_model_or_exit(profile: str, option: str = "--profile") -> LatencyModel:
     """Load a profile by name or path, or exit 2 with the reason (naming ``option``)."""
     try:
@@ -157,9 +186,9 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--truth-profile", default=None, help="Ground-truth profile of the engines (default: --profile).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="Engines' steps take this × the truth profile (1.1: 10 %% slower than the policy believes).")
+              help="Engines' steps take this × the truth profile (1.1: 10 % slower than the policy believes).")
 @click.option("--drift", default=None, metavar="NODE:PCT:AT_S",
-              help="NODE becomes PCT %% slower AT_S seconds into the run (e.g. decode-0:15:300).")
+              help="NODE becomes PCT % slower AT_S seconds into the run (e.g. decode-0:15:300).")
 @click.option("--noise", type=click.FloatRange(0), default=0.0, show_default=True,
               help="σ of multiplicative log-normal noise on every engine step.")
 @click.option("--tbt-guard/--no-tbt-guard", default=None,
@@ -168,7 +197,8 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
               help="Engines keep prefix caches (requests with block hashes, e.g. the mooncake trace, hit them).")
 @click.option("--sweep-rps", default=None, help="START:STOP[:STEP]: run every policy at each rate and plot.")
 @click.option("--plots-dir", type=click.Path(file_okay=False), default="out/plots", show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write rows as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_file,
+              help="Write rows as JSON.")
 @policy_params_options
 def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, heartbeat_ms, seed, truth_profile,
         truth_scale, drift, noise, tbt_guard, prefix_cache, sweep_rps, plots_dir, json_path, **params) -> None:
@@ -243,7 +273,8 @@ def sim(workload, rps, duration, policies, n_prefill, n_decode, profile, link, h
 @click.option("--max-model-len", type=click.IntRange(2), default=None,
               help="Cap prompt+output (tokens). Default: the server's max_model_len if /v1/models has one, else 32768.")
 @click.option("--label", default="live", show_default=True, help="Row name in the table and the JSON.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_file,
+              help="Write the report as JSON.")
 @click.option("--save-records", is_flag=True, help="Include per-request records in the --json report.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Progress on stderr: a bar on a terminal, else a line every 10 s.")
@@ -303,7 +334,7 @@ def _engine_defaults_or_exit(opts: dict) -> None:
 @click.option("--profile", default=None,
               help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm).")
 @click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
-@click.option("--trace-file", type=click.Path(dir_okay=False), default=None,
+@click.option("--trace-file", type=click.Path(dir_okay=False), default=None, callback=writable_file,
               help="Also write every span as a JSON line to this file.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
               help="Node heartbeat period Δh (ms); stale after 3 periods.")
@@ -312,9 +343,10 @@ def _engine_defaults_or_exit(opts: dict) -> None:
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate; "
                    "with --engine vllm: the model's tokenizer.json).")
-@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Service logs (default: a temp dir).")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None, callback=creatable_dir,
+              help="Service logs (default: a temp dir).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
-              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 %% too optimistic).")
+              help="Emulated engines' steps take this × what their model predicts (1.1: a model 10 % too optimistic).")
 @click.option("--api-key", "api_keys", multiple=True,
               help="API key clients must send (Authorization: Bearer KEY); repeatable. Default: "
                    "KAIROS_API_KEYS / KAIROS_API_KEY_FILE of this shell, else the API is open.")
@@ -368,6 +400,9 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
         files = P.write_secrets(P.GeneratedAuth.for_nodes(ids), Path(secrets_dir))
     except SubjectError as exc:
         raise click.BadParameter(str(exc), param_hint="--nodes") from None
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write into {secrets_dir}: {exc.strerror or exc}",
+                                 param_hint="--secrets-dir") from None
     click.echo(f"wrote {len(files)} password files and nats-server.env to {secrets_dir}", err=True)
 
 
@@ -386,8 +421,10 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
 @click.option("--decode", type=click.IntRange(1), default=None, help="Decode nodes (default 2; 1 with --engine vllm).")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=0, help="Ingress port (default: a free one).")
-@click.option("--trace-file", type=click.Path(dir_okay=False), default=None, help="Write spans as JSON lines.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True)
+@click.option("--trace-file", type=click.Path(dir_okay=False), default=None, callback=writable_file,
+              help="Write spans as JSON lines.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default="out/demo.json", show_default=True,
+              callback=writable_file)
 @click.option("--progress/--no-progress", default=None,
               help="Progress on stderr (default: on; a bar on a terminal, else a line every 10 s).")
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kairos.docgen import ROOT, DocgenError, Result
@@ -233,6 +234,19 @@ def fidelity(load: Load) -> str:
             f"{'met' if ok else 'not met'} in this run (live / sim {ratios[0]:.2f} at P50, {ratios[1]:.2f} at P95).")
 
 
+def vllm_demo(load: Load) -> str:
+    """``kairos demo --engine vllm --json`` (live on vLLM-CPU + ``simulated``): completions,
+    deflections and :func:`kairos.demo.side_by_side`."""
+    from kairos.demo import side_by_side
+
+    r = load("vllm-demo")
+    live = r.rows[0]
+    sim = live["simulated"]
+    return (f"`{command(r.meta)}` (one run: {provenance(r)}): {num(live['completed'])}/{num(live['sent'])} "
+            f"requests completed on the real engines, {num(live['failed'])} failed, {num(live['deflections'])} "
+            f"deflections (simulated: {num(sim['deflections'])}):\n\n```\n{side_by_side(live, sim)}\n```")
+
+
 def bench_example(load: Load) -> str:
     """``kairos bench --json``'s report printed as ``kairos bench`` prints it (:func:`kairos.bench.format_report`)."""
     from kairos.bench import format_report
@@ -381,7 +395,28 @@ def profile_fit(load: Load, name: str) -> str:
             f"(prefill), {art['decode']['mape_heldout']:.1f} % (decode), {art['mixed_delta']['mape_heldout']:.1f} % "
             f"(mixed), per grid region up to {worst:.1f} % ({worst_model} steps with {worst_region}); "
             f"{num(meta.get('steps_recorded', 0))} steps in {meta.get('duration_s', 0):.0f} s, "
-            f"{num(fit['rejected']['outlier'])} rejected as outliers.")
+            f"{num(fit['rejected']['outlier'])} rejected as outliers.{_spread_and_predictions(path, meta)}")
+
+
+def _spread_and_predictions(path: Path, meta: dict) -> str:
+    """The decode-step spread the artifact measured (its noise floor) and what its model predicts
+    for a few steps (``LatencyModel.step_ms``, K = 600 tokens per decode; computed here)."""
+    from shared.latency import load_profile
+
+    out = ""
+    spread = meta.get("decode_spread")
+    if spread:
+        out += (f" Decode-only steps lie {spread['mape']:.1f} % (MAPE) from the median of the steps with the same "
+                f"batch size ({num(spread['steps'])} steps, {num(spread['batch_sizes'])} batch sizes): the noise "
+                f"floor no model of B and K can beat.")
+    m = load_profile(str(path))
+
+    def t(b: int, p: int) -> str:
+        return f"{m.step_ms(b, 600 * b, p, 0.0):.1f}"
+
+    return out + (f" It predicts decode-only B = 1 / 8 / 32 → {t(1, 0)} / {t(8, 0)} / {t(32, 0)} ms (K = 600 "
+                  f"tokens per decode), a 512-token prefill alone {t(0, 512)} ms, a 512-token chunk with "
+                  f"B = 1 / 8 / 32 decodes {t(1, 512)} / {t(8, 512)} / {t(32, 512)} ms.")
 
 
 def emulated_cpu_fit(load: Load) -> str:
@@ -437,4 +472,5 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "emulated-cpu-fit": emulated_cpu_fit,
     "slow-clients": slow_clients,
     "vllm-step-times": vllm_step_times,
+    "vllm-demo": vllm_demo,
 }

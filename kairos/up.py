@@ -9,9 +9,10 @@ is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (d
 agents, ingress, aggregator, NATS — in-flight requests end with an explicit error). A child that
 dies unexpectedly is reported with its last log lines; the rest keeps serving (a dead dispatcher's
 requests are redelivered to the others, a dead node's streams end with ``node_lost`` or are
-re-submitted: README "Reliability") unless nothing can serve any more — NATS or the ingress died,
-or no dispatcher, prefill agent or decode agent is left — then everything is stopped. Either way
-the exit code is then 1. Child output goes to
+re-submitted: README "Reliability") unless nothing can serve any more — the ingress died, or no
+dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
+:data:`MAX_NATS_RESTARTS` times; before that it is restarted on the same port and store) — then
+everything is stopped. Either way the exit code is then 1. Child output goes to
 per-service log files (JSON lines) in the printed log directory (``--log-dir``, default a temporary
 directory). On exit everything else in the temporary directory (the NATS store, generated files) is
 removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
@@ -95,7 +96,9 @@ VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "sta
                  "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
 #: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
 #: (heartbeats, routing) must not wait for the engines' forward passes
-ENGINE_NICE = 5
+ENGINE_NICE = 15
+#: how often ``kairos up`` restarts a bundled nats-server that died before it gives up and stops
+MAX_NATS_RESTARTS = 5
 
 
 @dataclass
@@ -440,9 +443,26 @@ class Supervisor:
         """Block until a signal or until nothing can serve any more (see the module docstring).
         Returns 0 after a signal with every child alive, else 1."""
         reported: set[str] = set()
+        nats_restarts = 0
         while not self.stopping:
-            for c in self.procs:
+            for c in list(self.procs):
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
+                    continue
+                if c.kind.startswith("message bus") and nats_restarts < MAX_NATS_RESTARTS:
+                    # the bundled nats-server: start it again on the same port and file store; every
+                    # service reconnects and re-declares by itself (docs/bus.md "Surviving a NATS restart")
+                    nats_restarts += 1
+                    code = c.proc.returncode
+                    self.failed = True  # keep the logs
+                    self.procs.remove(c)
+                    self._spawn(c)
+                    port = int(c.endpoint.rsplit(":", 1)[1])
+                    deadline = time.monotonic() + 10
+                    while not _port_open("127.0.0.1", port) and c.proc.poll() is None and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    self.msg(f"nats-server exited unexpectedly with code {code}; restarted it on the same port and "
+                             f"store (restart {nats_restarts} of at most {MAX_NATS_RESTARTS}): the services reconnect "
+                             f"by themselves. Last log lines ({c.log_path}):\n{self._tail(c)}")
                     continue
                 reported.add(c.name)
                 fatal = self._cannot_serve()
@@ -453,7 +473,7 @@ class Supervisor:
                 if fatal:
                     return 1
             time.sleep(0.2)
-        return 1 if reported else 0
+        return 1 if reported or nats_restarts else 0
 
     def _cannot_serve(self) -> str | None:
         """Why the stack cannot serve any request with the children alive now, or None."""

@@ -201,7 +201,9 @@ class RequestLifecycle:
             return self._drop("ended")
         if ev.code == "node_lost":
             return self._lost(f"node_lost:{ev.source}", True, "node_lost", ev.message)
-        return self._end(ev.status, ev.code, ev.message, cancel=False)
+        # cancel too: a node whose acceptance came late (after the dispatcher gave up on it) must
+        # not run a request that already ended with this error
+        return self._end(ev.status, ev.code, ev.message, cancel=True)
 
     def on_node_dead(self, node: str, time_left: bool) -> Action:
         """``node`` is dead (positive evidence: liveness timeout). Matters only if this attempt depends on it."""

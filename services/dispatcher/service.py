@@ -39,6 +39,7 @@ from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_m
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
+from shared.recent import RecentIds
 from shared.routing import (build_snapshot, fold_recent, keep_instead, live_reservations, make_job,
                             predicted_ttft_ms, reservation_ttl_s)
 from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, NodeState,
@@ -107,7 +108,7 @@ class Dispatcher:
         #: request id -> (monotonic s when heard, its routed event), oldest first: O(1) replace/forget
         #: per event (a list scan per routed event was quadratic in the rate, issue 12)
         self.recent_routed: dict[str, tuple[float, RoutedEvent]] = {}
-        self.cancelled: dict[str, float] = {}  # request id -> when the cancel arrived (monotonic s)
+        self.cancelled = RecentIds(MAX_CANCELLED)  # request ids cancelled (maybe before they were pulled)
         self._subs: list = []
         self.metrics_port: int | None = None
         self.routed = 0
@@ -298,11 +299,7 @@ class Dispatcher:
             c = decode(msg.data, Cancel)
         except WireError:
             return
-        now = time.monotonic()
-        self.cancelled[c.request_id] = now
-        if len(self.cancelled) > MAX_CANCELLED:  # oldest first (dicts keep insertion order)
-            for rid in list(self.cancelled)[: len(self.cancelled) - MAX_CANCELLED]:
-                del self.cancelled[rid]
+        self.cancelled.add(c.request_id)
 
     async def _watch_resv(self, watcher) -> None:
         async for e in watcher:
@@ -403,6 +400,10 @@ class Dispatcher:
         max_attempts = 2 * (len(self.view.nodes) if self.view else 4) + 4
         hits = self._prefix_hits(req)
         while True:
+            if rid in self.cancelled:  # its cancel came in while it was being routed: send no job
+                span.set_attribute("kairos.outcome", "cancelled")
+                log.info("request_cancelled_while_routing", attempts=attempts)
+                return
             now = now_ms()
             held = live_reservations(self.reservations, now)
             view = fold_recent(self.view, self._recent_routed())

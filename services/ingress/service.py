@@ -45,6 +45,7 @@ import nats.errors
 import nats.js.errors
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -726,6 +727,13 @@ class Ingress:
                        "request_timeout")
             out.force_close()
             return out
+        except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
+            self.m.requests.labels(endpoint, "400").inc()
+            enc = clip(request.headers.get("Content-Encoding", "identity"), 20)
+            out = _err(400, f"the request body could not be read as its Content-Encoding ({enc}) says: "
+                            f"{clip(str(exc).splitlines()[-1].strip(), 200)}", "invalid_content_encoding")
+            out.force_close()  # the rest of the body is unread
+            return out
         except orjson.JSONDecodeError as exc:
             self.m.requests.labels(endpoint, "400").inc()
             return _err(400, f"request body is not valid JSON: {exc}", "invalid_json")
@@ -887,6 +895,10 @@ class Ingress:
             exc = await submit(rid)
             if exc is not None:
                 timing["error"] = "enqueue_failed"
+                # a publish that timed out may still be stored (the server was slow, not gone): the
+                # cancel follows it on this connection, so dispatchers and nodes drop it, and the
+                # client's retry is the only execution
+                await self._cancel(rid, "enqueue_failed")
                 return _err(503, "could not enqueue the request (the message bus is unavailable); retry",
                             "enqueue_failed"), 503
             while True:
@@ -946,6 +958,7 @@ class Ingress:
                     exc = await submit(action.new_attempt_id)
                     if exc is not None:
                         timing["error"] = "enqueue_failed"
+                        await self._cancel(action.new_attempt_id, "enqueue_failed")
                         return _err(503, f"request {rid} lost its node or stream ({action.why}) and could not be "
                                          "re-submitted (the message bus is unavailable); retry", "enqueue_failed"), 503
                     continue

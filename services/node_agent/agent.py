@@ -37,11 +37,15 @@ from shared.bus import Buckets, BusWatch, ensure_buckets, flush_barrier, publish
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
+from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
                          KvHandoff, NodeState, PrefillTiming, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent, TokenEvent,
                          WireError, decode, encode, now_ms)
+
+#: how many cancelled request ids a node agent remembers (a job delayed past its request's end)
+CANCELLED_REMEMBERED = 10_000
 
 #: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
 CACHE_RESYNC = 50
@@ -136,6 +140,8 @@ class NodeAgent:
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
         self.reqs: dict[str, _Req] = {}
+        #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
+        self.cancelled = RecentIds(CANCELLED_REMEMBERED)
         self.deflecting: dict[str, tuple[str | None, int | None]] = {}  # rid -> reservation (key, revision)
         self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
         self.deflect_overlaps = 0  #: deflect jobs received while another was in flight here
@@ -313,6 +319,10 @@ class NodeAgent:
             await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
                                             accepted_unix_ms=self.reqs[rid].received_ms)))
             return
+        if rid in self.cancelled:  # the request ended before its job got here
+            self.m.jobs.labels(self.cfg.node_id, job.kind, "cancelled").inc()
+            await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="cancelled")))
+            return
         if job.kind == "deflect" and len(self.deflecting) >= self.cfg.max_deflections:
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()
@@ -391,6 +401,7 @@ class NodeAgent:
             c = decode(msg.data, Cancel)
         except WireError:
             return
+        self.cancelled.add(c.request_id)  # a job for it arriving late (delayed delivery) is refused
         r = self.reqs.pop(c.request_id, None)
         if r is None:
             return
@@ -489,6 +500,8 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
             return
         reason = None if self.accepting else "draining"
+        if rid in self.cancelled:
+            reason = "cancelled"
         if reason is None and not (self.backend.available
                                    or await self.backend.confirm_available(
                                        min(ENGINE_PROBE_KV_S, self.cfg.kv_handoff_timeout_s / 2))):

@@ -112,3 +112,28 @@ async def test_nats_gone_for_good_ends_every_request_explicitly(cluster: Cluster
     assert health[0] == 503 and health[1]["status"] == "nats_disconnected", health
     counts["ended_after_s"] = sorted(round(e, 2) for e in ended)
     print("NATS gone:", counts)
+
+
+async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster):
+    """nats-server paused (SIGSTOP) while a request is enqueued: the ingress's publish times out and
+    the client gets 503 ``enqueue_failed`` ("retry"), but the publish may still be stored when the
+    server resumes. Independent truth: the node agents' own ``job_accepted`` log lines — after a
+    control request sent later has completed (the one dispatcher takes the queue in order), the
+    refused request has run nowhere."""
+    c = cluster
+    c.up(dispatchers=1)
+    before = set(c.executions())
+    async with aiohttp.ClientSession() as http:
+        c.pause("nats-server")
+        try:
+            refused = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
+        finally:
+            c.resume("nats-server")
+        assert refused.status == 503 and refused.error and refused.error["code"] == "enqueue_failed", refused
+        control = None
+        deadline = time.monotonic() + 60
+        while control is None or not control.ok:  # the ingress may need a moment to see the bus again
+            assert time.monotonic() < deadline, f"no control request succeeded: {control}"
+            control = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
+    ran = set(c.executions()) - before
+    assert ran == {control.rid}, f"executed after the refusal: {ran} (control {control.rid})"

@@ -61,3 +61,19 @@ async def test_concurrent_claims_on_two_nodes_one_wins(nats_url):
             assert len(winners) == 1, acks
             loser = next(a for a in acks if not a.accepted)
             assert loser.reason == "claimed" and loser.claim.node == winners[0].node
+
+
+async def test_a_job_that_arrives_after_its_request_was_cancelled_is_refused_and_never_runs(nats_url):
+    # the request ended (e.g. the dispatcher gave up on a slow ack and failed it; the ingress
+    # cancels it) before the node got the job: the node refuses it instead of running it late
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:
+        nc = st.ingress.nc
+        rid = "cancelled-before-its-job"
+        await st.ingress._cancel(rid, "no_available_node")
+        agent = st.agents["prefill-0"]
+        await wait_until(lambda: rid in agent.cancelled, 5, "the agent to hear the cancel")
+        ack = await request_typed(nc, S.jobs_subject("prefill-0"), job(rid, "prefill-0"), JobAck, 2)
+        assert not ack.accepted and ack.reason == "cancelled"
+        assert rid not in agent.reqs
+        control = await request_typed(nc, S.jobs_subject("prefill-0"), job("not-cancelled", "prefill-0"), JobAck, 2)
+        assert control.accepted  # the refusal is about that request, not the node

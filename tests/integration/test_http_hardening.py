@@ -266,3 +266,14 @@ async def test_slow_second_request_on_a_kept_alive_connection_is_dropped(small_n
         assert await asyncio.wait_for(reader.read(), 5) == b""
         assert time.monotonic() - idle_ok < 4.0
         writer.close()
+
+async def test_a_body_that_is_not_what_its_content_encoding_says_is_400(small_nats):
+    async with running(small_nats) as ing, aiohttp.ClientSession() as http:
+        for enc in ("gzip", "deflate"):
+            async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
+                                 data=json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+                                 headers={"Content-Type": "application/json", "Content-Encoding": enc}) as r:
+                body = await r.read()
+                assert r.status == 400, (enc, r.status, body)
+            err = assert_openai_error(body, "invalid_content_encoding")
+            assert enc in err["message"], err

@@ -120,6 +120,19 @@ def start_up(spawn, port: int, *args: str, tmpdir: Path | None = None) -> tuple[
     return proc, "".join(lines)
 
 
+def up_and_kill(spawn, tmp_path: Path, child: str, dispatchers: int) -> tuple[subprocess.Popen, int]:
+    """``kairos up`` 1P1D with ``dispatchers`` replicas, then SIGKILL its child ``child`` (by the
+    pid in the printed table); returns the ``kairos up`` process and its ingress port."""
+    port = free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", str(dispatchers),
+                           tmpdir=tmpdir)
+    victim = next(int(line.split()[-2]) for line in table.splitlines() if line.strip().startswith(child))
+    os.kill(victim, signal.SIGKILL)
+    return proc, port
+
+
 def post(port: int, body: dict, timeout: float = 30) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -272,12 +285,7 @@ def test_child_death_stops_everything_and_keeps_the_logs(tmp_path, spawn):
 def test_a_dead_replica_does_not_stop_the_stack(tmp_path, spawn):
     """One of two dispatchers killed: kairos up reports it and keeps serving with the other (the
     reliability the README promises must be visible locally); the exit code then says a child died."""
-    port = free_port()
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
-    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "2", tmpdir=tmpdir)
-    victim = next(int(line.split()[-2]) for line in table.splitlines() if line.strip().startswith("dispatcher-0"))
-    os.kill(victim, signal.SIGKILL)
+    proc, port = up_and_kill(spawn, tmp_path, "dispatcher-0", dispatchers=2)
     for _ in range(3):  # served by dispatcher-1 (a request dispatcher-0 had pulled is redelivered)
         status, out = post(port, {"model": "kairos-emulated", "prompt": "still there?", "max_tokens": 3})
         assert status == 200, out
@@ -286,6 +294,24 @@ def test_a_dead_replica_does_not_stop_the_stack(tmp_path, spawn):
     assert proc.wait(30) == 1  # a child died during the run
     err = proc.stderr.read()
     assert "dispatcher-0" in err and "keeps serving without it" in err and "stopping everything" not in err, err
+
+
+def test_a_killed_bundled_nats_server_is_restarted_and_the_stack_serves_again(tmp_path, spawn):
+    """README: "a NATS restart is survived by every service on its own" — with the bundled
+    nats-server too: kairos up starts it again on the same port and store, and requests succeed."""
+    proc, port = up_and_kill(spawn, tmp_path, "nats-server", dispatchers=1)
+    deadline = time.monotonic() + 60
+    while True:  # the services reconnect at their own pace: bounded retries, each one a real request
+        status, out = post(port, {"model": "kairos-emulated", "prompt": "still there?", "max_tokens": 3})
+        if status == 200:
+            break
+        assert status == 503 and time.monotonic() < deadline, (status, out)
+    assert proc.poll() is None, "kairos up stopped after the nats-server died"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 1  # a child died during the run
+    err = proc.stderr.read()
+    assert "nats-server exited unexpectedly" in err and "restarted it on the same port" in err, err
+    assert "stopping everything" not in err, err
 
 
 def test_demo_progress_is_on_unless_turned_off(monkeypatch):

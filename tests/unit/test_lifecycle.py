@@ -95,7 +95,7 @@ def test_errors_timeouts_and_shutdown_end_it():
     lc = RequestLifecycle("r")
     out = lc.on_error(ErrorEvent(request_id="r", status=503, code="no_available_node", message="m",
                                  source="dispatcher:x", sent_unix_ms=0))
-    assert out == Fail(503, "no_available_node", "m", "r", cancel=False) and lc.ended
+    assert out == Fail(503, "no_available_node", "m", "r", cancel=True) and lc.ended  # late acceptances stop
     assert RequestLifecycle("a").on_timeout(True).status == 504
     assert RequestLifecycle("a").on_shutdown().code == "ingress_shutdown"
     assert RequestLifecycle("a").on_bus_unavailable(9.0).code == "bus_unavailable"

@@ -201,7 +201,7 @@ def test_agent_config_requires_the_engine_url_and_state_stream_for_vllm():
 
 
 def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypatch):
-    from kairos.up import UpOptions, plan
+    from kairos.up import ENGINE_NICE, UpOptions, plan
     from shared.envconfig import from_env
     from services.ingress.config import IngressConfig
 
@@ -216,7 +216,7 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     for node in ("prefill-0", "decode-0"):
         eng, agent = by[f"vllm-{node}"], by[node]
         argv = eng.argv
-        assert argv[:3] == ["nice", "-n", "5"]  # the control plane keeps the CPU it needs
+        assert argv[:3] == ["nice", "-n", str(ENGINE_NICE)] and ENGINE_NICE >= 10  # the control plane keeps the CPU it needs
         argv = argv[3:]
         assert argv[0] == sys.executable and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
