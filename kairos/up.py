@@ -452,7 +452,7 @@ class Supervisor:
                     # the bundled nats-server: start it again on the same port and file store; every
                     # service reconnects and re-declares by itself (docs/bus.md "Surviving a NATS restart")
                     nats_restarts += 1
-                    code = c.proc.returncode
+                    code, last_lines = c.proc.returncode, self._tail(c)  # the dead server's, before the new one logs
                     self.failed = True  # keep the logs
                     self.procs.remove(c)
                     self._spawn(c)
@@ -462,7 +462,7 @@ class Supervisor:
                         time.sleep(0.05)
                     self.msg(f"nats-server exited unexpectedly with code {code}; restarted it on the same port and "
                              f"store (restart {nats_restarts} of at most {MAX_NATS_RESTARTS}): the services reconnect "
-                             f"by themselves. Last log lines ({c.log_path}):\n{self._tail(c)}")
+                             f"by themselves. Its last log lines ({c.log_path}):\n{last_lines}")
                     continue
                 reported.add(c.name)
                 fatal = self._cannot_serve()
