@@ -37,10 +37,14 @@ def creatable_dir(ctx, param, value):
     """Click callback for an output directory option: create it (with parents) now, or exit 2 naming it."""
     if value is None:
         return value
+    import tempfile
+
     try:
         Path(value).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=value):  # exists, but can we write into it?
+            pass
     except OSError as exc:
-        raise click.BadParameter(f"cannot create {value}: {exc.strerror or exc}") from None
+        raise click.BadParameter(f"cannot create or write into {value}: {exc.strerror or exc}") from None
     return value
 
 

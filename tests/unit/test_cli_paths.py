@@ -16,6 +16,7 @@ BAD = "/proc/kairos-no-such-dir/out"
     (["bench", "--duration", "1", "--json", f"{BAD}/x.json"], "--json"),
     (["demo", "--json", f"{BAD}/x.json"], "--json"),
     (["up", "--log-dir", BAD], "--log-dir"),
+    (["up", "--log-dir", "/proc"], "--log-dir"),  # exists, not writable
     (["up", "--trace-file", f"{BAD}/t.jsonl"], "--trace-file"),
     (["demo", "--trace-file", f"{BAD}/t.jsonl"], "--trace-file"),
     (["nats-auth", "--secrets-dir", BAD], "--secrets-dir"),
