@@ -72,6 +72,11 @@ async def cluster(engines, nats_url):
     nc = await nats.connect(nats_url)
     await wait_until(lambda: all(a.backend.available and a.backend.served_model for a in agents.values()), 60,
                      "agents see their engines")
+    # and their state streams reach both subscribers (the warmed-up engines republish every 100 ms):
+    # a test must not start before the agent's heartbeats carry the engine's state
+    await wait_until(lambda: all(a.backend.snapshot is not None for a in agents.values())
+                     and all(st.last is not None for st in streams.values()), 60,
+                     "the engines' state streams reach the agents and the test")
     yield agents, streams, nc
     await nc.close()
     for a in agents.values():
