@@ -2,7 +2,7 @@
 
 Used for cancels: a cancel can arrive before what it cancels (a request still waiting in the work
 queue, a job whose acceptance was delayed), so dispatchers and node agents remember cancelled
-request ids and refuse to start them later (docs/services.md, "Cancels").
+request ids and refuse to start them later (docs/services.md, "NATS outages").
 """
 
 from __future__ import annotations

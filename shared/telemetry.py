@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import sys
 import threading
 from dataclasses import dataclass

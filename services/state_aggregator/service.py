@@ -80,7 +80,6 @@ class StateAggregator:
         self.buckets = await ensure_buckets(self.nc.jetstream())
 
     async def start(self) -> None:
-        cfg = self.cfg
         await start_metrics_and_connect(self, "state_aggregator")
         await self._declare()
         self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
