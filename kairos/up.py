@@ -352,13 +352,21 @@ class Supervisor:
         c = Child("nats-server", "message bus (JetStream)", argv,
                   dict(os.environ), f"nats://127.0.0.1:{port}", self.log_dir / "nats-server.log",
                   extra={"store": str(store)})
-        self._spawn(c)
-        deadline = time.monotonic() + 10
-        while not _port_open("127.0.0.1", port) and not self.stopping:
-            if c.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"nats-server did not start; log:\n{self._tail(c)}")
-            time.sleep(0.05)
+        if not self._start_nats(c) and not self.stopping:
+            raise RuntimeError(f"nats-server did not start; log:\n{self._tail(c)}")
         return c.endpoint
+
+    def _start_nats(self, c: Child) -> bool:
+        """Spawn ``c`` (the bundled nats-server) and wait, at most 10 s, until it accepts
+        connections. Returns False if it exited, never listened, or a stop began meanwhile."""
+        self._spawn(c)
+        port = int(c.endpoint.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 10
+        while not _port_open("127.0.0.1", port):
+            if self.stopping or c.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def up(self) -> None:
         """Start everything and wait until ready. Raises RuntimeError (after which call :meth:`down`)."""
@@ -455,11 +463,7 @@ class Supervisor:
                     code, last_lines = c.proc.returncode, self._tail(c)  # the dead server's, before the new one logs
                     self.failed = True  # keep the logs
                     self.procs.remove(c)
-                    self._spawn(c)
-                    port = int(c.endpoint.rsplit(":", 1)[1])
-                    deadline = time.monotonic() + 10
-                    while not _port_open("127.0.0.1", port) and c.proc.poll() is None and time.monotonic() < deadline:
-                        time.sleep(0.05)
+                    self._start_nats(c)  # if it dies again, the next round sees it
                     self.msg(f"nats-server exited unexpectedly with code {code}; restarted it on the same port and "
                              f"store (restart {nats_restarts} of at most {MAX_NATS_RESTARTS}): the services reconnect "
                              f"by themselves. Its last log lines ({c.log_path}):\n{last_lines}")

@@ -41,6 +41,7 @@ from kairos.up import Child, UpOptions, nats_server_binary, plan
 from shared import permissions as P
 from shared.emulated_text import emulated_completion
 from shared.wire import SamplingParams
+from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.faults
 
@@ -90,14 +91,8 @@ def poll(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.05
 
 
 async def apoll(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(every)
+    """:func:`poll` for async tests (the integration tier's ``wait_until``, polling every 50 ms)."""
+    return await wait_until(pred, timeout, what, every)
 
 
 def get_json(url: str) -> tuple[int, Any]:

@@ -98,8 +98,8 @@ def running_nats(store: Path, *extra: str, env: dict[str, str] | None = None):
         out.close()
 
 
-async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition") -> Any:
-    """Poll ``pred`` until truthy or fail after ``timeout`` s."""
+async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition", every: float = 0.01) -> Any:
+    """Poll ``pred`` every ``every`` s until truthy (returns its value) or fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
@@ -107,7 +107,7 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condi
             return v
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(every)
 
 
 async def reset_bus(url: str) -> None:
