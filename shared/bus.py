@@ -365,38 +365,25 @@ async def publish(nc: Client, subject: str, msg: msgspec.Struct, headers: dict[s
     await nc.publish(subject, encode(msg), headers=headers)
 
 
-#: JetStream's "wrong last sequence" error codes (JSStreamWrongLastSequenceErrF, …ConstantErr)
-_WRONG_LAST_SEQ = (10071, 10164)
+async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl_s: int | None = None) -> None:
+    """Write KV ``bucket``/``key`` without asking for the server's acknowledgement: a core-NATS
+    publish to ``$KV.<bucket>.<key>``, which the bucket's stream stores exactly as ``KeyValue.put``'s
+    JetStream publish would (nats-py ``nats/js/kv.py``), with ``Nats-TTL`` for ``msg_ttl_s``
+    (seconds; the bucket must allow per-message TTLs).
 
-
-async def kv_create(js: JetStreamContext, kv: KeyValue, bucket: str, key: str, value: bytes,
-                    msg_ttl: float | None = None, deleted_revision: int | None = None) -> int:
-    """Atomically create ``key`` in ``kv`` (bucket name ``bucket``): the same outcome as
-    ``kv.create(key, value, msg_ttl=msg_ttl)`` in one JetStream write when the caller knows the key's
-    delete marker.
-
-    ``KeyValue.create`` of a key whose last message is a delete marker (every released reservation
-    slot) takes three round trips: a publish expecting last sequence 0 (refused: the marker is there),
-    a read of the marker, then a publish expecting the marker's sequence. A caller that watches the
-    bucket knows that sequence (``deleted_revision``, the revision of the DEL/PURGE entry it saw
-    last for ``key`` — never the revision of a value: that would overwrite it): publishing with ``Nats-Expected-Last-Subject-Sequence: deleted_revision``
-    succeeds iff the marker is still the key's last message — the key does not exist, exactly
-    ``create``'s condition. If it is not (someone wrote the key since, or the server removed the
-    marker), this falls back to ``kv.create``, which decides from the server's current state.
-
-    Returns:
-        the new revision (stream sequence).
-
-    Raises:
-        nats.js.errors.KeyWrongLastSequenceError: the key exists (another writer holds it).
-        nats.errors.TimeoutError / nats.js.errors.APIError: the bus did not answer or refused.
+    One message instead of a request and its acknowledgement, and no round trip: the caller goes
+    on at once (issue 12, item 5). Writes of one connection reach the stream in the order they were
+    made, so a later :func:`kv_delete_nowait` of the key never overtakes this. What is lost: the
+    caller does not learn of a failure (the bus down, a full store); a permission violation reaches
+    the connection's error callback (logged as ``nats_error``). For writes that are only
+    advisory or records — never for a claim or anything that decides who runs a request.
     """
-    if deleted_revision:
-        try:
-            ack = await js.publish(f"$KV.{bucket}.{key}", value, msg_ttl=msg_ttl,
-                                   headers={Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(deleted_revision)})
-            return ack.seq
-        except nats.js.errors.APIError as exc:
-            if getattr(exc, "err_code", None) not in _WRONG_LAST_SEQ:
-                raise
-    return await kv.create(key, value, msg_ttl=msg_ttl)
+    headers = {Header.MSG_TTL: str(int(msg_ttl_s))} if msg_ttl_s else None
+    await nc.publish(f"$KV.{bucket}.{key}", value, headers=headers)
+
+
+async def kv_delete_nowait(nc: Client, bucket: str, key: str) -> None:
+    """Delete KV ``bucket``/``key`` (a delete marker, as ``KeyValue.delete``) without asking for
+    the server's acknowledgement; ordered after this connection's earlier writes of the key
+    (:func:`kv_put_nowait` has the trade-off)."""
+    await nc.publish(f"$KV.{bucket}.{key}", b"", headers={"KV-Operation": "DEL"})

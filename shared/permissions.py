@@ -8,11 +8,10 @@ What the table enforces (nats-server checks every PUB and SUB against it):
 
 * an agent publishes only its own node's state (``kairos.state.<node>``) and step records
   (``kairos.steps.<node>``), receives only its own jobs / KV handoffs (``kairos.jobs.<node>``,
-  ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), and may delete only its own node's deflection
-  reservations (``$KV.kairos_resv.decode.<node>.*``);
+  ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), and is the only writer of its own node's
+  deflection reservations (``$KV.kairos_resv.decode.<node>.*``; everybody else only reads them);
 * only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
-  (``kairos.jobs.*``); only dispatchers consume the request queue and create
-  reservations; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
+  (``kairos.jobs.*``); only dispatchers consume the request queue; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
   token streams (``kairos.out.*``); only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
 * replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
@@ -149,8 +148,7 @@ def role_permissions(user: str) -> Permissions:
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
         q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
-        pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject),
-               _kv(resv, _any(S.reservation_key, 0).rsplit(".", 1)[0] + ".*"), _kv(rec, _any(S.record_key, "decision"))]
+        pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject), _kv(rec, _any(S.record_key, "decision"))]
         pub += _kv_buckets_declared() + _declare(q) + [
             f"$JS.API.CONSUMER.CREATE.{q}.{c}", f"$JS.API.CONSUMER.CREATE.{q}.{c}.>",
             f"$JS.API.CONSUMER.DURABLE.CREATE.{q}.{c}", f"$JS.API.CONSUMER.INFO.{q}.{c}",

@@ -168,12 +168,12 @@ def decode_candidates(decision: Decision, snap: ClusterSnapshot) -> list[str]:
 
 
 def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, dispatcher_id: str, attempt: int,
-             reservation_key: str | None = None, reservation_revision: int | None = None) -> Job:
-    """The job for ``decision.node``."""
+             reservation_ttl_s: int = 0) -> Job:
+    """The job for ``decision.node`` (``reservation_ttl_s``: a deflection's, :func:`reservation_ttl_s`)."""
     if decision.deflected:
         return Job(kind="deflect", request=req, node=decision.node, decode_candidates=[decision.node],
                    chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
-                   reservation_key=reservation_key, reservation_revision=reservation_revision,
+                   reservation_ttl_s=reservation_ttl_s,
                    decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
                    attempt=attempt)
     return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),

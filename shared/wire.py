@@ -111,8 +111,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     decode_candidates: list[str] = []
     chunk_schedule: list[int] = []  #: deflect: χ per step (total batch tokens incl. decodes)
     predicted_step_ms: list[float] = []  #: deflect: the policy's predicted latency per step, ms
-    reservation_key: str | None = None  #: deflect: KV key reserving this decode node
-    reservation_revision: int | None = None  #: deflect: its revision (release = compare-and-delete)
+    #: deflect: TTL (s) of the reservation the decode node publishes while it runs this prefill
+    #: (``kairos_resv``; 0: the node's default); set from the decision (shared.routing.reservation_ttl_s)
+    reservation_ttl_s: NonNeg = 0
     #: deflect: B_n of the decode node the decision assumed (its chunk schedule's χ_i include these
     #: B decode tokens; a vLLM engine is given p_i = χ_i − B prompt tokens per step)
     decision_batch_size: NonNeg = 0

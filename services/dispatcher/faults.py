@@ -7,8 +7,8 @@ variable is set; unset (every normal run) each hook is one string comparison.
 Steps, in protocol order (services/dispatcher/service.py):
 
 * ``before_decide`` — dequeued, nothing decided yet;
-* ``after_reserve`` — a deflection's decode-node reservation was created (or, for a keep decision,
-  right after the decision: there is nothing to reserve);
+* ``after_decide`` — the decision is made (a deflection's decode-node slot is held in this replica's
+  memory only: the node publishes the reservation when it accepts the job);
 * ``after_publish`` — the job was sent to the node (flushed), its acceptance not yet received;
 * ``after_accept`` — the node accepted the job; no routing event, record or ack yet;
 * ``before_ack`` — routing event and record written, the work-queue message not acknowledged.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import signal
 
-STEPS = ("before_decide", "after_reserve", "after_publish", "after_accept", "before_ack")
+STEPS = ("before_decide", "after_decide", "after_publish", "after_accept", "before_ack")
 #: exit status of a process killed by a fault hook (tests tell it from a crash)
 FAULT_EXIT_CODE = 86
 

@@ -2,11 +2,13 @@
 
 Per request (rules in :mod:`shared.routing`, decision in :mod:`shared.policy`):
 
-1. snapshot from the watched cluster view + watched reservations, minus nodes excluded so far;
-2. ``policy.decide``; a deflection needs the decode node's reservation (atomic KV create with
-   TTL) — on conflict the node is shown as reserved and the policy runs again;
+1. snapshot from the watched cluster view + watched reservations (+ this replica's deflections
+   whose reservation it has not seen yet), minus nodes excluded so far;
+2. ``policy.decide``; a deflection onto a decode node whose slots are all held becomes a keep;
 3. the job goes to the node by request-reply; no responder, a timeout or a refusal excludes the
-   node (and releases the reservation) and routing starts over — a re-route, never a drop;
+   node and routing starts over — a re-route, never a drop. A decode node refuses a deflection
+   beyond its slots (``deflection_in_flight``: the node is then shown full and the policy runs
+   again); the node that accepts one publishes its reservation (docs/bus.md);
 4. accepted: routing event (aggregator, ingress, replicas), span with ``kairos.*`` attributes,
    the decision record (KV; written in the background: the ack does not wait for its PubAck),
    then the work-queue message is acknowledged. A replica that dies before that point leaves the
@@ -24,7 +26,6 @@ import json
 import time
 
 import nats.errors
-import nats.js.errors
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -35,7 +36,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        flush_barrier, kv_create, publish, request_subscription, request_typed)
+                        flush_barrier, kv_put_nowait, publish, request_subscription, request_typed)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
@@ -52,6 +53,9 @@ RECENT_ROUTED_S = 5.0
 RECONNECT_SETTLE_S = 3.0
 #: cancelled request ids remembered (a request can wait in the queue while all dispatchers are down)
 MAX_CANCELLED = 100_000
+#: longest time (ms) a deflection job this replica sent holds its slot in this replica's view
+#: before the node's answer (the job ack timeout is shorter; a safety net for a routing task that died)
+PENDING_DEFLECTION_MS = 5000.0
 
 
 class _Metrics:
@@ -70,10 +74,10 @@ class _Metrics:
                                    "Age of the cluster state a routed decision used", registry=reg,
                                    buckets=T.STATE_AGE_BUCKETS)
         self.conflicts = Counter("kairos_dispatcher_reservation_conflicts_total",
-                                 "Deflections that found the decode node's slot taken (kv_create: the atomic "
-                                 "reservation create lost; node_refused: the node already had a deflection)",
+                                 "Deflections that found the decode node's slots taken (node_refused: the node "
+                                 "refused it, deflection_in_flight — another replica's deflection got there first)",
                                  ("source",), registry=reg)
-        for source in ("kv_create", "node_refused"):  # known label values start at 0 (rate() works at once)
+        for source in ("node_refused",):  # known label values start at 0 (rate() works at once)
             self.conflicts.labels(source)
         self.reroutes = Counter("kairos_dispatcher_reroutes_total", "Jobs re-routed after a node refused or was silent",
                                 ("why",), registry=reg)
@@ -102,9 +106,10 @@ class Dispatcher:
         self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
-        #: reservation key -> revision of its delete marker, as watched (the key is free): lets a
-        #: reservation be created in one JetStream write (shared.bus.kv_create)
-        self.resv_deleted: dict[str, int] = {}
+        #: request id -> the slot its deflection holds here from the decision until the decode node
+        #: answers the job (at the latest PENDING_DEFLECTION_MS): this replica's next decisions see
+        #: the slot taken at once, before the node's reservation is watched
+        self.pending_deflections: dict[str, Reservation] = {}
         #: request id -> (monotonic s when heard, its routed event), oldest first: O(1) replace/forget
         #: per event (a list scan per routed event was quadratic in the rate, issue 12)
         self.recent_routed: dict[str, tuple[float, RoutedEvent]] = {}
@@ -119,7 +124,6 @@ class Dispatcher:
         self._sem = asyncio.Semaphore(cfg.max_concurrency)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self._bg_tasks: set[asyncio.Task] = set()  #: record writes in flight (:meth:`_background`)
         self._main: list[asyncio.Task] = []
         self._watchers: list = []
         self._watch_tasks: list[asyncio.Task] = []
@@ -169,7 +173,6 @@ class Dispatcher:
         old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key
-            self.resv_deleted.clear()
         old_tasks, self._watch_tasks = self._watch_tasks, new_tasks
         for t in old_tasks:
             t.cancel()
@@ -191,8 +194,6 @@ class Dispatcher:
             await asyncio.wait(self._tasks, timeout=5.0)
         for t in self._tasks:
             t.cancel()
-        if self._bg_tasks:
-            await asyncio.wait(self._bg_tasks, timeout=2.0 if drain else 0.0)
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -309,13 +310,13 @@ class Dispatcher:
                 continue
             if e.operation is not None or not e.value:  # DEL / PURGE / TTL-expiry marker
                 self.reservations.pop(e.key, None)
-                self.resv_deleted[e.key] = e.revision
                 continue
-            self.resv_deleted.pop(e.key, None)
             try:
-                self.reservations[e.key] = decode(e.value, Reservation)
+                r = self.reservations[e.key] = decode(e.value, Reservation)
             except WireError:
                 self.reservations.pop(e.key, None)
+                continue
+            self.pending_deflections.pop(r.request_id, None)  # the node's own reservation replaces it
 
     async def _pull(self) -> None:
         while not self._stop.is_set():
@@ -405,7 +406,7 @@ class Dispatcher:
                 log.info("request_cancelled_while_routing", attempts=attempts)
                 return
             now = now_ms()
-            held = live_reservations(self.reservations, now)
+            held = live_reservations(self._reservations_and_pending(), now)
             view = fold_recent(self.view, self._recent_routed())
             snap = build_snapshot(req, view, held, excluded, now, self.cfg.max_deflections_per_node, full, hits)
             if snap is None:
@@ -427,36 +428,21 @@ class Dispatcher:
             t0 = time.perf_counter()
             decision = self.policy.decide(snap, self.model, self.params)
             decide_ms += (time.perf_counter() - t0) * 1000.0
-            resv_key = resv_rev = None
+            resv_ttl = 0
             if decision.deflected:
                 node = decision.node
-                taken = {k for k, r in held.items() if r.request_id != rid}
-                free = [k for k in (S.reservation_key(node, i) for i in range(self.cfg.max_deflections_per_node))
-                        if k not in taken]
-                if node in full or not free:
+                taken = sum(1 for r in held.values() if r.decode_node == node and r.request_id != rid)
+                if node in full or taken >= self.cfg.max_deflections_per_node:
                     decision = keep_instead(decision, snap, self.model, self.params, "keep_reservation_conflict")
                 else:
-                    ttl = reservation_ttl_s(decision, self.cfg.reservation_ttl_s)
-                    value = Reservation(request_id=rid, decode_node=node, dispatcher_id=self.cfg.replica_id,
-                                        prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens,
-                                        created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
-                    for key in free:  # first free slot wins; another replica may take it first
-                        try:
-                            resv_rev = await kv_create(self.js, self.buckets.reservations, S.RESERVATION_BUCKET, key,
-                                                       encode(value), ttl, self.resv_deleted.get(key))
-                            resv_key = key
-                            break
-                        except nats.js.errors.KeyWrongLastSequenceError:
-                            continue
-                    if resv_key is None:
-                        self.m.conflicts.labels("kv_create").inc()
-                        span.add_event("reservation_conflict", {"kairos.node": node, "source": "kv_create"})
-                        conflicts.append(node)
-                        full.add(node)
-                        continue
-            faults.die("after_reserve")
+                    resv_ttl = reservation_ttl_s(decision, self.cfg.reservation_ttl_s)
+                    self.pending_deflections[rid] = Reservation(
+                        request_id=rid, decode_node=node, dispatcher_id=self.cfg.replica_id,
+                        prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, created_unix_ms=now,
+                        expires_unix_ms=now + PENDING_DEFLECTION_MS)
+            faults.die("after_decide")
             attempts += 1
-            job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_key, resv_rev)
+            job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_ttl)
             if not decision.deflected:  # count it in the view at once; the node's ack replaces it
                 self._provisional(req, decision.node, decision.decode_node)
             headers = telemetry.inject_headers()
@@ -475,9 +461,11 @@ class Dispatcher:
                 why = "no_responders"
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 why = "timeout"
+            # answered or failed, the job no longer holds a slot here: accepted, the node's own
+            # reservation (published before its answer) takes over — a watcher may never show it,
+            # when the node deletes it again before the watcher delivers it
+            self.pending_deflections.pop(rid, None)
             if why == "claimed" and ack.claim is not None:  # an earlier delivery's job runs there: not again
-                if resv_key is not None:
-                    await self._release(resv_key, resv_rev)
                 self._forget_routed(rid)
                 await self._adopt(req, ack.claim, span, log)
                 return
@@ -486,8 +474,6 @@ class Dispatcher:
                 # NATS just came back: the node's agent may not have re-subscribed yet
                 log.info("job_retry_after_reconnect", node=decision.node, why=why)
                 self._forget_routed(rid)
-                if resv_key is not None:
-                    await self._release(resv_key, resv_rev)
                 await asyncio.sleep(0.2)
                 await msg.in_progress()
                 continue
@@ -496,8 +482,6 @@ class Dispatcher:
                 # job that did reach the node safe to send again
                 log.info("job_send_disconnected", node=decision.node, why=why)
                 self._forget_routed(rid)
-                if resv_key is not None:
-                    await self._release(resv_key, resv_rev)
                 await self._wait_connected(req.deadline_unix_ms)
                 if not self.nc.is_connected:
                     raise ConnectionError("NATS unavailable until the request's deadline")
@@ -509,8 +493,6 @@ class Dispatcher:
                 span.add_event("job_rerouted", {"kairos.node": decision.node, "why": why, "attempt": attempts,
                                                 "kairos.decision": decision.decision})
                 log.info("job_rerouted", node=decision.node, why=why, attempt=attempts)
-                if resv_key is not None:
-                    await self._release(resv_key, resv_rev)
                 if why == "deflection_in_flight":
                     self.m.conflicts.labels("node_refused").inc()
                     full.add(decision.node)
@@ -569,27 +551,22 @@ class Dispatcher:
             request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
             predicted_ttft_ms=predicted_ttft_ms(d)))
-        # in the background: the work-queue ack does not wait for the record's PubAck, so the routing
-        # event, the record and the ack leave in one socket write
-        self._background(self._put_decision(rid, rec))
-
-    async def _put_decision(self, rid: str, rec: DecisionRecord) -> None:
+        # unacknowledged (shared.bus.kv_put_nowait): the routing event, the record and the work-queue
+        # ack leave in one socket write
         try:
-            await self.buckets.requests.put(S.record_key(rid, "decision"), encode(rec))
+            await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, S.record_key(rid, "decision"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
 
-    def _background(self, coro) -> None:
-        """Run ``coro`` without waiting for it (``close`` lets these finish before disconnecting)."""
-        t = asyncio.create_task(coro)
-        self._bg_tasks.add(t)
-        t.add_done_callback(self._bg_tasks.discard)
-
-    async def _release(self, key: str, rev: int | None) -> None:
-        try:
-            await self.buckets.reservations.delete(key, last=rev)
-        except Exception as exc:
-            self.log.info("reservation_release_failed", key=key, error=repr(exc))
+    def _reservations_and_pending(self) -> dict[str, Reservation]:
+        """The watched reservations plus this replica's deflections not watched yet (keyed
+        ``pending.<request id>``; expired ones are dropped here)."""
+        if not self.pending_deflections:
+            return self.reservations
+        now = now_ms()
+        for rid in [rid for rid, r in self.pending_deflections.items() if r.expires_unix_ms <= now]:
+            del self.pending_deflections[rid]
+        return {**self.reservations, **{f"pending.{rid}": r for rid, r in self.pending_deflections.items()}}
 
     async def _error(self, req: InferenceRequest, status: int, code: str, message: str, span=None) -> None:
         self.m.errors.labels(code).inc()

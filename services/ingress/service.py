@@ -56,7 +56,7 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, publish
+from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
@@ -1078,7 +1078,7 @@ class Ingress:
         if t.get("status") == 200 and rec.first_token_unix_ms is not None and t.get(PREDICTED) is not None:
             self._observe_prediction(*t[PREDICTED], rec.first_token_unix_ms - rec.received_unix_ms)
         try:
-            await self.buckets.requests.put(S.record_key(rid, "ingress"), encode(rec))
+            await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, S.record_key(rid, "ingress"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
 

@@ -33,7 +33,8 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import Buckets, BusWatch, ensure_buckets, flush_barrier, publish, request_typed
+from shared.bus import (Buckets, BusWatch, ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait, publish,
+                        request_typed)
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
@@ -41,8 +42,8 @@ from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent, TokenEvent,
-                         WireError, decode, encode, now_ms)
+                         KvHandoff, NodeState, PrefillTiming, Reservation, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent,
+                         TokenEvent, WireError, decode, encode, now_ms)
 
 #: how many cancelled request ids a node agent remembers (a job delayed past its request's end)
 CANCELLED_REMEMBERED = 10_000
@@ -59,6 +60,9 @@ HANDOFF_SETTLE_S = 3.0
 #: job (within the dispatcher's 1 s ack timeout) or a KV handoff (within kv_handoff_timeout_s / 2) arrives
 ENGINE_PROBE_JOB_S = 0.5
 ENGINE_PROBE_KV_S = 3.0
+
+#: TTL (s) of a deflection reservation whose job names none (the dispatcher's floor, reservation_ttl_s)
+DEFAULT_RESERVATION_TTL_S = 30
 
 
 @dataclass
@@ -115,7 +119,7 @@ class _Metrics:
                                    "the latency model on the batch actually run (model error only)",
                                    ("node", "predictor"), registry=reg, buckets=T.ERROR_RATIO_BUCKETS)
         self.overlap = Counter("kairos_agent_deflect_overlap_total",
-                               "Deflect jobs that arrived while another deflection was in flight here", **lbl)
+                               "Deflect jobs that arrived while every deflection slot here was taken (refused, re-routed)", **lbl)
         self.inflight = Gauge("kairos_agent_requests_in_flight", "Requests this node holds (any phase)", **lbl)
         self.batch = Gauge("kairos_agent_batch_size", "Running decodes (B)", **lbl)
         self.kv_tokens = Gauge("kairos_agent_kv_tokens", "KV tokens of running decodes (K)", **lbl)
@@ -142,9 +146,9 @@ class NodeAgent:
         self.reqs: dict[str, _Req] = {}
         #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
         self.cancelled = RecentIds(CANCELLED_REMEMBERED)
-        self.deflecting: dict[str, tuple[str | None, int | None]] = {}  # rid -> reservation (key, revision)
+        self.deflecting: dict[str, str] = {}  # rid -> the key of the reservation it holds (kairos_resv)
         self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
-        self.deflect_overlaps = 0  #: deflect jobs received while another was in flight here
+        self.deflect_overlaps = 0  #: deflect jobs received while every slot was taken here (refused)
         self.jobs_received: list[str] = []  #: request ids of every job received (tests, debugging)
         self.kv_backlog: dict[str, float] = {}  # rid -> expected transfer ms, handed off not yet pulled
         self.accepting = True
@@ -390,7 +394,7 @@ class NodeAgent:
         span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
         self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
         if job.kind == "deflect":
-            self.deflecting[rid] = (job.reservation_key, job.reservation_revision)
+            await self._reserve(rid, job)
             self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
         self.m.jobs.labels(self.cfg.node_id, job.kind, "accepted").inc()
         self._rlog(rid, span).info("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
@@ -688,18 +692,40 @@ class NodeAgent:
             out["kairos.tbt_mean_ms"] = round((r.last_token_ms - r.first_token_ms) / (r.tokens - 1), 3)
         return out
 
+    async def _reserve(self, rid: str, job: Job) -> None:
+        """Take a free deflection slot of this node for ``rid`` and publish its reservation
+        (``kairos_resv/decode.<node>.<slot>``, TTL ``job.reservation_ttl_s``) for the dispatchers.
+
+        The node is the authority on its own slots (it refuses a deflection beyond
+        ``max_deflections``), so it is also the only writer of its reservation keys: no atomic
+        create, no acknowledgement awaited (:func:`shared.bus.kv_put_nowait`) — the first token
+        does not wait for the bus. A node that dies leaves its reservations to their TTL.
+        """
+        used = set(self.deflecting.values())
+        slot = next(i for i in range(len(used) + 1) if S.reservation_key(self.cfg.node_id, i) not in used)
+        key = self.deflecting[rid] = S.reservation_key(self.cfg.node_id, slot)
+        ttl = job.reservation_ttl_s or DEFAULT_RESERVATION_TTL_S
+        now = now_ms()
+        value = Reservation(request_id=rid, decode_node=self.cfg.node_id, dispatcher_id=job.dispatcher_id,
+                            prompt_tokens=job.request.prompt_tokens, output_tokens=job.request.max_tokens,
+                            created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
+        try:
+            await kv_put_nowait(self.nc, S.RESERVATION_BUCKET, key, encode(value), ttl)
+        except Exception as exc:  # disconnected: the slot is still held here; dispatchers learn late
+            self._rlog(rid).warning("reservation_publish_failed", key=key, error=repr(exc))
+
     def _end_deflection(self, rid: str) -> None:
-        """The deflected prefill of ``rid`` finished or failed: free this node's deflection slot."""
-        resv = self.deflecting.pop(rid, None)
-        if resv is None or resv[0] is None or self.buckets is None:
+        """The deflected prefill of ``rid`` finished or failed: free this node's deflection slot
+        (the key's delete follows its put on this connection, so it never overtakes it)."""
+        key = self.deflecting.pop(rid, None)
+        if key is None or self.nc is None:
             return
-        key, rev = resv
 
         async def release() -> None:
             try:
-                await self.buckets.reservations.delete(key, last=rev)
-            except Exception as exc:  # expired and re-taken by another request: not ours anymore
-                self._rlog(rid).info("reservation_release_skipped", key=key, error=repr(exc))
+                await kv_delete_nowait(self.nc, S.RESERVATION_BUCKET, key)
+            except Exception as exc:  # disconnected: the key expires by its TTL
+                self._rlog(rid).info("reservation_release_failed", key=key, error=repr(exc))
         self._bg(release())
 
     async def _fail(self, rid: str, status: int, code: str, message: str) -> None:
@@ -744,14 +770,14 @@ class NodeAgent:
         self._put_record(r.req.request_id, "decode", rec, r.span)
 
     def _put_record(self, rid: str, part: str, rec, span: Span | None = None) -> None:
-        if self.buckets is None:
+        """Write ``rid``'s ``part`` record (one unacknowledged message: shared.bus.kv_put_nowait)."""
+        if self.nc is None:
             return
-        kv = self.buckets.requests
         log = self._rlog(rid, span)
 
         async def put() -> None:
             try:
-                await kv.put(S.record_key(rid, part), encode(rec))
+                await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, S.record_key(rid, part), encode(rec))
             except Exception as exc:
                 log.warning("record_write_failed", part=part, error=repr(exc))
         self._bg(put())

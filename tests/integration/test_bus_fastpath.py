@@ -10,7 +10,7 @@ import nats.js.errors
 import pytest
 
 from shared import subjects as S
-from shared.bus import ensure_buckets, kv_create
+from shared.bus import ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait
 from services.ingress.service import _SseResponse
 from shared.wire import DoneEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
 from tests.integration.conftest import reset_bus, stack, wait_until
@@ -18,42 +18,54 @@ from tests.integration.conftest import reset_bus, stack, wait_until
 pytestmark = pytest.mark.integration
 
 
-async def test_kv_create_after_delete_is_one_write_and_still_atomic(nats_url):
+async def test_unacknowledged_kv_writes_are_stored_in_order_and_expire(nats_url):
+    """kv_put_nowait / kv_delete_nowait (a node's reservations, the request records): one message
+    each, no acknowledgement, every one stored by the bucket's stream in the order they were made
+    (the last write wins, whichever it is), and a put's Nats-TTL removes the key when it expires."""
     await reset_bus(nats_url)
     nc = await nats.connect(nats_url)
-    spy = await nats.connect(nats_url)
+    w = await nats.connect(nats_url)  # the writer: it makes no request, so any message to it is an ack
     try:
         js = nc.jetstream()
         kv = (await ensure_buckets(js)).reservations
-        gets: list[str] = []  # JetStream "read the key" API calls (KeyValue.create's second round trip)
+        stream = f"KV_{S.RESERVATION_BUCKET}"
+        seq0 = (await js.stream_info(stream)).state.last_seq
+        key0, key1 = S.reservation_key("decode-0", 0), S.reservation_key("decode-0", 1)
+        for i in range(20):  # put then delete, back to back: the delete is never overtaken
+            await kv_put_nowait(w, S.RESERVATION_BUCKET, key0, f"v{i}".encode(), 30)
+            await kv_delete_nowait(w, S.RESERVATION_BUCKET, key0)
+        for i in range(20):  # delete then put: the put stays
+            await kv_delete_nowait(w, S.RESERVATION_BUCKET, key1)
+            await kv_put_nowait(w, S.RESERVATION_BUCKET, key1, f"w{i}".encode(), 30)
+        await flush_barrier(w)
 
-        async def on_get(m) -> None:
-            gets.append(m.subject)
-        await spy.subscribe(f"$JS.API.DIRECT.GET.KV_{S.RESERVATION_BUCKET}.>", cb=on_get)
-        await spy.subscribe(f"$JS.API.STREAM.MSG.GET.KV_{S.RESERVATION_BUCKET}", cb=on_get)
-        await spy.flush()
-        key = S.reservation_key("decode-0", 0)
+        async def stored() -> int:
+            return (await js.stream_info(stream)).state.last_seq - seq0
+        deadline = asyncio.get_running_loop().time() + 5
+        while await stored() < 80 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        assert await stored() == 80  # every write stored, none lost
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await kv.get(key0)
+        assert (await kv.get(key1)).value == b"w19"
+        await flush_barrier(w)  # anything the server sent the writer before this has arrived
+        assert w.stats["in_msgs"] == 0  # nothing was acknowledged: the writes cost one message each
 
-        rev1 = await kv_create(js, kv, S.RESERVATION_BUCKET, key, b"a", msg_ttl=30)  # a new key
-        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):  # held: refused
-            await kv_create(js, kv, S.RESERVATION_BUCKET, key, b"b", msg_ttl=30)
-        await kv.delete(key, last=rev1)
-        marker = (await js.get_last_msg(f"KV_{S.RESERVATION_BUCKET}", f"$KV.{S.RESERVATION_BUCKET}.{key}")).seq
-        # reads so far: the refused create's (KeyValue.create reads the key after a refusal), get_last_msg
-        await wait_until(lambda: len(gets) == 2, 2, "two reads")
-        rev2 = await kv_create(js, kv, S.RESERVATION_BUCKET, key, b"c", msg_ttl=30, deleted_revision=marker)
-        assert rev2 == marker + 1 and (await kv.get(key)).value == b"c"  # one more read: this get
-        await wait_until(lambda: len(gets) >= 3, 2, "the get's read")  # one connection: reads arrive in order
-        assert len(gets) == 3  # the create read nothing: one write
-        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):  # a stale marker revision: held, refused
-            await kv_create(js, kv, S.RESERVATION_BUCKET, key, b"d", msg_ttl=30, deleted_revision=marker)
-
-        # a stale marker revision of a free key (deleted again since): falls back to create, succeeds
-        await kv.delete(key, last=rev2)
-        rev3 = await kv_create(js, kv, S.RESERVATION_BUCKET, key, b"e", msg_ttl=30, deleted_revision=marker)
-        assert rev3 > rev2 and (await kv.get(key)).value == b"e"
+        key2 = S.reservation_key("decode-0", 2)
+        await kv_put_nowait(w, S.RESERVATION_BUCKET, key2, b"expires", 1)
+        await flush_barrier(w)
+        assert (await kv.get(key2)).value == b"expires"
+        deadline = asyncio.get_running_loop().time() + 5
+        gone = False
+        while not gone and asyncio.get_running_loop().time() < deadline:  # its TTL: 1 s
+            try:
+                await kv.get(key2)
+                await asyncio.sleep(0.1)
+            except nats.js.errors.KeyNotFoundError:
+                gone = True
+        assert gone, "the put's Nats-TTL did not expire the key"
     finally:
-        await spy.close()
+        await w.close()
         await nc.close()
 
 

@@ -185,21 +185,28 @@ async def test_only_the_aggregator_writes_the_view(secure_nats):
     await _close(agg, disp, ingress)
 
 
-async def test_agent_cannot_delete_another_nodes_reservation(secure_nats):
+async def test_only_a_node_writes_its_own_reservations(secure_nats):
+    """A decode node's agent is the only writer of its reservation keys: another node's agent can
+    neither write nor delete them, and a dispatcher (which only reads them) cannot forge one."""
     url, passwords = secure_nats
     disp = await as_role(url, passwords, "dispatcher")
     a0 = await as_role(url, passwords, agent_user("decode-0"))
-    bd = await ensure_buckets(disp.nc.jetstream())
+    a1 = await as_role(url, passwords, agent_user("decode-1"))
+    bd = await ensure_buckets(disp.nc.jetstream(timeout=1.0))
     ba = await ensure_buckets(a0.nc.jetstream(timeout=1.0))
+    bb = await ensure_buckets(a1.nc.jetstream(timeout=1.0))
     key1, key0 = S.reservation_key("decode-1", 0), S.reservation_key("decode-0", 0)
-    await bd.reservations.put(key1, b"held-by-decode-1")
-    rev0 = await bd.reservations.put(key0, b"held-by-decode-0")
+    await bb.reservations.put(key1, b"held-by-decode-1")  # its own: allowed
+    rev0 = await ba.reservations.put(key0, b"held-by-decode-0")
     with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, asyncio.TimeoutError)):
         await ba.reservations.delete(key1)
-    assert (await bd.reservations.get(key1)).value == b"held-by-decode-1"
-    await ba.reservations.delete(key0, last=rev0)  # its own: allowed
     await a0.violation(f"$KV.{S.RESERVATION_BUCKET}.{key1}", "publish")
-    await _close(disp, a0)
+    with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, asyncio.TimeoutError)):
+        await bd.reservations.put(key1, b"forged-by-a-dispatcher")
+    await disp.violation(f"$KV.{S.RESERVATION_BUCKET}.{key1}", "publish")
+    assert (await bd.reservations.get(key1)).value == b"held-by-decode-1"  # reading is allowed
+    await ba.reservations.delete(key0, last=rev0)  # its own: allowed
+    await _close(disp, a0, a1)
 
 
 async def test_prompts_reach_only_the_dispatchers(secure_nats):

@@ -29,10 +29,13 @@ async def test_two_replicas_never_overlap_deflections_on_a_decode_node(nats_url)
         results = await asyncio.gather(*reqs)
         assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
         decode_agents = [a for a in st.agents.values() if a.cfg.role == "decode"]
-        # the agents' own view: never two deflections in flight, never a deflect job while one ran
+        # never two deflections in flight on a node; a deflect job that found the slot taken (the
+        # replicas decided within the same few ms) was refused and re-routed — every request ended 200
         assert all(a.max_concurrent_deflections <= 1 for a in decode_agents)
-        assert sum(a.deflect_overlaps for a in decode_agents) == 0
         assert sum(a.max_concurrent_deflections for a in decode_agents) >= 1  # deflections did happen
+        refused = sum(a.deflect_overlaps for a in decode_agents)
+        rerouted = sum(d.m.reroutes.labels("deflection_in_flight")._value.get() for d in st.dispatchers)
+        assert rerouted == refused
 
 
 async def test_several_deflection_slots_per_node_are_never_exceeded(nats_url):
@@ -49,7 +52,7 @@ async def test_several_deflection_slots_per_node_are_never_exceeded(nats_url):
                     for _ in range(30)]
             results = await asyncio.gather(*reqs)
             assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
-            assert agent.max_concurrent_deflections <= 2 and agent.deflect_overlaps == 0
+            assert agent.max_concurrent_deflections <= 2
             if agent.max_concurrent_deflections == 2:
                 break
         assert agent.max_concurrent_deflections == 2  # the second slot was used, the third never

@@ -72,6 +72,7 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "ingress"), True),
     ("dispatcher", S.jobs_subject("decode-0"), True),
     ("dispatcher", "$KV.kairos_view.view", False),
+    ("dispatcher", "$KV.kairos_resv." + S.reservation_key("decode-0", 0), False),  # the node's own to write
     ("dispatcher", S.CANCEL_SUBJECT, False),
     ("aggregator", "$KV.kairos_view.view", True),
     ("aggregator", S.jobs_subject("decode-0"), False),

@@ -1,0 +1,237 @@
+"""The bus's own floor under the control-plane benchmark (issue 12, item 5): the same sequence of
+NATS operations a deflected request makes before its first token, done by bare nats-py processes
+that do nothing else — no HTTP, no policy, no tracing, no logging, no engine.
+
+Three processes (uvloop, one nats-py connection each, like the services) and the bundled
+nats-server, on the same cores as ``bench/control_plane.py``:
+
+* ``front`` (the ingress's part): subscribes ``out.*``; per request publishes it to a JetStream
+  work-queue stream (file storage, ``Nats-Msg-Id`` dedup, as ``KAIROS_REQ``) and waits for the
+  first token event;
+* ``router`` (a dispatcher's part): a durable pull consumer with one lingering one-message pull;
+  per request: (``--variant kairos``) atomically creates a reservation key with a TTL in a KV
+  bucket, sends the job as a core request-reply to the worker, acks the message;
+* ``worker`` (a decode agent's part): per job atomically creates a claim key in a KV bucket,
+  answers the job, publishes one token event to ``out.<id>``.
+
+Variants: ``kairos`` (queue, reservation, job, claim, token — the five sequential passes through
+nats-server of a deflected request), ``no-reservation`` (the same without the reservation), and
+``core`` (no JetStream at all: core request to the router, core request to the worker, token —
+what is left without durability, reservation or claim).
+
+Per (variant, rate) one JSON line: ``latency_ms`` p50/p99 (front: publish → first token event
+received; the same span as ``added_ms`` in ``bench/control_plane.py`` without the ingress's HTTP
+and the services' own work), ``cpu_ms_per_request`` per process kind, ``loadavg``.
+
+Not a test: figures depend on the machine. Usage::
+
+    python bench/bus_floor.py [--variants kairos,no-reservation,core] [--rates 50,200] [--duration 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("kairos", "no-reservation", "core")
+
+
+async def _connect(url: str, name: str):
+    import nats
+
+    return await nats.connect(url, name=name, max_reconnect_attempts=0)
+
+
+async def _router(url: str, variant: str, ready) -> None:
+    import nats.errors
+    from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+
+    nc = await _connect(url, "router")
+    js = nc.jetstream()
+
+    async def route(rid: str) -> None:
+        if variant == "kairos":
+            await resv.create(f"decode.n0.{rid}", b'{"request_id":"%s"}' % rid.encode(), msg_ttl=60)
+        await nc.request("jobs.n0", rid.encode(), timeout=5)
+
+    if variant == "core":
+        async def on_req(msg) -> None:
+            await route(msg.data.decode())
+            await msg.respond(b"ok")
+        await nc.subscribe("req.core", cb=on_req)
+        await nc.flush()
+        ready.set()
+        await asyncio.Event().wait()
+    await js.add_stream(StreamConfig(name="REQ", subjects=["req.new"], retention=RetentionPolicy.WORK_QUEUE,
+                                     storage=StorageType.FILE, max_age=600, duplicate_window=120))
+    resv = await js.create_key_value(bucket="resv", history=1, limit_marker_ttl=1.0)
+    sub = await js.pull_subscribe("req.new", durable="routers", stream="REQ",
+                                  config=ConsumerConfig(ack_wait=5, max_deliver=5))
+    ready.set()
+
+    async def handle(msg) -> None:
+        try:
+            await route(msg.data.decode())
+            await msg.ack()
+        except Exception as exc:  # a bench: say what broke
+            print(f"router: {exc!r}", file=sys.stderr)
+
+    tasks: set = set()
+    while True:
+        try:
+            msgs = await sub.fetch(batch=1, timeout=1.0)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            continue
+        for m in msgs:
+            t = asyncio.create_task(handle(m))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+
+async def _worker(url: str, variant: str, ready) -> None:
+    nc = await _connect(url, "worker")
+    js = nc.jetstream()
+    claims = None if variant == "core" else await js.create_key_value(bucket="claims", history=1)
+
+    async def on_job(msg) -> None:
+        rid = msg.data.decode()
+        if claims is not None:
+            try:
+                await claims.create(f"{rid}.claim", b'{"node":"n0"}')
+            except Exception as exc:  # a bench: say what broke
+                print(f"worker: {exc!r}", file=sys.stderr)
+                return
+        await msg.respond(b'{"accepted":true}')
+        await nc.publish(f"out.{rid}", b'{"type":"tokens","first_index":0,"count":1}')
+
+    await nc.subscribe("jobs.n0", cb=on_job)
+    await nc.flush()
+    ready.set()
+    await asyncio.Event().wait()
+
+
+def _serve(role: str, url: str, variant: str, ready) -> None:
+    import uvloop
+
+    uvloop.run((_router if role == "router" else _worker)(url, variant, ready))
+
+
+async def _front(url: str, variant: str, rate: float, duration_s: float) -> list[float]:
+    nc = await _connect(url, "front")
+    js = nc.jetstream()
+    waiting: dict[str, tuple[float, asyncio.Future]] = {}
+
+    async def on_out(msg) -> None:
+        w = waiting.pop(msg.subject.rpartition(".")[2], None)
+        if w is not None:
+            w[1].set_result(time.perf_counter() - w[0])
+
+    await nc.subscribe("out.*", cb=on_out)
+    await nc.flush()
+
+    run = os.urandom(4).hex()  # every run its own ids: JetStream drops a Nats-Msg-Id it has seen
+
+    async def one(i: int) -> float:
+        rid = f"r{i}-{run}"
+        fut = asyncio.get_running_loop().create_future()
+        waiting[rid] = (time.perf_counter(), fut)
+        if variant == "core":
+            await nc.request("req.core", rid.encode(), timeout=5)
+        else:
+            await js.publish("req.new", rid.encode(), stream="REQ", headers={"Nats-Msg-Id": rid}, timeout=5)
+        return (await asyncio.wait_for(fut, 10)) * 1000.0
+
+    n = max(1, int(rate * duration_s))
+    t0 = time.perf_counter()
+    tasks = []
+    for i in range(n):
+        delay = t0 + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    out = await asyncio.gather(*tasks)
+    await nc.close()
+    return list(out)
+
+
+def run_variant(url: str, variant: str, rates: list[float], duration_s: float) -> list[dict]:
+    """Start router and worker for ``variant``, replay each rate from this process; one row per rate."""
+    import numpy as np
+    import uvloop
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from control_plane import cpu_seconds
+
+    ctx = mp.get_context("spawn")
+    procs, rows = [], []
+    try:
+        for role in ("router", "worker"):
+            ready = ctx.Event()
+            p = ctx.Process(target=_serve, args=(role, url, variant, ready), daemon=True)
+            p.start()
+            if not ready.wait(30):
+                raise RuntimeError(f"{role} did not start")
+            procs.append((role, p))
+        uvloop.run(_front(url, variant, 20.0, 1.0))  # warm-up (connections, consumer, buckets)
+        for rate in rates:
+            load1 = os.getloadavg()[0]
+            c0 = {role: cpu_seconds(p.pid) for role, p in procs}
+            t0 = os.times()
+            lat = uvloop.run(_front(url, variant, rate, duration_s))
+            t1 = os.times()
+            n = len(lat)
+            cpu = {role: round((cpu_seconds(p.pid) - c0[role]) * 1000.0 / n, 3) for role, p in procs}
+            cpu["front"] = round((t1.user + t1.system - t0.user - t0.system) * 1000.0 / n, 3)
+            rows.append({"variant": variant, "offered_rps": rate, "requests": n,
+                         "latency_ms": {"p50": round(float(np.percentile(lat, 50)), 3),
+                                        "p99": round(float(np.percentile(lat, 99)), 3)},
+                         "cpu_ms_per_request": cpu, "loadavg": round(load1, 2)})
+    finally:
+        for _, p in procs:
+            p.terminate()
+            p.join(5)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"Comma list of {', '.join(VARIANTS)}.")
+    ap.add_argument("--rates", default="50,200", help="Comma list of offered request rates (req/s).")
+    ap.add_argument("--duration", type=float, default=10.0, help="Seconds per rate.")
+    args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    rates = [float(x) for x in args.rates.split(",")]
+
+    from kairos.up import _port_open, free_port, nats_server_binary
+
+    for variant in variants:
+        with tempfile.TemporaryDirectory(prefix="kairos-busfloor-") as tmp:
+            port = free_port()
+            srv = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", tmp],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 20
+                while not _port_open("127.0.0.1", port):
+                    if srv.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit("nats-server did not start")
+                    time.sleep(0.05)
+                for row in run_variant(f"nats://127.0.0.1:{port}", variant, rates, args.duration):
+                    print(json.dumps(row), flush=True)
+            finally:
+                srv.terminate()
+                srv.wait(10)
+
+
+if __name__ == "__main__":
+    main()
