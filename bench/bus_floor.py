@@ -9,15 +9,15 @@ nats-server, on the same cores as ``bench/control_plane.py``:
   work-queue stream (file storage, ``Nats-Msg-Id`` dedup, as ``KAIROS_REQ``) and waits for the
   first token event;
 * ``router`` (a dispatcher's part): a durable pull consumer with one lingering one-message pull;
-  per request: (``--variant kairos``) atomically creates a reservation key with a TTL in a KV
-  bucket, sends the job as a core request-reply to the worker, acks the message;
+  per request: (``--variant with-reservation``) atomically creates a reservation key with a TTL in
+  a KV bucket, sends the job as a core request-reply to the worker, acks the message;
 * ``worker`` (a decode agent's part): per job atomically creates a claim key in a KV bucket,
   answers the job, publishes one token event to ``out.<id>``.
 
-Variants: ``kairos`` (queue, reservation, job, claim, token — the five sequential passes through
-nats-server of a deflected request), ``no-reservation`` (the same without the reservation), and
-``core`` (no JetStream at all: core request to the router, core request to the worker, token —
-what is left without durability, reservation or claim).
+Variants: ``kairos`` (queue, job, claim, token — the four sequential passes through nats-server of
+a deflected request today), ``with-reservation`` (the same plus the atomic reservation create the
+dispatcher made before the job until issue 12), and ``core`` (no JetStream at all: core request to
+the router, core request to the worker, token — what is left without durability or claim).
 
 Per (variant, rate) one JSON line: ``latency_ms`` p50/p99 (front: publish → first token event
 received; the same span as ``added_ms`` in ``bench/control_plane.py`` without the ingress's HTTP
@@ -25,7 +25,7 @@ and the services' own work), ``cpu_ms_per_request`` per process kind, ``loadavg`
 
 Not a test: figures depend on the machine. Usage::
 
-    python bench/bus_floor.py [--variants kairos,no-reservation,core] [--rates 50,200] [--duration 10]
+    python bench/bus_floor.py [--variants kairos,with-reservation,core] [--rates 50,200] [--duration 10]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("kairos", "no-reservation", "core")
+VARIANTS = ("kairos", "with-reservation", "core")
 
 
 async def _connect(url: str, name: str):
@@ -58,7 +58,7 @@ async def _router(url: str, variant: str, ready) -> None:
     js = nc.jetstream()
 
     async def route(rid: str) -> None:
-        if variant == "kairos":
+        if variant == "with-reservation":
             await resv.create(f"decode.n0.{rid}", b'{"request_id":"%s"}' % rid.encode(), msg_ttl=60)
         await nc.request("jobs.n0", rid.encode(), timeout=5)
 

@@ -36,7 +36,11 @@ Per (replicas, rate) it prints one JSON line:
 
 Not a test: figures depend on the machine and on what else runs on it. Usage::
 
-    python bench/control_plane.py [--dispatchers 1,2,4] [--rates 50,100,200] [--duration 15]
+    python bench/control_plane.py [--dispatchers 1,2,4] [--rates 50,100,200] [--duration 15] [--repeat 3]
+
+``--repeat R`` runs every rate R times on the same stack (rows carry ``repeat``: 0 … R−1): on a
+machine shared with other jobs one run's p50 can move by a millisecond with what else runs, so a
+claim about a target needs several.
 """
 
 from __future__ import annotations
@@ -232,7 +236,10 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=15.0, help="Seconds per rate.")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="Runs per rate (rows carry 'repeat').")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
 
     from kairos.up import Supervisor, UpOptions, free_port
     from shared.latency import load_profile
@@ -248,10 +255,11 @@ def main() -> None:
             try:
                 sup.up()
                 url = f"http://{sup.opts.host}:{sup.opts.port}"
-                for rate in (float(x) for x in args.rates.split(",")):
-                    row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms,
-                                   stack_pids(sup), f"http://127.0.0.1:{mport}")
-                    print(json.dumps({"dispatchers": reps, **row}), flush=True)
+                for k in range(args.repeat):
+                    for rate in (float(x) for x in args.rates.split(",")):
+                        row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms,
+                                       stack_pids(sup), f"http://127.0.0.1:{mport}")
+                        print(json.dumps({"dispatchers": reps, "repeat": k, **row}), flush=True)
             finally:
                 sup.down()
                 sup.cleanup()

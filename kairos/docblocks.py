@@ -188,23 +188,46 @@ def ms(x: float | None) -> str:
     return "–" if x is None else f"{x:.1f} ms" if x < 100 else f"{num(x)} ms"
 
 
-def control_plane(load: Load) -> str:
-    """Rows of ``bench/control_plane.py`` (its JSON lines, saved with or without a meta line)."""
+def _spread(xs: list[float]) -> str:
+    """Median of ``xs`` (ms), with the range when there are several: ``2.4 ms (2.1–3.0)``."""
+    import statistics
+
+    if not xs:
+        return "–"
+    if len(xs) == 1:
+        return ms(xs[0])
+    return f"{ms(statistics.median(xs))} ({min(xs):.1f}–{max(xs):.1f})"
+
+
+def control_plane(load: Load, name: str = "control-plane") -> str:
+    """Rows of ``bench/control_plane.py`` (its JSON lines, saved with or without a meta line); the
+    runs of one (dispatchers, rate) — ``--repeat`` — are one table row: medians with their range."""
+    import statistics
+
     cp = _bench_module("control_plane")
-    r = load("control-plane")
-    head = ("| dispatchers | offered req/s | achieved req/s | added p50 | added p99 | CPU per request: ingress / "
-            "dispatchers / agents / aggregator / nats-server / client | load average |")
-    lines = [f"Rows of `{command(r.meta) or 'python bench/control_plane.py'}`"
-             + (f" (one run: {provenance(r)})" if r.meta else "") + ":", "", head, "|---|---|---|---|---|---|---|"]
-    kinds = ("ingress", "dispatcher", "agent", "aggregator", "nats", "client")
+    r = load(name)
+    groups: dict[tuple, list[dict]] = {}
     for row in r.rows:
-        cpu = row.get("cpu_ms_per_request", {})
-        added = row.get("added_ms", {})
-        load_avg = row.get("loadavg")
-        lines.append(f"| {row['dispatchers']} | {num(row['offered_rps'])} | {num(row['achieved_rps'], 1)} | "
-                     f"{ms(added.get('p50'))} | {ms(added.get('p99'))} | "
+        groups.setdefault((row["dispatchers"], row["offered_rps"]), []).append(row)
+    runs = max(len(g) for g in groups.values()) if groups else 0
+    head = ("| dispatchers | offered req/s | runs | achieved req/s (lowest) | added p50 | added p99 | CPU per request "
+            "(median): ingress / dispatchers / agents / aggregator / nats-server / client | load average |")
+    lines = [f"Rows of `{command(r.meta) or 'python bench/control_plane.py'}`"
+             + (f" ({provenance(r)})" if r.meta else "") + ":"
+             + (" medians of the runs of each rate, their range in brackets" if runs > 1 else ""), "", head,
+             "|---|---|---|---|---|---|---|---|"]
+    kinds = ("ingress", "dispatcher", "agent", "aggregator", "nats", "client")
+    for (disp, rate), g in groups.items():
+        added = [row.get("added_ms", {}) for row in g]
+        cpu = {x: statistics.median(row["cpu_ms_per_request"][x] for row in g) for x in kinds
+               if all(x in row.get("cpu_ms_per_request", {}) for row in g)}
+        loads = [row["loadavg"] for row in g if row.get("loadavg") is not None]
+        lines.append(f"| {disp} | {num(rate)} | {len(g)} | {num(min(row['achieved_rps'] for row in g), 1)} | "
+                     f"{_spread([a['p50'] for a in added if a.get('p50') is not None])} | "
+                     f"{_spread([a['p99'] for a in added if a.get('p99') is not None])} | "
                      f"{' / '.join(sig(cpu[x]) if x in cpu else '–' for x in kinds)} ms | "
-                     f"{'–' if load_avg is None else f'{load_avg:.1f}'} |")
+                     + ("–" if not loads else f"{min(loads):.1f}" if min(loads) == max(loads)
+                        else f"{min(loads):.1f}–{max(loads):.1f}") + " |")
     n = len(r.rows)
     failed = sum(row.get("failed", 0) for row in r.rows)
     sustained = sum(bool(row.get("sustained")) for row in r.rows)
@@ -216,6 +239,61 @@ def control_plane(load: Load) -> str:
               f"sustained their rate (no failure, ≥ 95 % of the offered rate achieved). The added-latency targets "
               f"(p50 ≤ {cp.TARGET_P50_MS:g} ms, p99 ≤ {cp.TARGET_P99_MS:g} ms) are met for p50 in {p50_ok} and for "
               f"p99 in {p99_ok} of the {n} runs."]
+    return "\n".join(lines)
+
+
+def control_plane_compare(load: Load) -> str:
+    """``control-plane-before`` against ``control-plane`` (the same command on the previous
+    release's services): per dispatcher count at the highest rate, the added p50 (median and range
+    of the runs) and the bus messages per request (in / out of nats-server, median of the runs)."""
+    import statistics
+
+    before, now = load("control-plane-before"), load("control-plane")
+
+    def top(r: Result) -> dict[int, list[dict]]:
+        rate = max(row["offered_rps"] for row in r.rows)
+        out: dict[int, list[dict]] = {}
+        for row in r.rows:
+            if row["offered_rps"] == rate:
+                out.setdefault(row["dispatchers"], []).append(row)
+        return out
+
+    b, n = top(before), top(now)
+    rate = max(row["offered_rps"] for row in now.rows)
+
+    def msgs(rows: list[dict]) -> str:
+        return (f"{statistics.median(row['bus_msgs_per_request']['in'] for row in rows):.1f} / "
+                f"{statistics.median(row['bus_msgs_per_request']['out'] for row in rows):.1f}")
+
+    lines = [f"At {num(rate)} req/s, the previous release's services (`control-plane-before`, "
+             f"{provenance(before)}) against this release's (`control-plane`, {provenance(now)}):", "",
+             "| dispatchers | added p50 before | added p50 now | bus messages per request before (in / out) | now |",
+             "|---|---|---|---|---|"]
+    for disp in sorted(set(b) & set(n)):
+        lines.append(f"| {disp} | {_spread([row['added_ms']['p50'] for row in b[disp]])} | "
+                     f"{_spread([row['added_ms']['p50'] for row in n[disp]])} | {msgs(b[disp])} | {msgs(n[disp])} |")
+    return "\n".join(lines)
+
+
+def bus_floor(load: Load) -> str:
+    """Rows of ``bench/bus_floor.py``: the bus's own latency for the control-plane benchmark's
+    sequence of NATS operations, per variant and rate, against the added-latency target."""
+    cp = _bench_module("control_plane")
+    r = load("bus-floor")
+    lines = [f"Rows of `{command(r.meta) or 'python bench/bus_floor.py'}`" + (f" ({provenance(r)})" if r.meta else "")
+             + ":", "", "| variant | offered req/s | p50 | p99 | CPU per request: front / router / worker |",
+             "|---|---|---|---|---|"]
+    for row in r.rows:
+        lat, cpu = row["latency_ms"], row["cpu_ms_per_request"]
+        lines.append(f"| `{row['variant']}` | {num(row['offered_rps'])} | {ms(lat['p50'])} | {ms(lat['p99'])} | "
+                     f"{' / '.join(sig(cpu[k]) for k in ('front', 'router', 'worker'))} ms |")
+    full = [row for row in r.rows if row["variant"] == "kairos"]
+    if full:
+        top = max(full, key=lambda row: row["offered_rps"])
+        share = 100.0 * top["latency_ms"]["p50"] / cp.TARGET_P50_MS
+        lines += ["", f"At {num(top['offered_rps'])} req/s the bus operations of a deflected request alone take "
+                      f"{ms(top['latency_ms']['p50'])} at the median, {share:.0f} % of the {cp.TARGET_P50_MS:g} ms "
+                      f"added-latency target, before any HTTP, policy, tracing, logging or engine work."]
     return "\n".join(lines)
 
 
@@ -463,6 +541,8 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "prefix-index": prefix_index,
     "decision-cost": decision_cost,
     "control-plane": control_plane,
+    "bus-floor": bus_floor,
+    "control-plane-compare": control_plane_compare,
     "fidelity": fidelity,
     "bench-example": bench_example,
     "demo-default": demo_default,

@@ -9,15 +9,16 @@ Rules (docs/services.md has the same list):
 1. Stale nodes, nodes that are not accepting and nodes excluded for this request (refused the
    job, or did not answer) are left out of the snapshot. No routable prefill *or* no routable
    decode node → no snapshot (the dispatcher waits for a view update, then errors 503).
-2. The reservations bucket is the authority on in-flight deflections: a decode node whose slot is
-   reserved by another request is shown to the policy with ``deflection_in_flight=True`` (and no
+2. The reservations are the dispatchers' view of in-flight deflections: a decode node whose slots
+   are reserved by other requests is shown to the policy with ``deflection_in_flight=True`` (and no
    projection data), so ``kairos`` skips it (§5.3); an unreserved node is shown free even if its
-   last heartbeat (up to Δh old) still reported the finished deflection. Every deflection holds a
-   reservation from before its job is sent until its prefill ends, so this is exact, and it is
-   what the simulator does.
+   last heartbeat (up to Δh old) still reported the finished deflection. The decode node publishes
+   a reservation from when it accepts a deflection until its prefill ends; a replica adds its own
+   deflection jobs from the decision until the node answers — what the simulator does.
 3. If a policy still deflects onto a reserved node (static policies may), the decision becomes a
-   keep on the best prefill node (reason ``keep_reservation_conflict``): across replicas at most
-   one deflection runs per decode node at a time.
+   keep on the best prefill node (reason ``keep_reservation_conflict``). The node itself refuses a
+   deflection beyond its slots (:func:`job_refusal`; the dispatcher re-routes), so across replicas
+   at most ``max_deflections`` run per decode node at a time.
 4. Keep-path jobs carry an ordered list of decode candidates so the prefill agent can hand the KV
    to the next one when the chosen decode node is gone (a re-route, never a drop).
 """
@@ -203,7 +204,8 @@ def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: b
     """Why a node agent refuses a job (the dispatcher then re-routes it), or None to accept.
 
     A decode node takes ``max_deflections`` deflections at a time (1 for kairos, §5.3): one more
-    deflect job is refused even though the dispatchers' reservations should have prevented it.
+    deflect job is refused (``deflection_in_flight``) — it is how two replicas that deflected onto
+    the node within the same few ms learn it (docs/bus.md).
     """
     if job_node != node:
         return "wrong_node"

@@ -495,6 +495,7 @@ class Dispatcher:
                 log.info("job_rerouted", node=decision.node, why=why, attempt=attempts)
                 if why == "deflection_in_flight":
                     self.m.conflicts.labels("node_refused").inc()
+                    span.add_event("reservation_conflict", {"kairos.node": decision.node, "source": "node_refused"})
                     full.add(decision.node)
                     conflicts.append(decision.node)
                 else:

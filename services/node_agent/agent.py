@@ -181,6 +181,9 @@ class NodeAgent:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"node_agent:{cfg.node_id}")
         await self._declare()
+        if cfg.role == "decode":  # a new incarnation holds no deflection: a crashed one's keys go now, not at their TTL
+            for slot in range(cfg.max_deflections):
+                await kv_delete_nowait(self.nc, S.RESERVATION_BUCKET, S.reservation_key(cfg.node_id, slot))
         self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))

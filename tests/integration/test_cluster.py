@@ -8,7 +8,10 @@ import random
 import nats
 import pytest
 
+from services.node_agent.agent import NodeAgent
+from services.node_agent.config import AgentConfig
 from shared import subjects as S
+from shared.wire import Reservation, encode, now_ms
 from tests.integration.conftest import fast_model, get_record, stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -58,6 +61,38 @@ async def test_several_deflection_slots_per_node_are_never_exceeded(nats_url):
         assert agent.max_concurrent_deflections == 2  # the second slot was used, the third never
         # both replicas routed, and the reservations really were contended
         assert all(d.routed > 0 for d in st.dispatchers)
+
+
+async def test_a_restarted_decode_agent_frees_its_crashed_incarnations_reservation(nats_url):
+    """An agent that crashed mid-deflection leaves its reservation on the bus (nobody else may
+    delete it); its next incarnation holds no deflection and deletes its node's keys at start, so
+    the node is deflected to again at once, not after the reservation's TTL."""
+    async with stack(nats_url, policy="sl:100000", decode=1) as st:
+        key = S.reservation_key("decode-0", 0)
+        await st.kill_agent("decode-0")
+        # what the crashed incarnation left: its reservation, 60 s to live (as its own put wrote it)
+        nc = await nats.connect(st.url)
+        try:
+            kv = await nc.jetstream().key_value(S.RESERVATION_BUCKET)
+            stale = Reservation(request_id="cmpl-lost", decode_node="decode-0", dispatcher_id="dispatcher-0",
+                                prompt_tokens=100, output_tokens=4, created_unix_ms=now_ms(),
+                                expires_unix_ms=now_ms() + 60_000)
+            await kv.put(key, encode(stale))
+            await wait_until(lambda: all(key in d.reservations for d in st.dispatchers), 5, "the stale reservation seen")
+            old = st.agents["decode-0"]
+            agent = NodeAgent(AgentConfig(node_id="decode-0", role="decode", nats_url=st.url, state_period_ms=50.0,
+                                          metrics_port=-1), model=old.model)
+            await agent.start()
+            st.agents["decode-0"] = agent
+            st.dead.discard("decode-0")
+            await wait_until(lambda: all(key not in d.reservations for d in st.dispatchers), 5,
+                             "the restarted agent's delete of its node's reservation seen")
+            status, body = await st.complete([1] * 400, max_tokens=3)
+            assert status == 200, body
+            rec = await get_record(st, body["id"], lambda r: r["decision"] is not None)
+            assert rec["decision"] == "deflect" and rec["node"] == "decode-0", rec
+        finally:
+            await nc.close()
 
 
 async def test_dead_node_agent_stops_receiving_jobs(nats_url):
