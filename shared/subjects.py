@@ -61,7 +61,8 @@ class SubjectError(ValueError):
 def check_token(token: str, what: str = "id") -> str:
     """Return ``token`` if it is a valid single subject token / KV key part, else raise."""
     if not _TOKEN_RE.match(token):
-        raise SubjectError(f"{what} {token!r} must match [A-Za-z0-9_-]{{1,128}} (it becomes a NATS subject token)")
+        shown = token if len(token) <= 140 else f"{token[:128]}… ({len(token)} characters)"
+        raise SubjectError(f"{what} {shown!r} must match [A-Za-z0-9_-]{{1,128}} (it becomes a NATS subject token)")
     return token
 
 

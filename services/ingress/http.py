@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler
 
 from shared import openai_api as oa
@@ -163,6 +164,11 @@ class _Handler(RequestHandler):
         self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         if request.writer.output_size > 0:
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        if isinstance(exc, ContentEncodingError):  # e.g. br: the parser has no decoder for it
+            resp = error_response(415, "unsupported Content-Encoding: the ingress reads request bodies sent as "
+                                       "identity, gzip or deflate", "unsupported_content_encoding")
+            resp.force_close()
+            return resp
         if status >= 500:
             text = "internal server error" if status == 500 else "the request handler timed out"
         else:

@@ -277,3 +277,16 @@ async def test_a_body_that_is_not_what_its_content_encoding_says_is_400(small_na
                 assert r.status == 400, (enc, r.status, body)
             err = assert_openai_error(body, "invalid_content_encoding")
             assert enc in err["message"], err
+
+
+async def test_a_content_encoding_the_ingress_cannot_decode_is_415(small_nats):
+    """br (no decoder installed): 415 naming what it reads, not a parser message telling the client
+    to install a Python package."""
+    async with running(small_nats) as ing, aiohttp.ClientSession() as http:
+        async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
+                             data=json.dumps({"model": MODEL, "prompt": "hi"}).encode(),
+                             headers={"Content-Type": "application/json", "Content-Encoding": "br"}) as r:
+            body = await r.read()
+            assert r.status == 415, (r.status, body)
+        err = assert_openai_error(body, "unsupported_content_encoding")
+        assert "gzip" in err["message"] and "install" not in err["message"].lower(), err

@@ -36,6 +36,15 @@ def test_keys_round_trip_and_reject_foreign_keys():
         S.reservation_key("decode-0", -1)
 
 
+def test_a_bad_id_is_quoted_whole_when_short_and_clipped_when_huge():
+    with pytest.raises(S.SubjectError, match=r"request id 'a\.b' must match"):
+        S.check_token("a.b", "request id")
+    with pytest.raises(S.SubjectError) as err:
+        S.check_token("x" * 5000 + ".", "request id")
+    msg = str(err.value)
+    assert len(msg) < 300 and "5001 characters" in msg and "x" * 128 in msg
+
+
 def test_one_slot_node_with_a_reservation_is_in_flight_without_projection_data():
     held = {S.reservation_key("decode-0"): resv("other", "decode-0")}
     snap = build_snapshot(request(), VIEW, held, {}, 2000.0)
