@@ -63,6 +63,21 @@ async def test_several_deflection_slots_per_node_are_never_exceeded(nats_url):
         assert all(d.routed > 0 for d in st.dispatchers)
 
 
+async def test_one_replica_never_sends_a_deflection_onto_its_own_in_flight_one(nats_url):
+    """A replica counts its own deflection jobs from the decision until the node answers (the node's
+    reservation reaches its watch only after that): concurrent requests routed by one replica onto a
+    one-slot decode node are never refused for a slot the replica itself had just taken."""
+    async with stack(nats_url, policy="sl:100000", dispatchers=1, decode=1, model=fast_model(1.0)) as st:
+        rng = random.Random(3)
+        reqs = [st.complete([1] * rng.randint(300, 1500), max_tokens=3) for _ in range(30)]
+        results = await asyncio.gather(*reqs)
+        assert all(s == 200 for s, _ in results), [r for r in results if r[0] != 200]
+        agent = st.agents["decode-0"]
+        assert agent.max_concurrent_deflections == 1  # deflections happened, one at a time
+        assert agent.deflect_overlaps == 0  # none refused: the replica saw its own slot taken at once
+        assert st.dispatchers[0].m.conflicts.labels("node_refused")._value.get() == 0
+
+
 async def test_a_restarted_decode_agent_frees_its_crashed_incarnations_reservation(nats_url):
     """An agent that crashed mid-deflection leaves its reservation on the bus (nobody else may
     delete it); its next incarnation holds no deflection and deletes its node's keys at start, so
