@@ -155,7 +155,8 @@ def main() -> None:
 
 @main.command()
 @click.argument("snapshot", type=click.File("rb"), default="-")
-@click.option("--policy", default="kairos", show_default=True, help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+.")
+@click.option("--policy", default="kairos", show_default=True,
+              help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+, taichi.")
 @click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Bundled profile name or artifact path.")
 @policy_params_options
 def decide(snapshot, policy: str, profile: str, **params) -> None:
@@ -180,7 +181,8 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
 
 @main.command()
 @workload_options(600.0)
-@click.option("--policy", "policies", default="pd,kairos", show_default=True, help="Comma list of policies.")
+@click.option("--policy", "policies", default="pd,kairos", show_default=True,
+              help="Comma list of policies: pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+, taichi.")
 @click.option("--prefill", "n_prefill", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--decode", "n_decode", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Latency profile (name or path).")
@@ -334,7 +336,8 @@ def _engine_defaults_or_exit(opts: dict) -> None:
 @click.option("--prefill", type=click.IntRange(1), default=2, show_default=True, help="Prefill nodes.")
 @click.option("--decode", type=click.IntRange(1), default=2, show_default=True, help="Decode nodes.")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True, help="Dispatcher replicas.")
-@click.option("--policy", default="kairos", show_default=True, help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+.")
+@click.option("--policy", default="kairos", show_default=True,
+              help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+ (taichi: simulator only).")
 @click.option("--profile", default=None,
               help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm).")
 @click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
@@ -377,7 +380,7 @@ def up(**opts) -> None:
         raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
                                  param_hint="--api-key")
 
-    _parse_policy_or_exit(opts["policy"])
+    _parse_policy_or_exit(opts["policy"], live=True)
     model_or_exit = load_model_or_exit(opts["profile"])
     make_params(opts["alpha"], opts["beta"], opts["tbt_slo_ms"], opts["ttft_slo_ms"])
     del model_or_exit
@@ -397,6 +400,9 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
     from shared.subjects import SubjectError
 
     ids = [n.strip() for n in nodes.split(",") if n.strip()]
+    if not ids:
+        raise click.BadParameter("name at least one node id (a cluster without agents serves nothing)",
+                                 param_hint="--nodes")
     try:
         if secrets_dir is None:
             click.echo(P.deployment_auth_config(ids), nl=False)
@@ -442,7 +448,7 @@ def demo(**opts) -> None:
     from kairos.demo import demo_command
 
     _engine_defaults_or_exit(opts)
-    _parse_policy_or_exit(opts["policy"])
+    _parse_policy_or_exit(opts["policy"], live=True)
     model = load_model_or_exit(opts["profile"])
     check_workload_size(opts["duration"], [opts["rps"]])
     from shared.workloads import WorkloadError, parse_workload
@@ -479,8 +485,9 @@ def demo(**opts) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Artifact path (default out/profiles/<name>.json).")
 @click.option("--records", "records_out", type=click.Path(dir_okay=False), default=None,
               help="Also write the raw step records (JSON lines, kairos.steps.<node> messages) to this file.")
-@click.option("--publish/--no-publish", default=True, show_default=True,
-              help="Put it into KV kairos_models (latency.<name> and latency.current; dispatchers hot-reload).")
+@click.option("--publish/--no-publish", default=None,
+              help="Put it into KV kairos_models (latency.<name> and latency.current; dispatchers hot-reload). "
+                   "Default: on, except with --emulated/--vllm (their NATS goes away with them).")
 @click.option("--max-mape", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
               help="Refuse (exit 1, nothing written) if a model's held-out MAPE exceeds this, percent.")
 @click.option("--base-profile", default=None,
@@ -517,6 +524,12 @@ def profile(**kw) -> None:
                                "with it")
     if kw["model_dir"] and not kw["vllm"]:
         raise click.UsageError("--model is the model of the --vllm server; pass --vllm with it")
+    self_contained = kw["emulated"] or kw["vllm"]
+    if kw["publish"] and self_contained:
+        raise click.UsageError("--publish needs a cluster's NATS (--nats-url): the NATS of --emulated/--vllm goes "
+                               "away with it; load the written artifact with --profile instead")
+    if kw["publish"] is None:
+        kw["publish"] = not self_contained
     vllm = kw["vllm"]
     for opt, default, vllm_default in (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
                                        ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"),
@@ -595,11 +608,18 @@ def trace(request_id: str, trace_file: str | None, as_json: bool) -> None:
     sys.exit(2)
 
 
-def _parse_policy_or_exit(spec: str):
+def _parse_policy_or_exit(spec: str, live: bool = False):
+    """The parsed ``--policy``; a usage error (exit 2) for a bad spec, or — ``live`` (a command that
+    runs the stack) — for a simulator-only policy (``taichi``: the node agents do not migrate decodes)."""
     try:
-        return parse_policy(spec)
+        pol = parse_policy(spec)
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint="--policy") from None
+    if live and pol.overrides.get("flowing_decode"):
+        raise click.BadParameter(f"{spec!r} is a simulator baseline: its prefill-heavy nodes decode and hand "
+                                 "running decodes over (flowing decode), which the node agents do not do; run it "
+                                 f"with `kairos sim --policy {spec}`", param_hint="--policy")
+    return pol
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -283,6 +283,15 @@ STEP_BATCH_S = 0.05
 #: … or as soon as this many are waiting (a batch stays far below NATS' 1 MiB max_payload)
 STEP_BATCH_MAX = 256
 
+#: most prefix-cache block hashes one heartbeat carries (``NodeState.cache_stored`` +
+#: ``cache_removed``): ~20 bytes of JSON each, 650 KB at most, under NATS' default 1 MiB
+#: ``max_payload``. A decode node can cache 70,000+ blocks (1.15 M tokens in 16-token blocks): its
+#: full sync then carries the most recently used ones (``PrefixCache.recent_hashes``), and a delta
+#: larger than this becomes such a full sync — the dispatchers' index under-reports hits
+#: (conservative), instead of the heartbeat being refused by the server and the index forgetting
+#: the node for good.
+CACHE_SYNC_MAX_HASHES = 32_768
+
 
 def decode_step_records(data: bytes) -> list[StepRecordEvent]:
     """The step records of one ``kairos.steps.<node>`` message (:data:`StepRecords`).

@@ -1001,7 +1001,9 @@ class Ingress:
                         except (ConnectionResetError, RuntimeError):  # gone while the headers were written
                             lc.on_client_gone()
                             return await self._client_gone(flight.attempt_id, resp, timing, log, parsed, sent)
-                    unsent.append(sse_event(oa.stream_chunk(parsed, rid, created, tok.text, None, first)))
+                    if first and parsed.endpoint == "chat":  # the role alone first, as OpenAI and vLLM send it
+                        unsent.append(sse_event(oa.stream_chunk(parsed, rid, created, "", None, first=True)))
+                    unsent.append(sse_event(oa.stream_chunk(parsed, rid, created, tok.text, None)))
                     unsent_tokens += tok.count
                     if queue.empty():
                         ok = await self._sse_write(resp, b"".join(unsent))

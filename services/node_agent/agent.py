@@ -257,8 +257,7 @@ class NodeAgent:
         # heartbeat (a lost heartbeat makes the dispatchers' index forget the node until then)
         cache = self.backend.cache_events(full=self._seq % CACHE_RESYNC == 1)
         cache_fields = {} if cache is None else dict(
-            cache_block_tokens=cache[0], cache_stored=cache[1], cache_removed=cache[2],
-            cache_full=self._seq % CACHE_RESYNC == 1)
+            cache_block_tokens=cache[0], cache_stored=cache[1], cache_removed=cache[2], cache_full=cache[3])
         return NodeState(**cache_fields, node=self.cfg.node_id, role=self.cfg.role, seq=self._seq, sent_unix_ms=now_ms(),
                          epoch_unix_ms=self.epoch_unix_ms,
                          period_ms=self.cfg.state_period_ms, batch_size=st.batch_size, kv_tokens=st.kv_tokens,

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from shared.emulated_text import EmulatedCompletion, emulated_completion
 from shared.engine import Engine, EngineConfig, EngineState, GroundTruth
 from shared.latency import LatencyModel
-from shared.wire import InferenceRequest
+from shared.wire import CACHE_SYNC_MAX_HASHES, InferenceRequest
 
 def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
     """The emulated engine's output of ``req``: its length (given to the engine model as the output
@@ -163,9 +163,11 @@ class EngineBackend(abc.ABC):
         (``InferenceRequest.block_hashes``). A backend whose engine hashes prompts itself (vLLM)
         ignores them."""
 
-    def cache_events(self, full: bool) -> tuple[int, list[int], list[int]] | None:
-        """``(block_tokens, stored, removed)`` prefix-cache block hashes since the last call (net),
-        or with ``full`` the whole cache as ``stored``; None: this backend reports no cache.
+    def cache_events(self, full: bool) -> tuple[int, list[int], list[int], bool] | None:
+        """``(block_tokens, stored, removed, is_full)`` prefix-cache block hashes since the last call
+        (net), or — with ``full``, or when the net change exceeds ``shared.wire.CACHE_SYNC_MAX_HASHES``
+        — the cache itself as ``stored`` (at most that many hashes, the most recently used:
+        ``is_full`` True); None: this backend reports no cache.
 
         Hook for the vLLM backend (not implemented here): start vLLM with
         ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": ...}'``,
@@ -215,9 +217,9 @@ class EmulatedBackend(EngineBackend):
         if cache is None:
             return None
         stored, removed = self.engine.drain_cache_events()
-        if full:
-            return cache.block_tokens, sorted(cache.hashes()), []
-        return cache.block_tokens, stored, removed
+        if full or len(stored) + len(removed) > CACHE_SYNC_MAX_HASHES:
+            return cache.block_tokens, cache.recent_hashes(CACHE_SYNC_MAX_HASHES), [], True
+        return cache.block_tokens, stored, removed, False
 
     def kv_transfer_ms(self, kv_tokens: int) -> float:
         """Emulated transfer time of ``kv_tokens`` on this node's link, without queueing (ms)."""

@@ -30,6 +30,7 @@ and KV transfer, never capacity — conservative.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Sequence
 
@@ -157,6 +158,16 @@ class PrefixCache:
         removed = list(dict.fromkeys(h for h in self._removed if h not in ref and h not in free))
         self._stored, self._removed = [], []
         return stored, removed
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to ``limit`` cached hashes, those a request is likeliest to hit: every pinned one (in
+        use), then the free pool from the most recently used (a request's blocks are freed tail
+        first, so a cut keeps the heads of chains — what prefix matching needs — before their tails).
+        """
+        out = list(itertools.islice(self._ref, limit))
+        if len(out) < limit:
+            out.extend(itertools.islice(reversed(self._free), limit - len(out)))
+        return out
 
     def hashes(self) -> set[int]:
         """Every cached hash (tests, a full resync of an index)."""

@@ -240,9 +240,40 @@ def test_emulated_backend_reports_what_its_engine_caches() -> None:
     be.note_block_hashes("b", [21, 22], 512)  # another granularity: not used
     be.add_prefill(req("b", 40))
     run(be.engine)
-    assert be.cache_events(full=False) == (16, [11, 12, 13], [])
-    assert be.cache_events(full=False) == (16, [], [])
-    assert be.cache_events(full=True) == (16, [11, 12, 13], [])
+    assert be.cache_events(full=False) == (16, [11, 12, 13], [], False)
+    assert be.cache_events(full=False) == (16, [], [], False)
+    tokens, stored, removed, full = be.cache_events(full=True)
+    assert (tokens, sorted(stored), removed, full) == (16, [11, 12, 13], [], True)
+
+
+def test_a_full_cache_sync_fits_one_nats_message_and_keeps_the_recent_chains() -> None:
+    """A decode node with more cached blocks than one heartbeat can carry (1 MiB max_payload):
+    the full sync carries the most recently used ones — the last request's chain whole — the
+    encoded heartbeat stays under the limit, and a delta too large for one heartbeat becomes such
+    a full sync."""
+    from services.node_agent.backend import EmulatedBackend
+
+    from shared.wire import CACHE_SYNC_MAX_HASHES, NodeState, encode
+
+    be = EmulatedBackend("decode", MODEL)
+    cache = be.engine.cache
+    assert cache is not None
+    n_chains, per_chain = 700, 100  # 70,000 blocks: 1.12 M tokens in 16-token blocks
+    base = 2 ** 62  # hashes as large as real ones (64-bit)
+    for c in range(n_chains):
+        chain = [base + c * per_chain + i for i in range(per_chain)]
+        cache.unpin(cache.insert(chain))
+    last = [base + (n_chains - 1) * per_chain + i for i in range(per_chain)]
+    tokens, stored, removed, full = be.cache_events(full=False)  # 70,000 new blocks: too many for a delta
+    assert full and removed == [] and len(stored) == CACHE_SYNC_MAX_HASHES < len(cache)
+    assert set(last) <= set(stored)  # the most recent chain is whole
+    state = NodeState(node="decode-0", role="decode", seq=1, sent_unix_ms=0.0, period_ms=100.0, batch_size=0,
+                      kv_tokens=0, cache_block_tokens=tokens, cache_stored=stored, cache_removed=removed,
+                      cache_full=full)
+    assert len(encode(state)) < 1024 * 1024
+    index = PrefixIndex(16)
+    index.on_heartbeat("decode-0", 1, tokens, stored, removed, full)
+    assert index.match_blocks(last) == {"decode-0": per_chain}
 
 
 @settings(max_examples=80, deadline=None)

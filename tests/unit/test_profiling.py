@@ -57,6 +57,7 @@ def test_the_committed_measured_artifact_says_what_it_is():
     (["--vllm", "--emulated"], "--vllm"),
     (["--vllm", "--background", "handoff"], "--background"),
     (["--model", "."], "--model"),
+    (["--emulated", "--publish"], "--publish"),  # its NATS goes away with it: nowhere to publish
 ])
 def test_kairos_profile_rejects_bad_input(args, hint):
     res = CliRunner().invoke(main, ["profile", *args])
