@@ -12,7 +12,7 @@ requests are redelivered to the others, a dead node's streams end with ``node_lo
 re-submitted: README "Reliability") unless nothing can serve any more — the ingress died, or no
 dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
 :data:`MAX_NATS_RESTARTS` times; before that it is restarted on the same port and store) — then
-everything is stopped. Either way the exit code is then 1. Child output goes to
+everything is stopped. The state aggregator, the other singleton, is restarted too (as often). Either way the exit code is then 1. Child output goes to
 per-service log files (JSON lines) in the printed log directory (``--log-dir``, default a temporary
 directory). On exit everything else in the temporary directory (the NATS store, generated files) is
 removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
@@ -97,7 +97,8 @@ VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "sta
 #: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
 #: (heartbeats, routing) must not wait for the engines' forward passes
 ENGINE_NICE = 15
-#: how often ``kairos up`` restarts a bundled nats-server that died before it gives up and stops
+#: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator) that died before
+#: it gives up (NATS: stops everything; the aggregator: the rest serves on the last view)
 MAX_NATS_RESTARTS = 5
 
 
@@ -451,22 +452,31 @@ class Supervisor:
         """Block until a signal or until nothing can serve any more (see the module docstring).
         Returns 0 after a signal with every child alive, else 1."""
         reported: set[str] = set()
-        nats_restarts = 0
+        restarts: dict[str, int] = {}  # child name -> restarts so far (the singletons: NATS, aggregator)
         while not self.stopping:
             for c in list(self.procs):
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
                     continue
-                if c.kind.startswith("message bus") and nats_restarts < MAX_NATS_RESTARTS:
-                    # the bundled nats-server: start it again on the same port and file store; every
-                    # service reconnects and re-declares by itself (docs/bus.md "Surviving a NATS restart")
-                    nats_restarts += 1
-                    code, last_lines = c.proc.returncode, self._tail(c)  # the dead server's, before the new one logs
+                nats = c.kind.startswith("message bus")
+                if (nats or c.kind == "aggregator") and restarts.get(c.name, 0) < MAX_NATS_RESTARTS:
+                    # a singleton the others cannot do without: the bundled nats-server again on the
+                    # same port and file store (every service reconnects and re-declares by itself,
+                    # docs/bus.md "Surviving a NATS restart"); the state aggregator again (stateless: it
+                    # listens for one stale period, then writes the view — without it /health says the
+                    # view is stale for good)
+                    restarts[c.name] = restarts.get(c.name, 0) + 1
+                    code, last_lines = c.proc.returncode, self._tail(c)  # the dead one's, before the new one logs
                     self.failed = True  # keep the logs
                     self.procs.remove(c)
-                    self._start_nats(c)  # if it dies again, the next round sees it
-                    self.msg(f"nats-server exited unexpectedly with code {code}; restarted it on the same port and "
-                             f"store (restart {nats_restarts} of at most {MAX_NATS_RESTARTS}): the services reconnect "
-                             f"by themselves. Its last log lines ({c.log_path}):\n{last_lines}")
+                    if nats:
+                        self._start_nats(c)  # if it dies again, the next round sees it
+                    else:
+                        self._spawn(c)
+                    what = "on the same port and store" if nats else "with the same configuration"
+                    self.msg(f"{c.name} exited unexpectedly with code {code}; restarted it {what} (restart "
+                             f"{restarts[c.name]} of at most {MAX_NATS_RESTARTS})"
+                             + (": the services reconnect by themselves" if nats else "")
+                             + f". Its last log lines ({c.log_path}):\n{last_lines}")
                     continue
                 reported.add(c.name)
                 fatal = self._cannot_serve()
@@ -477,7 +487,7 @@ class Supervisor:
                 if fatal:
                     return 1
             time.sleep(0.2)
-        return 1 if reported or nats_restarts else 0
+        return 1 if reported or restarts else 0
 
     def _cannot_serve(self) -> str | None:
         """Why the stack cannot serve any request with the children alive now, or None."""

@@ -314,6 +314,34 @@ def test_a_killed_bundled_nats_server_is_restarted_and_the_stack_serves_again(tm
     assert "stopping everything" not in err, err
 
 
+def test_a_killed_state_aggregator_is_restarted_and_health_recovers(tmp_path, spawn):
+    """The aggregator is a singleton: without it the view goes stale and /health stays 503 although
+    requests are still routed on the last view. kairos up starts it again; /health is 200 again."""
+    proc, port = up_and_kill(spawn, tmp_path, "state_aggregator", dispatchers=1)
+
+    def health() -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    deadline = time.monotonic() + 60
+    while health() != 503:  # the view goes stale without an aggregator (before the new one writes)
+        assert time.monotonic() < deadline, "the ingress never saw the view go stale"
+        time.sleep(0.05)
+    while health() != 200:  # bounded: the new aggregator listens for one stale period, then writes the view
+        assert time.monotonic() < deadline, "/health never recovered"
+        time.sleep(0.1)
+    status, out = post(port, {"model": "kairos-emulated", "prompt": "still there?", "max_tokens": 3})
+    assert status == 200, out
+    assert proc.poll() is None, "kairos up stopped after the aggregator died"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 1  # a child died during the run
+    err = proc.stderr.read()
+    assert "state_aggregator exited unexpectedly" in err and "restarted it with the same configuration" in err, err
+
+
 def test_demo_progress_is_on_unless_turned_off(monkeypatch):
     """Progress is on by default, also under a non-TTY stderr (CliRunner, CI, ``make run | tee``),
     where the bench client prints periodic lines instead of a bar (issue 11)."""
