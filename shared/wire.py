@@ -148,6 +148,12 @@ class JobAck(msgspec.Struct, frozen=True, kw_only=True):
     accepted_unix_ms: float = 0.0  #: node clock when the engine got the job (aggregator dedup key)
     #: ``reason == "claimed"``: the claim of the node that already executes the request
     claim: Claim | None = None
+    #: an accepted deflection: the reservation the node stored for it (``kairos_resv``), its key and
+    #: revision — the dispatcher applies it at once (a KV watcher may deliver it later, or never when
+    #: the node deletes it first) and ignores older watched events of that key
+    reservation: "Reservation | None" = None
+    reservation_key: str | None = None
+    reservation_revision: int | None = None
 
 
 # --------------------------------------------------------------------------------------------

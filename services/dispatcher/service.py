@@ -106,6 +106,9 @@ class Dispatcher:
         self.m = _Metrics(self.tel.registry)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
+        #: reservation key -> the newest revision applied (watched, or from a node's job answer):
+        #: an older event of the key arriving later is ignored
+        self.resv_rev: dict[str, int] = {}
         #: request id -> the slot its deflection holds here from the decision until the decode node
         #: answers the job (at the latest PENDING_DEFLECTION_MS): this replica's next decisions see
         #: the slot taken at once, before the node's reservation is watched
@@ -173,6 +176,7 @@ class Dispatcher:
         old, self._watchers = self._watchers, new_watchers
         if old:
             self.reservations.clear()  # the new watcher replays every live key
+            self.resv_rev.clear()
         old_tasks, self._watch_tasks = self._watch_tasks, new_tasks
         for t in old_tasks:
             t.cancel()
@@ -308,6 +312,10 @@ class Dispatcher:
                 continue
             if S.node_of_reservation_key(e.key) is None:
                 continue
+            if e.revision is not None:
+                if e.revision <= self.resv_rev.get(e.key, 0):
+                    continue  # already applied from the node's job answer (or older than what was)
+                self.resv_rev[e.key] = e.revision
             if e.operation is not None or not e.value:  # DEL / PURGE / TTL-expiry marker
                 self.reservations.pop(e.key, None)
                 continue
@@ -462,9 +470,13 @@ class Dispatcher:
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 why = "timeout"
             # answered or failed, the job no longer holds a slot here: accepted, the node's own
-            # reservation (published before its answer) takes over — a watcher may never show it,
-            # when the node deletes it again before the watcher delivers it
-            self.pending_deflections.pop(rid, None)
+            # reservation (stored before its answer, which carries it) takes over
+            if why is None and ack.reservation_key and ack.reservation is not None and ack.reservation_revision:
+                self._apply_reservation(ack.reservation_key, ack.reservation, ack.reservation_revision)
+            unconfirmed = (why is None and decision.deflected and ack.reason != "duplicate"
+                           and ack.reservation_revision is None)  # held here until it expires
+            if not unconfirmed:
+                self.pending_deflections.pop(rid, None)
             if why == "claimed" and ack.claim is not None:  # an earlier delivery's job runs there: not again
                 self._forget_routed(rid)
                 await self._adopt(req, ack.claim, span, log)
@@ -558,6 +570,14 @@ class Dispatcher:
             await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, S.record_key(rid, "decision"), encode(rec))
         except Exception as exc:
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+
+    def _apply_reservation(self, key: str, value: Reservation, revision: int) -> None:
+        """A node's reservation from its job answer, applied unless the watcher already delivered
+        this revision or a newer one (e.g. its delete: a short deflection can end before its answer
+        gets here); the watcher's older events of the key are ignored from now on."""
+        if revision > self.resv_rev.get(key, 0):
+            self.resv_rev[key] = revision
+            self.reservations[key] = value
 
     def _reservations_and_pending(self) -> dict[str, Reservation]:
         """The watched reservations plus this replica's deflections not watched yet (keyed

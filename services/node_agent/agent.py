@@ -63,6 +63,8 @@ ENGINE_PROBE_KV_S = 3.0
 
 #: TTL (s) of a deflection reservation whose job names none (the dispatcher's floor, reservation_ttl_s)
 DEFAULT_RESERVATION_TTL_S = 30
+#: longest wait (s) for the bus to confirm a reservation before the job is answered without it
+RESERVATION_PUT_TIMEOUT_S = 0.5
 
 
 @dataclass
@@ -329,20 +331,25 @@ class NodeAgent:
             self.m.jobs.labels(self.cfg.node_id, job.kind, "cancelled").inc()
             await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="cancelled")))
             return
-        if job.kind == "deflect" and len(self.deflecting) >= self.cfg.max_deflections:
-            self.deflect_overlaps += 1
-            self.m.overlap.labels(self.cfg.node_id).inc()
         engine_ok = self.backend.available or await self.backend.confirm_available(ENGINE_PROBE_JOB_S)
         reason = job_refusal(job.kind, job.node, self.cfg.node_id, self.cfg.role,
                              self.accepting and engine_ok,
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
+        if reason == "deflection_in_flight":
+            self.deflect_overlaps += 1
+            self.m.overlap.labels(self.cfg.node_id).inc()
+        took_slot = reason is None and job.kind == "deflect" and rid not in self.deflecting
+        if took_slot:  # before the claim's await: a concurrent deflect job sees the slot taken
+            self._take_slot(rid)
         claim = None
         if reason is None:  # cluster-wide: at most one node executes this bus request id
             assert self.claims is not None
             claim = await self.claims.claim(job)
             if claim.outcome == "mine" or rid in self.reqs:  # executed (or being executed) here already
+                if took_slot and rid not in self.reqs:
+                    self.deflecting.pop(rid, None)
                 self.m.jobs.labels(self.cfg.node_id, job.kind, "duplicate").inc()
                 self._rlog(rid).info("job_duplicate", attempt=job.attempt, dispatcher=job.dispatcher_id)
                 await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, reason="duplicate",
@@ -350,6 +357,8 @@ class NodeAgent:
                                                 else now_ms())))
                 return
             if claim.outcome == "claimed":
+                if took_slot:
+                    self.deflecting.pop(rid, None)
                 self.m.jobs.labels(self.cfg.node_id, job.kind, "claimed_elsewhere").inc()
                 self._rlog(rid).info("job_claimed_elsewhere", claimed_by=claim.claim.node if claim.claim else None)
                 await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="claimed",
@@ -377,6 +386,8 @@ class NodeAgent:
                     await self.claims.release(rid, claim.revision)  # another node may take it
         ctx = telemetry.extract_context(msg.headers)
         if reason is not None:
+            if took_slot:
+                self.deflecting.pop(rid, None)
             self.m.jobs.labels(self.cfg.node_id, job.kind, "refused").inc()
             self._rlog(rid, ctx).info("job_refused", reason=reason)
             await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason=reason)))
@@ -395,12 +406,14 @@ class NodeAgent:
             attrs["kairos.decode_candidates"] = list(job.decode_candidates)
         span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
         self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
+        resv: tuple[Reservation | None, str | None, int | None] = (None, None, None)
         if job.kind == "deflect":
-            await self._reserve(rid, job)
+            resv = await self._reserve(rid, job)
             self.max_concurrent_deflections = max(self.max_concurrent_deflections, len(self.deflecting))
         self.m.jobs.labels(self.cfg.node_id, job.kind, "accepted").inc()
         self._rlog(rid, span).info("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
-        await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, accepted_unix_ms=now_ms())))
+        await msg.respond(encode(JobAck(accepted=True, node=self.cfg.node_id, accepted_unix_ms=now_ms(),
+                                        reservation=resv[0], reservation_key=resv[1], reservation_revision=resv[2])))
 
     async def _on_cancel(self, msg) -> None:
         try:
@@ -694,27 +707,37 @@ class NodeAgent:
             out["kairos.tbt_mean_ms"] = round((r.last_token_ms - r.first_token_ms) / (r.tokens - 1), 3)
         return out
 
-    async def _reserve(self, rid: str, job: Job) -> None:
-        """Take a free deflection slot of this node for ``rid`` and publish its reservation
-        (``kairos_resv/decode.<node>.<slot>``, TTL ``job.reservation_ttl_s``) for the dispatchers.
+    async def _reserve(self, rid: str, job: Job) -> tuple[Reservation, str, int | None]:
+        """Take a free deflection slot of this node for ``rid`` and store its reservation
+        (``kairos_resv/decode.<node>.<slot>``, TTL ``job.reservation_ttl_s``) for the dispatchers;
+        returns (reservation, key, revision — None if the bus did not confirm it).
 
         The node is the authority on its own slots (it refuses a deflection beyond
-        ``max_deflections``), so it is also the only writer of its reservation keys: no atomic
-        create, no acknowledgement awaited (:func:`shared.bus.kv_put_nowait`) — the first token
-        does not wait for the bus. A node that dies leaves its reservations to their TTL.
+        ``max_deflections``), so it is also the only writer of its reservation keys: a plain put,
+        no atomic create. Its engine already has the job: the first token does not wait for this
+        write, only the job's answer does, which carries the reservation and its revision (the
+        dispatcher applies them at once). A node that dies leaves its reservations to their TTL.
         """
-        used = set(self.deflecting.values())
-        slot = next(i for i in range(len(used) + 1) if S.reservation_key(self.cfg.node_id, i) not in used)
-        key = self.deflecting[rid] = S.reservation_key(self.cfg.node_id, slot)
+        key = self.deflecting.get(rid) or self._take_slot(rid)
         ttl = job.reservation_ttl_s or DEFAULT_RESERVATION_TTL_S
         now = now_ms()
         value = Reservation(request_id=rid, decode_node=self.cfg.node_id, dispatcher_id=job.dispatcher_id,
                             prompt_tokens=job.request.prompt_tokens, output_tokens=job.request.max_tokens,
                             created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
         try:
-            await kv_put_nowait(self.nc, S.RESERVATION_BUCKET, key, encode(value), ttl)
-        except Exception as exc:  # disconnected: the slot is still held here; dispatchers learn late
+            ack = await self.nc.jetstream().publish(f"$KV.{S.RESERVATION_BUCKET}.{key}", encode(value), msg_ttl=ttl,
+                                                    timeout=RESERVATION_PUT_TIMEOUT_S)
+            return value, key, ack.seq
+        except Exception as exc:  # the slot is still held here; the dispatcher holds it until it expires
             self._rlog(rid).warning("reservation_publish_failed", key=key, error=repr(exc))
+            return value, key, None
+
+    def _take_slot(self, rid: str) -> str:
+        """Hold the lowest free deflection slot of this node for ``rid``; returns its reservation key."""
+        used = set(self.deflecting.values())
+        slot = next(i for i in range(len(used) + 1) if S.reservation_key(self.cfg.node_id, i) not in used)
+        key = self.deflecting[rid] = S.reservation_key(self.cfg.node_id, slot)
+        return key
 
     def _end_deflection(self, rid: str) -> None:
         """The deflected prefill of ``rid`` finished or failed: free this node's deflection slot

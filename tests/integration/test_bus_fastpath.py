@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 async def test_unacknowledged_kv_writes_are_stored_in_order_and_expire(nats_url):
-    """kv_put_nowait / kv_delete_nowait (a node's reservations, the request records): one message
+    """kv_put_nowait / kv_delete_nowait (the request records, a node's reservation deletes): one message
     each, no acknowledgement, every one stored by the bucket's stream in the order they were made
     (the last write wins, whichever it is), and a put's Nats-TTL removes the key when it expires."""
     await reset_bus(nats_url)
