@@ -237,6 +237,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1, help="Runs per rate (rows carry 'repeat').")
+    ap.add_argument("--traced", action="store_true",
+                    help="Record and export every span (to a trace file, as kairos up --trace-file): the cost of "
+                         "tracing; by default nothing exports, so no span is built (rows carry 'traced').")
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
@@ -251,7 +254,8 @@ def main() -> None:
         for reps in (int(x) for x in args.dispatchers.split(",")):
             mport = free_port()
             sup = Supervisor(UpOptions(port=free_port(), profile=str(prof), dispatchers=reps,
-                                       log_dir=str(Path(tmp) / f"logs-{reps}"), nats_monitor_port=mport))
+                                       log_dir=str(Path(tmp) / f"logs-{reps}"), nats_monitor_port=mport,
+                                       trace_file=str(Path(tmp) / f"spans-{reps}.jsonl") if args.traced else None))
             try:
                 sup.up()
                 url = f"http://{sup.opts.host}:{sup.opts.port}"
@@ -259,7 +263,7 @@ def main() -> None:
                     for rate in (float(x) for x in args.rates.split(",")):
                         row = run_rate(url, rate, args.duration, args.prompt_tokens, args.output_tokens, engine_ms,
                                        stack_pids(sup), f"http://127.0.0.1:{mport}")
-                        print(json.dumps({"dispatchers": reps, "repeat": k, **row}), flush=True)
+                        print(json.dumps({"dispatchers": reps, "repeat": k, "traced": args.traced, **row}), flush=True)
             finally:
                 sup.down()
                 sup.cleanup()

@@ -59,6 +59,33 @@ def test_span_file_lines_parse_back_with_events_and_parent(tmp_path):
     assert rows[0]["end_time_unix_nano"] >= rows[0]["start_time_unix_nano"]
 
 
+def test_spans_are_recorded_only_once_something_exports_them(monkeypatch):
+    """No exporter: spans are not built (their ids still exist for logs, headers and propagation);
+    a span processor added later (a test's, an operator's) turns recording on, and the sampler
+    from OTEL_TRACES_SAMPLER still decides then."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    p = telemetry.make_tracer_provider("ingress", env={})
+    tracer = p.get_tracer("t")
+    with tracer.start_as_current_span("nobody exports this", attributes={"k": 1}) as span:
+        assert not span.is_recording()
+        assert telemetry.trace_id_of(span) is not None and "traceparent" in telemetry.inject_headers()
+    exported = InMemorySpanExporter()
+    p.add_span_processor(SimpleSpanProcessor(exported))
+    with tracer.start_as_current_span("exported") as span:
+        assert span.is_recording()
+    assert [s.name for s in exported.get_finished_spans()] == ["exported"]
+    p.shutdown()
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    p = telemetry.make_tracer_provider("ingress", env={})
+    p.add_span_processor(SimpleSpanProcessor(exported))
+    with p.get_tracer("t").start_as_current_span("sampled out") as span:
+        assert not span.is_recording()
+    p.shutdown()
+
+
 def test_w3c_context_round_trips_through_a_header_dict():
     p = telemetry.make_tracer_provider("ingress", env={})
     with p.get_tracer("t").start_as_current_span("s") as s:
