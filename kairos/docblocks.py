@@ -543,6 +543,7 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "control-plane": control_plane,
     "bus-floor": bus_floor,
     "control-plane-compare": control_plane_compare,
+    "control-plane-traced": lambda load: control_plane(load, "control-plane-traced"),
     "fidelity": fidelity,
     "bench-example": bench_example,
     "demo-default": demo_default,
