@@ -143,6 +143,15 @@ def post(port: int, body: dict, timeout: float = 30) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def stop_after_a_death(proc: subprocess.Popen, what: str) -> str:
+    """``kairos up`` is still serving after ``what`` died: SIGTERM it; it exits 1 (a child died during
+    the run). Returns its stderr."""
+    assert proc.poll() is None, f"kairos up stopped after {what} died"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 1
+    return proc.stderr.read()
+
+
 # -- tests ----------------------------------------------------------------------------------------
 
 def test_kairos_up_serves_and_stops_everything(tmp_path, spawn):
@@ -289,10 +298,7 @@ def test_a_dead_replica_does_not_stop_the_stack(tmp_path, spawn):
     for _ in range(3):  # served by dispatcher-1 (a request dispatcher-0 had pulled is redelivered)
         status, out = post(port, {"model": "kairos-emulated", "prompt": "still there?", "max_tokens": 3})
         assert status == 200, out
-    assert proc.poll() is None, "kairos up stopped after one replica died"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 1  # a child died during the run
-    err = proc.stderr.read()
+    err = stop_after_a_death(proc, "one replica")
     assert "dispatcher-0" in err and "keeps serving without it" in err and "stopping everything" not in err, err
 
 
@@ -306,10 +312,7 @@ def test_a_killed_bundled_nats_server_is_restarted_and_the_stack_serves_again(tm
         if status == 200:
             break
         assert status == 503 and time.monotonic() < deadline, (status, out)
-    assert proc.poll() is None, "kairos up stopped after the nats-server died"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 1  # a child died during the run
-    err = proc.stderr.read()
+    err = stop_after_a_death(proc, "the nats-server")
     assert "nats-server exited unexpectedly" in err and "restarted it on the same port" in err, err
     assert "stopping everything" not in err, err
 
@@ -335,10 +338,7 @@ def test_a_killed_state_aggregator_is_restarted_and_health_recovers(tmp_path, sp
         time.sleep(0.1)
     status, out = post(port, {"model": "kairos-emulated", "prompt": "still there?", "max_tokens": 3})
     assert status == 200, out
-    assert proc.poll() is None, "kairos up stopped after the aggregator died"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 1  # a child died during the run
-    err = proc.stderr.read()
+    err = stop_after_a_death(proc, "the aggregator")
     assert "state_aggregator exited unexpectedly" in err and "restarted it with the same configuration" in err, err
 
 
