@@ -2,8 +2,8 @@
 
 Per request (rules in :mod:`shared.routing`, decision in :mod:`shared.policy`):
 
-1. snapshot from the watched cluster view + watched reservations (+ this replica's deflections
-   whose reservation it has not seen yet), minus nodes excluded so far;
+1. snapshot from the watched cluster view + the reservations (watched, and from the nodes' job
+   answers) + this replica's deflection jobs not answered yet, minus nodes excluded so far;
 2. ``policy.decide``; a deflection onto a decode node whose slots are all held becomes a keep;
 3. the job goes to the node by request-reply; no responder, a timeout or a refusal excludes the
    node and routing starts over — a re-route, never a drop. A decode node refuses a deflection
