@@ -408,7 +408,7 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
             click.echo(P.deployment_auth_config(ids), nl=False)
             return
         files = P.write_secrets(P.GeneratedAuth.for_nodes(ids), Path(secrets_dir))
-    except SubjectError as exc:
+    except (SubjectError, P.RoleError) as exc:
         raise click.BadParameter(str(exc), param_hint="--nodes") from None
     except OSError as exc:
         raise click.BadParameter(f"cannot write into {secrets_dir}: {exc.strerror or exc}",

@@ -189,8 +189,22 @@ def _uniq(xs: list[str]) -> tuple[str, ...]:
 
 
 def cluster_users(nodes: list[str] | tuple[str, ...]) -> list[str]:
-    """Every user of a cluster with these node agents: the service roles, then ``agent-<node>``."""
-    return [*SERVICE_ROLES, *(agent_user(n) for n in nodes)]
+    """Every user of a cluster with these node agents: the service roles, then ``agent-<node>``.
+
+    Raises:
+        RoleError: a node id given twice (nats-server refuses a duplicate user), or two ids whose
+            users share a password variable (``decode-0`` and ``decode_0``:
+            :func:`password_env_var`; one of them could not log in).
+    """
+    users = [*SERVICE_ROLES, *(agent_user(n) for n in nodes)]
+    seen: dict[str, str] = {}
+    for u in users:
+        var = password_env_var(u)
+        if var in seen:
+            what = "is given twice" if seen[var] == u else f"and {seen[var]!r} share the password variable {var}"
+            raise RoleError(f"node user {u!r} {what}: node ids must be distinct after '-'/'_' and case")
+        seen[var] = u
+    return users
 
 
 def new_password() -> str:

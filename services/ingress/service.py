@@ -68,6 +68,9 @@ from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTimin
                          IngressTiming, NodeState, OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode,
                          encode, now_ms)
 
+#: Content-Encoding values whose request bodies the ingress reads (aiohttp decodes gzip and deflate)
+READABLE_ENCODINGS = frozenset({"identity", "gzip", "deflate"})
+
 
 #: set on a request once its SSE headers are sent (no error response can replace them any more)
 STREAM_STARTED = web.RequestKey("kairos_stream_started", bool)
@@ -714,6 +717,15 @@ class Ingress:
 
     async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         received = now_ms()
+        encodings = request.headers.getall("Content-Encoding", [])
+        if any(e.strip().lower() not in READABLE_ENCODINGS for e in encodings) or len(encodings) > 1:
+            # aiohttp decodes exactly one gzip or deflate; anything else would be read as it is
+            self.m.requests.labels(endpoint, "415").inc()
+            out = _err(415, f"unsupported Content-Encoding {clip(', '.join(encodings), 60)!r}: the ingress reads "
+                            "request bodies sent as identity, gzip or deflate (one encoding)",
+                       "unsupported_content_encoding")
+            out.force_close()  # the body is unread
+            return out
         try:
             async with asyncio.timeout(self.cfg.body_timeout_s):  # no task per request (wait_for makes one)
                 raw = await request.read()

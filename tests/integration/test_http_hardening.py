@@ -290,3 +290,13 @@ async def test_a_content_encoding_the_ingress_cannot_decode_is_415(small_nats):
             assert r.status == 415, (r.status, body)
         err = assert_openai_error(body, "unsupported_content_encoding")
         assert "gzip" in err["message"] and "install" not in err["message"].lower(), err
+        # aiohttp reads anything it does not decode as it is: refused before the body is read
+        for headers in ({"Content-Encoding": "gzip, br"}, {"Content-Encoding": "x-gzip"},
+                        {"Content-Encoding": "gzip, gzip"}, [("Content-Encoding", "gzip"), ("Content-Encoding", "br")]):
+            hdrs = [("Content-Type", "application/json"), *(headers.items() if isinstance(headers, dict) else headers)]
+            async with http.post(f"http://127.0.0.1:{ing.port}/v1/chat/completions",
+                                 data=json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                                 headers=hdrs) as r:
+                body = await r.read()
+                assert r.status == 415, (headers, r.status, body)
+            assert_openai_error(body, "unsupported_content_encoding")

@@ -159,3 +159,12 @@ def test_write_secrets_files_are_private_and_match_the_server_env(tmp_path):
     env = dict(ln.split("=", 1) for ln in (tmp_path / "s" / "nats-server.env").read_text().splitlines())
     assert env == {P.password_env_var(u): pw for u, pw in auth.passwords.items()}
     assert len(set(auth.passwords.values())) == len(auth.passwords)  # one password per role
+
+
+@pytest.mark.parametrize("nodes", [["decode-0", "decode-0"], ["decode-0", "decode_0"], ["a", "A"]])
+def test_node_ids_that_would_share_a_nats_user_or_password_variable_are_refused(nodes):
+    """A repeated id makes nats-server refuse the config (duplicate user); two ids with one
+    NATS_PASSWORD_<USER> variable leave one agent unable to log in."""
+    with pytest.raises(P.RoleError, match="node ids must be distinct"):
+        P.cluster_users(nodes)
+    assert len(P.cluster_users(["decode-0", "decode-1"])) == len(set(P.cluster_users(["decode-0", "decode-1"])))
