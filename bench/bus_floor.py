@@ -35,9 +35,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -213,24 +211,15 @@ def main() -> None:
         ap.error(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
     rates = [float(x) for x in args.rates.split(",")]
 
-    from kairos.up import _port_open, free_port, nats_server_binary
+    from contextlib import ExitStack
+
+    from kairos.up import start_bundled_nats
 
     for variant in variants:
-        with tempfile.TemporaryDirectory(prefix="kairos-busfloor-") as tmp:
-            port = free_port()
-            srv = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", tmp],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                deadline = time.monotonic() + 20
-                while not _port_open("127.0.0.1", port):
-                    if srv.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit("nats-server did not start")
-                    time.sleep(0.05)
-                for row in run_variant(f"nats://127.0.0.1:{port}", variant, rates, args.duration):
-                    print(json.dumps(row), flush=True)
-            finally:
-                srv.terminate()
-                srv.wait(10)
+        with ExitStack() as stack:
+            url = start_bundled_nats(stack, "kairos-busfloor-")
+            for row in run_variant(url, variant, rates, args.duration):
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

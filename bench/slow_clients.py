@@ -12,24 +12,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.ingress.config import IngressConfig  # noqa: E402
 from services.ingress.service import Ingress  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kairos.up import start_bundled_nats  # noqa: E402
 
 
 async def measure(nats_url: str, n: int, header_timeout_s: float) -> None:
@@ -63,25 +55,9 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=300)
     ap.add_argument("--header-timeout-s", type=float, default=IngressConfig.header_timeout_s)
     args = ap.parse_args()
-    store = Path(tempfile.mkdtemp(prefix="kairos-slow-"))
-    port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "nats-server"), "-js", "-a", "127.0.0.1", "-p",
-                             str(port), "-sd", str(store)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("nats-server did not start")
-                time.sleep(0.05)
-        asyncio.run(measure(f"nats://127.0.0.1:{port}", args.connections, args.header_timeout_s))
-    finally:
-        proc.terminate()
-        proc.wait(5)
-        shutil.rmtree(store, ignore_errors=True)
+    with ExitStack() as stack:
+        url = start_bundled_nats(stack, "kairos-slow-")
+        asyncio.run(measure(url, args.connections, args.header_timeout_s))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kairos.engines import SCHEDULER_CLS, VLLM_VERSION
+from kairos.up import start_bundled_nats, stop_process
 from services.node_agent.config import AgentConfig
 from shared.envconfig import to_env
 from shared.latency import FitRefused, LatencyModel, load_profile
@@ -69,28 +70,11 @@ class ProfileOptions:
     replay_rps: float | None = None
 
 
-def _start_nats(stack: ExitStack) -> str:
-    """A bundled nats-server (no authentication, temporary store) as a child process; returns its URL."""
-    from kairos.up import _port_open, free_port, nats_server_binary
-
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kairos-profile-nats-")))
-    port = free_port()
-    nats = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    stack.callback(_stop, nats)
-    deadline = time.monotonic() + 10
-    while not _port_open("127.0.0.1", port):
-        if nats.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("nats-server did not start")
-        time.sleep(0.05)
-    return f"nats://127.0.0.1:{port}"
-
-
 def _spawn(stack: ExitStack, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=str(Path(__file__).resolve().parent.parent))
-    stack.callback(_stop, proc)
+    stack.callback(stop_process, proc)
     return proc
 
 
@@ -110,7 +94,7 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
         RuntimeError: the nats-server or the vLLM server did not start (with its last log lines).
         FileNotFoundError: no vLLM virtualenv (``--vllm``).
     """
-    url = _start_nats(stack)
+    url = start_bundled_nats(stack, "kairos-profile-nats-")
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kairos-profile-")))
     engine: dict = {}
     logs = []
@@ -179,16 +163,6 @@ def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, t
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         r.read()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,38 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc`` if it still runs, SIGKILL it after 10 s, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_bundled_nats(stack: ExitStack, prefix: str = "kairos-nats-") -> str:
+    """A bundled ``nats-server -js`` (no authentication, a temporary store) as a child process,
+    stopped and its store removed when ``stack`` closes; returns its URL once it accepts
+    connections (``kairos profile``'s own NATS, the benchmarks').
+
+    Raises:
+        RuntimeError: it exited, or did not listen within 10 s.
+    """
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    port = free_port()
+    nats = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    stack.callback(stop_process, nats)
+    deadline = time.monotonic() + 10
+    while not _port_open("127.0.0.1", port):
+        if nats.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("nats-server did not start")
+        time.sleep(0.05)
+    return f"nats://127.0.0.1:{port}"
 
 
 def nats_server_binary() -> str:
