@@ -170,6 +170,8 @@ class NodeAgent:
         self._bus: BusWatch | None = None
         self._steps: list[StepRecordEvent] = []  #: step records not sent yet (:meth:`_queue_step`)
         self._steps_timer: asyncio.TimerHandle | None = None
+        #: the newest step-record publish (:meth:`_flush_steps`); each waits for the one before it
+        self._steps_sending: asyncio.Task | None = None
 
     def _truth(self) -> GroundTruth | None:
         """The emulated engine's ground truth from ``truth_profile``/``truth_scale`` (None: exact)."""
@@ -234,7 +236,7 @@ class NodeAgent:
             await self._runner.cleanup()
         self.tel.shutdown()
 
-    def _bg(self, coro) -> None:
+    def _bg(self, coro) -> asyncio.Task:
         t = asyncio.create_task(coro)
         self._tasks.add(t)
 
@@ -243,6 +245,7 @@ class NodeAgent:
             if not task.cancelled() and task.exception() is not None:
                 self.log.error("background_task_failed", error=repr(task.exception()))
         t.add_done_callback(done)
+        return t
 
     def _rlog(self, rid: str, span=None):
         """The logger for lines about ``rid``: request id and trace id bound."""
@@ -270,6 +273,12 @@ class NodeAgent:
                          kv_backlog_ms=sum(self.kv_backlog.values()), accepting=self.accepting and self.backend.available)
 
     async def _send_state(self) -> None:
+        # the records of the steps this heartbeat reflects go out before it, on the same connection:
+        # a consumer that sees the node idle has every record of the work that came before
+        # (the profiler stops listening at such a heartbeat, services/profiler/service.py _drain)
+        self._flush_steps()
+        if self._steps_sending is not None and not self._steps_sending.done():
+            await asyncio.wait({self._steps_sending})
         st = self.node_state()
         self.m.batch.labels(self.cfg.node_id).set(st.batch_size)
         self.m.kv_tokens.labels(self.cfg.node_id).set(st.kv_tokens)
@@ -595,9 +604,12 @@ class NodeAgent:
             self._steps_timer = None
         batch, self._steps = self._steps, []
         if batch and self.nc is not None:
-            self._bg(self._publish_steps(batch))
+            self._steps_sending = self._bg(self._publish_steps(batch, self._steps_sending))
 
-    async def _publish_steps(self, batch: list[StepRecordEvent]) -> None:
+    async def _publish_steps(self, batch: list[StepRecordEvent], previous: asyncio.Task | None) -> None:
+        """Publish ``batch`` after ``previous`` (the batch before it) went out: records stay in step order."""
+        if previous is not None and not previous.done():
+            await asyncio.wait({previous})
         try:
             await self.nc.publish(S.steps_subject(self.cfg.node_id), encode(batch))
         except Exception as exc:  # disconnected: the steps still count, their records are lost

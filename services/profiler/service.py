@@ -337,6 +337,9 @@ class Profiler:
             if replay:
                 counts = self.result.replay_counts = await self.replay(replay)
                 self.progress(f"replay of {len(replay)} requests {counts}: {len(self.result.events)} steps recorded")
+            # an idle heartbeat follows the records of every step before it (the node agent sends
+            # them first): after it, nothing the run caused is still on its way
+            await self._drain(list(self._live))
         finally:
             for rid in list(self._live):
                 try:

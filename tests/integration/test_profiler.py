@@ -169,3 +169,28 @@ async def test_trace_replay_mixes_deflections_and_handoffs_and_leaves_the_node_i
     finally:
         await nc.close()
         await agent.close()
+
+
+async def test_the_profiler_receives_the_record_of_every_step_the_engine_ran(nats_url):
+    """Heartbeats every 10 ms, step records batched for up to 50 ms: the idle heartbeat the
+    profiler ends on must not overtake the last steps' records (the agent sends them first).
+    Truth: the emulated engine's own step counter."""
+    from services.node_agent.agent import NodeAgent
+    from services.node_agent.config import AgentConfig
+    from services.profiler.service import Profiler
+    from shared.profiling import ProfileGrid
+
+    agent = NodeAgent(AgentConfig(node_id="decode-8", role="decode", nats_url=nats_url, metrics_port=-1,
+                                  state_period_ms=10.0), model=fast_model(scale=0.05))
+    await agent.start()
+    nc = await nats.connect(nats_url)
+    try:
+        grid = ProfileGrid(batch_sizes=(), contexts=(), chunks=(), prefill_chunks=(64, 128), chunk_steps=3)
+        prof = Profiler(nc, "decode-8", grid)
+        run = await asyncio.wait_for(prof.run(), 60)
+        steps = [e.step for e in run.events]
+        assert agent.backend.engine.steps > 0
+        assert steps == list(range(agent.backend.engine.steps)), (len(steps), agent.backend.engine.steps)
+    finally:
+        await nc.close()
+        await agent.close()

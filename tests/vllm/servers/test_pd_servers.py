@@ -51,6 +51,15 @@ class Stream:
     def records_since(self, mark: int) -> list:
         return [s.step_record for s in self.snaps[mark:] if s.step_record is not None]
 
+    async def settle(self, since_unix_ms: float, timeout: float = 30) -> None:
+        """Wait for a snapshot of the idle engine sent after ``since_unix_ms`` (wall clock, ms). ZMQ keeps
+        the publisher's order, so every step record of work that ended before then has arrived here:
+        this subscriber may run behind the agent's (another socket, a busy test process)."""
+        def idle_after() -> bool:
+            s = self.last
+            return s is not None and s.sent_unix_ms >= since_unix_ms and s.num_running == 0 and s.num_waiting == 0
+        await wait_until(idle_after, timeout, f"an idle snapshot from {self.sub.addr} (dropped: {self.sub.dropped})")
+
     async def close(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
@@ -171,6 +180,9 @@ async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_
     done = await c.wait()
     assert done.completion_tokens == c.tokens == 8 and done.node == "decode-0"
     await idle_kv(engines)  # the prefill node freed its blocks once the decode node read them
+    t = now_ms()
+    for st in streams.values():
+        await st.settle(t)
     pre, dec = (streams[n].records_since(marks[n]) for n in ("prefill-0", "decode-0"))
     assert sum(r.prefill_tokens for r in pre) == 600, [r.prefill_tokens for r in pre]
     assert sum(r.prefill_tokens for r in dec) == 1, [r.prefill_tokens for r in dec]
@@ -194,8 +206,10 @@ async def test_deflected_request_runs_its_chunk_schedule(cluster, engines):
     await c.start(nc, job)
     done = await c.wait()
     assert done.completion_tokens == 4
-    chunks = [ch for r in streams["decode-0"].records_since(mark) for ch in r.chunks if ch.request_id == "defl-1"]
-    assert [ch.tokens for ch in chunks] == [64, 128, 256, 152]
+    await streams["decode-0"].settle(now_ms())
+    recs = streams["decode-0"].records_since(mark)
+    chunks = [ch for r in recs for ch in r.chunks if ch.request_id == "defl-1"]
+    assert [ch.tokens for ch in chunks] == [64, 128, 256, 152], [(r.step, r.prefill_tokens, r.chunks) for r in recs]
     assert [ch.chunk_index for ch in chunks] == [0, 1, 2, 3]
     assert streams["prefill-0"].records_since(0) == [] or all(
         ch.request_id != "defl-1" for r in streams["prefill-0"].records_since(0) for ch in r.chunks)
@@ -240,10 +254,9 @@ async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster, engines):
     c = Client()
     await c.start(nc, job)
 
-    def prefilling() -> bool:
-        s = streams["prefill-0"].last
-        return s is not None and any(w.request_id == "cancel-1" and w.remaining_prefill_tokens < w.prompt_tokens
-                                     for w in s.waiting)
+    def prefilling() -> bool:  # any snapshot since the job: the latest may already be past it on a slow machine
+        return any(w.request_id == "cancel-1" and w.remaining_prefill_tokens < w.prompt_tokens
+                   for s in streams["prefill-0"].snaps[mark:] for w in s.waiting)
 
     await wait_until(prefilling, 120, "the prompt's first chunk computed")
     await nc.publish(S.CANCEL_SUBJECT, encode(Cancel(request_id="cancel-1", reason="client_disconnected")))
@@ -251,6 +264,7 @@ async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster, engines):
                                  for a in agents.values()), 30, "both agents dropped the request")
     # freed well before NIXL's 30 s lease would have released blocks held for a remote decode
     await idle_kv(engines, timeout=20)
+    await streams["prefill-0"].settle(now_ms())
     computed = sum(r.prefill_tokens for r in streams["prefill-0"].records_since(mark))
     assert 0 < computed < len(ids), f"the prefill was not cut short: {computed} of {len(ids)} tokens computed"
     assert "cancel-1" not in agents["decode-0"].jobs_received and c.end is None
@@ -273,6 +287,7 @@ async def test_profile_round_trip_fits_the_engines_own_step_times(cluster, engin
     mark = len(streams["decode-0"].snaps)
     run = await Profiler(nc, "decode-0", grid, background="deflect", served_model="tiny", step_timeout_s=60.0,
                          max_model_len=base.engine.max_model_len).run()
+    await streams["decode-0"].settle(now_ms())
     truth = {r.step: r for r in streams["decode-0"].records_since(mark)}
     matched = [(e, truth[e.step]) for e in run.events if e.step in truth]
     assert len(matched) >= 0.95 * max(len(run.events), len(truth)) > 0, (len(matched), len(run.events), len(truth))
