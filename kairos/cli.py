@@ -528,20 +528,14 @@ def profile(**kw) -> None:
     if kw["publish"] and self_contained:
         raise click.UsageError("--publish needs a cluster's NATS (--nats-url): the NATS of --emulated/--vllm goes "
                                "away with it; load the written artifact with --profile instead")
-    if kw["publish"] is None:
-        kw["publish"] = not self_contained
-    vllm = kw["vllm"]
-    for opt, default, vllm_default in (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
-                                       ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"),
-                                       ("served_model", "kairos-emulated", "kairos-vllm")):
-        if kw[opt] is None:
-            kw[opt] = vllm_default if vllm else default
-    if vllm and kw["background"] == "handoff":
+    if kw["vllm"] and kw["background"] == "handoff":
         raise click.BadParameter("vLLM cannot pull the KV cache of a pseudo prefill node: use --background deflect",
                                  param_hint="--background")
+    kw["version"] = kw.pop("version_")
+    opts = ProfileOptions(**kw)  # fills the engine-dependent defaults
     for opt in ("node_profile", "truth_profile", "base_profile"):
-        if kw[opt]:
-            load_model_or_exit(kw[opt], "--" + opt.replace("_", "-"))
+        if getattr(opts, opt):
+            load_model_or_exit(getattr(opts, opt), "--" + opt.replace("_", "-"))
     if kw["replay"]:
         from shared.workloads import WorkloadError, parse_workload
 
@@ -549,9 +543,8 @@ def profile(**kw) -> None:
             parse_workload(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1)
         except WorkloadError as exc:
             raise click.BadParameter(str(exc), param_hint="--replay") from None
-    kw["version"] = kw.pop("version_")
     try:
-        run_profile(ProfileOptions(**kw))
+        run_profile(opts)
     except FitRefused as exc:
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(1)
@@ -612,14 +605,9 @@ def _parse_policy_or_exit(spec: str, live: bool = False):
     """The parsed ``--policy``; a usage error (exit 2) for a bad spec, or — ``live`` (a command that
     runs the stack) — for a simulator-only policy (``taichi``: the node agents do not migrate decodes)."""
     try:
-        pol = parse_policy(spec)
+        return parse_policy(spec, live=live)
     except PolicyError as exc:
         raise click.BadParameter(str(exc), param_hint="--policy") from None
-    if live and pol.overrides.get("flowing_decode"):
-        raise click.BadParameter(f"{spec!r} is a simulator baseline: its prefill-heavy nodes decode and hand "
-                                 "running decodes over (flowing decode), which the node agents do not do; run it "
-                                 f"with `kairos sim --policy {spec}`", param_hint="--policy")
-    return pol
 
 
 if __name__ == "__main__":  # pragma: no cover

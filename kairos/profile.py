@@ -33,13 +33,21 @@ from kairos.engines import SCHEDULER_CLS, VLLM_VERSION
 from kairos.up import start_bundled_nats, stop_process
 from services.node_agent.config import AgentConfig
 from shared.envconfig import to_env
-from shared.latency import FitRefused, LatencyModel, load_profile
+from shared.latency import DEFAULT_PROFILE, FitRefused, LatencyModel, load_profile
 from shared.profiling import GRIDS, decode_spread, fit_summary
+
+
+#: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
+ENGINE_DEFAULTS = (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
+                   ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
 
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """Options of ``kairos profile`` (see ``kairos profile --help``)."""
+    """Options of ``kairos profile`` (see ``kairos profile --help``). ``None`` in ``grid``,
+    ``background``, ``base_profile``, ``served_model`` means the engine's default
+    (:data:`ENGINE_DEFAULTS`), in ``publish``: publish unless the node is self-contained
+    (``emulated``/``vllm``: its NATS goes away with the run)."""
 
     node: str = "decode-0"
     nats_url: str | None = None
@@ -49,25 +57,32 @@ class ProfileOptions:
     vllm_startup_timeout_s: float = 600.0
     records_out: str | None = None  #: also write the raw step records here (JSON lines of StepRecordEvent)
     command: str | None = None  #: the command line recorded in the provenance (None: this process's ``kairos …`` argv)
-    node_profile: str = "a100-dsv2lite"
+    node_profile: str = DEFAULT_PROFILE
     truth_profile: str | None = None
     truth_scale: float = 1.0
-    grid: str = "quick"
+    grid: str | None = None
     name: str | None = None
     version: str | None = None
     out: str | None = None
-    publish: bool = True
+    publish: bool | None = None
     max_mape: float | None = 10.0
-    base_profile: str = "a100-dsv2lite"
+    base_profile: str | None = None
     engine: str | None = None
-    served_model: str = "kairos-emulated"
+    served_model: str | None = None
     label: str | None = None
-    background: str = "handoff"
+    background: str | None = None
     quiet: bool = False
     connect_timeout_s: float = 10.0
     replay: str | None = None  #: workload spec replayed after the grid (``azure-code:busiest``, ``bursty``)
     replay_duration_s: float = 30.0
     replay_rps: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, default, vllm_default in ENGINE_DEFAULTS:
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, vllm_default if self.vllm else default)
+        if self.publish is None:
+            object.__setattr__(self, "publish", not (self.emulated or self.vllm))
 
 
 def _spawn(stack: ExitStack, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -38,7 +38,7 @@ class DispatcherConfig(MetricsServiceConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            parse_policy(self.policy)
+            parse_policy(self.policy, live=True)
         except PolicyError as exc:
             require(False, "policy", str(exc))
         try:

@@ -94,16 +94,31 @@ class Policy:
         return self.fn(self.spec, snap, model, self.params(params))
 
 
-def parse_policy(spec: str) -> Policy:
+def simulator_only(name: str) -> bool:
+    """True for a policy the live stack cannot run (``taichi``: its prefill-heavy nodes hand running
+    decodes over — flowing decode — which the node agents do not do); ``kairos sim`` runs it."""
+    return bool(POLICIES[name][1].get("flowing_decode"))
+
+
+def parse_policy(spec: str, live: bool = False) -> Policy:
     """Parse ``name[:arg[:arg]]`` (``sl:1024``, ``sq:1``, ``dynamo:1000:2``, ``kairos``).
 
+    ``live``: for the dispatcher (``kairos up``/``demo``, compose), which refuses the
+    :func:`simulator_only` policies and leaves them out of the known ones.
+
     Raises:
-        PolicyError: unknown name or bad arguments; the message lists the known policies.
+        PolicyError: unknown name, bad arguments or (``live``) a simulator-only policy; the message
+            lists the known policies.
     """
     name, *raw = spec.strip().split(":")
+    known = sorted(n for n in POLICIES if not (live and simulator_only(n)))
     if name not in POLICIES:
-        raise PolicyError(f"unknown policy {spec!r}; known: {', '.join(sorted(POLICIES))} "
-                          "(e.g. pd, sq:1, sl:1024, dynamo, kairos, kairos+, taichi)")
+        raise PolicyError(f"unknown policy {spec!r}; known: {', '.join(known)} "
+                          f"(e.g. pd, sq:1, sl:1024, dynamo, kairos, kairos+{'' if live else ', taichi'})")
+    if live and simulator_only(name):
+        raise PolicyError(f"{spec!r} is a simulator baseline: its prefill-heavy nodes decode and hand running decodes "
+                          f"over (flowing decode), which the node agents do not do; run it with "
+                          f"`kairos sim --policy {spec}` (live policies: {', '.join(known)})")
     try:
         args = [int(a) for a in raw]
     except ValueError:
@@ -133,5 +148,5 @@ def decide(policy: str | Policy, snap: ClusterSnapshot, model: LatencyModel,
     return pol.decide(snap, model, params or PolicyParams())
 
 
-__all__ = ["Decision", "PolicyParams", "PolicyError", "Policy", "POLICIES", "parse_policy", "parse_policies",
+__all__ = ["Decision", "PolicyParams", "PolicyError", "Policy", "POLICIES", "parse_policy", "parse_policies", "simulator_only",
            "decide", "DEFAULT_CANDIDATES"]

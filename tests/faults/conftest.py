@@ -37,7 +37,7 @@ from typing import Any, Callable
 import aiohttp
 import pytest
 
-from kairos.up import Child, UpOptions, nats_server_binary, plan
+from kairos.up import Child, UpOptions, free_port, nats_server_binary, plan
 from shared import permissions as P
 from shared.emulated_text import emulated_completion
 from shared.wire import SamplingParams
@@ -56,12 +56,6 @@ FAULT_ENV = {
     "KAIROS_IDLE_TIMEOUT_S": "30",
     "KAIROS_LOG_FORMAT": "json",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _PROMPTS = iter(range(10, 10 ** 9))

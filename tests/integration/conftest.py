@@ -21,6 +21,7 @@ import aiohttp
 import nats
 import pytest
 
+from kairos.up import free_port, stop_process
 from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.service import Dispatcher
 from services.ingress.config import IngressConfig
@@ -33,12 +34,6 @@ from shared import subjects as S
 from shared.latency import LatencyModel, load_profile
 
 NATS_BIN = Path(sys.executable).parent / "nats-server"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fast_model(scale: float = 0.25, link_scale: float = 0.25) -> LatencyModel:
@@ -90,11 +85,7 @@ def running_nats(store: Path, *extra: str, env: dict[str, str] | None = None):
                 time.sleep(0.02)
         yield port
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         out.close()
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ from kairos.bench import (BenchConfig, BenchError, SSEParser, StreamState, build
                           deflect_delta, make_record, parse_deflect_counter, prompt_token_ids, request_body,
                           run_bench)
 from kairos.cli import main
+from kairos.up import free_port
 from shared.metrics import format_table, summarize
 from shared.workloads import WorkloadRequest, load_plain_csv
 
@@ -199,14 +199,6 @@ def serve(fake: FakeOpenAI):
 def write_csv(path: Path, rows: list[tuple[float, int, int]]) -> Path:
     path.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{a},{p},{o}\n" for a, p, o in rows))
     return path
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # --- pure pieces -----------------------------------------------------------------------------------

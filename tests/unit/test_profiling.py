@@ -117,3 +117,15 @@ def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_thresh
     # 2 layers × K and V × 2 KV heads × 64 × float32
     card = meta["model_card"]
     assert m.kv_bytes_per_token == card["num_hidden_layers"] * 2 * card["num_key_value_heads"] * card["head_dim"] * 4
+
+
+def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
+    from kairos.profile import ProfileOptions
+
+    v = ProfileOptions(vllm=True)
+    assert (v.grid, v.background, v.base_profile, v.served_model, v.publish) == \
+        ("cpu-tiny", "deflect", "cpu-tiny-vllm", "kairos-vllm", False)
+    e = ProfileOptions(emulated=True)
+    assert (e.grid, e.background, e.served_model, e.publish) == ("quick", "handoff", "kairos-emulated", False)
+    assert ProfileOptions(nats_url="nats://x:4222").publish is True
+    assert ProfileOptions(vllm=True, grid="paper", publish=False).grid == "paper"
