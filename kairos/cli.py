@@ -511,28 +511,17 @@ def demo(**opts) -> None:
               show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
 def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
-    from kairos.profile import ProfileOptions, run_profile
+    from kairos.profile import ProfileOptions, ProfileOptionsError, run_profile
     from services.profiler.service import ProfileError
     from shared.bus import BusAuthError
     from shared.envconfig import ConfigError
     from shared.latency import FitRefused
 
-    if kw["emulated"] and kw["vllm"]:
-        raise click.UsageError("--emulated and --vllm are two different self-contained nodes: choose one")
-    if (kw["emulated"] or kw["vllm"]) and kw["nats_url"]:
-        raise click.UsageError(f"--{'vllm' if kw['vllm'] else 'emulated'} starts its own NATS; do not pass --nats-url "
-                               "with it")
-    if kw["model_dir"] and not kw["vllm"]:
-        raise click.UsageError("--model is the model of the --vllm server; pass --vllm with it")
-    self_contained = kw["emulated"] or kw["vllm"]
-    if kw["publish"] and self_contained:
-        raise click.UsageError("--publish needs a cluster's NATS (--nats-url): the NATS of --emulated/--vllm goes "
-                               "away with it; load the written artifact with --profile instead")
-    if kw["vllm"] and kw["background"] == "handoff":
-        raise click.BadParameter("vLLM cannot pull the KV cache of a pseudo prefill node: use --background deflect",
-                                 param_hint="--background")
     kw["version"] = kw.pop("version_")
-    opts = ProfileOptions(**kw)  # fills the engine-dependent defaults
+    try:
+        opts = ProfileOptions(**kw)  # checks the combination, fills the engine-dependent defaults
+    except ProfileOptionsError as exc:
+        raise click.BadParameter(str(exc), param_hint=exc.option) from None
     for opt in ("node_profile", "truth_profile", "base_profile"):
         if getattr(opts, opt):
             load_model_or_exit(getattr(opts, opt), "--" + opt.replace("_", "-"))
@@ -546,7 +535,8 @@ def profile(**kw) -> None:
     try:
         run_profile(opts)
     except FitRefused as exc:
-        click.echo(f"kairos profile: {exc}", err=True)
+        click.echo(f"kairos profile: {exc}; no artifact written{' or published' if opts.publish else ''} "
+                   f"(--max-mape sets the limit; single CPU steps are noisy: docs/calibration.md)", err=True)
         sys.exit(1)
     except (ProfileError, RuntimeError, OSError) as exc:
         click.echo(f"kairos profile: {exc}", err=True)

@@ -37,6 +37,14 @@ from shared.latency import DEFAULT_PROFILE, FitRefused, LatencyModel, load_profi
 from shared.profiling import GRIDS, decode_spread, fit_summary
 
 
+class ProfileOptionsError(ValueError):
+    """:class:`ProfileOptions` that cannot run together; ``option`` is the CLI option to blame."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
 #: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
 ENGINE_DEFAULTS = (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
                    ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
@@ -78,6 +86,21 @@ class ProfileOptions:
     replay_rps: float | None = None
 
     def __post_init__(self) -> None:
+        """Fill the engine defaults; raises :class:`ProfileOptionsError` for combinations that cannot run."""
+        if self.emulated and self.vllm:
+            raise ProfileOptionsError("--vllm", "--emulated and --vllm are two different self-contained nodes: choose one")
+        if (self.emulated or self.vllm) and self.nats_url:
+            raise ProfileOptionsError("--nats-url", f"--{'vllm' if self.vllm else 'emulated'} starts its own NATS; do "
+                                                    "not pass --nats-url with it")
+        if self.model_dir and not self.vllm:
+            raise ProfileOptionsError("--model", "--model is the model of the --vllm server; pass --vllm with it")
+        if self.publish and (self.emulated or self.vllm):
+            raise ProfileOptionsError("--publish", "--publish needs a cluster's NATS (--nats-url): the NATS of "
+                                                   "--emulated/--vllm goes away with it; load the written artifact "
+                                                   "with --profile instead")
+        if self.vllm and self.background == "handoff":
+            raise ProfileOptionsError("--background", "vLLM cannot pull the KV cache of a pseudo prefill node: use "
+                                                      "--background deflect")
         for name, default, vllm_default in ENGINE_DEFAULTS:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, vllm_default if self.vllm else default)
@@ -182,18 +205,21 @@ def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, t
 
 async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
                    info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
-    from services.profiler.service import Profiler, fit_run, publish_model
-    from shared.bus import close, connect, connect_service
+    from services.profiler.service import ProfileError, Profiler, fit_run, publish_model
+    from shared.bus import close, connect, connect_error_hint, connect_service
     from shared.envconfig import ServiceConfig, from_env
 
     # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
     # from the environment, as the services do; the bundled --emulated NATS has no authentication
-    login = connect(url, "kairos-profile") if opts.emulated or opts.vllm else connect_service(
-        from_env(ServiceConfig, nats_url=url), "kairos-profile")
+    errors: list[Exception] = []
+    login = connect(url, "kairos-profile", errors=errors) if opts.emulated or opts.vllm else connect_service(
+        from_env(ServiceConfig, nats_url=url), "kairos-profile", errors=errors)
     try:  # connect() retries forever (services may start before NATS); a one-shot command gives up
         nc = await asyncio.wait_for(login, opts.connect_timeout_s)
     except asyncio.TimeoutError:
-        raise RuntimeError(f"cannot reach NATS at {url} within {opts.connect_timeout_s:g} s") from None
+        hint = connect_error_hint(errors)
+        raise RuntimeError(f"cannot connect to NATS at {url} within {opts.connect_timeout_s:g} s"
+                           + (f": {hint}" if hint else "")) from None
     try:
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))
@@ -205,8 +231,15 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
             replay = parse_workload(opts.replay, opts.replay_rps, opts.replay_duration_s, 1,
                                     max_model_len=base.engine.max_model_len)
         load_before = os.getloadavg()
-        run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
-                             progress=say, max_model_len=base.engine.max_model_len).run(replay)
+        try:
+            run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
+                                 progress=say, max_model_len=base.engine.max_model_len).run(replay)
+        except ProfileError as exc:
+            if opts.records_out and exc.partial is not None and exc.partial.events:
+                _write_records(opts.records_out, exc.partial.events)
+                raise ProfileError(f"{exc} (the {len(exc.partial.events)} step records collected until then are in "
+                                   f"{opts.records_out})") from exc
+            raise
         run.extra["load_average"] = {"before": [round(x, 2) for x in load_before],
                                      "after": [round(x, 2) for x in os.getloadavg()], "of": "1, 5, 15 min"}
         run.extra["decode_spread"] = decode_spread(run.events)
@@ -218,11 +251,7 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
         label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
                                + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
         if opts.records_out:
-            from shared.wire import encode
-
-            Path(opts.records_out).parent.mkdir(parents=True, exist_ok=True)
-            with open(opts.records_out, "wb") as f:
-                f.writelines(encode(e) + b"\n" for e in run.events)
+            _write_records(opts.records_out, run.events)
         model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",
                         version=opts.version, base=base, engine=engine, served_model=opts.served_model, label=label,
                         max_mape=opts.max_mape)
@@ -230,6 +259,15 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
         return model, revisions
     finally:
         await close(nc)
+
+
+def _write_records(path: str, events: list) -> None:
+    """The raw step records as JSON lines (one :class:`~shared.wire.StepRecordEvent` each)."""
+    from shared.wire import encode
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.writelines(encode(e) + b"\n" for e in events)
 
 
 def run_profile(opts: ProfileOptions) -> LatencyModel:

@@ -98,14 +98,23 @@ def tls_context(cfg) -> ssl.SSLContext | None:
     return ctx
 
 
-async def connect_service(cfg, name: str, log=None) -> Client:
+async def connect_service(cfg, name: str, log=None, errors: list[Exception] | None = None) -> Client:
     """:func:`connect` to ``cfg.nats_url`` with the credential and TLS settings of ``cfg`` (a
     :class:`shared.envconfig.ServiceConfig`). Raises BusAuthError for unusable files."""
-    return await connect(cfg.nats_url, name, log, auth=BusAuth.from_config(cfg), tls=tls_context(cfg))
+    return await connect(cfg.nats_url, name, log, auth=BusAuth.from_config(cfg), tls=tls_context(cfg), errors=errors)
+
+
+def connect_error_hint(errors: list[Exception]) -> str:
+    """Why connecting failed, for a one-shot command's message: a refused login names the
+    credential variables (docs/security.md); otherwise the last error, if any (empty string)."""
+    if any(isinstance(e, nats.errors.AuthorizationError) or "authorization" in str(e).lower() for e in errors):
+        return ("the server refused the login (Authorization Violation): set KAIROS_NATS_USER and "
+                "KAIROS_NATS_PASSWORD or KAIROS_NATS_PASSWORD_FILE (docs/security.md)")
+    return f"last error: {errors[-1]!r}" if errors else ""
 
 
 async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
-                  tls: ssl.SSLContext | None = None) -> Client:
+                  tls: ssl.SSLContext | None = None, errors: list[Exception] | None = None) -> Client:
     """Connect with reconnects forever (a restarted nats-server is picked up again).
 
     The first connection is retried forever too (every 0.5 s, each failure logged as
@@ -114,9 +123,13 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
     With ``auth`` the client logs in as that user and uses its private inbox prefix
     (:func:`shared.permissions.inbox_prefix`); a refused login is logged as ``nats_error``
     (``Authorization Violation``). ``tls``: the client TLS context (:func:`tls_context`).
+    ``errors``: every connection error is also appended here (a one-shot command that gives up
+    says why: :func:`connect_error_hint`).
     """
 
     async def on_error(exc: Exception) -> None:
+        if errors is not None:
+            errors.append(exc)
         if log is not None:
             log.warning("nats_error", error=repr(exc))
 

@@ -481,7 +481,7 @@ def fit_latency_model(
     if max_mape is not None:
         bad = {k: round(v, 2) for k, v in mapes.items() if v is not None and v > max_mape}
         if bad:
-            raise FitRefused(f"held-out MAPE above {max_mape} % for {bad}: not publishing {name}@{version}", model)
+            raise FitRefused(f"fit of {name}@{version} refused: held-out MAPE above {max_mape} % for {bad}", model)
     return model
 
 

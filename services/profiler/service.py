@@ -44,8 +44,15 @@ PROMPT_ID_RANGE = (7, 1000)
 BACKGROUND_TOKENS = 1024
 
 
+#: a node silent for this long (and at least 10 heartbeat periods) during a run has stopped (s)
+HEARTBEAT_LOSS_S = 5.0
+
+
 class ProfileError(RuntimeError):
-    """The node did not take the profiler's work (refused, silent or lost it): the message says which."""
+    """The node did not take the profiler's work (refused, silent or lost it): the message says which.
+    ``partial`` holds what the run collected until then (its step records), if anything."""
+
+    partial: "ProfileRun | None" = None
 
 
 @dataclass
@@ -83,12 +90,14 @@ class Profiler:
             a real engine mid-run.
         seed: seed of the random prompt token ids.
         progress: called with one line per grid point (None: silent).
+        heartbeat_loss_s: the run fails (ProfileError) once the node has sent no heartbeat for this
+            long, and at least 10 of its heartbeat periods (seconds).
     """
 
     def __init__(self, nc, node: str, grid: ProfileGrid, *, background: str = "handoff",
                  served_model: str = "kairos-emulated", step_timeout_s: float = 10.0,
                  progress: Callable[[str], None] | None = None, seed: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, heartbeat_loss_s: float = HEARTBEAT_LOSS_S) -> None:
         if background not in ("handoff", "deflect"):
             raise ValueError(f"background must be handoff or deflect, got {background!r}")
         self.nc, self.node, self.grid = nc, S.check_token(node, "node id"), grid
@@ -106,6 +115,8 @@ class Profiler:
         self._outs: dict[str, asyncio.Future] = {}
         self._live: set[str] = set()
         self._subs: list = []
+        self._state_rx: float | None = None  #: monotonic time of the node's last heartbeat (s)
+        self.heartbeat_loss_s = heartbeat_loss_s
 
     # -- bus plumbing ---------------------------------------------------------------------------
     async def _on_step(self, msg) -> None:
@@ -120,7 +131,24 @@ class Profiler:
             self.state = decode(msg.data, NodeState)
         except WireError:
             return
+        self._state_rx = time.monotonic()
         self._changed.set()
+
+    async def _watch_heartbeats(self) -> None:
+        """Raise ProfileError once the node has been silent for ``heartbeat_loss_s`` (at least 10
+        heartbeat periods) after its first heartbeat: its agent died, or this profiler lost NATS."""
+        while True:
+            limit = self.heartbeat_loss_s
+            if self.state is not None:
+                limit = max(limit, 10 * self.state.period_ms / 1000.0)
+            age = None if self._state_rx is None else time.monotonic() - self._state_rx
+            if age is not None and age > limit:
+                if not self.nc.is_connected:
+                    raise ProfileError(f"lost the connection to NATS ({age:.0f} s without a heartbeat of node "
+                                       f"{self.node})")
+                raise ProfileError(f"node {self.node} sent no heartbeat for {age:.0f} s: its agent stopped or lost "
+                                   "NATS")
+            await asyncio.sleep(min(1.0, limit / 5))
 
     async def _on_out(self, msg) -> None:
         try:
@@ -297,59 +325,79 @@ class Profiler:
                       await self.nc.subscribe(S.state_subject(self.node), cb=self._on_state)]
         await flush_barrier(self.nc)
         self.result.started_unix_ms = now_ms()
-        g = self.grid
+        grid_task = asyncio.ensure_future(self._run_grid(replay))
+        watchdog = asyncio.ensure_future(self._watch_heartbeats())
         try:
-            await self._until(lambda: self.state is not None, 10.0, "sent no heartbeat")
-            if self.state.role != "decode":
-                raise ProfileError(f"node {self.node} is a {self.state.role} node; profile a decode node "
-                                   "(its engine runs prefill-only, decode-only and mixed steps)")
-            await self._drain([])
-            self.result.extra["idle_free_kv_tokens"] = self.state.free_kv_tokens  # the node's KV capacity, measured
-            for n in g.prefill_chunks:  # prefill-only steps with a growing cached prefix
-                if not self._fits(g.chunk_steps * n, 1):
-                    self.progress(f"prefill-only χ={n}: skipped, {g.chunk_steps} × {n} prompt tokens exceed the "
-                                  f"node's context {self.max_model_len}")
-                    continue
-                for _ in range(g.repeats):
-                    await self._chunks(g.chunk_steps * n, n)
-                self.progress(f"prefill-only χ={n}: {len(self.result.events)} steps recorded")
-            for batch, ctx, chis in g.mixed_plan():
-                fit = [chi for chi in chis if self._fits(g.chunk_steps * (chi - batch), 1)]
-                if self._background_tokens(ctx) < self.grid.decode_dwell_steps or not fit:
-                    self.progress(f"B={batch} ctx={ctx}: skipped, its requests exceed the node's context "
-                                  f"{self.max_model_len}")
-                    continue
-                if fit != chis:
-                    self.progress(f"B={batch} ctx={ctx}: χ={sorted(set(chis) - set(fit))} skipped (prompts exceed "
-                                  f"the node's context {self.max_model_len})")
-                    chis = fit
-                need = batch * (ctx + self._background_tokens(ctx))
-                if self.state is not None and need > self.state.free_kv_tokens:
-                    self.progress(f"B={batch} ctx={ctx}: skipped, needs {need} KV tokens, node has "
-                                  f"{self.state.free_kv_tokens} free")
-                    continue
-                rids = await self._background(batch, ctx)
-                for chi in chis:
-                    for _ in range(g.repeats):
-                        await self._chunks(g.chunk_steps * (chi - batch), chi, batch)
-                self.progress(f"B={batch} ctx={ctx} χ={chis}: {len(self.result.events)} steps recorded")
-                await self._drain(rids)
-            if replay:
-                counts = self.result.replay_counts = await self.replay(replay)
-                self.progress(f"replay of {len(replay)} requests {counts}: {len(self.result.events)} steps recorded")
-            # an idle heartbeat follows the records of every step before it (the node agent sends
-            # them first): after it, nothing the run caused is still on its way
-            await self._drain(list(self._live))
+            await asyncio.wait({grid_task, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not grid_task.done():  # the node went silent: stop the grid, report why
+                grid_task.cancel()
+                await asyncio.gather(grid_task, return_exceptions=True)
+                watchdog.result()
+            grid_task.result()
+        except ProfileError as exc:
+            exc.partial = self.result
+            raise
         finally:
+            for t in (grid_task, watchdog):
+                t.cancel()
+            await asyncio.gather(grid_task, watchdog, return_exceptions=True)
             for rid in list(self._live):
                 try:
                     await publish(self.nc, S.CANCEL_SUBJECT, Cancel(request_id=rid, reason="profiler"))
                 except Exception:
                     pass
             for sub in self._subs:
-                await sub.unsubscribe()
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # the connection is gone: so is the subscription
+                    pass
             self.result.finished_unix_ms = now_ms()
         return self.result
+
+    async def _run_grid(self, replay: Sequence[WorkloadRequest]) -> None:
+        """The body of :meth:`run`: the grid's phases, the replay, the final idle heartbeat."""
+        g = self.grid
+        await self._until(lambda: self.state is not None, 10.0, "sent no heartbeat")
+        if self.state.role != "decode":
+            raise ProfileError(f"node {self.node} is a {self.state.role} node; profile a decode node "
+                               "(its engine runs prefill-only, decode-only and mixed steps)")
+        await self._drain([])
+        self.result.extra["idle_free_kv_tokens"] = self.state.free_kv_tokens  # the node's KV capacity, measured
+        for n in g.prefill_chunks:  # prefill-only steps with a growing cached prefix
+            if not self._fits(g.chunk_steps * n, 1):
+                self.progress(f"prefill-only χ={n}: skipped, {g.chunk_steps} × {n} prompt tokens exceed the "
+                              f"node's context {self.max_model_len}")
+                continue
+            for _ in range(g.repeats):
+                await self._chunks(g.chunk_steps * n, n)
+            self.progress(f"prefill-only χ={n}: {len(self.result.events)} steps recorded")
+        for batch, ctx, chis in g.mixed_plan():
+            fit = [chi for chi in chis if self._fits(g.chunk_steps * (chi - batch), 1)]
+            if self._background_tokens(ctx) < self.grid.decode_dwell_steps or not fit:
+                self.progress(f"B={batch} ctx={ctx}: skipped, its requests exceed the node's context "
+                              f"{self.max_model_len}")
+                continue
+            if fit != chis:
+                self.progress(f"B={batch} ctx={ctx}: χ={sorted(set(chis) - set(fit))} skipped (prompts exceed "
+                              f"the node's context {self.max_model_len})")
+                chis = fit
+            need = batch * (ctx + self._background_tokens(ctx))
+            if self.state is not None and need > self.state.free_kv_tokens:
+                self.progress(f"B={batch} ctx={ctx}: skipped, needs {need} KV tokens, node has "
+                              f"{self.state.free_kv_tokens} free")
+                continue
+            rids = await self._background(batch, ctx)
+            for chi in chis:
+                for _ in range(g.repeats):
+                    await self._chunks(g.chunk_steps * (chi - batch), chi, batch)
+            self.progress(f"B={batch} ctx={ctx} χ={chis}: {len(self.result.events)} steps recorded")
+            await self._drain(rids)
+        if replay:
+            counts = self.result.replay_counts = await self.replay(replay)
+            self.progress(f"replay of {len(replay)} requests {counts}: {len(self.result.events)} steps recorded")
+        # an idle heartbeat follows the records of every step before it (the node agent sends
+        # them first): after it, nothing the run caused is still on its way
+        await self._drain(list(self._live))
 
 
 def fit_run(run: ProfileRun, *, node: str, grid_name: str, grid: ProfileGrid, name: str, version: str | None,

@@ -265,3 +265,15 @@ async def test_committed_compose_auth_config_reads_passwords_from_the_environmen
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
             await nats.connect(url, user="ingress", password=pw["dispatcher"], allow_reconnect=False,
                                max_reconnect_attempts=0, connect_timeout=2)
+
+
+def test_kairos_profile_without_credentials_says_the_login_was_refused(secure_nats, monkeypatch):
+    from click.testing import CliRunner
+
+    from kairos.cli import main
+
+    url, _ = secure_nats
+    for var in ("KAIROS_NATS_USER", "KAIROS_NATS_PASSWORD", "KAIROS_NATS_PASSWORD_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    res = CliRunner().invoke(main, ["profile", "--nats-url", url, "--no-publish", "--connect-timeout", "2"])
+    assert res.exit_code == 1 and "refused the login" in res.stderr and "KAIROS_NATS_USER" in res.stderr, res.output

@@ -67,7 +67,7 @@ def test_kairos_profile_rejects_bad_input(args, hint):
 def test_kairos_profile_without_nats_gives_up_with_a_message():
     res = CliRunner().invoke(main, ["profile", "--nats-url", "nats://127.0.0.1:1", "--no-publish",
                                     "--connect-timeout", "1"])
-    assert res.exit_code == 1 and "cannot reach NATS" in res.stderr
+    assert res.exit_code == 1 and "cannot connect to NATS" in res.stderr
 
 
 def test_decode_spread_is_the_mape_around_each_batch_sizes_median():
@@ -129,3 +129,16 @@ def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
     assert (e.grid, e.background, e.served_model, e.publish) == ("quick", "handoff", "kairos-emulated", False)
     assert ProfileOptions(nats_url="nats://x:4222").publish is True
     assert ProfileOptions(vllm=True, grid="paper", publish=False).grid == "paper"
+
+
+@pytest.mark.parametrize("kw,option", [
+    (dict(vllm=True, background="handoff"), "--background"), (dict(vllm=True, publish=True), "--publish"),
+    (dict(emulated=True, vllm=True), "--vllm"), (dict(emulated=True, nats_url="nats://x:4222"), "--nats-url"),
+    (dict(model_dir="."), "--model"),
+])
+def test_profile_options_refuse_what_cannot_run_from_python_too(kw, option):
+    from kairos.profile import ProfileOptions, ProfileOptionsError
+
+    with pytest.raises(ProfileOptionsError) as err:
+        ProfileOptions(**kw)
+    assert err.value.option == option
