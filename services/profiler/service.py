@@ -28,7 +28,7 @@ import numpy as np
 from shared import subjects as S
 from shared.bus import ensure_models_bucket, flush_barrier, publish, request_typed
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
-from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records
+from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records, warmup_steps
 from shared.workloads import WorkloadRequest
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
                          OutEvent, SamplingParams, StepRecordEvent, WireError, decode, decode_step_records, now_ms)
@@ -408,12 +408,14 @@ def fit_run(run: ProfileRun, *, node: str, grid_name: str, grid: ProfileGrid, na
         FitRefused: held-out MAPE above ``max_mape`` (nothing may be published).
         ValueError: too few valid steps of a kind.
     """
+    warm = warmup_steps(run.events)  # a new step shape's one-off cost is not what serving sees
     meta = provenance(node=node, grid_name=grid_name, grid=grid, events=run.events, engine=engine,
                       served_model=served_model, label=label, started_unix_ms=run.started_unix_ms,
                       finished_unix_ms=run.finished_unix_ms,
-                      extra={**({"replay": run.replay_counts} if run.replay_counts else {}), **run.extra})
-    return fit_latency_model(run.records, name=name, version=version or default_version(), base=base,
-                             metadata=meta, max_mape=max_mape)
+                      extra={**({"replay": run.replay_counts} if run.replay_counts else {}), **run.extra,
+                             "warmup_steps": len(warm)})
+    return fit_latency_model(step_records(e for e in run.events if e.step not in warm), name=name,
+                             version=version or default_version(), base=base, metadata=meta, max_mape=max_mape)
 
 
 async def publish_model(nc, model: LatencyModel, current: bool = True) -> dict[str, int]:

@@ -78,6 +78,10 @@ def test_profile_an_emulated_node_recovers_its_hidden_truth_within_3_percent(tmp
     meta = fitted.metadata
     for key in ("hardware", "engine", "model", "date", "grid", "steps_recorded", "fit"):
         assert key in meta, key
+    # each prefill composition's first step was left out of the fit (none of the samples it counts)
+    assert 0 < meta["warmup_steps"] < meta["steps_recorded"]
+    assert sum(meta["fit"]["samples"].values()) + meta["fit"]["rejected"]["invalid"] == \
+        meta["steps_recorded"] - meta["warmup_steps"]
     assert set(meta["fit"]["samples"]) == {"prefill", "decode", "mixed"}
     assert all(v is not None and v <= 10.0 for v in fitted.mape.values())
 

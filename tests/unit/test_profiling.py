@@ -142,3 +142,16 @@ def test_profile_options_refuse_what_cannot_run_from_python_too(kw, option):
     with pytest.raises(ProfileOptionsError) as err:
         ProfileOptions(**kw)
     assert err.value.option == option
+
+
+def test_warmup_steps_are_the_first_of_each_prefill_composition_in_step_order():
+    from shared.profiling import warmup_steps
+
+    def ev(step, b, p):
+        return StepRecordEvent(node="d0", role="decode", step=step, started_unix_ms=0.0, wall_ms=1.0,
+                               predicted_ms=1.0, batch_size=b, kv_tokens=0, prefill_tokens=p)
+
+    # arrival order differs from step order; decode-only steps (p = 0) are never warm-up steps
+    evs = [ev(3, 0, 64), ev(1, 0, 64), ev(2, 4, 0), ev(4, 4, 60), ev(5, 4, 60), ev(6, 0, 128), ev(7, 4, 0),
+           ev(8, 2, 60)]
+    assert warmup_steps(evs) == {1, 4, 6, 8}
