@@ -206,7 +206,7 @@ def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, t
 async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
                    info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
     from services.profiler.service import ProfileError, Profiler, fit_run, publish_model
-    from shared.bus import close, connect, connect_error_hint, connect_service
+    from shared.bus import close, connect, connect_error_hint, connect_service, is_auth_error
     from shared.envconfig import ServiceConfig, from_env
 
     # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
@@ -214,12 +214,20 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
     errors: list[Exception] = []
     login = connect(url, "kairos-profile", errors=errors) if opts.emulated or opts.vllm else connect_service(
         from_env(ServiceConfig, nats_url=url), "kairos-profile", errors=errors)
-    try:  # connect() retries forever (services may start before NATS); a one-shot command gives up
-        nc = await asyncio.wait_for(login, opts.connect_timeout_s)
-    except asyncio.TimeoutError:
+    # connect() retries forever (services may start before NATS); a one-shot command gives up after
+    # the timeout, or at once when the server refused the login (retrying cannot fix credentials)
+    task = asyncio.ensure_future(login)
+    deadline = time.monotonic() + opts.connect_timeout_s
+    while not task.done() and time.monotonic() < deadline and not any(is_auth_error(e) for e in errors):
+        await asyncio.wait({task}, timeout=min(0.1, max(deadline - time.monotonic(), 0.0)))
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         hint = connect_error_hint(errors)
-        raise RuntimeError(f"cannot connect to NATS at {url} within {opts.connect_timeout_s:g} s"
-                           + (f": {hint}" if hint else "")) from None
+        raise RuntimeError(f"cannot connect to NATS at {url}"
+                           + ("" if any(is_auth_error(e) for e in errors) else
+                              f" within {opts.connect_timeout_s:g} s") + (f": {hint}" if hint else ""))
+    nc = task.result()
     try:
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))

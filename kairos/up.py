@@ -473,9 +473,14 @@ class Supervisor:
         keyed = bool(api_keys(o)["api_keys"] or api_keys(o)["api_key_file"])
         bus = ("one generated user per service role, subject permissions (docs/security.md)" if self.creds
                else "no credentials")
-        lines += [f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
-                  f"NATS: {bus}",
-                  f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
+        lines.append(f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
+                     f"NATS: {bus}")
+        nats_url = next((c.endpoint for c in self.procs if c.endpoint.startswith("nats://")), None)
+        if self.creds and "profiler" in self.creds and nats_url and o.decode:
+            lines.append(f"Profile      KAIROS_NATS_USER=profiler KAIROS_NATS_PASSWORD_FILE={self.creds['profiler']} "
+                         f"kairos profile --nats-url {nats_url} --node decode-0 --no-publish  (the credentials go "
+                         "away with the stack)")
+        lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
                   + ("-H 'Authorization: Bearer $KEY' " if keyed else "")
                   + f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
                   "Stop         Ctrl-C"]

@@ -104,10 +104,15 @@ async def connect_service(cfg, name: str, log=None, errors: list[Exception] | No
     return await connect(cfg.nats_url, name, log, auth=BusAuth.from_config(cfg), tls=tls_context(cfg), errors=errors)
 
 
+def is_auth_error(exc: Exception) -> bool:
+    """True when ``exc`` says the server refused the login (``Authorization Violation``)."""
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
 def connect_error_hint(errors: list[Exception]) -> str:
     """Why connecting failed, for a one-shot command's message: a refused login names the
     credential variables (docs/security.md); otherwise the last error, if any (empty string)."""
-    if any(isinstance(e, nats.errors.AuthorizationError) or "authorization" in str(e).lower() for e in errors):
+    if any(is_auth_error(e) for e in errors):
         return ("the server refused the login (Authorization Violation): set KAIROS_NATS_USER and "
                 "KAIROS_NATS_PASSWORD or KAIROS_NATS_PASSWORD_FILE (docs/security.md)")
     return f"last error: {errors[-1]!r}" if errors else ""

@@ -438,6 +438,17 @@ def test_kairos_up_with_api_key_and_nats_credentials(tmp_path, spawn):
 
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
         asyncio.run(anonymous())
+    # the table says how to profile a node of this stack: the profiler's password file logs in
+    line = next(ln for ln in table.splitlines() if ln.startswith("Profile"))
+    pw_file = next(w.split("=", 1)[1] for w in line.split() if w.startswith("KAIROS_NATS_PASSWORD_FILE="))
+    assert "KAIROS_NATS_USER=profiler" in line and f"--nats-url {nats_url}" in line, line
+
+    async def as_profiler() -> None:
+        nc = await nats.connect(nats_url, user="profiler", password=Path(pw_file).read_text().strip(),
+                                allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+        await nc.close()
+
+    asyncio.run(as_profiler())
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 0
     server_log = (logs / "nats-server.log").read_text()
