@@ -250,16 +250,16 @@ def control_plane_compare(load: Load) -> str:
 
     before, now = load("control-plane-before"), load("control-plane")
 
-    def top(r: Result) -> dict[int, list[dict]]:
+    def top(r: Result) -> tuple[float, dict[int, list[dict]]]:
+        """The highest rate of ``r`` and its rows per dispatcher count."""
         rate = max(row["offered_rps"] for row in r.rows)
         out: dict[int, list[dict]] = {}
         for row in r.rows:
             if row["offered_rps"] == rate:
                 out.setdefault(row["dispatchers"], []).append(row)
-        return out
+        return rate, out
 
-    b, n = top(before), top(now)
-    rate = max(row["offered_rps"] for row in now.rows)
+    (_, b), (rate, n) = top(before), top(now)
 
     def msgs(rows: list[dict]) -> str:
         return (f"{statistics.median(row['bus_msgs_per_request']['in'] for row in rows):.1f} / "

@@ -11,10 +11,10 @@ dies unexpectedly is reported with its last log lines; the rest keeps serving (a
 requests are redelivered to the others, a dead node's streams end with ``node_lost`` or are
 re-submitted: README "Reliability") unless nothing can serve any more — the ingress died, or no
 dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
-:data:`MAX_NATS_RESTARTS` times; before that it is restarted on the same port and store) — then
-everything is stopped. The state aggregator, the other singleton, is restarted too (as often). Either way the exit code is then 1. Child output goes to
-per-service log files (JSON lines) in the printed log directory (``--log-dir``, default a temporary
-directory). On exit everything else in the temporary directory (the NATS store, generated files) is
+:data:`MAX_SINGLETON_RESTARTS` times; before that it is restarted on the same port and store) — then
+everything is stopped. The state aggregator, the other singleton, is restarted too (as often).
+Either way the exit code is then 1. Child output goes to per-service log files (JSON lines) in the
+printed log directory (``--log-dir``, default a temporary directory). On exit everything else in the temporary directory (the NATS store, generated files) is
 removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
 they are needed.
 """
@@ -35,7 +35,7 @@ import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from services.dispatcher.config import DispatcherConfig
 from services.ingress.config import IngressConfig
@@ -100,7 +100,7 @@ VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "sta
 ENGINE_NICE = 15
 #: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator) that died before
 #: it gives up (NATS: stops everything; the aggregator: the rest serves on the last view)
-MAX_NATS_RESTARTS = 5
+MAX_SINGLETON_RESTARTS = 5
 
 
 @dataclass
@@ -148,6 +148,18 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
+def wait_listening(proc: subprocess.Popen, port: int, timeout_s: float = 10.0,
+                   give_up: Callable[[], bool] = lambda: False) -> bool:
+    """Wait until ``proc``, a server just started, accepts connections on 127.0.0.1:``port``.
+    Returns False when it exited, ``timeout_s`` seconds passed or ``give_up()`` became true."""
+    deadline = time.monotonic() + timeout_s
+    while not _port_open("127.0.0.1", port):
+        if give_up() or proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def _get_json(url: str) -> Any | None:
     """The JSON body of a 200 answer, else None."""
     try:
@@ -189,11 +201,8 @@ def start_bundled_nats(stack: ExitStack, prefix: str = "kairos-nats-") -> str:
     nats = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     stack.callback(stop_process, nats)
-    deadline = time.monotonic() + 10
-    while not _port_open("127.0.0.1", port):
-        if nats.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("nats-server did not start")
-        time.sleep(0.05)
+    if not wait_listening(nats, port):
+        raise RuntimeError("nats-server did not start")
     return f"nats://127.0.0.1:{port}"
 
 
@@ -394,13 +403,7 @@ class Supervisor:
         """Spawn ``c`` (the bundled nats-server) and wait, at most 10 s, until it accepts
         connections. Returns False if it exited, never listened, or a stop began meanwhile."""
         self._spawn(c)
-        port = int(c.endpoint.rsplit(":", 1)[1])
-        deadline = time.monotonic() + 10
-        while not _port_open("127.0.0.1", port):
-            if self.stopping or c.proc.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        return wait_listening(c.proc, int(c.endpoint.rsplit(":", 1)[1]), give_up=lambda: self.stopping)
 
     def up(self) -> None:
         """Start everything and wait until ready. Raises RuntimeError (after which call :meth:`down`)."""
@@ -496,7 +499,7 @@ class Supervisor:
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
                     continue
                 nats = c.kind.startswith("message bus")
-                if (nats or c.kind == "aggregator") and restarts.get(c.name, 0) < MAX_NATS_RESTARTS:
+                if (nats or c.kind == "aggregator") and restarts.get(c.name, 0) < MAX_SINGLETON_RESTARTS:
                     # a singleton the others cannot do without: the bundled nats-server again on the
                     # same port and file store (every service reconnects and re-declares by itself,
                     # docs/bus.md "Surviving a NATS restart"); the state aggregator again (stateless: it
@@ -512,7 +515,7 @@ class Supervisor:
                         self._spawn(c)
                     what = "on the same port and store" if nats else "with the same configuration"
                     self.msg(f"{c.name} exited unexpectedly with code {code}; restarted it {what} (restart "
-                             f"{restarts[c.name]} of at most {MAX_NATS_RESTARTS})"
+                             f"{restarts[c.name]} of at most {MAX_SINGLETON_RESTARTS})"
                              + (": the services reconnect by themselves" if nats else "")
                              + f". Its last log lines ({c.log_path}):\n{last_lines}")
                     continue

@@ -383,6 +383,20 @@ async def publish(nc: Client, subject: str, msg: msgspec.Struct, headers: dict[s
     await nc.publish(subject, encode(msg), headers=headers)
 
 
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a write of KV ``bucket``/``key`` is published on (nats-py ``nats/js/kv.py``)."""
+    return f"$KV.{bucket}.{key}"
+
+
+async def kv_put_ttl(nc: Client, bucket: str, key: str, value: bytes, msg_ttl_s: int, timeout_s: float) -> int:
+    """``KeyValue.put`` with a per-message TTL (``msg_ttl_s`` seconds; nats-py's ``put`` takes none,
+    only ``create`` does): an acknowledged JetStream publish to :func:`kv_subject`. Returns the new
+    revision. Raises ``nats.errors.TimeoutError`` (no acknowledgement within ``timeout_s``) or
+    ``nats.js.errors.APIError`` (refused)."""
+    ack = await nc.jetstream().publish(kv_subject(bucket, key), value, msg_ttl=msg_ttl_s, timeout=timeout_s)
+    return ack.seq
+
+
 async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl_s: int | None = None) -> None:
     """Write KV ``bucket``/``key`` without asking for the server's acknowledgement: a core-NATS
     publish to ``$KV.<bucket>.<key>``, which the bucket's stream stores exactly as ``KeyValue.put``'s
@@ -397,11 +411,11 @@ async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl
     advisory or records — never for a claim or anything that decides who runs a request.
     """
     headers = {Header.MSG_TTL: str(int(msg_ttl_s))} if msg_ttl_s else None
-    await nc.publish(f"$KV.{bucket}.{key}", value, headers=headers)
+    await nc.publish(kv_subject(bucket, key), value, headers=headers)
 
 
 async def kv_delete_nowait(nc: Client, bucket: str, key: str) -> None:
     """Delete KV ``bucket``/``key`` (a delete marker, as ``KeyValue.delete``) without asking for
     the server's acknowledgement; ordered after this connection's earlier writes of the key
     (:func:`kv_put_nowait` has the trade-off)."""
-    await nc.publish(f"$KV.{bucket}.{key}", b"", headers={"KV-Operation": "DEL"})
+    await nc.publish(kv_subject(bucket, key), b"", headers={"KV-Operation": "DEL"})

@@ -33,8 +33,8 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (Buckets, BusWatch, ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait, publish,
-                        request_typed)
+from shared.bus import (Buckets, BusWatch, ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl,
+                        publish, request_typed)
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
@@ -737,9 +737,8 @@ class NodeAgent:
                             prompt_tokens=job.request.prompt_tokens, output_tokens=job.request.max_tokens,
                             created_unix_ms=now, expires_unix_ms=now + ttl * 1000.0)
         try:
-            ack = await self.nc.jetstream().publish(f"$KV.{S.RESERVATION_BUCKET}.{key}", encode(value), msg_ttl=ttl,
-                                                    timeout=RESERVATION_PUT_TIMEOUT_S)
-            return value, key, ack.seq
+            rev = await kv_put_ttl(self.nc, S.RESERVATION_BUCKET, key, encode(value), ttl, RESERVATION_PUT_TIMEOUT_S)
+            return value, key, rev
         except Exception as exc:  # the slot is still held here; the dispatcher holds it until it expires
             self._rlog(rid).warning("reservation_publish_failed", key=key, error=repr(exc))
             return value, key, None

@@ -329,11 +329,9 @@ class Profiler:
         watchdog = asyncio.ensure_future(self._watch_heartbeats())
         try:
             await asyncio.wait({grid_task, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-            if not grid_task.done():  # the node went silent: stop the grid, report why
-                grid_task.cancel()
-                await asyncio.gather(grid_task, return_exceptions=True)
-                watchdog.result()
-            grid_task.result()
+            # the grid's outcome, or the watchdog's ProfileError (the node went silent; the grid is
+            # cancelled below)
+            (grid_task if grid_task.done() else watchdog).result()
         except ProfileError as exc:
             exc.partial = self.result
             raise

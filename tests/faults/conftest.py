@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -37,7 +36,7 @@ from typing import Any, Callable
 import aiohttp
 import pytest
 
-from kairos.up import Child, UpOptions, free_port, nats_server_binary, plan
+from kairos.up import Child, UpOptions, free_port, nats_server_binary, plan, wait_listening
 from shared import permissions as P
 from shared.emulated_text import emulated_completion
 from shared.wire import SamplingParams
@@ -159,15 +158,7 @@ class Cluster:
         logf.close()
         self.procs["nats-server"] = p
         self.started.append(p)
-
-        def up() -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", self.nats_port), timeout=0.2).close()
-                return True
-            except OSError:
-                assert p.poll() is None, "nats-server exited"
-                return False
-        poll(up, 10, "nats-server listening")
+        assert wait_listening(p, self.nats_port), f"nats-server not listening (exit code {p.poll()})"
 
     def start(self, name: str, as_name: str | None = None, **env: str) -> subprocess.Popen:
         """Start service ``name`` (a child of kairos up's plan: ``state_aggregator``, ``prefill-0``,

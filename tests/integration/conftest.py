@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import aiohttp
 import nats
 import pytest
 
-from kairos.up import free_port, stop_process
+from kairos.up import free_port, stop_process, wait_listening
 from services.dispatcher.config import DispatcherConfig
 from services.dispatcher.service import Dispatcher
 from services.ingress.config import IngressConfig
@@ -72,17 +71,10 @@ def running_nats(store: Path, *extra: str, env: dict[str, str] | None = None):
     proc = subprocess.Popen([str(NATS_BIN), *extra, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
                             stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    out.seek(0)
-                    raise RuntimeError(f"nats-server did not start (exit code {proc.poll()}): "
-                                       f"{out.read()[-2000:].decode(errors='replace')}") from None
-                time.sleep(0.02)
+        if not wait_listening(proc, port):
+            out.seek(0)
+            raise RuntimeError(f"nats-server did not start (exit code {proc.poll()}): "
+                               f"{out.read()[-2000:].decode(errors='replace')}")
         yield port
     finally:
         stop_process(proc)
