@@ -162,16 +162,45 @@ def cached_tokens(usage: dict[str, Any] | None) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def prefill_result(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def kv_block_count(kv_transfer_params: dict[str, Any] | None) -> int:
+    """Blocks named by ``remote_block_ids`` of a prefill server's ``kv_transfer_params``.
+
+    vLLM 0.32.0 sends one list of block ids per KV cache group (``NixlPullConnectorScheduler.
+    request_finished``, ``nixl/pull_scheduler.py``: ``remote_block_ids=block_ids``, a tuple of lists);
+    a flat list of ids is counted too. Missing, empty, ``[[]]`` or malformed → 0.
+    """
+    ids = (kv_transfer_params or {}).get("remote_block_ids")
+    if not isinstance(ids, (list, tuple)):
+        return 0
+    return sum(len(g) if isinstance(g, (list, tuple)) else 1 for g in ids)
+
+
+def require_kv_blocks(kv_transfer_params: dict[str, Any] | None, request_id: str) -> None:
+    """A KV handoff must name the blocks to read: forwarded without them, the decode server's NIXL
+    worker fails an assertion and the engine dies (issue 16). vLLM answers without blocks only when
+    it kept none (``request_finished`` frees at once when there are no blocks), so such a handoff is a
+    failed handoff.
+
+    Raises:
+        EngineApiError: no ``remote_block_ids`` (:func:`kv_block_count` is 0).
+    """
+    if kv_block_count(kv_transfer_params) == 0:
+        raise EngineApiError(f"{request_id}: the prefill server's kv_transfer_params name no KV blocks "
+                             f"(remote_block_ids {(kv_transfer_params or {}).get('remote_block_ids')!r}): "
+                             "nothing to hand off")
+
+
+def prefill_result(body: dict[str, Any], request_id: str = "") -> tuple[dict[str, Any], int]:
     """``(kv_transfer_params, prompt_tokens)`` of the prefill server's non-streaming answer.
 
     Raises:
         EngineApiError: no ``kv_transfer_params`` (the server runs without a KV connector, or the
-            connector did not keep the blocks).
+            connector did not keep the blocks), or ones that name no blocks (:func:`require_kv_blocks`).
     """
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict) or not params:
         raise EngineApiError("the prefill server returned no kv_transfer_params: is it running with "
                              "--kv-transfer-config (NixlConnector)?")
+    require_kv_blocks(params, request_id)
     usage = body.get("usage") or {}
     return params, int(usage.get("prompt_tokens") or 0)

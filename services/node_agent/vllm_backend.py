@@ -43,7 +43,7 @@ from shared.engine import EngineState
 from shared.latency import LatencyModel
 from shared.snapshot import InFlightDeflection
 from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
-                             prefill_body, prefill_result)
+                             prefill_body, prefill_result, require_kv_blocks)
 from shared.wire import InferenceRequest
 
 log = structlog.get_logger("kairos.node_agent.vllm")
@@ -201,6 +201,7 @@ class VllmBackend(EngineBackend):
         if not kv_transfer_params:
             raise EngineApiError(f"{req.request_id}: a vLLM decode node needs the prefill server's kv_transfer_params "
                                  "(was the prefill node running the emulated backend?)")
+        require_kv_blocks(kv_transfer_params, req.request_id)  # never forwarded: it would kill the engine
         r = _VReq(req=req, kind="remote_decode", phase="awaiting_kv", kv_params=dict(kv_transfer_params))
         r.kv_ready = asyncio.get_running_loop().create_future()
         self._add(r)
@@ -305,7 +306,7 @@ class VllmBackend(EngineBackend):
         rid = r.req.request_id
         async with self._client().post(f"{self.url}/v1/completions", json=prefill_body(r.req, self.served_model)) as resp:
             body = await _json_or_raise(resp)
-        params, _n = prefill_result(body)
+        params, _n = prefill_result(body, rid)
         if self._reqs.get(rid) is not r:  # aborted meanwhile
             return
         r.kv_params, r.phase, r.remaining = params, "held", 0

@@ -1,0 +1,166 @@
+"""The vLLM backend against a stand-in vLLM server: a real aiohttp server on a real socket that
+answers ``/v1/models``, ``/health`` and ``/v1/completions`` as vLLM 0.32.0 does (or as a test
+makes it fail), and records every request it got. Issue 16's backend defects: handoffs without
+KV blocks, engine 4xx answers, and releasing a prefill node's KV at once. (The same paths against
+real vLLM servers: tests/vllm/servers.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from services.node_agent.vllm_backend import VllmBackend
+from shared.latency import load_profile
+from shared.vllm_api import EngineApiError
+from shared.wire import InferenceRequest
+
+MODEL = load_profile("cpu-tiny-vllm")
+WAIT_S = 5.0  #: deadline of every wait on a condition
+PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[3, 4]],
+          "remote_engine_id": "eng-p", "remote_request_id": "cmpl-r1-0", "remote_host": "127.0.0.1",
+          "remote_port": 5600}
+
+Handler = Callable[[dict[str, Any]], Awaitable[web.StreamResponse]]
+
+
+def req(rid: str = "r1", prompt: int = 3, out: int = 2) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=out,
+                            prompt_token_ids=list(range(7, 7 + prompt)), created_unix_ms=0.0, deadline_unix_ms=1e15)
+
+
+class StandIn:
+    """A stand-in vLLM OpenAI server; ``completions`` answers ``POST /v1/completions``."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.completions: Handler = self.stream_ok
+        self.got = asyncio.Condition()
+
+    async def stream_ok(self, body: dict[str, Any]) -> web.StreamResponse:
+        raise NotImplementedError  # replaced per test
+
+    def app(self) -> web.Application:
+        async def models(request: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        async def completions(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            async with self.got:
+                self.bodies.append(body)
+                self.headers.append(dict(request.headers))
+                self.got.notify_all()
+            if body.get("model") != "tiny":  # vLLM's _check_model: 404, an ErrorResponse
+                return web.json_response({"error": {"message": f"The model `{body.get('model')}` does not exist.",
+                                                    "type": "NotFoundError", "code": 404}}, status=404)
+            return await self.completions(body)
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+    async def wait_bodies(self, n: int) -> list[dict[str, Any]]:
+        async with self.got:
+            await asyncio.wait_for(self.got.wait_for(lambda: len(self.bodies) >= n), WAIT_S)
+        return list(self.bodies)
+
+
+class Events:
+    """The agent's side of :class:`~services.node_agent.backend.EngineEvents`, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.changed = asyncio.Condition()
+
+    async def _add(self, *call: Any) -> None:
+        async with self.changed:
+            self.calls.append(call)
+            self.changed.notify_all()
+
+    async def on_step(self, out) -> None: ...
+
+    async def on_allocated(self, rids) -> None: ...
+
+    async def on_prefill_done(self, rid: str) -> None:
+        await self._add("prefill_done", rid)
+
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
+        await self._add("tokens", rid, first_index, count)
+
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
+        await self._add("finished", rid, finish_reason)
+
+    async def on_failed(self, rid: str, status: int, code: str, message: str) -> None:
+        await self._add("failed", rid, status, code, message)
+
+    async def wait(self, kind: str) -> tuple:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: any(c[0] == kind for c in self.calls)), WAIT_S)
+        return next(c for c in self.calls if c[0] == kind)
+
+
+@pytest.fixture
+async def engine(tmp_path):
+    """``(stand-in, events, make_backend(role))``: backends run against the stand-in until the test ends."""
+    standin = StandIn()
+    events = Events()
+    stops: list[tuple[asyncio.Event, asyncio.Task]] = []
+    async with TestServer(standin.app()) as server:
+        async def make(role: str) -> VllmBackend:
+            b = VllmBackend(role, MODEL, str(server.make_url("")), f"ipc://{tmp_path / f'{role}.sock'}")
+            stop = asyncio.Event()
+            stops.append((stop, asyncio.create_task(b.run(events, stop))))
+            await asyncio.wait_for(b._ready.wait(), WAIT_S)
+            return b
+
+        yield standin, events, make
+        for stop, task in stops:
+            stop.set()
+            await asyncio.wait_for(task, WAIT_S)
+
+
+def sse(*objs: dict[str, Any]) -> bytes:
+    return b"".join(f"data: {json.dumps(o)}\n\n".encode() for o in objs) + b"data: [DONE]\n\n"
+
+
+async def test_a_prefill_answer_without_kv_blocks_is_a_failed_handoff(engine):
+    """Issue 16: empty ``remote_block_ids`` were handed off and crashed the decode engine."""
+    standin, events, make = engine
+
+    async def no_blocks(body):
+        return web.json_response({"choices": [{"text": "x"}], "usage": {"prompt_tokens": 3},
+                                  "kv_transfer_params": {**PARAMS, "do_remote_prefill": True, "remote_block_ids": [[]]}})
+    standin.completions = no_blocks
+    b = await make("prefill")
+    b.add_prefill(req())
+    failed = await events.wait("failed")
+    assert failed[1:3] == ("r1", 502) and "no KV blocks" in failed[4]
+    assert not any(c[0] == "prefill_done" for c in events.calls)  # never handed off
+    assert b.phase("r1") is None and b.handoff_params("r1") is None
+
+
+@pytest.mark.parametrize("blocks", [[], [[]], None, "3"], ids=["empty", "empty-group", "missing", "not-a-list"])
+async def test_a_handoff_without_kv_blocks_never_reaches_the_decode_engine(engine, blocks):
+    standin, events, make = engine
+    b = await make("decode")
+    params = {k: v for k, v in PARAMS.items() if k != "remote_block_ids"}
+    if blocks is not None:
+        params["remote_block_ids"] = blocks
+    with pytest.raises(EngineApiError, match="no KV blocks"):
+        b.add_remote_decode(req(), params)
+    assert b.phase("r1") is None and b.take_allocated() == []
+    b.add_remote_decode(req("r2"), PARAMS)  # with blocks: forwarded unchanged
+    (body,) = await standin.wait_bodies(1)
+    assert body["kv_transfer_params"] == PARAMS and body["vllm_xargs"]["kairos_rid"] == "r2"
+    b.abort("r2")
