@@ -32,6 +32,63 @@ class EngineApiError(ValueError):
     """A vLLM answer that is not what the OpenAI completions API promises (the message says what)."""
 
 
+class EngineHttpError(EngineApiError):
+    """The vLLM server refused a request: HTTP ``status`` (or the ``code`` of an error object in its
+    stream) and vLLM's own message. A 4xx is the client's error (:attr:`client_error`): the same
+    request would be refused again."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.engine_message = message
+
+    @property
+    def client_error(self) -> bool:
+        """A 4xx: the request itself is wrong (do not retry it, tell the client)."""
+        return 400 <= self.status < 500
+
+
+def engine_error(status: int, text: str) -> EngineHttpError:
+    """:class:`EngineHttpError` of a non-200 answer: vLLM's ``{"error": {"message": …}}`` body
+    (``ErrorResponse``), FastAPI's ``{"detail": …}``, or the first 500 characters of the text."""
+    message = text[:500]
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            message = str(err["message"])
+        elif obj.get("message"):
+            message = str(obj["message"])
+        elif obj.get("detail"):
+            message = str(obj["detail"])
+    return EngineHttpError(status, message)
+
+
+#: a model name no vLLM server of Kairos serves (kv_release_body)
+KV_RELEASE_MODEL = "kairos-kv-release"
+
+
+def kv_release_body(kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """A request that frees, at once, the prefill server's KV blocks named by ``kv_transfer_params``
+    (which its decode request never read), sent to a decode server (a NIXL consumer).
+
+    vLLM 0.32.0 frees them when a request with ``do_remote_prefill`` params is refused before it
+    reaches the engine (``GenerateBaseServing._with_kv_transfer_rejection_cleanup``,
+    ``entrypoints/generate/base/serving.py``: ``AsyncLLM.notify_kv_transfer_request_rejected``
+    submits a pre-aborted request; the NIXL scheduler's ``request_finished`` then has the worker
+    notify the prefill side with no blocks to read, ``nixl/pull_scheduler.py``). Naming a model the
+    server does not serve makes it refuse the request in its first check (``_check_model``: 404),
+    so nothing is computed or transferred. Without this the blocks stay pinned until the NIXL lease
+    (``kv_lease_duration``, 30 s) ends. A second release of the same blocks is harmless (the
+    prefill server logs a notification for an unknown request).
+    """
+    return {"model": KV_RELEASE_MODEL, "prompt": [0], "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {**kv_transfer_params, "do_remote_prefill": True}}
+
+
 def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -> list[int]:
     """Prompt tokens per prefill step for vLLM from the dispatcher's chunk schedule.
 
@@ -143,6 +200,8 @@ def parse_sse_line(line: str) -> StreamDelta | None:
         raise EngineApiError(f"not JSON in the engine's stream: {payload[:200]!r}") from None
     if "error" in obj:
         err = obj["error"]
+        if isinstance(err, dict) and isinstance(err.get("code"), int) and err["code"] >= 400:
+            raise EngineHttpError(err["code"], str(err.get("message", err)))
         raise EngineApiError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
     choices = obj.get("choices") or []
     usage = obj.get("usage") if not choices else None

@@ -25,6 +25,8 @@ Cancel (:meth:`abort`) closes the HTTP request; vLLM aborts a request whose clie
 after its prefill (phase ``held``) has no HTTP request left on the prefill node: its blocks are
 freed when the decode server's request for it is aborted before reading them (the decode side then
 notifies the prefill side, ``NixlConnector.request_finished``), or by the lease — docs/services.md.
+A keep-path decode that fails for good before its first token (an engine 4xx, or retries spent)
+frees the prefill node's blocks at once through its own server (:func:`shared.vllm_api.kv_release_body`).
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ from services.node_agent.backend import EngineBackend, EngineEvents, StepOutput
 from shared.engine import EngineState
 from shared.latency import LatencyModel
 from shared.snapshot import InFlightDeflection
-from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
-                             prefill_body, prefill_result, require_kv_blocks)
+from shared.vllm_api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_error,
+                             engine_prefill_chunks, kv_release_body, parse_sse_line, prefill_body, prefill_result,
+                             require_kv_blocks)
 from shared.wire import InferenceRequest
 
 log = structlog.get_logger("kairos.node_agent.vllm")
 
-#: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve)
+#: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve);
+#: never after a 4xx: the engine refused the request itself
 REMOTE_DECODE_RETRIES = 2
+#: longest wait (s) for the decode server to answer a KV release (VllmBackend._release_remote_kv)
+KV_RELEASE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -128,6 +134,7 @@ class VllmBackend(EngineBackend):
         self._ready = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self.snapshots = 0  #: snapshots received (tests, debugging)
+        self._releases: set[asyncio.Task] = set()  #: KV releases in flight (_release_remote_kv)
 
     # -- availability / state -------------------------------------------------------------------
     @property
@@ -268,13 +275,16 @@ class VllmBackend(EngineBackend):
         return self._session
 
     async def _serve(self, r: _VReq) -> None:
-        """Run ``r``'s HTTP request; on failure end it with an explicit ``502 engine_error``.
+        """Run ``r``'s HTTP request; on failure end it with an explicit error: the engine's 4xx
+        (``engine_rejected_request``, vLLM's message: the request itself is wrong), else
+        ``502 engine_error``.
 
-        A keep-path decode that fails before its first token is sent again (up to
-        :data:`REMOTE_DECODE_RETRIES` times): vLLM 0.32.0's NIXL handshake with a new prefill peer
+        A keep-path decode that fails before its first token, other than by a 4xx, is sent again (up
+        to :data:`REMOTE_DECODE_RETRIES` times): vLLM 0.32.0's NIXL handshake with a new prefill peer
         waits a fixed 5 s for its reply (``nixl/base_worker.py``), which a busy CPU prefill server can
         miss; the prefill side keeps the blocks for their lease, so the same ``kv_transfer_params``
-        still work."""
+        still work. One that fails for good before its first token releases the prefill node's
+        blocks at once (:meth:`_release_remote_kv`)."""
         rid = r.req.request_id
         attempts = 0
         await self._ready.wait()
@@ -290,17 +300,41 @@ class VllmBackend(EngineBackend):
             except (aiohttp.ClientError, asyncio.TimeoutError, EngineApiError, ValueError) as exc:
                 if self._reqs.get(rid) is not r:
                     return
-                if r.kind == "remote_decode" and r.tokens_out == 0 and attempts < REMOTE_DECODE_RETRIES:
+                refused = isinstance(exc, EngineHttpError) and exc.client_error  # the same body fails again
+                if (r.kind == "remote_decode" and r.tokens_out == 0 and not refused
+                        and attempts < REMOTE_DECODE_RETRIES):
                     attempts += 1
                     log.warning("remote_decode_retry", request_id=rid, attempt=attempts, error=repr(exc))
                     continue
                 del self._reqs[rid]
                 if r.kv_ready is not None and not r.kv_ready.done():
                     r.kv_ready.set_result(False)
+                if r.kind == "remote_decode" and r.tokens_out == 0 and r.kv_params:
+                    self._release_remote_kv(rid, r.kv_params)
                 log.warning("engine_request_failed", request_id=rid, error=repr(exc))
                 if self._events is not None:
-                    await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
+                    if refused:
+                        await self._events.on_failed(rid, exc.status, "engine_rejected_request",
+                                                     f"the engine refused the request: {exc.engine_message}")
+                    else:
+                        await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
                 return
+
+    def _release_remote_kv(self, rid: str, kv_params: dict[str, Any]) -> None:
+        """Free the prefill node's KV blocks of a decode that failed before reading them, now rather
+        than at the end of their NIXL lease (:func:`shared.vllm_api.kv_release_body`; in the
+        background, never raises)."""
+        async def release() -> None:
+            try:
+                async with self._client().post(f"{self.url}/v1/completions", json=kv_release_body(kv_params),
+                                               timeout=aiohttp.ClientTimeout(total=KV_RELEASE_TIMEOUT_S)) as resp:
+                    await resp.read()
+                    log.info("remote_kv_released", request_id=rid, status=resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the lease frees them later
+                log.warning("remote_kv_release_failed", request_id=rid, error=repr(exc))
+        task = asyncio.get_running_loop().create_task(release(), name=f"vllm-release:{rid}")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _prefill(self, r: _VReq) -> None:
         rid = r.req.request_id
@@ -440,11 +474,11 @@ async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     """The JSON body of a 200 answer.
 
     Raises:
-        EngineApiError: any other status (the message carries vLLM's error text).
+        EngineHttpError: any other status (with vLLM's error message).
     """
     text = await resp.text()
     if resp.status != 200:
-        raise EngineApiError(f"HTTP {resp.status}: {text[:500]}")
+        raise engine_error(resp.status, text)
     try:
         return json.loads(text)
     except ValueError:

@@ -164,3 +164,53 @@ async def test_a_handoff_without_kv_blocks_never_reaches_the_decode_engine(engin
     (body,) = await standin.wait_bodies(1)
     assert body["kv_transfer_params"] == PARAMS and body["vllm_xargs"]["kairos_rid"] == "r2"
     b.abort("r2")
+
+
+async def test_a_decode_leg_the_engine_refuses_is_the_clients_error_and_frees_the_prefill_kv(engine):
+    """Issue 16: vLLM's 400 on a keep-path decode came back as 502 after two retries, and the
+    prefill node's blocks stayed pinned for the 30 s NIXL lease."""
+    standin, events, make = engine
+
+    async def refuse(body):
+        return web.json_response({"error": {"message": "This model's maximum context length is 2048 tokens.",
+                                            "type": "BadRequestError", "param": None, "code": 400}}, status=400)
+    standin.completions = refuse
+    b = await make("decode")
+    b.add_remote_decode(req(), PARAMS)
+    failed = await events.wait("failed")
+    assert failed[1:4] == ("r1", 400, "engine_rejected_request") and "maximum context length" in failed[4]
+    decode_leg, release = await standin.wait_bodies(2)  # sent once: no retry
+    assert decode_leg["kv_transfer_params"] == PARAMS and decode_leg["model"] == "tiny"
+    # the release: the same params, a model the server refuses at once (vLLM then frees the prefill blocks)
+    assert release["kv_transfer_params"] == PARAMS and release["model"] != "tiny" and release["max_tokens"] == 1
+    await asyncio.wait_for(asyncio.gather(*b._releases), WAIT_S)
+    assert len(standin.bodies) == 2 and b.phase("r1") is None
+
+
+async def test_a_decode_leg_that_keeps_failing_is_retried_then_frees_the_prefill_kv(engine):
+    standin, events, make = engine
+
+    async def broken(body):
+        return web.Response(status=500, text="Internal Server Error")
+    standin.completions = broken
+    b = await make("decode")
+    b.add_remote_decode(req(), PARAMS)
+    failed = await events.wait("failed")
+    assert failed[1:4] == ("r1", 502, "engine_error")
+    bodies = await standin.wait_bodies(4)  # the leg, two retries, the release
+    assert [x["model"] for x in bodies] == ["tiny"] * 3 + [bodies[3]["model"]] and bodies[3]["model"] != "tiny"
+    await asyncio.wait_for(asyncio.gather(*b._releases), WAIT_S)
+
+
+async def test_a_deflected_request_the_engine_refuses_is_a_4xx_and_releases_nothing(engine):
+    standin, events, make = engine
+
+    async def refuse_in_stream(body):  # an error object inside the stream, as vLLM sends once it has started
+        return web.Response(status=200, content_type="text/event-stream", body=sse(
+            {"error": {"message": "seed is not supported here", "type": "BadRequestError", "code": 400}}))
+    standin.completions = refuse_in_stream
+    b = await make("decode")
+    b.add_deflected(req(), [2])
+    failed = await events.wait("failed")
+    assert failed[1:4] == ("r1", 400, "engine_rejected_request") and "seed is not supported" in failed[4]
+    assert len(standin.bodies) == 1 and not b._releases  # no retry, no KV of another node to free
