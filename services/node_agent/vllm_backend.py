@@ -135,13 +135,16 @@ class VllmBackend(EngineBackend):
         self._session: aiohttp.ClientSession | None = None
         self.snapshots = 0  #: snapshots received (tests, debugging)
         self._releases: set[asyncio.Task] = set()  #: KV releases in flight (_release_remote_kv)
+        self._stop: asyncio.Event | None = None  #: run()'s stop event
+        self._ready_task: asyncio.Future | None = None  #: waiting for the server (_become_ready)
 
     # -- availability / state -------------------------------------------------------------------
     @property
     def available(self) -> bool:  # type: ignore[override]
-        """The server answered its model list and, once its state stream has started, the stream is
-        fresh (a snapshot within ``stale_after_ms``; an engine that never ran a request may not
-        have published yet)."""
+        """The server answered its model list since the engine (re)started and, once its state
+        stream has started, the stream is fresh (a snapshot within ``stale_after_ms``; an engine
+        that never ran a request may not have published yet). False from the moment the stream's
+        connection closes or a new engine process publishes (:meth:`_engine_lost`)."""
         if not self._ready.is_set():
             return False
         return self.snapshot is None or (time.monotonic() - self._snap_mono) * 1000.0 <= self.stale_after_ms
@@ -432,36 +435,63 @@ class VllmBackend(EngineBackend):
         self._started = []
         return started
 
-    async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
-        """Wait for the server, then follow its state stream until ``stop``; every snapshot with a
-        step record is reported as a :class:`StepOutput`."""
-        from kairos_vllm.subscriber import EngineStateSubscriber
-
-        self._events = events
-        sub = EngineStateSubscriber(self.state_addr)
-        stop_wait = asyncio.ensure_future(stop.wait())
-        try:
-            await self._wait_ready(stop)
-            if stop.is_set():
-                return
+    async def _become_ready(self, stop: asyncio.Event) -> None:
+        await self._wait_ready(stop)
+        if not stop.is_set():
             self._ready.set()
             log.info("engine_ready", url=self.url, model=self.served_model, state_addr=self.state_addr)
+
+    def _engine_lost(self, why: str) -> None:
+        """The engine died or restarted: unavailable at once (jobs are refused and routed elsewhere,
+        not accepted to fail with 502 until the state stream goes stale), available again once its
+        server answers its model list (a restarted engine publishes state before its HTTP server
+        listens)."""
+        if self._ready.is_set():
+            log.warning("engine_lost", url=self.url, why=why)
+        self._ready.clear()
+        if self._stop is not None and (self._ready_task is None or self._ready_task.done()):
+            self._ready_task = asyncio.get_running_loop().create_task(self._become_ready(self._stop))
+
+    async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
+        """Wait for the server and follow its state stream until ``stop``; every snapshot with a
+        step record is reported as a :class:`StepOutput`. The stream's connection closing (the
+        engine process died) or a new ``engine_pid`` (it restarted) makes the engine unavailable
+        until its server answers again (:meth:`_engine_lost`)."""
+        from kairos_vllm.subscriber import EngineStateSubscriber
+
+        self._events, self._stop = events, stop
+        sub = EngineStateSubscriber(self.state_addr)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        self._ready_task = asyncio.ensure_future(self._become_ready(stop))
+        recv, gone = asyncio.ensure_future(sub.recv()), asyncio.ensure_future(sub.disconnected())
+        try:
             while not stop.is_set():
-                recv = asyncio.ensure_future(sub.recv())
-                await asyncio.wait({recv, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not recv.done():
-                    recv.cancel()
+                await asyncio.wait({recv, gone, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set():
                     break
+                if gone.done():
+                    gone.result()
+                    self._engine_lost("engine-state stream disconnected")
+                    gone = asyncio.ensure_future(sub.disconnected())
+                if not recv.done():
+                    continue
                 try:
                     snap = recv.result()
                 except ValueError as exc:  # EngineStateError: a bad message; keep listening
                     log.warning("bad_engine_state", error=str(exc))
+                    snap = None
+                recv = asyncio.ensure_future(sub.recv())
+                if snap is None:
                     continue
+                if self.snapshot is not None and snap.engine_pid != self.snapshot.engine_pid:
+                    self._engine_lost(f"engine restarted (pid {self.snapshot.engine_pid} -> {snap.engine_pid})")
                 started = self._on_snapshot(snap)
                 if snap.step_record is not None:
                     await events.on_step(step_output(snap.step_record, self._reqs, started, self.model))
         finally:
-            stop_wait.cancel()
+            for f in (stop_wait, recv, gone, self._ready_task):
+                f.cancel()
+            await asyncio.gather(recv, gone, self._ready_task, return_exceptions=True)
             sub.close()
             for r in list(self._reqs.values()):
                 if r.task is not None:

@@ -11,10 +11,14 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from kairos_vllm.protocol import EngineSnapshot, encode
 from services.node_agent.vllm_backend import VllmBackend
 from shared.latency import load_profile
 from shared.vllm_api import EngineApiError
@@ -41,6 +45,7 @@ class StandIn:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.completions: Handler = self.stream_ok
+        self.models_status = 200  #: what GET /v1/models answers (vLLM: 200 once it serves)
         self.got = asyncio.Condition()
 
     async def stream_ok(self, body: dict[str, Any]) -> web.StreamResponse:
@@ -48,6 +53,8 @@ class StandIn:
 
     def app(self) -> web.Application:
         async def models(request: web.Request) -> web.Response:
+            if self.models_status != 200:
+                return web.Response(status=self.models_status)
             return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
         async def health(request: web.Request) -> web.Response:
@@ -214,3 +221,70 @@ async def test_a_deflected_request_the_engine_refuses_is_a_4xx_and_releases_noth
     failed = await events.wait("failed")
     assert failed[1:4] == ("r1", 400, "engine_rejected_request") and "seed is not supported" in failed[4]
     assert len(standin.bodies) == 1 and not b._releases  # no retry, no KV of another node to free
+
+
+async def until(pred: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Wait until ``pred()`` holds (checked every 10 ms), at most ``timeout_s`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not pred():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.01)
+
+
+class FakeEngineStream:
+    """The plugin's side of the engine-state stream for one engine process (``pid``): a ZMQ PUB
+    socket bound at ``addr`` publishing a snapshot every 50 ms, as the plugin's idle re-send does."""
+
+    def __init__(self, addr: str, pid: int) -> None:
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(addr)
+        self.pid = pid
+        self.task = asyncio.create_task(self._loop())
+
+    async def _loop(self) -> None:
+        seq = 0
+        while True:
+            seq += 1
+            snap = EngineSnapshot(seq=seq, sent_unix_ms=0.0, engine_pid=self.pid, step=0, batch_size=0, kv_tokens=0,
+                                  waiting=[], num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                                  free_kv_tokens=1536, block_size=128)
+            await self.sock.send(encode(snap))
+            await asyncio.sleep(0.05)
+
+    async def die(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.sock.close(linger=0)
+
+
+async def test_an_engine_that_dies_or_restarts_is_refused_at_once_until_its_server_answers():
+    """Issue 16: for ~2 s after the engine died (its last snapshot was still fresh) and after it
+    restarted (it publishes before its HTTP server listens) the agent accepted jobs that failed
+    with 502. Staleness is set far off (60 s) so only the death / restart signals can explain it."""
+    import tempfile
+
+    run_dir = tempfile.mkdtemp(prefix="kvd", dir="/tmp")  # ipc paths must stay short
+    addr = f"ipc://{run_dir}/engine.sock"
+    standin = StandIn()
+    stream = FakeEngineStream(addr, pid=101)
+    async with TestServer(standin.app()) as server:
+        b = VllmBackend("decode", MODEL, str(server.make_url("")), addr, stale_after_ms=60_000)
+        stop = asyncio.Event()
+        task = asyncio.create_task(b.run(Events(), stop))
+        try:
+            await until(lambda: b.available and b.snapshot is not None, "ready with a state stream")
+            standin.models_status = 503  # the engine process is gone: its server does not answer
+            await stream.die()
+            await until(lambda: not b.available, "unavailable after the engine died", timeout_s=1.0)
+            assert not await b.confirm_available(0.5)  # the agent's probe refuses too
+            stream = FakeEngineStream(addr, pid=202)  # restarted: state first, HTTP later
+            await until(lambda: b.snapshot.engine_pid == 202, "the new engine's state")
+            assert not b.available and not await b.confirm_available(0.5)
+            standin.models_status = 200
+            await until(lambda: b.available, "available once the restarted server answers")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, WAIT_S)
+            await stream.die()
