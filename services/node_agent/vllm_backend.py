@@ -46,7 +46,7 @@ from shared.latency import LatencyModel
 from shared.snapshot import InFlightDeflection
 from shared.vllm_api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_error,
                              engine_prefill_chunks, kv_release_body, parse_sse_line, prefill_body, prefill_result,
-                             require_kv_blocks)
+                             require_kv_blocks, unsafe_seed)
 from shared.wire import InferenceRequest
 
 log = structlog.get_logger("kairos.node_agent.vllm")
@@ -352,6 +352,8 @@ class VllmBackend(EngineBackend):
 
     async def _stream(self, r: _VReq) -> None:
         rid = r.req.request_id
+        if r.kind == "deflect" and (why := unsafe_seed(r.req)) is not None:  # it would kill the engine
+            raise EngineHttpError(400, why)
         body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if r.kind == "remote_decode" else None,
                            prefill_chunks=r.engine_chunks or None)
         index, finish, usage = 0, None, None

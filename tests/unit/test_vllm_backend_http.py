@@ -288,3 +288,28 @@ async def test_an_engine_that_dies_or_restarts_is_refused_at_once_until_its_serv
             stop.set()
             await asyncio.wait_for(task, WAIT_S)
             await stream.die()
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7])
+async def test_a_seeded_deflected_request_is_refused_before_it_can_kill_the_engine(engine, temperature):
+    """Issue 16: ``"seed": 42`` (default temperature) on a deflected request killed the decode
+    vLLM-CPU engine at its first partial-prefill step. The client gets a 400 naming ``seed``; the
+    engine never sees it. Greedy seeded requests still go through."""
+    import msgspec.structs
+
+    from shared.wire import SamplingParams
+
+    standin, events, make = engine
+
+    async def ok(body):
+        return web.Response(status=200, content_type="text/event-stream", body=sse(
+            {"choices": [{"text": " a", "token_ids": [9], "finish_reason": "length"}]}))
+    standin.completions = ok
+    b = await make("decode")
+    b.add_deflected(msgspec.structs.replace(req(), sampling=SamplingParams(seed=42, temperature=temperature)), [2])
+    failed = await events.wait("failed")
+    assert failed[1:3] == ("r1", 400) and "seed" in failed[4] and standin.bodies == []
+    b.add_deflected(msgspec.structs.replace(req("g"), sampling=SamplingParams(seed=42, temperature=0.0)), [2])
+    assert (await events.wait("finished"))[1] == "g"
+    (body,) = standin.bodies
+    assert body["seed"] == 42 and body["temperature"] == 0.0
