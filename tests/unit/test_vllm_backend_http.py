@@ -263,6 +263,7 @@ async def test_an_engine_that_dies_or_restarts_is_refused_at_once_until_its_serv
     """Issue 16: for ~2 s after the engine died (its last snapshot was still fresh) and after it
     restarted (it publishes before its HTTP server listens) the agent accepted jobs that failed
     with 502. Staleness is set far off (60 s) so only the death / restart signals can explain it."""
+    import shutil
     import tempfile
 
     run_dir = tempfile.mkdtemp(prefix="kvd", dir="/tmp")  # ipc paths must stay short
@@ -288,6 +289,7 @@ async def test_an_engine_that_dies_or_restarts_is_refused_at_once_until_its_serv
             stop.set()
             await asyncio.wait_for(task, WAIT_S)
             await stream.die()
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("temperature", [None, 0.7])
