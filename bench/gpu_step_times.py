@@ -124,9 +124,8 @@ def alloc_cache(model: Any, seqs: int, length: int) -> list[tuple[Any, Any]]:
     import torch
 
     c, w = model.config, next(model.parameters())
-    shape = (seqs, c.num_key_value_heads, length, c.head_dim)
-    return [(torch.randn(shape, device=w.device, dtype=w.dtype), torch.randn(shape, device=w.device, dtype=w.dtype))
-            for _ in range(c.num_hidden_layers)]
+    new = lambda: torch.randn((seqs, c.num_key_value_heads, length, c.head_dim), device=w.device, dtype=w.dtype)
+    return [(new(), new()) for _ in range(c.num_hidden_layers)]
 
 
 @dataclass
@@ -199,8 +198,7 @@ def step_forward(model: Any, s: StepInputs) -> Any:
             outs.append(F.scaled_dot_product_attention(qd, kd, vd).reshape(b, nh * d))
         h = h + att.o_proj(torch.cat(outs)[None] if len(outs) > 1 else outs[0][None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    rows = torch.arange(p - 1 if p else p, t, device=h.device)
-    logits = model.lm_head(inner.norm(h[0, rows]))
+    logits = model.lm_head(inner.norm(h[0, torch.arange(p - 1 if p else p, t, device=h.device)]))
     logits.argmax(-1)  # the greedy pick of vLLM's sampler, for its cost
     return logits
 
@@ -372,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.arch = args.arch or ("smoke" if args.smoke else "llama-3-8b")
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    can_fit = importlib.util.find_spec("sklearn") is not None
-    if not can_fit:
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        ap.error(f"measuring needs {' and '.join(missing)} installed (--refit needs neither)")
+    if not (can_fit := importlib.util.find_spec("sklearn") is not None):
         print("gpu_step_times: no scikit-learn: recording steps only (fit later: --refit FILE)", file=sys.stderr)
     config, steps = measure(args, t_start)
     fits = fit_rows(steps, args.seed) if can_fit else []
