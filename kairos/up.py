@@ -12,7 +12,8 @@ requests are redelivered to the others, a dead node's streams end with ``node_lo
 re-submitted: README "Reliability") unless nothing can serve any more — the ingress died, or no
 dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
 :data:`MAX_SINGLETON_RESTARTS` times; before that it is restarted on the same port and store) — then
-everything is stopped. The state aggregator, the other singleton, is restarted too (as often).
+everything is stopped. The state aggregator, the other singleton, is restarted too (as often), and so
+is a vLLM engine that dies (same command: port, engine-state socket; its agent refuses jobs meanwhile).
 Either way the exit code is then 1. Child output goes to per-service log files (JSON lines) in the
 printed log directory (``--log-dir``, default a temporary directory). On exit everything else in the temporary directory (the NATS store, generated files) is
 removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
@@ -98,8 +99,9 @@ VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "sta
 #: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
 #: (heartbeats, routing) must not wait for the engines' forward passes
 ENGINE_NICE = 15
-#: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator) that died before
-#: it gives up (NATS: stops everything; the aggregator: the rest serves on the last view)
+#: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator, or one vLLM engine)
+#: that died before it gives up (NATS: stops everything; the aggregator: the rest serves on the last
+#: view; an engine: its agent refuses jobs for good, the other nodes serve)
 MAX_SINGLETON_RESTARTS = 5
 
 
@@ -186,6 +188,15 @@ def stop_process(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process group ``proc`` leads (a child started with
+    ``start_new_session``, so the group is its own); nothing when the group is gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def start_bundled_nats(stack: ExitStack, prefix: str = "kairos-nats-") -> str:
@@ -498,13 +509,16 @@ class Supervisor:
             for c in list(self.procs):
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
                     continue
-                nats = c.kind.startswith("message bus")
-                if (nats or c.kind == "aggregator") and restarts.get(c.name, 0) < MAX_SINGLETON_RESTARTS:
+                nats, engine = c.kind.startswith("message bus"), c.kind.startswith("vllm")
+                if (nats or engine or c.kind == "aggregator") and restarts.get(c.name, 0) < MAX_SINGLETON_RESTARTS:
                     # a singleton the others cannot do without: the bundled nats-server again on the
                     # same port and file store (every service reconnects and re-declares by itself,
                     # docs/bus.md "Surviving a NATS restart"); the state aggregator again (stateless: it
                     # listens for one stale period, then writes the view — without it /health says the
-                    # view is stale for good)
+                    # view is stale for good). A vLLM engine (its agent cannot serve without it): the
+                    # same command, so the same port, engine-state socket and NIXL ports; its agent
+                    # refuses jobs from the moment the engine's state stream disconnects until the new
+                    # server answers /v1/models (services/node_agent/vllm_backend.py)
                     restarts[c.name] = restarts.get(c.name, 0) + 1
                     code, last_lines = c.proc.returncode, self._tail(c)  # the dead one's, before the new one logs
                     self.failed = True  # keep the logs
@@ -512,11 +526,14 @@ class Supervisor:
                     if nats:
                         self._start_nats(c)  # if it dies again, the next round sees it
                     else:
+                        if engine:  # its EngineCore and workers can outlive the API server, holding the ports
+                            kill_group(c.proc)
                         self._spawn(c)
                     what = "on the same port and store" if nats else "with the same configuration"
                     self.msg(f"{c.name} exited unexpectedly with code {code}; restarted it {what} (restart "
                              f"{restarts[c.name]} of at most {MAX_SINGLETON_RESTARTS})"
                              + (": the services reconnect by themselves" if nats else "")
+                             + (": its agent refuses jobs until it answers again" if engine else "")
                              + f". Its last log lines ({c.log_path}):\n{last_lines}")
                     continue
                 reported.add(c.name)

@@ -105,9 +105,11 @@ def spawn():
     assert not tagged_pids(tag), "could not kill the processes this test started"
 
 
-def start_up(spawn, port: int, *args: str, tmpdir: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """``kairos up`` (1P1D unless ``args`` say otherwise); returns the process and its table."""
-    env = {"TMPDIR": str(tmpdir)} if tmpdir is not None else {}
+def start_up(spawn, port: int, *args: str, tmpdir: Path | None = None,
+             env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``kairos up`` (1P1D unless ``args`` say otherwise; ``env`` added to its environment); returns
+    the process and its table."""
+    env = {**(env or {}), **({"TMPDIR": str(tmpdir)} if tmpdir is not None else {})}
     proc = spawn([sys.executable, "-m", "kairos", "up", "--port", str(port), *args], env=env,
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
@@ -340,6 +342,79 @@ def test_a_killed_state_aggregator_is_restarted_and_health_recovers(tmp_path, sp
     assert status == 200, out
     err = stop_after_a_death(proc, "the aggregator")
     assert "state_aggregator exited unexpectedly" in err and "restarted it with the same configuration" in err, err
+
+
+def standin_engines(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A model directory (a word-level tokenizer.json) and the environment that makes ``kairos up
+    --engine vllm`` start :mod:`tests.integration.vllm_standin` in place of each vLLM server (its
+    records go to ``tmp_path/engines``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model = tmp_path / "model"
+    model.mkdir()
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model / "tokenizer.json"))
+    records = tmp_path / "engines"
+    records.mkdir()
+    wrapper = tmp_path / "vllm-python"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{Path(__file__).with_name("vllm_standin.py")}" "$@"\n')
+    wrapper.chmod(0o755)
+    return model, {"KAIROS_VLLM_PYTHON": str(wrapper), "KAIROS_TEST_STANDIN_DIR": str(records)}
+
+
+def engine_records(tmp_path: Path, port: str) -> list[dict]:
+    """What every stand-in engine started on ``port`` wrote at its start (oldest first)."""
+    recs = [json.loads(p.read_text()) for p in (tmp_path / "engines").glob("*.json")]
+    recs = [r for r in recs if r["argv"][r["argv"].index("--port") + 1] == port]
+    return sorted(recs, key=lambda r: (tmp_path / "engines" / f"{r['pid']}.json").stat().st_mtime_ns)
+
+
+def routable(port: int) -> set[str]:
+    """The nodes the ingress routes to now (``/health``'s ``routable``; empty when it answers 503)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = json.loads(e.read())
+    return set(body.get("routable", {}).get("prefill", [])) | set(body.get("routable", {}).get("decode", []))
+
+
+def test_a_dead_vllm_engine_is_restarted_with_the_same_command_and_its_agent_serves_again(tmp_path, spawn):
+    """Issue 16 §5: a vLLM engine that dies is started again by ``kairos up`` (same command line, so
+    the same port and engine-state socket); its agent notices the death at once (engine_lost),
+    waits for the new server's model list (engine_ready again) and its node is routable again."""
+    model, env = standin_engines(tmp_path)
+    port = free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    logs = tmp_path / "logs"
+    proc, table = start_up(spawn, port, "--engine", "vllm", "--model", str(model), "--prefill", "1", "--decode",
+                           "1", "--dispatchers", "1", "--log-dir", str(logs), tmpdir=tmpdir, env=env)
+    row = next(line.split() for line in table.splitlines() if line.strip().startswith("vllm-decode-0"))
+    victim, engine_port = int(row[-2]), row[-1].rsplit(":", 1)[1]
+    (first,) = engine_records(tmp_path, engine_port)
+    assert first["pid"] == victim
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while len(recs := engine_records(tmp_path, engine_port)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "the engine was not restarted"
+        time.sleep(0.05)
+    again = recs[1]
+    assert again["pid"] != victim and (again["argv"], again["state_addr"]) == (first["argv"], first["state_addr"])
+
+    def agent_events() -> list[str]:
+        return [json.loads(x).get("event") for x in (logs / "decode-0.log").read_text().splitlines()
+                if x.startswith("{")]
+
+    while agent_events().count("engine_ready") < 2 or "decode-0" not in routable(port):
+        assert time.monotonic() < deadline, (agent_events(), routable(port))
+        time.sleep(0.05)
+    events = agent_events()
+    assert events.index("engine_lost") > events.index("engine_ready"), events  # refused in between
+    err = stop_after_a_death(proc, "a vLLM engine")
+    assert "vllm-decode-0 exited unexpectedly" in err and "restarted it with the same configuration" in err, err
+    assert "stopping everything" not in err and "keeps serving without it" not in err, err
 
 
 def test_demo_progress_is_on_unless_turned_off(monkeypatch):
