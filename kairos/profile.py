@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from kairos.engines import SCHEDULER_CLS, VLLM_VERSION
+from kairos.engines import SCHEDULER_CLS, VLLM_VERSION, VllmServer
 from kairos.up import start_bundled_nats, stop_process
 from services.node_agent.config import AgentConfig
 from shared.envconfig import to_env
@@ -150,7 +150,7 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
         log = tmp / "vllm.log"
         logs.append(log)
         proc = _spawn(stack, srv.argv(py), srv.env(), log)
-        _wait_vllm(srv.url, proc, log, opts.served_model, opts.vllm_startup_timeout_s)
+        _wait_vllm(srv, proc, log, opts.served_model, opts.vllm_startup_timeout_s)
     node_profile = opts.base_profile if opts.vllm else opts.node_profile
     cfg = AgentConfig(node_id=opts.node, role="decode", nats_url=url, metrics_port=-1,
                       profile=os.path.abspath(node_profile) if Path(node_profile).exists() else node_profile,
@@ -181,16 +181,18 @@ def model_card(model_dir: str) -> dict:
     return card
 
 
-def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, timeout_s: float) -> None:
-    """Wait (bounded) until the vLLM server answers ``/v1/models``, then send one short warm-up
-    completion (the first forward passes are slow and would be outliers of the fit)."""
+def _wait_vllm(srv: VllmServer, proc: subprocess.Popen, log: Path, served_model: str, timeout_s: float) -> None:
+    """Wait (bounded) until the vLLM server ``srv`` answers
+    ``/v1/models``, then send one short warm-up completion (the first forward passes are slow and
+    would be outliers of the fit); both with the server's key."""
     import json
     import urllib.request
 
     from kairos.up import _get_json
 
+    url, auth = srv.url, srv.auth_headers()
     deadline = time.monotonic() + timeout_s
-    while _get_json(f"{url}/v1/models") is None:
+    while _get_json(f"{url}/v1/models", auth) is None:
         if proc.poll() is not None:
             raise RuntimeError(f"the vLLM server exited with code {proc.returncode} during startup:\n{_tail(log)}")
         if time.monotonic() > deadline:
@@ -198,7 +200,7 @@ def _wait_vllm(url: str, proc: subprocess.Popen, log: Path, served_model: str, t
         time.sleep(0.5)
     body = json.dumps({"model": served_model, "prompt": list(range(3, 400)), "max_tokens": 16,
                        "cache_salt": "kairos-profile-warm-up"}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         r.read()
 

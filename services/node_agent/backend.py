@@ -339,6 +339,7 @@ def make_backend(cfg: Any, model: LatencyModel, truth: GroundTruth | None = None
 
     Raises:
         ValueError: an unknown backend name.
+        ConfigError: the vLLM server's key file cannot be read (``AgentConfig.engine_key``).
     """
     if cfg.backend == "emulated":
         return EmulatedBackend(cfg.role, model, cfg.tbt_guard_ms, cfg.link, truth)
@@ -346,5 +347,5 @@ def make_backend(cfg: Any, model: LatencyModel, truth: GroundTruth | None = None
         from services.node_agent.vllm_backend import VllmBackend
 
         return VllmBackend(cfg.role, model, cfg.engine_url, cfg.engine_state_addr,
-                           stale_after_ms=cfg.engine_stale_after_ms)
+                           stale_after_ms=cfg.engine_stale_after_ms, api_key=cfg.engine_key())
     raise ValueError(f"unknown engine backend {cfg.backend!r} (known: emulated, vllm)")

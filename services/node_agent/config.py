@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-from shared.envconfig import MetricsServiceConfig, require
+from shared.envconfig import ConfigError, MetricsServiceConfig, env_name, require
 from shared.latency import DEFAULT_PROFILE
 from shared.subjects import check_token
 
@@ -23,6 +24,11 @@ class AgentConfig(MetricsServiceConfig):
     #: vllm: the plugin's engine-state stream (ZMQ, ``ipc:///tmp/kairos-decode-0.sock`` or ``tcp://host:port``);
     #: the same value as the engine's ``KAIROS_ENGINE_STATE_ADDR``
     engine_state_addr: str | None = None
+    #: vllm: a file whose content (stripped) is the key the server requires (its ``VLLM_API_KEY``;
+    #: ``kairos up`` generates one per server); every call to it then carries ``Authorization: Bearer``
+    engine_api_key_file: str | None = None
+    #: vllm: the key itself (prefer the file: environments leak); never logged
+    engine_api_key: str | None = field(default=None, repr=False)
     #: vllm: no engine state for this long (ms; the plugin sends ≥ every 100 ms) → not accepting work
     engine_stale_after_ms: float = 2000.0
     state_period_ms: float = 100.0  #: heartbeat period (Δh)
@@ -57,3 +63,22 @@ class AgentConfig(MetricsServiceConfig):
             require(bool(self.engine_state_addr) and str(self.engine_state_addr).startswith(("ipc://", "tcp://")),
                     "engine_state_addr", "backend vllm needs the engine-state stream address (ipc://… or tcp://…), "
                     f"got {self.engine_state_addr!r}")
+        require(not (self.engine_api_key and self.engine_api_key_file), "engine_api_key_file",
+                "set either KAIROS_ENGINE_API_KEY or KAIROS_ENGINE_API_KEY_FILE, not both")
+
+    def engine_key(self) -> str | None:
+        """The vLLM server's API key: ``engine_api_key``, else the content of ``engine_api_key_file``
+        (stripped), else None (an open server).
+
+        Raises:
+            ConfigError: the file cannot be read or is empty (the message names the variable, never the key).
+        """
+        if not self.engine_api_key_file:
+            return self.engine_api_key or None
+        try:
+            key = Path(self.engine_api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{env_name('engine_api_key_file')}={self.engine_api_key_file}: {exc.strerror}") from None
+        if not key:
+            raise ConfigError(f"{env_name('engine_api_key_file')}={self.engine_api_key_file} is empty")
+        return key

@@ -115,15 +115,18 @@ class VllmBackend(EngineBackend):
         state_addr: the plugin's ZMQ PUB address (the engine's ``KAIROS_ENGINE_STATE_ADDR``).
         stale_after_ms: no snapshot for this long → :attr:`available` False (the agent reports
             ``accepting=False`` and refuses jobs). The plugin sends at least every 100 ms.
+        api_key: the key the server requires (its ``VLLM_API_KEY``): every call sends
+            ``Authorization: Bearer <key>``; None: no header (an open server).
     """
 
     def __init__(self, role: str, model: LatencyModel, engine_url: str, state_addr: str,
-                 stale_after_ms: float = 2000.0) -> None:
+                 stale_after_ms: float = 2000.0, api_key: str | None = None) -> None:
         self.role = role
         self.model = model
         self.url = engine_url.rstrip("/")
         self.state_addr = state_addr
         self.stale_after_ms = stale_after_ms
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.served_model: str | None = None  #: the server's model id (GET /v1/models), set by run()
         self.snapshot: Any = None  #: last kairos_vllm EngineSnapshot
         self._snap_mono = 0.0
@@ -274,7 +277,8 @@ class VllmBackend(EngineBackend):
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # no total timeout: a long decode streams for minutes; the ingress deadline cancels
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                                  headers=self._headers)
         return self._session
 
     async def _serve(self, r: _VReq) -> None:

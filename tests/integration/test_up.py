@@ -402,6 +402,7 @@ def test_a_dead_vllm_engine_is_restarted_with_the_same_command_and_its_agent_ser
         time.sleep(0.05)
     again = recs[1]
     assert again["pid"] != victim and (again["argv"], again["state_addr"]) == (first["argv"], first["state_addr"])
+    assert first["api_key"] and again["api_key"] == first["api_key"]  # it refuses /v1/* without the key
 
     def agent_events() -> list[str]:
         return [json.loads(x).get("event") for x in (logs / "decode-0.log").read_text().splitlines()

@@ -39,9 +39,14 @@ def req(rid: str = "r1", prompt: int = 3, out: int = 2) -> InferenceRequest:
 
 
 class StandIn:
-    """A stand-in vLLM OpenAI server; ``completions`` answers ``POST /v1/completions``."""
+    """A stand-in vLLM OpenAI server; ``completions`` answers ``POST /v1/completions``. With
+    ``api_key`` it refuses ``/v1/*`` without ``Authorization: Bearer <key>`` (401, vLLM's body), as
+    vLLM 0.32.0 does with ``VLLM_API_KEY`` (``vllm/entrypoints/serve/middleware/authenticate.py``);
+    ``seen`` lists ``(path, Authorization header)`` of every request."""
 
-    def __init__(self) -> None:
+    def __init__(self, api_key: str | None = None) -> None:
+        self.api_key = api_key
+        self.seen: list[tuple[str, str | None]] = []
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.completions: Handler = self.stream_ok
@@ -71,7 +76,15 @@ class StandIn:
                                                     "type": "NotFoundError", "code": 404}}, status=404)
             return await self.completions(body)
 
-        app = web.Application()
+        @web.middleware
+        async def auth(request: web.Request, handler):
+            got = request.headers.get("Authorization")
+            self.seen.append((request.path, got))
+            if self.api_key and request.path.startswith("/v1") and got != f"Bearer {self.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth])
         app.router.add_get("/v1/models", models)
         app.router.add_get("/health", health)
         app.router.add_post("/v1/completions", completions)
@@ -315,3 +328,42 @@ async def test_a_seeded_deflected_request_is_refused_before_it_can_kill_the_engi
     assert (await events.wait("finished"))[1] == "g"
     (body,) = standin.bodies
     assert body["seed"] == 42 and body["temperature"] == 0.0
+
+
+async def test_every_call_to_a_keyed_engine_carries_its_key_and_a_keyless_agent_is_locked_out(tmp_path):
+    """Issue 16: ``kairos up --engine vllm`` left the engines' ports open to anyone. With a key the
+    engine refuses what lacks it (here before it serves the model list), so the agent must send it
+    on every call: readiness, completions, the KV release and the health probe."""
+    standin = StandIn(api_key="k-123")
+
+    async def refuse(body):  # a refused decode leg: the agent then also sends a KV release
+        return web.json_response({"error": {"message": "bad", "type": "BadRequestError", "code": 400}}, status=400)
+    standin.completions = refuse
+    async with TestServer(standin.app()) as server:
+        url, addr = str(server.make_url("")), f"ipc://{tmp_path / 'k.sock'}"
+        open_agent = VllmBackend("decode", MODEL, url, addr)
+        stop = asyncio.Event()
+        task = asyncio.create_task(open_agent.run(Events(), stop))
+        await until(lambda: ("/v1/models", None) in standin.seen, "the keyless agent's readiness check")
+        assert not open_agent.available and open_agent.served_model is None  # 401: never ready
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)
+        standin.seen.clear()
+
+        events, stop = Events(), asyncio.Event()
+        b = VllmBackend("decode", MODEL, url, f"ipc://{tmp_path / 'k2.sock'}", api_key="k-123")
+        task = asyncio.create_task(b.run(events, stop))
+        try:
+            await asyncio.wait_for(b._ready.wait(), WAIT_S)
+            b.add_remote_decode(req(), PARAMS)
+            assert (await events.wait("failed"))[2] == 400
+            await standin.wait_bodies(2)  # the leg and the release
+            await asyncio.wait_for(asyncio.gather(*b._releases), WAIT_S)
+            b.snapshot, b._snap_mono = object(), 0.0  # a stale stream: the agent probes /health
+            assert await b.confirm_available(1.0)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, WAIT_S)
+    paths = [p for p, _ in standin.seen]
+    assert paths.count("/v1/completions") == 2 and "/v1/models" in paths and "/health" in paths, paths
+    assert {auth for _, auth in standin.seen} == {"Bearer k-123"}, standin.seen

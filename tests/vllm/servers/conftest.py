@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import time
 import urllib.error
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kairos.engines import VllmServer, make_tiny_model
+from kairos.engines import VllmServer, make_tiny_model, server_ready
 from kairos.up import free_port
 from shared.latency import load_profile
 from tests.integration.conftest import nats_url  # noqa: F401  (the real nats-server fixture)
@@ -47,17 +48,10 @@ class Engines:
     startup_s: float
 
 
-def _ready(srv: VllmServer) -> bool:
-    try:
-        with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}/v1/completions", headers={"Content-Type": "application/json"},
-                                 data=json.dumps(body).encode())
+def post(srv: VllmServer, body: dict) -> dict:
+    """``POST /v1/completions`` to ``srv`` with its API key; the JSON answer (HTTPError on a non-200)."""
+    req = urllib.request.Request(f"{srv.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **srv.auth_headers()})
     with urllib.request.urlopen(req, timeout=STARTUP_TIMEOUT_S) as r:
         return json.loads(r.read())
 
@@ -72,7 +66,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
         ucx = free_port()
         srv = VllmServer(node=node, role=role, model_dir=tiny_model_dir, served_model="tiny", port=free_port(),
                          state_addr=f"ipc://{run / f'{node}.sock'}", nixl_port=free_port(), ucx_ports=f"{ucx}-{ucx + 20}",
-                         profile=profile, omp_cpus=str(k % (os.cpu_count() or 1)),
+                         profile=profile, omp_cpus=str(k % (os.cpu_count() or 1)), api_key=secrets.token_urlsafe(16),
                          extra_args=("--override-generation-config", '{"temperature": 0.0}',
                                      # prefill server: 512-token steps, so a 1,900-token prompt takes 4 steps
                                      # and a cancel after the first one lands mid-prefill
@@ -90,7 +84,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
                 if proc.poll() is not None:
                     tail = logs[srv.node].read_text(errors="replace").splitlines()[-30:]
                     raise RuntimeError(f"vLLM server {srv.node} exited with {proc.returncode}:\n" + "\n".join(tail))
-                if _ready(srv):
+                if server_ready(srv):
                     pending.remove((srv, proc))
             if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
                 raise RuntimeError(f"vLLM servers not ready after {STARTUP_TIMEOUT_S:.0f} s: {[s.node for s, _ in pending]}")
@@ -99,12 +93,12 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
         # makes the NIXL handshake between the two servers (a fixed 5 s reply timeout in vLLM 0.32.0
         # that a loaded machine can miss: retried here, as the agent's backend retries its decodes)
         for srv in servers:
-            _post(srv.url, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "warm-up"})
+            post(srv, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "warm-up"})
         for attempt in range(3):
-            pre = _post(servers[0].url, {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 1,
+            pre = post(servers[0], {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 1,
                                          "kv_transfer_params": {"do_remote_decode": True}})
             try:
-                _post(servers[1].url, {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 2,
+                post(servers[1], {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 2,
                                        "kv_transfer_params": pre["kv_transfer_params"]})
                 break
             except urllib.error.HTTPError:

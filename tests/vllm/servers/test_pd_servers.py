@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import urllib.error
 import urllib.request
 
 import nats
@@ -24,7 +25,7 @@ from shared.bus import request_typed
 from shared.latency import load_profile
 from shared.wire import Cancel, DoneEvent, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
 from tests.integration.conftest import wait_until
-from tests.vllm.servers.conftest import PROFILE
+from tests.vllm.servers.conftest import PROFILE, post
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200),
               pytest.mark.skipif(not os.environ.get("KAIROS_VLLM_PYTHON"),
@@ -74,7 +75,8 @@ async def cluster(engines, nats_url):
     streams = {srv.node: Stream(srv.state_addr) for srv in (engines.prefill, engines.decode)}
     for srv in (engines.prefill, engines.decode):
         cfg = AgentConfig(node_id=srv.node, role=srv.role, profile=PROFILE, nats_url=nats_url, backend="vllm",
-                          engine_url=srv.url, engine_state_addr=srv.state_addr, log_level="warning",
+                          engine_url=srv.url, engine_state_addr=srv.state_addr, engine_api_key=srv.api_key,
+                          log_level="warning",
                           kv_handoff_timeout_s=VLLM_DEFAULTS["kv_handoff_timeout_s"])
         agents[srv.node] = NodeAgent(cfg, model)
         await agents[srv.node].start()
@@ -131,13 +133,6 @@ class Client:
         return self.end
 
 
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
 def engine_metrics(url: str) -> dict[str, float]:
     """vLLM's own Prometheus gauges (KV-cache usage, running/waiting requests) from ``/metrics``:
     the engine's view, independent of the plugin's state stream (test-side only; the agent never
@@ -187,7 +182,7 @@ async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_
     assert sum(r.prefill_tokens for r in pre) == 600, [r.prefill_tokens for r in pre]
     assert sum(r.prefill_tokens for r in dec) == 1, [r.prefill_tokens for r in dec]
     # the same request without P/D, on one server, not hitting the transferred blocks
-    ref = await asyncio.to_thread(post, engines.decode.url, {"model": "tiny", "prompt": ids, "max_tokens": 8,
+    ref = await asyncio.to_thread(post, engines.decode, {"model": "tiny", "prompt": ids, "max_tokens": 8,
                                                              "temperature": 0.0, "cache_salt": "reference"})
     assert ref["usage"]["completion_tokens"] == 8
     assert c.text == ref["choices"][0]["text"]
@@ -319,3 +314,28 @@ async def test_profile_round_trip_fits_the_engines_own_step_times(cluster, engin
         assert len(ratios) >= 5, f"too few {kind} steps: {len(ratios)}"
         assert 0.5 <= statistics.median(ratios) <= 2.0, f"{kind}: median predicted/measured {statistics.median(ratios):.2f}"
     await idle_kv(engines)
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/invocations"),
+                                         ("POST", "/tokenize")])
+def test_an_engine_refuses_whoever_lacks_its_key(engines, method, path):
+    """Issue 16 §5: the engines' ports were open to any local client (one seeded request killed an
+    engine). vLLM's key guards ``/v1/*``; ``kairos_vllm.auth`` the routes it leaves open
+    (``/invocations`` runs completions). The probes stay open, the key opens the rest."""
+    srv = engines.decode
+    body = json.dumps({"model": "tiny", "prompt": "hello"} if path == "/tokenize" else
+                      {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}).encode()
+
+    def status(p: str, m: str, headers: dict) -> int:
+        req = urllib.request.Request(f"{srv.url}{p}", method=m, data=body if m == "POST" else None,
+                                     headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert status(path, method, {}) == 401
+    assert status(path, method, {"Authorization": "Bearer wrong"}) == 401
+    assert status(path, method, srv.auth_headers()) == 200
+    assert status("/health", "GET", {}) == 200 and status("/metrics", "GET", {}) == 200
