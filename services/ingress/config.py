@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from shared.envconfig import ServiceConfig, require
 from shared.latency import DEFAULT_PROFILE
@@ -58,6 +59,10 @@ class IngressConfig(ServiceConfig):
     #: SUB/UNSUB per request, issue 12); but every replica then receives every replica's events, so
     #: with many ingress replicas set False: one ``kairos.out.<id>`` subscription per request
     out_wildcard: bool = True
+    #: the engines behind this ingress: ``vllm-cpu`` refuses up front, on every route, what vLLM-CPU
+    #: cannot serve without dying (a ``seed`` with temperature > 0: 400 naming ``seed``,
+    #: :func:`shared.vllm_api.unsafe_seed`); ``emulated`` and ``vllm`` (GPU) serve it
+    engine_kind: Literal["emulated", "vllm", "vllm-cpu"] = "emulated"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +80,8 @@ class IngressConfig(ServiceConfig):
         require(self.liveness_timeout_s > 0, "liveness_timeout_s", "must be > 0")
         require(self.outage_grace_s > 0, "outage_grace_s", "must be > 0")
         require(self.bus_outage_timeout_s > 0, "bus_outage_timeout_s", "must be > 0")
+        require(self.engine_kind in ("emulated", "vllm", "vllm-cpu"), "engine_kind",
+                f"must be emulated, vllm or vllm-cpu, got {self.engine_kind!r}")
         require(self.heartbeat_max_future_ms > 0, "heartbeat_max_future_ms", "must be > 0")
         require(all(k.strip() == k and k for k in self.api_keys), "api_keys",
                 "keys must be non-empty and without surrounding spaces")

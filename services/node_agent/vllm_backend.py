@@ -356,7 +356,7 @@ class VllmBackend(EngineBackend):
 
     async def _stream(self, r: _VReq) -> None:
         rid = r.req.request_id
-        if r.kind == "deflect" and (why := unsafe_seed(r.req)) is not None:  # it would kill the engine
+        if r.kind == "deflect" and (why := unsafe_seed(r.req.sampling)) is not None:  # it would kill the engine
             raise EngineHttpError(400, why)
         body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if r.kind == "remote_decode" else None,
                            prefill_chunks=r.engine_chunks or None)

@@ -157,3 +157,45 @@ async def test_ingress_with_a_model_tokenizer_and_chat_template(nats_url, tmp_pa
                 assert r.status == 400 and err["error"]["param"] == "prompt" and "< 9" in err["error"]["message"]
         finally:
             await ing.close()
+
+
+@pytest.mark.parametrize("policy", ["pd", "sl:100000"])  # keep path, deflect path
+async def test_vllm_cpu_engines_get_no_seeded_sampled_request_on_any_route(nats_url, policy):
+    """Issue 16 §5: a seed with temperature > 0 kills a vLLM-CPU engine at a partial-prefill step,
+    which a deflected prefill always has and a keep-path prefill has when its prompt outgrows a
+    step; the agent refused only deflected ones, after routing. An ingress of vLLM-CPU engines
+    refuses it on every route with a 400 naming ``seed`` before anything is published; greedy
+    seeded requests are served. (Emulated nodes behind it: what matters is that nothing reaches them.)"""
+    import nats as nats_client
+
+    from shared import subjects as S
+
+    nc = await nats_client.connect(nats_url)
+    published: list[bytes] = []
+
+    async def on_request(msg) -> None:
+        published.append(msg.data)
+    sub = await nc.subscribe(S.REQUEST_SUBJECT, cb=on_request)
+    try:
+        async with stack(nats_url, policy=policy, ingress_overrides={"engine_kind": "vllm-cpu"}) as st:
+            for sampling in ({"seed": 42}, {"seed": 42, "temperature": 0.7}):
+                for chat in (False, True):
+                    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "alpha beta"}
+                    status, out = await post(st, {**body, "max_tokens": 4, **sampling}, chat=chat)
+                    assert status == 400 and out["error"]["param"] == "seed", out
+                    assert "temperature" in out["error"]["message"], out
+            await nc.flush()
+            assert published == []  # refused before the request stream
+            status, out = await post(st, {"prompt": "alpha beta", "max_tokens": 4, "seed": 42, "temperature": 0})
+            assert status == 200 and out["usage"]["completion_tokens"] == 4, out
+            await nc.flush()
+            assert len(published) == 1
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+
+
+async def test_other_engines_serve_seeded_sampled_requests(nats_url):
+    async with stack(nats_url, policy="pd", ingress_overrides={"engine_kind": "vllm"}) as st:
+        status, out = await post(st, {"prompt": "alpha beta", "max_tokens": 4, "seed": 42, "temperature": 0.7})
+        assert status == 200, out

@@ -238,6 +238,8 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     assert len(nixl) == 2
     from services.state_aggregator.config import AggregatorConfig
     assert from_env(AggregatorConfig, env=by["state_aggregator"].env).stale_after_ms == 2000.0
+    # vLLM-CPU engines: the ingress refuses what would kill them, whatever the route (issue 16 §5)
+    assert from_env(IngressConfig, env=by["ingress"].env).engine_kind == "vllm-cpu"
     ing = from_env(IngressConfig, env=by["ingress"].env)
     assert ing.tokenizer_path == str(tmp_path / "model" / "tokenizer.json") and ing.served_model == "tiny"
     with pytest.raises(ValueError, match="--model"):
