@@ -16,7 +16,6 @@ import asyncio
 import ssl
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Awaitable, Callable, TypeVar
 
 import msgspec
@@ -29,7 +28,7 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, Header, KeyVa
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
-from shared.envconfig import ConfigError
+from shared.envconfig import ConfigError, read_secret_file
 from shared.permissions import inbox_prefix
 from shared.wire import decode, encode
 
@@ -65,12 +64,7 @@ class BusAuth:
             return None
         pw = cfg.nats_password
         if cfg.nats_password_file:
-            try:
-                pw = Path(cfg.nats_password_file).read_text().strip()
-            except OSError as exc:
-                raise BusAuthError(f"KAIROS_NATS_PASSWORD_FILE={cfg.nats_password_file}: {exc.strerror}") from None
-            if not pw:
-                raise BusAuthError(f"KAIROS_NATS_PASSWORD_FILE={cfg.nats_password_file} is empty")
+            pw = read_secret_file(cfg.nats_password_file, "nats_password_file", BusAuthError)
         return cls(cfg.nats_user, pw or "")
 
 

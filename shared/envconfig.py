@@ -107,6 +107,23 @@ def require(cond: bool, field: str, message: str) -> None:
         raise ConfigError(f"{env_name(field)}: {message}")
 
 
+def read_secret_file(path: str, field: str, error: type[Exception] = ConfigError) -> str:
+    """The content (stripped) of the secret file ``path`` that the variable ``KAIROS_<FIELD>`` names
+    (a password, an API key; Docker-secrets style).
+
+    Raises:
+        error (default ConfigError): the file cannot be read or is empty; the message names the
+            variable and the path, never the content.
+    """
+    try:
+        secret = open(path, encoding="utf-8").read().strip()
+    except OSError as exc:
+        raise error(f"{env_name(field)}={path}: {exc.strerror}") from None
+    if not secret:
+        raise error(f"{env_name(field)}={path} is empty")
+    return secret
+
+
 def main_config(cls: type[T], service: str) -> T:
     """``from_env`` for a service main: on error print it and exit 2."""
     try:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from shared.envconfig import ConfigError, MetricsServiceConfig, env_name, require
+from shared.envconfig import MetricsServiceConfig, read_secret_file, require
 from shared.latency import DEFAULT_PROFILE
 from shared.subjects import check_token
 
@@ -75,10 +74,4 @@ class AgentConfig(MetricsServiceConfig):
         """
         if not self.engine_api_key_file:
             return self.engine_api_key or None
-        try:
-            key = Path(self.engine_api_key_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{env_name('engine_api_key_file')}={self.engine_api_key_file}: {exc.strerror}") from None
-        if not key:
-            raise ConfigError(f"{env_name('engine_api_key_file')}={self.engine_api_key_file} is empty")
-        return key
+        return read_secret_file(self.engine_api_key_file, "engine_api_key_file")

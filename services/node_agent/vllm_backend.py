@@ -1,10 +1,12 @@
 """The node agent's vLLM backend: a vLLM OpenAI server beside the agent (``KAIROS_BACKEND=vllm``).
 
-Requests go to the server over HTTP (aiohttp, ``POST /v1/completions``; the bodies are built in
-:mod:`shared.vllm_api`), engine state comes from the ``kairos_vllm`` scheduler plugin's ZMQ stream
-(:class:`kairos_vllm.subscriber.EngineStateSubscriber`, contract A): every snapshot updates the
-state the agent's heartbeats report, every snapshot carrying a ``StepRecord`` becomes a
-:class:`~services.node_agent.backend.StepOutput`. No ``/metrics`` scraping on the hot path.
+Requests go to the server over HTTP (:class:`~services.node_agent.vllm_http.EngineClient`,
+``POST /v1/completions``; the bodies are built in :mod:`shared.vllm_api`), engine state comes from
+the ``kairos_vllm`` scheduler plugin's ZMQ stream (:class:`kairos_vllm.subscriber.EngineStateSubscriber`,
+contract A): every snapshot updates the state the agent's heartbeats report, every snapshot
+carrying a ``StepRecord`` becomes a :class:`~services.node_agent.backend.StepOutput` (both
+translations: :mod:`services.node_agent.vllm_state`). This module is the request lifecycle between
+them: phases, retries, failures, availability. No ``/metrics`` scraping on the hot path.
 
 Paths (vLLM's NIXL P/D protocol, ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``):
 
@@ -32,21 +34,20 @@ frees the prefill node's blocks at once through its own server (:func:`shared.vl
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import structlog
 
-from services.node_agent.backend import EngineBackend, EngineEvents, StepOutput
+from services.node_agent.backend import EngineBackend, EngineEvents
+from services.node_agent.vllm_http import KV_RELEASE_TIMEOUT_S, EngineClient  # noqa: F401  (re-exported)
+from services.node_agent.vllm_state import (_VReq, engine_state, step_output,  # noqa: F401  (re-exported)
+                                           track_prefills)
 from shared.engine import EngineState
 from shared.latency import LatencyModel
-from shared.snapshot import InFlightDeflection
-from shared.vllm_api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_error,
-                             engine_prefill_chunks, kv_release_body, parse_sse_line, prefill_body, prefill_result,
-                             require_kv_blocks, unsafe_seed)
+from shared.vllm_api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_prefill_chunks,
+                             prefill_body, prefill_result, require_kv_blocks, unsafe_seed)
 from shared.wire import InferenceRequest
 
 log = structlog.get_logger("kairos.node_agent.vllm")
@@ -54,55 +55,6 @@ log = structlog.get_logger("kairos.node_agent.vllm")
 #: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve);
 #: never after a 4xx: the engine refused the request itself
 REMOTE_DECODE_RETRIES = 2
-#: longest wait (s) for the decode server to answer a KV release (VllmBackend._release_remote_kv)
-KV_RELEASE_TIMEOUT_S = 10.0
-
-
-@dataclass
-class _VReq:
-    """One request this backend has in its vLLM server."""
-
-    req: InferenceRequest
-    kind: str  # "prefill" | "remote_decode" | "deflect"
-    phase: str  # "prefilling" | "held" | "awaiting_kv" | "deflected_prefill" | "decoding"
-    chunk_schedule: list[int] = field(default_factory=list)
-    engine_chunks: list[int] = field(default_factory=list)  #: p_i sent to vLLM
-    kv_params: dict[str, Any] | None = None
-    task: asyncio.Task | None = None
-    submitted_mono: float = 0.0
-    kv_ready: asyncio.Future | None = None  #: remote decode: set when the first token arrived
-    started: bool = False  #: a step computed some of its prompt (StepOutput.prefill_chunks)
-    remaining: int = 0  #: prompt tokens still to prefill, per the last snapshot
-    tokens_out: int = 0  #: output tokens received so far
-
-
-def step_output(rec: Any, reqs: dict[str, "_VReq"], started: list[tuple[str, int, int]],
-                model: LatencyModel) -> StepOutput:
-    """A :class:`StepOutput` from the plugin's ``StepRecord`` (kairos_vllm.protocol).
-
-    ``deflected_chunk`` is the first deflected chunk of the step whose request this backend knows:
-    (rid, chunk_index, χ of the dispatcher's schedule at that index — the last entry repeats —,
-    prompt tokens run). ``prefill_chunks`` lists every request seen prefilling in the step:
-    deflected chunks from the record as (rid, tokens, prompt tokens computed before the chunk),
-    keep-path prefills from ``started`` (rid, tokens, 0).
-    ``predicted_ms`` is the latency model on the step actually run (B, K, prompt tokens, and the
-    token-weighted computed prefix ``c`` of its chunks, as in the agent's step record).
-    """
-    chunks: list[tuple[str, int, int]] = list(started)
-    deflected = None
-    for c in rec.chunks:
-        chunks.append((c.request_id, c.tokens, c.computed_tokens))
-        r = reqs.get(c.request_id)
-        if deflected is None and r is not None and r.chunk_schedule:
-            chi = r.chunk_schedule[min(c.chunk_index, len(r.chunk_schedule) - 1)]
-            deflected = (c.request_id, c.chunk_index, chi, c.tokens)
-    n = sum(t for _, t, _ in chunks)
-    cached = sum(t * c for _, t, c in chunks) / n if n else 0.0
-    predicted = float(model.step_ms(rec.decode_count, rec.kv_tokens, rec.prefill_tokens, cached))
-    return StepOutput(step=rec.step, started_unix_ms=rec.started_unix_ms, wall_ms=rec.wall_ms, predicted_ms=predicted,
-                      batch_size=rec.decode_count, kv_tokens=rec.kv_tokens, prefill_tokens=rec.prefill_tokens,
-                      prefill_chunks=tuple(chunks), deflected_chunk=deflected, tokens=(), first_tokens=(),
-                      prefill_done=(), finished=(), cached_tokens=rec.cached_tokens)
 
 
 class VllmBackend(EngineBackend):
@@ -126,7 +78,7 @@ class VllmBackend(EngineBackend):
         self.url = engine_url.rstrip("/")
         self.state_addr = state_addr
         self.stale_after_ms = stale_after_ms
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = EngineClient(self.url, api_key)  #: every HTTP call to the server (vllm_http.py)
         self.served_model: str | None = None  #: the server's model id (GET /v1/models), set by run()
         self.snapshot: Any = None  #: last kairos_vllm EngineSnapshot
         self._snap_mono = 0.0
@@ -135,9 +87,7 @@ class VllmBackend(EngineBackend):
         self._started: list[tuple[str, int, int]] = []  #: keep-path prefills started since the last step record
         self._events: EngineEvents | None = None
         self._ready = asyncio.Event()
-        self._session: aiohttp.ClientSession | None = None
         self.snapshots = 0  #: snapshots received (tests, debugging)
-        self._releases: set[asyncio.Task] = set()  #: KV releases in flight (_release_remote_kv)
         self._stop: asyncio.Event | None = None  #: run()'s stop event
         self._ready_task: asyncio.Future | None = None  #: waiting for the server (_become_ready)
 
@@ -161,42 +111,14 @@ class VllmBackend(EngineBackend):
             return True
         if not self._ready.is_set():
             return False
-        try:
-            async with self._client().get(f"{self.url}/health",
-                                          timeout=aiohttp.ClientTimeout(total=max(timeout_s, 0.01))) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            ok = False
+        ok = await self.http.healthy(timeout_s)
         log.warning("engine_state_late", url=self.url, health_ok=ok,
                     state_age_ms=round((time.monotonic() - self._snap_mono) * 1000.0, 1))
         return ok
 
     def state(self) -> EngineState:
-        """Heartbeat state from the last snapshot: B, K, free KV, the queue of prompt remainders
-        (prefill node: every waiting request; decode node: the deflected ones) and the deflected
-        requests still prefilling (``in_flight``)."""
-        s = self.snapshot
-        deflecting = [r for r in self._reqs.values() if r.kind == "deflect" and r.phase == "deflected_prefill"]
-        in_flight = [InFlightDeflection(prompt_tokens=max(r.remaining, 0), output_tokens=r.req.max_tokens)
-                     for r in deflecting]
-        if s is None:
-            return EngineState(role=self.role, batch_size=0, kv_tokens=0,
-                               queue_prompt_tokens=[r.remaining for r in self._reqs.values()
-                                                    if r.phase in ("prefilling", "deflected_prefill")],
-                               deflection_in_flight=bool(deflecting), in_flight=in_flight, waiting=0,
-                               free_kv_tokens=0, running=0)
-        if self.role == "prefill":
-            queue = [w.remaining_prefill_tokens for w in s.waiting]
-        else:
-            queue = [w.remaining_prefill_tokens for w in s.waiting
-                     if (r := self._reqs.get(w.request_id)) is not None and r.kind == "deflect"]
-        used = int(round(s.free_kv_tokens * s.kv_cache_usage / (1.0 - s.kv_cache_usage))) if s.kv_cache_usage < 1 else 0
-        return EngineState(role=self.role, batch_size=s.batch_size, kv_tokens=s.kv_tokens, queue_prompt_tokens=queue,
-                           deflection_in_flight=bool(deflecting), in_flight=in_flight, waiting=s.num_waiting,
-                           free_kv_tokens=s.free_kv_tokens, running=s.num_running,
-                           awaiting_kv=sum(1 for r in self._reqs.values() if r.phase == "awaiting_kv"),
-                           held=sum(1 for r in self._reqs.values() if r.phase == "held"),
-                           used_kv_tokens=used, steps=s.step)
+        """Heartbeat state from the last snapshot (:func:`~services.node_agent.vllm_state.engine_state`)."""
+        return engine_state(self.role, self.snapshot, self._reqs)
 
     def phase(self, req_id: str) -> str | None:
         r = self._reqs.get(req_id)
@@ -273,14 +195,7 @@ class VllmBackend(EngineBackend):
         await asyncio.shield(r.kv_ready)
         return (time.monotonic() - r.submitted_mono) * 1000.0
 
-    # -- HTTP -----------------------------------------------------------------------------------
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # no total timeout: a long decode streams for minutes; the ingress deadline cancels
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                                  headers=self._headers)
-        return self._session
-
+    # -- requests -------------------------------------------------------------------------------
     async def _serve(self, r: _VReq) -> None:
         """Run ``r``'s HTTP request; on failure end it with an explicit error: the engine's 4xx
         (``engine_rejected_request``, vLLM's message: the request itself is wrong), else
@@ -291,7 +206,7 @@ class VllmBackend(EngineBackend):
         waits a fixed 5 s for its reply (``nixl/base_worker.py``), which a busy CPU prefill server can
         miss; the prefill side keeps the blocks for their lease, so the same ``kv_transfer_params``
         still work. One that fails for good before its first token releases the prefill node's
-        blocks at once (:meth:`_release_remote_kv`)."""
+        blocks at once (:meth:`EngineClient.release_kv`)."""
         rid = r.req.request_id
         attempts = 0
         await self._ready.wait()
@@ -317,7 +232,7 @@ class VllmBackend(EngineBackend):
                 if r.kv_ready is not None and not r.kv_ready.done():
                     r.kv_ready.set_result(False)
                 if r.kind == "remote_decode" and r.tokens_out == 0 and r.kv_params:
-                    self._release_remote_kv(rid, r.kv_params)
+                    self.http.release_kv(rid, r.kv_params)
                 log.warning("engine_request_failed", request_id=rid, error=repr(exc))
                 if self._events is not None:
                     if refused:
@@ -327,27 +242,9 @@ class VllmBackend(EngineBackend):
                         await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
                 return
 
-    def _release_remote_kv(self, rid: str, kv_params: dict[str, Any]) -> None:
-        """Free the prefill node's KV blocks of a decode that failed before reading them, now rather
-        than at the end of their NIXL lease (:func:`shared.vllm_api.kv_release_body`; in the
-        background, never raises)."""
-        async def release() -> None:
-            try:
-                async with self._client().post(f"{self.url}/v1/completions", json=kv_release_body(kv_params),
-                                               timeout=aiohttp.ClientTimeout(total=KV_RELEASE_TIMEOUT_S)) as resp:
-                    await resp.read()
-                    log.info("remote_kv_released", request_id=rid, status=resp.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the lease frees them later
-                log.warning("remote_kv_release_failed", request_id=rid, error=repr(exc))
-        task = asyncio.get_running_loop().create_task(release(), name=f"vllm-release:{rid}")
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
     async def _prefill(self, r: _VReq) -> None:
         rid = r.req.request_id
-        async with self._client().post(f"{self.url}/v1/completions", json=prefill_body(r.req, self.served_model)) as resp:
-            body = await _json_or_raise(resp)
-        params, _n = prefill_result(body, rid)
+        params, _n = prefill_result(await self.http.complete(prefill_body(r.req, self.served_model)), rid)
         if self._reqs.get(rid) is not r:  # aborted meanwhile
             return
         r.kv_params, r.phase, r.remaining = params, "held", 0
@@ -361,27 +258,21 @@ class VllmBackend(EngineBackend):
         body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if r.kind == "remote_decode" else None,
                            prefill_chunks=r.engine_chunks or None)
         index, finish, usage = 0, None, None
-        async with self._client().post(f"{self.url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                await _json_or_raise(resp)
-            async for raw in resp.content:
-                d = parse_sse_line(raw.decode("utf-8", "replace"))
-                if d is None:
-                    continue
-                if d.usage is not None:
-                    usage = d.usage
-                if d.finish_reason is not None:
-                    finish = d.finish_reason
-                if d.token_count > 0 and self._reqs.get(rid) is r:
-                    if index == 0:
-                        r.remaining = 0
-                        if r.kv_ready is not None and not r.kv_ready.done():
-                            r.kv_ready.set_result(True)
-                        if r.phase == "deflected_prefill":
-                            r.phase = "decoding"
-                    await self._events.on_tokens(rid, index, d.token_count, d.text)
-                    index += d.token_count
-                    r.tokens_out = index
+        async for d in self.http.stream(body):
+            if d.usage is not None:
+                usage = d.usage
+            if d.finish_reason is not None:
+                finish = d.finish_reason
+            if d.token_count > 0 and self._reqs.get(rid) is r:
+                if index == 0:
+                    r.remaining = 0
+                    if r.kv_ready is not None and not r.kv_ready.done():
+                        r.kv_ready.set_result(True)
+                    if r.phase == "deflected_prefill":
+                        r.phase = "decoding"
+                await self._events.on_tokens(rid, index, d.token_count, d.text)
+                index += d.token_count
+                r.tokens_out = index
         if self._reqs.get(rid) is not r:
             return
         del self._reqs[rid]
@@ -393,27 +284,6 @@ class VllmBackend(EngineBackend):
                                        cached_tokens(usage))
 
     # -- driver ---------------------------------------------------------------------------------
-    async def _wait_ready(self, stop: asyncio.Event) -> None:
-        """Poll ``/health`` and ``/v1/models`` until the server answers (it may still be loading)."""
-        warned = False
-        while not stop.is_set():
-            try:
-                async with self._client().get(f"{self.url}/v1/models") as resp:
-                    if resp.status == 200:
-                        data = (await resp.json()).get("data") or []
-                        if data:
-                            self.served_model = data[0]["id"]
-                            return
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-                pass
-            if not warned:
-                log.info("waiting_for_engine", url=self.url)
-                warned = True
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except asyncio.TimeoutError:
-                pass
-
     def _on_snapshot(self, snap: Any) -> list[tuple[str, int, int]]:
         """Update the state. Returns the keep-path prefills seen computing for the first time since
         the last step record ``(rid, tokens computed, 0)``: collected over every snapshot (a step's
@@ -422,28 +292,16 @@ class VllmBackend(EngineBackend):
         self.snapshot, self._snap_mono = snap, time.monotonic()
         self.snapshots += 1
         started = self._started
-        waiting = {w.request_id: w for w in snap.waiting}
-        for rid, r in self._reqs.items():
-            # "held": the prefill's HTTP answer can overtake the stream's messages about its steps
-            if r.phase not in ("prefilling", "deflected_prefill") and not (r.phase == "held" and not r.started):
-                continue
-            w = waiting.get(rid)
-            if r.phase == "held" and w is None:  # done before any message showed it: no start to report
-                r.started = True
-                continue
-            if w is not None and r.phase != "held":
-                r.remaining = w.remaining_prefill_tokens
-            if r.kind == "prefill" and not r.started and (w is None or w.remaining_prefill_tokens < w.prompt_tokens):
-                r.started = True
-                started.append((rid, r.req.prompt_tokens - (w.remaining_prefill_tokens if w else 0), 0))
+        started += track_prefills(snap, self._reqs)
         if snap.step_record is None:
             return []
         self._started = []
         return started
 
     async def _become_ready(self, stop: asyncio.Event) -> None:
-        await self._wait_ready(stop)
-        if not stop.is_set():
+        model = await self.http.wait_served_model(stop)
+        if model is not None:
+            self.served_model = model
             self._ready.set()
             log.info("engine_ready", url=self.url, model=self.served_model, state_addr=self.state_addr)
 
@@ -502,20 +360,5 @@ class VllmBackend(EngineBackend):
             for r in list(self._reqs.values()):
                 if r.task is not None:
                     r.task.cancel()
-            if self._session is not None:
-                await self._session.close()
+            await self.http.close()
 
-
-async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
-    """The JSON body of a 200 answer.
-
-    Raises:
-        EngineHttpError: any other status (with vLLM's error message).
-    """
-    text = await resp.text()
-    if resp.status != 200:
-        raise engine_error(resp.status, text)
-    try:
-        return json.loads(text)
-    except ValueError:
-        raise EngineApiError(f"not JSON: {text[:200]!r}") from None

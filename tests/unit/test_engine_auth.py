@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import sys
 
 import pytest
 
@@ -80,14 +79,9 @@ def test_a_keyed_server_gets_its_key_in_the_environment_only(monkeypatch):
 
 
 def test_kairos_up_gives_each_engine_a_key_that_only_its_agent_reads(tmp_path, monkeypatch):
-    from kairos.up import UpOptions, plan
+    from tests.unit.test_vllm_backend import vllm_plan
 
-    monkeypatch.setenv("KAIROS_VLLM_PYTHON", sys.executable)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "tokenizer.json").write_text("{}")
-    opts = UpOptions(prefill=1, decode=1, dispatchers=1, engine="vllm", model_dir=str(tmp_path / "model"),
-                     profile="cpu-tiny-vllm", served_model="tiny")
-    by = {c.name: c for c in plan(opts, "nats://127.0.0.1:4222", tmp_path / "logs", run_dir=tmp_path)}
+    by = {c.name: c for c in vllm_plan(tmp_path, monkeypatch)}
     keys = set()
     for node in ("prefill-0", "decode-0"):
         eng, agent = by[f"vllm-{node}"], by[node]
@@ -96,7 +90,7 @@ def test_kairos_up_gives_each_engine_a_key_that_only_its_agent_reads(tmp_path, m
         assert stat.S_IMODE(os.stat(cfg.engine_api_key_file).st_mode) == 0o600
         assert cfg.engine_key() == key and len(key) >= 32
         assert key not in repr(cfg) and all(key not in v for v in agent.env.values())  # a path, not the key
-        assert make_backend(cfg, load_profile("cpu-tiny-vllm"))._headers == {"Authorization": f"Bearer {key}"}
+        assert make_backend(cfg, load_profile("cpu-tiny-vllm")).http.headers == {"Authorization": f"Bearer {key}"}
         keys.add(key)
     assert len(keys) == 2
 

@@ -179,13 +179,13 @@ async def test_a_late_state_stream_is_slow_not_dead_while_the_server_answers_hea
         assert await b.confirm_available(1.0) is True
         health["status"] = 503
         assert await b.confirm_available(1.0) is False
-        await b._session.close()
+        await b.http.close()
     dead = VllmBackend("decode", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none", stale_after_ms=50)
     dead._ready.set()
     dead._on_snapshot(snapshot())
     dead._snap_mono = time.monotonic() - 1.0
     assert await dead.confirm_available(1.0) is False
-    await dead._session.close()
+    await dead.http.close()
 
 
 async def asyncio_drain() -> None:
@@ -204,17 +204,25 @@ def test_agent_config_requires_the_engine_url_and_state_stream_for_vllm():
                     engine_state_addr="/tmp/x.sock")
 
 
-def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypatch):
-    from kairos.up import ENGINE_NICE, UpOptions, plan
-    from shared.envconfig import from_env
-    from services.ingress.config import IngressConfig
+def vllm_plan(tmp_path, monkeypatch) -> list:
+    """``kairos up --engine vllm`` 1P1D's children (:func:`kairos.up.plan`; this python stands in
+    for the vLLM one, nothing is started)."""
+    from kairos.up import UpOptions, plan
 
     monkeypatch.setenv("KAIROS_VLLM_PYTHON", sys.executable)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "tokenizer.json").write_text("{}")
     opts = UpOptions(prefill=1, decode=1, dispatchers=1, engine="vllm", model_dir=str(tmp_path / "model"),
                      profile="cpu-tiny-vllm", served_model="tiny")
-    children = plan(opts, "nats://127.0.0.1:4222", tmp_path / "logs", run_dir=tmp_path)
+    return plan(opts, "nats://127.0.0.1:4222", tmp_path / "logs", run_dir=tmp_path)
+
+
+def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypatch):
+    from kairos.up import ENGINE_NICE, UpOptions, plan
+    from shared.envconfig import from_env
+    from services.ingress.config import IngressConfig
+
+    children = vllm_plan(tmp_path, monkeypatch)
     by = {c.name: c for c in children}
     nixl = set()
     for node in ("prefill-0", "decode-0"):

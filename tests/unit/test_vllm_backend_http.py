@@ -203,7 +203,7 @@ async def test_a_decode_leg_the_engine_refuses_is_the_clients_error_and_frees_th
     assert decode_leg["kv_transfer_params"] == PARAMS and decode_leg["model"] == "tiny"
     # the release: the same params, a model the server refuses at once (vLLM then frees the prefill blocks)
     assert release["kv_transfer_params"] == PARAMS and release["model"] != "tiny" and release["max_tokens"] == 1
-    await asyncio.wait_for(asyncio.gather(*b._releases), WAIT_S)
+    await asyncio.wait_for(asyncio.gather(*b.http.releases), WAIT_S)
     assert len(standin.bodies) == 2 and b.phase("r1") is None
 
 
@@ -219,7 +219,7 @@ async def test_a_decode_leg_that_keeps_failing_is_retried_then_frees_the_prefill
     assert failed[1:4] == ("r1", 502, "engine_error")
     bodies = await standin.wait_bodies(4)  # the leg, two retries, the release
     assert [x["model"] for x in bodies] == ["tiny"] * 3 + [bodies[3]["model"]] and bodies[3]["model"] != "tiny"
-    await asyncio.wait_for(asyncio.gather(*b._releases), WAIT_S)
+    await asyncio.wait_for(asyncio.gather(*b.http.releases), WAIT_S)
 
 
 async def test_a_deflected_request_the_engine_refuses_is_a_4xx_and_releases_nothing(engine):
@@ -233,7 +233,7 @@ async def test_a_deflected_request_the_engine_refuses_is_a_4xx_and_releases_noth
     b.add_deflected(req(), [2])
     failed = await events.wait("failed")
     assert failed[1:4] == ("r1", 400, "engine_rejected_request") and "seed is not supported" in failed[4]
-    assert len(standin.bodies) == 1 and not b._releases  # no retry, no KV of another node to free
+    assert len(standin.bodies) == 1 and not b.http.releases  # no retry, no KV of another node to free
 
 
 async def until(pred: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
@@ -358,7 +358,7 @@ async def test_every_call_to_a_keyed_engine_carries_its_key_and_a_keyless_agent_
             b.add_remote_decode(req(), PARAMS)
             assert (await events.wait("failed"))[2] == 400
             await standin.wait_bodies(2)  # the leg and the release
-            await asyncio.wait_for(asyncio.gather(*b._releases), WAIT_S)
+            await asyncio.wait_for(asyncio.gather(*b.http.releases), WAIT_S)
             b.snapshot, b._snap_mono = object(), 0.0  # a stale stream: the agent probes /health
             assert await b.confirm_available(1.0)
         finally:
