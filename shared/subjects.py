@@ -66,6 +66,19 @@ def check_token(token: str, what: str = "id") -> str:
     return token
 
 
+def subject_node(subject: str, build) -> str | None:
+    """The node id ``n`` for which ``build(n) == subject`` (``build``: a one-node subject builder
+    such as :func:`state_subject`, the node id its last token), else None (a subject of another
+    kind, or a JetStream delivery, which keeps its stream's subject). How a consumer learns the
+    sender of a per-node subject: the bus let only that node's agent publish there
+    (:mod:`shared.permissions`), so the subject, not the body, names the sender."""
+    node = subject.rpartition(".")[2]
+    try:
+        return node if build(node) == subject else None
+    except SubjectError:
+        return None
+
+
 def state_subject(node: str) -> str:
     """Heartbeat subject of ``node``."""
     return f"{PREFIX}.state.{check_token(node, 'node id')}"

@@ -33,11 +33,12 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (Buckets, BusWatch, ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl,
+from shared.bus import (BusWatch, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl, open_requests_bucket,
                         publish, request_typed)
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
+from shared.origin import OriginGuard, forged_counter
 from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
@@ -145,6 +146,7 @@ class NodeAgent:
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
+        self.origin = OriginGuard(forged_counter("agent", self.tel.registry), self.log)
         self.reqs: dict[str, _Req] = {}
         #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
         self.cancelled = RecentIds(CANCELLED_REMEMBERED)
@@ -163,7 +165,6 @@ class NodeAgent:
         self._seq = 0
         self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
-        self.buckets: Buckets | None = None
         #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
         self.corrector = CorrectionEstimator()
         self.claims: Claims | None = None
@@ -202,9 +203,10 @@ class NodeAgent:
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
 
     async def _declare(self) -> None:
-        """(Re-)declare the buckets: at start and after every reconnect (a restarted NATS)."""
-        self.buckets = await ensure_buckets(self.nc.jetstream())
-        self.claims = Claims(self.buckets.requests, self.cfg.node_id, self.epoch_unix_ms)
+        """(Re-)open the requests bucket (claims): at start and after every reconnect (a restarted
+        NATS). An agent may not create it (docs/security.md): it waits for a control-plane service."""
+        self.claims = Claims(await open_requests_bucket(self.nc.jetstream(), log=self.log), self.cfg.node_id,
+                             self.epoch_unix_ms)
 
     async def close(self, drain: bool = True) -> None:
         """Stop. ``drain``: refuse new work and send an explicit error for every request still
@@ -322,6 +324,11 @@ class NodeAgent:
 
     # -- jobs -----------------------------------------------------------------------------------
     async def _on_job(self, msg) -> None:
+        # a job is a request (a dispatcher's or the profiler's: nobody else may publish here) on
+        # exactly this subject; a JetStream answer sent here has no reply subject (shared/origin.py)
+        mine = msg.reply and msg.subject == S.jobs_subject(self.cfg.node_id)
+        if not self.origin.check(msg, "job", self.cfg.node_id if mine else None, None):
+            return
         try:
             job = decode(msg.data, Job)
         except WireError as exc:
