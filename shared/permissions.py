@@ -184,9 +184,9 @@ def role_permissions(user: str) -> Permissions:
         sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
-        pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))
+        pub = [_kv(models, ">")] + _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
         # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
-        pub += [_any(S.jobs_subject), _any(S.kv_subject), S.CANCEL_SUBJECT]
+        pub += [_any(S.jobs_subject), _any(S.kv_subject, PROFILER), S.CANCEL_SUBJECT]
         sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, _any(S.out_subject)]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user.startswith(AGENT_PREFIX):
@@ -195,7 +195,7 @@ def role_permissions(user: str) -> Permissions:
             S.check_token(node, "node id")
         except S.SubjectError as exc:
             raise RoleError(str(exc)) from None
-        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject),
+        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject, user),
                _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
                _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode")),
                _kv(rec, _any(S.claim_key))]  # execution claims: create, read (below), compare-and-delete
@@ -203,7 +203,7 @@ def role_permissions(user: str) -> Permissions:
         # No consumer, stream-create or message-get API at all: nothing an agent could point at
         # another role's subjects, and no way to list the bucket's keys.
         pub += _open(kv_stream(rec)) + [_get(rec, _any(S.claim_key))]
-        sub += [S.jobs_subject(node), S.kv_subject(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
+        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")
 

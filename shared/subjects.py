@@ -9,7 +9,7 @@ Hierarchy::
     kairos.route.decided          routing events: dispatcher -> state_aggregator
     kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
     kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
-    kairos.kv.<node>              KV handoff, request-reply: prefill agent -> decode agent
+    kairos.kv.<node>.<sender>     KV handoff, request-reply: prefill agent (its NATS user) -> decode agent
     kairos.kvdone.<node>          KV pulled, release blocks: decode agent -> prefill agent
     kairos.out.<request_id>       token stream / final result / error: node_agent -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
@@ -92,9 +92,16 @@ def jobs_subject(node: str) -> str:
     return f"{PREFIX}.jobs.{check_token(node, 'node id')}"
 
 
-def kv_subject(node: str) -> str:
-    """Request-reply subject on which decode ``node``'s agent accepts KV handoffs."""
-    return f"{PREFIX}.kv.{check_token(node, 'node id')}"
+def kv_subject(node: str, sender: str) -> str:
+    """Request-reply subject on which decode ``node``'s agent accepts KV handoffs sent by NATS user
+    ``sender`` (``agent-<prefill node>``, or ``profiler``): the bus lets each user publish only
+    under its own name, so the decode node knows who hands it a KV cache (shared/origin.py)."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}.{check_token(sender, 'NATS user')}"
+
+
+def kv_wildcard(node: str) -> str:
+    """Every :func:`kv_subject` of decode ``node`` (its agent's one subscription)."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}.*"
 
 
 def kvdone_subject(node: str) -> str:

@@ -21,7 +21,7 @@ import pytest
 from shared import subjects as S
 from shared.bus import flush_barrier
 from shared.permissions import agent_user
-from shared.wire import InferenceRequest, Job, NodeState, StepRecordEvent, encode, now_ms
+from shared.wire import InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent, decode, encode, now_ms
 from tests.integration.conftest import secure_server, stack, wait_until
 from tests.integration.test_bus_security import _close, as_role
 
@@ -172,3 +172,30 @@ async def test_an_agent_cannot_list_or_read_other_requests_records(secure):
         await attacker.violation("$JS.API.STREAM.CREATE.KV_kairos_capture", "publish")
         await _close(attacker)
 
+
+
+async def test_a_kv_handoff_must_come_from_the_prefill_node_holding_the_request(secure):
+    """decode-1 accepted a handoff forged by decode-0 naming a prefill node that does not exist.
+    Now the subject names the sender (the bus checks it), the body must name that sender, and the
+    sender must hold the request's claim as its prefill node; the real keep path still works."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
+        attacker = await as_role(url, pw, ATTACKER)
+        victim = st.agents["decode-1"]
+        req = InferenceRequest(request_id="forged-kv-1", model="m", prompt_tokens=8, max_tokens=4,
+                               created_unix_ms=now_ms(), deadline_unix_ms=now_ms() + 60_000)
+        replies = {}
+        for src in ("prefill-9", "prefill-0", "decode-0"):  # made up, another real node, itself
+            h = KvHandoff(request=req, src_node=src, kv_tokens=8, prefill_done_unix_ms=now_ms())
+            reply = await attacker.nc.request(S.kv_subject("decode-1", ATTACKER), encode(h), timeout=5)
+            replies[src] = decode(reply.data, KvAck)
+        assert {s: (a.accepted, a.reason) for s, a in replies.items()} == {
+            "prefill-9": (False, "forged"), "prefill-0": (False, "forged"), "decode-0": (False, "not_the_holder")}
+        assert "forged-kv-1" not in victim.reqs and forged_count(victim, "kv_handoff") == 3
+        # posing as prefill-0's agent on the subject: a publish violation
+        spoofed = S.kv_subject("decode-1", agent_user("prefill-0"))
+        await attacker.nc.publish(spoofed, encode(h), reply=attacker.nc.new_inbox())
+        await attacker.violation(spoofed, "publish")
+        status, body = await st.complete("the real keep path", max_tokens=4)
+        assert status == 200, body
+        await _close(attacker)
