@@ -52,8 +52,7 @@ async def test_heartbeats_naming_another_node_are_refused_and_counted(secure):
     ones before it were processed (one connection's messages reach a subscriber in order)."""
     url, pw = secure
     async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw, policy="kairos+") as st:
-        epoch1 = st.ingress.liveness.epoch("decode-1")
-        assert epoch1 is not None
+        epoch1 = await wait_until(lambda: st.ingress.liveness.epoch("decode-1"), 5, "decode-1 heard by the ingress")
         attacker = await as_role(url, pw, ATTACKER)
         forged = [msgspec.structs.replace(heartbeat("decode-1", "decode", now_ms() + 1000.0), waiting=999),
                   heartbeat("ghost-9", "prefill", now_ms())]
