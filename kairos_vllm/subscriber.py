@@ -19,6 +19,7 @@ import asyncio
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kairos_vllm.protocol import EngineSnapshot, decode
 
@@ -42,6 +43,8 @@ class EngineStateSubscriber:
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # connection events, before connect so none is missed (zmq_socket_monitor)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(addr)
         self._last: tuple[int, int] | None = None  # (engine_pid, seq) of the last message
         self.dropped = 0
@@ -68,6 +71,15 @@ class EngineStateSubscriber:
         self.received += 1
         return snap
 
+    async def disconnected(self) -> None:
+        """Return when the connection to the publisher closes: its process died or closed the
+        socket (ZMQ's ``EVENT_DISCONNECTED``, at once, where the stream's silence takes 100 ms or
+        more to mean anything). ZMQ reconnects by itself; a new engine's first message follows."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return
+
     def __aiter__(self) -> "EngineStateSubscriber":
         return self
 
@@ -79,6 +91,8 @@ class EngineStateSubscriber:
     def close(self) -> None:
         """Close the socket (idempotent); a pending ``recv`` fails with ``zmq.ZMQError``."""
         if not self._sock.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close(linger=0)
 
     async def __aenter__(self) -> "EngineStateSubscriber":

@@ -81,24 +81,42 @@ class PrefixIndex:
         self._nodes: dict[int, int] = {}  # hash -> bitmask of the nodes holding it
         self._bit: dict[str, int] = {}  # node -> its bit (1 << index)
         self._names: list[str] = []  # bit index -> node
-        self._by_node: dict[str, set[int]] = {}  # node -> hashes (for resync / node removal)
+        #: node -> hash -> blocks of the node holding it (copies; for resync / node removal)
+        self._by_node: dict[str, dict[int, int]] = {}
         self._seq: dict[str, int | None] = {}  # node -> last heartbeat seq applied; None: awaiting a full resync
 
     def apply(self, node: str, stored: Iterable[int], removed: Iterable[int]) -> None:
-        """Apply one node's net cache events (order-independent; idempotent)."""
-        mine = self._by_node.setdefault(node, set())
+        """Apply one node's cache events: each entry of ``stored`` is one more block holding that
+        hash, each entry of ``removed`` one fewer; the node holds a hash while some block does.
+
+        Copies are counted because an engine can cache one hash in several blocks: vLLM's
+        ``BlockPool`` keeps every block of two requests that computed the same prefix at once
+        (``cached_block_hash_to_block``: hash → {block id: block}) and sends one ``BlockStored`` /
+        ``BlockRemoved`` per block (``vllm/v1/core/block_pool.py``), so the removal of one copy
+        must not drop the hash (issue 16: a match of 7 blocks fell to 2). The emulated engine holds
+        one block per hash and reports each hash's 0↔1 transitions
+        (:meth:`shared.engine.prefix.PrefixCache.drain_events`). The arithmetic commutes, so the
+        order of the events does not matter; a removal of a hash the node does not hold (events
+        from before a reset) is ignored. Not idempotent: a heartbeat's events are applied once
+        (:meth:`on_heartbeat` checks ``seq``).
+        """
+        mine = self._by_node.setdefault(node, {})
         bit = self._bit.get(node)
         if bit is None:
             bit = self._bit[node] = 1 << len(self._names)
             self._names.append(node)
         index = self._nodes
         for h in stored:
-            if h not in mine:
-                mine.add(h)
+            n = mine.get(h, 0)
+            mine[h] = n + 1
+            if n == 0:
                 index[h] = index.get(h, 0) | bit
         for h in removed:
-            if h in mine:
-                mine.discard(h)
+            n = mine.get(h, 0)
+            if n > 1:
+                mine[h] = n - 1
+            elif n == 1:
+                del mine[h]
                 holders = index[h] & ~bit
                 if holders:
                     index[h] = holders
@@ -106,11 +124,15 @@ class PrefixIndex:
                     del index[h]
 
     def reset_node(self, node: str, hashes: Iterable[int] = ()) -> None:
-        """Replace everything known about ``node`` (a resync after lost events, or a node that
-        left: empty ``hashes``)."""
-        self.apply(node, (), list(self._by_node.get(node, ())))
-        self._by_node.pop(node, None)
-        self.apply(node, hashes, ())
+        """Replace everything known about ``node`` (a resync after lost events: ``hashes`` is its
+        whole cache, one copy each; or a node that left: empty ``hashes``)."""
+        for h in self._by_node.pop(node, {}):
+            holders = self._nodes[h] & ~self._bit[node]
+            if holders:
+                self._nodes[h] = holders
+            else:
+                del self._nodes[h]
+        self.apply(node, dict.fromkeys(hashes), ())
 
     def on_heartbeat(self, node: str, seq: int, block_tokens: int, stored: Sequence[int],
                      removed: Sequence[int], full: bool) -> None:
@@ -141,7 +163,7 @@ class PrefixIndex:
 
     def node_hashes(self, node: str) -> frozenset[int]:
         """Hashes the index believes ``node`` holds."""
-        return frozenset(self._by_node.get(node, ()))
+        return frozenset(self._by_node.get(node, {}))
 
     def match_blocks(self, hashes: Sequence[int]) -> dict[str, int]:
         """node → number of leading ``hashes`` it holds, for every node holding at least one."""

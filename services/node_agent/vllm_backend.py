@@ -25,6 +25,8 @@ Cancel (:meth:`abort`) closes the HTTP request; vLLM aborts a request whose clie
 after its prefill (phase ``held``) has no HTTP request left on the prefill node: its blocks are
 freed when the decode server's request for it is aborted before reading them (the decode side then
 notifies the prefill side, ``NixlConnector.request_finished``), or by the lease — docs/services.md.
+A keep-path decode that fails for good before its first token (an engine 4xx, or retries spent)
+frees the prefill node's blocks at once through its own server (:func:`shared.vllm_api.kv_release_body`).
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ from services.node_agent.backend import EngineBackend, EngineEvents, StepOutput
 from shared.engine import EngineState
 from shared.latency import LatencyModel
 from shared.snapshot import InFlightDeflection
-from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
-                             prefill_body, prefill_result)
+from shared.vllm_api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_error,
+                             engine_prefill_chunks, kv_release_body, parse_sse_line, prefill_body, prefill_result,
+                             require_kv_blocks, unsafe_seed)
 from shared.wire import InferenceRequest
 
 log = structlog.get_logger("kairos.node_agent.vllm")
 
-#: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve)
+#: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve);
+#: never after a 4xx: the engine refused the request itself
 REMOTE_DECODE_RETRIES = 2
+#: longest wait (s) for the decode server to answer a KV release (VllmBackend._release_remote_kv)
+KV_RELEASE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -128,13 +134,17 @@ class VllmBackend(EngineBackend):
         self._ready = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self.snapshots = 0  #: snapshots received (tests, debugging)
+        self._releases: set[asyncio.Task] = set()  #: KV releases in flight (_release_remote_kv)
+        self._stop: asyncio.Event | None = None  #: run()'s stop event
+        self._ready_task: asyncio.Future | None = None  #: waiting for the server (_become_ready)
 
     # -- availability / state -------------------------------------------------------------------
     @property
     def available(self) -> bool:  # type: ignore[override]
-        """The server answered its model list and, once its state stream has started, the stream is
-        fresh (a snapshot within ``stale_after_ms``; an engine that never ran a request may not
-        have published yet)."""
+        """The server answered its model list since the engine (re)started and, once its state
+        stream has started, the stream is fresh (a snapshot within ``stale_after_ms``; an engine
+        that never ran a request may not have published yet). False from the moment the stream's
+        connection closes or a new engine process publishes (:meth:`_engine_lost`)."""
         if not self._ready.is_set():
             return False
         return self.snapshot is None or (time.monotonic() - self._snap_mono) * 1000.0 <= self.stale_after_ms
@@ -201,6 +211,7 @@ class VllmBackend(EngineBackend):
         if not kv_transfer_params:
             raise EngineApiError(f"{req.request_id}: a vLLM decode node needs the prefill server's kv_transfer_params "
                                  "(was the prefill node running the emulated backend?)")
+        require_kv_blocks(kv_transfer_params, req.request_id)  # never forwarded: it would kill the engine
         r = _VReq(req=req, kind="remote_decode", phase="awaiting_kv", kv_params=dict(kv_transfer_params))
         r.kv_ready = asyncio.get_running_loop().create_future()
         self._add(r)
@@ -267,13 +278,16 @@ class VllmBackend(EngineBackend):
         return self._session
 
     async def _serve(self, r: _VReq) -> None:
-        """Run ``r``'s HTTP request; on failure end it with an explicit ``502 engine_error``.
+        """Run ``r``'s HTTP request; on failure end it with an explicit error: the engine's 4xx
+        (``engine_rejected_request``, vLLM's message: the request itself is wrong), else
+        ``502 engine_error``.
 
-        A keep-path decode that fails before its first token is sent again (up to
-        :data:`REMOTE_DECODE_RETRIES` times): vLLM 0.32.0's NIXL handshake with a new prefill peer
+        A keep-path decode that fails before its first token, other than by a 4xx, is sent again (up
+        to :data:`REMOTE_DECODE_RETRIES` times): vLLM 0.32.0's NIXL handshake with a new prefill peer
         waits a fixed 5 s for its reply (``nixl/base_worker.py``), which a busy CPU prefill server can
         miss; the prefill side keeps the blocks for their lease, so the same ``kv_transfer_params``
-        still work."""
+        still work. One that fails for good before its first token releases the prefill node's
+        blocks at once (:meth:`_release_remote_kv`)."""
         rid = r.req.request_id
         attempts = 0
         await self._ready.wait()
@@ -289,23 +303,47 @@ class VllmBackend(EngineBackend):
             except (aiohttp.ClientError, asyncio.TimeoutError, EngineApiError, ValueError) as exc:
                 if self._reqs.get(rid) is not r:
                     return
-                if r.kind == "remote_decode" and r.tokens_out == 0 and attempts < REMOTE_DECODE_RETRIES:
+                refused = isinstance(exc, EngineHttpError) and exc.client_error  # the same body fails again
+                if (r.kind == "remote_decode" and r.tokens_out == 0 and not refused
+                        and attempts < REMOTE_DECODE_RETRIES):
                     attempts += 1
                     log.warning("remote_decode_retry", request_id=rid, attempt=attempts, error=repr(exc))
                     continue
                 del self._reqs[rid]
                 if r.kv_ready is not None and not r.kv_ready.done():
                     r.kv_ready.set_result(False)
+                if r.kind == "remote_decode" and r.tokens_out == 0 and r.kv_params:
+                    self._release_remote_kv(rid, r.kv_params)
                 log.warning("engine_request_failed", request_id=rid, error=repr(exc))
                 if self._events is not None:
-                    await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
+                    if refused:
+                        await self._events.on_failed(rid, exc.status, "engine_rejected_request",
+                                                     f"the engine refused the request: {exc.engine_message}")
+                    else:
+                        await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
                 return
+
+    def _release_remote_kv(self, rid: str, kv_params: dict[str, Any]) -> None:
+        """Free the prefill node's KV blocks of a decode that failed before reading them, now rather
+        than at the end of their NIXL lease (:func:`shared.vllm_api.kv_release_body`; in the
+        background, never raises)."""
+        async def release() -> None:
+            try:
+                async with self._client().post(f"{self.url}/v1/completions", json=kv_release_body(kv_params),
+                                               timeout=aiohttp.ClientTimeout(total=KV_RELEASE_TIMEOUT_S)) as resp:
+                    await resp.read()
+                    log.info("remote_kv_released", request_id=rid, status=resp.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the lease frees them later
+                log.warning("remote_kv_release_failed", request_id=rid, error=repr(exc))
+        task = asyncio.get_running_loop().create_task(release(), name=f"vllm-release:{rid}")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _prefill(self, r: _VReq) -> None:
         rid = r.req.request_id
         async with self._client().post(f"{self.url}/v1/completions", json=prefill_body(r.req, self.served_model)) as resp:
             body = await _json_or_raise(resp)
-        params, _n = prefill_result(body)
+        params, _n = prefill_result(body, rid)
         if self._reqs.get(rid) is not r:  # aborted meanwhile
             return
         r.kv_params, r.phase, r.remaining = params, "held", 0
@@ -314,6 +352,8 @@ class VllmBackend(EngineBackend):
 
     async def _stream(self, r: _VReq) -> None:
         rid = r.req.request_id
+        if r.kind == "deflect" and (why := unsafe_seed(r.req)) is not None:  # it would kill the engine
+            raise EngineHttpError(400, why)
         body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if r.kind == "remote_decode" else None,
                            prefill_chunks=r.engine_chunks or None)
         index, finish, usage = 0, None, None
@@ -397,36 +437,63 @@ class VllmBackend(EngineBackend):
         self._started = []
         return started
 
-    async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
-        """Wait for the server, then follow its state stream until ``stop``; every snapshot with a
-        step record is reported as a :class:`StepOutput`."""
-        from kairos_vllm.subscriber import EngineStateSubscriber
-
-        self._events = events
-        sub = EngineStateSubscriber(self.state_addr)
-        stop_wait = asyncio.ensure_future(stop.wait())
-        try:
-            await self._wait_ready(stop)
-            if stop.is_set():
-                return
+    async def _become_ready(self, stop: asyncio.Event) -> None:
+        await self._wait_ready(stop)
+        if not stop.is_set():
             self._ready.set()
             log.info("engine_ready", url=self.url, model=self.served_model, state_addr=self.state_addr)
+
+    def _engine_lost(self, why: str) -> None:
+        """The engine died or restarted: unavailable at once (jobs are refused and routed elsewhere,
+        not accepted to fail with 502 until the state stream goes stale), available again once its
+        server answers its model list (a restarted engine publishes state before its HTTP server
+        listens)."""
+        if self._ready.is_set():
+            log.warning("engine_lost", url=self.url, why=why)
+        self._ready.clear()
+        if self._stop is not None and (self._ready_task is None or self._ready_task.done()):
+            self._ready_task = asyncio.get_running_loop().create_task(self._become_ready(self._stop))
+
+    async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
+        """Wait for the server and follow its state stream until ``stop``; every snapshot with a
+        step record is reported as a :class:`StepOutput`. The stream's connection closing (the
+        engine process died) or a new ``engine_pid`` (it restarted) makes the engine unavailable
+        until its server answers again (:meth:`_engine_lost`)."""
+        from kairos_vllm.subscriber import EngineStateSubscriber
+
+        self._events, self._stop = events, stop
+        sub = EngineStateSubscriber(self.state_addr)
+        stop_wait = asyncio.ensure_future(stop.wait())
+        self._ready_task = asyncio.ensure_future(self._become_ready(stop))
+        recv, gone = asyncio.ensure_future(sub.recv()), asyncio.ensure_future(sub.disconnected())
+        try:
             while not stop.is_set():
-                recv = asyncio.ensure_future(sub.recv())
-                await asyncio.wait({recv, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if not recv.done():
-                    recv.cancel()
+                await asyncio.wait({recv, gone, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if stop.is_set():
                     break
+                if gone.done():
+                    gone.result()
+                    self._engine_lost("engine-state stream disconnected")
+                    gone = asyncio.ensure_future(sub.disconnected())
+                if not recv.done():
+                    continue
                 try:
                     snap = recv.result()
                 except ValueError as exc:  # EngineStateError: a bad message; keep listening
                     log.warning("bad_engine_state", error=str(exc))
+                    snap = None
+                recv = asyncio.ensure_future(sub.recv())
+                if snap is None:
                     continue
+                if self.snapshot is not None and snap.engine_pid != self.snapshot.engine_pid:
+                    self._engine_lost(f"engine restarted (pid {self.snapshot.engine_pid} -> {snap.engine_pid})")
                 started = self._on_snapshot(snap)
                 if snap.step_record is not None:
                     await events.on_step(step_output(snap.step_record, self._reqs, started, self.model))
         finally:
-            stop_wait.cancel()
+            for f in (stop_wait, recv, gone, self._ready_task):
+                f.cancel()
+            await asyncio.gather(recv, gone, self._ready_task, return_exceptions=True)
             sub.close()
             for r in list(self._reqs.values()):
                 if r.task is not None:
@@ -439,11 +506,11 @@ async def _json_or_raise(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     """The JSON body of a 200 answer.
 
     Raises:
-        EngineApiError: any other status (the message carries vLLM's error text).
+        EngineHttpError: any other status (with vLLM's error message).
     """
     text = await resp.text()
     if resp.status != 200:
-        raise EngineApiError(f"HTTP {resp.status}: {text[:500]}")
+        raise engine_error(resp.status, text)
     try:
         return json.loads(text)
     except ValueError:

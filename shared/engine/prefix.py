@@ -45,7 +45,7 @@ class PrefixCache:
         ValueError: ``block_tokens < 1``.
     """
 
-    __slots__ = ("block_tokens", "_ref", "_free", "_stored", "_removed")
+    __slots__ = ("block_tokens", "_ref", "_free", "_stored", "_removed", "_was_cached")
 
     def __init__(self, block_tokens: int) -> None:
         if not isinstance(block_tokens, int) or block_tokens < 1:
@@ -55,6 +55,7 @@ class PrefixCache:
         self._free: OrderedDict[int, None] = OrderedDict()  # unpinned cached hashes, LRU first
         self._stored: list[int] = []
         self._removed: list[int] = []
+        self._was_cached: dict[int, bool] = {}  # hash with events since the last drain -> cached at that drain
 
     def __len__(self) -> int:
         """Cached blocks (pinned + free)."""
@@ -118,6 +119,7 @@ class PrefixCache:
                     del free[h]
                 else:
                     self._stored.append(h)
+                    self._was_cached.setdefault(h, False)
                 ref[h] = 1
         return list(hashes)
 
@@ -145,18 +147,23 @@ class PrefixCache:
         while free and len(free) * bt > free_capacity_tokens:
             h, _ = free.popitem(last=False)
             self._removed.append(h)
+            self._was_cached.setdefault(h, True)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """``(stored, removed)`` hashes since the last call (vLLM ``BlockStored``/``BlockRemoved``).
 
-        Net changes: a hash in ``stored`` is cached now, one in ``removed`` is not (a hash stored
-        and evicted between two drains is only in ``removed``), so the order a consumer applies
-        them in does not matter and applying them twice is harmless.
+        Net changes against the previous drain: a hash is in ``stored`` if it is cached now and was
+        not at the previous drain (evicted and stored again in between: not reported), in
+        ``removed`` if it was removed since and is not cached now (stored and evicted in between:
+        reported as removed, which a consumer ignores). This cache holds one block per hash, so
+        ``stored`` is exactly the hashes whose copy count rose from 0 to 1, which is what a
+        :class:`shared.prefix.PrefixIndex` counts (a hash reported stored twice would count as
+        two blocks). The order a consumer applies them in does not matter.
         """
-        ref, free = self._ref, self._free
-        stored = list(dict.fromkeys(h for h in self._stored if h in ref or h in free))
+        ref, free, was = self._ref, self._free, self._was_cached
+        stored = [h for h in dict.fromkeys(self._stored) if not was[h] and (h in ref or h in free)]
         removed = list(dict.fromkeys(h for h in self._removed if h not in ref and h not in free))
-        self._stored, self._removed = [], []
+        self._stored, self._removed, self._was_cached = [], [], {}
         return stored, removed
 
     def recent_hashes(self, limit: int) -> list[int]:

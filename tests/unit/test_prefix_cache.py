@@ -176,6 +176,42 @@ def test_index_removal_and_reset() -> None:
         PrefixIndex(0)
 
 
+def test_index_counts_the_blocks_holding_a_hash() -> None:
+    """Issue 16: a hash cached in two blocks (vLLM keeps both copies when two requests computed the
+    same prefix at once, one BlockStored / BlockRemoved per block) lost one copy and the node's
+    match fell from 7 blocks to 2."""
+    index = PrefixIndex(16)
+    chain = list(range(100, 107))
+    index.apply("d0", chain, ())
+    index.apply("d0", chain, ())  # the second request's copies
+    index.apply("d0", (), [102])  # one copy of block 2 evicted
+    assert index.match_blocks(chain) == {"d0": 7}
+    index.apply("d0", (), [102])  # the last copy
+    assert index.match_blocks(chain) == {"d0": 2}
+    index.apply("d0", [102], [102, 102])  # one stored, two removed in one batch: order does not matter
+    assert index.match_blocks(chain) == {"d0": 2} and 102 not in index.node_hashes("d0")
+    index.reset_node("d0", [100, 100, 101])  # a resync lists the cache: one copy per hash
+    index.apply("d0", (), [100])
+    assert index.match_blocks(chain) == {}
+
+
+def test_a_block_evicted_and_cached_again_between_drains_is_not_stored_twice() -> None:
+    """The index counts copies, so the emulated cache (one block per hash) must report a hash as
+    stored only when it was not cached at the previous drain."""
+    c = PrefixCache(10)
+    c.unpin(c.insert([1, 2]))
+    assert c.drain_events() == ([1, 2], [])
+    c.evict_to(0)
+    c.unpin(c.insert([1]))  # evicted and cached again: still cached, as at the last drain
+    assert c.drain_events() == ([], [2])
+    index = PrefixIndex(10)
+    index.apply("p0", [1, 2], ())
+    index.apply("p0", [], [2])
+    c.evict_to(0)
+    index.apply("p0", *c.drain_events())
+    assert index.node_hashes("p0") == c.hashes() == set()
+
+
 def test_mooncake_trace_carries_its_hash_ids() -> None:
     reqs = load_mooncake_jsonl(TRACES_DIR / BUNDLED_TRACES["mooncake"])
     first = min(reqs, key=lambda r: r.id)

@@ -15,8 +15,8 @@ from services.node_agent.config import AgentConfig
 from services.node_agent.vllm_backend import VllmBackend, step_output
 from shared.envconfig import ConfigError
 from shared.latency import load_profile
-from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, parse_sse_line,
-                             prefill_body, prefill_result)
+from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, kv_block_count,
+                             parse_sse_line, prefill_body, prefill_result)
 from shared.wire import InferenceRequest, Job, KvHandoff, SamplingParams, decode, encode
 
 MODEL = load_profile("cpu-tiny-vllm")
@@ -78,8 +78,12 @@ def test_stream_lines_parse_tokens_finish_usage_and_errors():
 
 
 def test_prefill_result_needs_kv_transfer_params():
-    params, n = prefill_result({"kv_transfer_params": {"remote_engine_id": "e"}, "usage": {"prompt_tokens": 7}})
-    assert params == {"remote_engine_id": "e"} and n == 7
+    params, n = prefill_result({"kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [[1, 2]]},
+                                "usage": {"prompt_tokens": 7}})
+    assert params == {"remote_engine_id": "e", "remote_block_ids": [[1, 2]]} and n == 7
+    assert kv_block_count(params) == 2 and kv_block_count({"remote_block_ids": [4, 5, 6]}) == 3
+    with pytest.raises(EngineApiError, match="no KV blocks"):
+        prefill_result({"kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [[]]}})
     with pytest.raises(EngineApiError, match="kv-transfer-config"):
         prefill_result({"choices": [], "usage": {}})
 

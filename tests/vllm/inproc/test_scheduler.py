@@ -218,3 +218,34 @@ def test_version_guard_fails_loudly(monkeypatch):
     assert type(exc.value).__name__ == "VllmCompatError"  # the reloaded module's class
     monkeypatch.undo()
     importlib.reload(ks)
+
+
+def test_settings_the_plugin_cannot_serve_refuse_to_start(engine):
+    """Issue 16: with chunked prefill off the plugin still chunked; with async scheduling on,
+    KairosScheduler started and then decoded only every other step. Each is refused at construction,
+    naming the setting. The scheduler is built with the running engine's own arguments, so only the
+    changed setting differs from a start that works."""
+    import copy
+
+    from kairos_vllm import scheduler as ks
+
+    sched = engine.sched
+    args = (sched.kv_cache_config, sched.structured_output_manager, sched.block_size)
+
+    def config(**changes):
+        cfg = copy.copy(sched.vllm_config)
+        cfg.scheduler_config = copy.copy(sched.vllm_config.scheduler_config)
+        for k, v in changes.items():
+            setattr(cfg.scheduler_config, k, v)
+        return cfg
+
+    assert sched.scheduler_config.enable_chunked_prefill and not sched.scheduler_config.async_scheduling
+    with pytest.raises(ks.KairosConfigError, match=r"enable_chunked_prefill is off.*--enable-chunked-prefill"):
+        ks.KairosScheduler(config(enable_chunked_prefill=False), *args)
+    with pytest.raises(ks.KairosConfigError, match=r"KairosScheduler cannot run with async_scheduling on.*"
+                                                   r"KairosAsyncScheduler"):
+        ks.KairosScheduler(config(async_scheduling=True), *args)
+    with pytest.raises(ks.KairosConfigError, match=r"KairosAsyncScheduler needs async_scheduling on"):
+        ks.KairosAsyncScheduler(config(), *args)
+    ks.check_scheduler_config(ks.KairosAsyncScheduler, config(async_scheduling=True).scheduler_config)  # its case
+    ks.KairosScheduler(config(), *args).shutdown()  # the engine's own settings construct
