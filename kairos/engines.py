@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kairos_vllm.plugin import ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
+from kairos_vllm.plugin import ENV_KEEP_AFFINITY, ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
 from shared.latency import LatencyModel
 
 #: the pinned vLLM version (the CPU build in tests, the official GPU image in compose)
@@ -79,9 +79,11 @@ class VllmServer:
         nixl_port: NIXL side-channel port. ucx_ports: ``UCX_TCP_PORT_RANGE`` (``lo-hi``).
         profile: the latency profile whose engine limits (token budget, running slots, context) the server gets.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
-        omp_cpus: ``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"0-3"``; None: vLLM's ``auto``). Servers
-            sharing a small machine should get disjoint cores: two servers both binding every core
-            spin their OpenMP threads against each other.
+        omp_cpus: ``VLLM_CPU_OMP_THREADS_BIND`` (``"0"``, ``"0-3"``; None: vLLM's ``auto``;
+            ``"nobind"``). Servers sharing a small machine should get disjoint cores: two servers
+            both binding every core spin their OpenMP threads against each other. A core list also
+            pins the whole server (API server, engine core, worker: ``taskset -c``), so neither its
+            unbound Python processes nor its worker run on another engine's core.
         extra_args: more server flags (tests: ``--override-generation-config`` for greedy defaults).
         nice: run the server under ``nice -n`` (0: not).
         quiet_idle: load Kairos's vLLM general plugin (:mod:`kairos_vllm.plugin`) with NIXL's UCX
@@ -113,8 +115,10 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def argv(self, python: str) -> list[str]:
-        """The server's command line."""
-        args = (["nice", "-n", str(self.nice)] if self.nice else []) + [
+        """The server's command line (``taskset -c <omp_cpus>`` first when ``omp_cpus`` names cores)."""
+        pin = self.omp_cpus is not None and self.omp_cpus not in ("auto", "nobind")
+        args = (["taskset", "-c", str(self.omp_cpus)] if pin else []) + (
+                ["nice", "-n", str(self.nice)] if self.nice else []) + [
                 python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                 "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", "float32", "--enforce-eager", "--scheduler-cls", SCHEDULER_CLS,
@@ -141,6 +145,8 @@ class VllmServer:
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(PLUGIN_PATH)] + ([path] if path else []))})
         if self.quiet_idle:
             env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
+        if self.omp_cpus not in (None, "auto", "nobind"):
+            env[ENV_KEEP_AFFINITY] = "1"  # the engine's compute stays on its cores (kairos_vllm.plugin)
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
         if self.api_key:
@@ -179,24 +185,24 @@ def _tiny_model(args: list[str], python: str | None) -> str:
     return (proc.stdout.strip().splitlines() or [""])[-1]
 
 
-def make_tiny_model(out_dir: str, python: str | None = None) -> None:
+def make_tiny_model(out_dir: str, python: str | None = None, size: str = "tiny") -> None:
     """Write the tiny random-weight test model (``python -m kairos_vllm.tiny_model DIR`` run with
     the vLLM virtualenv's python; nothing is downloaded).
 
     Raises:
         RuntimeError: the generator failed (its output is in the message).
     """
-    _tiny_model([out_dir], python)
+    _tiny_model([out_dir, "--size", size], python)
 
 
-def cached_tiny_model(python: str | None = None) -> str:
+def cached_tiny_model(python: str | None = None, size: str = "tiny") -> str:
     """The tiny model's cached directory (``python -m kairos_vllm.tiny_model --cached``: generated
     once into ``~/.cache/kairos`` or ``$KAIROS_CACHE_DIR``); returns its path.
 
     Raises:
         RuntimeError: the generator failed (its output is in the message).
     """
-    return _tiny_model(["--cached"], python)
+    return _tiny_model(["--cached", "--size", size], python)
 
 
 def server_ready(srv: VllmServer, timeout_s: float = 1.0) -> bool:

@@ -47,7 +47,7 @@ class ProfileOptionsError(ValueError):
 
 #: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
 ENGINE_DEFAULTS = (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
-                   ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
+                   ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class ProfileOptions:
     nats_url: str | None = None
     emulated: bool = False
     vllm: bool = False  #: self-contained with one vLLM-CPU decode node (see the module docstring)
-    model_dir: str | None = None  #: ``vllm``: model directory (default: the cached tiny model)
+    model_dir: str | None = None  #: ``vllm``: model directory (default: the cached model of ``model_size``)
+    model_size: str = "testbed"  #: ``vllm`` without ``model_dir``: ``kairos_vllm.tiny_model`` size (testbed, tiny)
     vllm_startup_timeout_s: float = 600.0
     records_out: str | None = None  #: also write the raw step records here (JSON lines of StepRecordEvent)
     command: str | None = None  #: the command line recorded in the provenance (None: this process's ``kairos …`` argv)
@@ -142,7 +143,7 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
         from kairos.up import vllm_node
 
         py = vllm_python()
-        model_dir = opts.model_dir or cached_tiny_model(py)
+        model_dir = opts.model_dir or cached_tiny_model(py, opts.model_size)
         info["model_card"] = model_card(model_dir)
         ncpu = os.cpu_count() or 1  # the core `kairos up --engine vllm` gives decode-0 of a 1P1D stack
         srv, engine = vllm_node(opts.node, "decode", model_dir, opts.served_model, base, tmp,
@@ -179,6 +180,27 @@ def model_card(model_dir: str) -> dict:
             continue
         card.update({k: v for k, v in doc.items() if pick is None or k in pick})
     return card
+
+
+#: bytes per element of the KV cache of ``--dtype float32`` (the only dtype vLLM-CPU serves here)
+KV_DTYPE_BYTES = 4
+
+
+def measured_engine_facts(base: LatencyModel, card: dict | None, idle_free_kv_tokens: int | None) -> LatencyModel:
+    """``base`` with the engine facts a ``--vllm`` run measured instead of the base profile's:
+    KV bytes per token from the model's architecture (K and V: ``2 · layers · KV heads · head_dim ·``
+    :data:`KV_DTYPE_BYTES`) and the KV capacity (tokens) from the idle engine's free KV. A fact the
+    run did not measure keeps the base's value."""
+    from dataclasses import replace
+
+    out = base
+    keys = ("num_hidden_layers", "num_key_value_heads", "head_dim")
+    if card and all(isinstance(card.get(k), int) for k in keys):
+        per_token = 2 * card["num_hidden_layers"] * card["num_key_value_heads"] * card["head_dim"] * KV_DTYPE_BYTES
+        out = replace(out, kv_bytes_per_token=float(per_token))
+    if idle_free_kv_tokens:
+        out = replace(out, engine=replace(out.engine, kv_capacity_tokens=int(idle_free_kv_tokens)))
+    return out
 
 
 def _wait_vllm(srv: VllmServer, proc: subprocess.Popen, log: Path, served_model: str, timeout_s: float) -> None:
@@ -260,6 +282,8 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
                                  if opts.vllm else "unknown")
         label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
                                + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
+        if opts.vllm:
+            base = measured_engine_facts(base, run.extra.get("model_card"), run.extra.get("idle_free_kv_tokens"))
         if opts.records_out:
             _write_records(opts.records_out, run.events)
         model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",

@@ -1,10 +1,13 @@
 """A tiny Llama with real random weights and a word-level tokenizer, generated locally (no download).
 
-    python -m kairos_vllm.tiny_model DIR [--seed N]      # write the model directory DIR
-    python -m kairos_vllm.tiny_model --cached [--seed N]  # ensure ~/.cache/kairos/tiny-llama-<hash>, print it
+    python -m kairos_vllm.tiny_model DIR [--seed N] [--size tiny|testbed]      # write the model directory DIR
+    python -m kairos_vllm.tiny_model --cached [--seed N] [--size tiny|testbed]  # ensure ~/.cache/kairos/<size>-llama-<hash>
 
-Runs in the vLLM virtualenv (torch + transformers + tokenizers). The model: ``LlamaForCausalLM``,
-hidden 256, 2 layers, 4 query heads / 2 KV heads of dim 64, MLP 512, vocab 1024, context 2048,
+Runs in the vLLM virtualenv (torch + transformers + tokenizers). The model (:data:`SIZES`):
+``LlamaForCausalLM``, ``tiny`` (the tests' model): hidden 256, 2 layers, 4 query heads / 2 KV heads
+of dim 64, MLP 512; ``testbed`` (``kairos demo --engine vllm``, the ``cpu-testbed-vllm`` profile):
+hidden 512, 4 layers, 8 query / 4 KV heads of dim 64, MLP 1536, large enough that a step's compute,
+not vLLM's Python overhead, dominates on one core. Both: vocab 1024, context 2048,
 float32 weights drawn from a fixed seed (``initializer_range`` 0.1 so greedy outputs vary),
 saved as ``model.safetensors`` (~9 MB). Same seed → same weights (bit-identical on one torch
 build), so a greedy request gives the same text on any server loading the directory.
@@ -94,10 +97,27 @@ def build_tokenizer():
     return tok
 
 
-def fingerprint(seed: int) -> str:
-    """Hash of this generator's source and the seed: the cache directory's name changes with either."""
+#: model shapes by name (``--size``): LlamaConfig fields
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2},
+    "testbed": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+                "num_key_value_heads": 4},
+}
+
+
+def _size(size: str) -> dict[str, int]:
+    try:
+        return SIZES[size]
+    except KeyError:
+        raise ValueError(f"unknown model size {size!r}; known: {', '.join(SIZES)}") from None
+
+
+def fingerprint(seed: int, size: str = "tiny") -> str:
+    """Hash of this generator's source, the seed and the size: the cache directory's name changes with any."""
     src = Path(__file__).read_bytes()
-    return hashlib.sha256(src + f"|seed={seed}".encode()).hexdigest()[:12]
+    extra = "" if size == "tiny" else f"|size={size}"
+    return hashlib.sha256(src + f"|seed={seed}{extra}".encode()).hexdigest()[:12]
 
 
 def write_tokenizer_files(out_dir: str | os.PathLike) -> Path:
@@ -115,25 +135,29 @@ def write_tokenizer_files(out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def generate(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def generate(out_dir: str | os.PathLike, seed: int = 0, size: str = "tiny") -> Path:
     """Write the model directory (config, ``model.safetensors``, tokenizer files) to ``out_dir``.
 
     Creates the directory (parents too); overwrites files of the same names. Returns the path.
+
+    Raises:
+        ValueError: ``size`` is not in :data:`SIZES`.
     """
+    shape = _size(size)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+    config = LlamaConfig(vocab_size=VOCAB_SIZE, **shape, head_dim=64, max_position_embeddings=2048,
                          initializer_range=0.1, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                          bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, torch_dtype="float32")
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer_files(out)
-    (out / "kairos-tiny-model.json").write_text(json.dumps({"seed": seed, "fingerprint": fingerprint(seed)}) + "\n")
+    (out / "kairos-tiny-model.json").write_text(json.dumps({"seed": seed, "size": size,
+                                                                "fingerprint": fingerprint(seed, size)}) + "\n")
     out.chmod(0o755)
     for f in out.iterdir():
         f.chmod(0o644)
@@ -145,20 +169,21 @@ def cache_root() -> Path:
     return Path(os.environ.get("KAIROS_CACHE_DIR") or Path.home() / ".cache" / "kairos")
 
 
-def ensure_cached(seed: int = 0) -> Path:
-    """The cached model directory ``<cache_root>/tiny-llama-<fingerprint>``, generated once.
+def ensure_cached(seed: int = 0, size: str = "tiny") -> Path:
+    """The cached model directory ``<cache_root>/<size>-llama-<fingerprint>``, generated once.
 
     Generation writes into a temporary sibling and renames it into place, so concurrent callers
     and interrupted runs never see a half-written directory.
     """
+    _size(size)
     root = cache_root()
-    final = root / f"tiny-llama-{fingerprint(seed)}"
+    final = root / f"{size}-llama-{fingerprint(seed, size)}"
     if (final / "kairos-tiny-model.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=root))
     try:
-        generate(tmp, seed)
+        generate(tmp, seed, size)
         try:
             tmp.rename(final)
         except OSError:  # another process won the race
@@ -174,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir", nargs="?", help="output directory")
     ap.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     ap.add_argument("--cached", action="store_true", help="generate into the cache once and print the directory")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model shape (default tiny)")
     a = ap.parse_args(argv)
     if bool(a.dir) == a.cached:
         ap.error("give exactly one of DIR or --cached")
-    print(ensure_cached(a.seed) if a.cached else generate(a.dir, a.seed))
+    print(ensure_cached(a.seed, a.size) if a.cached else generate(a.dir, a.seed, a.size))
     return 0
 
 

@@ -257,10 +257,27 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
     resv = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.FILE, limit_marker_ttl=1.0,
         description="one deflection slot per decode node (atomic create, per-message TTL)")))
+    # direct gets: a get names its key in the subject, so the agents' permission can be "claims only"
     reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
-        bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s,
+        bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
         description="per-request decision records, measured TTFT components and execution claims")))
     return Buckets(view=view, reservations=resv, requests=reqs)
+
+
+async def open_requests_bucket(js: JetStreamContext, wait_s: float = 0.25, log=None) -> KeyValue:
+    """Open the existing ``kairos_requests`` bucket (the node agents: they may not create streams,
+    docs/security.md), waiting for a control-plane service to declare it: retried every
+    ``wait_s`` while it does not exist yet (logged once as ``waiting_for_bucket``), forever —
+    cancel the awaiting task to give up, as for :func:`connect`."""
+    logged = False
+    while True:
+        try:
+            return await js.key_value(S.REQUESTS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            if log is not None and not logged:
+                log.info("waiting_for_bucket", bucket=S.REQUESTS_BUCKET)
+                logged = True
+            await asyncio.sleep(wait_s)
 
 
 class BusWatch:

@@ -28,8 +28,9 @@ Heartbeat rules (:class:`HeartbeatGuard`, per node):
    ``stale_after_ms`` and the older one is known and still counting up (a one-off forged "newer
    epoch" cannot lock the real agent out for longer than that).
 
-Without bus credentials (the security work) a persistent forger can still impersonate a node; these
-rules only bound the damage of single forged, replayed or clock-skewed messages.
+Who sent a heartbeat is proven by its subject (``kairos.state.<node>``: only that node's agent may
+publish there; consumers refuse a body naming another node, :mod:`shared.origin`); these rules
+bound what a node's own forged, replayed or clock-skewed heartbeats can do.
 """
 
 from __future__ import annotations

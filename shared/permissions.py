@@ -90,20 +90,41 @@ def inbox_prefix(user: str) -> str:
 
 
 def _declare(stream: str) -> list[str]:
-    """Create (idempotent, Kairos' config) and look up a stream."""
+    """Create (idempotent, Kairos' config) and look up a stream. Only the control-plane roles: a
+    stream's config names the subjects it captures, so whoever creates one could capture (and
+    replay) any subject — agents only look streams up (:func:`_open`)."""
     return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}"]
 
 
+def _open(stream: str) -> list[str]:
+    """Look up an existing stream / KV bucket (``js.key_value``): nothing else."""
+    return [f"$JS.API.STREAM.INFO.{stream}"]
+
+
 def _read(stream: str) -> list[str]:
-    """Read a stream / KV bucket: info, watchers (ordered push consumers), gets."""
+    """Read a stream / KV bucket: info, watchers (ordered push consumers), gets.
+
+    Watchers are nats-py ordered consumers, created on the legacy subject
+    ``$JS.API.CONSUMER.CREATE.<stream>`` (no consumer name: nats-py 2.16 ``nats/js/manager.py``
+    ``add_consumer``), which bounds the stream but neither the filter nor the ``deliver_subject``
+    (nats-server 2.15 checks neither against the creator's permissions). So only the control-plane
+    roles get this; what they could deliver elsewhere keeps its stream's subject, which consumers
+    of per-node subjects refuse (:mod:`shared.origin`)."""
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>",
-            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>",
+            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
             f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>"]
 
 
+def _get(bucket: str, key_pattern: str) -> str:
+    """Get keys matching ``key_pattern`` of KV ``bucket`` and nothing else: the subject form of a
+    direct get names the key (``$JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>``, nats-py
+    ``get_msg(direct=True)``; the bucket must allow direct gets)."""
+    return f"$JS.API.DIRECT.GET.{kv_stream(bucket)}.$KV.{bucket}.{key_pattern}"
+
+
 def _kv_buckets_declared() -> list[str]:
-    """What :func:`shared.bus.ensure_buckets` needs (every service calls it at start)."""
+    """What :func:`shared.bus.ensure_buckets` needs (every control-plane service calls it at start)."""
     out = ["$JS.API.INFO"]  # create_key_value checks the server's API level
     for b in (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET):
         out += _declare(kv_stream(b))
@@ -140,8 +161,8 @@ def role_permissions(user: str) -> Permissions:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
         pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress"))]
-        # the request stream too (requests wait there for a dispatcher), and execution claims are read
-        pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + _read(kv_stream(rec))
+        # the request stream too (requests wait there for a dispatcher); records and claims are read (gets only)
+        pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
         # heartbeats: the ingress judges node liveness itself (shared/heartbeat.py), aggregator or not
         sub += [_any(S.out_subject), S.ROUTED_SUBJECT, S.STATE_WILDCARD]
@@ -149,9 +170,9 @@ def role_permissions(user: str) -> Permissions:
     if user == DISPATCHER:
         q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
         pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject), _kv(rec, _any(S.record_key, "decision"))]
+        # the one durable pull consumer: created by name with its filter in the subject
         pub += _kv_buckets_declared() + _declare(q) + [
-            f"$JS.API.CONSUMER.CREATE.{q}.{c}", f"$JS.API.CONSUMER.CREATE.{q}.{c}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{q}.{c}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
+            f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.REQUEST_SUBJECT}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
             f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
         # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
@@ -163,9 +184,9 @@ def role_permissions(user: str) -> Permissions:
         sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
-        pub = [_kv(models, ">"), "$JS.API.INFO"] + _declare(kv_stream(models)) + _read(kv_stream(models))
+        pub = [_kv(models, ">")] + _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
         # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
-        pub += [_any(S.jobs_subject), _any(S.kv_subject), S.CANCEL_SUBJECT]
+        pub += [_any(S.jobs_subject), _any(S.kv_subject, PROFILER), S.CANCEL_SUBJECT]
         sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, _any(S.out_subject)]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user.startswith(AGENT_PREFIX):
@@ -174,12 +195,15 @@ def role_permissions(user: str) -> Permissions:
             S.check_token(node, "node id")
         except S.SubjectError as exc:
             raise RoleError(str(exc)) from None
-        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject),
+        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject, user),
                _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
                _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode")),
                _kv(rec, _any(S.claim_key))]  # execution claims: create, read (below), compare-and-delete
-        pub += _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models)) + _read(kv_stream(rec))
-        sub += [S.jobs_subject(node), S.kv_subject(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
+        # JetStream: writes are the publishes above; the only read is a claim by key (acceptance.py).
+        # No consumer, stream-create or message-get API at all: nothing an agent could point at
+        # another role's subjects, and no way to list the bucket's keys.
+        pub += _open(kv_stream(rec)) + [_get(rec, _any(S.claim_key))]
+        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")
 

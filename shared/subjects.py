@@ -9,7 +9,7 @@ Hierarchy::
     kairos.route.decided          routing events: dispatcher -> state_aggregator
     kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
     kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
-    kairos.kv.<node>              KV handoff, request-reply: prefill agent -> decode agent
+    kairos.kv.<node>.<sender>     KV handoff, request-reply: prefill agent (its NATS user) -> decode agent
     kairos.kvdone.<node>          KV pulled, release blocks: decode agent -> prefill agent
     kairos.out.<request_id>       token stream / final result / error: node_agent -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
@@ -66,6 +66,19 @@ def check_token(token: str, what: str = "id") -> str:
     return token
 
 
+def subject_node(subject: str, build) -> str | None:
+    """The node id ``n`` for which ``build(n) == subject`` (``build``: a one-node subject builder
+    such as :func:`state_subject`, the node id its last token), else None (a subject of another
+    kind, or a JetStream delivery, which keeps its stream's subject). How a consumer learns the
+    sender of a per-node subject: the bus let only that node's agent publish there
+    (:mod:`shared.permissions`), so the subject, not the body, names the sender."""
+    node = subject.rpartition(".")[2]
+    try:
+        return node if build(node) == subject else None
+    except SubjectError:
+        return None
+
+
 def state_subject(node: str) -> str:
     """Heartbeat subject of ``node``."""
     return f"{PREFIX}.state.{check_token(node, 'node id')}"
@@ -79,9 +92,16 @@ def jobs_subject(node: str) -> str:
     return f"{PREFIX}.jobs.{check_token(node, 'node id')}"
 
 
-def kv_subject(node: str) -> str:
-    """Request-reply subject on which decode ``node``'s agent accepts KV handoffs."""
-    return f"{PREFIX}.kv.{check_token(node, 'node id')}"
+def kv_subject(node: str, sender: str) -> str:
+    """Request-reply subject on which decode ``node``'s agent accepts KV handoffs sent by NATS user
+    ``sender`` (``agent-<prefill node>``, or ``profiler``): the bus lets each user publish only
+    under its own name, so the decode node knows who hands it a KV cache (shared/origin.py)."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}.{check_token(sender, 'NATS user')}"
+
+
+def kv_wildcard(node: str) -> str:
+    """Every :func:`kv_subject` of decode ``node`` (its agent's one subscription)."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}.*"
 
 
 def kvdone_subject(node: str) -> str:

@@ -38,6 +38,7 @@ from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
                         flush_barrier, kv_put_nowait, publish, request_subscription, request_typed)
 from shared.latency import LatencyModel, ProfileError, load_profile
+from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
 from shared.prefix import PrefixIndex
 from shared.recent import RecentIds
@@ -104,6 +105,7 @@ class Dispatcher:
         self.tel = telemetry.setup("dispatcher", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(replica=cfg.replica_id)
         self.m = _Metrics(self.tel.registry)
+        self.origin = OriginGuard(forged_counter("dispatcher", self.tel.registry), self.log)
         self.view: ClusterView | None = None
         self.reservations: dict[str, Reservation] = {}
         #: reservation key -> the newest revision applied (watched, or from a node's job answer):
@@ -267,6 +269,8 @@ class Dispatcher:
             st = decode(msg.data, NodeState)
         except WireError:
             return  # the aggregator logs malformed heartbeats
+        if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
+            return  # one node's prefix-cache events are never another's (shared/origin.py)
         if st.cache_block_tokens:
             self.prefix.on_heartbeat(st.node, st.seq, st.cache_block_tokens, st.cache_stored, st.cache_removed,
                                      st.cache_full)

@@ -77,7 +77,8 @@ def api_key_middleware(keys: frozenset[str], on_reject: Callable[[web.Request, s
     ``code`` ``invalid_api_key``, as api.openai.com answers; vLLM's own middleware,
     ``vllm/entrypoints/serve/middleware/authenticate.py``, answers ``{"error": "Unauthorized"}``)
     and ``WWW-Authenticate: Bearer`` (RFC 6750). Keys are compared as SHA-256 digests with
-    ``hmac.compare_digest`` (as vLLM does); a presented key is never echoed.
+    ``hmac.compare_digest`` (as vLLM does); a presented key is never echoed, and one that is not
+    UTF-8 (``\\xff``) is just an invalid key (401).
     ``on_reject(request, reason)`` is called for each refusal (``missing`` / ``invalid``)."""
     hashed = [hashlib.sha256(k.encode()).digest() for k in keys]  # equal lengths: nothing leaks by timing
 
@@ -91,7 +92,9 @@ def api_key_middleware(keys: frozenset[str], on_reject: Callable[[web.Request, s
             reason, msg = "missing", ("You didn't provide an API key. Send it in an Authorization header using "
                                       "Bearer auth (Authorization: Bearer YOUR_KEY).")
         else:
-            presented = hashlib.sha256(token.encode()).digest()
+            # the header's raw bytes (aiohttp keeps a non-UTF-8 byte as a surrogate escape, which a
+            # plain encode() refuses: that was a 500); a key that is not valid UTF-8 matches no key
+            presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
             match = False
             for k in hashed:  # every key compared (no early exit revealing which one matched)
                 match |= hmac.compare_digest(presented, k)

@@ -60,6 +60,7 @@ from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
+from shared.origin import OriginGuard, forged_counter
 from shared.vllm_api import unsafe_seed
 from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
 from shared.prefix import request_block_hashes
@@ -247,6 +248,7 @@ class Ingress:
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
+        self.origin = OriginGuard(forged_counter("ingress", self.tel.registry), self.log)
         self.port: int | None = None
         self.nc = None
         self._runner = None
@@ -520,6 +522,8 @@ class Ingress:
             st = decode(msg.data, NodeState)
         except WireError:
             return
+        if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
+            return  # another node's heartbeat could declare it restarted or alive (shared/origin.py)
         mono = time.monotonic() * 1000.0
         why = self.guard.check(st.node, st.epoch_unix_ms, st.seq, st.sent_unix_ms, st.period_ms, now_ms(), mono)
         if why is not None:

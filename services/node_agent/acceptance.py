@@ -100,3 +100,12 @@ class Claims:
             await self.kv.delete(S.claim_key(request_id), last=revision)
         except Exception:
             pass
+
+    async def holder(self, request_id: str) -> Claim | None:
+        """The claim of ``request_id`` (who executes it), None when there is none or it cannot be
+        read (never raises). A KV handoff must come from the prefill node holding it."""
+        try:
+            e = await self.kv.get(S.claim_key(request_id))
+            return decode(e.value, Claim) if e.value else None
+        except Exception:
+            return None

@@ -33,11 +33,13 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (Buckets, BusWatch, ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl,
+from shared.bus import (BusWatch, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl, open_requests_bucket,
                         publish, request_typed)
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
 from shared.latency import LatencyModel, load_profile
+from shared.origin import OriginGuard, forged_counter
+from shared.permissions import AGENT_PREFIX, PROFILER, agent_user
 from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
@@ -145,6 +147,7 @@ class NodeAgent:
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = _Metrics(self.tel.registry, cfg.node_id)
+        self.origin = OriginGuard(forged_counter("agent", self.tel.registry), self.log)
         self.reqs: dict[str, _Req] = {}
         #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
         self.cancelled = RecentIds(CANCELLED_REMEMBERED)
@@ -163,7 +166,6 @@ class NodeAgent:
         self._seq = 0
         self.epoch_unix_ms = now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.nc = None
-        self.buckets: Buckets | None = None
         #: the node's own step-time correction, for its guard (the aggregator computes the same for the view)
         self.corrector = CorrectionEstimator()
         self.claims: Claims | None = None
@@ -184,7 +186,9 @@ class NodeAgent:
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"node_agent:{cfg.node_id}")
-        await self._declare()
+        # in the background: a node started alone (kairos profile) heartbeats while it waits for a
+        # control-plane service to declare the bucket; jobs until then are refused (claim_failed)
+        self._bg(self._declare())
         if cfg.role == "decode":  # a new incarnation holds no deflection: a crashed one's keys go now, not at their TTL
             for slot in range(cfg.max_deflections):
                 await kv_delete_nowait(self.nc, S.RESERVATION_BUCKET, S.reservation_key(cfg.node_id, slot))
@@ -192,7 +196,7 @@ class NodeAgent:
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))
         if cfg.role == "decode":
-            self._subs.append(await self.nc.subscribe(S.kv_subject(cfg.node_id), cb=self._on_kv))
+            self._subs.append(await self.nc.subscribe(S.kv_wildcard(cfg.node_id), cb=self._on_kv))
         else:
             self._subs.append(await self.nc.subscribe(S.kvdone_subject(cfg.node_id), cb=self._on_kvdone))
         await flush_barrier(self.nc)
@@ -202,9 +206,10 @@ class NodeAgent:
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
 
     async def _declare(self) -> None:
-        """(Re-)declare the buckets: at start and after every reconnect (a restarted NATS)."""
-        self.buckets = await ensure_buckets(self.nc.jetstream())
-        self.claims = Claims(self.buckets.requests, self.cfg.node_id, self.epoch_unix_ms)
+        """(Re-)open the requests bucket (claims): at start and after every reconnect (a restarted
+        NATS). An agent may not create it (docs/security.md): it waits for a control-plane service."""
+        self.claims = Claims(await open_requests_bucket(self.nc.jetstream(), log=self.log), self.cfg.node_id,
+                             self.epoch_unix_ms)
 
     async def close(self, drain: bool = True) -> None:
         """Stop. ``drain``: refuse new work and send an explicit error for every request still
@@ -322,6 +327,11 @@ class NodeAgent:
 
     # -- jobs -----------------------------------------------------------------------------------
     async def _on_job(self, msg) -> None:
+        # a job is a request (a dispatcher's or the profiler's: nobody else may publish here) on
+        # exactly this subject; a JetStream answer sent here has no reply subject (shared/origin.py)
+        mine = msg.reply and msg.subject == S.jobs_subject(self.cfg.node_id)
+        if not self.origin.check(msg, "job", self.cfg.node_id if mine else None, None):
+            return
         try:
             job = decode(msg.data, Job)
         except WireError as exc:
@@ -353,6 +363,8 @@ class NodeAgent:
         if took_slot:  # before the claim's await: a concurrent deflect job sees the slot taken
             self._take_slot(rid)
         claim = None
+        if reason is None and self.claims is None:
+            reason = "claim_failed"  # the requests bucket is not open yet
         if reason is None:  # cluster-wide: at most one node executes this bus request id
             assert self.claims is not None
             claim = await self.claims.claim(job)
@@ -482,8 +494,8 @@ class NodeAgent:
         assert r.job is not None and r.handoff_span is not None
         for cand in r.job.decode_candidates:
             try:
-                ack = await request_typed(self.nc, S.kv_subject(cand), msg, KvAck, self.cfg.kv_handoff_timeout_s,
-                                          headers)
+                ack = await request_typed(self.nc, S.kv_subject(cand, agent_user(self.cfg.node_id)), msg, KvAck,
+                                          self.cfg.kv_handoff_timeout_s, headers)
             except nats.errors.NoRespondersError:
                 tried[cand] = "no_responders"
                 continue
@@ -524,6 +536,10 @@ class NodeAgent:
             await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason="bad_message")))
             return
         rid = h.request.request_id
+        forged = await self._forged_handoff(msg, h)
+        if forged is not None:
+            await msg.respond(encode(KvAck(accepted=False, node=self.cfg.node_id, reason=forged)))
+            return
         if rid in self.reqs:
             await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id, reason="duplicate")))
             return
@@ -551,6 +567,25 @@ class NodeAgent:
                               cached_tokens=h.cached_tokens)
         await msg.respond(encode(KvAck(accepted=True, node=self.cfg.node_id)))
         await self._on_allocated(self.backend.take_allocated())
+
+    async def _forged_handoff(self, msg, h: KvHandoff) -> str | None:
+        """Why a handoff is refused, or None: it must come from the node it names (the NATS user in
+        its subject, ``kairos.kv.<this node>.<user>``) and that node must hold the request's
+        execution claim as its prefill node — or come from ``kairos profile``, which drives this node."""
+        sender = S.subject_node(msg.subject, lambda u: S.kv_subject(self.cfg.node_id, u))
+        if sender == PROFILER:
+            return None
+        proven = sender[len(AGENT_PREFIX):] if sender and sender.startswith(AGENT_PREFIX) else None
+        rid = h.request.request_id
+        if not self.origin.check(msg, "kv_handoff", proven, h.src_node, request_id=rid):
+            return "forged"
+        claim = await self.claims.holder(rid) if self.claims is not None else None
+        if claim is None or claim.node != h.src_node or claim.kind != "prefill":
+            self.origin.counter.labels("kv_handoff").inc()
+            self.log.warning("forged_message_refused", kind="kv_handoff", reason="not_the_holder", subject=msg.subject,
+                             sender=proven, request_id=rid, claimed_by=claim.node if claim else None)
+            return "not_the_holder"
+        return None
 
     async def _on_allocated(self, rids: list[str]) -> None:
         for rid in rids:

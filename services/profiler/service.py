@@ -26,7 +26,8 @@ import nats.errors
 import numpy as np
 
 from shared import subjects as S
-from shared.bus import ensure_models_bucket, flush_barrier, publish, request_typed
+from shared.bus import ensure_buckets, ensure_models_bucket, flush_barrier, publish, request_typed
+from shared.permissions import PROFILER
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records, warmup_steps
 from shared.workloads import WorkloadRequest
@@ -195,7 +196,7 @@ class Profiler:
             req = self._request(ctx, out)
             msg = KvHandoff(request=req, src_node=f"profiler-{self.tag}-{i}", kv_tokens=ctx,
                             prefill_done_unix_ms=now_ms())
-            ack = await self._ask(S.kv_subject(self.node), msg, KvAck)
+            ack = await self._ask(S.kv_subject(self.node, PROFILER), msg, KvAck)
             if not ack.accepted:
                 raise ProfileError(f"node {self.node} refused a background decode: {ack.reason}")
             rids.append(req.request_id)
@@ -266,7 +267,7 @@ class Profiler:
         """One background decode by KV handoff; None if the node refused it."""
         req = self._request(prompt, output)
         msg = KvHandoff(request=req, src_node=f"profiler-{self.tag}-{i}", kv_tokens=prompt, prefill_done_unix_ms=now_ms())
-        ack = await self._ask(S.kv_subject(self.node), msg, KvAck)
+        ack = await self._ask(S.kv_subject(self.node, PROFILER), msg, KvAck)
         if not ack.accepted:
             return None
         self._live.add(req.request_id)
@@ -321,6 +322,8 @@ class Profiler:
         Raises:
             ProfileError: the node refused, lost or never ran the profiler's work.
         """
+        # the node's claims need the requests bucket, which an agent may not create (docs/security.md)
+        await ensure_buckets(self.nc.jetstream())
         self._subs = [await self.nc.subscribe(S.steps_subject(self.node), cb=self._on_step),
                       await self.nc.subscribe(S.state_subject(self.node), cb=self._on_state)]
         await flush_barrier(self.nc)

@@ -27,6 +27,7 @@ from shared.bus import close as bus_close
 from shared.bus import BusWatch, ensure_buckets, flush_barrier
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
+from shared.origin import OriginGuard, forged_counter
 from shared.view import ViewBuilder, with_corrections
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode, now_ms
 
@@ -51,6 +52,7 @@ class StateAggregator:
                                   "incarnation)", ("reason",), registry=reg)
         for r in REJECT_REASONS:
             self.m_rejected.labels(r)
+        self.origin = OriginGuard(forged_counter("aggregator", reg), self.log)
         self.m_views = Counter("kairos_aggregator_views_total", "Views written", registry=reg)
         self.m_steps = Counter("kairos_aggregator_step_records_total", "Engine step records received", registry=reg)
         self.m_corr = Gauge("kairos_aggregator_node_step_correction",
@@ -109,6 +111,8 @@ class StateAggregator:
         except WireError as exc:
             self.log.warning("bad_state", error=str(exc))
             return
+        if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
+            return  # a heartbeat is its sender's, never another node's (shared/origin.py)
         self.m_states.inc()
         why = self.builder.on_state(st, _mono_ms(), now_ms())
         if why is not None:
@@ -122,6 +126,10 @@ class StateAggregator:
         except WireError as exc:
             self.log.warning("bad_step_record", error=str(exc))
             return
+        sender = S.subject_node(msg.subject, S.steps_subject)
+        bad = next((r.node for r in recs if r.node != sender), None) if sender is not None else None
+        if not self.origin.check(msg, "step_record", sender, bad or sender):
+            return  # the whole batch: one foreign record proves the sender forges
         self.m_steps.inc(len(recs))
         now = _mono_ms()
         for rec in recs:

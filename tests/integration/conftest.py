@@ -81,6 +81,28 @@ def running_nats(store: Path, *extra: str, env: dict[str, str] | None = None):
         out.close()
 
 
+#: the test harness's own NATS user on a server with the Kairos roles (:func:`secure_server`): no
+#: permission limits, so it can reset the bus between tests; no Kairos service uses it
+ADMIN_USER = "kairos-test-admin"
+
+
+@contextmanager
+def secure_server(d: Path, nodes: list[str]):
+    """A nats-server with JetStream and the per-role users ``shared/permissions.py`` generates for
+    ``nodes`` (what ``kairos up`` runs), plus :data:`ADMIN_USER`; logs to ``d/nats.log``. Yields
+    ``(url, passwords)`` (``passwords[user]``, the admin's included)."""
+    from shared.permissions import GeneratedAuth, new_password
+
+    auth = GeneratedAuth.for_nodes(nodes)
+    passwords = {**auth.passwords, ADMIN_USER: new_password()}
+    conf = auth.server_config().replace("\n  ]\n}", f'\n    {{user: "{ADMIN_USER}", password: "{passwords[ADMIN_USER]}"}}'
+                                                     "\n  ]\n}", 1)
+    assert ADMIN_USER in conf
+    (d / "nats.conf").write_text(conf)
+    with running_nats(d / "js", "-c", str(d / "nats.conf"), "-l", str(d / "nats.log")) as port:
+        yield f"nats://127.0.0.1:{port}", passwords
+
+
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition", every: float = 0.01) -> Any:
     """Poll ``pred`` every ``every`` s until truthy (returns its value) or fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
@@ -93,9 +115,11 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condi
         await asyncio.sleep(every)
 
 
-async def reset_bus(url: str) -> None:
-    """Delete Kairos' streams and buckets so each test starts from an empty bus."""
-    nc = await nats.connect(url)
+async def reset_bus(url: str, passwords: dict[str, str] | None = None) -> None:
+    """Delete Kairos' streams and buckets so each test starts from an empty bus (as
+    :data:`ADMIN_USER` with ``passwords``)."""
+    creds = {"user": ADMIN_USER, "password": passwords[ADMIN_USER]} if passwords else {}
+    nc = await nats.connect(url, **creds)
     js = nc.jetstream()
     for name in (S.REQUEST_STREAM, f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
         try:
@@ -146,15 +170,20 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
                 idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
                 metrics: bool = False, max_deflections: int = 1, ingress_overrides: dict | None = None,
-                **dispatcher_overrides):
+                passwords: dict[str, str] | None = None, **dispatcher_overrides):
     """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
 
     ``span_exporter``: also export every service's spans synchronously to it (e.g. an OTel
     ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port;
     ``max_deflections``: deflection slots per decode node (agents and dispatchers alike).
-    ``ingress_overrides``: extra :class:`IngressConfig` fields.
+    ``ingress_overrides``: extra :class:`IngressConfig` fields. ``passwords``: log every service
+    in as its role (a :func:`secure_server`'s).
     """
-    await reset_bus(url)
+    await reset_bus(url, passwords)
+
+    def cred(user: str) -> dict:
+        return {"nats_user": user, "nats_password": passwords[user]} if passwords else {}
+
     model = model or fast_model()
     mport = 0 if metrics else -1
 
@@ -165,14 +194,14 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
         return svc
 
     agg = instrument(StateAggregator(AggregatorConfig(nats_url=url, state_period_ms=period_ms, metrics_port=mport,
-                                                      trace_file=trace_file)))
+                                                      trace_file=trace_file, **cred("aggregator"))))
     await agg.start()
     agents: dict[str, NodeAgent] = {}
     for role, n in (("prefill", prefill), ("decode", decode)):
         for i in range(n):
             a = instrument(NodeAgent(AgentConfig(node_id=f"{role}-{i}", role=role, nats_url=url,
                                                  state_period_ms=period_ms, metrics_port=mport, trace_file=trace_file,
-                                                 max_deflections=max_deflections),
+                                                 max_deflections=max_deflections, **cred(f"agent-{role}-{i}")),
                                      model=model))
             await a.start()
             agents[a.cfg.node_id] = a
@@ -180,13 +209,14 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
     for i in range(dispatchers):
         d = instrument(Dispatcher(DispatcherConfig(replica_id=f"dispatcher-{i}", nats_url=url, policy=policy,
                                                    metrics_port=mport, trace_file=trace_file,
-                                                   max_deflections_per_node=max_deflections, **dispatcher_overrides),
+                                                   max_deflections_per_node=max_deflections, **cred("dispatcher"),
+                                                   **dispatcher_overrides),
                                   model=model))
         await d.start()
         disp.append(d)
     ing = instrument(Ingress(IngressConfig(nats_url=url, port=0, request_timeout_s=request_timeout_s,
                                            idle_timeout_s=idle_timeout_s, trace_file=trace_file,
-                                           **(ingress_overrides or {}))))
+                                           **cred("ingress"), **(ingress_overrides or {}))))
     await ing.start()
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
     st = Stack(url=url, ingress=ing, aggregator=agg, dispatchers=disp, agents=agents, http=http,

@@ -14,12 +14,13 @@ import time
 import nats
 import nats.errors
 import pytest
+from nats.js.kv import KeyValue
 
 from shared import subjects as S
 from shared.bus import ensure_buckets, ensure_request_stream, flush_barrier, request_subscription
-from shared.permissions import GeneratedAuth, agent_user, inbox_prefix
+from shared.permissions import agent_user, inbox_prefix
 from shared.wire import InferenceRequest, encode
-from tests.integration.conftest import running_nats
+from tests.integration.conftest import running_nats, secure_server
 
 NODES = ["prefill-0", "decode-0", "decode-1"]
 
@@ -27,12 +28,8 @@ NODES = ["prefill-0", "decode-0", "decode-1"]
 @pytest.fixture(scope="module")
 def secure_nats(tmp_path_factory):
     """A nats-server with JetStream and the generated per-role users; yields (url, passwords)."""
-    d = tmp_path_factory.mktemp("secure-nats")
-    auth = GeneratedAuth.for_nodes(NODES)
-    conf = d / "nats.conf"
-    conf.write_text(auth.server_config())
-    with running_nats(d / "js", "-c", str(conf), "-l", str(d / "nats.log")) as port:
-        yield f"nats://127.0.0.1:{port}", auth.passwords
+    with secure_server(tmp_path_factory.mktemp("secure-nats"), NODES) as server:
+        yield server
 
 
 class Client:
@@ -193,19 +190,20 @@ async def test_only_a_node_writes_its_own_reservations(secure_nats):
     a0 = await as_role(url, passwords, agent_user("decode-0"))
     a1 = await as_role(url, passwords, agent_user("decode-1"))
     bd = await ensure_buckets(disp.nc.jetstream(timeout=1.0))
-    ba = await ensure_buckets(a0.nc.jetstream(timeout=1.0))
-    bb = await ensure_buckets(a1.nc.jetstream(timeout=1.0))
+    # agents write their reservations without opening the bucket (they may not declare it or read it)
+    ba, bb = (KeyValue(S.RESERVATION_BUCKET, f"KV_{S.RESERVATION_BUCKET}", f"$KV.{S.RESERVATION_BUCKET}.",
+                       c.nc.jetstream(timeout=1.0), direct=False) for c in (a0, a1))
     key1, key0 = S.reservation_key("decode-1", 0), S.reservation_key("decode-0", 0)
-    await bb.reservations.put(key1, b"held-by-decode-1")  # its own: allowed
-    rev0 = await ba.reservations.put(key0, b"held-by-decode-0")
+    await bb.put(key1, b"held-by-decode-1")  # its own: allowed
+    rev0 = await ba.put(key0, b"held-by-decode-0")
     with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, asyncio.TimeoutError)):
-        await ba.reservations.delete(key1)
+        await ba.delete(key1)
     await a0.violation(f"$KV.{S.RESERVATION_BUCKET}.{key1}", "publish")
     with pytest.raises((nats.errors.TimeoutError, nats.errors.Error, asyncio.TimeoutError)):
         await bd.reservations.put(key1, b"forged-by-a-dispatcher")
     await disp.violation(f"$KV.{S.RESERVATION_BUCKET}.{key1}", "publish")
     assert (await bd.reservations.get(key1)).value == b"held-by-decode-1"  # reading is allowed
-    await ba.reservations.delete(key0, last=rev0)  # its own: allowed
+    await ba.delete(key0, last=rev0)  # its own: allowed
     await _close(disp, a0, a1)
 
 

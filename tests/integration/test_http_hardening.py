@@ -250,6 +250,26 @@ async def test_api_keys_from_config_and_file(small_nats, tmp_path):
         assert ing.m.auth_failures.labels("invalid")._value.get() == 1
 
 
+@pytest.mark.parametrize("byte", [b"\xe9", b"\xff"])
+async def test_a_non_utf8_authorization_header_is_refused_with_401_on_every_protected_route(small_nats, byte):
+    """``Authorization: Bearer sk-<byte>`` (not UTF-8) answered 500 internal_error with a traceback
+    in the log; it is a wrong key: 401 invalid_api_key, counted as invalid."""
+    async with running(small_nats, api_keys=("sk-env",)) as ing:
+        routes = [(b"POST", b"/v1/completions"), (b"POST", b"/v1/chat/completions"), (b"GET", b"/v1/models"),
+                  (b"GET", b"/v1/requests/cmpl-x"), (b"GET", b"/no-such-path")]
+        for method, path in routes:
+            body = b'{"model": "m", "prompt": "hi"}' if method == b"POST" else b""
+            head = (method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"Authorization: Bearer sk-" + byte + b"\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            out = await raw(ing.port, head + body)
+            status_line, _, rest = out.partition(b"\r\n")
+            assert status_line.startswith(b"HTTP/1.1 401"), (path, out[:300])
+            assert b"WWW-Authenticate: Bearer" in rest
+            assert assert_openai_error(rest.partition(b"\r\n\r\n")[2], "invalid_api_key")
+        assert ing.m.auth_failures.labels("invalid")._value.get() == len(routes)
+
+
 async def test_slow_second_request_on_a_kept_alive_connection_is_dropped(small_nats):
     async with running(small_nats, header_timeout_s=0.5) as ing:
         reader, writer = await asyncio.open_connection("127.0.0.1", ing.port)

@@ -47,7 +47,7 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     everything = [p for u in users for perms in (P.role_permissions(u),) for p in perms.publish + perms.subscribe]
     for name, fn in inspect.getmembers(S, inspect.isfunction):
         if name.endswith("_subject"):
-            subj = fn("n1")
+            subj = fn(*["n1"] * len(inspect.signature(fn).parameters))
             assert any(_matches(p, subj) for p in everything), f"{name}() -> {subj} is in no role's permissions"
     for name, value in vars(S).items():
         if name.endswith(("_SUBJECT", "_WILDCARD")):
@@ -168,3 +168,42 @@ def test_node_ids_that_would_share_a_nats_user_or_password_variable_are_refused(
     with pytest.raises(P.RoleError, match="node ids must be distinct"):
         P.cluster_users(nodes)
     assert len(P.cluster_users(["decode-0", "decode-1"])) == len(set(P.cluster_users(["decode-0", "decode-1"])))
+
+
+def _too_broad(pattern: str) -> bool:
+    """Does ``pattern`` cover all of ``$JS.>`` or ``$JS.API.>`` (or a whole API family)? Probed
+    with subjects no role needs: a pattern that matches one of them grants what nobody listed."""
+    probes = ("$JS.NOTHING.x", "$JS.API.NOTHING", "$JS.API.NOTHING.x.y", "$JS.API.STREAM.DELETE.KAIROS_REQ",
+              "$JS.API.ACCOUNT.PURGE.x", "$JS.API.META.LEADER.STEPDOWN", "$JS.API.SERVER.REMOVE")
+    return any(_matches(pattern, probe) for probe in probes)
+
+
+def test_no_role_is_granted_all_of_the_jetstream_api():
+    """Lint: no Kairos role (every role is non-admin: none may delete or purge a stream) has a
+    grant covering ``$JS.>`` or ``$JS.API.>`` — each JetStream API subject is granted by name."""
+    assert _too_broad("$JS.>") and _too_broad("$JS.API.>") and _too_broad(">") and _too_broad("$JS.API.*.>")
+    assert not _too_broad("$JS.API.STREAM.INFO.KV_kairos_view")
+    for user in P.cluster_users(P.COMPOSE_NODES):
+        perms = P.role_permissions(user)
+        for pattern in perms.publish + perms.subscribe:
+            assert not _too_broad(pattern), f"{user} is granted {pattern}"
+
+
+@pytest.mark.parametrize("subject", [
+    "$JS.API.CONSUMER.CREATE.KV_kairos_requests",  # a watcher: every request id in the cluster
+    "$JS.API.CONSUMER.CREATE.KV_kairos_requests.evil.$KV.kairos_requests.>",
+    "$JS.API.CONSUMER.DURABLE.CREATE.KV_kairos_requests.evil",
+    "$JS.API.CONSUMER.CREATE.KAIROS_REQ.dispatchers.kairos.req.new",
+    "$JS.API.CONSUMER.MSG.NEXT.KAIROS_REQ.dispatchers",  # a pull whose reply is another role's subject
+    "$JS.API.STREAM.CREATE.KV_kairos_view",  # a stream config names the subjects it captures
+    "$JS.API.STREAM.MSG.GET.KV_kairos_requests",  # next_by_subj walks every record
+    "$JS.API.DIRECT.GET.KV_kairos_requests",
+    "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.cmpl-1.decision",
+    "$JS.API.DIRECT.GET.KV_kairos_resv.$KV.kairos_resv.decode.decode-1.0",
+])
+def test_an_agent_has_no_jetstream_api_that_reads_lists_or_delivers(subject):
+    """An agent's only JetStream API calls are a bucket lookup and a claim get by key: no consumer
+    (push or pull: nats-server delivers wherever the creator says), no stream creation, no
+    record other than a claim."""
+    assert not can_pub("agent-decode-0", subject)
+    assert can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.cmpl-1.claim")

@@ -5,7 +5,9 @@ StepOutput, heartbeat state from a snapshot, the agent config, and ``kairos up -
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -18,6 +20,8 @@ from shared.latency import load_profile
 from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, kv_block_count,
                              parse_sse_line, prefill_body, prefill_result)
 from shared.wire import InferenceRequest, Job, KvHandoff, SamplingParams, decode, encode
+
+ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = load_profile("cpu-tiny-vllm")
 
@@ -225,10 +229,16 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     children = vllm_plan(tmp_path, monkeypatch)
     by = {c.name: c for c in children}
     nixl = set()
-    for node in ("prefill-0", "decode-0"):
+    for k, node in enumerate(("prefill-0", "decode-0")):
         eng, agent = by[f"vllm-{node}"], by[node]
         argv = eng.argv
-        assert argv[:3] == ["nice", "-n", str(ENGINE_NICE)] and ENGINE_NICE >= 10  # the control plane keeps the CPU it needs
+        # each engine's whole process tree on its own core (1P1D on >= 2 cores), not niced below
+        # the control plane (at nice 15 any nice-0 process took ~97 % of the engine's core)
+        assert argv[:3] == ["taskset", "-c", str(k % (os.cpu_count() or 1))] and ENGINE_NICE == 0
+        assert eng.env["VLLM_CPU_OMP_THREADS_BIND"] == argv[2]
+        # the quiet-idle plugin (kairos_vllm.plugin) is on: NIXL progress thread delay, no shm busy loop
+        assert eng.env["KAIROS_NIXL_PROGRESS_DELAY_US"] == "1000" and eng.env["KAIROS_VLLM_MQ_BUSY_LOOP_S"] == "0"
+        assert str(ROOT / "kairos_vllm" / "plugins") in eng.env["PYTHONPATH"].split(os.pathsep)
         argv = argv[3:]
         assert argv[0] == sys.executable and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kairos.engines import VllmServer, make_tiny_model, server_ready
+from kairos.engines import VllmServer, launch_servers, make_tiny_model, stop_servers
 from kairos.up import free_port
 from shared.latency import load_profile
 from tests.integration.conftest import nats_url  # noqa: F401  (the real nats-server fixture)
@@ -46,6 +45,7 @@ class Engines:
     decode: VllmServer
     logs: dict[str, Path]
     startup_s: float
+    pids: dict[str, int]  #: node → the server's process id (its tree: API server, engine core, worker)
 
 
 def post(srv: VllmServer, body: dict) -> dict:
@@ -61,7 +61,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
     """Start the prefill and decode servers in parallel and wait for both (bounded)."""
     run = tmp_path_factory.mktemp("engines")
     profile = load_profile(PROFILE)
-    servers, procs, logs = [], [], {}
+    servers, logs = [], {}
     for k, (node, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
         ucx = free_port()
         srv = VllmServer(node=node, role=role, model_dir=tiny_model_dir, served_model="tiny", port=free_port(),
@@ -72,23 +72,10 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
                                      # and a cancel after the first one lands mid-prefill
                                      *(("--max-num-batched-tokens", "512") if role == "prefill" else ())))
         logs[node] = run / f"{node}.log"
-        with open(logs[node], "wb") as f:
-            procs.append(subprocess.Popen(srv.argv(VLLM_PYTHON), env=srv.env(), stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
         servers.append(srv)
     t0 = time.monotonic()
+    procs = launch_servers(servers, VLLM_PYTHON, run, STARTUP_TIMEOUT_S)
     try:
-        pending = list(zip(servers, procs))
-        while pending:
-            for srv, proc in list(pending):
-                if proc.poll() is not None:
-                    tail = logs[srv.node].read_text(errors="replace").splitlines()[-30:]
-                    raise RuntimeError(f"vLLM server {srv.node} exited with {proc.returncode}:\n" + "\n".join(tail))
-                if server_ready(srv):
-                    pending.remove((srv, proc))
-            if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"vLLM servers not ready after {STARTUP_TIMEOUT_S:.0f} s: {[s.node for s, _ in pending]}")
-            time.sleep(0.5)
         # warm-up, outside the tests' timings: first requests are slow, and the first P/D transfer
         # makes the NIXL handshake between the two servers (a fixed 5 s reply timeout in vLLM 0.32.0
         # that a loaded machine can miss: retried here, as the agent's backend retries its decodes)
@@ -96,22 +83,15 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
             post(srv, {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "cache_salt": "warm-up"})
         for attempt in range(3):
             pre = post(servers[0], {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 1,
-                                         "kv_transfer_params": {"do_remote_decode": True}})
+                                    "kv_transfer_params": {"do_remote_decode": True}})
             try:
                 post(servers[1], {"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 2,
-                                       "kv_transfer_params": pre["kv_transfer_params"]})
+                                  "kv_transfer_params": pre["kv_transfer_params"]})
                 break
             except urllib.error.HTTPError:
                 if attempt == 2:
                     raise
-        yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0)
+        yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0,
+                      pids={s.node: p.pid for s, p in zip(servers, procs)})
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_servers(procs)

@@ -1,0 +1,200 @@
+"""The attacks of issue 17, part 1, each made with only the credential of decode-0's agent against
+a real nats-server running the generated permission table and the whole stack logged in as its
+roles (tests/integration/conftest.py ``secure_server`` + ``stack(passwords=...)``).
+
+Each attack must end in a permission violation the server reports to the attacker, or in a
+refusal the victim counts (``kairos_<service>_forged_messages_total``, shared/origin.py) — and the
+victim's state must show that the forged message changed nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+
+import nats.errors
+import nats.js.errors
+import pytest
+
+from shared import subjects as S
+from shared.bus import flush_barrier
+from shared.permissions import agent_user
+from shared.wire import InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent, decode, encode, now_ms
+from tests.integration.conftest import secure_server, stack, wait_until
+from tests.integration.test_bus_security import _close, as_role
+
+NODES = ["prefill-0", "decode-0", "decode-1"]
+ATTACKER = agent_user("decode-0")
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    with secure_server(tmp_path_factory.mktemp("origin-nats"), NODES) as server:
+        yield server
+
+
+def forged_count(svc, kind: str) -> float:
+    """``kairos_<service>_forged_messages_total{kind}`` of a running service."""
+    return svc.origin.counter.labels(kind)._value.get()
+
+
+def heartbeat(node: str, role: str, epoch: float, seq: int = 1) -> NodeState:
+    return NodeState(node=node, role=role, seq=seq, sent_unix_ms=now_ms(), epoch_unix_ms=epoch, period_ms=50.0)
+
+
+async def test_heartbeats_naming_another_node_are_refused_and_counted(secure):
+    """decode-0's agent sends, on its own subject, heartbeats naming decode-1 with a newer epoch
+    (which made the ingress declare decode-1 restarted and end its streams) and a made-up node
+    (which became routable). Nobody takes them for those nodes. Then a heartbeat of decode-0
+    itself (``waiting=777``, a new epoch) on the same connection: once it is seen, the forged
+    ones before it were processed (one connection's messages reach a subscriber in order)."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw, policy="kairos+") as st:
+        epoch1 = await wait_until(lambda: st.ingress.liveness.epoch("decode-1"), 5, "decode-1 heard by the ingress")
+        attacker = await as_role(url, pw, ATTACKER)
+        forged = [msgspec.structs.replace(heartbeat("decode-1", "decode", now_ms() + 1000.0), waiting=999),
+                  heartbeat("ghost-9", "prefill", now_ms())]
+        for hb in forged:
+            await attacker.nc.publish(S.state_subject("decode-0"), encode(hb))
+        control = msgspec.structs.replace(heartbeat("decode-0", "decode", now_ms() + 500.0), waiting=777)
+        await attacker.nc.publish(S.state_subject("decode-0"), encode(control))
+        await flush_barrier(attacker.nc)
+
+        def views() -> dict:
+            return {n.node: n for n in st.aggregator.builder.build(time.monotonic() * 1000.0, now_ms()).nodes}
+
+        await wait_until(lambda: st.ingress.liveness.epoch("decode-0") == control.epoch_unix_ms
+                         and views()["decode-0"].waiting == 777, 5, "the control heartbeat")
+        assert st.ingress.liveness.epoch("decode-1") == epoch1  # decode-1 did not "restart"
+        assert st.ingress.liveness.epoch("ghost-9") is None
+        assert "ghost-9" not in views() and views()["decode-1"].waiting != 999
+        for svc in (st.aggregator, st.ingress):
+            assert forged_count(svc, "heartbeat") == len(forged)
+        await wait_until(lambda: forged_count(st.dispatchers[0], "heartbeat") == len(forged), 5, "dispatcher")
+        await _close(attacker)
+
+
+async def test_step_records_naming_another_node_do_not_set_its_correction(secure):
+    """Forged step records naming decode-1 (4x its predicted step time) set its correction to 4.0.
+    The control batch after them is decode-0's own (3x): once decode-0's correction shows it,
+    the forged batch was processed."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
+        attacker = await as_role(url, pw, ATTACKER)
+
+        def batch(node: str, ratio: float) -> bytes:
+            recs = [StepRecordEvent(node=node, role="decode", step=i, started_unix_ms=now_ms(), wall_ms=10.0 * ratio,
+                                    predicted_ms=10.0, batch_size=4, kv_tokens=400, prefill_tokens=0)
+                    for i in range(200)]
+            return b"[" + b",".join(encode(r) for r in recs) + b"]"
+
+        await attacker.nc.publish(S.steps_subject("decode-0"), batch("decode-1", 4.0))
+        await attacker.nc.publish(S.steps_subject("decode-0"), batch("decode-0", 3.0))
+        await flush_barrier(attacker.nc)
+
+        def bias(node: str) -> float:
+            c = st.aggregator.corrector.corrections(time.monotonic() * 1000.0).get(node)
+            return c.bias if c is not None else 1.0
+
+        await wait_until(lambda: bias("decode-0") > 2.0, 5, "decode-0's own records")
+        assert bias("decode-1") < 2.0  # 4.0 when the forged records were believed
+        assert forged_count(st.aggregator, "step_record") == 1
+        await _close(attacker)
+
+
+async def test_an_agent_cannot_create_a_consumer_that_delivers_into_another_roles_subject(secure):
+    """The push-consumer trick (deliver_subject = kairos.jobs.prefill-0) in each subject form
+    nats-py / nats-server 2.15 accept, a pull request whose reply is that subject, and the other
+    victims of the issue (kairos.cancel, kairos.state.decode-0): every one is a publish violation,
+    and prefill-0 never sees a job."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
+        attacker = await as_role(url, pw, ATTACKER)
+        stream = f"KV_{S.REQUESTS_BUCKET}"
+        job = Job(kind="prefill", node="prefill-0", request=InferenceRequest(
+            request_id="forged-job-1", model="m", prompt_tokens=4, max_tokens=2, created_unix_ms=now_ms(),
+            deadline_unix_ms=now_ms() + 60_000))
+        # its own claim key holds the forged job (agents may write claims)
+        await attacker.nc.publish(f"$KV.{S.REQUESTS_BUCKET}.{S.claim_key('forged-job-1')}", encode(job))
+        for victim in (S.jobs_subject("prefill-0"), S.CANCEL_SUBJECT, S.state_subject("decode-0")):
+            cfg = {"deliver_subject": victim, "ack_policy": "none", "deliver_policy": "all"}
+            attempts = {
+                f"$JS.API.CONSUMER.CREATE.{stream}": {"stream_name": stream, "config": cfg},
+                f"$JS.API.CONSUMER.CREATE.{stream}.evil.$KV.{S.REQUESTS_BUCKET}.>":
+                    {"stream_name": stream, "config": {**cfg, "name": "evil",
+                                                       "filter_subject": f"$KV.{S.REQUESTS_BUCKET}.>"}},
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.evil":
+                    {"stream_name": stream, "config": {**cfg, "durable_name": "evil"}},
+            }
+            for subject, body in attempts.items():
+                await attacker.nc.publish(subject, json.dumps(body).encode(), reply=attacker.nc.new_inbox())
+                await attacker.violation(subject, "publish")
+        pull = f"$JS.API.CONSUMER.MSG.NEXT.{S.REQUEST_STREAM}.{S.DISPATCHER_CONSUMER}"
+        await attacker.nc.publish(pull, b'{"batch": 1}', reply=S.jobs_subject("prefill-0"))
+        await attacker.violation(pull, "publish")
+        # a direct get of its own claim answered onto prefill-0's job subject: delivered, refused
+        get = f"$JS.API.DIRECT.GET.{stream}.$KV.{S.REQUESTS_BUCKET}.{S.claim_key('forged-job-1')}"
+        await attacker.nc.publish(get, b"", reply=S.jobs_subject("prefill-0"))
+        await flush_barrier(attacker.nc)
+        agent = st.agents["prefill-0"]
+        await wait_until(lambda: forged_count(agent, "job") == 1, 5, "the redirected answer refused")
+        assert "forged-job-1" not in agent.jobs_received and "forged-job-1" not in agent.reqs
+        status, body = await st.complete("still served", max_tokens=3)
+        assert status == 200, body
+        await _close(attacker)
+
+
+async def test_an_agent_cannot_list_or_read_other_requests_records(secure):
+    """Watching kairos_requests showed every request id in the cluster. Now an agent has no
+    consumer API and its only get is a claim by key: it cannot watch, list, or read a record."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
+        status, body = await st.complete("someone else's request", max_tokens=2)
+        assert status == 200, body
+        rid = body["id"]
+        attacker = await as_role(url, pw, ATTACKER)
+        js = attacker.nc.jetstream(timeout=1.0)
+        kv = await js.key_value(S.REQUESTS_BUCKET)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await kv.watchall()
+        await attacker.violation(f"$JS.API.CONSUMER.CREATE.KV_{S.REQUESTS_BUCKET}", "publish")
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await kv.get(S.record_key(rid, "decision"))
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await js.get_msg(f"KV_{S.REQUESTS_BUCKET}", seq=1, next=True,
+                             subject=f"$KV.{S.REQUESTS_BUCKET}.>")
+        await attacker.violation(f"$JS.API.STREAM.MSG.GET.KV_{S.REQUESTS_BUCKET}", "publish")
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
+            await js.add_stream(name="KV_kairos_capture", subjects=["kairos.jobs.>"])
+        await attacker.violation("$JS.API.STREAM.CREATE.KV_kairos_capture", "publish")
+        await _close(attacker)
+
+
+
+async def test_a_kv_handoff_must_come_from_the_prefill_node_holding_the_request(secure):
+    """decode-1 accepted a handoff forged by decode-0 naming a prefill node that does not exist.
+    Now the subject names the sender (the bus checks it), the body must name that sender, and the
+    sender must hold the request's claim as its prefill node; the real keep path still works."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
+        attacker = await as_role(url, pw, ATTACKER)
+        victim = st.agents["decode-1"]
+        req = InferenceRequest(request_id="forged-kv-1", model="m", prompt_tokens=8, max_tokens=4,
+                               created_unix_ms=now_ms(), deadline_unix_ms=now_ms() + 60_000)
+        replies = {}
+        for src in ("prefill-9", "prefill-0", "decode-0"):  # made up, another real node, itself
+            h = KvHandoff(request=req, src_node=src, kv_tokens=8, prefill_done_unix_ms=now_ms())
+            reply = await attacker.nc.request(S.kv_subject("decode-1", ATTACKER), encode(h), timeout=5)
+            replies[src] = decode(reply.data, KvAck)
+        assert {s: (a.accepted, a.reason) for s, a in replies.items()} == {
+            "prefill-9": (False, "forged"), "prefill-0": (False, "forged"), "decode-0": (False, "not_the_holder")}
+        assert "forged-kv-1" not in victim.reqs and forged_count(victim, "kv_handoff") == 3
+        # posing as prefill-0's agent on the subject: a publish violation
+        spoofed = S.kv_subject("decode-1", agent_user("prefill-0"))
+        await attacker.nc.publish(spoofed, encode(h), reply=attacker.nc.new_inbox())
+        await attacker.violation(spoofed, "publish")
+        status, body = await st.complete("the real keep path", max_tokens=4)
+        assert status == 200, body
+        await _close(attacker)
