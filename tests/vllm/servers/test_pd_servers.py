@@ -22,7 +22,7 @@ from kairos_vllm.subscriber import EngineStateSubscriber
 from services.node_agent.agent import NodeAgent
 from services.node_agent.config import AgentConfig
 from shared import subjects as S
-from shared.bus import request_typed
+from shared.bus import ensure_buckets, request_typed
 from shared.latency import load_profile
 from shared.wire import Cancel, DoneEvent, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
 from tests.integration.conftest import wait_until
@@ -74,6 +74,8 @@ async def cluster(engines, nats_url):
     model = load_profile(PROFILE)
     agents = {}
     streams = {srv.node: Stream(srv.state_addr) for srv in (engines.prefill, engines.decode)}
+    nc = await nats.connect(nats_url)
+    await ensure_buckets(nc.jetstream())  # what the control plane's services declare (agents may not)
     for srv in (engines.prefill, engines.decode):
         cfg = AgentConfig(node_id=srv.node, role=srv.role, profile=PROFILE, nats_url=nats_url, backend="vllm",
                           engine_url=srv.url, engine_state_addr=srv.state_addr, engine_api_key=srv.api_key,
@@ -81,9 +83,8 @@ async def cluster(engines, nats_url):
                           kv_handoff_timeout_s=VLLM_DEFAULTS["kv_handoff_timeout_s"])
         agents[srv.node] = NodeAgent(cfg, model)
         await agents[srv.node].start()
-    nc = await nats.connect(nats_url)
-    await wait_until(lambda: all(a.backend.available and a.backend.served_model for a in agents.values()), 60,
-                     "agents see their engines")
+    await wait_until(lambda: all(a.backend.available and a.backend.served_model and a.claims is not None
+                                 for a in agents.values()), 60, "agents see their engines and the requests bucket")
     # and their state streams reach both subscribers (the warmed-up engines republish every 100 ms):
     # a test must not start before the agent's heartbeats carry the engine's state
     await wait_until(lambda: all(a.backend.snapshot is not None for a in agents.values())
