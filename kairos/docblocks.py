@@ -313,16 +313,34 @@ def fidelity(load: Load) -> str:
 
 
 def vllm_demo(load: Load) -> str:
-    """``kairos demo --engine vllm --json`` (live on vLLM-CPU + ``simulated``): completions,
-    deflections and :func:`kairos.demo.side_by_side`."""
-    from kairos.demo import side_by_side
+    """``bench/vllm_demo_runs.py`` (``kairos demo --engine vllm --json`` runs: live on vLLM-CPU +
+    ``simulated``, ``step_scale``): the first run's :func:`kairos.demo.side_by_side`, then the
+    live ÷ simulated ratios the issue bounds, per run, and whether each is within the band."""
+    from kairos.demo import VLLM_FIDELITY_TOLERANCE, side_by_side
 
     r = load("vllm-demo")
-    live = r.rows[0]
-    sim = live["simulated"]
-    return (f"`{command(r.meta)}` (one run: {provenance(r)}): {num(live['completed'])}/{num(live['sent'])} "
-            f"requests completed on the real engines, {num(live['failed'])} failed, {num(live['deflections'])} "
-            f"deflections (simulated: {num(sim['deflections'])}):\n\n```\n{side_by_side(live, sim)}\n```")
+    first = r.rows[0]
+    checks = (("TTFT P50", lambda x: x["ttft_ms"]["p50"]), ("TTFT P95", lambda x: x["ttft_ms"]["p95"]),
+              ("P95 prefill exec", lambda x: (x.get("ttft_breakdown_p95_ms") or {}).get("prefill_exec")),
+              ("TBT P50", lambda x: x["tbt_ms"]["p50"]))
+    lines = ["| run | completed | " + " | ".join(f"{n} live ÷ sim" for n, _ in checks)
+             + " | live TBT violations | step time ÷ profile |", "|---|---|" + "---|" * (len(checks) + 2)]
+    for i, x in enumerate(r.rows, 1):
+        sim = x["simulated"]
+        cells = []
+        for _, f in checks:
+            a, b = f(x), f(sim)
+            ratio = a / b if a is not None and b else None
+            ok = ratio is not None and abs(ratio - 1.0) <= VLLM_FIDELITY_TOLERANCE
+            cells.append("–" if ratio is None else f"{ratio:.2f}{'' if ok else ' ✗'}")
+        scale = ", ".join(f"{n} ×{v:.2f}" for n, v in sorted((x.get("step_scale") or {}).items())) or "–"
+        lines.append(f"| {i} | {num(x['completed'])}/{num(x['sent'])} | " + " | ".join(cells)
+                     + f" | {pct(x['tbt_violation_rate'], 2)} | {scale} |")
+    return (f"`{command(r.meta)}` ({len(r.rows)} runs: {provenance(r)}). The first run, {num(first['completed'])}/"
+            f"{num(first['sent'])} requests completed on the real engines, {num(first['deflections'])} deflections "
+            f"(simulated: {num(first['simulated']['deflections'])}):\n\n```\n"
+            f"{side_by_side(first, first['simulated'], VLLM_FIDELITY_TOLERANCE)}\n```\n\nEvery run "
+            f"(✗: outside ±{100 * VLLM_FIDELITY_TOLERANCE:.0f} %):\n\n" + "\n".join(lines))
 
 
 def vllm_pd_rate(load: Load) -> str:
