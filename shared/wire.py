@@ -397,14 +397,14 @@ class ErrorEvent(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
 
 
 class HandoffEvent(msgspec.Struct, frozen=True, kw_only=True, tag="handoff"):
-    """Keep path: prefill ``node`` is about to hand the request's KV cache to ``decode_node``, whose
-    tokens the ingress then accepts (sent before each KV handoff request, on the prefill node's own
-    out subject: the ingress trusts it because the routing event named that node)."""
+    """Keep path: prefill ``node`` handed the request's KV cache to ``decode_node`` (it accepted),
+    whose events the ingress then accepts. Sent on the prefill node's own out subject; the ingress
+    trusts it because the routing event named that node (services/ingress/senders.py)."""
 
     v: int = SCHEMA_VERSION
     request_id: str
     node: str  #: the prefill node (its agent publishes this)
-    decode_node: str  #: the decode candidate it hands the KV to next
+    decode_node: str  #: the decode node that took the KV
     sent_unix_ms: float
 
 

@@ -6,17 +6,18 @@ ingress accepts an attempt's events only from:
 
 * **the node its job went to**: named by a routing event (``kairos.route.decided``, which only
   dispatchers may publish), the node that accepted the job or holds its execution claim;
-* **on the keep path, the decode node the prefill node hands the KV to**: the prefill node (proven
-  as above) sends a :class:`~shared.wire.HandoffEvent` naming each decode candidate on its own out
-  subject before it sends that candidate the KV, so the decode node's tokens are accepted (a
-  candidate that refused the KV stays accepted: the prefill node vouched for it);
+* **on the keep path, the decode node the prefill node handed the KV to**: when a decode node has
+  accepted the KV, the prefill node (proven as above) names it in a
+  :class:`~shared.wire.HandoffEvent` on its own out subject (candidates that refused are never
+  named);
 * **a dispatcher** (user ``dispatcher``), for error events only (routing failures, e.g.
   ``no_available_node``).
 
 An event from another agent is *held* (at most :data:`HOLD_MAX` per attempt), not refused at once:
 a node's first token may overtake the routing event (the dispatcher publishes it after the node's
-answer), and a decode node's may overtake the prefill node's handoff event through another
-server. Held events are replayed when their sender is accepted, and refused (counted as forged,
+answer; and nats-py runs each subscription's callbacks in its own task, so even messages sent in
+order on one connection may be handled out of order here), and a decode node's may overtake the
+prefill node's handoff event (sent after the decode node's answer). Held events are replayed when their sender is accepted, and refused (counted as forged,
 ``forged_message_refused``) once the attempt streams from its node, moves to a new attempt (a lost
 node's re-submission: a new bus id, a new set of senders) or ends. Events whose body names another
 node than the subject (``node`` of tokens, done and handoff events; ``source`` of errors) are

@@ -589,7 +589,7 @@ class Ingress:
     def _refuse_out(self, subject: str, why: str, sender: str | None, ev: OutEvent) -> None:
         claimed = ev.source if isinstance(ev, ErrorEvent) else ev.node
         self.origin.refuse(subject, "out_event", why, sender, claimed, request_id=ev.request_id,
-                           event=type(ev).__name__)
+                           event_type=type(ev).__name__)
 
     async def _on_routed(self, msg) -> None:
         try:

@@ -497,10 +497,6 @@ class NodeAgent:
         None = nobody took it (``tried`` says why)."""
         assert r.job is not None and r.handoff_span is not None
         for cand in r.job.decode_candidates:
-            # first tell the ingress whose tokens to accept (same connection: it hears this before
-            # the decode node can answer with a token)
-            await publish(self.nc, self._out(rid), HandoffEvent(request_id=rid, node=self.cfg.node_id,
-                                                                 decode_node=cand, sent_unix_ms=now_ms()))
             try:
                 ack = await request_typed(self.nc, S.kv_subject(cand, agent_user(self.cfg.node_id)), msg, KvAck,
                                           self.cfg.kv_handoff_timeout_s, headers)
@@ -514,6 +510,9 @@ class NodeAgent:
                 if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
                     return False
                 r.handoff_node = cand
+                # the ingress accepts the tokens of the node this names (it holds any that overtake this)
+                await publish(self.nc, self._out(rid), HandoffEvent(request_id=rid, node=self.cfg.node_id,
+                                                                     decode_node=cand, sent_unix_ms=now_ms()))
                 r.handoff_span.set_attribute("kairos.decode_node", cand)
                 if tried:
                     r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
