@@ -93,16 +93,18 @@ class Senders:
         return None
 
     def release(self) -> tuple[list[OutEvent], list[tuple[Held, str]]]:
-        """Held events whose sender is accepted now, in arrival order (handoff events among them
-        accepting more senders, whose events follow), and those refused on the way (with why);
-        both leave the hold."""
+        """Held events whose sender is accepted now, each sender's in arrival order (handoff events
+        among them accepting more senders, whose events follow), and those refused on the way (with
+        why); both leave the hold."""
         out: list[OutEvent] = []
         refused: list[tuple[Held, str]] = []
         while any(h.node in self.nodes for h in self.held):
             keep: list[Held] = []
+            waiting: set[str] = set()  # a node whose earlier event waits: its later ones wait too (order)
             for h in self.held:
-                if h.node not in self.nodes:
+                if h.node not in self.nodes or h.node in waiting:
                     keep.append(h)
+                    waiting.add(h.node)
                 elif (why := self._accept(h.node, h.event)) is None:
                     out.append(h.event)
                 else:
