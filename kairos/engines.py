@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kairos_vllm.plugin import ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
+from kairos_vllm.plugin import ENV_KEEP_AFFINITY, ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
 from shared.latency import LatencyModel
 
 #: the pinned vLLM version (the CPU build in tests, the official GPU image in compose)
@@ -81,8 +81,9 @@ class VllmServer:
         extra_args: more server flags (tests: ``--override-generation-config`` for greedy defaults).
         nice: run the server under ``nice -n`` (0: not).
         quiet_idle: load Kairos's vLLM general plugin (:mod:`kairos_vllm.plugin`) with NIXL's UCX
-            progress thread off and no shared-memory busy loop, so an idle engine leaves its core
-            idle (on a CPU host each would otherwise spin a core at 100 %).
+            progress thread polling with a delay, no shared-memory busy loop and (for a bound
+            server) the forward thread kept on its cores, so an idle engine leaves its core idle
+            (each would otherwise spin a core at 100 %) and a busy one computes where it is bound.
     """
 
     node: str
@@ -133,6 +134,8 @@ class VllmServer:
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(PLUGIN_PATH)] + ([path] if path else []))})
         if self.quiet_idle:
             env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
+        if self.quiet_idle and self.omp_cpus not in (None, "auto", "nobind"):
+            env[ENV_KEEP_AFFINITY] = "1"  # the engine's compute stays on its cores (kairos_vllm.plugin)
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
         return env
