@@ -6,6 +6,8 @@ For each configuration it starts a prefill and a decode vLLM-CPU server (the Kai
 each bound to its own core: ``VLLM_CPU_OMP_THREADS_BIND``), warms them up with one P/D transfer,
 then measures, in the same run:
 
+* **where the forward pass runs**: the CPUs the worker's main thread may use (``/proc``), against
+  the core the server is bound to;
 * **idle CPU** of each server's process tree over 5 s (``/proc``, :mod:`kairos.procstat`) and its
   busiest threads;
 * **P-leg throughput**: ``--requests`` prompts of ``--prompt`` tokens sent at once to the prefill
@@ -14,17 +16,19 @@ then measures, in the same run:
 * **unpulled P legs**: ``--requests`` P legs one after another whose KV nobody reads, each timed
   (the reported 115 → 2,194 ms slow-down).
 
-Configurations: ``stock`` is vLLM's defaults (NIXL progress thread on, 1 s shared-memory busy
-loop), ``quiet`` is :mod:`kairos_vllm.plugin` as ``kairos up --engine vllm`` sets it. ``--nice N``
+Configurations: ``stock`` is vLLM's own behaviour (NIXL progress thread spinning, 1 s shared-memory
+busy loop, the NIXL worker moving the forward thread to the last core), ``quiet`` is
+:mod:`kairos_vllm.plugin` as ``kairos up --engine vllm`` sets it (``VllmServer.quiet_idle``). ``--nice N``
 runs the servers niced (``kairos up`` used 15). Prints a table and the quiet ÷ stock ratios; with
-``--json`` writes one JSON line per configuration (``python -m kairos.docgen record`` adds the
-provenance header).
+``--json FILE`` writes a result file (a provenance line, then one JSON line per configuration) that
+``python -m kairos.docgen`` renders into docs/vllm.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import datetime as _dt
 import json
 import os
 import sys
@@ -35,8 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.engines import VllmServer, cached_tiny_model, launch_servers, stop_servers, vllm_python  # noqa: E402
-from kairos.procstat import measure_tree  # noqa: E402
+from kairos.procstat import measure_tree, process_tree  # noqa: E402
 from kairos.up import free_port  # noqa: E402
 from shared.latency import load_profile  # noqa: E402
 
@@ -67,8 +72,20 @@ def pd_pair(prefill: VllmServer, decode: VllmServer, i: int, n: int) -> tuple[fl
     return t1 - t0, time.monotonic() - t1
 
 
+def worker_cpus(pid: int) -> str | None:
+    """``Cpus_allowed_list`` of the main thread of the ``VLLM::Worker`` process under ``pid`` (None: none)."""
+    for p in process_tree(pid):
+        try:
+            if Path(f"/proc/{p}/comm").read_text().strip() == "VLLM::Worker":
+                status = Path(f"/proc/{p}/status").read_text().splitlines()
+                return next(line.split()[-1] for line in status if line.startswith("Cpus_allowed_list"))
+        except OSError:
+            continue
+    return None
+
+
 def run_config(name: str, args, model_dir: str, py: str, run: Path) -> dict:
-    profile = load_profile("cpu-tiny-vllm")
+    profile = load_profile("cpu-testbed-vllm")
     servers = []
     for k, (node, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
         ucx = free_port()
@@ -90,6 +107,7 @@ def run_config(name: str, args, model_dir: str, py: str, run: Path) -> dict:
                 if attempt == 2:
                     raise
         idle = {s.node: measure_tree(p.pid, 5.0) for s, p in zip(servers, procs)}
+        forward_cpus = {s.node: worker_cpus(p.pid) for s, p in zip(servers, procs)}
         t0 = time.monotonic()
         with cf.ThreadPoolExecutor(args.requests) as pool:
             legs = list(pool.map(lambda i: pd_pair(pre, dec, i, args.prompt), range(args.requests)))
@@ -101,6 +119,7 @@ def run_config(name: str, args, model_dir: str, py: str, run: Path) -> dict:
                            "kv_transfer_params": {"do_remote_decode": True}})
             unpulled.append(1000.0 * (time.monotonic() - t1))
         return {"config": name, "nice": args.nice, "requests": args.requests, "prompt_tokens": args.prompt,
+                "bound_cores": {s.node: s.omp_cpus for s in servers}, "forward_thread_cpus": forward_cpus,
                 "idle_core_share": {n: round(u.core_share, 3) for n, u in idle.items()},
                 "idle_busiest_threads": {n: [[t, round(v, 3)] for t, v in u.busiest] for n, u in idle.items()},
                 "pd_wall_s": round(wall, 3), "prompt_tokens_per_s": round(args.requests * args.prompt / wall, 1),
@@ -112,15 +131,16 @@ def run_config(name: str, args, model_dir: str, py: str, run: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="model directory (default: the cached tiny model)")
+    ap.add_argument("--model", default=None, help="model directory (default: the cached testbed model)")
     ap.add_argument("--configs", default="stock,quiet")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prompt", type=int, default=1000, help="prompt tokens per request")
     ap.add_argument("--nice", type=int, default=0)
     ap.add_argument("--json", default=None, help="write one JSON line per configuration here")
     args = ap.parse_args(argv)
+    started, load0, t0 = _dt.datetime.now(_dt.timezone.utc), os.getloadavg()[0], time.monotonic()
     py = vllm_python()
-    model_dir = args.model or cached_tiny_model(py)
+    model_dir = args.model or cached_tiny_model(py, "testbed")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kairos-pd-rate-") as tmp:
         for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
@@ -135,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quiet / stock: P/D prompt tokens/s x{q['prompt_tokens_per_s'] / s['prompt_tokens_per_s']:.2f}; "
               f"idle core share prefill {s['idle_core_share']['prefill-0']:.2f} -> {q['idle_core_share']['prefill-0']:.2f}, "
               f"decode {s['idle_core_share']['decode-0']:.2f} -> {q['idle_core_share']['decode-0']:.2f}")
-    if args.json:
-        Path(args.json).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.json:  # the docgen result format: a provenance line, then one row per configuration
+        meta = result_meta(["python", "bench/vllm_pd_rate.py", *(argv if argv is not None else sys.argv[1:])],
+                           started, load0, time.monotonic() - t0)
+        write_result(Path(args.json), meta, rows)
     return 0
 
 

@@ -339,7 +339,7 @@ def _engine_defaults_or_exit(opts: dict) -> None:
 @click.option("--policy", default="kairos", show_default=True,
               help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+ (taichi: simulator only).")
 @click.option("--profile", default=None,
-              help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm).")
+              help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-testbed-vllm with --engine vllm).")
 @click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, callback=writable_file,
               help="Also write every span as a JSON line to this file.")
@@ -426,7 +426,7 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
               help="Request rate (default: the trace's own timing).")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--policy", default="kairos", show_default=True)
-@click.option("--profile", default=None, help=f"Default: {DEFAULT_PROFILE}; cpu-tiny-vllm with --engine vllm.")
+@click.option("--profile", default=None, help=f"Default: {DEFAULT_PROFILE}; cpu-testbed-vllm with --engine vllm.")
 @click.option("--prefill", type=click.IntRange(1), default=None, help="Prefill nodes (default 2; 1 with --engine vllm).")
 @click.option("--decode", type=click.IntRange(1), default=None, help="Decode nodes (default 2; 1 with --engine vllm).")
 @click.option("--dispatchers", type=click.IntRange(1), default=2, show_default=True)
@@ -443,8 +443,9 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
 def demo(**opts) -> None:
     """Stack up, replay a busy minute of a real trace, print live vs simulated results, stack down.
 
-    --engine vllm: 1P1D real vLLM-CPU engines on a tiny random-weight model (generated unless --model
-    is given) and a short workload (default: bursty, 2 RPS, 15 s, about 30 requests)."""
+    --engine vllm: 1P1D real vLLM-CPU engines on the CPU testbed (the testbed random-weight model,
+    generated once unless --model is given; each engine on its own core) and a minute of Bursty
+    requests (default: bursty, 1 RPS, 60 s)."""
     from kairos.demo import demo_command
 
     _engine_defaults_or_exit(opts)
@@ -468,10 +469,15 @@ def demo(**opts) -> None:
               help="Self-contained: start a bundled nats-server and one emulated decode node, profile it, stop.")
 @click.option("--vllm", is_flag=True,
               help="Self-contained: start a bundled nats-server, one vLLM-CPU server (kairos_vllm plugin, the "
-                   "tiny model unless --model) and its decode node agent, profile it, stop. Implies --grid cpu-tiny, "
-                   "--background deflect, --base-profile cpu-tiny-vllm, --served-model kairos-vllm unless given.")
+                   "testbed model unless --model or --model-size) and its decode node agent, profile it, stop. "
+                   "Implies --grid cpu-tiny, --background deflect, --base-profile cpu-testbed-vllm, --served-model "
+                   "kairos-vllm unless given.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="--vllm: local model directory (default: the cached tiny model, python -m kairos_vllm.tiny_model).")
+              help="--vllm: local model directory (default: the cached model of --model-size, python -m "
+                   "kairos_vllm.tiny_model --cached --size SIZE).")
+@click.option("--model-size", type=click.Choice(["testbed", "tiny"]), default="testbed", show_default=True,
+              help="--vllm without --model: the generated random-weight model (testbed: the CPU testbed's; tiny: the "
+                   "tests').")
 @click.option("--node-profile", default=DEFAULT_PROFILE, show_default=True,
               help="--emulated: the profile the node predicts with.")
 @click.option("--truth-profile", default=None, help="--emulated: what the node's steps really take (default: --node-profile).")
@@ -479,7 +485,7 @@ def demo(**opts) -> None:
               help="--emulated: the node's steps take this × the truth profile.")
 @click.option("--grid", type=click.Choice(sorted(GRIDS)), default=None,
               help="quick (~15 s emulated; the default), the paper's §3.2 grid (minutes), cpu-tiny (the --vllm "
-                   "default: tiny model, 2,048-token context, ~1 min) or cpu-tiny-ci (its smallest fittable grid).")
+                   "default: 2,048-token context, ~2 min on the testbed model) or cpu-tiny-ci (its smallest fittable grid).")
 @click.option("--name", default=None, help="Artifact name (default profiled-<node>).")
 @click.option("--version", "version_", default=None, help="Artifact version (default: UTC time of the fit).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Artifact path (default out/profiles/<name>.json).")
@@ -492,7 +498,7 @@ def demo(**opts) -> None:
               help="Refuse (exit 1, nothing written) if a model's held-out MAPE exceeds this, percent.")
 @click.option("--base-profile", default=None,
               help=f"KV-transfer links and engine limits are carried over from this profile (default {DEFAULT_PROFILE}; "
-                   "cpu-tiny-vllm with --vllm, whose vLLM server also gets its engine limits).")
+                   "cpu-testbed-vllm with --vllm, whose vLLM server also gets its engine limits).")
 @click.option("--engine", default=None, help="Engine label for the provenance (e.g. 'vllm 0.11.0 CPU').")
 @click.option("--served-model", default=None,
               help="Model name of the requests and label for the provenance (default kairos-emulated; kairos-vllm with --vllm).")

@@ -86,10 +86,27 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
                       + (f"  {r[4]}" if r[4] else "")) for r in rows)
 
 
+def bench_live(sup: Supervisor, *, workload: str, rps: float | None, duration: float, seed: int,
+               json_path: str | None, progress: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Replay the workload against ``sup``'s running stack (``kairos bench``'s client) while sampling
+    each node's measured step time ÷ profile (:mod:`kairos.stepscale`). Returns the bench report
+    and ``{node: scale}``. Raises :class:`kairos.bench.BenchError` as the bench does."""
+    from kairos.bench import bench_cli
+
+    opts = sup.opts
+    agg = next(c.endpoint for c in sup.procs if c.kind == "aggregator")
+    with StepScaleSampler(agg) as sampler:
+        report = bench_cli(url=f"http://{opts.host}:{opts.port}", workload=workload, rps=rps, duration=duration,
+                           seed=seed, model=None, max_concurrency=None, request_timeout=300.0, max_model_len=None,
+                           label=f"live {opts.policy}", json_path=json_path, save_records=False, progress=progress,
+                           tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
+    return report, sampler.stop()
+
+
 def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: float, seed: int,
              json_path: str | None, progress: bool) -> int:
     """Up → bench → compare → down. Returns the exit code (0 when every request completed)."""
-    from kairos.bench import BenchError, bench_cli
+    from kairos.bench import BenchError
 
     sup = Supervisor(opts)
 
@@ -103,14 +120,8 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         sup.up()
         print(sup.table(), flush=True)
         print(f"\nReplaying {workload} ({duration:g} s) against http://{opts.host}:{opts.port} ...", flush=True)
-        agg = next(c.endpoint for c in sup.procs if c.kind == "aggregator")
-        with StepScaleSampler(agg) as sampler:
-            report = bench_cli(url=f"http://{opts.host}:{opts.port}", workload=workload, rps=rps, duration=duration,
-                               seed=seed, model=None, max_concurrency=None, request_timeout=300.0,
-                               max_model_len=None, label=f"live {opts.policy}", json_path=json_path,
-                               save_records=False, progress=progress, tbt_slo_ms=opts.tbt_slo_ms,
-                               ttft_slo_ms=opts.ttft_slo_ms)
-        scales = sampler.stop()
+        report, scales = bench_live(sup, workload=workload, rps=rps, duration=duration, seed=seed,
+                                    json_path=json_path, progress=progress)
         sim_row = simulate_same(workload, rps, duration, seed, opts)
         tol = VLLM_FIDELITY_TOLERANCE if opts.engine == "vllm" else FIDELITY_TOLERANCE
         print("\nSame workload through the simulator (kairos sim), side by side:")
@@ -200,4 +211,4 @@ def demo_command(**o) -> None:
                       json_path=o["json_path"], progress=progress_default(o["progress"])))
 
 
-__all__ = ["run_demo", "demo_command", "progress_default", "side_by_side", "simulate_same"]
+__all__ = ["run_demo", "bench_live", "demo_command", "progress_default", "side_by_side", "simulate_same"]

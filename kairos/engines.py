@@ -87,8 +87,9 @@ class VllmServer:
         extra_args: more server flags (tests: ``--override-generation-config`` for greedy defaults).
         nice: run the server under ``nice -n`` (0: not).
         quiet_idle: load Kairos's vLLM general plugin (:mod:`kairos_vllm.plugin`) with NIXL's UCX
-            progress thread off and no shared-memory busy loop, so an idle engine leaves its core
-            idle (on a CPU host each would otherwise spin a core at 100 %).
+            progress thread polling with a delay, no shared-memory busy loop and (for a bound
+            server) the forward thread kept on its cores, so an idle engine leaves its core idle
+            (each would otherwise spin a core at 100 %) and a busy one computes where it is bound.
         api_key: the key every request but the health/metrics probes must carry
             (``Authorization: Bearer``; module docstring); None: the server is open to anyone who
             can reach its port.
@@ -145,7 +146,7 @@ class VllmServer:
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(PLUGIN_PATH)] + ([path] if path else []))})
         if self.quiet_idle:
             env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
-        if self.omp_cpus not in (None, "auto", "nobind"):
+        if self.quiet_idle and self.omp_cpus not in (None, "auto", "nobind"):
             env[ENV_KEEP_AFFINITY] = "1"  # the engine's compute stays on its cores (kairos_vllm.plugin)
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus

@@ -21,7 +21,10 @@ GAUGE = "kairos_aggregator_node_step_correction"
 
 
 def parse_bias(text: str) -> dict[str, float]:
-    """``{node: bias}`` from a Prometheus exposition ``text`` (nodes without a bias are absent).
+    """``{node: bias}`` from a Prometheus exposition ``text``. Nodes without a bias are absent, and so
+    are nodes at exactly 1: the estimator's identity, which it reports for a node with fewer steps
+    in its window than it needs (``shared.correction.CorrectionEstimator`` ``min_samples``), not a
+    measurement.
 
     Raises:
         ValueError: ``text`` is not the Prometheus text format.
@@ -31,7 +34,7 @@ def parse_bias(text: str) -> dict[str, float]:
         if family.name != GAUGE:
             continue
         for sample in family.samples:
-            if sample.labels.get("factor") == "bias" and sample.value > 0:
+            if sample.labels.get("factor") == "bias" and sample.value > 0 and sample.value != 1.0:
                 out[sample.labels["node"]] = float(sample.value)
     return out
 

@@ -2,8 +2,8 @@
 
 Where it comes from: nats-server checks every PUB against the sender's permissions
 (:mod:`shared.permissions`): only ``agent-<node>`` may publish ``kairos.state.<node>``,
-``kairos.steps.<node>``, ``kairos.out.<rid>.agent-<node>``, ``kairos.kv.<decode>.<node>`` and
-``kairos.kvdone.<prefill>.<node>``. So a consumer takes the sender's node id from the subject and
+``kairos.steps.<node>``, ``kairos.out.<rid>.agent-<node>`` and ``kairos.kv.<decode>.agent-<node>``
+(``kairos.kvdone.<prefill>`` names no sender yet: docs/security.md). So a consumer takes the sender's node id from the subject and
 refuses a body that names another node (``forged``): counted per kind in
 ``kairos_<service>_forged_messages_total{kind}`` and logged as ``forged_message_refused`` with the
 subject and the node the body named. With no bus credentials (``--no-nats-auth``) the subject is
@@ -31,7 +31,8 @@ def forged_counter(service: str, registry) -> Counter:
     """``kairos_<service>_forged_messages_total{kind}``, every kind of :data:`FORGED_KINDS` at 0."""
     c = Counter(f"kairos_{service}_forged_messages_total",
                 "Bus messages refused because the body named another sender than the subject the bus let it "
-                "publish on, or because JetStream delivered them, by kind", ("kind",), registry=registry)
+                "publish on, because that sender may not send it (an out event from a node the request's job did "
+                "not go to), or because JetStream delivered them, by kind", ("kind",), registry=registry)
     for k in FORGED_KINDS:
         c.labels(k)
     return c
@@ -61,7 +62,13 @@ class OriginGuard:
             reason = "names_another_node"
         else:
             return True
-        self.counter.labels(kind).inc()
-        self.log.warning("forged_message_refused", kind=kind, reason=reason, subject=msg.subject,
-                         sender=proven, claimed_node=claimed, **fields)
+        self.refuse(msg.subject, kind, reason, proven, claimed, **fields)
         return False
+
+    def refuse(self, subject: str, kind: str, reason: str, sender: str | None, claimed: str | None,
+               **fields) -> None:
+        """Count and log one refused message (``subject`` it came on, ``sender`` the subject proves,
+        ``claimed`` the node its body names) for a ``reason`` of the caller's own."""
+        self.counter.labels(kind).inc()
+        self.log.warning("forged_message_refused", kind=kind, reason=reason, subject=subject,
+                         sender=sender, claimed_node=claimed, **fields)

@@ -12,16 +12,15 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   deflection reservations (``$KV.kairos_resv.decode.<node>.*``; everybody else only reads them);
 * only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
   (``kairos.jobs.*``); only dispatchers consume the request queue; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
-  token streams (``kairos.out.*``); only the aggregator writes the cluster view
+  token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
+  (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
 * replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
   (:func:`inbox_prefix`) and may subscribe only below it, so no role can read another's
   request-reply answers or JetStream deliveries (e.g. the prompts a dispatcher pulls);
   responders (agents) answer through ``allow_responses`` (only to requests they received).
 
-Not enforceable by subject (documented limits): ``kairos.out.<request-id>`` is per request, not
-per node, so any agent (and dispatcher, which publishes routing errors there) may publish to any
-request's stream — the ingress checks the token source itself; any role that declares a
+Not enforceable by subject (documented limits): any role that declares a
 stream may create it if it does not exist yet (with Kairos' own config); JetStream API calls are
 allowed per stream, never ``STREAM.DELETE``/``PURGE``/``UPDATE``.
 
@@ -165,11 +164,11 @@ def role_permissions(user: str) -> Permissions:
         pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
         # heartbeats: the ingress judges node liveness itself (shared/heartbeat.py), aggregator or not
-        sub += [_any(S.out_subject), S.ROUTED_SUBJECT, S.STATE_WILDCARD]
+        sub += [S.OUT_WILDCARD, S.ROUTED_SUBJECT, S.STATE_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
         q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
-        pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject), _kv(rec, _any(S.record_key, "decision"))]
+        pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
         # the one durable pull consumer: created by name with its filter in the subject
         pub += _kv_buckets_declared() + _declare(q) + [
             f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.REQUEST_SUBJECT}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
@@ -187,7 +186,7 @@ def role_permissions(user: str) -> Permissions:
         pub = [_kv(models, ">")] + _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
         # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
         pub += [_any(S.jobs_subject), _any(S.kv_subject, PROFILER), S.CANCEL_SUBJECT]
-        sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, _any(S.out_subject)]
+        sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, S.OUT_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user.startswith(AGENT_PREFIX):
         node = user[len(AGENT_PREFIX):]
@@ -195,7 +194,7 @@ def role_permissions(user: str) -> Permissions:
             S.check_token(node, "node id")
         except S.SubjectError as exc:
             raise RoleError(str(exc)) from None
-        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject), _any(S.kv_subject, user),
+        pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject, user), _any(S.kv_subject, user),
                _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
                _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode")),
                _kv(rec, _any(S.claim_key))]  # execution claims: create, read (below), compare-and-delete

@@ -11,7 +11,7 @@ Hierarchy::
     kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
     kairos.kv.<node>.<sender>     KV handoff, request-reply: prefill agent (its NATS user) -> decode agent
     kairos.kvdone.<node>          KV pulled, release blocks: decode agent -> prefill agent
-    kairos.out.<request_id>       token stream / final result / error: node_agent -> ingress
+    kairos.out.<request_id>.<sender>  token stream / result / error: node agent (its NATS user), dispatcher -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
     kairos.steps.<node>           one record per engine step: node_agent -> aggregator, profiler
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
@@ -109,13 +109,34 @@ def kvdone_subject(node: str) -> str:
     return f"{PREFIX}.kvdone.{check_token(node, 'node id')}"
 
 
-def out_subject(request_id: str) -> str:
-    """Per-request token-stream subject the ingress subscribes to before publishing the request."""
-    return f"{PREFIX}.out.{check_token(request_id, 'request id')}"
+def out_subject(request_id: str, sender: str) -> str:
+    """Subject on which NATS user ``sender`` (``agent-<node>``, or ``dispatcher`` for routing
+    errors) publishes the token stream / result / error of bus request ``request_id``. The bus lets
+    each user publish only under its own name (:mod:`shared.permissions`), so the ingress knows
+    which node sent an event and accepts only the node the request's job went to (shared/origin.py)."""
+    return f"{PREFIX}.out.{check_token(request_id, 'request id')}.{check_token(sender, 'NATS user')}"
 
 
-#: Every request's token stream (an ingress's single subscription, dispatching by the last token).
-OUT_WILDCARD = f"{PREFIX}.out.*"
+def out_wildcard(request_id: str) -> str:
+    """Every sender's :func:`out_subject` of ``request_id`` (a per-request subscription)."""
+    return f"{PREFIX}.out.{check_token(request_id, 'request id')}.*"
+
+
+def out_origin(subject: str) -> tuple[str, str] | None:
+    """``(request id, sender user)`` of an :func:`out_subject`, else None (another subject, or a
+    JetStream delivery, which keeps its stream's subject)."""
+    parts = subject.split(".")
+    if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != f"{PREFIX}.out":
+        return None
+    try:
+        return (parts[2], parts[3]) if out_subject(parts[2], parts[3]) == subject else None
+    except SubjectError:
+        return None
+
+
+#: Every request's token stream from every sender (an ingress's single subscription, dispatching
+#: by the request id token).
+OUT_WILDCARD = f"{PREFIX}.out.*.*"
 
 
 def reservation_key(decode_node: str, slot: int = 0) -> str:

@@ -357,7 +357,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # --------------------------------------------------------------------------------------------
-# node agent -> ingress (kairos.out.<request_id>)
+# node agent -> ingress (kairos.out.<request_id>.<sender user>)
 # --------------------------------------------------------------------------------------------
 
 class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
@@ -396,7 +396,19 @@ class ErrorEvent(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
     sent_unix_ms: float
 
 
-OutEvent = Union[TokenEvent, DoneEvent, ErrorEvent]
+class HandoffEvent(msgspec.Struct, frozen=True, kw_only=True, tag="handoff"):
+    """Keep path: prefill ``node`` handed the request's KV cache to ``decode_node`` (it accepted),
+    whose events the ingress then accepts. Sent on the prefill node's own out subject; the ingress
+    trusts it because the routing event named that node (services/ingress/senders.py)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    node: str  #: the prefill node (its agent publishes this)
+    decode_node: str  #: the decode node that took the KV
+    sent_unix_ms: float
+
+
+OutEvent = Union[TokenEvent, DoneEvent, ErrorEvent, HandoffEvent]
 
 
 class Cancel(msgspec.Struct, frozen=True, kw_only=True):

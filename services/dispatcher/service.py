@@ -34,6 +34,7 @@ from services.dispatcher.config import DispatcherConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
+from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
                         flush_barrier, kv_put_nowait, publish, request_subscription, request_typed)
@@ -599,7 +600,7 @@ class Dispatcher:
             span.set_attribute("kairos.outcome", code)
             span.set_status(Status(StatusCode.ERROR, f"{code}: {message}"))
         self.log.warning("request_failed", request_id=req.request_id, code=code, message=message)
-        await publish(self.nc, S.out_subject(req.request_id), ErrorEvent(
+        await publish(self.nc, S.out_subject(req.request_id, DISPATCHER), ErrorEvent(
             request_id=req.request_id, status=status, code=code, message=message,
             source=f"dispatcher:{self.cfg.replica_id}", sent_unix_ms=now_ms()))
 

@@ -1,7 +1,7 @@
 """Ingress: OpenAI HTTP in, requests onto the JetStream work queue, token stream back out.
 
 Per request: validate (:mod:`shared.openai_api`), count prompt tokens, assign the id, route
-``kairos.out.<id>`` to it *before* publishing (so no token can be missed: one ``kairos.out.*``
+``kairos.out.<id>.*`` to it *before* publishing (so no token can be missed: one ``kairos.out.*.*``
 subscription dispatching by id, or with ``out_wildcard=False`` a subscription per request), publish the
 :class:`~shared.wire.InferenceRequest` with the W3C trace context in the headers, then relay events.
 Streaming responses send their HTTP headers only when the first token arrives, so an error before
@@ -27,7 +27,10 @@ OpenAI-shaped error, promptly:
 
 The rules of a request's life (which attempt is followed, what moves it, when it may be re-submitted
 or must end) are the state machine :class:`shared.lifecycle.RequestLifecycle`; this module does the
-I/O it asks for. Every HTTP error (including aiohttp's own 404/405/413) is an OpenAI-shaped JSON
+I/O it asks for. Out events are accepted only from the node the attempt's job went to (the
+sender is the last token of the subject, proven by the bus; :mod:`services.ingress.senders`);
+any other is refused and counted (``kairos_ingress_forged_messages_total{kind="out_event"}``).
+Every HTTP error (including aiohttp's own 404/405/413) is an OpenAI-shaped JSON
 body (middleware).
 """
 
@@ -50,6 +53,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.ingress.config import IngressConfig
+from services.ingress.senders import Senders
 from services.ingress.http import (HardenedRunner, add_retry_after, api_key_middleware, clip, error_response,
                                    load_api_keys)
 from shared import openai_api as oa
@@ -66,7 +70,8 @@ from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecy
 from shared.prefix import request_block_hashes
 from shared.records import request_record
 from shared.routing import routable
-from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, InferenceRequest,
+from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent,
+                         InferenceRequest,
                          IngressTiming, NodeState, OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode,
                          encode, now_ms)
 
@@ -230,6 +235,8 @@ class _Flight:
     dep_epochs: dict[str, float] = field(default_factory=dict)
     #: (decision kind, its TTFT estimate in ms) from the routing event of the current attempt
     predicted: tuple[str, float] | None = None
+    #: whose out events the current attempt accepts (the node its job went to, ...)
+    senders: Senders = field(default_factory=lambda: Senders(""))
 
     @property
     def attempt_id(self) -> str:
@@ -533,9 +540,11 @@ class Ingress:
         self.liveness.heard(st.node, mono, st.epoch_unix_ms)
 
     async def _on_out(self, msg) -> None:
-        """A token-stream event (``kairos.out.<attempt id>``): to the queue of the request whose
-        current attempt it belongs to; events of finished or superseded attempts are dropped here."""
-        f = self._flights.get(msg.subject.rpartition(".")[2])
+        """An out event (``kairos.out.<attempt id>.<sender>``): to the queue of the request whose
+        current attempt it belongs to, if its sender is accepted (:class:`Senders`); events of
+        finished or superseded attempts are dropped here."""
+        where = S.out_origin(msg.subject)
+        f = self._flights.get(where[0]) if where is not None else None
         if f is None:
             return
         try:
@@ -543,11 +552,45 @@ class Ingress:
         except WireError as exc:
             self.log.warning("bad_out_event", subject=msg.subject, error=str(exc))
             return
+        if not self.origin.check(msg, "out_event", where[1], None, request_id=where[0]):
+            return  # a JetStream delivery (shared/origin.py)
+        why = f.senders.judge(msg.subject, where[1], ev)
+        if why == "held":
+            return
+        if why is not None:
+            self._refuse_out(msg.subject, why, where[1], ev)
+            return
+        self._deliver(f, ev)
+        if isinstance(ev, HandoffEvent):
+            self._release(f)
+        elif isinstance(ev, TokenEvent):  # it streams from its node: nothing held can be accepted any more
+            self._refuse_held(f)
+
+    def _deliver(self, f: _Flight, ev: OutEvent) -> None:
+        if isinstance(ev, HandoffEvent):  # who may send tokens (Senders), nothing for the client
+            return
         if isinstance(ev, TokenEvent):  # a token is a sign of life of its node
             self.liveness.heard(ev.node, time.monotonic() * 1000.0)
         if ev.request_id == f.attempt_id:
             f.quiet_deadline = None
         f.queue.put_nowait(ev)
+
+    def _release(self, f: _Flight) -> None:
+        """Deliver the held events whose sender is accepted now (a routing or handoff event came)."""
+        ok, refused = f.senders.release()
+        for h, why in refused:
+            self._refuse_out(h.subject, why, h.node, h.event)
+        for ev in ok:
+            self._deliver(f, ev)
+
+    def _refuse_held(self, f: _Flight) -> None:
+        for h in f.senders.refuse_held():
+            self._refuse_out(h.subject, "not_the_jobs_node", h.node, h.event)
+
+    def _refuse_out(self, subject: str, why: str, sender: str | None, ev: OutEvent) -> None:
+        claimed = ev.source if isinstance(ev, ErrorEvent) else ev.node
+        self.origin.refuse(subject, "out_event", why, sender, claimed, request_id=ev.request_id,
+                           event_type=type(ev).__name__)
 
     async def _on_routed(self, msg) -> None:
         try:
@@ -561,6 +604,8 @@ class Ingress:
         if ev.request_id == f.attempt_id:
             f.predicted = (None if ev.predicted_ttft_ms is None
                            else ("deflect" if ev.kind == "deflect" else "keep", ev.predicted_ttft_ms))
+            f.senders.routed(ev.node, ev.kind)  # only dispatchers may publish routing events
+            self._release(f)
         self.liveness.watch(ev.node, time.monotonic() * 1000.0)
 
     def _check_liveness(self) -> None:
@@ -859,12 +904,14 @@ class Ingress:
             flight.quiet_deadline = None
             flight.dep_epochs.clear()
             flight.predicted = None
+            self._refuse_held(flight)  # held for the attempt given up: its job's node never vouched for them
+            flight.senders = Senders(attempt_id)
             old = sub
             try:
                 if not self.nc.is_connected:
                     raise ConnectionError("the ingress is not connected to NATS")
                 if not cfg.out_wildcard:
-                    sub = await self.nc.subscribe(S.out_subject(attempt_id), cb=self._on_out)
+                    sub = await self.nc.subscribe(S.out_wildcard(attempt_id), cb=self._on_out)
                     if old is not None:
                         await old.unsubscribe()
                 ireq = bus_request(parsed, attempt_id, prompt_tokens, exact, received, deadline, hashes,
@@ -1053,6 +1100,7 @@ class Ingress:
         finally:
             if flight.predicted is not None:
                 timing[PREDICTED] = flight.predicted
+            self._refuse_held(flight)
             for k in [k for k, f in self._flights.items() if f is flight]:
                 del self._flights[k]
             if sub is not None:

@@ -43,7 +43,7 @@ from shared.permissions import AGENT_PREFIX, PROFILER, agent_user
 from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
-from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
+from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
                          KvHandoff, NodeState, PrefillTiming, Reservation, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent,
                          TokenEvent, WireError, decode, encode, now_ms)
 
@@ -252,6 +252,10 @@ class NodeAgent:
         t.add_done_callback(done)
         return t
 
+    def _out(self, rid: str) -> str:
+        """This agent's out subject of ``rid`` (``kairos.out.<rid>.agent-<node>``: the bus proves the sender)."""
+        return S.out_subject(rid, agent_user(self.cfg.node_id))
+
     def _rlog(self, rid: str, span=None):
         """The logger for lines about ``rid``: request id and trace id bound."""
         if span is None:
@@ -387,7 +391,7 @@ class NodeAgent:
                 if claim.claim is not None and claim.claim.node == self.cfg.node_id:
                     # this node's previous incarnation held it and died with it: say so (the ingress
                     # re-submits it under a new bus id; this one must not run again)
-                    await publish(self.nc, S.out_subject(rid), ErrorEvent(
+                    await publish(self.nc, self._out(rid), ErrorEvent(
                         request_id=rid, status=503, code="node_lost", source=f"node_agent:{self.cfg.node_id}",
                         message=f"node {self.cfg.node_id} restarted and lost request {rid}", sent_unix_ms=now_ms()))
                 return
@@ -506,6 +510,9 @@ class NodeAgent:
                 if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
                     return False
                 r.handoff_node = cand
+                # the ingress accepts the tokens of the node this names (it holds any that overtake this)
+                await publish(self.nc, self._out(rid), HandoffEvent(request_id=rid, node=self.cfg.node_id,
+                                                                     decode_node=cand, sent_unix_ms=now_ms()))
                 r.handoff_span.set_attribute("kairos.decode_node", cand)
                 if tried:
                     r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
@@ -713,7 +720,7 @@ class NodeAgent:
         if r.last_token_ms is not None:
             r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
         r.last_token_ms = now
-        await self.nc.publish(S.out_subject(rid), encode(TokenEvent(
+        await self.nc.publish(self._out(rid), encode(TokenEvent(
             request_id=rid, first_index=first_index, count=count, text=text, node=self.cfg.node_id, sent_unix_ms=now)))
         self.m.tokens.labels(self.cfg.node_id).inc(count)
 
@@ -726,7 +733,7 @@ class NodeAgent:
         if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
             r.decode_span.set_attributes(self._decode_summary(r))
             r.decode_span.end()
-        await self.nc.publish(S.out_subject(rid), encode(DoneEvent(
+        await self.nc.publish(self._out(rid), encode(DoneEvent(
             request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now,
             finish_reason=finish_reason,
             # keep path: what the prefill node served from its cache (KvHandoff); else the larger of
@@ -810,7 +817,7 @@ class NodeAgent:
         self._end_deflection(rid)
         self.kv_backlog.pop(rid, None)
         try:
-            await publish(self.nc, S.out_subject(rid), ErrorEvent(
+            await publish(self.nc, self._out(rid), ErrorEvent(
                 request_id=rid, status=status, code=code, message=message, source=f"node_agent:{self.cfg.node_id}",
                 sent_unix_ms=now_ms()))
         except Exception as exc:

@@ -32,7 +32,7 @@ from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_mod
 from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records, warmup_steps
 from shared.workloads import WorkloadRequest
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
-                         OutEvent, SamplingParams, StepRecordEvent, WireError, decode, decode_step_records, now_ms)
+                         OutEvent, HandoffEvent, SamplingParams, StepRecordEvent, WireError, decode, decode_step_records, now_ms)
 
 
 #: token ids of the profiler's prompts are drawn from this range (half-open): inside any real vocabulary,
@@ -156,6 +156,8 @@ class Profiler:
             ev = decode(msg.data, OutEvent)
         except WireError:
             return
+        if isinstance(ev, HandoffEvent):  # a keep job's prefill node naming its decode node: not an end
+            return
         fut = self._outs.get(ev.request_id)
         if fut is not None and not fut.done():
             fut.set_result(ev)  # first token, done or error: the prefill is over either way
@@ -225,7 +227,7 @@ class Profiler:
         """Send one deflect job and wait for its first token (its prefill is done); returns its id."""
         req = self._request(prompt, max_tokens)
         rid = req.request_id
-        sub = await self.nc.subscribe(S.out_subject(rid), cb=self._on_out)
+        sub = await self.nc.subscribe(S.out_wildcard(rid), cb=self._on_out)
         fut = self._outs[rid] = asyncio.get_running_loop().create_future()
         try:
             job = Job(kind="deflect", request=req, node=self.node, chunk_schedule=schedule,

@@ -12,7 +12,8 @@ import pytest
 from shared import subjects as S
 from shared.bus import ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait
 from services.ingress.service import _SseResponse
-from shared.wire import DoneEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
+from shared.permissions import agent_user
+from shared.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
 from tests.integration.conftest import reset_bus, stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -132,11 +133,15 @@ async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkey
         reader = asyncio.create_task(client())
         rid = await wait_until(lambda: next(iter(st.ingress._flights), None), 5, "the request in flight")
         nc = st.aggregator.nc  # any other connection: one flush, so the ingress reads them together
+        out = S.out_subject(rid, agent_user("decode-0"))  # as decode-0's agent, which the routing event names
+        await nc.publish(S.ROUTED_SUBJECT, encode(RoutedEvent(request_id=rid, kind="deflect", node="decode-0",
+                                                             decode_node="decode-0", prompt_tokens=1, output_tokens=8,
+                                                             node_accepted_unix_ms=now_ms())))
         for i in range(8):
-            await nc.publish(S.out_subject(rid), encode(TokenEvent(request_id=rid, first_index=i, count=1,
+            await nc.publish(out, encode(TokenEvent(request_id=rid, first_index=i, count=1,
                                                                   text=f"t{i} ", node="decode-0",
                                                                   sent_unix_ms=now_ms())))
-        await nc.publish(S.out_subject(rid), encode(DoneEvent(request_id=rid, completion_tokens=8,
+        await nc.publish(out, encode(DoneEvent(request_id=rid, completion_tokens=8,
                                                              finish_reason="length", node="decode-0",
                                                              sent_unix_ms=now_ms())))
         await nc.flush()

@@ -9,6 +9,7 @@ victim's state must show that the forged message changed nothing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -20,9 +21,12 @@ import pytest
 
 from shared import subjects as S
 from shared.bus import flush_barrier
-from shared.permissions import agent_user
-from shared.wire import InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent, decode, encode, now_ms
-from tests.integration.conftest import secure_server, stack, wait_until
+from services.dispatcher.config import DispatcherConfig
+from services.dispatcher.service import Dispatcher
+from shared.permissions import DISPATCHER, agent_user
+from shared.wire import (DoneEvent, ErrorEvent, InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent,
+                         TokenEvent, decode, encode, now_ms)
+from tests.integration.conftest import fast_model, secure_server, stack, wait_until
 from tests.integration.test_bus_security import _close, as_role
 
 NODES = ["prefill-0", "decode-0", "decode-1"]
@@ -198,3 +202,71 @@ async def test_a_kv_handoff_must_come_from_the_prefill_node_holding_the_request(
         status, body = await st.complete("the real keep path", max_tokens=4)
         assert status == 200, body
         await _close(attacker)
+
+
+def held_out_events(st, rid: str) -> int:
+    """Out events of ``rid`` the ingress holds because their sender is not accepted (yet)."""
+    f = st.ingress._flights.get(rid)
+    senders = getattr(f, "senders", None)
+    return len(senders.held) if senders is not None else 0
+
+
+async def _forge_before_routing(secure, forged: list, max_tokens: int = 6):
+    """A request that no dispatcher routes yet (the stack starts without one, decode-0 drains so
+    that it takes no part: the keep path, prefill-0 then decode-1); decode-0's agent publishes
+    ``forged(rid)`` on its own out subject of that request and tries to pose as decode-1 and as a
+    dispatcher (publish violations). Once the ingress holds them (or, without the check, has
+    ended the request) a dispatcher starts. Returns the client's (status, body) and the ingress."""
+    url, pw = secure
+    async with stack(url, prefill=1, decode=2, dispatchers=0, passwords=pw, policy="pd") as st:
+        st.agents["decode-0"].accepting = False
+        await wait_until(lambda: all(not n.accepting for n in st.ingress.view.nodes if n.node == "decode-0"), 5,
+                         "decode-0 draining in the view")
+        client = asyncio.create_task(st.complete("the victim's request", max_tokens=max_tokens))
+        rid = await wait_until(lambda: next(iter(st.ingress._flights), None), 5, "the request in flight")
+        attacker = await as_role(url, pw, ATTACKER)
+        events = forged(rid)
+        for ev in events:
+            await attacker.nc.publish(S.out_subject(rid, ATTACKER), encode(ev))
+        for sender in (agent_user("decode-1"), DISPATCHER):
+            await attacker.nc.publish(S.out_subject(rid, sender), encode(events[0]))
+            await attacker.violation(S.out_subject(rid, sender), "publish")
+        await flush_barrier(attacker.nc)
+        await wait_until(lambda: client.done() or held_out_events(st, rid) == len(events), 5,
+                         "the forged events at the ingress")
+        d = Dispatcher(DispatcherConfig(replica_id="dispatcher-late", nats_url=url, policy="pd", metrics_port=-1,
+                                        nats_user=DISPATCHER, nats_password=pw[DISPATCHER]), model=fast_model())
+        await d.start()
+        try:
+            status, body = await asyncio.wait_for(client, 15)
+        finally:
+            await d.close()
+            await _close(attacker)
+        return status, body, st.ingress
+
+
+async def test_a_forged_error_event_from_another_agent_does_not_fail_the_client(secure):
+    """A forged error event on a request's out stream failed other nodes' clients with 503. Now
+    the subject names the sender and the ingress accepts the request's events only from the node
+    its job went to (prefill-0, then decode-1 which prefill-0 handed the KV to)."""
+    def forged(rid: str) -> list:
+        return [ErrorEvent(request_id=rid, status=503, code="node_shutdown", message="forged by decode-0",
+                           source="node_agent:decode-0", sent_unix_ms=now_ms())]
+    status, body, ingress = await _forge_before_routing(secure, forged)
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 6
+    assert forged_count(ingress, "out_event") == 1
+
+
+async def test_a_forged_first_token_does_not_change_the_text(secure):
+    """A forged first token (and end) from decode-0 made the response wrong. Now it is refused and
+    counted; the client gets decode-1's tokens only."""
+    def forged(rid: str) -> list:
+        return [TokenEvent(request_id=rid, first_index=0, count=1, text="FORGED ", node="decode-0",
+                           sent_unix_ms=now_ms()),
+                DoneEvent(request_id=rid, completion_tokens=1, node="decode-0", sent_unix_ms=now_ms())]
+    status, body, ingress = await _forge_before_routing(secure, forged)
+    assert status == 200, body
+    text = body["choices"][0]["text"]
+    assert "FORGED" not in text and body["usage"]["completion_tokens"] == 6, body
+    assert forged_count(ingress, "out_event") == 2

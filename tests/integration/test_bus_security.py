@@ -219,10 +219,10 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
     async def cb(msg) -> None:
         seen.append(msg.subject)
 
-    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_subject("cmpl-x")):
+    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_wildcard("cmpl-x")):
         await spy.nc.subscribe(subject, cb=cb)
     await flush_barrier(spy.nc)
-    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_subject("cmpl-x")):
+    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_wildcard("cmpl-x")):
         await spy.violation(subject, "subscription")
     js = disp.nc.jetstream()
     await ensure_request_stream(js)

@@ -26,7 +26,7 @@ async def test_second_node_refuses_a_claimed_request_and_names_the_first(nats_ur
     async with stack(nats_url, prefill=2, decode=1, dispatchers=0) as st:
         nc = st.ingress.nc
         rid = "claim-test-1"
-        sub = await nc.subscribe(S.out_subject(rid))
+        sub = await nc.subscribe(S.out_wildcard(rid))
         first = await request_typed(nc, S.jobs_subject("prefill-0"), job(rid, "prefill-0", "d-a"), JobAck, 2)
         assert first.accepted and first.reason == ""
         # the redelivered request, routed by another dispatcher to another node, concurrently twice

@@ -65,6 +65,11 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("agent-decode-0", "$KV.kairos_resv." + S.reservation_key("decode-0", 3), True),
     ("agent-decode-0", "$KV.kairos_view.view", False),
     ("agent-decode-0", S.REQUEST_SUBJECT, False),
+    ("agent-decode-0", S.out_subject("cmpl-1", "agent-decode-0"), True),
+    ("agent-decode-0", S.out_subject("cmpl-1", "agent-decode-1"), False),  # only under its own user
+    ("agent-decode-0", S.out_subject("cmpl-1", "dispatcher"), False),
+    ("dispatcher", S.out_subject("cmpl-1", "dispatcher"), True),
+    ("dispatcher", S.out_subject("cmpl-1", "agent-decode-0"), False),
     ("ingress", S.jobs_subject("decode-0"), False),
     ("ingress", S.REQUEST_SUBJECT, True),
     ("ingress", "$KV.kairos_view.view", False),
@@ -88,17 +93,18 @@ def test_publish_rules(user, subject, allowed):
 @pytest.mark.parametrize("user,subject,allowed", [
     ("agent-decode-0", S.jobs_subject("decode-0"), True),
     ("agent-decode-0", S.jobs_subject("decode-1"), False),
-    ("agent-decode-0", S.out_subject("cmpl-1"), False),
+    ("agent-decode-0", S.out_subject("cmpl-1", "agent-decode-0"), False),
     ("agent-decode-0", S.REQUEST_SUBJECT, False),
     ("agent-decode-0", "_INBOX.dispatcher.abc.def", False),
     ("agent-decode-0", "_INBOX.agent-decode-0.abc.def", True),
-    ("ingress", S.out_subject("cmpl-1"), True),
-    ("dispatcher", S.out_subject("cmpl-1"), False),
+    ("ingress", S.out_subject("cmpl-1", "agent-decode-0"), True),
+    ("ingress", S.out_subject("cmpl-1", "dispatcher"), True),
+    ("dispatcher", S.out_subject("cmpl-1", "dispatcher"), False),
     ("aggregator", S.state_subject("decode-3"), True),
     ("profiler", S.steps_subject("decode-3"), True),
     ("aggregator", S.steps_subject("decode-3"), True),
     ("profiler", S.state_subject("decode-3"), True),
-    ("profiler", S.out_subject("prof-ab-1"), True),
+    ("profiler", S.out_subject("prof-ab-1", "agent-prefill-0"), True),
 ])
 def test_subscribe_rules(user, subject, allowed):
     assert can_sub(user, subject) is allowed

@@ -119,12 +119,29 @@ def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_thresh
     assert m.kv_bytes_per_token == card["num_hidden_layers"] * 2 * card["num_key_value_heads"] * card["head_dim"] * 4
 
 
+def test_the_committed_cpu_testbed_vllm_artifact_is_a_measurement_of_the_testbed_model():
+    """cpu-testbed-vllm (what `kairos up/demo --engine vllm` use) is fitted by `kairos profile --vllm`
+    on the testbed model; engine facts measured (KV capacity) or derived from its architecture (KV
+    bytes per token, kairos.profile.measured_engine_facts), MAPEs under its recorded threshold."""
+    m = load_profile("cpu-testbed-vllm")
+    meta, fit = m.metadata, m.metadata["fit"]
+    assert meta["provenance"] == "kairos profile" and meta["command"].startswith("kairos profile --vllm")
+    card = meta["model_card"]
+    assert (card["size"], card["hidden_size"], card["num_hidden_layers"]) == ("testbed", 512, 4)
+    assert m.kv_bytes_per_token == 2 * card["num_hidden_layers"] * card["num_key_value_heads"] * card["head_dim"] * 4
+    assert m.engine.kv_capacity_tokens == meta["idle_free_kv_tokens"] > 0
+    for kind, v in m.mape.items():
+        assert v is not None and 0 < v <= fit["max_mape"], kind
+        assert fit["samples"][kind] >= 50, kind
+
+
 def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
     from kairos.profile import ProfileOptions
 
     v = ProfileOptions(vllm=True)
     assert (v.grid, v.background, v.base_profile, v.served_model, v.publish) == \
-        ("cpu-tiny", "deflect", "cpu-tiny-vllm", "kairos-vllm", False)
+        ("cpu-tiny", "deflect", "cpu-testbed-vllm", "kairos-vllm", False)
+    assert v.model_size == "testbed"
     e = ProfileOptions(emulated=True)
     assert (e.grid, e.background, e.served_model, e.publish) == ("quick", "handoff", "kairos-emulated", False)
     assert ProfileOptions(nats_url="nats://x:4222").publish is True

@@ -11,6 +11,7 @@ def test_parse_bias_reads_each_nodes_bias_from_a_real_exposition():
     g.labels("prefill-0", "bias").set(1.8)
     g.labels("prefill-0", "safety").set(2.6)
     g.labels("decode-0", "bias").set(1.1)
+    g.labels("prefill-1", "bias").set(1.0)  # the identity: too few steps for an estimate
     other = Gauge("kairos_aggregator_nodes", "Nodes", ("role",), registry=reg)
     other.labels("decode").set(1)
     assert parse_bias(generate_latest(reg).decode()) == {"prefill-0": 1.8, "decode-0": 1.1}

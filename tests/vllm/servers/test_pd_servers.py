@@ -24,7 +24,7 @@ from services.node_agent.config import AgentConfig
 from shared import subjects as S
 from shared.bus import ensure_buckets, request_typed
 from shared.latency import load_profile
-from shared.wire import Cancel, DoneEvent, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
+from shared.wire import Cancel, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
 from tests.integration.conftest import wait_until
 from tests.vllm.servers.conftest import PROFILE, post
 
@@ -122,9 +122,9 @@ class Client:
             if isinstance(ev, TokenEvent):
                 self.text += ev.text
                 self.tokens += ev.count
-            else:
+            elif not isinstance(ev, HandoffEvent):  # a handoff event: the prefill node names its decode node
                 self.end = ev
-        self.sub = await nc.subscribe(S.out_subject(job.request.request_id), cb=on)
+        self.sub = await nc.subscribe(S.out_wildcard(job.request.request_id), cb=on)
         ack = await request_typed(nc, S.jobs_subject(job.node), job, JobAck, 10)
         assert ack.accepted, ack.reason
 
