@@ -369,11 +369,15 @@ def vllm_ab(load: Load) -> str:
     """``bench/vllm_ab.py``: live and simulated P95 TTFT, TBT violations and failures per policy on
     the vLLM-CPU testbed, and the ``kairos ÷ pd`` ratios of P95 TTFT (:func:`bench.vllm_ab.ratios`)."""
     r = load("vllm-ab")
-    lines = ["| policy | live P95 TTFT | live TBT violations | failed | simulated P95 TTFT | simulated TBT violations |",
-             "|---|---|---|---|---|---|"]
+    steps = all(x["live"].get("engine_tbt_violation_rate") is not None for x in r.rows)
+    what = "of decode steps (client: of gaps)" if steps else "(live: of inter-token gaps)"
+    lines = [f"| policy | live P95 TTFT | live TBT violations {what} | failed | simulated P95 TTFT | "
+             "simulated TBT violations |", "|---|---|---|---|---|---|"]
+    live_viol = _bench_module("vllm_ab").live_step_violations
     for x in r.rows:
         lv, sm = x["live"], x["simulated"]
-        lines.append(f"| `{x['policy']}` | {seconds(lv['ttft_ms']['p95'])} | {pct(lv['tbt_violation_rate'], 2)} | "
+        gaps = f" ({pct(lv['tbt_gap_violation_rate'], 2)})" if steps else ""
+        lines.append(f"| `{x['policy']}` | {seconds(lv['ttft_ms']['p95'])} | {pct(live_viol(lv), 2)}{gaps} | "
                      f"{num(lv['failed'])}/{num(lv['sent'])} | {seconds(sm['ttft_ms']['p95'])} | "
                      f"{pct(sm['tbt_violation_rate'], 2)} |")
     ratios = _bench_module("vllm_ab").ratios(r.rows)
@@ -530,7 +534,14 @@ def profile_fit(load: Load, name: str) -> str:
             f"(prefill), {art['decode']['mape_heldout']:.1f} % (decode), {art['mixed_delta']['mape_heldout']:.1f} % "
             f"(mixed), per grid region up to {worst:.1f} % ({worst_model} steps with {worst_region}); "
             f"{num(meta.get('steps_recorded', 0))} steps in {meta.get('duration_s', 0):.0f} s, "
-            f"{num(fit['rejected']['outlier'])} rejected as outliers.{_spread_and_predictions(path, meta)}")
+            f"{num(fit['rejected']['outlier'])} rejected as outliers{_load(meta)}.{_spread_and_predictions(path, meta)}")
+
+
+def _load(meta: dict) -> str:
+    """`` at load average B–A`` (1-minute, before and after the run) when the artifact records it."""
+    la = meta.get("load_average") or {}
+    before, after = (la.get("before") or [None])[0], (la.get("after") or [None])[0]
+    return "" if before is None or after is None else f", load average {before:.1f} before and {after:.1f} after"
 
 
 def _spread_and_predictions(path: Path, meta: dict) -> str:

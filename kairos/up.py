@@ -326,6 +326,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
     mp = free_port()
     add("state_aggregator", "services.state_aggregator",
         AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR),
+                         tbt_slo_ms=opts.tbt_slo_ms,
                          stale_after_ms=opts.stale_after_ms
                          or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")

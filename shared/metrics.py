@@ -93,6 +93,8 @@ def summarize(records: Sequence[RequestRecord], *, tbt_slo_ms: float = 70.0, ttf
         kv_transfer, decode_queue}: P95 over the records where that component is known, None if
         none is; ``tbt_ms`` {p50, p95} over all inter-token gaps of all records;
         ``tbt_violation_rate`` (fraction in [0, 1], see ``decode_step_ms``);
+        ``tbt_gap_violation_rate``: fraction of all inter-token gaps > τ, whatever ``decode_step_ms``
+        (what a client sees: engine steps plus the streaming path's jitter; None without a gap);
         ``slo_attainment``: fraction of all requests that completed with TTFT ≤ ``ttft_slo_ms``
         and whose own P95 inter-token gap ≤ τ (a single-token request has no gap and meets the
         TBT part; failed requests do not meet); ``deflections`` (count of deflected records);
@@ -110,6 +112,7 @@ def summarize(records: Sequence[RequestRecord], *, tbt_slo_ms: float = 70.0, ttf
 
     steps = all_gaps if decode_step_ms is None else np.asarray(decode_step_ms, dtype=float)
     violation = float(np.mean(steps > tbt_slo_ms)) if steps.size else None
+    gap_violation = float(np.mean(all_gaps > tbt_slo_ms)) if all_gaps.size else None
 
     def meets(r: RequestRecord, g: np.ndarray) -> bool:
         tbt_ok = g.size == 0 or float(np.percentile(g, 95, method="linear")) <= tbt_slo_ms
@@ -132,6 +135,7 @@ def summarize(records: Sequence[RequestRecord], *, tbt_slo_ms: float = 70.0, ttf
         "ttft_breakdown_p95_ms": breakdown,
         "tbt_ms": dict(zip(("p50", "p95"), tbt)),
         "tbt_violation_rate": violation,
+        "tbt_gap_violation_rate": gap_violation,
         "slo_attainment": met / n if n else None,
         "deflections": sum(r.deflected for r in records),
         "output_tokens_per_s": float(per_s(out_tokens)),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.state_aggregator.config import AggregatorConfig
 from services.common import start_metrics_and_connect
@@ -30,6 +30,18 @@ from shared.heartbeat import REJECT_REASONS
 from shared.origin import OriginGuard, forged_counter
 from shared.view import ViewBuilder, with_corrections
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode, now_ms
+
+
+#: bucket boundaries (ms) of ``kairos_aggregator_decode_step_seconds``; the configured TBT SLO is added
+DECODE_STEP_BUCKETS_MS = (5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0, 120.0, 150.0, 200.0,
+                          300.0, 500.0, 1000.0)
+
+
+def decode_step_buckets(tbt_slo_ms: float | None) -> tuple[float, ...]:
+    """The histogram's bucket boundaries in **seconds** (Prometheus' unit): :data:`DECODE_STEP_BUCKETS_MS`
+    with ``tbt_slo_ms`` (ms) among them, sorted."""
+    ms = set(DECODE_STEP_BUCKETS_MS) | ({float(tbt_slo_ms)} if tbt_slo_ms else set())
+    return tuple(v / 1000.0 for v in sorted(ms))
 
 
 def _mono_ms() -> float:
@@ -58,6 +70,12 @@ class StateAggregator:
         self.m_corr = Gauge("kairos_aggregator_node_step_correction",
                             "Learned step-time correction per node (actual / predicted): factor=bias (mean) or "
                             "safety (Eq. 5 bound)", ("node", "factor"), registry=reg)
+        self.m_decode_step = Histogram(
+            "kairos_aggregator_decode_step_seconds",
+            "Measured wall time (s) of each engine step that carried decodes (batch size > 0, with or without a "
+            "prefill chunk), per node, from the step records: the live counterpart of the simulator's decode "
+            "steps whose share above the TBT SLO is Table 4's TBT violation rate", ("node",),
+            buckets=decode_step_buckets(cfg.tbt_slo_ms), registry=reg)
         self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
         self.m_age = Gauge("kairos_aggregator_node_state_age_seconds",
                            "Time since the node's last heartbeat was received, when the view was built",
@@ -135,6 +153,8 @@ class StateAggregator:
         for rec in recs:
             self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, now,
                                    mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
+            if rec.batch_size > 0:
+                self.m_decode_step.labels(rec.node).observe(rec.wall_ms / 1000.0)
 
     async def _on_routed(self, msg) -> None:
         try:

@@ -14,6 +14,8 @@ from shared.bus import ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_n
 from services.ingress.service import _SseResponse
 from shared.permissions import agent_user
 from shared.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
+from kairos.stepscale import parse_decode_steps, violation_rate
+from prometheus_client import generate_latest
 from tests.integration.conftest import reset_bus, stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -82,6 +84,7 @@ async def test_step_records_arrive_batched_and_complete(nats_url):
         await nc.subscribe(S.STEPS_WILDCARD, cb=on_steps)
         await nc.flush()
         agg0 = st.aggregator.m_steps._value.get()
+        hist0 = parse_decode_steps(generate_latest(st.aggregator.tel.registry).decode(), 100.0)
 
         def executed() -> int:
             return sum(int(a.m.steps.labels(n)._value.get()) for n, a in st.agents.items())
@@ -97,6 +100,13 @@ async def test_step_records_arrive_batched_and_complete(nats_url):
         assert {r.node for r in records} <= set(st.agents)
         await wait_until(lambda: st.aggregator.m_steps._value.get() - agg0 >= steps, 2, "the aggregator saw them")
         assert st.aggregator.m_steps._value.get() - agg0 == steps
+        # its decode-step histogram (the live TBT violation count, kairos.stepscale) holds exactly the
+        # records that carried decodes, per node, and the share above 100 ms the records show
+        hist = parse_decode_steps(generate_latest(st.aggregator.tel.registry).decode(), 100.0)
+        decoding = [r for r in records if r.batch_size > 0]
+        for node in {r.node for r in records}:  # prefill-0's prefill-only steps carry no decode: 0
+            assert hist.get(node, (0.0, 0.0))[0] - hist0.get(node, (0.0, 0.0))[0] == sum(r.node == node for r in decoding)
+        assert decoding and violation_rate(hist0, hist) == sum(r.wall_ms > 100.0 for r in decoding) / len(decoding)
 
 
 async def test_a_single_step_record_is_still_understood():

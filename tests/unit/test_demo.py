@@ -30,3 +30,15 @@ def test_slo_and_tbt_rows_with_flags_outside_the_tolerance():
 def test_missing_values_are_dashes_not_flags():
     text = side_by_side(_summary(1000.0, None, None), _summary(1000.0, 0.5, 0.0))
     assert "outside" not in _row(text, "SLO attainment %") and "outside" not in _row(text, "TBT violations %")
+
+
+def test_tbt_rows_compare_engine_steps_when_the_live_run_counted_them():
+    live = {**_summary(1000.0, 0.9, 0.20), "engine_tbt_violation_rate": 0.004, "tbt_gap_violation_rate": 0.20}
+    sim = {**_summary(1000.0, 0.9, 0.005), "tbt_gap_violation_rate": 0.01}
+    text = side_by_side(live, sim)
+    steps = _row(text, "TBT violations % of decode steps")
+    assert "0.40" in steps and "0.50" in steps and "0.80" in steps  # engine steps vs simulated steps
+    gaps = _row(text, "inter-token gaps")
+    assert "20.00" in gaps and "1.00" in gaps
+    old = side_by_side(_summary(1000.0, 0.9, 0.20), sim)  # a report recorded before the engines' count
+    assert "20.00" in _row(old, "TBT violations % (live: gaps)") and "inter-token gaps" not in old

@@ -8,7 +8,7 @@ import pytest
 from shared.metrics import RequestRecord, format_table, summarize
 
 KEYS = {"requests", "completed", "failed", "ttft_ms", "ttft_breakdown_p95_ms", "tbt_ms",
-        "tbt_violation_rate", "slo_attainment", "deflections", "output_tokens_per_s",
+        "tbt_violation_rate", "tbt_gap_violation_rate", "slo_attainment", "deflections", "output_tokens_per_s",
         "total_tokens_per_s"}
 
 
@@ -61,6 +61,7 @@ def test_violation_rate_from_engine_steps_is_strictly_above_tau(records: list[Re
     s = summarize(records, decode_step_ms=[10.0, 80.0, 70.0, 71.0])
     assert s["tbt_violation_rate"] == pytest.approx(0.5)  # 80 and 71; 70 is not > 70
     assert s["tbt_ms"]["p95"] == pytest.approx(92.0)  # gaps still from token times
+    assert s["tbt_gap_violation_rate"] == pytest.approx(1 / 5)  # the client's view: the single 100 ms gap
     assert summarize(records, decode_step_ms=[])["tbt_violation_rate"] is None
 
 
@@ -88,8 +89,8 @@ def test_empty_input_gives_zeros_and_none() -> None:
         "ttft_ms": {"p50": None, "p95": None, "p99": None},
         "ttft_breakdown_p95_ms": {"prefill_queue": None, "prefill_exec": None, "kv_transfer": None,
                                   "decode_queue": None},
-        "tbt_ms": {"p50": None, "p95": None}, "tbt_violation_rate": None, "slo_attainment": None,
-        "deflections": 0, "output_tokens_per_s": 0.0, "total_tokens_per_s": 0.0,
+        "tbt_ms": {"p50": None, "p95": None}, "tbt_violation_rate": None, "tbt_gap_violation_rate": None,
+        "slo_attainment": None, "deflections": 0, "output_tokens_per_s": 0.0, "total_tokens_per_s": 0.0,
     }
     only_failed = summarize([RequestRecord(id="x", arrival_s=0.0, prompt_tokens=1, output_tokens=0, error="e")])
     assert (only_failed["failed"], only_failed["slo_attainment"], only_failed["output_tokens_per_s"]) == (1, 0.0, 0.0)
