@@ -152,8 +152,8 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         print(side_by_side(report, sim_row, tol), flush=True)
         doc = {**report, "simulated": sim_row, "step_scale": scales}
         if scales:
-            print("\nMeasured step time ÷ profile during the run (the state aggregator's step-record "
-                  "correction, median): " + ", ".join(f"{n} x{v:.2f}" for n, v in scales.items()))
+            print("\nMeasured step time ÷ profile during the run (Σ measured ÷ Σ predicted of each node's "
+                  "step records, the state aggregator's counters): " + ", ".join(f"{n} x{v:.2f}" for n, v in scales.items()))
             if any(abs(v - 1.0) > FIDELITY_TOLERANCE for v in scales.values()):
                 scaled = simulate_same(workload, rps, duration, seed, opts, scales)
                 doc["simulated_at_measured_step_times"] = scaled

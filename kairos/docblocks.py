@@ -324,7 +324,8 @@ def vllm_demo(load: Load) -> str:
               ("P95 prefill exec", lambda x: (x.get("ttft_breakdown_p95_ms") or {}).get("prefill_exec")),
               ("TBT P50", lambda x: x["tbt_ms"]["p50"]))
     lines = ["| run | completed | " + " | ".join(f"{n} live ÷ sim" for n, _ in checks)
-             + " | live TBT violations | step time ÷ profile |", "|---|---|" + "---|" * (len(checks) + 2)]
+             + " | TBT violations, % of decode steps: live / sim / sim at measured step times | step time ÷ profile "
+             "| TTFT P95 live ÷ sim at measured step times |", "|---|---|" + "---|" * (len(checks) + 3)]
     for i, x in enumerate(r.rows, 1):
         sim = x["simulated"]
         cells = []
@@ -334,8 +335,13 @@ def vllm_demo(load: Load) -> str:
             ok = ratio is not None and abs(ratio - 1.0) <= VLLM_FIDELITY_TOLERANCE
             cells.append("–" if ratio is None else f"{ratio:.2f}{'' if ok else ' ✗'}")
         scale = ", ".join(f"{n} ×{v:.2f}" for n, v in sorted((x.get("step_scale") or {}).items())) or "–"
+        at = x.get("simulated_at_measured_step_times")
+        engine = x.get("engine_tbt_violation_rate")
+        viol = (f"{pct(engine, 2)} / " if engine is not None else f"{pct(x['tbt_violation_rate'], 2)} (client gaps) / ") \
+            + pct(sim["tbt_violation_rate"], 2) + (f" / {pct(at['tbt_violation_rate'], 2)}" if at else " / –")
+        p95_at = f"{x['ttft_ms']['p95'] / at['ttft_ms']['p95']:.2f}" if at and at["ttft_ms"]["p95"] else "–"
         lines.append(f"| {i} | {num(x['completed'])}/{num(x['sent'])} | " + " | ".join(cells)
-                     + f" | {pct(x['tbt_violation_rate'], 2)} | {scale} |")
+                     + f" | {viol} | {scale} | {p95_at} |")
     return (f"`{command(r.meta)}` ({len(r.rows)} runs: {provenance(r)}). The first run, {num(first['completed'])}/"
             f"{num(first['sent'])} requests completed on the real engines, {num(first['deflections'])} deflections "
             f"(simulated: {num(first['simulated']['deflections'])}):\n\n```\n"
@@ -384,6 +390,32 @@ def vllm_ab(load: Load) -> str:
     text = "; ".join(f"`{p}` ÷ `pd`: live {q['live']:.2f}, simulator {q['simulated']:.2f}" for p, q in ratios.items())
     return (f"`{command(r.meta)}` (one run per policy: {provenance(r)}):\n\n" + "\n".join(lines)
             + f"\n\nP95 TTFT {text}.")
+
+
+def vllm_headroom(load: Load) -> str:
+    """``bench/vllm_headroom.py``: the simulator's ``kairos ÷ pd`` (and ``kairos+ ÷ pd``) P95 TTFT with a
+    plan that knows the step times, at the profile's and at the A/B's measured step times, per β."""
+    r = load("vllm-headroom")
+    ab = load("vllm-ab")
+    live = {x["policy"]: x for x in ab.rows}
+    lines = ["| step times | β | `kairos` ÷ `pd` | deflections | `kairos+` ÷ `pd` | deflections |", "|---|---|---|---|---|---|"]
+    cases = sorted({(x["step_times"], x["prefill_scale"], x["decode_scale"], x["beta"]) for x in r.rows},
+                   key=lambda c: (c[0] != "profile", -c[3]))
+    for label, ps, ds, beta in cases:
+        by = {x["policy"]: x for x in r.rows if (x["step_times"], x["beta"]) == (label, beta)}
+        what = "the profile's" if label == "profile" else f"measured: prefill ×{ps:.2f}, decode ×{ds:.2f}"
+        lines.append(f"| {what} | {beta:.2f} | {by['kairos']['ratio_to_pd']:.2f} | {num(by['kairos']['deflections'])} | "
+                     f"{by['kairos+']['ratio_to_pd']:.2f} | {num(by['kairos+']['deflections'])} |")
+    text = ""
+    if {"pd", "kairos"} <= set(live):
+        viol = _bench_module("vllm_ab").live_step_violations
+        k = live["kairos"]["live"]
+        text = (f" The live A/B's `kairos`, planning on the profile, got ÷ `pd` "
+                f"{k['ttft_ms']['p95'] / live['pd']['live']['ttft_ms']['p95']:.2f} with {pct(viol(k), 2)} of its decode "
+                f"steps above τ: the chunks it planned to fit τ ran at the measured step times.")
+    return (f"`{command(r.meta)}` (the simulator, from `{r.meta.get('ab_command', 'bench/vllm_ab.py')}` of "
+            f"{str(r.meta.get('ab_date', '?'))[:10]}; the policy plans with the step times the engines run, so no step "
+            f"breaks τ by mis-prediction):\n\n" + "\n".join(lines) + ("\n\n" + text.lstrip() if text else ""))
 
 
 def bench_example(load: Load) -> str:
@@ -624,4 +656,5 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "vllm-demo": vllm_demo,
     "vllm-pd-rate": vllm_pd_rate,
     "vllm-ab": vllm_ab,
+    "vllm-headroom": vllm_headroom,
 }

@@ -1,48 +1,32 @@
-"""How much slower (or faster) the engines ran than their latency profile during a live run.
+"""How much slower (or faster) the engines ran than their latency profile during a live run, and
+how many of their decode steps broke the TBT SLO.
 
-The state aggregator learns, per node, the ratio of each executed step's measured time to the
-profile's prediction (``shared.correction``: ``bias`` = mean of actual ÷ predicted over a sliding
-window) and exports it as the gauge ``kairos_aggregator_node_step_correction{node, factor="bias"}``.
-:class:`StepScaleSampler` reads that gauge every ``period_s`` while a benchmark runs and keeps the
-median per node: the step-time scale the demo reports beside its fidelity table, and the scale
-with which it re-runs the simulator (``truth_scale`` / ``drift``) to show how much of a live ÷
-simulated gap the engines' own step times explain.
+The state aggregator sums, per node, the measured and the predicted time of every step record
+(``kairos_aggregator_step_seconds_total{node, clock="measured"|"predicted"}``) and keeps a
+histogram of the steps that carried decodes (``kairos_aggregator_decode_step_seconds``, the TBT SLO
+τ a bucket boundary). :class:`StepScaleSampler` reads the aggregator's ``/metrics`` once when a
+benchmark starts and once when it ends; in between:
 
-It also reads the aggregator's histogram ``kairos_aggregator_decode_step_seconds`` (every engine step
-that carried decodes) once when the benchmark starts and once when it ends: the share of those
-steps above the TBT SLO τ in between is the live TBT violation rate as the simulator counts it
-(Table 4: "% of decode steps"), beside the client's share of inter-token gaps above τ.
+* a node's **step-time scale** is Σ measured ÷ Σ predicted of its steps (every step, long prefill
+  steps included: the aggregator's windowed correction ``shared.correction`` needs 30 steps per
+  10 s window, which a prefill node running 350 ms steps never has). The demo reports it beside its
+  fidelity table and re-runs the simulator at those step times (``truth_scale`` / ``drift``) to
+  show how much of a live ÷ simulated gap the engines' own speed explains;
+* the **TBT violation rate** is the share of decode steps above τ, as the simulator counts it
+  (Table 4: "% of decode steps"), beside the client's share of inter-token gaps above τ.
 """
 
 from __future__ import annotations
 
-import statistics
-import threading
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-GAUGE = "kairos_aggregator_node_step_correction"
 HISTOGRAM = "kairos_aggregator_decode_step_seconds"
-
-
-def parse_bias(text: str) -> dict[str, float]:
-    """``{node: bias}`` from a Prometheus exposition ``text``. Nodes without a bias are absent, and so
-    are nodes at exactly 1: the estimator's identity, which it reports for a node with fewer steps
-    in its window than it needs (``shared.correction.CorrectionEstimator`` ``min_samples``), not a
-    measurement.
-
-    Raises:
-        ValueError: ``text`` is not the Prometheus text format.
-    """
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != GAUGE:
-            continue
-        for sample in family.samples:
-            if sample.labels.get("factor") == "bias" and sample.value > 0 and sample.value != 1.0:
-                out[sample.labels["node"]] = float(sample.value)
-    return out
+STEP_TIME = "kairos_aggregator_step_seconds_total"
+STEPS = "kairos_aggregator_node_steps_total"
+#: a node needs this many steps in the run for a scale (fewer: no estimate, not the identity)
+MIN_STEPS = 10
 
 
 def parse_decode_steps(text: str, tbt_slo_ms: float) -> dict[str, tuple[float, float]] | None:
@@ -84,23 +68,53 @@ def violation_rate(before: dict[str, tuple[float, float]] | None,
     return (steps - within) / steps if steps > 0 else None
 
 
-class StepScaleSampler:
-    """Polls an aggregator's ``/metrics`` URL in a daemon thread; :meth:`stop` returns the medians.
+def parse_step_times(text: str) -> dict[str, tuple[float, float, float]]:
+    """``{node: (steps, Σ measured s, Σ predicted s)}`` from the aggregator's :data:`STEPS` and
+    :data:`STEP_TIME` counters in a Prometheus exposition ``text`` (``{}`` without them).
 
-    Use as a context manager around the benchmark. A failed scrape is skipped (the aggregator may
-    restart); no sample at all gives ``{}``. With ``tbt_slo_ms`` (τ, ms) it also snapshots the
-    decode-step histogram on entry and in :meth:`stop`; :attr:`engine_tbt_violation_rate` is then
-    the share of decode steps above τ in between (None if a snapshot failed, or if the aggregator
-    restarted in between and its counters went back).
+    Raises:
+        ValueError: ``text`` is not the Prometheus text format.
+    """
+    steps: dict[str, float] = {}
+    clocks: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            node = sample.labels.get("node")
+            if sample.name == STEPS and node:
+                steps[node] = sample.value
+            elif sample.name == STEP_TIME and node:
+                clocks[(node, sample.labels.get("clock", ""))] = sample.value
+    return {n: (c, clocks.get((n, "measured"), 0.0), clocks.get((n, "predicted"), 0.0)) for n, c in steps.items()}
+
+
+def step_scales(before: dict[str, tuple[float, float, float]], after: dict[str, tuple[float, float, float]],
+                min_steps: int = MIN_STEPS) -> dict[str, float]:
+    """``{node: Σ measured ÷ Σ predicted}`` over the steps between two :func:`parse_step_times`
+    snapshots; nodes with fewer than ``min_steps`` steps in between (or none predicted) are absent."""
+    out: dict[str, float] = {}
+    for n, (c, m, p) in sorted(after.items()):
+        c0, m0, p0 = before.get(n, (0.0, 0.0, 0.0))
+        if c - c0 >= min_steps and p - p0 > 0:
+            out[n] = (m - m0) / (p - p0)
+    return out
+
+
+class StepScaleSampler:
+    """Snapshots an aggregator's ``/metrics`` on entry and in :meth:`stop`; use it as a context
+    manager around the benchmark.
+
+    After :meth:`stop`: :attr:`scales` (``{node: step-time scale}``, :func:`step_scales`; ``{}``
+    if a snapshot failed) and, with ``tbt_slo_ms`` (τ, ms), :attr:`engine_tbt_violation_rate` (the
+    share of decode steps above τ, :func:`violation_rate`; None if a snapshot failed or has no
+    bucket at τ). A restart of the aggregator in between resets its counters: both are then
+    unknown (``{}`` / None), never a wrong figure.
     """
 
-    def __init__(self, metrics_url: str, period_s: float = 2.0, tbt_slo_ms: float | None = None) -> None:
-        self.url, self.period_s, self.tbt_slo_ms = metrics_url, period_s, tbt_slo_ms
-        self._steps_before: dict[str, tuple[float, float]] | None = None
+    def __init__(self, metrics_url: str, tbt_slo_ms: float | None = None) -> None:
+        self.url, self.tbt_slo_ms = metrics_url, tbt_slo_ms
+        self._before: str | None = None
+        self.scales: dict[str, float] = {}
         self.engine_tbt_violation_rate: float | None = None
-        self.samples: dict[str, list[float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="step-scale-sampler", daemon=True)
 
     def _scrape(self) -> str | None:
         try:
@@ -109,45 +123,31 @@ class StepScaleSampler:
         except OSError:
             return None
 
-    def _decode_steps(self) -> dict[str, tuple[float, float]] | None:
-        text = None if self.tbt_slo_ms is None else self._scrape()
-        try:
-            return None if text is None else parse_decode_steps(text, self.tbt_slo_ms)
-        except ValueError:
-            return None
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period_s):  # the sampling period, not a synchronisation
-            text = self._scrape()
-            try:
-                bias = {} if text is None else parse_bias(text)
-            except ValueError:
-                continue
-            for node, b in bias.items():
-                self.samples.setdefault(node, []).append(b)
-
     def __enter__(self) -> "StepScaleSampler":
-        self._steps_before = self._decode_steps()
-        self._thread.start()
+        self._before = self._scrape()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     def stop(self) -> dict[str, float]:
-        """Stop polling; ``{node: median bias}`` over the samples taken."""
-        if not self._stop.is_set():
-            after = self._decode_steps()
-            went_back = after is not None and self._steps_before is not None and any(
-                c < self._steps_before.get(n, (0.0, 0.0))[0] for n, (c, _) in after.items())
-            self.engine_tbt_violation_rate = None if went_back else violation_rate(self._steps_before, after)
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
-        return self.medians()
+        """Take the second snapshot (once); returns :attr:`scales`."""
+        before, self._before = self._before, None
+        after = None if before is None else self._scrape()
+        if before is None or after is None:
+            return self.scales
+        try:
+            t0, t1 = parse_step_times(before), parse_step_times(after)
+            if any(c < t0.get(n, (0.0,))[0] for n, (c, _, _) in t1.items()):
+                return self.scales  # the aggregator restarted: its counters began again
+            self.scales = step_scales(t0, t1)
+            if self.tbt_slo_ms is not None:
+                self.engine_tbt_violation_rate = violation_rate(parse_decode_steps(before, self.tbt_slo_ms),
+                                                                parse_decode_steps(after, self.tbt_slo_ms))
+        except ValueError:
+            pass
+        return self.scales
 
-    def medians(self) -> dict[str, float]:
-        return {n: statistics.median(v) for n, v in sorted(self.samples.items()) if v}
 
-
-__all__ = ["StepScaleSampler", "parse_bias", "parse_decode_steps", "violation_rate", "GAUGE", "HISTOGRAM"]
+__all__ = ["StepScaleSampler", "parse_decode_steps", "parse_step_times", "step_scales", "violation_rate",
+           "HISTOGRAM", "STEP_TIME", "STEPS"]

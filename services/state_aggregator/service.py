@@ -76,6 +76,13 @@ class StateAggregator:
             "prefill chunk), per node, from the step records: the live counterpart of the simulator's decode "
             "steps whose share above the TBT SLO is Table 4's TBT violation rate", ("node",),
             buckets=decode_step_buckets(cfg.tbt_slo_ms), registry=reg)
+        self.m_node_steps = Counter("kairos_aggregator_node_steps_total", "Engine step records received, per node",
+                                    ("node",), registry=reg)
+        self.m_step_time = Counter(
+            "kairos_aggregator_step_seconds_total",
+            "Sum of the step times of a node's step records: clock=measured (wall time) or predicted (the latency "
+            "profile the node predicts with); their ratio over an interval is how much slower than its profile the "
+            "engine ran (kairos.stepscale)", ("node", "clock"), registry=reg)
         self.m_nodes = Gauge("kairos_aggregator_nodes", "Nodes in the view", ("role", "stale"), registry=reg)
         self.m_age = Gauge("kairos_aggregator_node_state_age_seconds",
                            "Time since the node's last heartbeat was received, when the view was built",
@@ -155,6 +162,9 @@ class StateAggregator:
                                    mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
             if rec.batch_size > 0:
                 self.m_decode_step.labels(rec.node).observe(rec.wall_ms / 1000.0)
+            self.m_node_steps.labels(rec.node).inc()
+            self.m_step_time.labels(rec.node, "measured").inc(rec.wall_ms / 1000.0)
+            self.m_step_time.labels(rec.node, "predicted").inc(rec.predicted_ms / 1000.0)
 
     async def _on_routed(self, msg) -> None:
         try:

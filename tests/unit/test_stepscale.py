@@ -1,24 +1,9 @@
-"""kairos.stepscale reads the aggregator's correction gauge as prometheus_client exposes it."""
+"""kairos.stepscale reads the aggregator's step counters and decode-step histogram as prometheus_client
+exposes them (the aggregator's own metric names and buckets)."""
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from kairos.stepscale import GAUGE, HISTOGRAM, parse_bias, parse_decode_steps, violation_rate
-
-
-def test_parse_bias_reads_each_nodes_bias_from_a_real_exposition():
-    reg = CollectorRegistry()
-    g = Gauge(GAUGE, "Learned step-time correction per node", ("node", "factor"), registry=reg)
-    g.labels("prefill-0", "bias").set(1.8)
-    g.labels("prefill-0", "safety").set(2.6)
-    g.labels("decode-0", "bias").set(1.1)
-    g.labels("prefill-1", "bias").set(1.0)  # the identity: too few steps for an estimate
-    other = Gauge("kairos_aggregator_nodes", "Nodes", ("role",), registry=reg)
-    other.labels("decode").set(1)
-    assert parse_bias(generate_latest(reg).decode()) == {"prefill-0": 1.8, "decode-0": 1.1}
-
-
-def test_parse_bias_without_the_gauge_is_empty():
-    assert parse_bias("# HELP x y\n# TYPE x gauge\nx 1.0\n") == {}
+from kairos.stepscale import HISTOGRAM, STEP_TIME, STEPS, parse_decode_steps, parse_step_times, step_scales, violation_rate
 
 
 def _histogram(observations: dict[str, list[float]], tbt_slo_ms: float | None = None) -> str:
@@ -51,3 +36,26 @@ def test_a_tau_that_is_not_a_bucket_boundary_gives_no_count():
     assert parse_decode_steps(text, 75.0) is None  # 75 ms is not a default boundary: no exact count
     assert parse_decode_steps(_histogram({"decode-0": [40.0, 80.0]}, tbt_slo_ms=75.0), 75.0) == {"decode-0": (2.0, 1.0)}
     assert parse_decode_steps("# HELP x y\n# TYPE x gauge\nx 1.0\n", 100.0) is None  # an aggregator without it
+
+
+def _step_times(rows: dict[str, tuple[int, float, float]]) -> str:
+    """The aggregator's step counters with ``{node: (steps, measured s, predicted s)}``, exposed."""
+    reg = CollectorRegistry()
+    steps = Counter(STEPS.removesuffix("_total"), "steps", ("node",), registry=reg)
+    clock = Counter(STEP_TIME.removesuffix("_total"), "step time", ("node", "clock"), registry=reg)
+    for node, (n, measured, predicted) in rows.items():
+        steps.labels(node).inc(n)
+        clock.labels(node, "measured").inc(measured)
+        clock.labels(node, "predicted").inc(predicted)
+    return generate_latest(reg).decode()
+
+
+def test_step_scale_is_the_ratio_of_sums_between_snapshots():
+    before = parse_step_times(_step_times({"decode-0": (100, 2.0, 2.0)}))
+    assert before == {"decode-0": (100.0, 2.0, 2.0)}
+    after = parse_step_times(_step_times({"decode-0": (300, 7.0, 6.0), "prefill-0": (12, 6.0, 4.0),
+                                          "prefill-1": (9, 3.0, 1.0)}))
+    scales = step_scales(before, after)
+    assert scales["decode-0"] == 5.0 / 4.0  # 200 steps: 5 s measured, 4 s predicted
+    assert scales["prefill-0"] == 1.5  # 12 long steps: enough for a ratio of sums
+    assert "prefill-1" not in scales  # 9 steps < MIN_STEPS: no estimate (not the identity)
