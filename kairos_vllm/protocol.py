@@ -59,6 +59,9 @@ class StepRecord(msgspec.Struct, frozen=True):
     kv_tokens: int  #: K: context tokens of the decoding requests at this step
     cached_tokens: int  #: prefix-cache hit tokens of requests first scheduled this step
     chunks: list[DeflectedChunk]  #: one per request with ``kairos_prefill_chunks`` that prefilled this step
+    #: requests scheduled for the first time this step (Kairos request id, else vLLM's): the start of
+    #: their prefill, as the simulator's prefill queue ends (empty from a plugin that predates it)
+    first_scheduled: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineSnapshot(msgspec.Struct, frozen=True, tag="snapshot"):

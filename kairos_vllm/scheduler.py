@@ -139,6 +139,7 @@ class _PendingStep:
     kv_tokens: int
     cached_tokens: int
     chunks: list[DeflectedChunk]
+    first_scheduled: list[str]
 
 
 class KairosSchedulerMixin:
@@ -237,7 +238,10 @@ class KairosSchedulerMixin:
                 k, _ = chunk_position(sched, before)
                 extra = req.sampling_params.extra_args if req.sampling_params is not None else None
                 chunks.append(DeflectedChunk(kairos_request_id(extra, rid), k, p, before))
-        self._kairos_pending.append(_PendingStep(out, started_mono, started_unix_ms, prefill, decodes, kv, cached, chunks))
+        first = [kairos_request_id(r.sampling_params.extra_args if r.sampling_params is not None else None, r.req_id)
+                 for r in out.scheduled_new_reqs]
+        self._kairos_pending.append(_PendingStep(out, started_mono, started_unix_ms, prefill, decodes, kv, cached, chunks,
+                                                 first))
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -254,7 +258,8 @@ class KairosSchedulerMixin:
             rec = StepRecord(step=self.kairos_steps, started_unix_ms=pending.started_unix_ms,
                              wall_ms=(entered - pending.started_mono) * 1000.0, prefill_tokens=pending.prefill_tokens,
                              decode_count=pending.decode_count, kv_tokens=pending.kv_tokens,
-                             cached_tokens=pending.cached_tokens, chunks=pending.chunks)
+                             cached_tokens=pending.cached_tokens, chunks=pending.chunks,
+                             first_scheduled=pending.first_scheduled)
             self.kairos_publish(rec)
         return result
 

@@ -101,20 +101,27 @@ def track_prefills(snapshot: Any, reqs: dict[str, _VReq]) -> list[tuple[str, int
     """Bring the prefilling requests of ``reqs`` up to ``snapshot`` (in place: ``remaining``, the
     prompt tokens still to prefill, and ``started``). Returns the keep-path prefills this snapshot
     shows computing for the first time, as ``(rid, prompt tokens computed, 0)``
-    (``StepOutput.prefill_chunks`` entries)."""
+    (``StepOutput.prefill_chunks`` entries): those its step record names as first scheduled
+    (``StepRecord.first_scheduled``: vLLM's scheduler put them in a batch), or whose prompt the
+    waiting list shows partly computed. A request absent from the waiting list has not started
+    for that alone: it may not have reached vLLM's scheduler yet (its HTTP request is still in the
+    API server), and vLLM's own queue is part of the prefill queue, as in the simulator."""
     started = []
     waiting = {w.request_id: w for w in snapshot.waiting}
+    rec = snapshot.step_record
+    first = set(rec.first_scheduled) if rec is not None else set()
     for rid, r in reqs.items():
         # "held": the prefill's HTTP answer can overtake the stream's messages about its steps
         if r.phase not in ("prefilling", "deflected_prefill") and not (r.phase == "held" and not r.started):
             continue
         w = waiting.get(rid)
-        if r.phase == "held" and w is None:  # done before any message showed it: no start to report
+        if r.phase == "held" and w is None and rid not in first:  # done before any message showed it: no start to report
             r.started = True
             continue
         if w is not None and r.phase != "held":
             r.remaining = w.remaining_prefill_tokens
-        if r.kind == "prefill" and not r.started and (w is None or w.remaining_prefill_tokens < w.prompt_tokens):
+        if r.kind == "prefill" and not r.started and (rid in first or (w is not None and w.remaining_prefill_tokens
+                                                                        < w.prompt_tokens)):
             r.started = True
             started.append((rid, r.req.prompt_tokens - (w.remaining_prefill_tokens if w else 0), 0))
     return started

@@ -149,6 +149,27 @@ async def test_prefill_node_state_lists_every_waiting_prompt_and_marks_started_p
     await asyncio_drain()
 
 
+async def test_a_prefill_starts_when_vllm_schedules_it_not_when_it_is_submitted():
+    """A P leg still on its way to vLLM's scheduler is in no waiting list: that is queueing, not a
+    start (the live prefill queue read ~50 ms and vLLM's own queue counted as execution). It starts
+    at the step whose record names it first scheduled, even when that one step computed it all."""
+    b = VllmBackend("prefill", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
+    b.add_prefill(req("p1", prompt=900, ids=[3] * 900))
+    b.add_prefill(req("p2", prompt=500, ids=[4] * 500))
+    idle = StepRecord(step=6, started_unix_ms=1.0, wall_ms=30.0, prefill_tokens=1024, decode_count=0, kv_tokens=0,
+                      cached_tokens=0, chunks=[], first_scheduled=["other"])
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("other", 2000, 976)], step_record=idle)) == []
+    assert not b._reqs["p1"].started and not b._reqs["p2"].started
+    both = StepRecord(step=7, started_unix_ms=2.0, wall_ms=30.0, prefill_tokens=1024, decode_count=0, kv_tokens=0,
+                      cached_tokens=0, chunks=[], first_scheduled=["p1", "p2"])
+    # p1 prefilled in this one step (no longer waiting), p2 partly (124 of 500 computed)
+    assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p2", 500, 376)], step_record=both)) == [
+        ("p1", 900, 0), ("p2", 124, 0)]
+    for rid in ("p1", "p2"):
+        b.abort(rid)
+    await asyncio_drain()
+
+
 async def test_remote_decode_without_kv_transfer_params_is_refused():
     b = VllmBackend("decode", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
     with pytest.raises(EngineApiError, match="kv_transfer_params"):

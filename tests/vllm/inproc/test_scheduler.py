@@ -178,6 +178,12 @@ def test_state_stream_matches_the_scheduler(engine, recorder):
                 else [])
         assert [(c.request_id, c.tokens, c.computed_tokens) for c in rec.chunks] == want
         assert rec.wall_ms > 0
+    seen: set[str] = set()
+    for snap, step in zip(after, recorder.steps):  # the step in which each request was first scheduled
+        got = {names.get(r, r.rsplit("-", 1)[0]) for r in snap.step_record.first_scheduled}
+        assert got == set(step) - seen
+        seen |= set(step)
+    assert seen == {"d1", "d2", "defl", "late"}
     chunks = [c for s in after for c in s.step_record.chunks]
     assert [(c.chunk_index, c.tokens, c.computed_tokens) for c in chunks] == [(0, 64, 0), (1, 96, 64), (2, 96, 160),
                                                                              (3, 4, 256)]
