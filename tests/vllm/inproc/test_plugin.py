@@ -41,8 +41,11 @@ def _idle_agent_cpu_share(delay_us: int | None) -> float:
 
 def test_an_idle_nixl_agent_spins_a_core_and_the_delay_stops_it():
     pytest.importorskip("nixl._api")
-    assert _idle_agent_cpu_share(None) > 0.5  # NIXL's own pthrDelay 0: the progress thread spins
-    assert _idle_agent_cpu_share(1000) < 0.1  # kairos.engines.NIXL_PROGRESS_DELAY_US
+    spinning, delayed = _idle_agent_cpu_share(None), _idle_agent_cpu_share(1000)
+    # NIXL's own pthrDelay 0: the progress thread spins (a whole core on an idle machine; still a
+    # large share when other jobs compete for the cores, hence the ratio); the delay stops it
+    assert spinning > 0.25 and spinning > 10 * delayed, (spinning, delayed)
+    assert delayed < 0.1  # kairos.engines.NIXL_PROGRESS_DELAY_US
 
 
 def test_short_busy_loop_readers_and_a_lossless_writer():
