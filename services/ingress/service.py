@@ -370,6 +370,8 @@ class Ingress:
                 pass
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
+            for t in list(self._tasks):  # e.g. a tombstone still waiting for the bus: the connection goes now
+                t.cancel()
         await bus_close(self.nc, graceful=True)
         self.tel.shutdown()
 
@@ -904,6 +906,7 @@ class Ingress:
         deadline = received + cfg.request_timeout_s * 1000.0
         sub = None
         hashes = request_block_hashes(parsed.prompt_token_ids, parsed.prompt_text, cfg.prefix_block_tokens)
+        published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
 
         async def submit(attempt_id: str) -> Exception | None:
             """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a
@@ -931,6 +934,7 @@ class Ingress:
                                    cfg.prefix_block_tokens)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+                published.add(attempt_id)
                 await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM,
                                       timeout=2)
             except Exception as exc:
@@ -977,7 +981,7 @@ class Ingress:
                 # a publish that timed out may still be stored (the server was slow, not gone): the
                 # cancel and the attempt's tombstone claim follow it on this connection, so no node
                 # runs it (shared/claims.py), and the client's retry is the only execution
-                await self._refused(rid, "enqueue_failed", deadline)
+                await self._refused(rid, "enqueue_failed", deadline, rid in published)
                 return _err(503, "could not enqueue the request (the message bus is unavailable); retry",
                             "enqueue_failed"), 503
             while True:
@@ -1037,7 +1041,8 @@ class Ingress:
                     exc = await submit(action.new_attempt_id)
                     if exc is not None:
                         timing["error"] = "enqueue_failed"
-                        await self._refused(action.new_attempt_id, "enqueue_failed", deadline)
+                        await self._refused(action.new_attempt_id, "enqueue_failed", deadline,
+                                           action.new_attempt_id in published)
                         return _err(503, f"request {rid} lost its node or stream ({action.why}) and could not be "
                                          "re-submitted (the message bus is unavailable); retry", "enqueue_failed"), 503
                     continue
@@ -1149,14 +1154,15 @@ class Ingress:
         except (ConnectionResetError, RuntimeError):
             pass
 
-    async def _refused(self, attempt_id: str, code: str, deadline_unix_ms: float) -> None:
-        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it, and its
-        publish may still be stored: cancel it and, in the background, create its tombstone claim
-        (:func:`shared.claims.withdraw`, retried until the bus answers, at most until the attempt's
-        deadline), which every node's claim finds — in whatever order the nodes get the request and
-        the cancel."""
+    async def _refused(self, attempt_id: str, code: str, deadline_unix_ms: float, published: bool) -> None:
+        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it: cancel
+        it and, if its publish was issued (``published``: it may be stored although it failed),
+        create its tombstone claim in the background (:func:`shared.claims.withdraw`, retried until
+        the bus answers, at most until the attempt's deadline ``deadline_unix_ms``, wall clock ms),
+        which every node's claim finds — in whatever order the nodes get the request and the cancel."""
         await self._cancel(attempt_id, code)
-        self._bg(self._withdraw(attempt_id, code, deadline_unix_ms))
+        if published:
+            self._bg(self._withdraw(attempt_id, code, deadline_unix_ms))
 
     async def _withdraw(self, attempt_id: str, code: str, deadline_unix_ms: float) -> None:
         outcome, claim = await withdraw(self.buckets.requests, attempt_id, code, deadline_unix_ms)
