@@ -18,6 +18,9 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
   (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
+* execution claims (``$KV.kairos_requests.claim.<digest>``) are created by the agents and, as
+  tombstones of attempts it refused, by the ingress (shared/claims.py); agents read them by key
+  only, keyed by digest so that a get with a literal ``*`` names no request;
 * replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
   (:func:`inbox_prefix`) and may subscribe only below it, so no role can read another's
   request-reply answers or JetStream deliveries (e.g. the prompts a dispatcher pulls);

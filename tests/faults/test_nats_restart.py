@@ -171,6 +171,7 @@ async def test_a_refused_request_reaching_nodes_before_its_cancel_never_runs(clu
         await nc.close()
     for a in c.agents:
         c.start(a)
+    c.wait_routable(need_dispatcher=False)  # so that the dispatcher routes it at once
     c.start("dispatcher-0")
 
     def handled():
