@@ -254,7 +254,7 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
 
     Raises:
         BucketLayoutError: the server holds a ``kairos_requests`` bucket of the layout before direct
-            gets (the message says what to do). Other JetStream errors propagate (nats-py ``ServerError``).
+            gets (the message says what to do). Other JetStream errors propagate (nats-py ``APIError``).
     """
     view = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.VIEW_BUCKET, history=1, storage=StorageType.FILE,
@@ -267,7 +267,7 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
         reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
             bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
             description="per-request decision records, measured TTFT components and execution claims")))
-    except nats.js.errors.ServerError as exc:
+    except nats.js.errors.APIError as exc:
         if getattr(exc, "err_code", None) == _IN_USE_ERR and not (await js.stream_info(
                 kv_stream(S.REQUESTS_BUCKET))).config.allow_direct:
             raise BucketLayoutError(
