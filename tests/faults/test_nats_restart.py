@@ -116,6 +116,17 @@ async def test_nats_gone_for_good_ends_every_request_explicitly(cluster: Cluster
     print("NATS gone:", counts)
 
 
+async def _refused_while_paused(c: Cluster, http: aiohttp.ClientSession) -> None:
+    """A request sent while nats-server is paused (SIGSTOP): the ingress's publish times out and the
+    client gets 503 ``enqueue_failed``; the server is resumed before this returns."""
+    c.pause("nats-server")
+    try:
+        refused = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
+    finally:
+        c.resume("nats-server")
+    assert refused.status == 503 and refused.error and refused.error["code"] == "enqueue_failed", refused
+
+
 async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster):
     """nats-server paused (SIGSTOP) while a request is enqueued: the ingress's publish times out and
     the client gets 503 ``enqueue_failed`` ("retry"), but the publish may still be stored when the
@@ -126,12 +137,7 @@ async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster
     c.up(dispatchers=1)
     before = set(c.executions())
     async with aiohttp.ClientSession() as http:
-        c.pause("nats-server")
-        try:
-            refused = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
-        finally:
-            c.resume("nats-server")
-        assert refused.status == 503 and refused.error and refused.error["code"] == "enqueue_failed", refused
+        await _refused_while_paused(c, http)
         control = None
         deadline = time.monotonic() + 60
         while control is None or not control.ok:  # the ingress may need a moment to see the bus again
@@ -153,12 +159,7 @@ async def test_a_refused_request_reaching_nodes_before_its_cancel_never_runs(clu
     c.start("ingress")
     poll(lambda: get_json(c.base + "/health")[1] is not None, 30, "the ingress serving")
     async with aiohttp.ClientSession() as http:
-        c.pause("nats-server")
-        try:
-            refused = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
-        finally:
-            c.resume("nats-server")
-    assert refused.status == 503 and refused.error and refused.error["code"] == "enqueue_failed", refused
+        await _refused_while_paused(c, http)
     rid = poll(lambda: next((e["attempt_id"] for e in c.log_events("enqueue_failed")), None), 10,
                "the ingress's enqueue_failed line")
     nc = await c.connect(P.INGRESS)
