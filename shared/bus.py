@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 
 from shared import subjects as S
 from shared.envconfig import ConfigError, read_secret_file
-from shared.permissions import inbox_prefix
+from shared.permissions import inbox_prefix, kv_stream
 from shared.wire import decode, encode
 
 T = TypeVar("T")
@@ -250,7 +250,12 @@ class Buckets:
 
 async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) -> Buckets:
     """Declare (or open) the three KV buckets, all file-backed so a restarted nats-server keeps
-    them (the view and reservations used to be memory-backed and vanished on a restart)."""
+    them (the view and reservations used to be memory-backed and vanished on a restart).
+
+    Raises:
+        BucketLayoutError: the server holds a ``kairos_requests`` bucket of the layout before direct
+            gets (the message says what to do). Other JetStream errors propagate (nats-py ``APIError``).
+    """
     view = await _creating(lambda: js.create_key_value(KeyValueConfig(
         bucket=S.VIEW_BUCKET, history=1, storage=StorageType.FILE,
         description="cluster view written by the state aggregator")))
@@ -258,10 +263,29 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) ->
         bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.FILE, limit_marker_ttl=1.0,
         description="one deflection slot per decode node (atomic create, per-message TTL)")))
     # direct gets: a get names its key in the subject, so the agents' permission can be "claims only"
-    reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
-        bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
-        description="per-request decision records, measured TTFT components and execution claims")))
+    try:
+        reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
+            bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
+            description="per-request decision records, measured TTFT components and execution claims")))
+    except nats.js.errors.APIError as exc:
+        if getattr(exc, "err_code", None) == _IN_USE_ERR and not (await js.stream_info(
+                kv_stream(S.REQUESTS_BUCKET))).config.allow_direct:
+            raise BucketLayoutError(
+                f"the KV bucket {S.REQUESTS_BUCKET!r} (stream {kv_stream(S.REQUESTS_BUCKET)}) has an older layout without "
+                f"direct gets, which node agents need to read execution claims (docs/security.md); delete it "
+                f"(nats kv del {S.REQUESTS_BUCKET}, or remove the nats-server's JetStream store) and start "
+                f"again: it holds only the last hour's request records and claims") from exc
+        raise
     return Buckets(view=view, reservations=resv, requests=reqs)
+
+
+class BucketLayoutError(RuntimeError):
+    """A KV bucket in the server's store was created by an older Kairos with a layout this one
+    cannot use (:func:`ensure_buckets`); the message names the bucket and what to do."""
+
+
+#: nats-server's "stream name already in use with a different configuration" (JSStreamNameExistErr)
+_IN_USE_ERR = 10058
 
 
 async def open_requests_bucket(js: JetStreamContext, wait_s: float = 0.25, log=None) -> KeyValue:

@@ -2,8 +2,8 @@
 
 Where it comes from: nats-server checks every PUB against the sender's permissions
 (:mod:`shared.permissions`): only ``agent-<node>`` may publish ``kairos.state.<node>``,
-``kairos.steps.<node>``, ``kairos.out.<rid>.agent-<node>`` and ``kairos.kv.<decode>.agent-<node>``
-(``kairos.kvdone.<prefill>`` names no sender yet: docs/security.md). So a consumer takes the sender's node id from the subject and
+``kairos.steps.<node>``, ``kairos.out.<rid>.agent-<node>``, ``kairos.kv.<decode>.agent-<node>``
+and ``kairos.kvdone.<prefill>.agent-<node>``. So a consumer takes the sender's node id from the subject and
 refuses a body that names another node (``forged``): counted per kind in
 ``kairos_<service>_forged_messages_total{kind}`` and logged as ``forged_message_refused`` with the
 subject and the node the body named. With no bus credentials (``--no-nats-auth``) the subject is

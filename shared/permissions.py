@@ -8,13 +8,19 @@ What the table enforces (nats-server checks every PUB and SUB against it):
 
 * an agent publishes only its own node's state (``kairos.state.<node>``) and step records
   (``kairos.steps.<node>``), receives only its own jobs / KV handoffs (``kairos.jobs.<node>``,
-  ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), and is the only writer of its own node's
+  ``kairos.kv.<node>``, ``kairos.kvdone.<node>``), sends KV handoffs and KV-pulled notices only
+  under its own name (``kairos.kv.<decode>.agent-<node>``, ``kairos.kvdone.<prefill>.agent-<node>``),
+  writes only its own node's request records (``$KV.kairos_requests.<rid>.prefill.<node>`` /
+  ``.decode.<node>``), and is the only writer of its own node's
   deflection reservations (``$KV.kairos_resv.decode.<node>.*``; everybody else only reads them);
 * only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
   (``kairos.jobs.*``); only dispatchers consume the request queue; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
   token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
   (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
+* execution claims (``$KV.kairos_requests.claim.<digest>``) are created by the agents and, as
+  tombstones of attempts it refused, by the ingress (shared/claims.py); agents read them by key
+  only, keyed by digest so that a get with a literal ``*`` names no request;
 * replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
   (:func:`inbox_prefix`) and may subscribe only below it, so no role can read another's
   request-reply answers or JetStream deliveries (e.g. the prompts a dispatcher pulls);
@@ -147,6 +153,10 @@ def _any(build, *args) -> str:
     return build(_ANY, *args).replace(_ANY, "*")
 
 
+#: every execution claim's key (``claim.<digest>``, :func:`shared.subjects.claim_key`)
+_CLAIMS = f"{S.CLAIM_PREFIX}.*"
+
+
 def role_permissions(user: str) -> Permissions:
     """The permissions of NATS user ``user`` (a service role or ``agent-<node>``).
 
@@ -159,7 +169,8 @@ def role_permissions(user: str) -> Permissions:
     except S.SubjectError as exc:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
-        pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress"))]
+        # claims: the tombstone of an attempt it refused (shared/claims.py: KV create, read back)
+        pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress")), _kv(rec, _CLAIMS)]
         # the request stream too (requests wait there for a dispatcher); records and claims are read (gets only)
         pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
@@ -194,15 +205,17 @@ def role_permissions(user: str) -> Permissions:
             S.check_token(node, "node id")
         except S.SubjectError as exc:
             raise RoleError(str(exc)) from None
+        # its own node's records only (the node id is in the key), KV-pulled notices under its own name
         pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject, user), _any(S.kv_subject, user),
-               _any(S.kvdone_subject), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
-               _kv(rec, _any(S.record_key, "prefill")), _kv(rec, _any(S.record_key, "decode")),
-               _kv(rec, _any(S.claim_key))]  # execution claims: create, read (below), compare-and-delete
-        # JetStream: writes are the publishes above; the only read is a claim by key (acceptance.py).
+               _any(S.kvdone_subject, user), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
+               _kv(rec, _any(S.record_key, "prefill", node)), _kv(rec, _any(S.record_key, "decode", node)),
+               _kv(rec, _CLAIMS)]  # execution claims: create, read (below), compare-and-delete
+        # JetStream: writes are the publishes above; the only read is a claim by key (acceptance.py),
+        # keyed by digest so that a literal '*' for the key names no request (shared.subjects.claim_key).
         # No consumer, stream-create or message-get API at all: nothing an agent could point at
         # another role's subjects, and no way to list the bucket's keys.
-        pub += _open(kv_stream(rec)) + [_get(rec, _any(S.claim_key))]
-        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_subject(node), S.CANCEL_SUBJECT]
+        pub += _open(kv_stream(rec)) + [_get(rec, _CLAIMS)]
+        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")
 

@@ -1,8 +1,10 @@
 """Merge a request's records into the ``GET /v1/requests/{id}`` answer (no I/O).
 
 Where data comes from: the ``kairos_requests`` KV bucket, one key per writer so nobody overwrites
-anybody: ``<rid>.decision`` (dispatcher), ``<rid>.prefill`` (prefill agent, keep path),
-``<rid>.decode`` (decode agent), ``<rid>.ingress`` (ingress). Where it goes: the ingress's JSON.
+anybody: ``<rid>.decision`` (dispatcher), ``<rid>.prefill.<node>`` (prefill agent, keep path),
+``<rid>.decode.<node>`` (decode agent), ``<rid>.ingress`` (ingress); the ingress reads the node
+records of the nodes the request's claim names (an agent may write only keys with its own node id).
+Where it goes: the ingress's JSON.
 
 Measured TTFT components (the paper's Table 3 breakdown), each a difference of two timestamps
 taken on the *same* node, so clock skew between hosts does not enter:

@@ -10,19 +10,20 @@ Hierarchy::
     kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
     kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
     kairos.kv.<node>.<sender>     KV handoff, request-reply: prefill agent (its NATS user) -> decode agent
-    kairos.kvdone.<node>          KV pulled, release blocks: decode agent -> prefill agent
+    kairos.kvdone.<node>.<sender> KV pulled, release blocks: decode agent (its NATS user) -> prefill agent
     kairos.out.<request_id>.<sender>  token stream / result / error: node agent (its NATS user), dispatcher -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
     kairos.steps.<node>           one record per engine step: node_agent -> aggregator, profiler
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
-    $KV.kairos_requests.<rid>.*   decision record + measured TTFT components (KV, bucket TTL)
+    $KV.kairos_requests.<rid>.<part>[.<node>]  decision record + measured TTFT components (KV, bucket TTL)
     $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
-    $KV.kairos_requests.<rid>.claim  the one node executing bus request <rid> (atomic create)
+    $KV.kairos_requests.claim.<digest of rid>  the one node executing bus request <rid> (atomic create)
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 PREFIX = "kairos"
@@ -43,7 +44,8 @@ VIEW_BUCKET = "kairos_view"
 VIEW_KEY = "view"
 #: KV bucket of deflection reservations, one key per decode node, per-message TTL.
 RESERVATION_BUCKET = "kairos_resv"
-#: KV bucket of per-request records: ``<rid>.decision``, ``<rid>.prefill``, ``<rid>.decode``, ``<rid>.ingress``.
+#: KV bucket of per-request records (``<rid>.decision``, ``<rid>.ingress``, ``<rid>.prefill.<node>``,
+#: ``<rid>.decode.<node>``: :func:`record_key`) and execution claims (:func:`claim_key`).
 REQUESTS_BUCKET = "kairos_requests"
 
 #: KV bucket of latency-model artifacts written by ``kairos profile``: ``latency.<name>`` per
@@ -104,9 +106,16 @@ def kv_wildcard(node: str) -> str:
     return f"{PREFIX}.kv.{check_token(node, 'node id')}.*"
 
 
-def kvdone_subject(node: str) -> str:
-    """Subject on which prefill ``node``'s agent learns that a decode node pulled a KV cache."""
-    return f"{PREFIX}.kvdone.{check_token(node, 'node id')}"
+def kvdone_subject(node: str, sender: str) -> str:
+    """Subject on which prefill ``node``'s agent learns that the decode node whose NATS user is
+    ``sender`` (``agent-<decode node>``) pulled a KV cache: the bus lets each user publish only under
+    its own name, so the prefill node knows which node says so (shared/origin.py)."""
+    return f"{PREFIX}.kvdone.{check_token(node, 'node id')}.{check_token(sender, 'NATS user')}"
+
+
+def kvdone_wildcard(node: str) -> str:
+    """Every :func:`kvdone_subject` of prefill ``node`` (its agent's one subscription)."""
+    return f"{PREFIX}.kvdone.{check_token(node, 'node id')}.*"
 
 
 def out_subject(request_id: str, sender: str) -> str:
@@ -167,16 +176,52 @@ def model_key(name: str) -> str:
 
 
 RECORD_PARTS = ("decision", "prefill", "decode", "ingress")
+#: parts a node agent writes: keyed by the writing node too (:func:`record_key`)
+NODE_RECORD_PARTS = ("prefill", "decode")
 
 
-def record_key(request_id: str, part: str) -> str:
-    """KV key (bucket :data:`REQUESTS_BUCKET`) of one part of a request's record."""
+def record_key(request_id: str, part: str, node: str | None = None) -> str:
+    """KV key (bucket :data:`REQUESTS_BUCKET`) of one part of a request's record:
+    ``<rid>.decision`` (dispatcher), ``<rid>.ingress`` (ingress), and the node agents' parts
+    ``<rid>.prefill.<node>`` / ``<rid>.decode.<node>`` keyed by the node that writes them.
+
+    Why the node in the key: NATS KV records no author, so the subject is the only proof of who
+    wrote a record; an agent may write only keys ending in its own node id
+    (:mod:`shared.permissions`), and a reader asks for the record of the node the request's claim
+    (or decision) names — another agent's record for that request is another key, never read.
+
+    Raises:
+        SubjectError: an unknown part, a node part without ``node`` (or another part with one), or
+            an id that is not a subject token.
+    """
     if part not in RECORD_PARTS:
         raise SubjectError(f"unknown record part {part!r}; known: {RECORD_PARTS}")
-    return f"{check_token(request_id, 'request id')}.{part}"
+    if (node is not None) != (part in NODE_RECORD_PARTS):
+        raise SubjectError(f"record part {part!r} is keyed by node: {NODE_RECORD_PARTS} take the node id, "
+                           f"the others none (got node={node!r})")
+    key = f"{check_token(request_id, 'request id')}.{part}"
+    return key if node is None else f"{key}.{check_token(node, 'node id')}"
+
+
+#: first token of every execution-claim key (:func:`claim_key`)
+CLAIM_PREFIX = "claim"
 
 
 def claim_key(request_id: str) -> str:
     """KV key (bucket :data:`REQUESTS_BUCKET`) of the execution claim of bus request ``request_id``
-    (a :class:`~shared.wire.Claim`, created atomically by the node that runs it)."""
-    return f"{check_token(request_id, 'request id')}.claim"
+    (a :class:`~shared.wire.Claim`, created atomically by the node that runs it, or a tombstone the
+    ingress creates for an attempt it refused): ``claim.<digest>``, the first 32 hex digits of the
+    SHA-256 of the request id.
+
+    Why a digest: agents may read claims by key (a direct get names its key in the subject), and
+    nats-server answers a direct get whose key holds a literal ``*`` with the newest message
+    matching it — a permission pattern cannot tell that ``*`` from a key. Keyed by digest (and
+    the :class:`~shared.wire.Claim` value naming no request id) such an answer names no request:
+    an agent can read only the claims of request ids it already knows (128 bits of the digest of
+    a 96-bit random id: not invertible). docs/security.md.
+
+    Raises:
+        SubjectError: ``request_id`` is not a subject token.
+    """
+    digest = hashlib.sha256(check_token(request_id, "request id").encode()).hexdigest()[:32]
+    return f"{CLAIM_PREFIX}.{digest}"

@@ -122,19 +122,26 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Claim(msgspec.Struct, frozen=True, kw_only=True):
-    """Value of ``<bus request id>.claim`` in the ``kairos_requests`` bucket: the one node that
-    executes this attempt. Created atomically (KV ``create``) by the node agent before its engine
-    gets the request; a second node finds it and refuses (``claimed``), so a redelivered request
-    never runs twice, whichever dispatcher and node it reaches (docs/bus.md)."""
+    """Value of :func:`shared.subjects.claim_key` (``claim.<digest of the bus request id>``) in the
+    ``kairos_requests`` bucket: the one node that executes this attempt. Created atomically (KV
+    ``create``) by the node agent before its engine gets the request; a second node finds it and
+    refuses (``claimed``), so a redelivered request never runs twice, whichever dispatcher and node
+    it reaches (docs/bus.md). It names no request id (an agent's wildcard get must not learn one).
+
+    A *tombstone* (``withdrawn`` set, ``node`` empty) is created by the ingress for an attempt it
+    answered with an error before any node claimed it (``enqueue_failed``: the publish may still
+    be stored): every node then finds the attempt claimed and refuses it, in whatever order the
+    request and its cancel reach the nodes."""
 
     v: int = SCHEMA_VERSION
-    request_id: str  #: bus request id (``<id>`` or ``<id>-r<n>`` after a re-submission)
-    node: str  #: the node executing it
+    node: str  #: the node executing it ("" in a tombstone)
     kind: JobKind
     decode_node: str = ""  #: the job's first decode candidate (keep) or the node itself (deflect)
     dispatcher_id: str = ""
     attempt: NonNeg = 0  #: the job's attempt (re-route count) that won the claim
-    claimed_unix_ms: float  #: node clock
+    claimed_unix_ms: float  #: node clock (the ingress's in a tombstone)
+    #: a tombstone: the error code the ingress answered the attempt with (nobody may execute it)
+    withdrawn: str = ""
 
 
 class JobAck(msgspec.Struct, frozen=True, kw_only=True):

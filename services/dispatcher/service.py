@@ -482,6 +482,12 @@ class Dispatcher:
                            and ack.reservation_revision is None)  # held here until it expires
             if not unconfirmed:
                 self.pending_deflections.pop(rid, None)
+            if why == "cancelled":  # the ingress ended this attempt (its cancel or tombstone claim): route it nowhere
+                self._forget_routed(rid)
+                self.cancelled.add(rid)
+                span.set_attribute("kairos.outcome", "cancelled")
+                log.info("request_cancelled_by_node", node=decision.node, attempts=attempts)
+                return
             if why == "claimed" and ack.claim is not None:  # an earlier delivery's job runs there: not again
                 self._forget_routed(rid)
                 await self._adopt(req, ack.claim, span, log)

@@ -61,6 +61,7 @@ from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish
+from shared.claims import withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
@@ -369,6 +370,8 @@ class Ingress:
                 pass
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
+            for t in list(self._tasks):  # e.g. a tombstone still waiting for the bus: the connection goes now
+                t.cancel()
         await bus_close(self.nc, graceful=True)
         self.tel.shutdown()
 
@@ -644,9 +647,11 @@ class Ingress:
 
     async def _check_handoff(self, f: _Flight, attempt_id: str) -> None:
         try:
-            try:
-                e = await self.buckets.requests.get(S.record_key(attempt_id, "prefill"))
-                rec = decode(e.value, PrefillTiming) if e.value else None
+            try:  # the record of the prefill node the routing event named (only it can write that key)
+                prefill_node = f.lc.node
+                e = await self.buckets.requests.get(S.record_key(attempt_id, "prefill", prefill_node)) \
+                    if prefill_node else None
+                rec = decode(e.value, PrefillTiming) if e is not None and e.value else None
             except (nats.js.errors.KeyNotFoundError, WireError):
                 rec = None
             except Exception as exc:
@@ -742,18 +747,28 @@ class Ingress:
             return _err(400, str(exc), "invalid_request_id")
         parts: dict = {}
 
-        async def get(key_rid: str, part: str, typ):
+        async def get(key: str, typ):
             try:
-                e = await self.buckets.requests.get(S.record_key(key_rid, part))
+                e = await self.buckets.requests.get(key)
                 return decode(e.value, typ) if e.value else None
             except (nats.js.errors.KeyNotFoundError, WireError):
                 return None
 
-        parts["ingress"] = await get(rid, "ingress", IngressTiming)
+        parts["ingress"] = await get(S.record_key(rid, "ingress"), IngressTiming)
         # re-submitted after a node was lost: the routing/node records of the attempt that served it
         served_by = parts["ingress"].resubmitted_as[-1] if parts["ingress"] and parts["ingress"].resubmitted_as else rid
-        for part, typ in (("decision", DecisionRecord), ("prefill", PrefillTiming), ("decode", DecodeTiming)):
-            parts[part] = await get(served_by, part, typ)
+        parts["decision"] = await get(S.record_key(served_by, "decision"), DecisionRecord)
+        # the node records of the nodes that ran it (each node writes only keys with its own id):
+        # the claim names the executing node, else the decision does
+        claim = await get(S.claim_key(served_by), Claim)
+        d = parts["decision"]
+        node = claim.node if claim is not None else (d.node if d is not None else "")
+        keep = claim.kind == "prefill" if claim is not None else (d is not None and not d.decision.deflected)
+        parts["prefill"] = await get(S.record_key(served_by, "prefill", node), PrefillTiming) if node and keep else None
+        dec_node = ((parts["prefill"].handoff_node if parts["prefill"] else None)
+                    or (claim.decode_node if claim is not None else (d.decode_node if d is not None else "")))
+        dec_node = dec_node if keep else node
+        parts["decode"] = await get(S.record_key(served_by, "decode", dec_node), DecodeTiming) if dec_node else None
         if all(v is None for v in parts.values()):
             return _err(404, f"no record of request {rid!r} (unknown, or older than the record TTL)", "not_found")
         return _json(request_record(rid, parts["decision"], parts["prefill"], parts["decode"], parts["ingress"]))
@@ -891,6 +906,7 @@ class Ingress:
         deadline = received + cfg.request_timeout_s * 1000.0
         sub = None
         hashes = request_block_hashes(parsed.prompt_token_ids, parsed.prompt_text, cfg.prefix_block_tokens)
+        published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
 
         async def submit(attempt_id: str) -> Exception | None:
             """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a
@@ -918,6 +934,7 @@ class Ingress:
                                    cfg.prefix_block_tokens)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+                published.add(attempt_id)
                 await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM,
                                       timeout=2)
             except Exception as exc:
@@ -962,9 +979,9 @@ class Ingress:
             if exc is not None:
                 timing["error"] = "enqueue_failed"
                 # a publish that timed out may still be stored (the server was slow, not gone): the
-                # cancel follows it on this connection, so dispatchers and nodes drop it, and the
-                # client's retry is the only execution
-                await self._cancel(rid, "enqueue_failed")
+                # cancel and the attempt's tombstone claim follow it on this connection, so no node
+                # runs it (shared/claims.py), and the client's retry is the only execution
+                await self._refused(rid, "enqueue_failed", deadline, rid in published)
                 return _err(503, "could not enqueue the request (the message bus is unavailable); retry",
                             "enqueue_failed"), 503
             while True:
@@ -1024,7 +1041,8 @@ class Ingress:
                     exc = await submit(action.new_attempt_id)
                     if exc is not None:
                         timing["error"] = "enqueue_failed"
-                        await self._cancel(action.new_attempt_id, "enqueue_failed")
+                        await self._refused(action.new_attempt_id, "enqueue_failed", deadline,
+                                           action.new_attempt_id in published)
                         return _err(503, f"request {rid} lost its node or stream ({action.why}) and could not be "
                                          "re-submitted (the message bus is unavailable); retry", "enqueue_failed"), 503
                     continue
@@ -1135,6 +1153,26 @@ class Ingress:
             await resp.write_eof(before + b"".join(sse_event(o) for o in last) + b"data: [DONE]\n\n")
         except (ConnectionResetError, RuntimeError):
             pass
+
+    async def _refused(self, attempt_id: str, code: str, deadline_unix_ms: float, published: bool) -> None:
+        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it: cancel
+        it and, if its publish was issued (``published``: it may be stored although it failed),
+        create its tombstone claim in the background (:func:`shared.claims.withdraw`, retried until
+        the bus answers, at most until the attempt's deadline ``deadline_unix_ms``, wall clock ms),
+        which every node's claim finds — in whatever order the nodes get the request and the cancel."""
+        await self._cancel(attempt_id, code)
+        if published:
+            self._bg(self._withdraw(attempt_id, code, deadline_unix_ms))
+
+    async def _withdraw(self, attempt_id: str, code: str, deadline_unix_ms: float) -> None:
+        outcome, claim = await withdraw(self.buckets.requests, attempt_id, code, deadline_unix_ms)
+        if outcome == "withdrawn":
+            self.log.info("attempt_withdrawn", request_id=attempt_id, code=code)
+        elif outcome == "ran":
+            self.log.warning("withdrawn_attempt_ran", request_id=attempt_id, code=code,
+                             node=claim.node if claim else None)
+        else:
+            self.log.warning("attempt_withdrawal_expired", request_id=attempt_id, code=code)
 
     async def _cancel(self, rid: str, reason: str) -> None:
         try:

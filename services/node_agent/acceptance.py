@@ -4,7 +4,7 @@ Why a claim, and why the node makes it (issue 10, "at most one execution per req
 queue redelivers a request whose dispatcher died (or stalled past ``ack_wait``) after a node had
 already accepted its job, and the new dispatcher may route it to *another* node. A per-node
 "duplicate" check cannot see that, so before its engine gets a request every node agent atomically
-*creates* ``<bus request id>.claim`` in the ``kairos_requests`` bucket (JetStream KV ``create``:
+*creates* ``claim.<digest of the bus request id>`` in the ``kairos_requests`` bucket (JetStream KV ``create``:
 fails if the key exists, file-backed, kept with the records for an hour):
 
 * it wins → it executes the request (if its engine then refuses, it deletes the claim again with
@@ -15,6 +15,9 @@ fails if the key exists, file-backed, kept with the records for an hour):
   with that claim; the dispatcher then records the request as routed to the claim's node and
   acks — it does not route it again. If that node is dead, the ingress sees it (liveness) and
   re-submits under a new bus id ``<id>-r<n>``, which has its own claim;
+* the key is a tombstone (the ingress answered the attempt with ``enqueue_failed``, its publish
+  may still have been stored: :mod:`shared.claims`) → ``withdrawn``: refused as ``cancelled``,
+  whether or not the ingress's cancel got here first;
 * the bus cannot answer → refused ``claim_failed`` (no claim, no execution: at most once wins
   over availability; the dispatcher re-routes or the request is redelivered).
 
@@ -35,7 +38,7 @@ from nats.js.kv import KeyValue
 from shared import subjects as S
 from shared.wire import Claim, Job, WireError, decode, encode, now_ms
 
-Outcome = Literal["won", "mine", "claimed", "failed"]
+Outcome = Literal["won", "mine", "claimed", "withdrawn", "failed"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class ClaimResult:
     Attributes:
         outcome: ``won`` (this node executes it; ``revision`` is the key's), ``mine`` (this node and
             incarnation already hold it), ``claimed`` (another node or incarnation: ``claim``),
-            ``failed`` (bus error: ``error``).
+            ``withdrawn`` (a tombstone: the ingress refused the attempt; ``claim``), ``failed`` (bus
+            error: ``error``).
     """
 
     outcome: Outcome
@@ -71,7 +75,7 @@ class Claims:
     async def claim(self, job: Job) -> ClaimResult:
         """Atomically claim ``job.request.request_id`` for this node (never raises)."""
         rid = job.request.request_id
-        value = Claim(request_id=rid, node=self.node, kind=job.kind,
+        value = Claim(node=self.node, kind=job.kind,
                       decode_node=job.decode_candidates[0] if job.decode_candidates else self.node,
                       dispatcher_id=job.dispatcher_id, attempt=job.attempt, claimed_unix_ms=now_ms())
         try:
@@ -90,6 +94,8 @@ class Claims:
             return ClaimResult("failed", error=repr(exc))
         if held is None:
             return ClaimResult("failed", error="empty claim")
+        if held.withdrawn:
+            return ClaimResult("withdrawn", held, e.revision)
         if held.node == self.node and held.claimed_unix_ms >= self.epoch_unix_ms:
             return ClaimResult("mine", held, e.revision)
         return ClaimResult("claimed", held, e.revision)

@@ -1,7 +1,7 @@
 """Node agent: one engine instance on the bus.
 
 Inputs: jobs on ``kairos.jobs.<node>`` (request-reply), KV handoffs on ``kairos.kv.<node>``
-(decode nodes, request-reply), KV-pulled notices on ``kairos.kvdone.<node>`` (prefill nodes),
+(decode nodes, request-reply), KV-pulled notices on ``kairos.kvdone.<node>.<decode agent>`` (prefill nodes),
 cancels on ``kairos.cancel``. Outputs: heartbeats on ``kairos.state.<node>``, tokens/done/errors
 on ``kairos.out.<rid>``, timing records in the ``kairos_requests`` bucket, reservation releases.
 
@@ -198,7 +198,7 @@ class NodeAgent:
         if cfg.role == "decode":
             self._subs.append(await self.nc.subscribe(S.kv_wildcard(cfg.node_id), cb=self._on_kv))
         else:
-            self._subs.append(await self.nc.subscribe(S.kvdone_subject(cfg.node_id), cb=self._on_kvdone))
+            self._subs.append(await self.nc.subscribe(S.kvdone_wildcard(cfg.node_id), cb=self._on_kvdone))
         await flush_barrier(self.nc)
         self._main = [asyncio.create_task(self.backend.run(self, self._stop)),
                       asyncio.create_task(self._heartbeats())]
@@ -381,6 +381,15 @@ class NodeAgent:
                                                 accepted_unix_ms=self.reqs[rid].received_ms if rid in self.reqs
                                                 else now_ms())))
                 return
+            if claim.outcome == "withdrawn":  # the ingress refused this attempt (its tombstone): never run it
+                if took_slot:
+                    self.deflecting.pop(rid, None)
+                self.cancelled.add(rid)
+                self.m.jobs.labels(self.cfg.node_id, job.kind, "cancelled").inc()
+                self._rlog(rid).info("job_refused", reason="withdrawn",
+                                     withdrawn=claim.claim.withdrawn if claim.claim else None)
+                await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason="cancelled")))
+                return
             if claim.outcome == "claimed":
                 if took_slot:
                     self.deflecting.pop(rid, None)
@@ -523,9 +532,22 @@ class NodeAgent:
         return None
 
     async def _on_kvdone(self, msg) -> None:
+        """A decode node pulled (or gave up on) a KV cache this node holds: release it. Only from
+        a decode node the request's job named (the NATS user in the subject,
+        ``kairos.kvdone.<this node>.agent-<decode node>``; not only the one whose acceptance this
+        node has already seen: its notice may overtake its answer), else refused as forged."""
         try:
             d = decode(msg.data, KvDone)
         except WireError:
+            return
+        sender = S.subject_node(msg.subject, lambda u: S.kvdone_subject(self.cfg.node_id, u))
+        proven = sender[len(AGENT_PREFIX):] if sender and sender.startswith(AGENT_PREFIX) else None
+        if not self.origin.check(msg, "kv_done", proven, d.decode_node, request_id=d.request_id):
+            return
+        held = self.reqs.get(d.request_id)
+        if held is not None and (held.job is None or proven not in held.job.decode_candidates):
+            self.origin.refuse(msg.subject, "kv_done", "not_the_holder", proven, d.decode_node,
+                               request_id=d.request_id, handed_to=held.handoff_node)
             return
         r = self.reqs.pop(d.request_id, None)
         self.kv_backlog.pop(d.request_id, None)
@@ -612,7 +634,7 @@ class NodeAgent:
             r.span.set_attribute("kairos.kv_transfer_ms", ms)
             r.span.end()
             r.decode_span = self._decode_span(rid, r)
-        await publish(self.nc, S.kvdone_subject(r.src_node or ""),
+        await publish(self.nc, S.kvdone_subject(r.src_node or "", agent_user(self.cfg.node_id)),
                       KvDone(request_id=rid, decode_node=self.cfg.node_id, ok=ok, transfer_ms=ms))
 
     # -- engine events (EngineEvents, services/node_agent/backend.py) -----------------------------
@@ -855,7 +877,7 @@ class NodeAgent:
 
         async def put() -> None:
             try:
-                await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, S.record_key(rid, part), encode(rec))
+                await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, S.record_key(rid, part, self.cfg.node_id), encode(rec))
             except Exception as exc:
                 log.warning("record_write_failed", part=part, error=repr(exc))
         self._bg(put())

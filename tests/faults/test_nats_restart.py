@@ -10,7 +10,9 @@ import time
 import aiohttp
 import pytest
 
-from tests.faults.conftest import Cluster, apoll, check, request
+from shared import permissions as P
+from shared import subjects as S
+from tests.faults.conftest import Cluster, apoll, check, get_json, poll, request
 
 pytestmark = pytest.mark.faults
 
@@ -114,6 +116,17 @@ async def test_nats_gone_for_good_ends_every_request_explicitly(cluster: Cluster
     print("NATS gone:", counts)
 
 
+async def _refused_while_paused(c: Cluster, http: aiohttp.ClientSession) -> None:
+    """A request sent while nats-server is paused (SIGSTOP): the ingress's publish times out and the
+    client gets 503 ``enqueue_failed``; the server is resumed before this returns."""
+    c.pause("nats-server")
+    try:
+        refused = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
+    finally:
+        c.resume("nats-server")
+    assert refused.status == 503 and refused.error and refused.error["code"] == "enqueue_failed", refused
+
+
 async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster):
     """nats-server paused (SIGSTOP) while a request is enqueued: the ingress's publish times out and
     the client gets 503 ``enqueue_failed`` ("retry"), but the publish may still be stored when the
@@ -124,12 +137,7 @@ async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster
     c.up(dispatchers=1)
     before = set(c.executions())
     async with aiohttp.ClientSession() as http:
-        c.pause("nats-server")
-        try:
-            refused = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
-        finally:
-            c.resume("nats-server")
-        assert refused.status == 503 and refused.error and refused.error["code"] == "enqueue_failed", refused
+        await _refused_while_paused(c, http)
         control = None
         deadline = time.monotonic() + 60
         while control is None or not control.ok:  # the ingress may need a moment to see the bus again
@@ -137,3 +145,43 @@ async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster
             control = await request(http, c.base, max_tokens=4, stream=False, deadline_s=30)
     ran = set(c.executions()) - before
     assert ran == {control.rid}, f"executed after the refusal: {ran} (control {control.rid})"
+
+
+async def test_a_refused_request_reaching_nodes_before_its_cancel_never_runs(cluster: Cluster):
+    """The race of the test above, made certain: the request refused with ``enqueue_failed`` is
+    stored once nats-server resumes, and the dispatcher and node agents start only after that, so
+    they never hear its cancel (it went out before they subscribed): only the attempt's tombstone
+    claim, which the ingress created (shared/claims.py), can stop it. Independent truth: the
+    agents' own ``job_accepted`` / ``job_refused`` log lines for that bus id."""
+    c = cluster
+    c.start_nats()
+    c.start("state_aggregator")
+    c.start("ingress")
+    poll(lambda: get_json(c.base + "/health")[1] is not None, 30, "the ingress serving")
+    async with aiohttp.ClientSession() as http:
+        await _refused_while_paused(c, http)
+    rid = poll(lambda: next((e["attempt_id"] for e in c.log_events("enqueue_failed")), None), 10,
+               "the ingress's enqueue_failed line")
+    nc = await c.connect(P.INGRESS)
+    try:  # the request the ingress gave up on is in the queue (the tombstone's create followed it)
+        deadline = time.monotonic() + 30
+        while (await nc.jetstream(timeout=2).stream_info(S.REQUEST_STREAM)).state.messages < 1:
+            assert time.monotonic() < deadline, "the refused request was never stored"
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+    for a in c.agents:
+        c.start(a)
+    c.wait_routable(need_dispatcher=False)  # so that the dispatcher routes it at once
+    c.start("dispatcher-0")
+
+    def handled():
+        accepted = [e for e in c.log_events("job_accepted") if e.get("request_id") == rid]
+        refused = [e for e in c.log_events("job_refused") if e.get("request_id") == rid]
+        return accepted + refused or None
+    outcome = await apoll(handled, 60, f"a node's answer to the job of {rid}")
+    assert [e["event"] for e in outcome] == ["job_refused"], f"{rid} ran although refused: {outcome}"
+    assert outcome[0]["reason"] == "withdrawn", outcome
+    await c.wait_queue_empty()  # acked: nothing redelivers it
+    assert rid not in c.executions()
+    assert not c.permission_violations()

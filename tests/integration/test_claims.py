@@ -9,6 +9,7 @@ import pytest
 
 from shared import subjects as S
 from shared.bus import request_typed
+from shared.claims import withdraw
 from shared.wire import Claim, InferenceRequest, Job, JobAck, decode, now_ms
 from tests.integration.conftest import stack, wait_until
 
@@ -77,3 +78,23 @@ async def test_a_job_that_arrives_after_its_request_was_cancelled_is_refused_and
         assert rid not in agent.reqs
         control = await request_typed(nc, S.jobs_subject("prefill-0"), job("not-cancelled", "prefill-0"), JobAck, 2)
         assert control.accepted  # the refusal is about that request, not the node
+
+
+async def test_an_attempt_the_ingress_withdrew_is_refused_by_a_node_that_never_heard_its_cancel(nats_url):
+    """The ingress answered ``enqueue_failed`` and created the attempt's tombstone
+    (shared/claims.py); its job then reaches a node before (here: without) the cancel — the order
+    nats-py's per-subscription tasks allowed in CI. The node refuses it, and a node's claim made
+    first is what ``withdraw`` reports (``ran``) instead of overwriting it."""
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:
+        nc, kv, agent = st.ingress.nc, st.ingress.buckets.requests, st.agents["prefill-0"]
+        rid = "withdrawn-before-its-job"
+        outcome, tomb = await withdraw(kv, rid, "enqueue_failed", now_ms() + 5_000)
+        assert outcome == "withdrawn" and tomb is not None and tomb.withdrawn == "enqueue_failed" and not tomb.node
+        ack = await request_typed(nc, S.jobs_subject("prefill-0"), job(rid, "prefill-0"), JobAck, 2)
+        assert not ack.accepted and ack.reason == "cancelled"
+        assert rid not in agent.reqs
+        first = await request_typed(nc, S.jobs_subject("prefill-0"), job("ran-first", "prefill-0"), JobAck, 2)
+        assert first.accepted
+        outcome, held = await withdraw(kv, "ran-first", "enqueue_failed", now_ms() + 5_000)
+        assert outcome == "ran" and held is not None and held.node == "prefill-0"
+

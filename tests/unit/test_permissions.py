@@ -75,6 +75,16 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("ingress", "$KV.kairos_view.view", False),
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "ingress"), True),
+    ("ingress", "$KV.kairos_requests." + S.claim_key("cmpl-1"), True),  # tombstones (shared/claims.py)
+    ("agent-decode-0", "$KV.kairos_requests." + S.claim_key("cmpl-1"), True),
+    ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decode", "decode-0"), True),
+    ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decode", "decode-1"), False),
+    ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "prefill", "prefill-0"), False),
+    ("agent-decode-0", "$KV.kairos_requests.cmpl-1.prefill", False),  # the layout before node-keyed records
+    ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
+    ("agent-decode-0", S.kvdone_subject("prefill-0", "agent-decode-0"), True),
+    ("agent-decode-0", S.kvdone_subject("prefill-0", "agent-decode-1"), False),  # only under its own user
+    ("dispatcher", "$KV.kairos_requests." + S.claim_key("cmpl-1"), False),
     ("dispatcher", S.jobs_subject("decode-0"), True),
     ("dispatcher", "$KV.kairos_view.view", False),
     ("dispatcher", "$KV.kairos_resv." + S.reservation_key("decode-0", 0), False),  # the node's own to write
@@ -105,6 +115,8 @@ def test_publish_rules(user, subject, allowed):
     ("aggregator", S.steps_subject("decode-3"), True),
     ("profiler", S.state_subject("decode-3"), True),
     ("profiler", S.out_subject("prof-ab-1", "agent-prefill-0"), True),
+    ("agent-prefill-0", S.kvdone_subject("prefill-0", "agent-decode-0"), True),
+    ("agent-prefill-0", S.kvdone_subject("prefill-1", "agent-decode-0"), False),
 ])
 def test_subscribe_rules(user, subject, allowed):
     assert can_sub(user, subject) is allowed
@@ -212,4 +224,20 @@ def test_an_agent_has_no_jetstream_api_that_reads_lists_or_delivers(subject):
     (push or pull: nats-server delivers wherever the creator says), no stream creation, no
     record other than a claim."""
     assert not can_pub("agent-decode-0", subject)
-    assert can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.cmpl-1.claim")
+    assert can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests." + S.claim_key("cmpl-1"))
+
+
+def test_claim_keys_name_no_request_id():
+    """A direct get with a literal ``*`` in place of the key returns the newest claim
+    (tests/integration/test_bus_records.py): its key and value must not name the request."""
+    key = S.claim_key("cmpl-0123456789abcdef01234567")
+    assert re.fullmatch(r"claim\.[0-9a-f]{32}", key) and "cmpl" not in key
+    assert S.claim_key("cmpl-1") != S.claim_key("cmpl-2") and S.claim_key("cmpl-1") == S.claim_key("cmpl-1")
+    from shared.wire import Claim
+    assert "request_id" not in Claim.__struct_fields__
+
+
+@pytest.mark.parametrize("part,node", [("prefill", None), ("decode", None), ("decision", "n1"), ("bogus", None)])
+def test_node_record_parts_need_the_node_and_the_others_refuse_one(part, node):
+    with pytest.raises(S.SubjectError):
+        S.record_key("cmpl-1", part, node)
