@@ -64,14 +64,14 @@ def command(meta: dict) -> str:
 
 
 def provenance(r: Result) -> str:
-    """``2026-11-30, 2 cores shared with other jobs, load average 4.0–4.4`` from a result's meta
+    """``2026-11-30, 2 cores, 1-minute load average 4.0–4.4`` from a result's meta
     (the 1-minute load average before and after the run; '' without meta)."""
     m = r.meta
     if not m:
         return ""
     load = m.get("loadavg_1m", {})
     cores = m.get("machine", {}).get("cpus")
-    return (f"{m.get('date', '?')[:10]}, {cores} cores shared with other jobs, load average "
+    return (f"{m.get('date', '?')[:10]}, {cores} cores, 1-minute load average "
             f"{span([load.get('start', 0.0), load.get('end', 0.0)], lambda x: f'{x:.1f}')}")
 
 
@@ -409,10 +409,15 @@ def vllm_headroom(load: Load) -> str:
     text = ""
     if {"pd", "kairos"} <= set(live):
         viol = _bench_module("vllm_ab").live_step_violations
-        k = live["kairos"]["live"]
-        text = (f" The live A/B's `kairos`, planning on the profile, got ÷ `pd` "
-                f"{k['ttft_ms']['p95'] / live['pd']['live']['ttft_ms']['p95']:.2f} with {pct(viol(k), 2)} of its decode "
-                f"steps above τ: the chunks it planned to fit τ ran at the measured step times.")
+        k = live["kairos"]
+        sd = (k.get("step_scale") or {}).get("decode-0")
+        prof = json.loads((ROOT / "shared" / "profiles" / "cpu-testbed-vllm.json").read_text())
+        text = (f"The live A/B's `kairos`, planning on the profile, got ÷ `pd` "
+                f"{k['live']['ttft_ms']['p95'] / live['pd']['live']['ttft_ms']['p95']:.2f} with "
+                f"{pct(viol(k['live']), 2)} of its decode steps above τ"
+                + (f"; its decode node's steps took ×{sd:.2f} the profile's on average" if sd else "")
+                + f", and the profile's mixed steps lie {prof['mixed_delta']['mape_heldout']:.1f} % (held-out MAPE) "
+                f"from its model: a chunk planned to end just under τ breaks it whenever that step runs long.")
     return (f"`{command(r.meta)}` (the simulator, from `{r.meta.get('ab_command', 'bench/vllm_ab.py')}` of "
             f"{str(r.meta.get('ab_date', '?'))[:10]}; the policy plans with the step times the engines run, so no step "
             f"breaks τ by mis-prediction):\n\n" + "\n".join(lines) + ("\n\n" + text.lstrip() if text else ""))
