@@ -56,7 +56,8 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish
+from shared.bus import (BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish,
+                        stream_replicas)
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
@@ -310,8 +311,8 @@ class Ingress:
     async def _declare(self) -> None:
         """Declare the request stream (requests wait there for a dispatcher) and the buckets, and
         (re)start the view watcher: at start and after every reconnect."""
-        await ensure_request_stream(self.js, consumer=False)
-        self.buckets = await ensure_buckets(self.js)
+        await ensure_request_stream(self.js, consumer=False, replicas=stream_replicas(self.cfg))
+        self.buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         old_w, old_t = self._view_watcher, self._view_task
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
         self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
