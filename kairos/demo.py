@@ -131,12 +131,14 @@ def progress_default(explicit: bool | None) -> bool:
     return True if explicit is None else explicit
 
 
-#: ``kairos demo --engine vllm``: 1P1D on 2 CPU cores, ~30 requests of the Bursty mix (prompts capped
-#: at the tiny model's 2,048-token context), SLOs scaled to CPU step times (the measured cpu-tiny-vllm
-#: profile: a 1,024-token prefill step ≈ 58 ms, a 512-token chunk beside 8 decodes ≈ 28 ms), one
-#: dispatcher (cores are scarce)
-VLLM_DEMO = {"workload": "bursty", "rps": 2.0, "duration": 15.0, "prefill": 1, "decode": 1, "dispatchers": 1,
-             "tbt_slo_ms": 50.0, "ttft_slo_ms": 2000.0}
+#: ``kairos demo --engine vllm``: 1P1D on the CPU testbed (docs/vllm.md "The CPU testbed": each
+#: engine's whole server on its own core, the quiet-idle plugin, the ``testbed`` random-weight model and
+#: its measured ``cpu-testbed-vllm`` profile), a minute of the Bursty mix (prompts capped at the model's
+#: 2,048-token context) at 1 request/s, which keeps the prefill engine the bottleneck while the decode
+#: engine has slack; a TBT SLO above the testbed's decode steps (decode-only steps up to B = 32 fit in
+#: it) and one dispatcher (cores are scarce)
+VLLM_DEMO = {"workload": "bursty", "rps": 1.0, "duration": 60.0, "prefill": 1, "decode": 1, "dispatchers": 1,
+             "tbt_slo_ms": 100.0, "ttft_slo_ms": 5000.0, "model_size": "testbed"}
 
 
 #: ``kairos demo`` (``make run``) on emulated engines: the busiest minute of the Azure code trace at its own
@@ -146,8 +148,6 @@ EMULATED_DEMO = {"workload": "azure-code:busiest", "rps": None, "duration": 60.0
 
 def demo_command(**o) -> None:
     """Thin click body (see kairos/cli.py); fills the engine-dependent defaults."""
-    import tempfile
-
     vllm = o.get("engine") == "vllm"
     dflt = VLLM_DEMO if vllm else EMULATED_DEMO
     for key in ("workload", "duration", "prefill", "decode"):
@@ -155,17 +155,15 @@ def demo_command(**o) -> None:
             o[key] = dflt[key]
     rps = o["rps"] if o["rps"] is not None or o["workload"] != dflt["workload"] else dflt["rps"]
     extra: dict[str, Any] = {}
-    tmp = None
     if vllm:
-        from kairos.engines import make_tiny_model
+        from kairos.engines import cached_tiny_model
         from kairos.up import VLLM_DEFAULTS
 
         model_dir = o.get("model_dir")
         if model_dir is None:
-            tmp = tempfile.TemporaryDirectory(prefix="kairos-tiny-model-")
-            model_dir = tmp.name
-            print(f"kairos demo: writing the tiny random-weight model to {model_dir} ...", file=sys.stderr, flush=True)
-            make_tiny_model(model_dir)
+            print(f"kairos demo: the {VLLM_DEMO['model_size']} random-weight model (generated once into the cache) ...",
+                  file=sys.stderr, flush=True)
+            model_dir = cached_tiny_model(size=VLLM_DEMO["model_size"])
         extra = {"engine": "vllm", "model_dir": model_dir, "served_model": VLLM_DEFAULTS["served_model"],
                  "startup_timeout_s": VLLM_DEFAULTS["startup_timeout_s"], "tbt_slo_ms": VLLM_DEMO["tbt_slo_ms"],
                  "ttft_slo_ms": VLLM_DEMO["ttft_slo_ms"],
@@ -173,13 +171,8 @@ def demo_command(**o) -> None:
     opts = UpOptions(**{"port": o["port"] or free_port(), "policy": o["policy"], "profile": o["profile"],
                         "prefill": o["prefill"], "decode": o["decode"], "dispatchers": o["dispatchers"],
                         "trace_file": o["trace_file"], "truth_scale": o.get("truth_scale", 1.0), **extra})
-    try:
-        code = run_demo(opts, workload=o["workload"], rps=rps, duration=o["duration"], seed=o["seed"],
-                        json_path=o["json_path"], progress=progress_default(o["progress"]))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
-    sys.exit(code)
+    sys.exit(run_demo(opts, workload=o["workload"], rps=rps, duration=o["duration"], seed=o["seed"],
+                      json_path=o["json_path"], progress=progress_default(o["progress"])))
 
 
 __all__ = ["run_demo", "demo_command", "progress_default", "side_by_side", "simulate_same"]

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kairos_vllm.plugin import ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
+from kairos_vllm.plugin import ENV_KEEP_AFFINITY, ENV_MQ_BUSY_LOOP_S, ENV_NIXL_PROGRESS_DELAY_US, PLUGIN_PATH
 from shared.latency import LatencyModel
 
 #: the pinned vLLM version (the CPU build in tests, the official GPU image in compose)
@@ -133,6 +133,8 @@ class VllmServer:
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(PLUGIN_PATH)] + ([path] if path else []))})
         if self.quiet_idle:
             env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
+        if self.omp_cpus not in (None, "auto", "nobind"):
+            env[ENV_KEEP_AFFINITY] = "1"  # the engine's compute stays on its cores (kairos_vllm.plugin)
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus
         return env

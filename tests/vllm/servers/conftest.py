@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kairos.engines import VllmServer, make_tiny_model
+from kairos.engines import VllmServer, launch_servers, make_tiny_model, stop_servers
 from kairos.up import free_port
 from shared.latency import load_profile
 from tests.integration.conftest import nats_url  # noqa: F401  (the real nats-server fixture)
@@ -45,14 +44,7 @@ class Engines:
     decode: VllmServer
     logs: dict[str, Path]
     startup_s: float
-
-
-def _ready(srv: VllmServer) -> bool:
-    try:
-        with urllib.request.urlopen(f"{srv.url}/v1/models", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    pids: dict[str, int]  #: node → the server's process id (its tree: API server, engine core, worker)
 
 
 def _post(url: str, body: dict) -> dict:
@@ -67,7 +59,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
     """Start the prefill and decode servers in parallel and wait for both (bounded)."""
     run = tmp_path_factory.mktemp("engines")
     profile = load_profile(PROFILE)
-    servers, procs, logs = [], [], {}
+    servers, logs = [], {}
     for k, (node, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
         ucx = free_port()
         srv = VllmServer(node=node, role=role, model_dir=tiny_model_dir, served_model="tiny", port=free_port(),
@@ -78,23 +70,10 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
                                      # and a cancel after the first one lands mid-prefill
                                      *(("--max-num-batched-tokens", "512") if role == "prefill" else ())))
         logs[node] = run / f"{node}.log"
-        with open(logs[node], "wb") as f:
-            procs.append(subprocess.Popen(srv.argv(VLLM_PYTHON), env=srv.env(), stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
         servers.append(srv)
     t0 = time.monotonic()
+    procs = launch_servers(servers, VLLM_PYTHON, run, STARTUP_TIMEOUT_S)
     try:
-        pending = list(zip(servers, procs))
-        while pending:
-            for srv, proc in list(pending):
-                if proc.poll() is not None:
-                    tail = logs[srv.node].read_text(errors="replace").splitlines()[-30:]
-                    raise RuntimeError(f"vLLM server {srv.node} exited with {proc.returncode}:\n" + "\n".join(tail))
-                if _ready(srv):
-                    pending.remove((srv, proc))
-            if time.monotonic() - t0 > STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"vLLM servers not ready after {STARTUP_TIMEOUT_S:.0f} s: {[s.node for s, _ in pending]}")
-            time.sleep(0.5)
         # warm-up, outside the tests' timings: first requests are slow, and the first P/D transfer
         # makes the NIXL handshake between the two servers (a fixed 5 s reply timeout in vLLM 0.32.0
         # that a loaded machine can miss: retried here, as the agent's backend retries its decodes)
@@ -110,14 +89,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
             except urllib.error.HTTPError:
                 if attempt == 2:
                     raise
-        yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0)
+        yield Engines(prefill=servers[0], decode=servers[1], logs=logs, startup_s=time.monotonic() - t0,
+                      pids={s.node: p.pid for s, p in zip(servers, procs)})
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_servers(procs)
