@@ -37,7 +37,7 @@ from shared import telemetry
 from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        flush_barrier, kv_put_nowait, publish, request_subscription, request_typed)
+                        flush_barrier, kv_put_nowait, publish, request_subscription, request_typed, stream_replicas)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
@@ -162,15 +162,16 @@ class Dispatcher:
         sit on consumers that no longer exist)."""
         js = self.js = self.nc.jetstream()
         await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=self.cfg.ack_wait_s,
-                                                             max_deliver=self.cfg.max_deliver))
-        self.buckets = await ensure_buckets(js)
+                                                             max_deliver=self.cfg.max_deliver),
+                                    replicas=stream_replicas(self.cfg))
+        self.buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
         new_watchers = [view_w, resv_w]
         new_tasks = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
         if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
             try:
-                models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
+                models_w = await (await ensure_models_bucket(js, stream_replicas(self.cfg))).watch(S.CURRENT_MODEL_KEY)
             except Exception as exc:  # optional: routing must not wait for it (the next re-declare retries)
                 self.log.warning("model_watch_failed", error=repr(exc))
             else:

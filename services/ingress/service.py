@@ -60,7 +60,8 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish
+from shared.bus import (BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish,
+                        stream_replicas)
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
 from shared.latency import load_profile
@@ -172,6 +173,10 @@ class _Metrics:
                                    "Heartbeats refused by the liveness tracker, by reason", ("reason",), registry=reg)
         self.bus_down = Counter("kairos_ingress_bus_unavailable_total",
                                 "Requests ended because NATS stayed unreachable", registry=reg)
+        self.shed = Counter("kairos_ingress_overload_shed_total",
+                            "Requests refused with 429 overloaded (max_in_flight reached)", registry=reg)
+        self.enqueue_retries = Counter("kairos_ingress_enqueue_retries_total",
+                                       "Enqueues re-sent because JetStream gave no acknowledgement", registry=reg)
         for outcome in ("resubmitted", "failed"):
             self.node_lost.labels(outcome)
             self.interrupted.labels(outcome)
@@ -255,6 +260,7 @@ class Ingress:
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
+        self._admitted = 0  #: completion requests admitted and not finished (cfg.max_in_flight)
         self.origin = OriginGuard(forged_counter("ingress", self.tel.registry), self.log)
         self.port: int | None = None
         self.nc = None
@@ -318,8 +324,8 @@ class Ingress:
     async def _declare(self) -> None:
         """Declare the request stream (requests wait there for a dispatcher) and the buckets, and
         (re)start the view watcher: at start and after every reconnect."""
-        await ensure_request_stream(self.js, consumer=False)
-        self.buckets = await ensure_buckets(self.js)
+        await ensure_request_stream(self.js, consumer=False, replicas=stream_replicas(self.cfg))
+        self.buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         old_w, old_t = self._view_watcher, self._view_task
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
         self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
@@ -766,6 +772,25 @@ class Ingress:
         return await self._complete(request, "chat")
 
     async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
+        """Admission, then :meth:`_serve`: with ``cfg.max_in_flight`` requests already in flight
+        at this replica (streams count until their last chunk), answer 429 ``overloaded`` with
+        ``Retry-After`` at once, before reading the body — overload is shed here, explicitly, so
+        what is admitted keeps being served (issue 17: without it the bus's 2 s publish timeout
+        turned overload into 503 ``enqueue_failed`` for nearly everyone)."""
+        limit = self.cfg.max_in_flight
+        if limit and self._admitted >= limit:
+            self.m.requests.labels(endpoint, "429").inc()
+            self.m.shed.inc()
+            after = self.cfg.overload_retry_after_s
+            return error_response(429, f"the server is overloaded ({limit} requests in flight at this ingress); "
+                                       f"retry after {after} s", "overloaded", headers={"Retry-After": str(after)})
+        self._admitted += 1
+        try:
+            return await self._serve(request, endpoint)
+        finally:
+            self._admitted -= 1
+
+    async def _serve(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         received = now_ms()
         encodings = request.headers.getall("Content-Encoding", [])
         if any(e.strip().lower() not in READABLE_ENCODINGS for e in encodings) or len(encodings) > 1:
@@ -918,8 +943,7 @@ class Ingress:
                                    cfg.prefix_block_tokens)
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
-                await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM,
-                                      timeout=2)
+                await self._enqueue(encode(ireq), headers)
             except Exception as exc:
                 log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
                 return exc
@@ -1135,6 +1159,26 @@ class Ingress:
             await resp.write_eof(before + b"".join(sse_event(o) for o in last) + b"data: [DONE]\n\n")
         except (ConnectionResetError, RuntimeError):
             pass
+
+    async def _enqueue(self, body: bytes, headers: dict[str, str]) -> None:
+        """Publish one request to the work queue, acknowledged by JetStream. A try that gets no
+        acknowledgement within 2 s, or finds no stream leader (no responders or an empty answer,
+        ``NoStreamResponseError``: a NATS cluster electing one after a member died), is re-sent with the same ``Nats-Msg-Id`` — JetStream
+        keeps one copy within its 120 s duplicate window (docs/bus.md) — until
+        ``cfg.enqueue_timeout_s`` has passed; then the last error is raised (the caller answers
+        503 ``enqueue_failed``). A closed connection raises at once."""
+        deadline = time.monotonic() + self.cfg.enqueue_timeout_s
+        while True:
+            try:
+                await self.js.publish(S.REQUEST_SUBJECT, body, headers=headers, stream=S.REQUEST_STREAM,
+                                      timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+                    nats.js.errors.ServiceUnavailableError):
+                if self.nc.is_closed or time.monotonic() + 0.1 >= deadline:
+                    raise
+                self.m.enqueue_retries.inc()
+                await asyncio.sleep(0.1)
 
     async def _cancel(self, rid: str, reason: str) -> None:
         try:
