@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.engines import VllmServer, cached_tiny_model, launch_servers, stop_servers, vllm_python  # noqa: E402
-from kairos.procstat import measure_tree, process_tree  # noqa: E402
+from kairos.procstat import allowed_cpus, find_process, measure_tree  # noqa: E402
 from kairos.up import free_port  # noqa: E402
 from shared.latency import load_profile  # noqa: E402
 
@@ -73,15 +73,12 @@ def pd_pair(prefill: VllmServer, decode: VllmServer, i: int, n: int) -> tuple[fl
 
 
 def worker_cpus(pid: int) -> str | None:
-    """``Cpus_allowed_list`` of the main thread of the ``VLLM::Worker`` process under ``pid`` (None: none)."""
-    for p in process_tree(pid):
-        try:
-            if Path(f"/proc/{p}/comm").read_text().strip() == "VLLM::Worker":
-                status = Path(f"/proc/{p}/status").read_text().splitlines()
-                return next(line.split()[-1] for line in status if line.startswith("Cpus_allowed_list"))
-        except OSError:
-            continue
-    return None
+    """The CPUs the main thread of the ``VLLM::Worker`` process under ``pid`` may use (None: none)."""
+    worker = find_process(pid, "VLLM::Worker")
+    try:
+        return None if worker is None else allowed_cpus(worker)
+    except OSError:
+        return None
 
 
 def run_config(name: str, args, model_dir: str, py: str, run: Path) -> dict:

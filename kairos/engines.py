@@ -115,10 +115,14 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pinned(self) -> bool:
+        """Whether ``omp_cpus`` names cores (not None, ``auto`` or ``nobind``): the whole server runs there."""
+        return self.omp_cpus is not None and self.omp_cpus not in ("auto", "nobind")
+
     def argv(self, python: str) -> list[str]:
         """The server's command line (``taskset -c <omp_cpus>`` first when ``omp_cpus`` names cores)."""
-        pin = self.omp_cpus is not None and self.omp_cpus not in ("auto", "nobind")
-        args = (["taskset", "-c", str(self.omp_cpus)] if pin else []) + (
+        args = (["taskset", "-c", str(self.omp_cpus)] if self.pinned else []) + (
                 ["nice", "-n", str(self.nice)] if self.nice else []) + [
                 python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
                 "--served-model-name", self.served_model, "--host", "127.0.0.1", "--port", str(self.port),
@@ -146,7 +150,7 @@ class VllmServer:
                     "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(PLUGIN_PATH)] + ([path] if path else []))})
         if self.quiet_idle:
             env.update({ENV_NIXL_PROGRESS_DELAY_US: str(NIXL_PROGRESS_DELAY_US), ENV_MQ_BUSY_LOOP_S: "0"})
-        if self.quiet_idle and self.omp_cpus not in (None, "auto", "nobind"):
+        if self.quiet_idle and self.pinned:
             env[ENV_KEEP_AFFINITY] = "1"  # the engine's compute stays on its cores (kairos_vllm.plugin)
         if self.omp_cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.omp_cpus

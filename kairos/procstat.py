@@ -1,6 +1,6 @@
 """CPU time of a process tree, read from ``/proc`` (Linux): how busy an engine is while idle.
 
-Used by the vLLM tier's idle-engine test and ``bench/vllm_pd_rate.py``. Times are in seconds
+Used by the vLLM tier's idle-engine and engine-core tests and ``bench/vllm_pd_rate.py``. Times are in seconds
 of CPU (user + system), from ``/proc/<pid>/task/<tid>/stat`` fields 14 and 15 (``utime``,
 ``stime``, in clock ticks: ``proc(5)``).
 """
@@ -35,6 +35,26 @@ def process_tree(pid: int) -> list[int]:
         seen.append(p)
         todo += _children(p)
     return seen
+
+
+def find_process(root: int, comm: str) -> int | None:
+    """The first process in ``root``'s tree whose name (``/proc/<pid>/comm``) is ``comm``; None: none."""
+    for pid in process_tree(root):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def allowed_cpus(pid: int) -> str:
+    """The CPUs the main thread of ``pid`` may run on, as the kernel lists them (``Cpus_allowed_list``
+    of ``/proc/<pid>/status``: ``"0"``, ``"0-3"``). Raises OSError when ``pid`` is gone."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split()[-1]
+    raise OSError(f"/proc/{pid}/status has no Cpus_allowed_list")
 
 
 def thread_cpu_s(pids: list[int]) -> dict[tuple[int, int, str], float]:
@@ -90,4 +110,4 @@ def measure_tree(pid: int, window_s: float, top: int = 3) -> TreeUsage:
     return TreeUsage(wall_s=wall, cpu_s=sum(used.values()), busiest=tuple(busiest))
 
 
-__all__ = ["process_tree", "thread_cpu_s", "measure_tree", "TreeUsage"]
+__all__ = ["process_tree", "find_process", "allowed_cpus", "thread_cpu_s", "measure_tree", "TreeUsage"]

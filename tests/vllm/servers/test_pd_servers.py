@@ -360,16 +360,12 @@ def test_concurrent_pd_legs_are_not_stalled_by_lost_wakeups(engines):
 def test_each_engine_computes_on_its_own_core(engines):
     """The worker's main thread (the forward pass) stays on the server's VLLM_CPU_OMP_THREADS_BIND
     cores: vLLM 0.32's NIXL worker moved it to the machine's last core (kairos_vllm.plugin)."""
-    from pathlib import Path
-
-    from kairos.procstat import process_tree
+    from kairos.procstat import allowed_cpus, find_process
 
     for srv in (engines.prefill, engines.decode):
-        workers = [p for p in process_tree(engines.pids[srv.node])
-                   if Path(f"/proc/{p}/comm").read_text().strip() == "VLLM::Worker"]
-        assert workers, f"{srv.node}: no VLLM::Worker process"
-        status = Path(f"/proc/{workers[0]}/status").read_text().splitlines()
-        allowed = next(line.split()[-1] for line in status if line.startswith("Cpus_allowed_list"))
+        worker = find_process(engines.pids[srv.node], "VLLM::Worker")
+        assert worker is not None, f"{srv.node}: no VLLM::Worker process"
+        allowed = allowed_cpus(worker)
         assert allowed == srv.omp_cpus, f"{srv.node}: worker thread allowed on {allowed}, bound to {srv.omp_cpus}"
 
 
