@@ -131,6 +131,10 @@ def _api_err(exc: oa.ApiError) -> web.Response:
     return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
+#: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
+#: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
+RECONNECT_WAIT_S = 2.0
+
 class _Metrics:
     """The ingress's Prometheus metrics (docs/observability.md has the table)."""
 
@@ -933,8 +937,6 @@ class Ingress:
             flight.senders = Senders(attempt_id)
             old = sub
             try:
-                if not self.nc.is_connected:
-                    raise ConnectionError("the ingress is not connected to NATS")
                 if not cfg.out_wildcard:
                     sub = await self.nc.subscribe(S.out_wildcard(attempt_id), cb=self._on_out)
                     if old is not None:
@@ -1163,12 +1165,28 @@ class Ingress:
     async def _enqueue(self, body: bytes, headers: dict[str, str]) -> None:
         """Publish one request to the work queue, acknowledged by JetStream. A try that gets no
         acknowledgement within 2 s, or finds no stream leader (no responders or an empty answer,
-        ``NoStreamResponseError``: a NATS cluster electing one after a member died), is re-sent with the same ``Nats-Msg-Id`` — JetStream
-        keeps one copy within its 120 s duplicate window (docs/bus.md) — until
-        ``cfg.enqueue_timeout_s`` has passed; then the last error is raised (the caller answers
-        503 ``enqueue_failed``). A closed connection raises at once."""
+        ``NoStreamResponseError``: a NATS cluster electing one after a member died, 4–9 s), is
+        re-sent with the same ``Nats-Msg-Id`` — JetStream keeps one copy within its 120 s
+        duplicate window (docs/bus.md) — until ``cfg.enqueue_timeout_s`` has passed; while the
+        connection is down (nats-py reconnecting to another member) it waits for it, polling every
+        50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
+        Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
+        connection raises at once.
+
+        Raises:
+            ConnectionError: not connected to NATS when the time was up.
+            nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error: the
+                last try's error.
+        """
         deadline = time.monotonic() + self.cfg.enqueue_timeout_s
         while True:
+            while not self.nc.is_connected and not self.nc.is_closed and time.monotonic() < deadline:
+                since = self._bus.disconnected_since if self._bus is not None else None
+                if since is not None and time.monotonic() - since > RECONNECT_WAIT_S:
+                    break
+                await asyncio.sleep(0.05)
+            if not self.nc.is_connected:
+                raise ConnectionError("the ingress is not connected to NATS")
             try:
                 await self.js.publish(S.REQUEST_SUBJECT, body, headers=headers, stream=S.REQUEST_STREAM,
                                       timeout=min(2.0, max(0.1, deadline - time.monotonic())))

@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.node_agent.acceptance import Claims
+from services.node_agent.acceptance import ClaimResult, Claims
 from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from services.common import start_metrics_and_connect
@@ -49,6 +49,10 @@ from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, HandoffEve
 
 #: how many cancelled request ids a node agent remembers (a job delayed past its request's end)
 CANCELLED_REMEMBERED = 10_000
+#: longest wait for the execution claim's answer, s: below the dispatchers' job_ack_timeout_s (1 s), so
+#: a requests bucket electing a leader (seconds, a NATS cluster member died) answers claim_failed in
+#: time for the dispatcher's retry instead of blocking this node's jobs, handled one at a time
+CLAIM_TIMEOUT_S = 0.75
 
 #: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
 CACHE_RESYNC = 50
@@ -151,6 +155,9 @@ class NodeAgent:
         self.reqs: dict[str, _Req] = {}
         #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
         self.cancelled = RecentIds(CANCELLED_REMEMBERED)
+        #: request ids whose claim failed here (a lost answer may hide a stored claim) and that did
+        #: not start here since: a later try finding the claim this node's runs it
+        self._uncertain_claims: set[str] = set()
         self.deflecting: dict[str, str] = {}  # rid -> the key of the reservation it holds (kairos_resv)
         self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
         self.deflect_overlaps = 0  #: deflect jobs received while every slot was taken here (refused)
@@ -371,7 +378,16 @@ class NodeAgent:
             reason = "claim_failed"  # the requests bucket is not open yet
         if reason is None:  # cluster-wide: at most one node executes this bus request id
             assert self.claims is not None
-            claim = await self.claims.claim(job)
+            try:  # bounded: jobs are handled one at a time, and the dispatcher waits job_ack_timeout_s
+                claim = await asyncio.wait_for(self.claims.claim(job), CLAIM_TIMEOUT_S)
+            except TimeoutError:
+                claim = ClaimResult("failed", error=f"no answer from the requests bucket in {CLAIM_TIMEOUT_S} s")
+            if claim.outcome == "failed":  # it may be stored all the same (the answer was lost)
+                self._uncertain_claims.add(rid)
+            elif claim.outcome == "mine" and rid not in self.reqs and rid in self._uncertain_claims:
+                # an earlier try's claim was stored but its answer lost: this node holds it and never
+                # started it, so it runs it now (answering "duplicate" would leave it run by nobody)
+                claim = ClaimResult("won", claim.claim, claim.revision)
             if claim.outcome == "mine" or rid in self.reqs:  # executed (or being executed) here already
                 if took_slot and rid not in self.reqs:
                     self.deflecting.pop(rid, None)
@@ -431,6 +447,7 @@ class NodeAgent:
             attrs["kairos.decode_candidates"] = list(job.decode_candidates)
         span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
         self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
+        self._uncertain_claims.discard(rid)
         resv: tuple[Reservation | None, str | None, int | None] = (None, None, None)
         if job.kind == "deflect":
             resv = await self._reserve(rid, job)
