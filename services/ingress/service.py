@@ -53,6 +53,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.ingress.config import IngressConfig
+from services.ingress.reorder import Reorder
 from services.ingress.senders import Senders
 from services.ingress.http import (HardenedRunner, add_retry_after, api_key_middleware, clip, error_response,
                                    load_api_keys)
@@ -951,17 +952,25 @@ class Ingress:
                 return exc
             return None
 
+        reorder = Reorder()  # events ahead of a gap wait for it a moment (services/ingress/reorder.py)
+
         async def next_event():
-            if not queue.empty():  # already here (a burst of token events): no timer, no task
-                return queue.get_nowait()
-            left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
-            if left <= 0:
-                return None
-            try:
-                async with asyncio.timeout(left):  # not wait_for: no task and no extra loop turn per event
-                    return await queue.get()
-            except TimeoutError:
-                return None
+            while True:
+                if (held := reorder.ready(lc.received)) is not None:
+                    return held
+                if not queue.empty():  # already here (a burst of token events): no timer, no task
+                    return queue.get_nowait()
+                left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
+                if left <= 0:
+                    return None
+                hold_left = reorder.time_left()
+                try:  # not wait_for: no task and no extra loop turn per event
+                    async with asyncio.timeout(left if hold_left is None else min(left, hold_left + 0.001)):
+                        return await queue.get()
+                except TimeoutError:
+                    if hold_left is None or hold_left >= left:
+                        return None
+                    # the gap's wait ran out: the next round hands the held events on
 
         text_parts: list[str] = []
         sent = 0  # tokens delivered to the client (streaming)
@@ -1023,6 +1032,8 @@ class Ingress:
                     if ev.attempt_id != lc.attempt_id:
                         continue
                     action = lc.interrupted(ev.detail, time_left)
+                elif reorder.hold(ev, lc.attempt_id, lc.received):
+                    continue
                 elif isinstance(ev, TokenEvent):
                     action = lc.on_token(ev, time_left)
                 elif isinstance(ev, DoneEvent):
@@ -1046,6 +1057,7 @@ class Ingress:
                                 attempt_id=action.new_attempt_id, discarded_tokens=len(text_parts))
                     timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
                     text_parts.clear()
+                    reorder.clear()
                     timing.pop("first_token_unix_ms", None)
                     exc = await submit(action.new_attempt_id)
                     if exc is not None:
