@@ -346,7 +346,7 @@ class BusWatch:
             (cleared at the reconnect, before the re-declare: a NATS cluster may take seconds to
             elect JetStream leaders after a member died, and messages flow meanwhile).
         resuming: reconnected, ``on_reconnect()`` not done yet (JetStream not answering yet).
-        outage_s: the last outage's length, s (None: none yet).
+        outage_s: the last outage's length, s (None: none yet, or shorter than one poll).
         reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
         connected_at: ``time.monotonic()`` when this watch started (the service's first connection).
         reconnects: reconnects handled so far.
@@ -392,8 +392,8 @@ class BusWatch:
             # connected again: the outage is over, even while JetStream is still electing leaders
             # (a cluster member died) and the re-declare below keeps failing; core NATS (tokens,
             # jobs, heartbeats) flows already
-            if self.disconnected_since is not None:
-                self.outage_s = self.reconnected_at - self.disconnected_since
+            # (None: the reconnect came within one poll, the loss was never seen)
+            self.outage_s = None if self.disconnected_since is None else self.reconnected_at - self.disconnected_since
             self.disconnected_since = None
             self.resuming = True
             while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)

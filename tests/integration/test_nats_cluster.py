@@ -172,7 +172,7 @@ async def test_an_outage_ends_at_the_reconnect_not_when_jetstream_answers_again(
         await wait_until(lambda: tries >= 2 and nc.is_connected and nc.connected_url.port != here, 20,
                          "reconnected to another member, its re-declare failing")
         assert watch.disconnected_since is None and watch.resuming and watch.settling(0.0)
-        assert watch.outage_s is not None and watch.outage_s < 5.0
+        assert watch.outage_s is None or watch.outage_s < 5.0  # None: back within one poll
         jetstream_back.set()
         await wait_until(lambda: not watch.resuming, 5, "the re-declare done")
         assert watch.reconnects == 1
