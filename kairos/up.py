@@ -50,6 +50,9 @@ from shared.permissions import GeneratedAuth, write_secrets
 from kairos import natscluster as NC
 
 
+#: ``--nats-servers N``: longest wait, s, for the cluster's JetStream to elect its meta leader
+CLUSTER_READY_S = 60.0
+
 #: deflection slots per decode node under kairos+ (its projection plans each one after the others);
 #: one definition, shared with the simulator
 from shared.routing import KAIROS_PLUS_SLOTS  # noqa: E402
@@ -491,6 +494,13 @@ class Supervisor:
             if not wait_listening(c.proc, int(c.endpoint.rsplit(":", 1)[1]), give_up=lambda: self.stopping) \
                     and not self.stopping:
                 raise RuntimeError(f"{c.name} did not start; log:\n{self._tail(c)}")
+        # the services declare streams at start: wait until JetStream has its meta leader (every
+        # member's /healthz answers ok; before, a declare could time out and fail the startup)
+        deadline = time.monotonic() + CLUSTER_READY_S
+        while not all((_get_json(m.monitor_url + "/healthz") or {}).get("status") == "ok" for m in members):
+            if self.stopping or time.monotonic() > deadline:
+                raise RuntimeError(f"the NATS cluster did not become ready within {CLUSTER_READY_S:g} s")
+            time.sleep(0.1)
         return ",".join(m.url for m in members)
 
     def _start_nats(self, c: Child) -> bool:

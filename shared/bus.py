@@ -338,7 +338,8 @@ class BusWatch:
     may have lost streams/buckets (empty store) and JetStream watchers (ordered push consumers) may
     be left on a consumer that no longer exists. After every reconnect ``on_reconnect()`` (the
     service's re-declare + restart-watchers coroutine) is retried every ``retry_s`` until it
-    succeeds; ``on_disconnect()`` runs when the connection drops. The connection is polled every
+    succeeds; ``on_connected()`` runs once per reconnect before that (what needs core NATS only:
+    it must not wait for JetStream); ``on_disconnect()`` runs when the connection drops. The connection is polled every
     ``poll_s`` (no private nats-py callbacks; the stats counter ``reconnects`` tells a reconnect).
 
     Attributes:
@@ -354,8 +355,10 @@ class BusWatch:
 
     def __init__(self, nc: Client, on_reconnect: Callable[[], Awaitable[None]],
                  on_disconnect: Callable[[], Awaitable[None]] | None = None, log=None,
-                 poll_s: float = 0.1, retry_s: float = 0.25) -> None:
+                 poll_s: float = 0.1, retry_s: float = 0.25,
+                 on_connected: Callable[[], Awaitable[None]] | None = None) -> None:
         self.nc, self.on_reconnect, self.on_disconnect, self.log = nc, on_reconnect, on_disconnect, log
+        self.on_connected = on_connected
         self.poll_s, self.retry_s = poll_s, retry_s
         self.disconnected_since: float | None = None
         self.reconnected_at: float | None = None
@@ -396,6 +399,8 @@ class BusWatch:
             self.outage_s = None if self.disconnected_since is None else self.reconnected_at - self.disconnected_since
             self.disconnected_since = None
             self.resuming = True
+            if self.on_connected is not None:  # once per reconnect, before the re-declare (core NATS only)
+                await self._safe(self.on_connected, "bus_connected_hook_failed")
             while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)
                 if await self._safe(self.on_reconnect, "bus_resume_failed"):
                     break

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from shared.wire import DoneEvent, TokenEvent
 
 #: how long (s) events ahead of a gap wait for it to be filled
-GAP_WAIT_S = 1.0
+GAP_WAIT_S = 1.5
 
 
 class Reorder:

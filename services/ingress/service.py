@@ -54,6 +54,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.ingress.config import IngressConfig
 from services.ingress.reorder import Reorder
+from services.node_agent.outbox import RESEND_WINDOW_S
 from services.ingress.senders import Senders
 from services.ingress.http import (HardenedRunner, add_retry_after, api_key_middleware, clip, error_response,
                                    load_api_keys)
@@ -74,7 +75,7 @@ from shared.records import request_record
 from shared.routing import routable
 from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent,
                          InferenceRequest,
-                         IngressTiming, NodeState, OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode,
+                         IngressTiming, NodeState, OutEvent, PrefillTiming, Resend, RoutedEvent, TokenEvent, WireError, decode,
                          encode, now_ms)
 
 #: Content-Encoding values whose request bodies the ingress reads (aiohttp decodes gzip and deflate)
@@ -306,7 +307,8 @@ class Ingress:
         self.js = self.nc.jetstream()
         self._view_watcher = None
         await self._declare()
-        self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log).start()
+        self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log,
+                             on_connected=self._ask_resend).start()
         self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
         self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
         if self.cfg.out_wildcard:  # every token stream, dispatched to its flight by request id
@@ -341,6 +343,17 @@ class Ingress:
                 await old_w.stop()
             except Exception:
                 pass
+
+    async def _ask_resend(self) -> None:
+        """Reconnected (BusWatch ``on_connected``, before the re-declare): the server this ingress
+        was on may have held token events for it — every node agent publishes again what it sent
+        since shortly before the loss (``Resend``; dropped here by token index if already had)."""
+        b = self._bus
+        if not self._flights or b is None or b.reconnected_at is None:
+            return
+        window = time.monotonic() - b.reconnected_at + (b.outage_s or 0.0) + RESEND_WINDOW_S
+        await publish(self.nc, S.RESEND_SUBJECT, Resend(window_s=window, sent_unix_ms=now_ms()))
+        self.log.info("resend_requested", window_s=round(window, 3), in_flight=len(self._flights))
 
     async def _on_bus_lost(self) -> None:
         self.liveness.pause()  # we hear nobody now; that is not the nodes' fault

@@ -18,6 +18,7 @@ Paths (ARCHITECTURE §2):
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,7 @@ from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, Reservation, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent,
+                         KvHandoff, NodeState, PrefillTiming, Resend, Reservation, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent,
                          TokenEvent, WireError, decode, encode, now_ms)
 
 #: how many cancelled request ids a node agent remembers (a job delayed past its request's end)
@@ -160,7 +161,6 @@ class NodeAgent:
         #: not start here since: a later try finding the claim this node's runs it
         self._uncertain_claims: set[str] = set()
         self.outbox = Outbox()  #: out events published lately (resent after a reconnect)
-        self._resent_for: float | None = None  #: the reconnect (BusWatch.reconnected_at) resent for
         self.deflecting: dict[str, str] = {}  # rid -> the key of the reservation it holds (kairos_resv)
         self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
         self.deflect_overlaps = 0  #: deflect jobs received while every slot was taken here (refused)
@@ -202,9 +202,10 @@ class NodeAgent:
         if cfg.role == "decode":  # a new incarnation holds no deflection: a crashed one's keys go now, not at their TTL
             for slot in range(cfg.max_deflections):
                 await kv_delete_nowait(self.nc, S.RESERVATION_BUCKET, S.reservation_key(cfg.node_id, slot))
-        self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
+        self._bus = BusWatch(self.nc, self._declare, log=self.log, on_connected=self._resend_lost).start()
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))
+        self._subs.append(await self.nc.subscribe(S.RESEND_SUBJECT, cb=self._on_resend))
         if cfg.role == "decode":
             self._subs.append(await self.nc.subscribe(S.kv_wildcard(cfg.node_id), cb=self._on_kv))
         else:
@@ -217,9 +218,7 @@ class NodeAgent:
 
     async def _declare(self) -> None:
         """(Re-)open the requests bucket (claims): at start and after every reconnect (a restarted
-        NATS). An agent may not create it (docs/security.md): it waits for a control-plane service.
-        After a reconnect the out events the lost server may have had are sent again first."""
-        await self._resend_lost()
+        NATS). An agent may not create it (docs/security.md): it waits for a control-plane service."""
         self.claims = Claims(await open_requests_bucket(self.nc.jetstream(), log=self.log), self.cfg.node_id,
                              self.epoch_unix_ms)
 
@@ -272,18 +271,26 @@ class NodeAgent:
         self.outbox.sent(subject, payload)
 
     async def _resend_lost(self) -> None:
-        """After a reconnect (once per reconnect): publish again the out events sent in
+        """After a reconnect (BusWatch ``on_connected``): publish again the out events sent in
         ``RESEND_WINDOW_S`` before the connection was lost — the dead server may have had them."""
         b = self._bus
-        if b is None or b.reconnected_at is None or b.reconnected_at == self._resent_for:
+        if b is None or b.reconnected_at is None:
             return
-        self._resent_for = b.reconnected_at
-        lost_at = b.reconnected_at - (b.outage_s or 0.0)
-        again = self.outbox.since(lost_at - RESEND_WINDOW_S)
+        await self._resend(self.outbox.since(b.reconnected_at - (b.outage_s or 0.0) - RESEND_WINDOW_S), "agent")
+
+    async def _on_resend(self, msg) -> None:
+        """The ingress reconnected (``Resend``): publish again the out events of its window."""
+        try:
+            r = decode(msg.data, Resend)
+        except WireError:
+            return
+        await self._resend(self.outbox.since(time.monotonic() - min(r.window_s, self.outbox.keep_s)), "ingress")
+
+    async def _resend(self, again: list[tuple[str, bytes]], why: str) -> None:
         for subject, payload in again:
             await self.nc.publish(subject, payload)
         if again:
-            self.log.info("out_events_resent", events=len(again))
+            self.log.info("out_events_resent", events=len(again), reconnected=why)
 
     def _out(self, rid: str) -> str:
         """This agent's out subject of ``rid`` (``kairos.out.<rid>.agent-<node>``: the bus proves the sender)."""
