@@ -530,7 +530,7 @@ class Dispatcher:
                     conflicts.append(decision.node)
                 else:
                     excluded[decision.node] = why
-                if attempts >= max_attempts:
+                if attempts - bus_retry.retries >= max_attempts:  # bus retries are bounded by their budget
                     await self._error(req, 503, "no_available_node", f"gave up after {attempts} attempts: {excluded}",
                                       span)
                     return
