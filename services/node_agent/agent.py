@@ -557,8 +557,12 @@ class NodeAgent:
                 tried[cand] = "timeout"
                 continue
             if ack.accepted:
-                if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
+                if rid in self.cancelled:  # cancelled meanwhile: the decode node gets a cancel too
                     return False
+                # not in self.reqs any more without a cancel: the decode node's KvDone (another
+                # subscription, so another task) was handled before this answer — the handoff
+                # happened, and without this event the ingress would hold its tokens until a 504
+                pulled = rid not in self.reqs
                 r.handoff_node = cand
                 # the ingress accepts the tokens of the node this names (it holds any that overtake this)
                 await self._emit(rid, HandoffEvent(request_id=rid, node=self.cfg.node_id, decode_node=cand,
@@ -566,7 +570,8 @@ class NodeAgent:
                 r.handoff_span.set_attribute("kairos.decode_node", cand)
                 if tried:
                     r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
-                self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
+                if not pulled:
+                    self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
                 self._write_prefill_timing(r)
                 return True
             tried[cand] = ack.reason or "refused"
