@@ -193,7 +193,8 @@ async def test_cluster_survives_each_server_killed(tmp_path):
     assert row["meta_leader_kills"] >= 1 and row["req_leader_kills"] >= 1, kills
     # safety holds under every kill: nothing lost, run twice, or mixed
     assert not lost and not wrong and not dup, row
-    # availability targets (issue 17): not met yet — see the report / README for the measured gap
+    # availability targets (issue 17): the p99 TTFT one is missed by JetStream's own leader election (4-9 s
+    # after a leader dies, nats-server's raft); errors and cut streams were 0 in the recorded run (README)
     missed = [what for what, bad in (("offered rate (the client fell behind: a loaded machine)",
                                       row["achieved_rps"] < RATE * 0.9), ("errors", failed), ("streams cut", cut),
                                      ("p99 TTFT", row["p99_ttft_failover_s"] > row["p99_ttft_steady_s"] + 2.0)) if bad]
