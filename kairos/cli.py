@@ -340,7 +340,11 @@ def _engine_defaults_or_exit(opts: dict) -> None:
               help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+ (taichi: simulator only).")
 @click.option("--profile", default=None,
               help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-testbed-vllm with --engine vllm).")
-@click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
+@click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one "
+              "(a cluster: every member's URL, comma-separated).")
+@click.option("--nats-servers", type=click.IntRange(1, 5), default=1, show_default=True,
+              help="Bundled NATS: this many clustered nats-servers on loopback (3: any one may die; every "
+                   "stream and bucket gets one replica per server).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, callback=writable_file,
               help="Also write every span as a JSON line to this file.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
@@ -376,6 +380,8 @@ def up(**opts) -> None:
     opts["api_keys"] = tuple(opts["api_keys"])
     if opts["nats_secrets_dir"] and not opts["nats_url"]:
         raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
+    if opts["nats_url"] and opts["nats_servers"] != 1:
+        raise click.UsageError("--nats-servers starts bundled servers: it cannot be combined with --nats-url")
     if any(not k or k.strip() != k or "," in k for k in opts["api_keys"]):
         raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
                                  param_hint="--api-key")
