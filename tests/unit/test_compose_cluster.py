@@ -153,3 +153,25 @@ def test_docker_compose_accepts_the_file(tmp_path):
     r = subprocess.run([exe, "--project-directory", str(tmp_path), "-f", str(COMPOSE), "config", "-q"],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "COMPOSE_PROFILES": ""})
     assert r.returncode == 0, r.stderr
+
+
+def test_members_spread_over_hosts_keep_the_standard_ports_and_route_to_each_host(tmp_path):
+    """docs/deploy.md's three-host layout: one member per host on 4222/6222/8222, routes to the
+    other hosts' 6222; members sharing a host get the next ports."""
+    hosts = ["10.0.0.1", "10.0.0.2", "kairos-nats-3.example"]
+    members = NC.compose_members(hosts)
+    assert [(m.host, m.port, m.cluster_port, m.monitor_port) for m in members] == [(h, 4222, 6222, 8222) for h in hosts]
+    for m in members:
+        assert listeners(NC.compose_member_config(m, members)) == {
+            "client": f"{m.host}:4222", "monitor": f"{m.host}:8222", "cluster": f"{m.host}:6222"}
+    NC.write_routes_files(tmp_path, members, "pw")
+    for m in members:
+        routes = re.findall(r'@([^"]+)"', (tmp_path / NC.routes_file_name(m)).read_text())
+        assert sorted(routes) == sorted(f"{h}:6222" for h in hosts if h != m.host)
+    mixed = NC.compose_members(["a", "a", "b"])
+    assert [(m.host, m.port) for m in mixed] == [("a", 4222), ("a", 4223), ("b", 4222)]
+    for bad in ([], ["10.0.0.1", "::1"], ["a b"], ["-a"]):
+        with pytest.raises(ValueError):
+            NC.compose_members(bad)
+    with pytest.raises(ValueError, match="URL-safe"):
+        NC.write_routes_files(tmp_path, members, "p@ss")
