@@ -342,7 +342,11 @@ class BusWatch:
     ``poll_s`` (no private nats-py callbacks; the stats counter ``reconnects`` tells a reconnect).
 
     Attributes:
-        disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected.
+        disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected
+            (cleared at the reconnect, before the re-declare: a NATS cluster may take seconds to
+            elect JetStream leaders after a member died, and messages flow meanwhile).
+        resuming: reconnected, ``on_reconnect()`` not done yet (JetStream not answering yet).
+        outage_s: the last outage's length, s (None: none yet, or shorter than one poll).
         reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
         connected_at: ``time.monotonic()`` when this watch started (the service's first connection).
         reconnects: reconnects handled so far.
@@ -357,6 +361,8 @@ class BusWatch:
         self.reconnected_at: float | None = None
         self.connected_at = time.monotonic()
         self.reconnects = 0
+        self.resuming = False
+        self.outage_s: float | None = None
         self._seen = nc.stats.get("reconnects", 0)
         self._task: asyncio.Task | None = None
 
@@ -379,28 +385,35 @@ class BusWatch:
                         await self._safe(self.on_disconnect, "bus_disconnect_hook_failed")
                 continue
             n = self.nc.stats.get("reconnects", 0)
-            if n == self._seen and self.disconnected_since is None:
+            if n == self._seen and self.disconnected_since is None and not self.resuming:
                 continue
             self._seen = n
             self.reconnected_at = time.monotonic()
+            # connected again: the outage is over, even while JetStream is still electing leaders
+            # (a cluster member died) and the re-declare below keeps failing; core NATS (tokens,
+            # jobs, heartbeats) flows already
+            # (None: the reconnect came within one poll, the loss was never seen)
+            self.outage_s = None if self.disconnected_since is None else self.reconnected_at - self.disconnected_since
+            self.disconnected_since = None
+            self.resuming = True
             while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)
                 if await self._safe(self.on_reconnect, "bus_resume_failed"):
                     break
                 await asyncio.sleep(self.retry_s)
             else:
                 continue  # dropped again meanwhile: the next round starts over
-            outage = None if self.disconnected_since is None else time.monotonic() - self.disconnected_since
-            self.disconnected_since = None
+            self.resuming = False
             self.reconnects += 1
             if self.log is not None:
-                self.log.info("bus_resumed", outage_s=None if outage is None else round(outage, 3))
+                self.log.info("bus_resumed", outage_s=None if self.outage_s is None else round(self.outage_s, 3),
+                              redeclare_s=round(time.monotonic() - self.reconnected_at, 3))
 
     def settling(self, window_s: float) -> bool:
         """True while disconnected or within ``window_s`` of the last reconnect or of this
         service's first connection: other clients (node agents) may not have re-subscribed yet, so
         "no responders" proves nothing. A replica that starts just after a NATS restart meets the
         agents in the middle of their reconnect, exactly as one that reconnected itself."""
-        if self.disconnected_since is not None or not self.nc.is_connected:
+        if self.disconnected_since is not None or self.resuming or not self.nc.is_connected:
             return True
         last = max(self.connected_at, self.reconnected_at or 0.0)
         return time.monotonic() - last < window_s

@@ -41,8 +41,9 @@ class IngressConfig(ServiceConfig):
     #: NATS unreachable this long: every in-flight request ends with 503 bus_unavailable
     bus_outage_timeout_s: float = 10.0
     #: an enqueue JetStream did not acknowledge (2 s per try: a stream leader being elected after a
-    #: cluster member died) is re-sent with the same ``Nats-Msg-Id`` (stored once) for this long; then 503
-    enqueue_timeout_s: float = 10.0
+    #: cluster member died, 4–9 s in nats-server) is re-sent with the same ``Nats-Msg-Id`` (stored
+    #: once) for this long, waiting for a reconnect meanwhile; then 503
+    enqueue_timeout_s: float = 15.0
     #: admission: requests in flight at this replica at most; more get 429 ``overloaded`` with
     #: ``Retry-After`` at once (shed explicitly, never by letting the bus time out); 0: no limit
     max_in_flight: int = 512

@@ -53,6 +53,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.ingress.config import IngressConfig
+from services.ingress.reorder import Reorder
 from services.ingress.senders import Senders
 from services.ingress.http import (HardenedRunner, add_retry_after, api_key_middleware, clip, error_response,
                                    load_api_keys)
@@ -130,6 +131,10 @@ def _err(status: int, message: str, code: str | None = None, param: str | None =
 def _api_err(exc: oa.ApiError) -> web.Response:
     return error_response(exc.status, exc.message, exc.code, exc.param)
 
+
+#: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
+#: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
+RECONNECT_WAIT_S = 2.0
 
 class _Metrics:
     """The ingress's Prometheus metrics (docs/observability.md has the table)."""
@@ -933,8 +938,6 @@ class Ingress:
             flight.senders = Senders(attempt_id)
             old = sub
             try:
-                if not self.nc.is_connected:
-                    raise ConnectionError("the ingress is not connected to NATS")
                 if not cfg.out_wildcard:
                     sub = await self.nc.subscribe(S.out_wildcard(attempt_id), cb=self._on_out)
                     if old is not None:
@@ -949,17 +952,25 @@ class Ingress:
                 return exc
             return None
 
+        reorder = Reorder()  # events ahead of a gap wait for it a moment (services/ingress/reorder.py)
+
         async def next_event():
-            if not queue.empty():  # already here (a burst of token events): no timer, no task
-                return queue.get_nowait()
-            left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
-            if left <= 0:
-                return None
-            try:
-                async with asyncio.timeout(left):  # not wait_for: no task and no extra loop turn per event
-                    return await queue.get()
-            except TimeoutError:
-                return None
+            while True:
+                if (held := reorder.ready(lc.received)) is not None:
+                    return held
+                if not queue.empty():  # already here (a burst of token events): no timer, no task
+                    return queue.get_nowait()
+                left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
+                if left <= 0:
+                    return None
+                hold_left = reorder.time_left()
+                try:  # not wait_for: no task and no extra loop turn per event
+                    async with asyncio.timeout(left if hold_left is None else min(left, hold_left + 0.001)):
+                        return await queue.get()
+                except TimeoutError:
+                    if hold_left is None or hold_left >= left:
+                        return None
+                    # the gap's wait ran out: the next round hands the held events on
 
         text_parts: list[str] = []
         sent = 0  # tokens delivered to the client (streaming)
@@ -1021,6 +1032,8 @@ class Ingress:
                     if ev.attempt_id != lc.attempt_id:
                         continue
                     action = lc.interrupted(ev.detail, time_left)
+                elif reorder.hold(ev, lc.attempt_id, lc.received):
+                    continue
                 elif isinstance(ev, TokenEvent):
                     action = lc.on_token(ev, time_left)
                 elif isinstance(ev, DoneEvent):
@@ -1044,6 +1057,7 @@ class Ingress:
                                 attempt_id=action.new_attempt_id, discarded_tokens=len(text_parts))
                     timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
                     text_parts.clear()
+                    reorder.clear()
                     timing.pop("first_token_unix_ms", None)
                     exc = await submit(action.new_attempt_id)
                     if exc is not None:
@@ -1163,12 +1177,28 @@ class Ingress:
     async def _enqueue(self, body: bytes, headers: dict[str, str]) -> None:
         """Publish one request to the work queue, acknowledged by JetStream. A try that gets no
         acknowledgement within 2 s, or finds no stream leader (no responders or an empty answer,
-        ``NoStreamResponseError``: a NATS cluster electing one after a member died), is re-sent with the same ``Nats-Msg-Id`` — JetStream
-        keeps one copy within its 120 s duplicate window (docs/bus.md) — until
-        ``cfg.enqueue_timeout_s`` has passed; then the last error is raised (the caller answers
-        503 ``enqueue_failed``). A closed connection raises at once."""
+        ``NoStreamResponseError``: a NATS cluster electing one after a member died, 4–9 s), is
+        re-sent with the same ``Nats-Msg-Id`` — JetStream keeps one copy within its 120 s
+        duplicate window (docs/bus.md) — until ``cfg.enqueue_timeout_s`` has passed; while the
+        connection is down (nats-py reconnecting to another member) it waits for it, polling every
+        50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
+        Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
+        connection raises at once.
+
+        Raises:
+            ConnectionError: not connected to NATS when the time was up.
+            nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error: the
+                last try's error.
+        """
         deadline = time.monotonic() + self.cfg.enqueue_timeout_s
         while True:
+            while not self.nc.is_connected and not self.nc.is_closed and time.monotonic() < deadline:
+                since = self._bus.disconnected_since if self._bus is not None else None
+                if since is not None and time.monotonic() - since > RECONNECT_WAIT_S:
+                    break
+                await asyncio.sleep(0.05)
+            if not self.nc.is_connected:
+                raise ConnectionError("the ingress is not connected to NATS")
             try:
                 await self.js.publish(S.REQUEST_SUBJECT, body, headers=headers, stream=S.REQUEST_STREAM,
                                       timeout=min(2.0, max(0.1, deadline - time.monotonic())))

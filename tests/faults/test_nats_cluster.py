@@ -8,9 +8,9 @@ stream's leader).
 Counted from the clients (every request ends; a completion's text is exactly the emulated output)
 and the node agents' logs (executions per request id). Targets: 0 lost, 0 duplicated, 0 wrong
 text, 0 streams cut, p99 TTFT of the requests started during a failover within 2 s of the steady
-state's. ``KAIROS_CLUSTER_RESULTS=PATH``: the measured figures are appended there as a JSON line
-(``python -m kairos.docgen record nats-cluster-failover --rows-from PATH -- pytest …``; README
-"Reliability").
+state's. ``KAIROS_CLUSTER_RESULTS=PATH``: the measured figures are written there as one JSON
+object (``python -m kairos.docgen record nats-cluster-failover --rows-from PATH -- env
+KAIROS_CLUSTER_RESULTS=PATH pytest …``; README "Reliability", docs/bus.md).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 
 from kairos.up import free_port
-from tests.faults.conftest import REPO, expected_text, get_json, make_prompt, poll
+from tests.faults.conftest import REPO, Outcome, expected_text, get_json, poll, request
 
 pytestmark = pytest.mark.faults
 
@@ -90,39 +90,12 @@ def read_pid(m: dict) -> int | None:
         return None
 
 
-async def stream_one(http: aiohttp.ClientSession, base: str) -> dict:
-    """One streaming completion: status, error code, text, TTFT (s), start (monotonic)."""
-    prompt = make_prompt(64)
-    t0 = time.monotonic()
-    out = {"t0": t0, "status": 0, "code": None, "text": "", "ttft": None, "prompt": prompt}
-    body = {"model": "kairos-emulated", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}
-    try:
-        async with asyncio.timeout(60):
-            async with http.post(base + "/v1/completions", json=body) as r:
-                out["status"] = r.status
-                if r.status != 200:
-                    out["code"] = ((await r.json(content_type=None)) or {}).get("error", {}).get("code")
-                    return out
-                parts = []
-                async for line in r.content:
-                    line = line.strip()
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        out["code"] = ev["error"].get("code")
-                        continue
-                    for ch in ev.get("choices", []):
-                        if ch.get("finish_reason") is None:
-                            if out["ttft"] is None:
-                                out["ttft"] = time.monotonic() - t0
-                            parts.append(ch.get("text") or "")
-                out["text"] = "".join(parts)
-    except TimeoutError:
-        out["code"] = "hung"
-    except (aiohttp.ClientError, ValueError) as exc:
-        out["code"] = f"client_error:{exc!r}"
-    return out
+def code(o: Outcome) -> str:
+    """A failed outcome's error code (``hung``, ``client_error``, or the HTTP status without one)."""
+    if o.hung:
+        return "hung"
+    err = o.error or {}
+    return str(err.get("code") or ("client_error" if "client_error" in err else o.status))
 
 
 def p99(xs: list[float]) -> float:
@@ -149,7 +122,8 @@ async def test_cluster_survives_each_server_killed(tmp_path):
             async def load() -> None:
                 t_next = time.monotonic()
                 while not stop.is_set():
-                    results.append(asyncio.create_task(stream_one(http, base)))
+                    results.append(asyncio.create_task(request(http, base, MAX_TOKENS, stream=True,
+                                                               prompt_len=64, deadline_s=60)))
                     t_next += 1.0 / RATE
                     await asyncio.sleep(max(0.0, t_next - time.monotonic()))
             loader = asyncio.create_task(load())
@@ -187,14 +161,15 @@ async def test_cluster_survives_each_server_killed(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(up.pid, signal.SIGKILL)
     first_kill = kills[0]["t"]
-    steady = [o["ttft"] for o in outcomes if o["t0"] < first_kill and o["ttft"] is not None]
-    during = [o["ttft"] for o in outcomes if o["ttft"] is not None
-              and any(0 <= o["t0"] - k["t"] < FAILOVER_WINDOW_S for k in kills)]
-    failed = [o for o in outcomes if o["status"] != 200 or o["code"] is not None]
-    lost = [o for o in failed if o["code"] in ("hung", None) or str(o["code"]).startswith("client_error")]
-    cut = [o for o in outcomes if o["status"] == 200 and o["code"] is not None]
-    wrong = [o for o in outcomes if o["status"] == 200 and o["code"] is None
-             and o["text"] != expected_text(o["prompt"], MAX_TOKENS)]
+    steady = [o.ttft_s for o in outcomes if o.started_at < first_kill and o.ttft_s is not None]
+    during = [o.ttft_s for o in outcomes if o.ttft_s is not None
+              and any(0 <= o.started_at - k["t"] < FAILOVER_WINDOW_S for k in kills)]
+    failed = [o for o in outcomes if not o.ok]
+    lost = [o for o in failed if not o.explicit_error]  # hung, a connection error, no error code
+    cut = [o for o in failed if o.status == 200]  # the stream began, then ended with an error event
+    wrong = [o for o in outcomes if o.ok and o.text != expected_text(o.prompt, MAX_TOKENS)]
+    # a cut stream carries a prefix of the right output, never other text
+    wrong += [o for o in cut if not expected_text(o.prompt, MAX_TOKENS).startswith(o.text)]
     execs: dict[str, int] = {}
     for path in logs.glob("*-[0-9].log"):
         for line in path.read_text(errors="replace").splitlines():
@@ -207,14 +182,14 @@ async def test_cluster_survives_each_server_killed(tmp_path):
            "meta_leader_kills": sum(k["meta_leader"] for k in kills), "req_leader_kills": sum(k["req_leader"] for k in kills),
            "completed": len(outcomes) - len(failed), "failed": len(failed), "lost": len(lost), "streams_cut": len(cut),
            "wrong_text": len(wrong), "duplicated": len(dup),
-           "error_codes": dict(sorted(Counter(str(o["code"] or o["status"]) for o in failed).items())),
+           "error_codes": dict(sorted(Counter(code(o) for o in failed).items())),
+           "cut_codes": dict(sorted(Counter(code(o) for o in cut).items())),
            "p99_ttft_steady_s": round(p99(steady), 3), "p99_ttft_failover_s": round(p99(during), 3),
            "max_ttft_failover_s": round(max(during, default=float("nan")), 3),
-           "member_back_s": [k["back_s"] for k in kills]}
+           "member_back_s": [k["back_s"] for k in kills], "failover_window_s": FAILOVER_WINDOW_S}
     print("NATS cluster failover:", json.dumps(row))
     if os.environ.get("KAIROS_CLUSTER_RESULTS"):
-        with open(os.environ["KAIROS_CLUSTER_RESULTS"], "a") as f:
-            f.write(json.dumps(row) + "\n")
+        Path(os.environ["KAIROS_CLUSTER_RESULTS"]).write_text(json.dumps(row) + "\n")
     assert row["meta_leader_kills"] >= 1 and row["req_leader_kills"] >= 1, kills
     # safety holds under every kill: nothing lost, run twice, or mixed
     assert not lost and not wrong and not dup, row

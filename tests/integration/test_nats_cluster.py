@@ -18,7 +18,8 @@ from kairos import natscluster as NC
 from kairos.up import free_port, nats_server_binary, stop_process, wait_listening
 from shared import permissions as P
 from shared import subjects as S
-from shared.bus import BusAuth, connect, ensure_buckets, ensure_request_stream, server_urls, stream_replicas
+from shared.bus import (BusAuth, BusWatch, connect, ensure_buckets, ensure_request_stream, server_urls,
+                        stream_replicas)
 from shared.envconfig import ServiceConfig
 from tests.integration.conftest import wait_until
 
@@ -143,3 +144,38 @@ async def wait_until_ok(make, what: str, timeout: float = 15.0):
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"{what}: still failing after {timeout}s: {exc!r}") from None
             await asyncio.sleep(0.1)
+
+
+async def test_an_outage_ends_at_the_reconnect_not_when_jetstream_answers_again(members):
+    """The member a service is connected to dies: nats-py reconnects to another in milliseconds,
+    but JetStream may take seconds to elect leaders, so the service's re-declare keeps failing.
+    That is no outage (messages flow): ``disconnected_since`` is cleared at the reconnect (the
+    ingress ends every in-flight request with ``bus_unavailable`` when it stays set) and
+    ``resuming`` says the re-declare is still to do."""
+    ms = members
+    nc = await connect(ms.urls, "t-watch", auth=BusAuth(P.INGRESS, ms.auth.passwords[P.INGRESS]))
+    jetstream_back = asyncio.Event()
+    tries = 0
+
+    async def redeclare() -> None:  # JetStream not answering yet, until the test says so
+        nonlocal tries
+        tries += 1
+        if not jetstream_back.is_set():
+            raise nats.errors.TimeoutError
+
+    watch = BusWatch(nc, redeclare, poll_s=0.02, retry_s=0.02).start()
+    try:
+        here = nc.connected_url.port
+        victim = next(m for m in ms.members if m.port == here)
+        ms.procs[victim.name].kill()
+        ms.procs[victim.name].wait()
+        await wait_until(lambda: tries >= 2 and nc.is_connected and nc.connected_url.port != here, 20,
+                         "reconnected to another member, its re-declare failing")
+        assert watch.disconnected_since is None and watch.resuming and watch.settling(0.0)
+        assert watch.outage_s is None or watch.outage_s < 5.0  # None: back within one poll
+        jetstream_back.set()
+        await wait_until(lambda: not watch.resuming, 5, "the re-declare done")
+        assert watch.reconnects == 1
+    finally:
+        await watch.stop()
+        await nc.close()
