@@ -3,8 +3,8 @@ nats-server configuration files (``kairos up --nats-servers 3``; the compose fil
 ``ops/nats/cluster-<i>.conf``).
 
 Each member is one ``nats-server`` with its own client port, cluster (route) port, HTTP monitoring
-port and JetStream store; every member lists the routes of all the others, so the routes form a
-full mesh and any member restarted on its ports and store rejoins.
+port and JetStream store; every member lists every member's route (its own is dropped by the
+server), so the routes form a full mesh and any member restarted on its ports and store rejoins.
 Route connections authenticate with a credential of their own (the ``cluster { authorization }``
 block: the clients' users cannot open a route, a route user cannot log in as a client), and every
 member carries the same client ``authorization`` block (``shared/permissions.py``), so a service
@@ -90,7 +90,10 @@ def _check(m: Member, members: list[Member]) -> None:
 def route_lines(m: Member, members: list[Member], route_password: str) -> list[str]:
     """The route credential and route list of member ``m`` (lines inside its ``cluster { }``
     block): ``authorization { user, password }`` (what the others must present) and one
-    ``nats-route://`` URL per *other* member carrying that credential. The password is written
+    ``nats-route://`` URL per member carrying that credential: the others', and its own, which
+    the server recognises and drops (``kairos up`` has always listed it: lists without it were
+    tried and did worse in tests/faults/test_nats_cluster.py on a loaded machine, a few runs
+    and not understood, so it stays). The password is written
     literally: nats-server expands ``$VAR`` only as a whole unquoted value, never inside a URL
     string, so an environment reference cannot carry it into the route URLs.
 
@@ -100,7 +103,7 @@ def route_lines(m: Member, members: list[Member], route_password: str) -> list[s
     _check(m, members)
     if not route_password or not all(c.isalnum() or c in "-_" for c in route_password):
         raise ValueError("the route password must be URL-safe ([A-Za-z0-9_-]) and not empty")
-    urls = [_quote(f"nats-route://{ROUTE_USER}:{route_password}@{x.host}:{x.cluster_port}") for x in members if x != m]
+    urls = [_quote(f"nats-route://{ROUTE_USER}:{route_password}@{x.host}:{x.cluster_port}") for x in members]
     return ["authorization {", f"  user: {_quote(ROUTE_USER)}", f"  password: {_quote(route_password)}",
             "  timeout: 2", "}", "routes: [", *(f"  {u}" for u in urls), "]"]
 
@@ -203,7 +206,8 @@ def compose_member_config(m: Member, members: list[Member]) -> str:
     """
     _check(m, members)
     peers = ", ".join(f"{x.name} {x.host}:{x.cluster_port}" for x in members if x != m)
-    return _render(m, [f"# the route credential and the routes to {peers} (secret; kairos nats-cluster --secrets-dir)",
+    return _render(m, [f"# the route credential and the routes to {peers} and itself (secret; kairos nats-cluster "
+                       "--secrets-dir)",
                        f"include ./{ROUTES_INCLUDE}"],
                    ["# one user per Kairos role (kairos nats-auth; passwords: NATS_PASSWORD_<USER> in the environment)",
                     f"include ./{AUTH_INCLUDE}",
