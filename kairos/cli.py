@@ -422,6 +422,41 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
     click.echo(f"wrote {len(files)} password files and nats-server.env to {secrets_dir}", err=True)
 
 
+@main.command("nats-cluster")
+@click.option("--hosts", default=",".join(("127.0.0.1",) * 3), show_default=True,
+              help="Comma list: member i (nats-i) runs on host i (IPv4 address or DNS name its peers and the "
+                   "services reach it at). Members sharing a host get consecutive ports from 4222/6222/8222.")
+@click.option("--conf-dir", type=click.Path(file_okay=False), default=None,
+              help="Write the members' configs (cluster-<i>.conf, no secrets) here; ops/nats is what "
+                   "docker-compose.yml mounts.")
+@click.option("--secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="Write a fresh route credential and each member's routes (nats-<i>.routes.conf, 0600) "
+                   "here, e.g. ops/secrets for compose.")
+def nats_cluster(hosts: str, conf_dir: str | None, secrets_dir: str | None) -> None:
+    """The nats-server configs of the compose NATS cluster (kairos/natscluster.py): one per member,
+    routes between all of them with their own credential, JetStream on each, the per-role users of
+    ops/nats/auth.conf. Docs: docs/deploy.md, "A NATS cluster"."""
+    from kairos import natscluster as NC
+    from shared.permissions import new_password
+
+    if conf_dir is None and secrets_dir is None:
+        raise click.UsageError("give --conf-dir, --secrets-dir or both")
+    try:
+        members = NC.compose_members([h.strip() for h in hosts.split(",")])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--hosts") from None
+    for opt, d, write in (("--conf-dir", conf_dir, lambda p: NC.write_compose_configs(p, members)),
+                          ("--secrets-dir", secrets_dir,
+                           lambda p: NC.write_routes_files(p, members, new_password()))):
+        if d is None:
+            continue
+        try:
+            files = write(Path(d))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write into {d}: {exc.strerror or exc}", param_hint=opt) from None
+        click.echo(f"wrote {', '.join(f.name for f in files)} to {d}", err=True)
+
+
 @main.command()
 @click.option("--workload", default=None,
               help="Workload spec as for `kairos sim` (default: azure-code:busiest, the busiest window of the Azure "
