@@ -540,9 +540,9 @@ def nats_cluster_failover(load: Load) -> str:
     errs = f" ({_codes(x['error_codes'])})" if x["error_codes"] else ""
     back = span(x["member_back_s"], lambda v: f"{v:.1f}")
     return (f"Measured (`{command(r.meta)}`; one run: {provenance(r)}): {num(x['servers'])} nats-servers, "
-            f"{x['rate_rps']:g} streaming requests per second offered ({x['achieved_rps']:g} sent), "
-            f"{num(x['kills'])} SIGKILLs — {num(x['meta_leader_kills'])} of the JetStream meta leader, "
-            f"{num(x['req_leader_kills'])} of the request stream's leader — each member restarted and current "
+            f"{x['rate_rps']:g} streaming requests per second offered ({x['achieved_rps']:g} per second sent), "
+            f"{num(x['kills'])} SIGKILLs — {num(x['meta_leader_kills'])} of them of the JetStream meta leader, "
+            f"{num(x['req_leader_kills'])} of the request stream's leader (one server may lead both) — each member restarted and current "
             f"again {back} s after its kill. Of {num(x['sent'])} requests: {num(x['completed'])} completed with "
             f"exactly the expected text, {num(x['failed'])} ended with an explicit error{errs}, "
             f"{num(x['streams_cut'])} of them after their first token (streams cut); {num(x['lost'])} lost (hung "
