@@ -340,7 +340,11 @@ def _engine_defaults_or_exit(opts: dict) -> None:
               help="pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+ (taichi: simulator only).")
 @click.option("--profile", default=None,
               help=f"Bundled profile name or artifact path (default: {DEFAULT_PROFILE}; cpu-testbed-vllm with --engine vllm).")
-@click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one.")
+@click.option("--nats-url", default=None, help="Use this running NATS (JetStream enabled) instead of a bundled one "
+              "(a cluster: every member's URL, comma-separated).")
+@click.option("--nats-servers", type=click.IntRange(1, 5), default=1, show_default=True,
+              help="Bundled NATS: this many clustered nats-servers on loopback (3: any one may die; every "
+                   "stream and bucket gets one replica per server).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, callback=writable_file,
               help="Also write every span as a JSON line to this file.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
@@ -376,6 +380,8 @@ def up(**opts) -> None:
     opts["api_keys"] = tuple(opts["api_keys"])
     if opts["nats_secrets_dir"] and not opts["nats_url"]:
         raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
+    if opts["nats_url"] and opts["nats_servers"] != 1:
+        raise click.UsageError("--nats-servers starts bundled servers: it cannot be combined with --nats-url")
     if any(not k or k.strip() != k or "," in k for k in opts["api_keys"]):
         raise click.BadParameter("an API key must be non-empty, without spaces around it or commas",
                                  param_hint="--api-key")
@@ -414,6 +420,41 @@ def nats_auth(nodes: str, secrets_dir: str | None) -> None:
         raise click.BadParameter(f"cannot write into {secrets_dir}: {exc.strerror or exc}",
                                  param_hint="--secrets-dir") from None
     click.echo(f"wrote {len(files)} password files and nats-server.env to {secrets_dir}", err=True)
+
+
+@main.command("nats-cluster")
+@click.option("--hosts", default=",".join(("127.0.0.1",) * 3), show_default=True,
+              help="Comma list: member i (nats-i) runs on host i (IPv4 address or DNS name its peers and the "
+                   "services reach it at). Members sharing a host get consecutive ports from 4222/6222/8222.")
+@click.option("--conf-dir", type=click.Path(file_okay=False), default=None,
+              help="Write the members' configs (cluster-<i>.conf, no secrets) here; ops/nats is what "
+                   "docker-compose.yml mounts.")
+@click.option("--secrets-dir", type=click.Path(file_okay=False), default=None,
+              help="Write a fresh route credential and each member's routes (nats-<i>.routes.conf, 0600) "
+                   "here, e.g. ops/secrets for compose.")
+def nats_cluster(hosts: str, conf_dir: str | None, secrets_dir: str | None) -> None:
+    """The nats-server configs of the compose NATS cluster (kairos/natscluster.py): one per member,
+    routes between all of them with their own credential, JetStream on each, the per-role users of
+    ops/nats/auth.conf. Docs: docs/deploy.md, "A NATS cluster"."""
+    from kairos import natscluster as NC
+    from shared.permissions import new_password
+
+    if conf_dir is None and secrets_dir is None:
+        raise click.UsageError("give --conf-dir, --secrets-dir or both")
+    try:
+        members = NC.compose_members([h.strip() for h in hosts.split(",")])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--hosts") from None
+    for opt, d, write in (("--conf-dir", conf_dir, lambda p: NC.write_compose_configs(p, members)),
+                          ("--secrets-dir", secrets_dir,
+                           lambda p: NC.write_routes_files(p, members, new_password()))):
+        if d is None:
+            continue
+        try:
+            files = write(Path(d))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write into {d}: {exc.strerror or exc}", param_hint=opt) from None
+        click.echo(f"wrote {', '.join(f.name for f in files)} to {d}", err=True)
 
 
 @main.command()

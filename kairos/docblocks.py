@@ -529,6 +529,34 @@ def slow_clients(load: Load) -> str:
             f"(`kairos_ingress_slow_clients_dropped_total` {num(x['dropped_counter'])}).")
 
 
+# ---------------------------------------------------------------- README / docs/bus.md: NATS cluster
+
+def _codes(codes: dict[str, int]) -> str:
+    return ", ".join(f"`{k}` {num(v)}" for k, v in sorted(codes.items(), key=lambda kv: -kv[1]))
+
+
+def nats_cluster_failover(load: Load) -> str:
+    """``tests/faults/test_nats_cluster.py``: a 3-server cluster under streaming load, every member
+    SIGKILLed in turn (result ``nats-cluster-failover``, its last row)."""
+    r = load("nats-cluster-failover")
+    if not r.rows:
+        raise DocgenError("nats-cluster-failover: no rows")
+    x = r.rows[-1]
+    errs = f" ({_codes(x['error_codes'])})" if x["error_codes"] else ""
+    back = span(x["member_back_s"], lambda v: f"{v:.1f}")
+    return (f"Measured (`{command(r.meta)}`; one run: {provenance(r)}): {num(x['servers'])} nats-servers, "
+            f"{x['rate_rps']:g} streaming requests per second offered ({x['achieved_rps']:g} per second sent), "
+            f"{num(x['kills'])} SIGKILLs — {num(x['meta_leader_kills'])} of them of the JetStream meta leader, "
+            f"{num(x['req_leader_kills'])} of the request stream's leader (one server may lead both) — each member restarted and current "
+            f"again {back} s after its kill. Of {num(x['sent'])} requests: {num(x['completed'])} completed with "
+            f"exactly the expected text, {num(x['failed'])} ended with an explicit error{errs}, "
+            f"{num(x['streams_cut'])} of them after their first token (streams cut); {num(x['lost'])} lost (hung "
+            f"or no error), {num(x['duplicated'])} executed twice, {num(x['wrong_text'])} with wrong text. "
+            f"p99 TTFT {x['p99_ttft_steady_s']:.2f} s before the first kill, {x['p99_ttft_failover_s']:.2f} s "
+            f"(max {x['max_ttft_failover_s']:.2f} s) for the requests sent within "
+            f"{x['failover_window_s']:g} s after a kill.")
+
+
 # ---------------------------------------------------------------- docs/calibration.md
 
 def _reproduction() -> dict[str, Any]:
@@ -657,6 +685,7 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "calibration-link": calibration_link,
     "emulated-cpu-fit": emulated_cpu_fit,
     "slow-clients": slow_clients,
+    "nats-cluster-failover": nats_cluster_failover,
     "vllm-step-times": vllm_step_times,
     "vllm-demo": vllm_demo,
     "vllm-pd-rate": vllm_pd_rate,

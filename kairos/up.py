@@ -47,7 +47,11 @@ from shared import permissions as P
 from shared.envconfig import to_env
 from kairos.engines import VllmServer, tokenizer_path, vllm_python
 from shared.permissions import GeneratedAuth, write_secrets
+from kairos import natscluster as NC
 
+
+#: ``--nats-servers N``: longest wait, s, for the cluster's JetStream to elect its meta leader
+CLUSTER_READY_S = 60.0
 
 #: deflection slots per decode node under kairos+ (its projection plans each one after the others);
 #: one definition, shared with the simulator
@@ -88,6 +92,9 @@ class UpOptions:
     #: bundled NATS: serve nats-server's HTTP monitoring (``/varz``, ``/connz``) on this port of 127.0.0.1
     #: (bench/control_plane.py counts the bus messages per request there); None: off
     nats_monitor_port: int | None = None
+    #: bundled NATS: this many clustered nats-servers (kairos/natscluster.py; 3 survives the loss of
+    #: any one: every stream and bucket then has 3 replicas); 1: a single server
+    nats_servers: int = 1
 
 
 #: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the measured CPU
@@ -418,9 +425,11 @@ class Supervisor:
         """Start NATS (if bundled); returns the NATS URL."""
         if self.opts.nats_url:
             url = self.opts.nats_url
-            hostport = url.split("://", 1)[-1].rsplit("@", 1)[-1]
-            host, _, port = hostport.partition(":")
-            if not _port_open(host or "127.0.0.1", int(port or 4222)):
+
+            def listens(u: str) -> bool:
+                host, _, port = u.split("://", 1)[-1].rsplit("@", 1)[-1].partition(":")
+                return _port_open(host or "127.0.0.1", int(port or 4222))
+            if not any(listens(u) for u in url.split(",") if u.strip()):  # a cluster: one live member is enough
                 raise RuntimeError(f"--nats-url {url}: nothing listens there")
             if self.opts.nats_secrets_dir:
                 d = Path(self.opts.nats_secrets_dir).resolve()
@@ -431,6 +440,8 @@ class Supervisor:
                                        f"kairos nats-auth --secrets-dir {self.opts.nats_secrets_dir} --nodes "
                                        f"{','.join(node_ids(self.opts))})")
             return url
+        if self.opts.nats_servers > 1:
+            return self._start_nats_cluster()
         port = free_port()
         store = self.tmp / "jetstream"
         argv = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
@@ -450,6 +461,48 @@ class Supervisor:
         if not self._start_nats(c) and not self.stopping:
             raise RuntimeError(f"nats-server did not start; log:\n{self._tail(c)}")
         return c.endpoint
+
+    def _start_nats_cluster(self) -> str:
+        """``opts.nats_servers`` clustered nats-servers (kairos/natscluster.py), each a child
+        ``nats-<i>`` restarted like the single server; the same generated client credentials on
+        every member, a route credential of their own. Returns the comma-separated client URLs
+        (every service gets all of them); the members are listed in ``<logs>/nats-cluster.json``."""
+        n, mon = self.opts.nats_servers, self.opts.nats_monitor_port
+        ports = [(free_port(), free_port(), mon + i if mon else free_port()) for i in range(n)]
+        members = NC.plan_members(n, ports, self.tmp / "jetstream")
+        secrets_dir = self.tmp / "nats-credentials"
+        secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        auth_block = None
+        if self.opts.nats_auth:
+            auth = GeneratedAuth.for_nodes(node_ids(self.opts))
+            self.creds = write_secrets(auth, secrets_dir)
+            auth_block = auth.server_config()
+        route_pw = P.new_password()
+        children = []
+        for m in members:
+            Path(m.store).parent.mkdir(parents=True, exist_ok=True)
+            conf = secrets_dir / f"{m.name}.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(NC.member_config(m, members, route_pw, auth_block))
+            children.append(Child(m.name, "message bus (JetStream cluster member)", [nats_server_binary(), "-c", str(conf)],
+                                  dict(os.environ), m.url, self.log_dir / f"{m.name}.log",
+                                  extra={"store": m.store, "monitor": m.monitor_url, "pid_file": m.pid_file}))
+        NC.write_members_file(self.log_dir / "nats-cluster.json", members)
+        for c in children:  # all at once: JetStream waits for a quorum of its peers
+            self._spawn(c)
+        for c in children:
+            if not wait_listening(c.proc, int(c.endpoint.rsplit(":", 1)[1]), give_up=lambda: self.stopping) \
+                    and not self.stopping:
+                raise RuntimeError(f"{c.name} did not start; log:\n{self._tail(c)}")
+        # the services declare streams at start: wait until JetStream has its meta leader (every
+        # member's /healthz answers ok; before, a declare could time out and fail the startup)
+        deadline = time.monotonic() + CLUSTER_READY_S
+        while not all((_get_json(m.monitor_url + "/healthz") or {}).get("status") == "ok" for m in members):
+            if self.stopping or time.monotonic() > deadline:
+                raise RuntimeError(f"the NATS cluster did not become ready within {CLUSTER_READY_S:g} s")
+            time.sleep(0.1)
+        return ",".join(m.url for m in members)
 
     def _start_nats(self, c: Child) -> bool:
         """Spawn ``c`` (the bundled nats-server) and wait, at most 10 s, until it accepts

@@ -13,6 +13,7 @@ and every service re-declares what it uses and restarts its KV watchers after ea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -92,8 +93,38 @@ def tls_context(cfg) -> ssl.SSLContext | None:
     return ctx
 
 
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or a comma-separated list of the members of a
+    cluster (``nats://127.0.0.1:4222,nats://127.0.0.1:4223``), blanks dropped.
+
+    Raises:
+        ValueError: no URL at all.
+    """
+    urls = [u.strip() for u in url.split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"no NATS server URL in {url!r}")
+    return urls
+
+
+#: JetStream's largest replication factor (nats-server refuses ``num_replicas`` > 5)
+MAX_REPLICAS = 5
+
+
+def stream_replicas(cfg) -> int:
+    """Replicas of every stream and KV bucket a service declares: ``cfg.nats_replicas`` if set
+    (> 0), else one per server in ``cfg.nats_url`` (a 3-server cluster: 3, so that a stream
+    survives the loss of any one server), at most :data:`MAX_REPLICAS`. ``cfg`` is a
+    :class:`shared.envconfig.ServiceConfig`. Every service of one deployment must agree (a stream
+    re-declared with another replica count is refused), which giving all of them the same URL
+    list does."""
+    if getattr(cfg, "nats_replicas", 0):
+        return cfg.nats_replicas
+    return min(len(server_urls(cfg.nats_url)), MAX_REPLICAS)
+
+
 async def connect_service(cfg, name: str, log=None, errors: list[Exception] | None = None) -> Client:
-    """:func:`connect` to ``cfg.nats_url`` with the credential and TLS settings of ``cfg`` (a
+    """:func:`connect` to ``cfg.nats_url`` (one server, or every member of a cluster:
+    :func:`server_urls`) with the credential and TLS settings of ``cfg`` (a
     :class:`shared.envconfig.ServiceConfig`). Raises BusAuthError for unusable files."""
     return await connect(cfg.nats_url, name, log, auth=BusAuth.from_config(cfg), tls=tls_context(cfg), errors=errors)
 
@@ -115,6 +146,10 @@ def connect_error_hint(errors: list[Exception]) -> str:
 async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
                   tls: ssl.SSLContext | None = None, errors: list[Exception] | None = None) -> Client:
     """Connect with reconnects forever (a restarted nats-server is picked up again).
+
+    ``url``: one server or a comma-separated list (:func:`server_urls`): nats-py then connects to
+    one of them (in random order, nats-py's default) and, when that one goes away, reconnects to
+    another live one (the pool also learns the cluster's other members from the server's INFO).
 
     The first connection is retried forever too (every 0.5 s, each failure logged as
     ``nats_error``), so services may start before NATS. This never gives up on its own: to abort
@@ -145,7 +180,7 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
         creds = {"user": auth.user, "password": auth.password, "inbox_prefix": inbox_prefix(auth.user)}
     if tls is not None:
         creds["tls"] = tls
-    return await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+    return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                               error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                               connect_timeout=5, drain_timeout=2, **creds)
 
@@ -221,10 +256,12 @@ async def _creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wai
 
 
 async def ensure_request_stream(js: JetStreamContext, q: RequestQueueSettings = RequestQueueSettings(),
-                                consumer: bool = True) -> None:
+                                consumer: bool = True, replicas: int = 1) -> None:
     """Declare the work-queue stream KAIROS_REQ and (``consumer``) the shared durable consumer.
-    The ingress declares the stream only (it publishes; requests wait there for a dispatcher)."""
-    await _creating(lambda: js.add_stream(StreamConfig(
+    The ingress declares the stream only (it publishes; requests wait there for a dispatcher).
+    ``replicas``: the stream's replication factor (:func:`stream_replicas`; the consumer has the
+    stream's)."""
+    await _creating(lambda: js.add_stream(StreamConfig(num_replicas=replicas,
         name=S.REQUEST_STREAM, subjects=[S.REQUEST_SUBJECT], retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=q.max_age_s, duplicate_window=120.0,
         description="Kairos client requests: ingress -> dispatchers (work queue)")))
@@ -248,25 +285,39 @@ class Buckets:
     requests: KeyValue
 
 
-async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0) -> Buckets:
+async def _declare_kv(js: JetStreamContext, config: KeyValueConfig, replicas: int | None) -> KeyValue:
+    """Create KV bucket ``config`` with ``replicas`` replicas (the existing one if its config is the
+    same); ``replicas`` None: open the bucket if it exists whatever its replicas (a client that does
+    not know the deployment's replica count, e.g. ``kairos profile``), else create it with 1."""
+    if replicas is None:
+        try:
+            return await js.key_value(config.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            replicas = 1
+    cfg = dataclasses.replace(config, replicas=replicas)
+    return await _creating(lambda: js.create_key_value(cfg))
+
+
+async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0, replicas: int | None = 1) -> Buckets:
     """Declare (or open) the three KV buckets, all file-backed so a restarted nats-server keeps
-    them (the view and reservations used to be memory-backed and vanished on a restart).
+    them (the view and reservations used to be memory-backed and vanished on a restart), each with
+    ``replicas`` replicas (:func:`stream_replicas`; None: :func:`_declare_kv`).
 
     Raises:
         BucketLayoutError: the server holds a ``kairos_requests`` bucket of the layout before direct
             gets (the message says what to do). Other JetStream errors propagate (nats-py ``APIError``).
     """
-    view = await _creating(lambda: js.create_key_value(KeyValueConfig(
+    view = await _declare_kv(js, KeyValueConfig(
         bucket=S.VIEW_BUCKET, history=1, storage=StorageType.FILE,
-        description="cluster view written by the state aggregator")))
-    resv = await _creating(lambda: js.create_key_value(KeyValueConfig(
+        description="cluster view written by the state aggregator"), replicas)
+    resv = await _declare_kv(js, KeyValueConfig(
         bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.FILE, limit_marker_ttl=1.0,
-        description="one deflection slot per decode node (atomic create, per-message TTL)")))
+        description="one deflection slot per decode node (atomic create, per-message TTL)"), replicas)
     # direct gets: a get names its key in the subject, so the agents' permission can be "claims only"
     try:
-        reqs = await _creating(lambda: js.create_key_value(KeyValueConfig(
+        reqs = await _declare_kv(js, KeyValueConfig(
             bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
-            description="per-request decision records, measured TTFT components and execution claims")))
+            description="per-request decision records, measured TTFT components and execution claims"), replicas)
     except nats.js.errors.APIError as exc:
         if getattr(exc, "err_code", None) == _IN_USE_ERR and not (await js.stream_info(
                 kv_stream(S.REQUESTS_BUCKET))).config.allow_direct:
@@ -311,11 +362,16 @@ class BusWatch:
     may have lost streams/buckets (empty store) and JetStream watchers (ordered push consumers) may
     be left on a consumer that no longer exists. After every reconnect ``on_reconnect()`` (the
     service's re-declare + restart-watchers coroutine) is retried every ``retry_s`` until it
-    succeeds; ``on_disconnect()`` runs when the connection drops. The connection is polled every
+    succeeds; ``on_connected()`` runs once per reconnect before that (what needs core NATS only:
+    it must not wait for JetStream); ``on_disconnect()`` runs when the connection drops. The connection is polled every
     ``poll_s`` (no private nats-py callbacks; the stats counter ``reconnects`` tells a reconnect).
 
     Attributes:
-        disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected.
+        disconnected_since: ``time.monotonic()`` when the connection was lost, None while connected
+            (cleared at the reconnect, before the re-declare: a NATS cluster may take seconds to
+            elect JetStream leaders after a member died, and messages flow meanwhile).
+        resuming: reconnected, ``on_reconnect()`` not done yet (JetStream not answering yet).
+        outage_s: the last outage's length, s (None: none yet, or shorter than one poll).
         reconnected_at: ``time.monotonic()`` of the last reconnect seen (None: never reconnected).
         connected_at: ``time.monotonic()`` when this watch started (the service's first connection).
         reconnects: reconnects handled so far.
@@ -323,13 +379,17 @@ class BusWatch:
 
     def __init__(self, nc: Client, on_reconnect: Callable[[], Awaitable[None]],
                  on_disconnect: Callable[[], Awaitable[None]] | None = None, log=None,
-                 poll_s: float = 0.1, retry_s: float = 0.25) -> None:
+                 poll_s: float = 0.1, retry_s: float = 0.25,
+                 on_connected: Callable[[], Awaitable[None]] | None = None) -> None:
         self.nc, self.on_reconnect, self.on_disconnect, self.log = nc, on_reconnect, on_disconnect, log
+        self.on_connected = on_connected
         self.poll_s, self.retry_s = poll_s, retry_s
         self.disconnected_since: float | None = None
         self.reconnected_at: float | None = None
         self.connected_at = time.monotonic()
         self.reconnects = 0
+        self.resuming = False
+        self.outage_s: float | None = None
         self._seen = nc.stats.get("reconnects", 0)
         self._task: asyncio.Task | None = None
 
@@ -352,28 +412,37 @@ class BusWatch:
                         await self._safe(self.on_disconnect, "bus_disconnect_hook_failed")
                 continue
             n = self.nc.stats.get("reconnects", 0)
-            if n == self._seen and self.disconnected_since is None:
+            if n == self._seen and self.disconnected_since is None and not self.resuming:
                 continue
             self._seen = n
             self.reconnected_at = time.monotonic()
+            # connected again: the outage is over, even while JetStream is still electing leaders
+            # (a cluster member died) and the re-declare below keeps failing; core NATS (tokens,
+            # jobs, heartbeats) flows already
+            # (None: the reconnect came within one poll, the loss was never seen)
+            self.outage_s = None if self.disconnected_since is None else self.reconnected_at - self.disconnected_since
+            self.disconnected_since = None
+            self.resuming = True
+            if self.on_connected is not None:  # once per reconnect, before the re-declare (core NATS only)
+                await self._safe(self.on_connected, "bus_connected_hook_failed")
             while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)
                 if await self._safe(self.on_reconnect, "bus_resume_failed"):
                     break
                 await asyncio.sleep(self.retry_s)
             else:
                 continue  # dropped again meanwhile: the next round starts over
-            outage = None if self.disconnected_since is None else time.monotonic() - self.disconnected_since
-            self.disconnected_since = None
+            self.resuming = False
             self.reconnects += 1
             if self.log is not None:
-                self.log.info("bus_resumed", outage_s=None if outage is None else round(outage, 3))
+                self.log.info("bus_resumed", outage_s=None if self.outage_s is None else round(self.outage_s, 3),
+                              redeclare_s=round(time.monotonic() - self.reconnected_at, 3))
 
     def settling(self, window_s: float) -> bool:
         """True while disconnected or within ``window_s`` of the last reconnect or of this
         service's first connection: other clients (node agents) may not have re-subscribed yet, so
         "no responders" proves nothing. A replica that starts just after a NATS restart meets the
         agents in the middle of their reconnect, exactly as one that reconnected itself."""
-        if self.disconnected_since is not None or not self.nc.is_connected:
+        if self.disconnected_since is not None or self.resuming or not self.nc.is_connected:
             return True
         last = max(self.connected_at, self.reconnected_at or 0.0)
         return time.monotonic() - last < window_s
@@ -390,14 +459,15 @@ class BusWatch:
             return False
 
 
-async def ensure_models_bucket(js: JetStreamContext) -> KeyValue:
-    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch).
+async def ensure_models_bucket(js: JetStreamContext, replicas: int | None = 1) -> KeyValue:
+    """Declare (or open) the latency-model bucket (``kairos profile`` writes, dispatchers watch),
+    with ``replicas`` replicas (None: open it whatever its replicas, :func:`_declare_kv`).
 
     File storage with a short history, so the previous artifacts of a key can be inspected.
     """
-    return await _creating(lambda: js.create_key_value(KeyValueConfig(
+    return await _declare_kv(js, KeyValueConfig(
         bucket=S.MODELS_BUCKET, history=5, storage=StorageType.FILE,
-        description="latency-model artifacts: latency.<name> and latency.current")))
+        description="latency-model artifacts: latency.<name> and latency.current"), replicas)
 
 
 async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_type: type[T], timeout: float,

@@ -150,7 +150,10 @@ class ServiceConfig:
     """Fields every service has (inherit it; they are keyword-only and come after the service's own).
 
     Attributes:
-        nats_url: the NATS server (JetStream enabled).
+        nats_url: the NATS server (JetStream enabled), or every member of a NATS cluster as a
+            comma-separated list (the client reconnects to a live one; ``shared.bus.server_urls``).
+        nats_replicas: replicas of every stream and KV bucket this service declares; 0: one per
+            URL in ``nats_url``, at most 5 (``shared.bus.stream_replicas``).
         nats_user: NATS user (the service's role: ``ingress``, ``dispatcher``, ``aggregator``,
             ``profiler``, ``agent-<node>``; ``shared/permissions.py``); None: no authentication.
         nats_password: its password (prefer ``nats_password_file``: environments leak).
@@ -165,6 +168,7 @@ class ServiceConfig:
     """
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_replicas: int = 0
     nats_user: str | None = None
     nats_password: str | None = dataclasses.field(default=None, repr=False)
     nats_password_file: str | None = None
@@ -177,6 +181,8 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         check_nats_auth(self)
+        require(any(u.strip() for u in self.nats_url.split(",")), "nats_url", "needs at least one server URL")
+        require(0 <= self.nats_replicas <= 5, "nats_replicas", "must be 0 (one per server URL) .. 5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -170,7 +170,8 @@ def role_permissions(user: str) -> Permissions:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
         # claims: the tombstone of an attempt it refused (shared/claims.py: KV create, read back)
-        pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, _kv(rec, _any(S.record_key, "ingress")), _kv(rec, _CLAIMS)]
+        pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, _kv(rec, _any(S.record_key, "ingress")),
+               _kv(rec, _CLAIMS)]
         # the request stream too (requests wait there for a dispatcher); records and claims are read (gets only)
         pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
@@ -215,7 +216,7 @@ def role_permissions(user: str) -> Permissions:
         # No consumer, stream-create or message-get API at all: nothing an agent could point at
         # another role's subjects, and no way to list the bucket's keys.
         pub += _open(kv_stream(rec)) + [_get(rec, _CLAIMS)]
-        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT]
+        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT, S.RESEND_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")
 

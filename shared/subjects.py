@@ -13,6 +13,7 @@ Hierarchy::
     kairos.kvdone.<node>.<sender> KV pulled, release blocks: decode agent (its NATS user) -> prefill agent
     kairos.out.<request_id>.<sender>  token stream / result / error: node agent (its NATS user), dispatcher -> ingress
     kairos.cancel                 client went away or timed out: ingress -> node agents
+    kairos.resend                 publish your recent out events again (the ingress reconnected): ingress -> node agents
     kairos.steps.<node>           one record per engine step: node_agent -> aggregator, profiler
     $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
@@ -38,6 +39,8 @@ REQUEST_SUBJECT = f"{PREFIX}.req.new"
 ROUTED_SUBJECT = f"{PREFIX}.route.decided"
 #: Broadcast: abort a request (client disconnected or ingress timed out).
 CANCEL_SUBJECT = f"{PREFIX}.cancel"
+#: Broadcast: the ingress reconnected (its server died); agents publish their recent out events again.
+RESEND_SUBJECT = f"{PREFIX}.resend"
 
 #: KV bucket with the materialized cluster view (one key, :data:`VIEW_KEY`).
 VIEW_BUCKET = "kairos_view"

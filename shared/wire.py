@@ -426,6 +426,17 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class Resend(msgspec.Struct, frozen=True, kw_only=True):
+    """The ingress lost its NATS server and reconnected to another cluster member: every node agent
+    publishes again the out events it sent in the last ``window_s`` seconds (the dead server may
+    have had them; the ingress drops what it already has by token index). Agents cap ``window_s``
+    at what they keep (``services/node_agent/outbox.py``)."""
+
+    v: int = SCHEMA_VERSION
+    window_s: Annotated[float, msgspec.Meta(gt=0)]
+    sent_unix_ms: float
+
+
 # --------------------------------------------------------------------------------------------
 # request records (KV bucket kairos_requests): GET /v1/requests/{id}
 # --------------------------------------------------------------------------------------------

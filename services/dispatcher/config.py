@@ -26,6 +26,9 @@ class DispatcherConfig(MetricsServiceConfig):
     reservation_ttl_s: float = 30.0  #: floor of a deflection reservation's TTL
     max_deflections_per_node: int = 1  #: deflection slots per decode node (kairos: 1, §5.3; kairos+: several)
     no_node_wait_s: float = 2.0  #: wait this long for a routable node before answering 503
+    #: a job lost to a bus fault (no responders, no answer, claim not stored) is sent again, the
+    #: live node not excluded, for at most this long per request (services/dispatcher/busretry.py); 0: never
+    bus_retry_s: float = 5.0
     ack_wait_s: float = 5.0  #: work-queue ack wait: a silent replica's requests are redelivered after this
     max_deliver: int = 5
     max_concurrency: int = 64  #: requests routed concurrently by this replica
@@ -50,6 +53,7 @@ class DispatcherConfig(MetricsServiceConfig):
         require(self.max_deflections_per_node >= 1, "max_deflections_per_node", "must be >= 1")
         require(self.reservation_ttl_s >= 1, "reservation_ttl_s", "must be >= 1 (the bus TTL unit is 1 s)")
         require(self.no_node_wait_s >= 0, "no_node_wait_s", "must be >= 0")
+        require(self.bus_retry_s >= 0, "bus_retry_s", "must be >= 0")
         require(self.ack_wait_s > 0, "ack_wait_s", "must be > 0")
         require(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         require(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")

@@ -5,8 +5,10 @@ Per request (rules in :mod:`shared.routing`, decision in :mod:`shared.policy`):
 1. snapshot from the watched cluster view + the reservations (watched, and from the nodes' job
    answers) + this replica's deflection jobs not answered yet, minus nodes excluded so far;
 2. ``policy.decide``; a deflection onto a decode node whose slots are all held becomes a keep;
-3. the job goes to the node by request-reply; no responder, a timeout or a refusal excludes the
-   node and routing starts over — a re-route, never a drop. A decode node refuses a deflection
+3. the job goes to the node by request-reply; a refusal excludes the node and routing starts
+   over — a re-route, never a drop. No responder, a timeout or ``claim_failed`` is the bus's fault
+   while the node is live in the view: routing starts over after a short backoff without excluding
+   it, for at most ``bus_retry_s`` (:mod:`services.dispatcher.busretry`). A decode node refuses a deflection
    beyond its slots (``deflection_in_flight``: the node is then shown full and the policy runs
    again); the node that accepts one publishes its reservation (docs/bus.md);
 4. accepted: routing event (aggregator, ingress, replicas), span with ``kairos.*`` attributes,
@@ -30,6 +32,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.dispatcher import faults
+from services.dispatcher.busretry import BusRetry
 from services.dispatcher.config import DispatcherConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
@@ -37,7 +40,7 @@ from shared import telemetry
 from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        flush_barrier, kv_put_nowait, publish, request_subscription, request_typed)
+                        flush_barrier, kv_put_nowait, publish, request_subscription, request_typed, stream_replicas)
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
@@ -83,6 +86,9 @@ class _Metrics:
             self.conflicts.labels(source)
         self.reroutes = Counter("kairos_dispatcher_reroutes_total", "Jobs re-routed after a node refused or was silent",
                                 ("why",), registry=reg)
+        self.bus_retries = Counter("kairos_dispatcher_bus_retries_total",
+                                   "Jobs sent again, the node not excluded, after a bus fault (no responders, no "
+                                   "answer, claim not stored: a NATS cluster failing over)", ("why",), registry=reg)
         self.errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
                               registry=reg)
         self.redeliveries = Counter("kairos_dispatcher_redeliveries_total",
@@ -162,15 +168,16 @@ class Dispatcher:
         sit on consumers that no longer exist)."""
         js = self.js = self.nc.jetstream()
         await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=self.cfg.ack_wait_s,
-                                                             max_deliver=self.cfg.max_deliver))
-        self.buckets = await ensure_buckets(js)
+                                                             max_deliver=self.cfg.max_deliver),
+                                    replicas=stream_replicas(self.cfg))
+        self.buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
         new_watchers = [view_w, resv_w]
         new_tasks = [asyncio.create_task(self._watch_view(view_w)), asyncio.create_task(self._watch_resv(resv_w))]
         if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
             try:
-                models_w = await (await ensure_models_bucket(js)).watch(S.CURRENT_MODEL_KEY)
+                models_w = await (await ensure_models_bucket(js, stream_replicas(self.cfg))).watch(S.CURRENT_MODEL_KEY)
             except Exception as exc:  # optional: routing must not wait for it (the next re-declare retries)
                 self.log.warning("model_watch_failed", error=repr(exc))
             else:
@@ -413,6 +420,7 @@ class Dispatcher:
         rid = req.request_id
         max_attempts = 2 * (len(self.view.nodes) if self.view else 4) + 4
         hits = self._prefix_hits(req)
+        bus_retry = BusRetry(self.cfg.bus_retry_s)
         while True:
             if rid in self.cancelled:  # its cancel came in while it was being routed: send no job
                 span.set_attribute("kairos.outcome", "cancelled")
@@ -492,12 +500,17 @@ class Dispatcher:
                 self._forget_routed(rid)
                 await self._adopt(req, ack.claim, span, log)
                 return
-            if why in ("no_responders", "timeout") and self._bus is not None and self._bus.settling(RECONNECT_SETTLE_S) \
-                    and self.nc.is_connected and now_ms() < req.deadline_unix_ms:
-                # NATS just came back: the node's agent may not have re-subscribed yet
-                log.info("job_retry_after_reconnect", node=decision.node, why=why)
+            settling = self._bus is not None and self._bus.settling(RECONNECT_SETTLE_S)
+            wait = None
+            if self.nc.is_connected and now_ms() < req.deadline_unix_ms:
+                wait = bus_retry.wait_s(why, self._node_live(decision.node))
+                if wait is None and why in ("no_responders", "timeout") and settling:
+                    wait = 0.2  # NATS just came back here: the node's agent may not have re-subscribed yet
+            if wait is not None:  # the bus's fault, not the node's (busretry.py): not excluded
+                log.info("job_retry_bus_fault", node=decision.node, why=why, attempt=attempts, wait_s=round(wait, 3))
+                self.m.bus_retries.labels(why).inc()
                 self._forget_routed(rid)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(wait)
                 await msg.in_progress()
                 continue
             if why is not None and not self.nc.is_connected:
@@ -523,7 +536,7 @@ class Dispatcher:
                     conflicts.append(decision.node)
                 else:
                     excluded[decision.node] = why
-                if attempts >= max_attempts:
+                if attempts - bus_retry.retries >= max_attempts:  # bus retries are bounded by their budget
                     await self._error(req, 503, "no_available_node", f"gave up after {attempts} attempts: {excluded}",
                                       span)
                     return
@@ -532,6 +545,10 @@ class Dispatcher:
             await self._accepted(req, decision, ack, snap.state_age_ms, attempts, excluded, conflicts, decide_ms,
                                  (time.perf_counter() - t_start) * 1000.0, span)
             return
+
+    def _node_live(self, node: str) -> bool:
+        """``node`` is in the watched view and not stale (its heartbeats are arriving)."""
+        return self.view is not None and any(n.node == node and not n.stale for n in self.view.nodes)
 
     async def _wait_connected(self, deadline_unix_ms: float) -> None:
         """Poll (every 50 ms) until this replica is connected again or the deadline passed."""

@@ -40,6 +40,15 @@ class IngressConfig(ServiceConfig):
     outage_grace_s: float = 3.0
     #: NATS unreachable this long: every in-flight request ends with 503 bus_unavailable
     bus_outage_timeout_s: float = 10.0
+    #: an enqueue JetStream did not acknowledge (2 s per try: a stream leader being elected after a
+    #: cluster member died, 4–9 s in nats-server) is re-sent with the same ``Nats-Msg-Id`` (stored
+    #: once) for this long, waiting for a reconnect meanwhile; then 503
+    enqueue_timeout_s: float = 15.0
+    #: admission: requests in flight at this replica at most; more get 429 ``overloaded`` with
+    #: ``Retry-After`` at once (shed explicitly, never by letting the bus time out); 0: no limit
+    max_in_flight: int = 512
+    #: the ``Retry-After`` seconds of that 429
+    overload_retry_after_s: int = 1
     #: heartbeats stamped further ahead of this clock are refused (tolerated clock skew), ms
     heartbeat_max_future_ms: float = 5000.0
     #: accepted API keys (``Authorization: Bearer <key>``), comma-separated in KAIROS_API_KEYS;
@@ -82,6 +91,9 @@ class IngressConfig(ServiceConfig):
         require(self.bus_outage_timeout_s > 0, "bus_outage_timeout_s", "must be > 0")
         require(self.engine_kind in ("emulated", "vllm", "vllm-cpu"), "engine_kind",
                 f"must be emulated, vllm or vllm-cpu, got {self.engine_kind!r}")
+        require(self.enqueue_timeout_s > 0, "enqueue_timeout_s", "must be > 0")
+        require(self.max_in_flight >= 0, "max_in_flight", "must be >= 0 (0: no limit)")
+        require(self.overload_retry_after_s >= 1, "overload_retry_after_s", "must be >= 1")
         require(self.heartbeat_max_future_ms > 0, "heartbeat_max_future_ms", "must be > 0")
         require(all(k.strip() == k and k for k in self.api_keys), "api_keys",
                 "keys must be non-empty and without surrounding spaces")

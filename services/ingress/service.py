@@ -53,6 +53,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.ingress.config import IngressConfig
+from services.ingress.reorder import Reorder
+from services.node_agent.outbox import RESEND_WINDOW_S
 from services.ingress.senders import Senders
 from services.ingress.http import (HardenedRunner, add_retry_after, api_key_middleware, clip, error_response,
                                    load_api_keys)
@@ -60,7 +62,8 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish
+from shared.bus import (BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish,
+                        stream_replicas)
 from shared.claims import withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
@@ -73,7 +76,7 @@ from shared.records import request_record
 from shared.routing import routable
 from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent,
                          InferenceRequest,
-                         IngressTiming, NodeState, OutEvent, PrefillTiming, RoutedEvent, TokenEvent, WireError, decode,
+                         IngressTiming, NodeState, OutEvent, PrefillTiming, Resend, RoutedEvent, TokenEvent, WireError, decode,
                          encode, now_ms)
 
 #: Content-Encoding values whose request bodies the ingress reads (aiohttp decodes gzip and deflate)
@@ -131,6 +134,10 @@ def _api_err(exc: oa.ApiError) -> web.Response:
     return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
+#: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
+#: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
+RECONNECT_WAIT_S = 2.0
+
 class _Metrics:
     """The ingress's Prometheus metrics (docs/observability.md has the table)."""
 
@@ -173,6 +180,10 @@ class _Metrics:
                                    "Heartbeats refused by the liveness tracker, by reason", ("reason",), registry=reg)
         self.bus_down = Counter("kairos_ingress_bus_unavailable_total",
                                 "Requests ended because NATS stayed unreachable", registry=reg)
+        self.shed = Counter("kairos_ingress_overload_shed_total",
+                            "Requests refused with 429 overloaded (max_in_flight reached)", registry=reg)
+        self.enqueue_retries = Counter("kairos_ingress_enqueue_retries_total",
+                                       "Enqueues re-sent because JetStream gave no acknowledgement", registry=reg)
         for outcome in ("resubmitted", "failed"):
             self.node_lost.labels(outcome)
             self.interrupted.labels(outcome)
@@ -256,6 +267,7 @@ class Ingress:
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.m = _Metrics(self.tel.registry)
+        self._admitted = 0  #: completion requests admitted and not finished (cfg.max_in_flight)
         self.origin = OriginGuard(forged_counter("ingress", self.tel.registry), self.log)
         self.port: int | None = None
         self.nc = None
@@ -296,7 +308,8 @@ class Ingress:
         self.js = self.nc.jetstream()
         self._view_watcher = None
         await self._declare()
-        self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log).start()
+        self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log,
+                             on_connected=self._ask_resend).start()
         self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
         self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
         if self.cfg.out_wildcard:  # every token stream, dispatched to its flight by request id
@@ -319,8 +332,8 @@ class Ingress:
     async def _declare(self) -> None:
         """Declare the request stream (requests wait there for a dispatcher) and the buckets, and
         (re)start the view watcher: at start and after every reconnect."""
-        await ensure_request_stream(self.js, consumer=False)
-        self.buckets = await ensure_buckets(self.js)
+        await ensure_request_stream(self.js, consumer=False, replicas=stream_replicas(self.cfg))
+        self.buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         old_w, old_t = self._view_watcher, self._view_task
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
         self._view_task = asyncio.create_task(self._watch_view(self._view_watcher))
@@ -331,6 +344,17 @@ class Ingress:
                 await old_w.stop()
             except Exception:
                 pass
+
+    async def _ask_resend(self) -> None:
+        """Reconnected (BusWatch ``on_connected``, before the re-declare): the server this ingress
+        was on may have held token events for it — every node agent publishes again what it sent
+        since shortly before the loss (``Resend``; dropped here by token index if already had)."""
+        b = self._bus
+        if not self._flights or b is None or b.reconnected_at is None:
+            return
+        window = time.monotonic() - b.reconnected_at + (b.outage_s or 0.0) + RESEND_WINDOW_S
+        await publish(self.nc, S.RESEND_SUBJECT, Resend(window_s=window, sent_unix_ms=now_ms()))
+        self.log.info("resend_requested", window_s=round(window, 3), in_flight=len(self._flights))
 
     async def _on_bus_lost(self) -> None:
         self.liveness.pause()  # we hear nobody now; that is not the nodes' fault
@@ -781,6 +805,25 @@ class Ingress:
         return await self._complete(request, "chat")
 
     async def _complete(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
+        """Admission, then :meth:`_serve`: with ``cfg.max_in_flight`` requests already in flight
+        at this replica (streams count until their last chunk), answer 429 ``overloaded`` with
+        ``Retry-After`` at once, before reading the body — overload is shed here, explicitly, so
+        what is admitted keeps being served (issue 17: without it the bus's 2 s publish timeout
+        turned overload into 503 ``enqueue_failed`` for nearly everyone)."""
+        limit = self.cfg.max_in_flight
+        if limit and self._admitted >= limit:
+            self.m.requests.labels(endpoint, "429").inc()
+            self.m.shed.inc()
+            after = self.cfg.overload_retry_after_s
+            return error_response(429, f"the server is overloaded ({limit} requests in flight at this ingress); "
+                                       f"retry after {after} s", "overloaded", headers={"Retry-After": str(after)})
+        self._admitted += 1
+        try:
+            return await self._serve(request, endpoint)
+        finally:
+            self._admitted -= 1
+
+    async def _serve(self, request: web.Request, endpoint: oa.Endpoint) -> web.StreamResponse:
         received = now_ms()
         encodings = request.headers.getall("Content-Encoding", [])
         if any(e.strip().lower() not in READABLE_ENCODINGS for e in encodings) or len(encodings) > 1:
@@ -924,8 +967,6 @@ class Ingress:
             flight.senders = Senders(attempt_id)
             old = sub
             try:
-                if not self.nc.is_connected:
-                    raise ConnectionError("the ingress is not connected to NATS")
                 if not cfg.out_wildcard:
                     sub = await self.nc.subscribe(S.out_wildcard(attempt_id), cb=self._on_out)
                     if old is not None:
@@ -935,24 +976,31 @@ class Ingress:
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 published.add(attempt_id)
-                await self.js.publish(S.REQUEST_SUBJECT, encode(ireq), headers=headers, stream=S.REQUEST_STREAM,
-                                      timeout=2)
+                await self._enqueue(encode(ireq), headers)
             except Exception as exc:
                 log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
                 return exc
             return None
 
+        reorder = Reorder()  # events ahead of a gap wait for it a moment (services/ingress/reorder.py)
+
         async def next_event():
-            if not queue.empty():  # already here (a burst of token events): no timer, no task
-                return queue.get_nowait()
-            left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
-            if left <= 0:
-                return None
-            try:
-                async with asyncio.timeout(left):  # not wait_for: no task and no extra loop turn per event
-                    return await queue.get()
-            except TimeoutError:
-                return None
+            while True:
+                if (held := reorder.ready(lc.received)) is not None:
+                    return held
+                if not queue.empty():  # already here (a burst of token events): no timer, no task
+                    return queue.get_nowait()
+                left = min(cfg.idle_timeout_s, (deadline - now_ms()) / 1000.0)
+                if left <= 0:
+                    return None
+                hold_left = reorder.time_left()
+                try:  # not wait_for: no task and no extra loop turn per event
+                    async with asyncio.timeout(left if hold_left is None else min(left, hold_left + 0.001)):
+                        return await queue.get()
+                except TimeoutError:
+                    if hold_left is None or hold_left >= left:
+                        return None
+                    # the gap's wait ran out: the next round hands the held events on
 
         text_parts: list[str] = []
         sent = 0  # tokens delivered to the client (streaming)
@@ -1014,6 +1062,8 @@ class Ingress:
                     if ev.attempt_id != lc.attempt_id:
                         continue
                     action = lc.interrupted(ev.detail, time_left)
+                elif reorder.hold(ev, lc.attempt_id, lc.received):
+                    continue
                 elif isinstance(ev, TokenEvent):
                     action = lc.on_token(ev, time_left)
                 elif isinstance(ev, DoneEvent):
@@ -1037,6 +1087,7 @@ class Ingress:
                                 attempt_id=action.new_attempt_id, discarded_tokens=len(text_parts))
                     timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
                     text_parts.clear()
+                    reorder.clear()
                     timing.pop("first_token_unix_ms", None)
                     exc = await submit(action.new_attempt_id)
                     if exc is not None:
@@ -1173,6 +1224,42 @@ class Ingress:
                              node=claim.node if claim else None)
         else:
             self.log.warning("attempt_withdrawal_expired", request_id=attempt_id, code=code)
+
+    async def _enqueue(self, body: bytes, headers: dict[str, str]) -> None:
+        """Publish one request to the work queue, acknowledged by JetStream. A try that gets no
+        acknowledgement within 2 s, or finds no stream leader (no responders or an empty answer,
+        ``NoStreamResponseError``: a NATS cluster electing one after a member died, 4–9 s), is
+        re-sent with the same ``Nats-Msg-Id`` — JetStream keeps one copy within its 120 s
+        duplicate window (docs/bus.md) — until ``cfg.enqueue_timeout_s`` has passed; while the
+        connection is down (nats-py reconnecting to another member) it waits for it, polling every
+        50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
+        Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
+        connection raises at once.
+
+        Raises:
+            ConnectionError: not connected to NATS when the time was up.
+            nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error: the
+                last try's error.
+        """
+        deadline = time.monotonic() + self.cfg.enqueue_timeout_s
+        while True:
+            while not self.nc.is_connected and not self.nc.is_closed and time.monotonic() < deadline:
+                since = self._bus.disconnected_since if self._bus is not None else None
+                if since is not None and time.monotonic() - since > RECONNECT_WAIT_S:
+                    break
+                await asyncio.sleep(0.05)
+            if not self.nc.is_connected:
+                raise ConnectionError("the ingress is not connected to NATS")
+            try:
+                await self.js.publish(S.REQUEST_SUBJECT, body, headers=headers, stream=S.REQUEST_STREAM,
+                                      timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                return
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+                    nats.js.errors.ServiceUnavailableError):
+                if self.nc.is_closed or time.monotonic() + 0.1 >= deadline:
+                    raise
+                self.m.enqueue_retries.inc()
+                await asyncio.sleep(0.1)
 
     async def _cancel(self, rid: str, reason: str) -> None:
         try:

@@ -18,6 +18,7 @@ Paths (ARCHITECTURE §2):
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.node_agent.acceptance import Claims
+from services.node_agent.acceptance import ClaimResult, Claims
+from services.node_agent.outbox import RESEND_WINDOW_S, Outbox
 from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from services.common import start_metrics_and_connect
@@ -44,11 +46,15 @@ from shared.recent import RecentIds
 from shared.routing import job_refusal
 from shared.vllm_api import EngineApiError
 from shared.wire import (Cancel, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent, InFlight, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                         KvHandoff, NodeState, PrefillTiming, Reservation, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent,
+                         KvHandoff, NodeState, PrefillTiming, Resend, Reservation, STEP_BATCH_MAX, STEP_BATCH_S, StepRecordEvent,
                          TokenEvent, WireError, decode, encode, now_ms)
 
 #: how many cancelled request ids a node agent remembers (a job delayed past its request's end)
 CANCELLED_REMEMBERED = 10_000
+#: longest wait for the execution claim's answer, s: below the dispatchers' job_ack_timeout_s (1 s), so
+#: a requests bucket electing a leader (seconds, a NATS cluster member died) answers claim_failed in
+#: time for the dispatcher's retry instead of blocking this node's jobs, handled one at a time
+CLAIM_TIMEOUT_S = 0.75
 
 #: every this many heartbeats (and on the first) the prefix-cache events carry the whole cache
 CACHE_RESYNC = 50
@@ -151,6 +157,10 @@ class NodeAgent:
         self.reqs: dict[str, _Req] = {}
         #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
         self.cancelled = RecentIds(CANCELLED_REMEMBERED)
+        #: request ids whose claim failed here (a lost answer may hide a stored claim) and that did
+        #: not start here since: a later try finding the claim this node's runs it
+        self._uncertain_claims: set[str] = set()
+        self.outbox = Outbox()  #: out events published lately (resent after a reconnect)
         self.deflecting: dict[str, str] = {}  # rid -> the key of the reservation it holds (kairos_resv)
         self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
         self.deflect_overlaps = 0  #: deflect jobs received while every slot was taken here (refused)
@@ -192,9 +202,10 @@ class NodeAgent:
         if cfg.role == "decode":  # a new incarnation holds no deflection: a crashed one's keys go now, not at their TTL
             for slot in range(cfg.max_deflections):
                 await kv_delete_nowait(self.nc, S.RESERVATION_BUCKET, S.reservation_key(cfg.node_id, slot))
-        self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
+        self._bus = BusWatch(self.nc, self._declare, log=self.log, on_connected=self._resend_lost).start()
         self._subs.append(await self.nc.subscribe(S.jobs_subject(cfg.node_id), cb=self._on_job))
         self._subs.append(await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel))
+        self._subs.append(await self.nc.subscribe(S.RESEND_SUBJECT, cb=self._on_resend))
         if cfg.role == "decode":
             self._subs.append(await self.nc.subscribe(S.kv_wildcard(cfg.node_id), cb=self._on_kv))
         else:
@@ -251,6 +262,35 @@ class NodeAgent:
                 self.log.error("background_task_failed", error=repr(task.exception()))
         t.add_done_callback(done)
         return t
+
+    async def _emit(self, rid: str, ev) -> None:
+        """Publish out event ``ev`` of ``rid`` (core NATS) and keep it for a resend after a reconnect
+        (:mod:`services.node_agent.outbox`)."""
+        subject, payload = self._out(rid), encode(ev)
+        await self.nc.publish(subject, payload)
+        self.outbox.sent(subject, payload)
+
+    async def _resend_lost(self) -> None:
+        """After a reconnect (BusWatch ``on_connected``): publish again the out events sent in
+        ``RESEND_WINDOW_S`` before the connection was lost — the dead server may have had them."""
+        b = self._bus
+        if b is None or b.reconnected_at is None:
+            return
+        await self._resend(self.outbox.since(b.reconnected_at - (b.outage_s or 0.0) - RESEND_WINDOW_S), "agent")
+
+    async def _on_resend(self, msg) -> None:
+        """The ingress reconnected (``Resend``): publish again the out events of its window."""
+        try:
+            r = decode(msg.data, Resend)
+        except WireError:
+            return
+        await self._resend(self.outbox.since(time.monotonic() - min(r.window_s, self.outbox.keep_s)), "ingress")
+
+    async def _resend(self, again: list[tuple[str, bytes]], why: str) -> None:
+        for subject, payload in again:
+            await self.nc.publish(subject, payload)
+        if again:
+            self.log.info("out_events_resent", events=len(again), reconnected=why)
 
     def _out(self, rid: str) -> str:
         """This agent's out subject of ``rid`` (``kairos.out.<rid>.agent-<node>``: the bus proves the sender)."""
@@ -371,7 +411,16 @@ class NodeAgent:
             reason = "claim_failed"  # the requests bucket is not open yet
         if reason is None:  # cluster-wide: at most one node executes this bus request id
             assert self.claims is not None
-            claim = await self.claims.claim(job)
+            try:  # bounded: jobs are handled one at a time, and the dispatcher waits job_ack_timeout_s
+                claim = await asyncio.wait_for(self.claims.claim(job), CLAIM_TIMEOUT_S)
+            except TimeoutError:
+                claim = ClaimResult("failed", error=f"no answer from the requests bucket in {CLAIM_TIMEOUT_S} s")
+            if claim.outcome == "failed":  # it may be stored all the same (the answer was lost)
+                self._uncertain_claims.add(rid)
+            elif claim.outcome == "mine" and rid not in self.reqs and rid in self._uncertain_claims:
+                # an earlier try's claim was stored but its answer lost: this node holds it and never
+                # started it, so it runs it now (answering "duplicate" would leave it run by nobody)
+                claim = ClaimResult("won", claim.claim, claim.revision)
             if claim.outcome == "mine" or rid in self.reqs:  # executed (or being executed) here already
                 if took_slot and rid not in self.reqs:
                     self.deflecting.pop(rid, None)
@@ -400,7 +449,7 @@ class NodeAgent:
                 if claim.claim is not None and claim.claim.node == self.cfg.node_id:
                     # this node's previous incarnation held it and died with it: say so (the ingress
                     # re-submits it under a new bus id; this one must not run again)
-                    await publish(self.nc, self._out(rid), ErrorEvent(
+                    await self._emit(rid, ErrorEvent(
                         request_id=rid, status=503, code="node_lost", source=f"node_agent:{self.cfg.node_id}",
                         message=f"node {self.cfg.node_id} restarted and lost request {rid}", sent_unix_ms=now_ms()))
                 return
@@ -440,6 +489,7 @@ class NodeAgent:
             attrs["kairos.decode_candidates"] = list(job.decode_candidates)
         span = self.tel.tracer.start_span(name, context=ctx, kind=SpanKind.CONSUMER, attributes=attrs)
         self.reqs[rid] = _Req(req=job.request, kind=job.kind, received_ms=now, span=span, job=job)
+        self._uncertain_claims.discard(rid)
         resv: tuple[Reservation | None, str | None, int | None] = (None, None, None)
         if job.kind == "deflect":
             resv = await self._reserve(rid, job)
@@ -516,16 +566,21 @@ class NodeAgent:
                 tried[cand] = "timeout"
                 continue
             if ack.accepted:
-                if rid not in self.reqs:  # cancelled meanwhile: the decode node gets a cancel too
+                if rid in self.cancelled:  # cancelled meanwhile: the decode node gets a cancel too
                     return False
+                # not in self.reqs any more without a cancel: the decode node's KvDone (another
+                # subscription, so another task) was handled before this answer — the handoff
+                # happened, and without this event the ingress would hold its tokens until a 504
+                pulled = rid not in self.reqs
                 r.handoff_node = cand
                 # the ingress accepts the tokens of the node this names (it holds any that overtake this)
-                await publish(self.nc, self._out(rid), HandoffEvent(request_id=rid, node=self.cfg.node_id,
-                                                                     decode_node=cand, sent_unix_ms=now_ms()))
+                await self._emit(rid, HandoffEvent(request_id=rid, node=self.cfg.node_id, decode_node=cand,
+                                                   sent_unix_ms=now_ms()))
                 r.handoff_span.set_attribute("kairos.decode_node", cand)
                 if tried:
                     r.handoff_span.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
-                self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
+                if not pulled:
+                    self.kv_backlog[rid] = self.backend.kv_transfer_ms(r.req.prompt_tokens)
                 self._write_prefill_timing(r)
                 return True
             tried[cand] = ack.reason or "refused"
@@ -742,8 +797,8 @@ class NodeAgent:
         if r.last_token_ms is not None:
             r.tbt_max_ms = max(r.tbt_max_ms, now - r.last_token_ms)
         r.last_token_ms = now
-        await self.nc.publish(self._out(rid), encode(TokenEvent(
-            request_id=rid, first_index=first_index, count=count, text=text, node=self.cfg.node_id, sent_unix_ms=now)))
+        await self._emit(rid, TokenEvent(
+            request_id=rid, first_index=first_index, count=count, text=text, node=self.cfg.node_id, sent_unix_ms=now))
         self.m.tokens.labels(self.cfg.node_id).inc(count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
@@ -755,12 +810,12 @@ class NodeAgent:
         if r.decode_span is not None:  # ended first: the trace is complete when the client has its answer
             r.decode_span.set_attributes(self._decode_summary(r))
             r.decode_span.end()
-        await self.nc.publish(self._out(rid), encode(DoneEvent(
+        await self._emit(rid, DoneEvent(
             request_id=rid, completion_tokens=r.tokens, node=self.cfg.node_id, sent_unix_ms=now,
             finish_reason=finish_reason,
             # keep path: what the prefill node served from its cache (KvHandoff); else the larger of
             # the engine's report (vLLM usage) and the prefix hit seen in the step records
-            cached_tokens=r.cached_tokens if r.kind == "remote_decode" else max(cached_tokens, r.cached_tokens))))
+            cached_tokens=r.cached_tokens if r.kind == "remote_decode" else max(cached_tokens, r.cached_tokens)))
         self._write_decode_timing(r, finished_ms=now)
 
     async def on_failed(self, rid: str, status: int, code: str, message: str) -> None:
@@ -839,7 +894,7 @@ class NodeAgent:
         self._end_deflection(rid)
         self.kv_backlog.pop(rid, None)
         try:
-            await publish(self.nc, self._out(rid), ErrorEvent(
+            await self._emit(rid, ErrorEvent(
                 request_id=rid, status=status, code=code, message=message, source=f"node_agent:{self.cfg.node_id}",
                 sent_unix_ms=now_ms()))
         except Exception as exc:

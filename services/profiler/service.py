@@ -325,7 +325,7 @@ class Profiler:
             ProfileError: the node refused, lost or never ran the profiler's work.
         """
         # the node's claims need the requests bucket, which an agent may not create (docs/security.md)
-        await ensure_buckets(self.nc.jetstream())
+        await ensure_buckets(self.nc.jetstream(), replicas=None)  # a cluster's: whatever replicas it has
         self._subs = [await self.nc.subscribe(S.steps_subject(self.node), cb=self._on_step),
                       await self.nc.subscribe(S.state_subject(self.node), cb=self._on_state)]
         await flush_barrier(self.nc)
@@ -424,7 +424,7 @@ def fit_run(run: ProfileRun, *, node: str, grid_name: str, grid: ProfileGrid, na
 async def publish_model(nc, model: LatencyModel, current: bool = True) -> dict[str, int]:
     """Put the artifact into KV ``kairos_models`` under ``latency.<name>`` (and ``latency.current``,
     which the dispatchers watch). Returns key → revision."""
-    kv = await ensure_models_bucket(nc.jetstream())
+    kv = await ensure_models_bucket(nc.jetstream(), replicas=None)
     body = json.dumps(model.to_dict()).encode()
     out = {S.model_key(model.name): await kv.put(S.model_key(model.name), body)}
     if current:

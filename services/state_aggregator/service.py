@@ -24,7 +24,7 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, ensure_buckets, flush_barrier
+from shared.bus import BusWatch, ensure_buckets, flush_barrier, stream_replicas
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
 from shared.origin import OriginGuard, forged_counter
@@ -104,7 +104,7 @@ class StateAggregator:
         self.nc = None
 
     async def _declare(self) -> None:
-        self.buckets = await ensure_buckets(self.nc.jetstream())
+        self.buckets = await ensure_buckets(self.nc.jetstream(), replicas=stream_replicas(self.cfg))
 
     async def start(self) -> None:
         await start_metrics_and_connect(self, "state_aggregator")

@@ -343,6 +343,8 @@ class Outcome:
     hung: bool = False
     rid: str | None = None
     ended_at: float = 0.0  #: time.monotonic() when the answer was complete
+    started_at: float = 0.0  #: time.monotonic() when the request was sent
+    ttft_s: float | None = None  #: a stream's first token chunk, s after the request was sent
 
     @property
     def ok(self) -> bool:
@@ -359,7 +361,7 @@ async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, strea
     prompt = make_prompt(prompt_len)
     body = {"model": "kairos-emulated", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
     t0 = time.monotonic()
-    out = Outcome(status=0, stream=stream, max_tokens=max_tokens, prompt=prompt)
+    out = Outcome(status=0, stream=stream, max_tokens=max_tokens, prompt=prompt, started_at=t0)
     try:
         async with asyncio.timeout(deadline_s):
             async with http.post(base + "/v1/completions", json=body) as r:
@@ -377,6 +379,8 @@ async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, strea
                             continue
                         for ch in ev.get("choices", []):
                             if ch.get("finish_reason") is None:  # one chunk per token; the last carries the reason
+                                if out.ttft_s is None:
+                                    out.ttft_s = time.monotonic() - t0
                                 parts.append(ch.get("text") or "")
                                 out.tokens += 1
                     out.text = "".join(parts)

@@ -242,7 +242,7 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
 
 
 async def test_committed_compose_auth_config_reads_passwords_from_the_environment(tmp_path):
-    """ops/nats/auth.conf (included by ops/nats/nats.conf in compose): the server resolves each
+    """ops/nats/auth.conf (included by ops/nats/cluster-<i>.conf in compose): the server resolves each
     ``$NATS_PASSWORD_<USER>`` from its environment."""
     import os
     import shutil

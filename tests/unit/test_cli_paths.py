@@ -20,6 +20,8 @@ BAD = "/proc/kairos-no-such-dir/out"
     (["up", "--trace-file", f"{BAD}/t.jsonl"], "--trace-file"),
     (["demo", "--trace-file", f"{BAD}/t.jsonl"], "--trace-file"),
     (["nats-auth", "--secrets-dir", BAD], "--secrets-dir"),
+    (["nats-cluster", "--conf-dir", BAD], "--conf-dir"),
+    (["nats-cluster", "--secrets-dir", BAD], "--secrets-dir"),
 ])
 def test_unwritable_output_paths_exit_2_naming_the_option(args, option):
     res = CliRunner().invoke(main, args)

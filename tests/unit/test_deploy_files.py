@@ -86,7 +86,8 @@ def profiles_of(svc: dict) -> frozenset[str]:
 
 
 def test_compose_has_the_expected_services(services):
-    expected_core = {"nats", "jaeger", "state_aggregator", "dispatcher-0", "dispatcher-1", "ingress"}
+    expected_core = {"nats-0", "nats-1", "nats-2", "jaeger", "state_aggregator", "dispatcher-0", "dispatcher-1",
+                     "ingress"}
     assert expected_core <= set(services)
     for name in expected_core:
         assert not profiles_of(services[name]), f"{name} must run in every profile"
@@ -181,7 +182,9 @@ def _vllm_args(engine: dict) -> dict[str, str]:
 
 
 def test_vllm_agents_sit_beside_their_engine(services):
-    nixl_hosts = set()
+    """On the host's network each engine has its own OpenAI, state-stream and NIXL ports on
+    loopback, and the agent beside it uses exactly that engine's."""
+    ports: dict[str, set] = {"http": set(), "state": set(), "nixl": set()}
     for node in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
         agent, engine = services[f"vllm-agent-{node}"], services[f"vllm-{node}"]
         aenv, eenv = env_of(agent), env_of(engine)
@@ -191,20 +194,28 @@ def test_vllm_agents_sit_beside_their_engine(services):
         assert engine["image"] == "vllm/vllm-openai:v0.32.0"
         devices = engine["deploy"]["resources"]["reservations"]["devices"]
         assert devices and all(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-        # the agent talks to its own engine: HTTP port and state-stream port are the engine's
+        # the agent talks to its own engine: HTTP port and state-stream address are the engine's
         args = _vllm_args(engine)
-        assert aenv["KAIROS_ENGINE_URL"] == f"http://vllm-{node}:{args['port']}"
+        assert args["host"] == "127.0.0.1"
+        assert aenv["KAIROS_ENGINE_URL"] == f"http://127.0.0.1:{args['port']}"
+        assert engine["healthcheck"]["test"][-1].count(f"http://127.0.0.1:{args['port']}/health") == 1
         bind = eenv["KAIROS_ENGINE_STATE_ADDR"]
-        assert bind.startswith("tcp://*:"), bind
-        assert aenv["KAIROS_ENGINE_STATE_ADDR"] == f"tcp://vllm-{node}:{bind.rsplit(':', 1)[1]}"
-        # NIXL: each engine advertises its own container name for the handshake
-        assert eenv["VLLM_NIXL_SIDE_CHANNEL_HOST"] == f"vllm-{node}"
-        assert int(eenv["VLLM_NIXL_SIDE_CHANNEL_PORT"]) > 0
-        nixl_hosts.add(eenv["VLLM_NIXL_SIDE_CHANNEL_HOST"])
-    assert len(nixl_hosts) == 4
+        assert bind.startswith("tcp://127.0.0.1:"), bind
+        assert aenv["KAIROS_ENGINE_STATE_ADDR"] == bind
+        assert eenv["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        for kind, port in (("http", args["port"]), ("state", bind.rsplit(":", 1)[1]),
+                           ("nixl", eenv["VLLM_NIXL_SIDE_CHANNEL_PORT"])):
+            assert int(port) > 0
+            ports[kind].add(int(port))
+    assert all(len(v) == 4 for v in ports.values()), f"engines share ports on the host: {ports}"
+    assert not (ports["http"] | ports["state"] | ports["nixl"]) & {8000}, "the ingress owns :8000"
     gpus = [interpolate(services[f"vllm-{n}"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0])
             for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")]
     assert len(set(gpus)) == 4, f"engines share GPUs by default: {gpus}"
+    # every engine runs the same flags but its own port
+    flags = [{k: v for k, v in _vllm_args(services[f"vllm-{n}"]).items() if k != "port"}
+             for n in ("prefill-0", "prefill-1", "decode-0", "decode-1")]
+    assert all(f == flags[0] for f in flags), flags
 
 
 def test_vllm_engines_load_the_kairos_plugin_and_the_kv_connector(services):
@@ -230,23 +241,15 @@ def test_vllm_engines_load_the_kairos_plugin_and_the_kv_connector(services):
         assert "--enable-prompt-tokens-details" in engine["command"]
 
 
-def test_every_service_reaches_nats_and_jaeger(services):
-    nats = services["nats"]
-    image_version = nats["image"].split(":", 1)[1].split("-")[0]
-    major, minor = (int(x) for x in image_version.split(".")[:2])
-    assert (major, minor) >= (2, 11), "per-message TTLs of the reservation bucket need nats-server >= 2.11"
-    assert "-js" in nats["command"]
-    conf = next(v.split(":")[0] for v in nats["volumes"] if v.endswith("/etc/nats/kairos.conf:ro"))
-    assert (ROOT / conf).is_file()
+def test_every_service_reaches_jaeger(services):
+    """Traces go to Jaeger's OTLP/HTTP receiver on loopback (the NATS side: test_compose_cluster.py)."""
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/all-in-one:")
     assert env_of(jaeger)["COLLECTOR_OTLP_ENABLED"] == "true"
-    assert any(str(p).split(":")[-2:] == ["16686", "16686"] for p in jaeger["ports"])
+    assert "--collector.otlp.http.host-port=127.0.0.1:4318" in jaeger["command"]
     for name, (svc, mod) in kairos_services(services).items():
-        env = env_of(svc)
-        assert env["KAIROS_NATS_URL"] == "nats://nats:4222", name
-        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
-        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        assert env_of(svc)["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:4318", name
+        assert svc["depends_on"]["jaeger"]["condition"] == "service_started", name
 
 
 def test_otel_service_name_matches_the_code(services):
@@ -266,17 +269,24 @@ def test_otel_service_name_matches_the_code(services):
 
 
 def test_healthchecks_and_ports_match_the_configured_ports(services):
-    for name, (svc, mod) in kairos_services(services).items():
-        env = env_of(svc)
-        url = svc["healthcheck"]["test"][-1]
-        if mod == "services.ingress":
-            assert env["KAIROS_HOST"] == "0.0.0.0"
-            assert url == f"http://127.0.0.1:{env['KAIROS_PORT']}/health"
-            assert any(str(p).split(":")[-1] == env["KAIROS_PORT"] for p in svc["ports"])
-            assert any(str(p).split(":")[0] == "8000" for p in svc["ports"])
-        else:
-            assert env["KAIROS_METRICS_HOST"] == "0.0.0.0", name
-            assert url == f"http://127.0.0.1:{env['KAIROS_METRICS_PORT']}/health", name
+    """Each Kairos service's healthcheck asks its own port; on the host's network no two services
+    of one profile share a port (the agents of the two profiles use the same ones)."""
+    for profile in ("emulated", "vllm"):
+        used: dict[int, str] = {}
+        for name, (svc, mod) in kairos_services(services).items():
+            if profiles_of(svc) - {profile}:
+                continue
+            env = env_of(svc)
+            url = svc["healthcheck"]["test"][-1]
+            if mod == "services.ingress":
+                assert env["KAIROS_HOST"] == "0.0.0.0"
+                port = env["KAIROS_PORT"]
+            else:
+                assert env["KAIROS_METRICS_HOST"] == "127.0.0.1", name
+                port = env["KAIROS_METRICS_PORT"]
+            assert url == f"http://127.0.0.1:{port}/health", name
+            assert int(port) not in used, f"{name} and {used.get(int(port))} both use port {port}"
+            used[int(port)] = name
 
 
 # ---- Dockerfile ------------------------------------------------------------------------------

@@ -164,7 +164,8 @@ def test_compose_gives_every_service_its_own_roles_secret():
         assert env["KAIROS_NATS_PASSWORD_FILE"] == f"/run/secrets/nats-{want}", name
         assert declared[f"nats-{want}"]["file"] == f"ops/secrets/{want}.password"
         assert "KAIROS_NATS_PASSWORD" not in env, f"{name}: a password in the compose file"
-    assert compose["services"]["nats"]["env_file"] == ["ops/secrets/nats-server.env"]
+    for name in ("nats-0", "nats-1", "nats-2"):  # every member of the NATS cluster has the users' passwords
+        assert compose["services"][name]["env_file"] == ["ops/secrets/nats-server.env"], name
 
 
 def test_write_secrets_files_are_private_and_match_the_server_env(tmp_path):

@@ -1,0 +1,56 @@
+"""A job that does not get through because of the bus — not because of the node — is sent again,
+the node not excluded (issue 17 part 2: in a NATS cluster failover every such failure excluded a
+live node and turned into 503 ``no_available_node``). Real nats-server, real services in-process;
+the fault is the node agent's own subscription or claim store going away for a moment, as when
+its server dies and it reconnects to another member."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.dispatcher.service import RECONNECT_SETTLE_S
+from shared import subjects as S
+from shared.bus import flush_barrier
+from tests.integration.conftest import get_record, stack, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def retries(d, why: str) -> float:
+    return d.m.bus_retries.labels(why)._value.get()
+
+
+async def test_a_node_missing_its_job_subscription_for_a_moment_is_retried_not_excluded(nats_url):
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
+        d, agent = st.dispatchers[0], st.agents["prefill-0"]
+        # past the dispatcher's own reconnect window (there "no responders" was always retried)
+        await wait_until(lambda: not d._bus.settling(RECONNECT_SETTLE_S), RECONNECT_SETTLE_S + 5, "settled")
+        sub = next(s for s in agent._subs if s.subject == S.jobs_subject("prefill-0"))
+        await sub.unsubscribe()
+        agent._subs.remove(sub)
+        await flush_barrier(agent.nc)
+        task = asyncio.create_task(st.complete("hello there", max_tokens=4))
+        # the dispatcher met "no responders" (or already gave up: the request then ended)
+        await wait_until(lambda: task.done() or retries(d, "no_responders") >= 1, 10, "no responders met")
+        agent._subs.append(await agent.nc.subscribe(S.jobs_subject("prefill-0"), cb=agent._on_job))
+        status, body = await task
+        assert status == 200, body
+        rec = await get_record(st, body["id"], lambda r: r["decision"] is not None)
+        assert rec["routing"]["excluded_nodes"] == {}, rec["routing"]
+        assert rec["routing"]["attempts"] >= 2
+
+
+async def test_a_claim_the_bus_could_not_store_is_retried_not_excluded(nats_url):
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
+        d, agent = st.dispatchers[0], st.agents["prefill-0"]
+        claims, agent.claims = agent.claims, None  # the requests bucket unreachable: refused claim_failed
+        task = asyncio.create_task(st.complete("hello again", max_tokens=4))
+        await wait_until(lambda: task.done() or retries(d, "claim_failed") >= 1, 10, "claim_failed met")
+        agent.claims = claims
+        status, body = await task
+        assert status == 200, body
+        rec = await get_record(st, body["id"], lambda r: r["decision"] is not None)
+        assert rec["routing"]["excluded_nodes"] == {}, rec["routing"]
+        assert sum(1 for rid in agent.jobs_received if rid == body["id"]) >= 2
