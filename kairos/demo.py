@@ -164,7 +164,7 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         lost = report["sent"] - report["completed"] - report["failed"]
         print(f"\n{report['completed']}/{report['sent']} completed, {report['failed']} failed, {lost} lost; "
               f"{report['deflections']} deflections. The demo stack stops now; to keep one running and see "
-              f"any request's decision: kairos up, then curl http://127.0.0.1:8000/v1/requests/<id>")
+              f"any request's decision: kairos up{' --engine vllm' if opts.engine == 'vllm' else ''}, then curl http://127.0.0.1:8000/v1/requests/<id>")
         return 0 if report["failed"] == 0 and lost == 0 else 1
     except BenchError as exc:
         sup.msg(f"bench: {exc}")

@@ -503,6 +503,7 @@ class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: NonNeg = 0
     completion_tokens: NonNeg = 0  #: tokens delivered to the client (a disconnected client: those sent before)
     error: str | None = None
+    error_message: str | None = None  #: the message of the error the client got (its ``error.message``)
     #: bus request ids of the re-submissions after a node was lost (``<id>-r1``, …); the decision,
     #: prefill and decode records of the attempt that served the request are under the last one
     resubmitted_as: list[str] = []

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from shared import openai_api as oa
@@ -148,6 +148,17 @@ class _Handler(RequestHandler):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm()  # the first request head must arrive within the timeout
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """A client's malformed request (aiohttp's ``HttpProcessingError``: a bad header, a broken
+        gzip body …) is one warning line naming the error class and status: aiohttp's own record
+        is an error with a traceback that quotes the offending bytes — an ``Authorization`` header
+        and its token included. Anything else is logged as aiohttp does."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self.logger.warning("malformed HTTP request refused: %s (HTTP %s)", type(exc).__name__, exc.code)
+            return
+        super().log_exception(*args, **kw)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

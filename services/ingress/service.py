@@ -407,7 +407,18 @@ class Ingress:
     # -- errors ---------------------------------------------------------------------------------
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every error response is OpenAI-shaped JSON, aiohttp's own 404/405/413 included."""
+        """Every error response is OpenAI-shaped JSON, aiohttp's own 404/405/413 included. A body
+        declared larger than the limit (``Content-Length``, not encoded) is refused with 413 before it
+        is read, instead of waiting for bytes that may never come."""
+        declared = request.content_length
+        if declared is not None and declared > self.cfg.max_body_bytes and \
+                request.headers.get("Content-Encoding", "identity").lower() in ("", "identity"):
+            out = self._http_error(request, web.HTTPRequestEntityTooLarge(self.cfg.max_body_bytes, declared))
+            endpoint = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(request.path)
+            if endpoint is not None and request.method == "POST":  # counted as the handler counts its own 413
+                self.m.requests.labels(endpoint, "413").inc()
+            out.force_close()  # the body is never read: the connection cannot be reused
+            return out
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -906,11 +917,14 @@ class Ingress:
                 if status >= 400:
                     span.set_attribute("error.type", str(timing.get("error") or status))
                     span.set_status(Status(StatusCode.ERROR, str(timing.get("error"))))
-                if resp is not None and not resp.prepared and trace_id:
-                    resp.headers["X-Trace-Id"] = trace_id
+                if resp is not None and not resp.prepared:  # error answers too: GET /v1/requests/<id> explains them
+                    resp.headers["X-Request-Id"] = rid
+                    if trace_id:
+                        resp.headers["X-Trace-Id"] = trace_id
                 self.m.inflight.dec()
                 self.m.requests.labels(endpoint, str(status)).inc()
                 timing["status"] = status
+                timing.setdefault("finished_unix_ms", now_ms())  # an error answer finishes the request too
                 first, done = timing.get("first_token_unix_ms"), timing.get("finished_unix_ms")
                 log.info("request_finished", status=status, endpoint=endpoint, prompt_tokens=prompt_tokens,
                          completion_tokens=timing.get("completion_tokens"), error=timing.get("error"),
@@ -1014,7 +1028,7 @@ class Ingress:
         unsent_tokens = 0
 
         async def fail(status: int, code: str, message: str) -> tuple[web.StreamResponse, int]:
-            timing["error"] = code
+            timing["error"], timing["error_message"] = code, clip(message)
             timing["completion_tokens"] = sent + unsent_tokens if parsed.stream else 0  # unsent: written below
             if resp is None:
                 return _err(status, message, code), status
@@ -1026,6 +1040,7 @@ class Ingress:
             exc = await submit(rid)
             if exc is not None:
                 timing["error"] = "enqueue_failed"
+                timing["error_message"] = "could not enqueue the request (the message bus is unavailable)"
                 # a publish that timed out may still be stored (the server was slow, not gone): the
                 # cancel and the attempt's tombstone claim follow it on this connection, so no node
                 # runs it (shared/claims.py), and the client's retry is the only execution

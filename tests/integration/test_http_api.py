@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import stack
+from tests.integration.conftest import get_record, stack
 
 pytestmark = pytest.mark.integration
 
@@ -43,5 +43,13 @@ async def test_no_nodes_gives_explicit_503(nats_url):
     async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd", no_node_wait_s=0.3) as st:
         await st.kill_agent("decode-0")
         await st.kill_agent("prefill-0")
-        status, body = await st.complete("x", max_tokens=2)
+        async with st.http.post(st.base + "/v1/completions", json={"model": "kairos-emulated", "prompt": "x",
+                                                                  "max_tokens": 2}) as r:
+            status, body, rid = r.status, await r.json(), r.headers.get("X-Request-Id")
         assert status == 503 and body["error"]["code"] == "no_available_node", body
+        # the failed request has an id, and its record says what the client got and when it ended
+        assert rid is not None and rid.startswith("cmpl-")
+        rec = await get_record(st, rid, lambda r: r["records"]["ingress"] is not None)
+        ing = rec["records"]["ingress"]
+        assert (ing["status"], ing["error"], ing["error_message"]) == (503, "no_available_node", body["error"]["message"])
+        assert ing["finished_unix_ms"] is not None and ing["finished_unix_ms"] >= ing["received_unix_ms"]
