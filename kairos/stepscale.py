@@ -106,8 +106,10 @@ class StepScaleSampler:
     After :meth:`stop`: :attr:`scales` (``{node: step-time scale}``, :func:`step_scales`; ``{}``
     if a snapshot failed) and, with ``tbt_slo_ms`` (τ, ms), :attr:`engine_tbt_violation_rate` (the
     share of decode steps above τ, :func:`violation_rate`; None if a snapshot failed or has no
-    bucket at τ). A restart of the aggregator in between resets its counters: both are then
-    unknown (``{}`` / None), never a wrong figure.
+    bucket at τ). A restart of the aggregator in between resets its counters; when a node's count
+    is then below its first snapshot's, both are unknown (``{}`` / None). A restarted aggregator
+    whose counts have already passed the first snapshot's is not detected (its figures then cover
+    only the steps since the restart, less the first snapshot's).
     """
 
     def __init__(self, metrics_url: str, tbt_slo_ms: float | None = None) -> None:
@@ -138,7 +140,7 @@ class StepScaleSampler:
             return self.scales
         try:
             t0, t1 = parse_step_times(before), parse_step_times(after)
-            if any(c < t0.get(n, (0.0,))[0] for n, (c, _, _) in t1.items()):
+            if any(c < t0.get(n, (0.0,))[0] for n, (c, _, _) in t1.items()) or set(t0) - set(t1):
                 return self.scales  # the aggregator restarted: its counters began again
             self.scales = step_scales(t0, t1)
             if self.tbt_slo_ms is not None:
