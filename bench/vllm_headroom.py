@@ -29,9 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.demo import VLLM_DEMO  # noqa: E402
+from kairos.demo import VLLM_DEMO, simulate_same  # noqa: E402
 from kairos.docgen import result_meta, write_result  # noqa: E402
-from kairos.up import VLLM_DEFAULTS  # noqa: E402
+from kairos.up import VLLM_DEFAULTS, UpOptions  # noqa: E402
 from shared.latency import LatencyModel, load_profile  # noqa: E402
 
 POLICIES = ("pd", "kairos", "kairos+")
@@ -70,19 +70,12 @@ def measured_scales(ab_path: Path, policy: str = "kairos") -> dict[str, float]:
 
 
 def simulate(model: LatencyModel, beta: float, rps: float, duration: float, seed: int) -> dict[str, dict]:
-    """``{policy: simulator row}`` for :data:`POLICIES` on the A/B's workload, ``model`` as plan and truth."""
-    from shared.policy import PolicyParams, parse_policy
-    from shared.workloads import parse_workload
-    from sim.experiments import run_one
-    from sim.simulator import SimConfig
-
-    params = PolicyParams(beta=beta, tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"], ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"])
-    wl = parse_workload(VLLM_DEMO["workload"], rps, duration, seed, max_model_len=model.engine.max_model_len)
-    out = {}
-    for name in POLICIES:
-        cfg = SimConfig(n_prefill=1, n_decode=1, tbt_guard=name == "kairos+")  # as kairos up runs kairos+
-        out[name] = run_one(wl, parse_policy(name), model, params, cfg, rps=rps)
-    return out
+    """``{policy: simulator row}`` for :data:`POLICIES` on the A/B's workload and 1P1D stack
+    (:func:`kairos.demo.simulate_same`, as the A/B's simulated column), ``model`` as plan and truth."""
+    opts = dict(port=1, profile=VLLM_DEFAULTS["profile"], prefill=1, decode=1, engine="vllm", beta=beta,
+                tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"], ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"])
+    return {name: simulate_same(VLLM_DEMO["workload"], rps, duration, seed, UpOptions(policy=name, **opts), model=model)
+            for name in POLICIES}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,19 +19,20 @@ from kairos.up import Supervisor, UpOptions, free_port
 
 
 def simulate_same(workload: str, rps: float | None, duration: float, seed: int, opts: UpOptions,
-                  scales: dict[str, float] | None = None) -> dict[str, Any]:
+                  scales: dict[str, float] | None = None, model: Any = None) -> dict[str, Any]:
     """The simulator's row for the workload the live run replayed (same policy and parameters).
 
     ``scales`` (``{node: step-time ÷ profile}``, :mod:`kairos.stepscale`) makes the simulated
     engines' steps that much slower: ``prefill-0``'s scale for every engine (``truth_scale``) and
-    ``decode-0``'s relative to it from t = 0 (``drift``), the simulator's two knobs."""
+    ``decode-0``'s relative to it from t = 0 (``drift``), the simulator's two knobs. ``model`` (a
+    ``shared.latency.LatencyModel``): plan and run with it instead of the profile ``opts.profile``."""
     from shared.latency import load_profile
     from shared.policy import PolicyParams, parse_policy
     from shared.workloads import parse_workload
     from sim.experiments import run_one
     from sim.simulator import SimConfig
 
-    model = load_profile(opts.profile)
+    model = load_profile(opts.profile) if model is None else model
     params = PolicyParams(alpha=opts.alpha, beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
     wl = parse_workload(workload, rps, duration, seed, max_model_len=model.engine.max_model_len)
     policy = parse_policy(opts.policy)
@@ -50,21 +51,23 @@ FIDELITY_TOLERANCE = 0.15
 VLLM_FIDELITY_TOLERANCE = 0.25
 
 
+def _pct(d: dict[str, Any], key: str) -> float | None:
+    """``d[key]`` (a fraction) in percent; None when absent."""
+    v = d.get(key)
+    return None if v is None else 100.0 * v
+
+
 def tbt_rows(live: dict[str, Any], simulated: dict[str, Any]) -> list[tuple[str, Any, Any, str]]:
     """The TBT-violation rows of :func:`side_by_side` (percent): the share of engine decode steps
     above τ on both sides, then the share of inter-token gaps above τ on both sides; a live report
     without the engines' count (recorded before it existed, or the aggregator unreadable) gives one
     row comparing the client's gaps with the simulator's steps, and says so in its name."""
-    def pct(d: dict[str, Any], key: str) -> float | None:
-        v = d.get(key)
-        return None if v is None else 100.0 * v
-
     if live.get("engine_tbt_violation_rate") is None:
-        return [("TBT violations % (live: gaps)", pct(live, "tbt_violation_rate"), pct(simulated, "tbt_violation_rate"),
-                 ".2f")]
-    return [("TBT violations % of decode steps", pct(live, "engine_tbt_violation_rate"),
-             pct(simulated, "tbt_violation_rate"), ".2f"),
-            ("  inter-token gaps > τ %", pct(live, "tbt_gap_violation_rate"), pct(simulated, "tbt_gap_violation_rate"),
+        return [("TBT violations % (live: gaps)", _pct(live, "tbt_violation_rate"),
+                 _pct(simulated, "tbt_violation_rate"), ".2f")]
+    return [("TBT violations % of decode steps", _pct(live, "engine_tbt_violation_rate"),
+             _pct(simulated, "tbt_violation_rate"), ".2f"),
+            ("  inter-token gaps > τ %", _pct(live, "tbt_gap_violation_rate"), _pct(simulated, "tbt_gap_violation_rate"),
              ".2f")]
 
 
@@ -83,10 +86,6 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
     rows = [("", "live", "simulator", "live/sim", "")]
     lb, sb = live.get("ttft_breakdown_p95_ms") or {}, simulated.get("ttft_breakdown_p95_ms") or {}
 
-    def pct(d: dict[str, Any], key: str) -> float | None:
-        v = d.get(key)
-        return None if v is None else 100.0 * v
-
     flag = f"<-- outside ±{tolerance * 100:g} %"
     for name, a, b, spec in (
             ("TTFT p50 ms", live["ttft_ms"]["p50"], simulated["ttft_ms"]["p50"], ",.0f"),
@@ -95,7 +94,7 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
               for k in ("prefill_queue", "prefill_exec", "kv_transfer", "decode_queue")),
             ("TBT p50 ms", live["tbt_ms"]["p50"], simulated["tbt_ms"]["p50"], ",.0f"),
             *tbt_rows(live, simulated),
-            ("SLO attainment %", pct(live, "slo_attainment"), pct(simulated, "slo_attainment"), ".1f"),
+            ("SLO attainment %", _pct(live, "slo_attainment"), _pct(simulated, "slo_attainment"), ".1f"),
             ("deflections", live["deflections"], simulated["deflections"], ",.0f")):
         num = isinstance(a, (int, float)) and isinstance(b, (int, float))
         ratio = a / b if num and b else None
