@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm vllm-venv bench docs decide clean
+.PHONY: run test test-vllm vllm-venv bench docs decide clean mutation
 
 # vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
 # The version must equal kairos_vllm.VLLM_VERSION (the scheduler plugin's pin, checked at import).
@@ -62,6 +62,13 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 ## Decision-cost benchmark (not a test: prints measured figures).
 bench: $(STAMP)
 	$(BIN)/python bench/decision_cost.py
+
+## Mutation tier: mutmut over the safety core ([tool.mutmut] in pyproject.toml), recorded in
+## bench/results/mutation.jsonl; fails if a module scores under 90 % or has an unlisted survivor.
+mutation: $(STAMP)
+	$(BIN)/python -m kairos.docgen record mutation --rows-from out/mutation.json -- \
+	  $(BIN)/python bench/mutation.py --json out/mutation.json
+	$(BIN)/python bench/mutation.py --no-run --check
 
 ## README/docs figures: rewrite every generated block from bench/results/*.jsonl (kairos/docgen.py).
 docs: $(STAMP)

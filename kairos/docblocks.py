@@ -557,6 +557,20 @@ def nats_cluster_failover(load: Load) -> str:
             f"{x['failover_window_s']:g} s after a kill.")
 
 
+def mutation(load: Load) -> str:
+    """``bench/mutation.py`` (``make mutation``): mutants of each safety-critical module by outcome."""
+    r = load("mutation")
+    lines = ["| module | mutants | killed | timeout | survived | of them listed equivalent | score |",
+             "|---|---|---|---|---|---|---|"]
+    for x in r.rows:
+        undetected = x["survived"] + x["no_tests"] + x["other"]
+        lines.append(f"| `{x['module']}` | {num(x['mutants'])} | {num(x['killed'])} | {num(x['timeout'])} | "
+                     f"{num(undetected)} | {num(x['equivalent'])} | {pct(x['score'], 1)} |")
+    total = sum(x["mutants"] for x in r.rows)
+    return (f"`{command(r.meta)}` ({provenance(r)}; {num(total)} mutants in {seconds(r.meta['wall_s'] * 1000.0, 0)} s). "
+            f"Score: (killed + timeout) ÷ (mutants − listed equivalents):\n\n" + "\n".join(lines))
+
+
 # ---------------------------------------------------------------- docs/calibration.md
 
 def _reproduction() -> dict[str, Any]:
@@ -691,4 +705,5 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "vllm-pd-rate": vllm_pd_rate,
     "vllm-ab": vllm_ab,
     "vllm-headroom": vllm_headroom,
+    "mutation": mutation,
 }
