@@ -705,5 +705,5 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "vllm-pd-rate": vllm_pd_rate,
     "vllm-ab": vllm_ab,
     "vllm-headroom": vllm_headroom,
-    "mutation": mutation,
+    # "mutation": mutation,  (registered with its block, once bench/results/mutation.jsonl is recorded)
 }
