@@ -170,10 +170,12 @@ async def test_holder_names_the_claim_or_none():
     c = Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW)
     held(kv, "req-1", c)
     kv.put_raw(S.claim_key("empty"), b"")
+    kv.put_raw(S.claim_key("garbled"), b'{"node": 7}')
     claims = Claims(kv, "decode-0", EPOCH)
     assert await claims.holder("req-1") == c
     assert await claims.holder("never-claimed") is None
     assert await claims.holder("empty") is None
+    assert await claims.holder("garbled") is None
     kv.faults["get"].append(nats.errors.TimeoutError())
     assert await claims.holder("req-1") is None
 
