@@ -63,8 +63,8 @@ async def withdraw(kv: KeyValue, request_id: str, code: str, until_unix_ms: floa
         except nats.js.errors.KeyWrongLastSequenceError:
             try:
                 e = await asyncio.wait_for(kv.get(key), timeout_s)
-                held = decode(e.value, Claim) if e.value else None
-            except (nats.js.errors.KeyNotFoundError, WireError):
+                held = decode(e.value, Claim)
+            except (nats.js.errors.KeyNotFoundError, WireError):  # WireError: not a claim (or empty)
                 held = None  # released (compare-and-delete) meanwhile: create again
             except Exception:
                 held = None

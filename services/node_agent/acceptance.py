@@ -112,6 +112,6 @@ class Claims:
         read (never raises). A KV handoff must come from the prefill node holding it."""
         try:
             e = await self.kv.get(S.claim_key(request_id))
-            return decode(e.value, Claim) if e.value else None
-        except Exception:
+            return decode(e.value, Claim)
+        except Exception:  # no such key, no answer, or not a claim (an empty value too: WireError)
             return None

@@ -1,0 +1,298 @@
+"""Job acceptance's execution claims (services/node_agent/acceptance.py) against an in-memory
+requests bucket that behaves as nats-py's KeyValue does (tests/unit/fake_kv.py), and the node
+agent's answer to each claim outcome (services/node_agent/agent.py ``_on_job``): at most one
+execution per bus request id — a node runs a request only when it won the claim (or holds it from
+this incarnation), never when the bus cannot answer or an earlier incarnation held it."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import nats.errors
+import nats.js.errors
+import pytest
+
+from services.node_agent import acceptance
+from services.node_agent.acceptance import Claims
+from services.node_agent.agent import NodeAgent
+from services.node_agent.config import AgentConfig
+from shared import subjects as S
+from shared import telemetry
+from shared.wire import Claim, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, decode, encode, now_ms
+from tests.unit.fake_kv import FakeKV
+
+NOW = 1_700_000_000_000.0  #: the patched wall clock of every claim made here, ms
+EPOCH = NOW - 60_000.0  #: this agent's incarnation began a minute before
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    monkeypatch.setattr(acceptance, "now_ms", lambda: NOW)
+
+
+def job(rid: str = "req-1", kind: str = "prefill", node: str = "prefill-0",
+        candidates: tuple[str, ...] = ("decode-1", "decode-0"), dispatcher: str = "d-a", attempt: int = 2) -> Job:
+    req = InferenceRequest(request_id=rid, model="m", prompt_tokens=64, max_tokens=3,
+                           created_unix_ms=now_ms(), deadline_unix_ms=now_ms() + 60_000)
+    return Job(kind=kind, request=req, node=node, decode_candidates=list(candidates), dispatcher_id=dispatcher,
+               attempt=attempt)
+
+
+def held(kv: FakeKV, rid: str, claim: Claim) -> int:
+    """Another writer's claim of ``rid`` stored in ``kv``; returns its revision."""
+    return kv.put_raw(S.claim_key(rid), encode(claim))
+
+
+# -- claim ---------------------------------------------------------------------------------------
+async def test_a_free_request_is_won_with_a_claim_naming_this_node_and_the_job():
+    kv = FakeKV()
+    kv.put_raw("claim.other", b"{}")  # revision 1: the bucket's sequence is shared by every key
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    want = Claim(node="prefill-0", kind="prefill", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
+                 claimed_unix_ms=NOW)  # decode_node: the job's first decode candidate
+    assert (res.outcome, res.claim, res.revision, res.error) == ("won", want, 2, "")  # 2: the next sequence
+    assert decode(kv.value(S.claim_key("req-1")), Claim) == want  # stored, under the request's digest key
+    assert kv.calls == [("create", S.claim_key("req-1"))]  # one atomic create, nothing read
+
+
+async def test_a_deflect_job_without_decode_candidates_names_this_node_as_its_decode_node():
+    res = await Claims(FakeKV(), "decode-3", EPOCH).claim(job(kind="deflect", node="decode-3", candidates=()))
+    assert res.outcome == "won" and res.claim is not None
+    assert (res.claim.node, res.claim.kind, res.claim.decode_node) == ("decode-3", "deflect", "decode-3")
+
+
+async def test_a_second_node_finds_the_first_nodes_claim_and_does_not_overwrite_it():
+    kv = FakeKV()
+    first = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    second = await Claims(kv, "prefill-1", EPOCH).claim(job(node="prefill-1", dispatcher="d-b", attempt=3))
+    assert second.outcome == "claimed" and second.claim == first.claim and second.revision == first.revision == 1
+    assert decode(kv.value(S.claim_key("req-1")), Claim).node == "prefill-0"
+
+
+@pytest.mark.parametrize(("claimed_unix_ms", "outcome"), [
+    (EPOCH, "mine"),         # made at this incarnation's first ms: this incarnation's (>= epoch)
+    (EPOCH + 1.0, "mine"),
+    (EPOCH - 1.0, "claimed"),  # one ms before this agent started: an earlier incarnation, died with it
+    (0.0, "claimed"),
+])
+async def test_this_nodes_claim_is_honoured_only_when_made_by_this_incarnation(claimed_unix_ms, outcome):
+    kv = FakeKV()
+    own = Claim(node="prefill-0", kind="prefill", decode_node="decode-0", dispatcher_id="d-a",
+                claimed_unix_ms=claimed_unix_ms)
+    rev = held(kv, "req-1", own)
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    assert (res.outcome, res.claim, res.revision) == (outcome, own, rev)
+    assert decode(kv.value(S.claim_key("req-1")), Claim) == own  # never replaced
+
+
+async def test_another_nodes_claim_made_in_this_incarnation_is_still_not_mine():
+    kv = FakeKV()
+    other = Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW)
+    held(kv, "req-1", other)
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    assert res.outcome == "claimed" and res.claim == other
+
+
+async def test_a_tombstone_is_withdrawn_even_for_the_node_it_would_otherwise_be_mine():
+    kv = FakeKV()
+    # a tombstone names no node; even one naming this node, made in this incarnation, is withdrawn
+    for i, node in enumerate(("", "prefill-0")):
+        tomb = Claim(node=node, kind="prefill", withdrawn="enqueue_failed", claimed_unix_ms=NOW)
+        rev = held(kv, f"req-{i}", tomb)
+        res = await Claims(kv, "prefill-0", EPOCH).claim(job(rid=f"req-{i}"))
+        assert (res.outcome, res.claim, res.revision) == ("withdrawn", tomb, rev)
+
+
+BUS_DOWN = [nats.errors.TimeoutError(), nats.errors.NoRespondersError(), nats.errors.ConnectionClosedError(),
+            nats.js.errors.ServiceUnavailableError()]
+
+
+@pytest.mark.parametrize("exc", BUS_DOWN, ids=lambda e: type(e).__name__)
+async def test_a_create_the_bus_does_not_answer_fails_and_claims_nothing(exc):
+    kv = FakeKV()
+    kv.faults["create"].append(exc)
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    assert (res.outcome, res.claim, res.revision, res.error) == ("failed", None, None, repr(exc))
+    assert kv.calls == [("create", S.claim_key("req-1"))]  # it does not go on to read the key
+    assert kv.value(S.claim_key("req-1")) is None
+
+
+@pytest.mark.parametrize("exc", [nats.errors.TimeoutError(), nats.js.errors.KeyNotFoundError()],
+                         ids=["read_timeout", "deleted_meanwhile"])
+async def test_a_held_claim_that_cannot_be_read_fails(exc):
+    # the key existed at the create (someone holds it) but the read gets no claim: the timeout, or
+    # the holder released it (compare-and-delete) in between — the dispatcher retries either way
+    kv = FakeKV()
+    held(kv, "req-1", Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW))
+    kv.faults["get"].append(exc)
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    assert (res.outcome, res.claim, res.revision, res.error) == ("failed", None, None, repr(exc))
+    assert kv.calls == [("create", S.claim_key("req-1")), ("get", S.claim_key("req-1"))]
+
+
+async def test_a_held_value_that_is_no_claim_or_empty_fails():
+    kv = FakeKV()
+    kv.put_raw(S.claim_key("garbled"), b'{"node": 7}')
+    kv.put_raw(S.claim_key("empty"), b"")
+    bad = await Claims(kv, "prefill-0", EPOCH).claim(job(rid="garbled"))
+    assert bad.outcome == "failed" and bad.claim is None and bad.error.startswith("WireError('bad Claim message")
+    empty = await Claims(kv, "prefill-0", EPOCH).claim(job(rid="empty"))
+    assert (empty.outcome, empty.claim, empty.revision, empty.error) == ("failed", None, None, "empty claim")
+
+
+# -- release and holder ----------------------------------------------------------------------------
+async def test_release_deletes_the_won_claim_so_another_node_can_win_it():
+    kv = FakeKV()
+    mine = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    await Claims(kv, "prefill-0", EPOCH).release("req-1", mine.revision)
+    assert kv.value(S.claim_key("req-1")) is None
+    other = await Claims(kv, "prefill-1", EPOCH).claim(job(node="prefill-1"))
+    assert other.outcome == "won" and other.claim.node == "prefill-1"
+    assert other.revision == 3  # 1: the claim, 2: its delete marker, 3: the new claim
+
+
+async def test_release_is_compare_and_delete_and_never_raises():
+    kv = FakeKV()
+    mine = await Claims(kv, "prefill-0", EPOCH).claim(job())  # revision 1
+    await kv.delete(S.claim_key("req-1"))  # released meanwhile (revision 2) ...
+    theirs = await Claims(kv, "prefill-1", EPOCH).claim(job(node="prefill-1"))  # ... and won again (3)
+    await Claims(kv, "prefill-0", EPOCH).release("req-1", mine.revision)  # stale revision 1: refused, swallowed
+    assert decode(kv.value(S.claim_key("req-1")), Claim) == theirs.claim
+    kv.faults["delete"].append(nats.errors.TimeoutError())
+    await Claims(kv, "prefill-1", EPOCH).release("req-1", theirs.revision)  # bus down: swallowed too
+    assert kv.calls[-1] == ("delete", S.claim_key("req-1"))
+
+
+async def test_holder_names_the_claim_or_none():
+    kv = FakeKV()
+    c = Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW)
+    held(kv, "req-1", c)
+    kv.put_raw(S.claim_key("empty"), b"")
+    kv.put_raw(S.claim_key("garbled"), b'{"node": 7}')
+    claims = Claims(kv, "decode-0", EPOCH)
+    assert await claims.holder("req-1") == c
+    assert await claims.holder("never-claimed") is None
+    assert await claims.holder("empty") is None
+    assert await claims.holder("garbled") is None
+    kv.faults["get"].append(nats.errors.TimeoutError())
+    assert await claims.holder("req-1") is None
+
+
+# -- the node agent acts on the claim --------------------------------------------------------------
+class Msg:
+    """A job request as nats-py delivers it to the agent's subscription (a reply subject, no headers)."""
+
+    def __init__(self, subject: str, data: bytes) -> None:
+        self.subject, self.data, self.reply, self.headers = subject, data, "_INBOX.test", None
+        self.answers: list[JobAck] = []
+
+    async def respond(self, data: bytes) -> None:
+        self.answers.append(decode(data, JobAck))
+
+
+class Bus:
+    """The agent's connection, as far as an out event goes: what it published, decoded."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, OutEvent]] = []
+
+    async def publish(self, subject: str, payload: bytes) -> None:
+        self.published.append((subject, decode(payload, OutEvent)))
+
+
+@pytest.fixture
+def logs():
+    """The JSON log lines written while the test runs (configured before the agent binds its logger;
+    afterwards logging goes to this session's stderr again, not to a stream a test session closed)."""
+    buf = io.StringIO()
+    telemetry.configure_logging("info", "json", stream=buf)
+    yield lambda: [json.loads(x) for x in buf.getvalue().splitlines()]
+    telemetry.configure_logging("info", "json", stream=sys.stderr)
+
+
+@pytest.fixture
+def agent(logs):
+    a = NodeAgent(AgentConfig(node_id="prefill-0", role="prefill"))  # constructed, never started: no bus
+    a.nc = Bus()
+    yield a
+    a.tel.shutdown()
+
+
+async def submit(agent: NodeAgent, j: Job) -> JobAck:
+    msg = Msg(S.jobs_subject(agent.cfg.node_id), encode(j))
+    await agent._on_job(msg)
+    assert len(msg.answers) == 1
+    return msg.answers[0]
+
+
+async def test_the_agent_runs_a_job_whose_claim_it_won(agent):
+    kv = FakeKV()
+    agent.claims = Claims(kv, "prefill-0", EPOCH)
+    ack = await submit(agent, job("won-here"))
+    assert ack.accepted and ack.reason == "" and ack.node == "prefill-0"
+    assert "won-here" in agent.reqs and agent.backend.phase("won-here") is not None  # the engine has it
+    assert decode(kv.value(S.claim_key("won-here")), Claim).node == "prefill-0"
+
+
+@pytest.mark.parametrize("exc", BUS_DOWN[:2], ids=lambda e: type(e).__name__)
+async def test_the_agent_refuses_and_never_runs_a_job_whose_claim_failed(agent, logs, exc):
+    kv = FakeKV()
+    kv.faults["create"].append(exc)
+    agent.claims = Claims(kv, "prefill-0", EPOCH)
+    ack = await submit(agent, job("bus-down"))
+    assert not ack.accepted and ack.reason == "claim_failed"
+    assert "bus-down" not in agent.reqs and agent.backend.phase("bus-down") is None  # the engine never got it
+    said = [(x["event"], x.get("error"), x.get("reason")) for x in logs() if x.get("request_id") == "bus-down"]
+    assert said == [("claim_failed", repr(exc), None), ("job_refused", None, "claim_failed")]
+    # the next try, the bus answering, finds no claim stored and runs it (here, once)
+    again = await submit(agent, job("bus-down", attempt=3))
+    assert again.accepted and again.reason == "" and "bus-down" in agent.reqs
+
+
+async def test_the_agent_refuses_a_job_before_its_requests_bucket_is_open(agent):
+    assert agent.claims is None
+    ack = await submit(agent, job("too-early"))
+    assert not ack.accepted and ack.reason == "claim_failed" and "too-early" not in agent.reqs
+    assert agent.backend.phase("too-early") is None
+
+
+async def test_the_agent_refuses_a_job_its_earlier_incarnation_claimed_and_says_the_request_is_lost(agent):
+    kv = FakeKV()
+    before = Claim(node="prefill-0", kind="prefill", decode_node="decode-0", claimed_unix_ms=EPOCH - 1.0)
+    held(kv, "lost-in-restart", before)
+    agent.claims = Claims(kv, "prefill-0", EPOCH)
+    ack = await submit(agent, job("lost-in-restart"))
+    assert not ack.accepted and ack.reason == "claimed" and ack.claim == before
+    assert "lost-in-restart" not in agent.reqs and agent.backend.phase("lost-in-restart") is None
+    [(subject, ev)] = agent.nc.published
+    assert subject == S.out_subject("lost-in-restart", "agent-prefill-0")
+    assert isinstance(ev, ErrorEvent) and (ev.status, ev.code) == (503, "node_lost")
+
+
+async def test_the_agent_answers_duplicate_for_a_job_this_incarnation_claimed_and_does_not_run_it_again(agent):
+    kv = FakeKV()
+    ours = Claim(node="prefill-0", kind="prefill", decode_node="decode-0", claimed_unix_ms=EPOCH + 1.0)
+    held(kv, "ran-here", ours)  # claimed (and run) by this incarnation; the request has left the node since
+    agent.claims = Claims(kv, "prefill-0", EPOCH)
+    ack = await submit(agent, job("ran-here", dispatcher="d-b", attempt=3))  # redelivered via another dispatcher
+    assert ack.accepted and ack.reason == "duplicate"
+    assert "ran-here" not in agent.reqs and agent.backend.phase("ran-here") is None
+    assert agent.nc.published == []
+
+
+async def test_a_claim_stored_though_its_answer_was_lost_is_run_by_the_next_try_here(agent):
+    kv = FakeKV()
+    key = S.claim_key("answer-lost")
+
+    def stored_then_lost():
+        kv.put_raw(key, encode(Claim(node="prefill-0", kind="prefill", decode_node="decode-1", claimed_unix_ms=NOW)))
+        raise nats.errors.TimeoutError
+
+    kv.faults["create"].append(stored_then_lost)
+    agent.claims = Claims(kv, "prefill-0", EPOCH)
+    first = await submit(agent, job("answer-lost"))
+    assert not first.accepted and first.reason == "claim_failed" and "answer-lost" not in agent.reqs
+    again = await submit(agent, job("answer-lost", attempt=3))  # finds this node's claim, never started: runs it
+    assert again.accepted and again.reason == "" and agent.backend.phase("answer-lost") is not None
