@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from shared.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
@@ -207,3 +208,7 @@ def test_only_an_accepted_heartbeat_is_a_sign_of_life():
     assert lv.silent_ms("decode-0", 1300) == 40 and not lv.dead("decode-0", 1300)
     assert accept_heartbeat(g, lv, st(1, epoch=E1 + 30_000), NOW, 1400.0) is None  # a restart: its new epoch
     assert lv.epoch("decode-0") == E1 + 30_000
+    # another node's heartbeats are judged against its own history, not decode-0's (seq 1 < 6)
+    other = msgspec.structs.replace(st(1), node="decode-1")
+    assert accept_heartbeat(g, lv, other, NOW, 1500.0) is None
+    assert lv.epoch("decode-1") == E1 and lv.silent_ms("decode-1", 1600) == 100

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from shared.origin import OriginGuard, forged_counter
 
@@ -46,6 +46,10 @@ def test_the_counter_is_named_for_the_service_and_starts_every_kind_at_zero():
     for k in KINDS:  # present before the first refusal, so a dashboard sees 0, not "no data"
         assert reg.get_sample_value("kairos_aggregator_forged_messages_total", {"kind": k}) == 0.0
     assert reg.get_sample_value(METRIC, {"kind": "heartbeat"}) is None  # another service's name
+    # /metrics renders it, with a description (prometheus_client fails to render a counter without one)
+    help_line = next(x for x in generate_latest(reg).decode().splitlines()
+                     if x.startswith("# HELP kairos_aggregator_forged_messages_total "))
+    assert help_line.removeprefix("# HELP kairos_aggregator_forged_messages_total ").strip()
 
 
 @pytest.mark.parametrize("headers", [None, {}, {"Nats-Msg-Id": "abc"}])
