@@ -112,9 +112,8 @@ class HeartbeatGuard:
             return "old_epoch"
         st.epoch = epoch_unix_ms  # the agent restarted
         st.epochs[epoch_unix_ms] = _Incarnation(seq, rx_ms, period_ms)
-        if len(st.epochs) > self.keep_epochs:
-            for e in sorted(st.epochs)[: len(st.epochs) - self.keep_epochs]:
-                del st.epochs[e]
+        while len(st.epochs) > self.keep_epochs:  # forget the oldest
+            del st.epochs[min(st.epochs)]
         return None
 
     def forget(self, node: str) -> None:
@@ -190,3 +189,27 @@ class Liveness:
     def dead(self, node: str, now_ms: float) -> bool:
         """True when ``node`` has been silent for more than ``timeout_ms`` (never while paused)."""
         return not self._paused and node in self._heard and now_ms - self._heard[node] > self.timeout_ms
+
+
+def accept_heartbeat(guard: HeartbeatGuard, liveness: Liveness, st, now_unix_ms: float, rx_ms: float) -> str | None:
+    """Validate heartbeat ``st`` with ``guard``; only an accepted one is a sign of life.
+
+    A refused heartbeat (forged, replayed, from the future, of an older incarnation) changes
+    nothing in ``liveness``: counted, it would keep a dead node "alive" for its in-flight requests,
+    or an older or future incarnation would make a live node look restarted.
+
+    Args:
+        guard, liveness: the receiver's (the ingress's).
+        st: the :class:`~shared.wire.NodeState` (``node``, ``epoch_unix_ms``, ``seq``,
+            ``sent_unix_ms``, ``period_ms`` are read).
+        now_unix_ms: the receiver's wall clock, ms since the epoch.
+        rx_ms: the receiver's monotonic clock, ms (when ``liveness`` heard it).
+
+    Returns:
+        None if accepted (``liveness`` heard ``st.node`` at ``rx_ms`` with its epoch), else the
+        reason (one of :data:`REJECT_REASONS`).
+    """
+    why = guard.check(st.node, st.epoch_unix_ms, st.seq, st.sent_unix_ms, st.period_ms, now_unix_ms, rx_ms)
+    if why is None:
+        liveness.heard(st.node, rx_ms, st.epoch_unix_ms)
+    return why

@@ -66,7 +66,7 @@ from shared.bus import (BusWatch, connect_service, ensure_buckets, ensure_reques
                         stream_replicas)
 from shared.claims import withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
-from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness
+from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness, accept_heartbeat
 from shared.latency import load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.vllm_api import unsafe_seed
@@ -569,13 +569,11 @@ class Ingress:
             return
         if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
             return  # another node's heartbeat could declare it restarted or alive (shared/origin.py)
-        mono = time.monotonic() * 1000.0
-        why = self.guard.check(st.node, st.epoch_unix_ms, st.seq, st.sent_unix_ms, st.period_ms, now_ms(), mono)
-        if why is not None:
+        why = accept_heartbeat(self.guard, self.liveness, st, now_ms(), time.monotonic() * 1000.0)
+        if why is not None:  # refused: no sign of life (shared/heartbeat.py accept_heartbeat)
             self.m.hb_rejected.labels(why).inc()
             return
         self._roles[st.node] = st.role
-        self.liveness.heard(st.node, mono, st.epoch_unix_ms)
 
     async def _on_out(self, msg) -> None:
         """An out event (``kairos.out.<attempt id>.<sender>``): to the queue of the request whose

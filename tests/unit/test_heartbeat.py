@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from shared.heartbeat import HeartbeatGuard, Liveness
+import msgspec
+import pytest
+
+from shared.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
 from shared.view import ViewBuilder
 from shared.wire import NodeState
 
@@ -32,6 +35,42 @@ def test_huge_seq_is_refused_and_does_not_lock_out_the_real_node():
     assert check(g, 11 + 1500, rx=100_200) is None
 
 
+def seq10_at_500() -> HeartbeatGuard:
+    """A guard whose last accepted heartbeat of E1 (period 100 ms, slack 5) had seq 10, at rx 500 ms."""
+    g = HeartbeatGuard(seq_slack=5)
+    assert check(g, 10, rx=500) is None
+    return g
+
+
+@pytest.mark.parametrize("rx, seq, want", [
+    (1500, 35, None),  # 1000 ms later: 10 + 5 slack + int(2 × 1000 / 100) = 35 allowed
+    (1500, 36, "seq_jump"),
+    (1549, 35, None),  # 2 × 1049 / 100 = 20.98 → int 20: still 35
+    (1549, 36, "seq_jump"),
+    (500, 15, None),  # no time elapsed: 10 + 5 slack
+    (500, 16, "seq_jump"),
+])
+def test_the_seq_allowance_is_two_per_period_elapsed_since_the_last_accepted_plus_slack(rx, seq, want):
+    assert check(seq10_at_500(), seq, rx=rx) == want
+
+
+def test_a_declared_period_under_1_ms_counts_as_1_ms():
+    g = HeartbeatGuard(seq_slack=5)
+    assert g.check("decode-0", E1, 10, NOW, 0.25, NOW, 0.0) is None  # the epoch's first heartbeat declares 0.25 ms
+    # 10 ms later: 10 + 5 + int(2 × 10 / max(1, 0.25)) = 35 (not 10 + 5 + 80 = 95)
+    assert g.check("decode-0", E1, 36, NOW, 0.25, NOW, 10.0) == "seq_jump"
+    assert g.check("decode-0", E1, 35, NOW, 0.25, NOW, 10.0) is None
+
+
+def test_the_future_limit_is_the_receivers_clock_plus_the_tolerated_skew():
+    g = HeartbeatGuard(max_future_ms=5000)
+    assert check(g, 1, epoch=NOW + 5000) is None  # exactly NOW + 5000: not beyond it
+    assert check(g, 2, epoch=NOW + 5000, sent=NOW + 5000, rx=100) is None
+    assert check(g, 3, epoch=NOW + 5000, sent=NOW + 5001, rx=200) == "future"
+    g = HeartbeatGuard(max_future_ms=5000)
+    assert check(g, 1, epoch=NOW + 5001) == "future"
+
+
 def test_far_future_timestamps_and_epochs_are_refused():
     g = HeartbeatGuard(max_future_ms=5000)
     assert check(g, 1) is None
@@ -55,7 +94,31 @@ def test_one_forged_newer_epoch_locks_out_for_at_most_stale_after():
     assert check(g, 10, rx=0) is None
     assert check(g, 1, epoch=NOW + 1000, rx=50) is None  # forged "restart" (within the skew tolerance)
     assert check(g, 11, rx=100) == "old_epoch"  # the real agent looks old...
-    assert check(g, 12, rx=400) is None  # ...until the forged epoch has been silent for stale_after_ms
+    assert check(g, 12, rx=350) == "old_epoch"  # 350 − 50 = 300: silent exactly stale_after_ms, not longer
+    assert check(g, 12, rx=351) is None  # ...until the forged epoch has been silent for more than that
+    # the real epoch is current again: the forged one is now the replay while the real one lives
+    assert check(g, 2, epoch=NOW + 1000, rx=360) == "old_epoch"
+    assert check(g, 13, rx=400) is None
+
+
+def test_four_incarnations_are_remembered_the_oldest_forgotten():
+    g = HeartbeatGuard(stale_after_ms=300)
+    epochs = [E1 + 1000.0 * i for i in range(5)]  # five restarts, each a newer epoch
+    for i, e in enumerate(epochs):
+        assert check(g, 1, epoch=e, rx=10.0 * i) is None
+    # the newest (epochs[4], last heard at rx 40) silent 360 ms > 300: a known older one may take over...
+    assert check(g, 2, epoch=epochs[0], rx=400) == "old_epoch"  # ...but the fifth-newest is forgotten
+    assert check(g, 2, epoch=epochs[1], rx=400) is None  # the fourth-newest is still known
+
+
+def test_a_forgotten_node_starts_again():
+    g = HeartbeatGuard()
+    assert check(g, 5) is None
+    g.forget("decode-1")  # another node, and one never seen: nothing happens
+    assert check(g, 5, rx=100) == "replay"
+    g.forget("decode-0")  # it left the view: its next heartbeat is a first one, whatever its seq
+    assert check(g, 1, rx=200) is None
+    assert check(g, 1, rx=300) == "replay"
 
 
 def st(seq: int, epoch: float = E1, sent: float = NOW) -> NodeState:
@@ -99,3 +162,53 @@ def test_liveness_does_not_count_the_receivers_own_stall_as_silence():
     lv.stalled(0)
     lv.stalled(-5)  # no stall: nothing moves
     assert lv.silent_ms("b", 3600) == 300
+
+
+def test_liveness_dead_only_after_more_than_the_timeout():
+    lv = Liveness(timeout_ms=3000)
+    lv.heard("a", 1000)
+    assert not lv.dead("a", 4000)  # silent exactly 3000 ms
+    assert lv.dead("a", 4000.5)
+
+
+def test_liveness_keeps_the_epoch_of_the_last_heartbeat_not_of_tokens():
+    lv = Liveness()
+    assert lv.epoch("a") is None
+    lv.heard("a", 0, E1)
+    lv.heard("b", 0, E1 + 7)
+    assert lv.epoch("a") == E1 and lv.epoch("b") == E1 + 7
+    lv.heard("a", 10)  # a token: no epoch, the incarnation stays
+    assert lv.epoch("a") == E1
+    lv.heard("a", 20, E1 + 5)  # the agent restarted
+    assert lv.epoch("a") == E1 + 5
+
+
+def test_liveness_silent_ms_and_a_one_ms_stall():
+    lv = Liveness()
+    assert lv.silent_ms("never-heard", 12_345) == 0
+    lv.heard("a", 100)
+    assert lv.silent_ms("a", 350) == 250  # 350 − 100
+    lv.stalled(1)  # a 1 ms stall still counts
+    assert lv.silent_ms("a", 350) == 249  # 350 − (100 + 1)
+
+
+def test_only_an_accepted_heartbeat_is_a_sign_of_life():
+    g, lv = HeartbeatGuard(), Liveness(timeout_ms=1000)
+    assert accept_heartbeat(g, lv, st(5), NOW, 250.0) is None
+    assert lv.epoch("decode-0") == E1 and lv.silent_ms("decode-0", 1000) == 750  # heard at rx 250
+    refused = [("replay", st(5)), ("replay", st(4)), ("future", st(6, sent=NOW + 3_600_000)),
+               ("future", st(1, epoch=NOW + 3_600_000)), ("seq_jump", st(10 ** 9)), ("old_epoch", st(1, epoch=E1 - 5000))]
+    for i, (why, hb) in enumerate(refused):
+        assert accept_heartbeat(g, lv, hb, NOW, 300.0 + 100 * i) == why
+    # none of them was heard: still last heard at 250, same incarnation, dead once 1000 ms have passed
+    assert lv.silent_ms("decode-0", 1250) == 1000 and lv.epoch("decode-0") == E1
+    assert lv.dead("decode-0", 1251) and lv.dead_nodes(1251) == {"decode-0"}
+    # the real next heartbeat (6 ≤ 5 + 5 + int(2 × 1000 / 100)) brings it back
+    assert accept_heartbeat(g, lv, st(6), NOW, 1260.0) is None
+    assert lv.silent_ms("decode-0", 1300) == 40 and not lv.dead("decode-0", 1300)
+    assert accept_heartbeat(g, lv, st(1, epoch=E1 + 30_000), NOW, 1400.0) is None  # a restart: its new epoch
+    assert lv.epoch("decode-0") == E1 + 30_000
+    # another node's heartbeats are judged against its own history, not decode-0's (seq 1 < 6)
+    other = msgspec.structs.replace(st(1), node="decode-1")
+    assert accept_heartbeat(g, lv, other, NOW, 1500.0) is None
+    assert lv.epoch("decode-1") == E1 and lv.silent_ms("decode-1", 1600) == 100
