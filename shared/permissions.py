@@ -208,7 +208,7 @@ def role_permissions(user: str) -> Permissions:
             raise RoleError(str(exc)) from None
         # its own node's records only (the node id is in the key), KV-pulled notices under its own name
         pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject, user), _any(S.kv_subject, user),
-               _any(S.kvdone_subject, user), _kv(resv, S.reservation_key(node, 0).rsplit(".", 1)[0] + ".*"),
+               _any(S.kvdone_subject, user), _kv(resv, S.reservation_key(node).rsplit(".", 1)[0] + ".*"),
                _kv(rec, _any(S.record_key, "prefill", node)), _kv(rec, _any(S.record_key, "decode", node)),
                _kv(rec, _CLAIMS)]  # execution claims: create, read (below), compare-and-delete
         # JetStream: writes are the publishes above; the only read is a claim by key (acceptance.py),
@@ -284,7 +284,7 @@ def server_auth_config(creds: list[Credential]) -> str:
         p = role_permissions(c.user)
         pw = f"${c.password}" if c.env_ref else json.dumps(c.password)
         perms = {"publish": {"allow": list(p.publish)}, "subscribe": {"allow": list(p.subscribe)}}
-        body = json.dumps(perms, indent=None)
+        body = json.dumps(perms)
         resp = ", allow_responses: true" if p.allow_responses else ""
         lines.append(f"    {{user: {json.dumps(c.user)}, password: {pw}, permissions: {body[:-1]}{resp}}}}}")
     lines += ["  ]", "}", ""]
