@@ -1,0 +1,58 @@
+"""bench/mutation.py's own logic (the mutation tier's bookkeeping; the tier itself is make mutation):
+mutant names to functions, diffs to the lines a listed equivalent names, the committed lists."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_mutation", ROOT / "bench" / "mutation.py")
+M = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = M  # dataclasses look their module up
+_spec.loader.exec_module(M)
+
+
+@pytest.mark.parametrize("mutant, function", [
+    ("shared.heartbeat.xǁLivenessǁheard__mutmut_3", "shared.heartbeat.Liveness.heard"),
+    ("shared.claims.x_tombstone__mutmut_12", "shared.claims.tombstone"),
+    ("services.node_agent.acceptance.xǁClaimsǁ__init____mutmut_1", "services.node_agent.acceptance.Claims.__init__"),
+])
+def test_a_mutant_name_names_the_function_it_mutates(mutant, function):
+    assert M.function_of(mutant) == function
+
+
+def test_the_changed_lines_of_a_diff_are_its_minus_and_plus_lines_stripped():
+    diff = ("--- shared/x.py\n+++ shared/x.py\n@@ -1,3 +1,3 @@\n def f(a):\n"
+            "-    return a < 3\n+    return a <= 3\n     # end")
+    assert M.changed_lines(diff) == ("return a < 3", "return a <= 3")
+    assert M.changed_lines("--- a\n+++ a\n-x = 1\n-y = 2\n+x = 2") == ("x = 1 / y = 2", "x = 2")
+
+
+def test_a_listed_equivalent_matches_only_its_function_and_both_lines():
+    e = M.Equivalent("shared.x.f", "return a < 3", "return a <= 3", "a is never 3")
+    assert e.matches("shared.x.f", "return a < 3", "return a <= 3")
+    assert not e.matches("shared.x.g", "return a < 3", "return a <= 3")
+    assert not e.matches("shared.x.f", "return a < 3", "return a > 3")
+
+
+def test_a_module_score_leaves_out_listed_equivalents_and_counts_timeouts_as_detected():
+    r = M.ModuleResult("shared/x.py", mutants=20, killed=16, timeout=1, survived=3, equivalent=1)
+    assert r.score == pytest.approx(17 / 19)  # (16 killed + 1 timeout) / (20 − 1 equivalent)
+    assert M.ModuleResult("shared/empty.py").score == 1.0
+
+
+def test_an_entry_without_a_reason_is_refused(tmp_path):
+    (tmp_path / "g.toml").write_text('[[equivalent]]\nfunction = "a.b"\nremoved = "x"\nadded = "y"\nwhy = " "\n')
+    with pytest.raises(ValueError, match="g.toml entry 1"):
+        M.load_equivalents(tmp_path)
+
+
+def test_the_committed_lists_load_and_name_only_configured_modules():
+    modules = {m.removesuffix(".py").replace("/", ".") for m in M.configured_modules()}
+    for e in M.load_equivalents():
+        assert any(e.function.startswith(m + ".") for m in modules), f"{e.source}: {e.function} is not mutated"
+        assert e.why.strip() and (e.removed or e.added)
