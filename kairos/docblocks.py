@@ -571,6 +571,25 @@ def mutation(load: Load) -> str:
             f"Score: (killed + timeout) ÷ (mutants − listed equivalents):\n\n" + "\n".join(lines))
 
 
+def compose_smoke(load: Load) -> str:
+    """``make compose-smoke`` (``ops/compose-smoke/smoke.py``): step times and the burst's outcome."""
+    r = load("compose-smoke")
+    x = r.rows[-1]
+    t = x["times_s"]
+    fresh = [what for what, done in (("installed Docker and Compose", x.get("installed_tools")),
+                                     ("made the base image", x.get("built_base_image")),
+                                     ("started dockerd", x.get("started_dockerd"))) if done]
+    steps = ", ".join(f"{name} {seconds(v * 1000.0, 0)}" for name, v in t.items())
+    errs = f" ({_codes(x['errors'])})" if x["errors"] else ""
+    return (f"`{command(r.meta)}` ({provenance(r)}; {seconds(r.meta['wall_s'] * 1000.0, 0)} in all"
+            + (f"; this run {', '.join(fresh)}" if fresh else "") + f"). Steps: {steps}. "
+            f"Of {num(x['sent'])} streaming requests {num(x['completed'])} completed and {num(x['failed'])} failed{errs}, "
+            f"{num(x['deflections'])} deflected; TTFT p50 {seconds(x['ttft_ms']['p50'])}, p99 {seconds(x['ttft_ms']['p99'])}; "
+            f"{' and '.join(f'`{k}`' for k in x['killed'])} SIGKILLed mid-burst and restarted by Docker "
+            f"({', '.join(f'{k}: {num(v)}' for k, v in x['restarts'].items())} restarts)"
+            + (f"; failed checks: {'; '.join(x['failed_checks'])}" if x["failed_checks"] else "; every check passed") + ".")
+
+
 # ---------------------------------------------------------------- docs/calibration.md
 
 def _reproduction() -> dict[str, Any]:
@@ -706,4 +725,5 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "vllm-ab": vllm_ab,
     "vllm-headroom": vllm_headroom,
     # "mutation": mutation,  (registered with its block, once bench/results/mutation.jsonl is recorded)
+    "compose-smoke": compose_smoke,
 }

@@ -320,18 +320,29 @@ def deployment_auth_config(nodes: list[str] | tuple[str, ...]) -> str:
 
 def write_secrets(auth: GeneratedAuth, directory: Path) -> dict[str, Path]:
     """Write ``<user>.password`` per user and ``nats-server.env`` (``NATS_PASSWORD_<USER>=…`` lines
-    for a server using :func:`deployment_auth_config`) into ``directory`` (created 0700; files
-    0600, replaced). Returns ``{user: password file}``."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for a server using :func:`deployment_auth_config`) into ``directory``, replacing them. Returns
+    ``{user: password file}``.
 
-    def write(path: Path, text: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    The directory is created 0700: it is what keeps other users of the host out. The password
+    files are 0644 because a compose file secret is a bind mount that keeps the host file's owner
+    and mode, and the Kairos image runs as uid 10001, not as the user who wrote the file (with 0600
+    every service failed at startup, ``KAIROS_NATS_PASSWORD_FILE=/run/secrets/…: Permission
+    denied``; found by ``make compose-smoke``). ``nats-server.env`` holds every password and is
+    read on the host only (compose's ``env_file``): 0600.
+    """
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(directory, 0o700)
+
+    def write(path: Path, text: str, mode: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        os.fchmod(fd, mode)  # an existing file keeps its mode under O_CREAT
         with os.fdopen(fd, "w") as f:
             f.write(text)
 
     out = {}
     for user, pw in auth.passwords.items():
         out[user] = directory / f"{user}.password"
-        write(out[user], pw + "\n")
-    write(directory / "nats-server.env", "".join(f"{password_env_var(u)}={pw}\n" for u, pw in auth.passwords.items()))
+        write(out[user], pw + "\n", 0o644)
+    write(directory / "nats-server.env", "".join(f"{password_env_var(u)}={pw}\n" for u, pw in auth.passwords.items()),
+          0o600)
     return out

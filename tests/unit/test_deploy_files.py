@@ -338,6 +338,16 @@ def test_no_vllm_in_the_image():
         assert not [n for n in names if "vllm" in n], f"{req} pulls in vllm"
 
 
+def _rules(path: Path) -> list[str]:
+    return [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_the_legacy_builders_dockerignore_has_the_same_rules():
+    """The legacy builder (docker-compose 1.29, make compose-smoke) reads only the root .dockerignore:
+    with other rules it sent the whole checkout (a .venv, ops/secrets) as the build context."""
+    assert _rules(ROOT / ".dockerignore") == _rules(DOCKERIGNORE)
+
+
 def test_dockerignore_keeps_what_the_dockerfile_copies():
     keep = {ln.strip()[1:].rstrip("/") for ln in DOCKERIGNORE.read_text().splitlines() if ln.strip().startswith("!")}
     ins = _instructions(DOCKERFILE.read_text())
@@ -372,3 +382,39 @@ def test_deploy_doc_names_the_default_profile_the_env_file_sets():
     doc = (root / "docs" / "deploy.md").read_text()
     assert f"Plain `docker compose up` starts profile `{profile}`" in " ".join(doc.split())
     assert "starts only the control plane: the ingress" not in doc
+
+
+# ---- the compose smoke run's override (make compose-smoke) ----------------------------------------
+
+SMOKE = ROOT / "ops" / "compose-smoke" / "docker-compose.smoke.yml"
+
+#: what the override may change, per kind of service, and nothing else: the image and healthcheck
+#: command of a NATS member (no nats image here; the Kairos image's nats-server runs as root like the
+#: nats image's), the Jaeger placeholder, the services' span exporter and the ingress's bind address
+SMOKE_ALLOWED = {"nats": {"image", "user", "healthcheck"}, "jaeger": {"image", "command"},
+                 "kairos": {"environment"}}
+SMOKE_ENV_ALLOWED = {"OTEL_TRACES_EXPORTER", "KAIROS_HOST"}
+
+
+def test_the_smoke_override_changes_only_what_a_machine_without_a_registry_forces(services):
+    """Everything else the smoke run starts — commands, variables, secrets, healthcheck timing,
+    dependencies, restart policies, host networking — is the real file's."""
+    smoke = yaml.safe_load(SMOKE.read_text())["services"]
+    assert set(smoke) <= set(services)
+    kinds = {n: "nats" if n.startswith("nats-") else "jaeger" if n == "jaeger" else "kairos" for n in smoke}
+    for name, svc in smoke.items():
+        assert set(svc) <= SMOKE_ALLOWED[kinds[name]], f"{name}: the override changes {set(svc) - SMOKE_ALLOWED[kinds[name]]}"
+        assert set(env_of(svc)) <= SMOKE_ENV_ALLOWED, name
+        if kinds[name] == "nats":
+            assert set(svc["healthcheck"]) == {"test"}, f"{name}: only the healthcheck's command may change"
+            port = re.search(r":(\d+)/healthz", " ".join(services[name]["healthcheck"]["test"])).group(1)
+            assert svc["healthcheck"]["test"] == ["CMD", "kairos-healthcheck", f"http://127.0.0.1:{port}/healthz"]
+    # every Kairos service of the emulated stack exports no spans (nothing listens for them) and
+    # the ingress listens on loopback only
+    emulated = {n for n, s in services.items() if kairos_module(s) and profiles_of(s) <= {"emulated"}}
+    assert {n for n in smoke if env_of(smoke[n]).get("OTEL_TRACES_EXPORTER") == "none"} == emulated
+    assert env_of(smoke["ingress"])["KAIROS_HOST"] == "127.0.0.1"
+    for name, svc in services.items():
+        if not profiles_of(svc) <= {"emulated"}:
+            continue
+        assert svc.get("network_mode") == "host", f"{name}: the smoke run would need a bridge network"

@@ -4,6 +4,7 @@ the committed compose config is what the generator produces."""
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -183,16 +184,25 @@ def test_compose_gives_every_service_its_own_roles_secret():
 
 
 def test_write_secrets_files_are_private_and_match_the_server_env(tmp_path):
+    """The directory keeps other host users out (0700); each password file is readable by the
+    container user it is bind-mounted into (compose file secrets keep the host mode; the image runs
+    as uid 10001); the env file with every password stays the writer's own (0600) — also when the
+    files existed before with other modes."""
     auth = P.GeneratedAuth.for_nodes(["decode-0"])
     d = tmp_path / "deploy" / "s"  # parents are created too
-    for _ in range(2):  # a second run (a new cluster) replaces the files of the first
+    for run in range(2):  # a second run (a new cluster) replaces the files of the first, and their modes
+        if run:
+            os.chmod(d, 0o755)
+            os.chmod(d / "nats-server.env", 0o666)
+            os.chmod(d / "ingress.password", 0o600)
         auth = P.GeneratedAuth.for_nodes(["decode-0"])
         files = P.write_secrets(auth, d)
         assert d.stat().st_mode & 0o777 == 0o700
+        assert (d / "nats-server.env").stat().st_mode & 0o777 == 0o600
         assert sorted(files) == ["agent-decode-0", "aggregator", "dispatcher", "ingress", "profiler"]
         for user, path in files.items():
             assert path == d / f"{user}.password"
-            assert path.stat().st_mode & 0o777 == 0o600
+            assert path.stat().st_mode & 0o777 == 0o644
             assert path.read_text() == auth.passwords[user] + "\n"
         env = dict(ln.split("=", 1) for ln in (d / "nats-server.env").read_text().splitlines())
         assert env == {P.password_env_var(u): pw for u, pw in auth.passwords.items()}

@@ -1,0 +1,301 @@
+"""``make compose-smoke``: the real ``docker-compose.yml`` run for real, on a machine without an image
+registry, and torn down again.
+
+    python ops/compose-smoke/smoke.py [--duration S] [--remove-image] [--json PATH]
+
+Steps (each printed with its wall time):
+
+1. **Tools.** ``dockerd``, ``docker-compose`` (Compose 1.29) and ``debootstrap`` from Debian's
+   packages (``apt-get install docker.io docker-compose debootstrap``, as root) when missing.
+2. **dockerd.** If no daemon answers, one is started with ``ops/compose-smoke/daemon.json``
+   (``"bridge": "none"``, no iptables: no bridge network exists, so no container can have one) and
+   stopped at the end.
+3. **A local base image** (no registry to pull ``python:3.11-slim`` from): ``debootstrap --variant=minbase``
+   of Debian bookworm with python3, imported as ``kairos-smoke-base:bookworm``, with this machine's
+   CA bundle so pip in the build reaches the package index. Kept between runs.
+4. **The Kairos image**: ``docker build --network host --build-arg PYTHON_IMAGE=<base>
+   -f ops/docker/Dockerfile -t kairos:local .`` — the Dockerfile users build.
+5. **The stack**: a scratch project directory with copies of ``docker-compose.yml``, ``.env`` and
+   ``ops/nats/``, fresh secrets from ``kairos nats-auth`` / ``kairos nats-cluster --secrets-dir``
+   (a user's own ``ops/secrets`` is never touched), and the override
+   ``ops/compose-smoke/docker-compose.smoke.yml`` (what it changes and why: its header).
+   ``docker-compose --profile emulated up -d``; every healthcheck must pass.
+6. **Load and faults**: ``kairos bench`` (streaming, bursty, ``--duration`` s: ≥ 100 requests)
+   against the ingress; once the ingress has answered ``KILL_AFTER`` requests the dispatcher
+   ``dispatcher-1`` and then the agent ``prefill-1`` are SIGKILLed from the host (a crash, not a
+   ``docker stop``: the restart policy applies). Checks: every request completed (none failed,
+   none lost), some deflected, both containers restarted by Docker and healthy again.
+7. ``docker-compose ps``, the bench summary, then ``down -v`` (containers, volumes, networks) and
+   dockerd stopped if step 2 started it — also when a step fails.
+
+Exit 0 when every check passed; 1 with the failed checks listed; 2 when a step could not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+BASE_IMAGE = "kairos-smoke-base:bookworm"
+IMAGE = "kairos:local"
+PROJECT = "kairos-smoke"
+INGRESS = "http://127.0.0.1:8000"
+KILLED = ("dispatcher-1", "prefill-1")  # one dispatcher replica, one node agent
+KILL_AFTER = (15, 30)  # ingress answers before each kill
+HEALTHY_TIMEOUT_S = 240.0
+KAIROS = [sys.executable, "-m", "kairos.cli"]
+
+
+class StepFailed(Exception):
+    """A step could not run (exit 2), as opposed to a check that failed (exit 1)."""
+
+
+def sh(cmd: list[str], *, check: bool = True, capture: bool = False, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd``; raise :class:`StepFailed` with its output's tail when ``check`` and it fails."""
+    p = subprocess.run(cmd, text=True, capture_output=capture or check, **kw)
+    if check and p.returncode != 0:
+        tail = ((p.stdout or "") + (p.stderr or ""))[-2000:]
+        raise StepFailed(f"{' '.join(cmd)} exited with {p.returncode}:\n{tail}")
+    return p
+
+
+def step(name: str):
+    """Print ``name`` and, when the block ends, its wall time; record it in ``TIMES``."""
+    class _Step:
+        def __enter__(self):
+            self.t0 = time.monotonic()
+            print(f"== {name}", flush=True)
+
+        def __exit__(self, *exc):
+            TIMES[name] = round(time.monotonic() - self.t0, 1)
+            print(f"   {name}: {TIMES[name]:.1f} s", flush=True)
+    return _Step()
+
+
+TIMES: dict[str, float] = {}
+
+
+def ensure_tools() -> bool:
+    """Install what is missing (as root); True if something was installed."""
+    missing = [t for t in ("dockerd", "docker-compose", "debootstrap") if shutil.which(t) is None]
+    if not missing:
+        return False
+    if os.geteuid() != 0:
+        raise StepFailed(f"missing {', '.join(missing)}; install Debian's docker.io docker-compose debootstrap (as root)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    sh(["apt-get", "update", "-q"], env=env)
+    sh(["apt-get", "install", "-y", "-q", "docker.io", "docker-compose", "debootstrap"], env=env)
+    return True
+
+
+def docker_up() -> bool:
+    return sh(["docker", "info"], check=False, capture=True).returncode == 0
+
+
+def start_dockerd(workdir: Path) -> subprocess.Popen:
+    """Start dockerd with the smoke configuration; return it once the API answers (≤ 60 s)."""
+    log = open(workdir / "dockerd.log", "w")
+    proc = subprocess.Popen(["dockerd", "--config-file", str(HERE / "daemon.json"),
+                             "--pidfile", str(workdir / "dockerd.pid")], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60.0
+    while not docker_up():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise StepFailed(f"dockerd did not start; its log: {workdir / 'dockerd.log'}")
+        time.sleep(0.5)
+    return proc
+
+
+def ensure_base_image(workdir: Path) -> bool:
+    """Make the base image unless it exists; True if it was made."""
+    if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
+        return False
+    root = workdir / "rootfs"
+    sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,python-is-python3,ca-certificates",
+        "bookworm", str(root)])
+    ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    if ca.is_file():  # this machine's trust store (a proxy's CA included): pip in the build uses it
+        shutil.copy(ca, root / "etc/ssl/certs/ca-certificates.crt")
+        (root / "etc/pip.conf").write_text("[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n")
+    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+    sh(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout)
+    tar.wait()
+    shutil.rmtree(root, ignore_errors=True)
+    return True
+
+
+def build_image() -> None:
+    sh(["docker", "build", "--network", "host", "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
+        "-f", "ops/docker/Dockerfile", "-t", IMAGE, "."], cwd=ROOT)
+
+
+def project_dir(workdir: Path) -> Path:
+    """The scratch compose project: the real file and what it reads, fresh secrets, the override."""
+    proj = workdir / "project"
+    (proj / "ops").mkdir(parents=True)
+    for name in ("docker-compose.yml", ".env"):
+        shutil.copy(ROOT / name, proj / name)
+    shutil.copytree(ROOT / "ops" / "nats", proj / "ops" / "nats")
+    shutil.copy(HERE / "docker-compose.smoke.yml", proj / "docker-compose.smoke.yml")
+    secrets = proj / "ops" / "secrets"
+    sh([*KAIROS, "nats-auth", "--secrets-dir", str(secrets)])
+    sh([*KAIROS, "nats-cluster", "--secrets-dir", str(secrets)])
+    return proj
+
+
+def compose(proj: Path, *args: str, check: bool = True, capture: bool = True) -> subprocess.CompletedProcess:
+    return sh(["docker-compose", "-p", PROJECT, "-f", "docker-compose.yml", "-f", "docker-compose.smoke.yml",
+               "--profile", "emulated", *args], cwd=proj, check=check, capture=capture)
+
+
+def container(proj: Path, service: str) -> str:
+    ids = compose(proj, "ps", "-q", service).stdout.split()
+    if not ids:
+        raise StepFailed(f"no container for {service}")
+    return ids[0]
+
+
+def inspect(cid: str) -> dict:
+    return json.loads(sh(["docker", "inspect", cid], capture=True).stdout)[0]
+
+
+def wait_healthy(proj: Path, timeout_s: float = HEALTHY_TIMEOUT_S) -> dict[str, str]:
+    """Poll every container until each with a healthcheck is healthy; raise :class:`StepFailed`
+    naming the others (and the tail of their logs) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = {}
+        for cid in compose(proj, "ps", "-q").stdout.split():
+            info = inspect(cid)
+            name = info["Config"]["Labels"].get("com.docker.compose.service", cid)
+            health = info["State"].get("Health")
+            states[name] = health["Status"] if health else info["State"]["Status"]
+        waiting = {n: s for n, s in states.items() if s not in ("healthy", "running")}
+        if states and not waiting:
+            return states
+        if time.monotonic() > deadline:
+            logs = {n: compose(proj, "logs", "--tail", "5", n, check=False).stdout for n in waiting}
+            raise StepFailed(f"not healthy after {timeout_s:.0f} s: {waiting}\n" + "\n".join(logs.values()))
+        time.sleep(2.0)
+
+
+def answered() -> int:
+    """Completion requests the ingress has answered (``kairos_ingress_requests_total``, summed)."""
+    try:
+        text = urllib.request.urlopen(f"{INGRESS}/metrics", timeout=5).read().decode()
+    except OSError:
+        return 0
+    return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("kairos_ingress_requests_total{")))
+
+
+def crash(proj: Path, service: str) -> int:
+    """SIGKILL ``service``'s container from the host (its init process); return its restart count."""
+    info = inspect(container(proj, service))
+    os.kill(info["State"]["Pid"], 9)
+    print(f"   SIGKILLed {service} (pid {info['State']['Pid']})", flush=True)
+    return info["RestartCount"]
+
+
+def load_and_faults(proj: Path, duration_s: float, out: Path) -> tuple[dict, dict[str, int]]:
+    bench = subprocess.Popen([*KAIROS, "bench", "--url", INGRESS, "--duration", str(duration_s), "--no-progress",
+                              "--json", str(out)], cwd=ROOT)
+    restarts_before = {}
+    base = answered()
+    for service, after in zip(KILLED, KILL_AFTER):
+        while answered() < base + after and bench.poll() is None:
+            time.sleep(0.2)
+        if bench.poll() is not None:
+            raise StepFailed(f"kairos bench ended before {service} could be killed mid-burst")
+        restarts_before[service] = crash(proj, service)
+    if bench.wait() != 0:
+        raise StepFailed(f"kairos bench exited with {bench.returncode}")
+    return json.loads(out.read_text()), restarts_before
+
+
+def checks(report: dict, proj: Path, restarts_before: dict[str, int], states: dict[str, str]) -> list[str]:
+    """The failed checks (empty: all passed)."""
+    bad = []
+    if report["sent"] < 100:
+        bad.append(f"only {report['sent']} requests sent (want >= 100)")
+    if report["completed"] != report["sent"] or report["failed"]:
+        bad.append(f"{report['completed']}/{report['sent']} completed, {report['failed']} failed: {report['errors']}")
+    if not report["deflections"]:
+        bad.append("no request was deflected")
+    for service, before in restarts_before.items():
+        after = inspect(container(proj, service))["RestartCount"]
+        if after <= before:
+            bad.append(f"{service} was not restarted by Docker (restart count {before} -> {after})")
+    bad += [f"{n} is {s} after the run" for n, s in states.items() if s not in ("healthy", "running")]
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=30.0, help="bench length, s (default 30: ~130 requests)")
+    ap.add_argument("--remove-image", action="store_true",
+                    help="remove kairos:local at the end (kept by default: it is the next build's cache)")
+    ap.add_argument("--json", type=Path, help="write the bench report, the step times and the checks here")
+    args = ap.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="kairos-smoke-"))
+    dockerd = proj = None
+    bad: list[str] = []
+    row: dict = {}
+    try:
+        with step("tools"):
+            fresh = {"installed_tools": ensure_tools()}
+        with step("dockerd"):
+            if not docker_up():
+                dockerd = start_dockerd(workdir)
+        with step("base image"):
+            fresh["built_base_image"] = ensure_base_image(workdir)
+        with step("build"):
+            build_image()
+        with step("up"):
+            proj = project_dir(workdir)
+            compose(proj, "up", "-d", "--no-build")
+            wait_healthy(proj)
+        with step("bench and kills"):
+            report, restarts = load_and_faults(proj, args.duration, workdir / "bench.json")
+            states = wait_healthy(proj)
+        bad = checks(report, proj, restarts, states)
+        print(compose(proj, "ps").stdout)
+        print(f"bench: {report['completed']}/{report['sent']} completed, {report['failed']} failed, "
+              f"{report['deflections']} deflected; TTFT p50 {report['ttft_ms']['p50']:.0f} ms, "
+              f"p99 {report['ttft_ms']['p99']:.0f} ms; killed {', '.join(KILLED)}")
+        row = {k: report[k] for k in ("sent", "completed", "failed", "errors", "deflections", "ttft_ms", "tbt_ms")}
+        row.update(killed=list(KILLED), restarts={s: inspect(container(proj, s))["RestartCount"] for s in KILLED},
+                   started_dockerd=dockerd is not None, failed_checks=bad, **fresh)
+    except StepFailed as exc:
+        print(f"compose-smoke: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if proj is not None:
+            with step("down"):
+                compose(proj, "down", "-v", "--remove-orphans", check=False)
+                if args.remove_image:
+                    sh(["docker", "image", "rm", IMAGE], check=False, capture=True)
+        if dockerd is not None:
+            dockerd.terminate()
+            dockerd.wait(timeout=30)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**row, "times_s": TIMES}, indent=1))
+    for b in bad:
+        print(f"FAILED: {b}", file=sys.stderr)
+    print(f"compose-smoke: {'passed' if not bad else 'failed'} ({json.dumps(TIMES)})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
