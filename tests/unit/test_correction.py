@@ -115,3 +115,53 @@ def test_kairos_sim_truth_scale_and_drift_slow_the_engines(tmp_path):
     base = tbt_p50()
     assert tbt_p50("--truth-scale", "1.5") == pytest.approx(1.5 * base, rel=0.05)
     assert base < tbt_p50("--drift", "decode-0:50:0") < 1.5 * base  # one of two decode nodes slower
+
+
+# z of the 0.975 quantile of the standard normal (table value): the small-window cases below use it
+Z975 = 1.959964
+
+
+def feed_logs(est: CorrectionEstimator, node: str, logs, mixed: bool = False, t0: float = 0.0) -> float:
+    """One step per log-residual x (predicted 100 ms, actual 100·e^x ms), 10 ms apart."""
+    t = t0
+    for x in logs:
+        assert est.observe(node, 100.0, 100.0 * math.exp(x), t, mixed=mixed)
+        t += 10.0
+    return t
+
+
+@pytest.mark.parametrize("logs, bias, safety", [
+    # n = 2, x = ±0.1: m = 0, s² = (0.01 + 0.01) / (2 − 1) = 0.02, s = 0.141421, sqrt(1 + 1/2) = 1.224745
+    # safety = exp(1.959964 · 0.141421 · 1.224745) = exp(0.339468) = 1.404211; bias = cosh(0.1) = 1.005004
+    # (without n/(n−1): s = 0.1, 1.271307; without sqrt(1 + 1/n): exp(0.277180) = 1.319405)
+    ([-0.1, 0.1], 1.005004, 1.404211),
+    # n = 3, x = −0.1, 0, 0.1: m = 0, s² = 0.02 / 2 = 0.01, s = 0.1, sqrt(1 + 1/3) = 1.154701
+    # safety = exp(1.959964 · 0.1 · 1.154701) = exp(0.226317) = 1.253973; bias = (e^−0.1 + 1 + e^0.1) / 3 = 1.003336
+    ([-0.1, 0.0, 0.1], 1.003336, 1.253973),
+    # n = 4, x = 0.1, 0.1, 0.3, 0.3: m = 0.2, s² = 4 · 0.01 / 3 = 0.013333, s = 0.115470, sqrt(1 + 1/4) = 1.118034
+    # safety = exp(0.2 + 1.959964 · 0.115470 · 1.118034) = exp(0.453029) = 1.573072
+    # bias = (2·e^0.1 + 2·e^0.3) / 4 = (1.105171 + 1.349859) / 2 = 1.227515
+    ([0.1, 0.1, 0.3, 0.3], 1.227515, 1.573072),
+])
+def test_small_window_bound_has_the_small_sample_terms(logs, bias, safety):
+    est = CorrectionEstimator(window_ms=1e6, min_samples=2, quantile=0.975)
+    t = feed_logs(est, "d0", logs)
+    c = est.correction("d0", t)
+    assert c.samples == len(logs) and c.window_ms == 1e6
+    assert c.bias == pytest.approx(bias, rel=1e-5)
+    assert c.safety == pytest.approx(safety, rel=1e-5)
+
+
+@pytest.mark.parametrize("logs, bias, safety", [
+    ([math.log(5.0)] * 3, 4.0, 4.0),  # every step 5× the model: both factors capped at MAX_FACTOR = 4
+    ([math.log(0.2)] * 3, 0.25, 0.25),  # every step 0.2×: both raised to MIN_FACTOR = 0.25
+    ([math.log(3.9)] * 3, 3.9, 3.9),  # just inside the bounds: unchanged (s = 0, safety = e^m = 3.9)
+    ([math.log(0.3)] * 3, 0.3, 0.3),
+    # x = ln 2 ± 0.5: bias = 2·cosh(0.5) = 2.255252 stays; s² = 0.5 / 1, s = 0.707107,
+    # safety = 2·exp(1.959964 · 0.707107 · 1.224745) = 2·e^1.697378 = 10.92 → capped at 4
+    ([math.log(2.0) - 0.5, math.log(2.0) + 0.5], 2.255252, 4.0),
+])
+def test_factors_are_clamped_to_a_quarter_and_four(logs, bias, safety):
+    est = CorrectionEstimator(window_ms=1e6, min_samples=2, quantile=0.975)
+    c = est.correction("d0", feed_logs(est, "d0", logs))
+    assert c.bias == pytest.approx(bias, rel=1e-5) and c.safety == pytest.approx(safety, rel=1e-5)

@@ -164,6 +164,22 @@ def test_index_matches_a_per_node_scan(holdings: dict[str, set[int]], hashes: li
     assert index.match_tokens(hashes, prompt) == want
 
 
+@pytest.mark.parametrize("prompt, want", [
+    (48, {"a": 32, "b": 16}),  # exactly 3 blocks, all cached on a: min(3·16, ⌊47/16⌋·16 = 32) — the last block is recomputed
+    (49, {"a": 48, "b": 16}),  # one token past the blocks: min(48, ⌊48/16⌋·16 = 48)
+    (47, {"a": 32, "b": 16}),  # 2 full blocks fit (hashes[:47 // 16]): min(32, ⌊46/16⌋·16 = 32)
+    (32, {"a": 16, "b": 16}),  # 2 blocks exactly: min(32, ⌊31/16⌋·16 = 16)
+    (16, {}),  # one block: ⌊15/16⌋·16 = 0 tokens may come from cache — nobody is reported
+    (1, {}),
+    (0, {}),
+])
+def test_match_tokens_leaves_at_least_one_prompt_token_to_compute(prompt: int, want: dict[str, int]) -> None:
+    index = PrefixIndex(16)
+    index.apply("a", [1, 2, 3], ())
+    index.apply("b", [1], ())
+    assert index.match_tokens([1, 2, 3], prompt) == want
+
+
 def test_index_removal_and_reset() -> None:
     index = PrefixIndex(16)
     index.apply("a", [1, 2], ())
