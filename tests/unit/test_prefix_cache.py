@@ -165,7 +165,8 @@ def test_index_matches_a_per_node_scan(holdings: dict[str, set[int]], hashes: li
 
 
 @pytest.mark.parametrize("prompt, want", [
-    (48, {"a": 32, "b": 16}),  # exactly 3 blocks, all cached on a: min(3·16, ⌊47/16⌋·16 = 32) — the last block is recomputed
+    # exactly 3 blocks, all cached on a: min(3·16, ⌊47/16⌋·16 = 32) — the last block is recomputed
+    (48, {"a": 32, "b": 16}),
     (49, {"a": 48, "b": 16}),  # one token past the blocks: min(48, ⌊48/16⌋·16 = 48)
     (47, {"a": 32, "b": 16}),  # 2 full blocks fit (hashes[:47 // 16]): min(32, ⌊46/16⌋·16 = 32)
     (32, {"a": 16, "b": 16}),  # 2 blocks exactly: min(32, ⌊31/16⌋·16 = 16)
