@@ -125,34 +125,38 @@ class CorrectionEstimator:
         w.s2 -= x * x
         w.sr -= r
 
-    def _stats(self, w: _Window | None, now_ms: float, window_ms: float) -> tuple[int, float, float]:
-        """(n, bias, safety) of one window after dropping steps older than ``window_ms``."""
+    def _count(self, w: _Window | None, now_ms: float, window_ms: float) -> int:
+        """Steps in one window after dropping those older than ``window_ms``."""
         if w is None:
-            return 0, 1.0, 1.0
+            return 0
         cutoff = now_ms - window_ms
         while w.items and w.items[0][0] < cutoff:
             self._pop(w)
         n = len(w.items)
         if n == 0:  # re-anchor the running sums (no float residue builds up over a long run)
             w.s1 = w.s2 = w.sr = 0.0
-        if n < self.min_samples:
-            return n, 1.0, 1.0
+        return n
+
+    def _factors(self, w: _Window) -> tuple[float, float]:
+        """(bias, safety) of a window of at least ``min_samples`` (≥ 2) steps."""
+        n = len(w.items)
         m = w.s1 / n
         s = math.sqrt(max(w.s2 / n - m * m, 0.0) * n / (n - 1))
-        return n, w.sr / n, math.exp(m + self.z * s * math.sqrt(1.0 + 1.0 / n))
+        return w.sr / n, math.exp(m + self.z * s * math.sqrt(1.0 + 1.0 / n))
 
     def correction(self, node: str, now_ms: float) -> StepCorrection:
         """The node's correction from the steps of the last ``window_ms`` before ``now_ms``:
         :data:`IDENTITY` factors until ``min_samples`` steps were ever in the window; when fewer
         are in it later (the node idled), the last correction computed (no new data is not
         evidence that the model became right)."""
-        n, bias, safety = self._stats(self._w.get(node), now_ms, self.window_ms)
+        n = self._count(self._w.get(node), now_ms, self.window_ms)
         if n < self.min_samples:  # too few recent steps (e.g. the node idled): keep what was learned last
             last = self._last.get(node)
             return StepCorrection(bias=last.bias if last else 1.0, safety=last.safety if last else 1.0, samples=n,
                                   window_ms=self.window_ms)
-        nm, bias_m, safety_m = self._stats(self._mixed.get(node), now_ms, self.mixed_window_ms)
-        if nm >= self.min_samples:
+        bias, safety = self._factors(self._w[node])
+        if self._count(self._mixed.get(node), now_ms, self.mixed_window_ms) >= self.min_samples:
+            bias_m, safety_m = self._factors(self._mixed[node])
             bias, safety = bias_m, max(safety, safety_m)
         c = StepCorrection(bias=min(max(bias, MIN_FACTOR), MAX_FACTOR),
                            safety=min(max(safety, MIN_FACTOR), MAX_FACTOR), samples=n, window_ms=self.window_ms)

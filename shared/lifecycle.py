@@ -201,9 +201,9 @@ class RequestLifecycle:
             return self._drop("ended")
         if ev.code == "node_lost":
             return self._lost(f"node_lost:{ev.source}", True, "node_lost", ev.message)
-        # cancel too: a node whose acceptance came late (after the dispatcher gave up on it) must
+        # cancel too (as every Fail): a node whose acceptance came late (after the dispatcher gave up on it) must
         # not run a request that already ended with this error
-        return self._end(ev.status, ev.code, ev.message, cancel=True)
+        return self._end(ev.status, ev.code, ev.message)
 
     def on_node_dead(self, node: str, time_left: bool) -> Action:
         """``node`` is dead (positive evidence: liveness timeout). Matters only if this attempt depends on it."""
@@ -250,9 +250,9 @@ class RequestLifecycle:
                   "no time left")
         return self._end(503, code, f"{message}: {reason}")
 
-    def _end(self, status: int, code: str, message: str, cancel: bool = True) -> Fail:
+    def _end(self, status: int, code: str, message: str) -> Fail:
         self.phase = Phase.ENDED
-        return Fail(status, code, message, self.attempt_id, cancel)
+        return Fail(status, code, message, self.attempt_id)  # cancel: the nodes stop it too
 
     def _drop(self, reason: str) -> Ignore:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

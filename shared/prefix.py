@@ -196,6 +196,6 @@ class PrefixIndex:
         """node → leading prompt tokens it would serve from cache (the engines' rule: whole
         blocks, at least one token computed: ``min(blocks·bt, ⌊(prompt − 1)/bt⌋·bt)``)."""
         bt = self.block_tokens
-        cap = (prompt_tokens - 1) // bt * bt if prompt_tokens > 0 else 0
+        cap = (prompt_tokens - 1) // bt * bt  # negative for an empty prompt: nothing is reported
         hashes = hashes[:prompt_tokens // bt]
-        return {n: min(b * bt, cap) for n, b in self.match_blocks(hashes).items() if min(b * bt, cap) > 0}
+        return {n: t for n, b in self.match_blocks(hashes).items() if (t := min(b * bt, cap)) > 0}

@@ -108,3 +108,71 @@ def test_a_restarted_agent_reporting_node_lost_moves_the_request():
     out = lc.on_error(ErrorEvent(request_id="r", status=503, code="node_lost", message="restarted",
                                  source="node_agent:decode-0", sent_unix_ms=0))
     assert isinstance(out, Resubmit) and out.new_attempt_id == "r-r1"
+
+
+def err(rid: str, code: str, message: str = "m", source: str = "node_agent:decode-0") -> ErrorEvent:
+    return ErrorEvent(request_id=rid, status=503, code=code, message=message, source=source, sent_unix_ms=0)
+
+
+def test_events_after_the_end_or_of_another_attempt_change_nothing():
+    lc = RequestLifecycle("r", max_resubmits=1)
+    assert lc.on_routed("r", "prefill", "prefill-0") == Ignore("state_only")
+    assert lc.on_node_dead("prefill-0", True) == Resubmit("r", "r-r1", "node_lost:prefill-0")
+    assert lc.on_routed("r", "deflect", "decode-9") == Ignore("old_attempt")  # the abandoned attempt
+    lc.on_handoff("r", "decode-9")
+    assert (lc.phase, lc.node, lc.handoff_node) == (Phase.QUEUED, None, None)
+    assert lc.on_error(err("r", "x")) == Ignore("old_attempt")
+    ev = tok("r-r1", 0)
+    assert lc.on_token(ev, True) == Relay(ev)
+    assert lc.on_done(DoneEvent(request_id="r-r1", completion_tokens=1, node="decode-0", sent_unix_ms=0.0,
+                                cached_tokens=7), True) == Complete("length", 1, 7)
+    for late in (lambda: lc.on_routed("r-r1", "deflect", "decode-1"), lambda: lc.on_token(tok("r-r1", 1), True),
+                 lambda: lc.on_done(done("r-r1", 1), True), lambda: lc.on_error(err("r-r1", "x")),
+                 lambda: lc.interrupted("late", True)):
+        assert late() == Ignore("ended")
+    lc.on_handoff("r-r1", "decode-5")
+    assert (lc.phase, lc.node, lc.handoff_node) == (Phase.ENDED, None, None)  # r-r1 was never routed
+    assert lc.dropped == {"old_attempt": 2, "ended": 5}
+
+
+def test_interruptions_resubmit_with_their_detail_then_fail_with_it():
+    lc = RequestLifecycle("r", max_resubmits=2)
+    lc.on_token(tok("r", 0), True)
+    lc.on_token(tok("r", 1), True)
+    # tokens 1..3 when 2 arrived: 1 + 3 = 4 > 2, so not a duplicate but an overlap
+    assert lc.on_token(tok("r", 1, count=3), True) == Resubmit("r", "r-r1", "stream_interrupted:overlapping tokens "
+                                                                             "1..3 after 2")
+    lc.on_token(tok("r-r1", 0), True)
+    assert lc.on_done(done("r-r1", 4), True) == Resubmit("r-r1", "r-r2",
+                                                         "stream_interrupted:done after 4 tokens, 1 arrived")
+    lc.on_token(tok("r-r2", 0), True)
+    assert lc.on_token(tok("r-r2", 3), True) == Fail(
+        503, "stream_interrupted", "the token stream of request r was interrupted (tokens 1..2 never arrived; a "
+        "message-bus outage) and the request cannot be moved: re-submitted 2 time(s) already", "r-r2")
+
+
+def test_failure_messages_say_what_happened():
+    lc = RequestLifecycle("r")
+    lc.on_routed("r", "deflect", "decode-0")
+    assert lc.on_node_dead("decode-0", False) == Fail(
+        503, "node_lost", "node decode-0 serving request r was lost (no heartbeat and no token; it may have crashed) "
+        "and the request cannot be moved: no time left", "r")
+    lc = RequestLifecycle("r")
+    lc.committed_to_client()
+    assert lc.on_error(err("r", "node_lost", "restarted")) == Fail(
+        503, "node_lost", "restarted: output was already sent to the client", "r")
+    lc = RequestLifecycle("r")
+    assert lc.on_error(err("r", "node_lost", source="node_agent:decode-3")) == Resubmit(
+        "r", "r-r1", "node_lost:node_agent:decode-3")
+    assert RequestLifecycle("a").on_timeout(True) == Fail(504, "timeout", "request a timed out before its first token",
+                                                          "a")
+    assert RequestLifecycle("a").on_timeout(False) == Fail(504, "timeout", "request a timed out waiting for tokens",
+                                                           "a")
+    assert RequestLifecycle("a").on_bus_unavailable(9.04) == Fail(
+        503, "bus_unavailable", "the message bus has been unreachable for 9.0 s; request a cannot be served now, "
+        "retry it", "a")
+    assert RequestLifecycle("a").on_shutdown() == Fail(
+        503, "ingress_shutdown", "the ingress serving request a is shutting down; retry the request", "a")
+    assert RequestLifecycle("a").on_client_gone() == Fail(499, "client_disconnected", "client closed the connection",
+                                                          "a")
+    assert all(f.cancel for f in (RequestLifecycle("a").on_client_gone(), RequestLifecycle("a").on_timeout(True)))

@@ -164,6 +164,23 @@ def test_index_matches_a_per_node_scan(holdings: dict[str, set[int]], hashes: li
     assert index.match_tokens(hashes, prompt) == want
 
 
+@pytest.mark.parametrize("prompt, want", [
+    # exactly 3 blocks, all cached on a: min(3·16, ⌊47/16⌋·16 = 32) — the last block is recomputed
+    (48, {"a": 32, "b": 16}),
+    (49, {"a": 48, "b": 16}),  # one token past the blocks: min(48, ⌊48/16⌋·16 = 48)
+    (47, {"a": 32, "b": 16}),  # 2 full blocks fit (hashes[:47 // 16]): min(32, ⌊46/16⌋·16 = 32)
+    (32, {"a": 16, "b": 16}),  # 2 blocks exactly: min(32, ⌊31/16⌋·16 = 16)
+    (16, {}),  # one block: ⌊15/16⌋·16 = 0 tokens may come from cache — nobody is reported
+    (1, {}),
+    (0, {}),
+])
+def test_match_tokens_leaves_at_least_one_prompt_token_to_compute(prompt: int, want: dict[str, int]) -> None:
+    index = PrefixIndex(16)
+    index.apply("a", [1, 2, 3], ())
+    index.apply("b", [1], ())
+    assert index.match_tokens([1, 2, 3], prompt) == want
+
+
 def test_index_removal_and_reset() -> None:
     index = PrefixIndex(16)
     index.apply("a", [1, 2], ())
@@ -244,6 +261,43 @@ def test_hash_chains_identify_prefixes() -> None:
     assert all(0 <= h < 2 ** 63 for h in a + t)
 
 
+def test_hash_values_are_the_chained_blake2b_digests() -> None:
+    """Independent truth: hashlib and struct directly (a stable wire value: nodes and dispatchers
+    on different hosts must agree on it)."""
+    import hashlib
+    import struct
+
+    from shared.prefix import chain_hashes, request_block_hashes, text_block_hashes, token_block_hashes
+
+    d0 = hashlib.blake2b(b"abcd", digest_size=8).digest()
+    d1 = hashlib.blake2b(d0 + b"efgh", digest_size=8).digest()  # the second block digests the first's hash
+    want = [int.from_bytes(d0, "big") >> 1, int.from_bytes(d1, "big") >> 1]  # top bit dropped: 63 bits
+    assert chain_hashes(b"abcdefghij", 4) == want  # "ij" is not a full block
+    ids = [0, 2 ** 63, 2 ** 64 - 1, 7]  # the whole unsigned 64-bit range of token ids
+    raw = struct.pack("=4Q", *ids)
+    assert token_block_hashes(ids, 2) == chain_hashes(raw, 16) and len(chain_hashes(raw, 16)) == 2
+    text = "é" * 40  # 80 UTF-8 bytes: one 64-byte block of 16 tokens
+    assert text_block_hashes(text, 16) == chain_hashes(text.encode("utf-8"), 64) != []
+    assert request_block_hashes(None, text, 16) == text_block_hashes(text, 16)  # no ids: hashed from the text
+    assert request_block_hashes(None, None, 16) == [] and request_block_hashes(None, "", 16) == []
+    assert request_block_hashes([5, 6], None, 1) == token_block_hashes([5, 6], 1) != []  # 1-token blocks work
+    assert request_block_hashes([5, 6], None, -1) == []
+
+
+def test_index_block_size_one_and_a_shared_hash_removed_by_one_node() -> None:
+    index = PrefixIndex(1)  # the smallest block
+    index.apply("a", [1, 2], ())
+    index.apply("b", [1, 2], ())
+    assert index.match_tokens([1, 2], 2) == {"a": 1, "b": 1}  # min(2·1, ⌊1/1⌋·1 = 1)
+    index.apply("a", (), [1])  # b still holds 1
+    assert index.match_blocks([1, 2]) == {"b": 2}
+    assert index.match_blocks([9, 1]) == {}  # the first hash is held by nobody
+    with pytest.raises(ValueError, match=r"^block_tokens must be an int >= 1, got 0$"):
+        PrefixIndex(0)
+    with pytest.raises(ValueError, match=r"got 1.0$"):
+        PrefixIndex(1.0)  # type: ignore[arg-type]
+
+
 def test_heartbeat_feed_resyncs_after_a_lost_heartbeat() -> None:
     index = PrefixIndex(16)
     index.on_heartbeat("n", 1, 16, [1], [], full=False)  # no full state yet: ignored
@@ -251,13 +305,15 @@ def test_heartbeat_feed_resyncs_after_a_lost_heartbeat() -> None:
     index.on_heartbeat("n", 2, 16, [1, 2], [], full=True)
     index.on_heartbeat("n", 3, 16, [3], [1], full=False)
     assert index.node_hashes("n") == {2, 3}
-    index.on_heartbeat("n", 5, 16, [4], [], full=False)  # seq 4 was lost: forget until the next full
+    index.on_heartbeat("n", 4, 16, [6], [], full=False)  # consecutive deltas keep applying
+    assert index.node_hashes("n") == {2, 3, 6}
+    index.on_heartbeat("n", 6, 16, [4], [], full=False)  # seq 5 was lost: forget until the next full
     assert index.node_hashes("n") == frozenset()
-    index.on_heartbeat("n", 6, 16, [5], [], full=False)
+    index.on_heartbeat("n", 7, 16, [5], [], full=False)
     assert index.node_hashes("n") == frozenset()
-    index.on_heartbeat("n", 7, 16, [2, 3, 4, 5], [], full=True)
+    index.on_heartbeat("n", 8, 16, [2, 3, 4, 5], [], full=True)
     assert index.node_hashes("n") == {2, 3, 4, 5}
-    index.on_heartbeat("n", 8, 32, [9], [], full=True)  # another block size never matches
+    index.on_heartbeat("n", 9, 32, [9], [], full=True)  # another block size never matches
     assert index.node_hashes("n") == frozenset()
 
 
