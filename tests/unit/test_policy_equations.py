@@ -96,3 +96,106 @@ def test_keep_goes_to_lowest_ttft_prefill_node_and_least_loaded_decode():
     d = parse_policy("kairos").decide(snap, M, params)
     assert d.decision == "keep" and d.reason == "keep_all_reserved"
     assert d.node == "prefill-1" and d.decode_node == "decode-1"
+
+
+# -- Eq. 1 and Eq. 3 from a cached prefix ---------------------------------------------------------
+
+def test_eq1_is_queue_wait_plus_prefill_exec():
+    from shared.policy.estimates import prefill_ttft_ms
+
+    # W(Σℓ = 400, χ_p = 100) = 88 (test_eq2) + T_pf(250, χ_p = 100) = 57 (test_eq3) = 145
+    assert prefill_ttft_ms(M, 250, [300, 100], 100) == pytest.approx(145.0)
+    assert prefill_ttft_ms(M, 250, [], 100) == pytest.approx(57.0)  # empty queue: Eq. 3 alone
+
+
+def test_eq3_from_a_cached_prefix_computes_only_the_rest():
+    # ℓ = 250, c = 50, χ_p = 100: u = 200 → chunks (100, c=50) = 10 + 10 + 0.5 = 20.5 and
+    # (100, c=150) = 10 + 10 + 1.5 = 21.5 → 42
+    assert prefill_exec_ms(M, 250, 100, 50) == pytest.approx(42.0)
+    # u = 130: (100, c=120) = 21.2, then the 30-token rest after 220: 10 + 3 + 0.0001·30·220 = 13.66
+    assert prefill_exec_ms(M, 250, 100, 120) == pytest.approx(34.86)
+    assert prefill_exec_ms(M, 250, 100, 250) == 0.0  # nothing left to compute
+
+
+# -- Eq. 5–6: the schedule's runs, from a cached prefix ------------------------------------------
+
+def test_eq5_eq6_runs_carry_their_tokens_cache_and_first_step():
+    from shared.policy.estimates import ChunkRun
+
+    # the schedule of test_eq5_eq6_schedule_by_hand, run by run (ChunkRun(χ, steps, p, first c,
+    # last step's p, first step, first ms, slope, last ms)): 110 once (p = 100, 60.01 next);
+    # 60 from step 1, c = 100, four steps 50.01 + 2.51·j; 20 from step 5, c = 300, p = 10:
+    # T = 40 + 0.01·i + 1 + 0.01·c → 44.05, +0.11 per step; the 100 last tokens take 10 steps
+    _, runs = decode_schedule(M, 10, 10_000, 400, [110, 60, 20], 60.001)
+    want = [ChunkRun(110, 1, 100, 0, 100, 0, 50.0, 10.01, 50.0),
+            ChunkRun(60, 4, 50, 100, 50, 1, 50.01, 2.51, 57.54),
+            ChunkRun(20, 10, 10, 300, 10, 5, 44.05, 0.11, 45.04)]
+    assert [r[:6] for r in runs] == [w[:6] for w in want]
+    assert [r[6:] for r in runs] == [pytest.approx(w[6:]) for w in want]
+    # ℓ = 395: the last run takes 10 steps, the last one 5 tokens after c = 390 at step 14:
+    # 40.14 + 5·(0.1 + 0.39) = 42.59
+    ttft, runs = decode_schedule(M, 10, 10_000, 395, [110, 60, 20], 60.001)
+    assert runs[-1][:6] == (20, 10, 10, 300, 5, 5)
+    assert runs[-1].last_ms == pytest.approx(42.59)
+    assert ttft == pytest.approx(265.1 + 9 * 44.05 + 0.11 * 36 + 42.59)  # Σ_{j<9} (44.05 + 0.11·j) = 400.41
+
+
+# B = 10, K = 1000, 𝒳 = (110, 60), limit 45: T = 31 + 0.01·i + p·(0.1 + 0.001·c)
+CACHED_CASES = [
+    # ℓ = 150 from c = 50: i=0 χ=110 → 31 + 100·0.15 = 46 ✗, χ=60 → 31 + 50·0.15 = 38.5;
+    # i=1 c=100 → 31.01 + 50·0.2 = 41.01; 100 tokens done
+    (150, 50, [60, 60], [38.5, 41.01]),
+    # one token left after c = 50: χ=60 (110 is unsafe as above) carrying 1 token → 31 + 0.15
+    (51, 50, [60], [31.15]),
+    # nothing left: TTFT 0, no step
+    (50, 50, [], []),
+    # no cache: i=0 χ=110 → 41; i=1 c=100 → 31.01 + 20 = 51.01 ✗, χ=60 → 31.01 + 10 = 41.01;
+    # i=2 c=150, the last 50 tokens → 31.02 + 50·0.25 = 43.52
+    (200, 0, [110, 60, 60], [41.0, 41.01, 43.52]),
+]
+
+
+@pytest.mark.parametrize("ell, cached, chis, steps", CACHED_CASES)
+def test_eq5_eq6_from_a_cached_prefix(ell, cached, chis, steps):
+    ttft, runs = decode_schedule(M, 10, 1000, ell, [110, 60], 45.0, cached_tokens=cached)
+    got_chis, got_steps = expand_runs(runs)
+    assert got_chis == chis
+    assert got_steps == pytest.approx(steps)
+    assert ttft == pytest.approx(sum(steps)) and (ttft == 0.0) == (not steps)
+
+
+def test_sweeps_are_cached_per_model():
+    # ℓ = 150 from c = 50, limit 55 (T as in CACHED_CASES): χ=110 → 46 takes the 100 tokens at once
+    # (the run's slope: 0.01 for K + 10, 100·0.001·100 for c + 100 → 10.01)
+    assert decode_schedule(M, 10, 1000, 150, [110, 60], 55.0, 50) == (pytest.approx(46.0), [pytest.approx(
+        (110, 1, 100, 50, 100, 0, 46.0, 10.01, 46.0))])
+    # the same node state under a model 10 ms slower per step gets its own schedule, not the
+    # other model's cached one: χ=110 → 56 ✗, χ=60 → 48.5; i=1 c=100 → 41.01 + 10 = 51.01
+    slower = tiny_model(decode_intercept_ms=30.0)
+    ttft, runs = decode_schedule(slower, 10, 1000, 150, [110, 60], 55.0, 50)
+    assert expand_runs(runs) == ([60, 60], [pytest.approx(48.5), pytest.approx(51.01)])
+    assert ttft == pytest.approx(99.51)
+
+
+# -- the static policies' fixed-χ schedule -----------------------------------------------------------
+
+FIXED_CASES = [
+    # B = 10, K = 1000, χ = 110 → p = 100, ⌈250/100⌉ = 3 steps, the last with 50 tokens:
+    # (K, p, c) = (1000, 100, 0) → 31 + 10 = 41; (1010, 100, 100) → 31.01 + 20 = 51.01;
+    # (1020, 50, 200) → 31.02 + 50·0.3 = 46.02
+    (250, 110, 0, [110] * 3, [41.0, 51.01, 46.02]),
+    # from c = 50: u = 200, 2 steps: (1000, 100, 50) → 31 + 15 = 46; (1010, 100, 150) → 31.01 + 25
+    (250, 110, 50, [110] * 2, [46.0, 56.01]),
+    # χ ≤ B: one prompt token per step, 3 steps: 31 + 0.1, 31.01 + 0.101, 31.02 + 0.102
+    (3, 10, 0, [10] * 3, [31.1, 31.111, 31.122]),
+]
+
+
+@pytest.mark.parametrize("ell, chi, cached, chis, steps", FIXED_CASES)
+def test_fixed_chunk_schedule(ell, chi, cached, chis, steps):
+    from shared.policy.estimates import fixed_chunk_steps
+
+    args = (M, 10, 1000, ell, chi) + ((cached,) if cached else ())  # c = 0 is the default
+    got_chis, got_steps = fixed_chunk_steps(*args)
+    assert got_chis == chis
+    assert got_steps == pytest.approx(steps)
