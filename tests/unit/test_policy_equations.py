@@ -199,3 +199,32 @@ def test_fixed_chunk_schedule(ell, chi, cached, chis, steps):
     got_chis, got_steps = fixed_chunk_steps(*args)
     assert got_chis == chis
     assert got_steps == pytest.approx(steps)
+
+
+def test_a_sweep_is_grown_only_as_far_as_asked():
+    from shared.policy.estimates import decode_sweep
+
+    # test_eq5_eq6_schedule_by_hand's node (c = 0 by default): its first run (χ = 110, one step)
+    # covers exactly 100 tokens, the second (χ = 60, four steps of 50) 300
+    sweep = decode_sweep(M, 10, 10_000, (110, 60, 20), 60.001)
+    assert sweep.ttft(100) == pytest.approx(50.0)
+    assert len(sweep.runs) == 1  # a prompt ending where a run ends needs no further run
+    assert sweep.ttft(400) == pytest.approx(710.55)
+    assert [r[0] for r in sweep.runs] == [110, 60, 20]
+
+
+def test_no_schedule_is_longer_than_the_request_limit():
+    from shared.snapshot import MAX_TOKENS_PER_REQUEST
+
+    # T = 20 + B + K/2^20 + p/8, binary-exact: B = 1, K = 0, 𝒳 = (1001, 9). χ = 1001 (p = 1000)
+    # starts at 146 and grows by 2^-20 per step; a limit of 146 + 999999·2^-20 allows 10^6 steps,
+    # i.e. exactly 10^9 = MAX_TOKENS_PER_REQUEST tokens. χ = 9 would be safe after them
+    # (21 + 10^6/2^20 + 1 ≈ 22.95), but the sweep ends at the limit: a longer prompt has no schedule.
+    assert MAX_TOKENS_PER_REQUEST == 10**9
+    exact = tiny_model(decode_intercept_ms=20.0, decode_coef=(1.0, 2.0**-20), mixed_delta_coef=(0.125, 0.0, 0.0, 0.0))
+    limit = 146.0 + 999_999 * 2.0**-20
+    ttft, runs = decode_schedule(exact, 1, 0, 10**9, (1001, 9), limit)
+    assert [(r.chi, r.steps) for r in runs] == [(1001, 10**6)]
+    assert ttft == pytest.approx(146e6 + 2.0**-20 * 999_999 * 10**6 / 2)  # Σ_j (146 + j·2^-20), j < 10^6
+    assert decode_schedule(exact, 1, 0, 10**9 + 8, (1001, 9), limit) is None
+    assert decode_schedule(exact, 1, 0, 10**9 + 800, (1001, 9), limit) is None  # asked again, longer
