@@ -228,3 +228,104 @@ def test_no_schedule_is_longer_than_the_request_limit():
     assert ttft == pytest.approx(146e6 + 2.0**-20 * 999_999 * 10**6 / 2)  # Σ_j (146 + j·2^-20), j < 10^6
     assert decode_schedule(exact, 1, 0, 10**9 + 8, (1001, 9), limit) is None
     assert decode_schedule(exact, 1, 0, 10**9 + 800, (1001, 9), limit) is None  # asked again, longer
+
+
+# -- Algorithm 1's decision at its boundaries, with a binary-exact model ---------------------------
+# T_pf(n, c) = 10 + n/8; T0(B, K) = 20 + B; ΔT = p/8. χ_p = 64, 𝒳 = (72,), τ = 40 (β = 1).
+# ℓ = 64: TTFT_pf = 10 + 8 = 18 with an empty queue; W([64]) = 64/64 · 18 = 18 → 36.
+# A decode node with B = 8, K = 0: one step χ = 72 (p = 64): 28 + 8 = 36 = TTFT_dec.
+EXACT = tiny_model(prefill_coef=(0.125, 0.0), decode_coef=(1.0, 0.0), mixed_delta_coef=(0.125, 0.0, 0.0, 0.0))
+EXACT_PARAMS = PolicyParams(tbt_slo_ms=40.0, chunk_candidates=(72,), prefill_chunk_tokens=64)
+
+
+@pytest.mark.parametrize("queue, knobs, decision, reason", [
+    ([64], {"alpha": 1.0}, "deflect", "deflect_faster"),  # 36 ≤ 1 · 36, and not slower
+    ([], {"alpha": 2.0}, "deflect", "deflect_within_alpha"),  # 36 ≤ 2 · 18
+    ([], {"alpha": 1.5}, "keep", "keep_alpha_margin"),  # 36 > 1.5 · 18 = 27
+    ([], {"alpha": 2.0, "ttft_slo_ms": 36.0}, "deflect", "deflect_within_alpha"),  # 36 is not over 36
+    ([], {"alpha": 2.0, "ttft_slo_ms": 35.5}, "keep", "keep_over_ttft_slo"),
+])
+def test_eq7_at_its_boundaries(queue, knobs, decision, reason):
+    params = msgspec.structs.replace(EXACT_PARAMS, **knobs)
+    d = parse_policy("kairos").decide(snapshot(64, [queue], [(8, 0, False)]), EXACT, params)
+    assert (d.decision, d.reason) == (decision, reason)
+    assert d.ttft_decode_est_ms == {"decode-0": 36.0}
+    if decision == "deflect":
+        assert (d.node, d.decode_node, d.chunk_schedule, d.predicted_step_ms) == ("decode-0", "decode-0", [72], [36.0])
+    else:
+        assert (d.node, d.decode_node, d.chunk_schedule) == ("prefill-0", "decode-0", [])
+
+
+def test_ties_go_to_the_node_listed_first():
+    params = msgspec.structs.replace(EXACT_PARAMS, alpha=2.0)
+    d = parse_policy("kairos").decide(snapshot(64, [[], []], [(8, 0, False), (8, 0, False)]), EXACT, params)
+    assert (d.decision, d.node) == ("deflect", "decode-0")
+    d = parse_policy("kairos").decide(snapshot(64, [[], []], [(8, 0, False), (8, 0, False)]), EXACT,
+                                      msgspec.structs.replace(params, alpha=1.0))
+    assert (d.decision, d.node, d.ttft_prefill_est_ms) == ("keep", "prefill-0", 18.0)
+
+
+def test_why_each_decode_node_could_not_take_the_request():
+    # B = 30: T0 = 50 > 40 before any prompt token; decode-1 is reserved: no feasible node, and not
+    # because every node is reserved
+    d = parse_policy("kairos").decide(snapshot(64, [[]], [(30, 0, False), (8, 0, True)]), EXACT, EXACT_PARAMS)
+    assert (d.decision, d.reason, d.node) == ("keep", "keep_no_feasible_node", "prefill-0")
+    assert d.decode_infeasible == {"decode-0": "tbt_unsafe", "decode-1": "deflection_in_flight"}
+    assert d.ttft_decode_est_ms == {"decode-0": None, "decode-1": None}
+
+
+def _node(node_id, B, in_flight=(), flag=False, **kw):
+    from shared.snapshot import DecodeNodeView, InFlightDeflection
+
+    return DecodeNodeView(id=node_id, batch_size=B, kv_tokens=0, deflection_in_flight=flag,
+                          in_flight=[InFlightDeflection(prompt_tokens=t) for t in in_flight], **kw)
+
+
+def test_kairos_plus_projects_the_deflections_in_flight():
+    from shared.snapshot import ClusterSnapshot, PrefillNodeView, RequestView
+
+    nodes = [
+        # a 32-token deflection runs first: one χ = 72 step carrying 32 tokens, 28 + 4 = 32; then
+        # B = 9, K = 32: χ = 72 carries 63 tokens (29 + 63/8 = 36.875), then the last 1 (29.125) → 98
+        _node("ahead", 8, [32], flag=True),
+        # two run first: 32, then 29 + 32/8 = 33 at B = 9; then B = 10, K = 64: χ = 72 carries 62
+        # tokens (30 + 62/8 = 37.75), then the last 2 (30.25) → 65 + 68 = 133
+        _node("two ahead", 8, [32, 32], flag=True),
+        # an in-flight deflection with nothing left to prefill only joins the batch: 36.875 + 29.125
+        _node("joined", 8, [0], flag=True),
+        # ... and on a node already unsafe for any chunk, the request is what cannot be scheduled
+        _node("full", 20, [0], flag=True),
+        # B = 20: the in-flight deflection's own first step (40 + 52/8 = 46.5) is over 40
+        _node("unsafe", 20, [16], flag=True),
+        # flagged, but nothing known about it to project: skipped as in Algorithm 1
+        _node("flagged", 8, flag=True),
+    ]
+    snap = ClusterSnapshot(request=RequestView(id="r", prompt_tokens=64), prefill_nodes=[PrefillNodeView(id="p")],
+                           decode_nodes=nodes)
+    params = msgspec.structs.replace(EXACT_PARAMS, alpha=4.0, project_decode_state=True)
+    d = parse_policy("kairos").decide(snap, EXACT, params)
+    assert d.ttft_decode_est_ms == {"ahead": 98.0, "two ahead": 133.0, "joined": 66.0, "full": None, "unsafe": None,
+                                    "flagged": None}
+    assert d.decode_infeasible == {"full": "tbt_unsafe", "unsafe": "tbt_unsafe_in_flight",
+                                   "flagged": "deflection_in_flight"}
+    assert (d.decision, d.node, d.chunk_schedule, d.predicted_step_ms) == ("deflect", "joined", [72, 72],
+                                                                          [36.875, 29.125])
+    # without the switch every one of them is skipped
+    d = parse_policy("kairos").decide(snap, EXACT, msgspec.structs.replace(params, project_decode_state=False))
+    assert (d.decision, d.reason) == ("keep", "keep_all_reserved")
+
+
+def test_kairos_plus_correction_scales_the_estimate_and_tightens_eq5():
+    from shared.snapshot import ClusterSnapshot, PrefillNodeView, RequestView
+
+    # bias 2: TTFT_dec and the predicted step 2 · 36 = 72; safety 1.25: 36 > 40 / 1.25 = 32 → unsafe
+    nodes = [_node("biased", 8, step_bias=2.0), _node("unsure", 8, step_safety=1.25)]
+    snap = ClusterSnapshot(request=RequestView(id="r", prompt_tokens=64), prefill_nodes=[PrefillNodeView(id="p")],
+                           decode_nodes=nodes)
+    params = msgspec.structs.replace(EXACT_PARAMS, alpha=4.0, model_correction=True)
+    d = parse_policy("kairos").decide(snap, EXACT, params)
+    assert d.ttft_decode_est_ms == {"biased": 72.0, "unsure": None}
+    assert (d.decision, d.node, d.chunk_schedule, d.predicted_step_ms) == ("deflect", "biased", [72], [72.0])
+    # Algorithm 1 as printed ignores both fields
+    d = parse_policy("kairos").decide(snap, EXACT, msgspec.structs.replace(params, model_correction=False))
+    assert d.ttft_decode_est_ms == {"biased": 36.0, "unsure": 36.0}
