@@ -240,6 +240,7 @@ EXACT_PARAMS = PolicyParams(tbt_slo_ms=40.0, chunk_candidates=(72,), prefill_chu
 
 @pytest.mark.parametrize("queue, knobs, decision, reason", [
     ([64], {"alpha": 1.0}, "deflect", "deflect_faster"),  # 36 ≤ 1 · 36, and not slower
+    ([64], {"alpha": 1.0, "tbt_slo_ms": 36.0}, "deflect", "deflect_faster"),  # the step is at β·τ, not over
     ([], {"alpha": 2.0}, "deflect", "deflect_within_alpha"),  # 36 ≤ 2 · 18
     ([], {"alpha": 1.5}, "keep", "keep_alpha_margin"),  # 36 > 1.5 · 18 = 27
     ([], {"alpha": 2.0, "ttft_slo_ms": 36.0}, "deflect", "deflect_within_alpha"),  # 36 is not over 36
@@ -329,3 +330,9 @@ def test_kairos_plus_correction_scales_the_estimate_and_tightens_eq5():
     # Algorithm 1 as printed ignores both fields
     d = parse_policy("kairos").decide(snap, EXACT, msgspec.structs.replace(params, model_correction=False))
     assert d.ttft_decode_est_ms == {"biased": 36.0, "unsure": 36.0}
+
+
+def test_a_chunk_of_one_prompt_token_is_a_chunk():
+    # B = 8, 𝒳 = (9,): every step carries p = 1 token at 28 + 1/8 = 28.125 (slope 0): ℓ = 3 → 3 steps
+    ttft, runs = decode_schedule(EXACT, 8, 0, 3, (9,), 40.0)
+    assert expand_runs(runs) == ([9, 9, 9], [28.125] * 3) and ttft == 84.375
