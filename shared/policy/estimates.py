@@ -323,4 +323,5 @@ def fixed_chunk_steps(model: LatencyModel, batch_size: int, kv_tokens: int, prom
     t1 = float(mixed(B, K, p, c))
     slope = float(mixed(B, K + B, p, c + p)) - t1
     t_last = float(mixed(B, K + (n - 1) * B, last, c + (n - 1) * p))
-    return expand_runs([ChunkRun(chunk_tokens, n, p, c, last, 0, t1, slope, t_last)])
+    # one run of equal χ, as expand_runs lists it: step j takes t1 + j·slope, the last t_last
+    return [chunk_tokens] * n, [t1 + slope * j for j in range(n - 1)] + [t_last]

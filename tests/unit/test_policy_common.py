@@ -1,0 +1,91 @@
+"""The pieces every policy shares (shared/policy/common.py), by hand with the tiny model
+(tests/factories.py): the cached-prefix cap, the prefill node of Eq. 1 and its kairos+ terms, the
+keep path's KV receiver and the static policies' deflection target."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.policy import PolicyParams
+from shared.policy.common import best_prefill, deflect_target, keep_receiver, least_loaded_decode, request_hit
+from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from tests.factories import tiny_model
+
+M = tiny_model()
+
+
+def snap(prefill=None, decode=None, prompt=250):
+    return ClusterSnapshot(request=RequestView(id="r", prompt_tokens=prompt),
+                           prefill_nodes=prefill or [PrefillNodeView(id="p0")],
+                           decode_nodes=decode or [DecodeNodeView(id="d0", batch_size=1, kv_tokens=1)])
+
+
+@pytest.mark.parametrize("cached, hit", [(0, 0), (50, 50), (99, 99), (100, 99), (150, 99)])
+def test_request_hit_leaves_at_least_one_prompt_token_to_compute(cached, hit):
+    # ℓ = 100: a cache holding all of it (or more) still leaves the last token to compute
+    assert request_hit(DecodeNodeView(id="d", batch_size=0, kv_tokens=0, cached_prefix_tokens=cached), 100) == hit
+
+
+# ℓ = 250, χ_p = 100: T_pf(250) = 57 (test_policy_equations.py::test_eq3), from c = 50: 42;
+# W([300, 100]) = 88. The KV of t tokens crosses the link in 1 + t·1000 B / 1 GB/s = 1 + t/1000 ms.
+PREFILL = [PrefillNodeView(id="p0", queue_prompt_tokens=[300, 100]),
+           PrefillNodeView(id="p1", kv_backlog_ms=100.0, step_bias=2.0),
+           PrefillNodeView(id="p2", cached_prefix_tokens=50)]
+
+
+@pytest.mark.parametrize("switches, include_kv, kv_tokens, want", [
+    # Eq. 1 as printed: 145, 57, 57 → the tie goes to the node listed first; KV of ℓ: 1.25 ms
+    ({}, False, None, ("p1", 57.0, 1.25)),
+    # correction: p1's 57 · 2 = 114 → p2
+    ({"model_correction": True}, False, None, ("p2", 57.0, 1.25)),
+    # cache-aware: p2 computes the 200 tokens past its prefix → 42
+    ({"prefix_aware": True}, False, None, ("p2", 42.0, 1.25)),
+    # KV-aware with 100 tokens to send (1.1 ms): 146.1, 57 + 100 + 1.1, 58.1
+    ({}, True, 100, ("p2", 58.1, 1.1)),
+    # all three: 145 + 1.25; the bias scales Eq. 2–3 only (114 + 100 + 1.25); 42 + 1.25
+    ({"model_correction": True, "prefix_aware": True}, True, None, ("p2", 43.25, 1.25)),
+])
+def test_best_prefill_eq1_and_its_kairos_plus_terms(switches, include_kv, kv_tokens, want):
+    params = PolicyParams(prefill_chunk_tokens=100, **switches)
+    node, ttft, kv_ms = best_prefill(snap(PREFILL), M, params, include_kv=include_kv, kv_tokens=kv_tokens)
+    assert (node, ttft, kv_ms) == (want[0], pytest.approx(want[1]), pytest.approx(want[2]))
+
+
+def test_best_prefill_counts_no_kv_unless_asked():
+    # p1 alone, with a 100 ms backlog: the default (include_kv off) leaves TTFT_pf at Eq. 1's 57
+    assert best_prefill(snap(PREFILL[1:2]), M, PolicyParams(prefill_chunk_tokens=100))[1] == pytest.approx(57.0)
+
+
+DECODE = [DecodeNodeView(id="d0", batch_size=4, kv_tokens=900, cached_prefix_tokens=100),
+          DecodeNodeView(id="d1", batch_size=9, kv_tokens=500),
+          DecodeNodeView(id="d2", batch_size=3, kv_tokens=500, waiting=2),
+          DecodeNodeView(id="d3", batch_size=3, kv_tokens=500, waiting=1),
+          DecodeNodeView(id="d4", batch_size=3, kv_tokens=500, waiting=1, cached_prefix_tokens=100)]
+
+
+def test_least_loaded_decode_orders_by_kv_then_batch_then_waiting_then_listing():
+    # KV 500 beats 900; among the 500s batch 3 beats 9; waiting 1 beats 2; d3 is listed before d4
+    assert least_loaded_decode(snap(decode=DECODE)) == "d3"
+    assert least_loaded_decode(snap(decode=DECODE[:3])) == "d2"
+    assert least_loaded_decode(snap(decode=DECODE[:2])) == "d1"
+
+
+def test_keep_receiver_prefers_the_longest_prefix_only_when_prefix_aware():
+    s = snap(decode=DECODE)
+    # blind: the least-loaded node, no tokens held
+    assert keep_receiver(s, False) == ("d3", 0)
+    # aware: d0 and d4 hold 100 tokens; d4 is the less loaded of the two
+    assert keep_receiver(s, True) == ("d4", 100)
+    # the held prefix is capped as the engines compute it: ℓ = 80 → 79
+    assert keep_receiver(snap(decode=DECODE, prompt=80), True) == ("d4", 79)
+
+
+def test_deflect_target_avoids_nodes_with_a_deflection_in_flight():
+    free = DecodeNodeView(id="free", batch_size=9, kv_tokens=9000)
+    flagged = DecodeNodeView(id="flagged", batch_size=1, kv_tokens=10, deflection_in_flight=True)
+    listed = DecodeNodeView(id="listed", batch_size=1, kv_tokens=10, in_flight=[InFlightDeflection(prompt_tokens=5)])
+    assert deflect_target(snap(decode=[flagged, listed, free])) == "free"
+    # every node busy: the least loaded (KV, then batch), first listed on ties
+    light = DecodeNodeView(id="light", batch_size=2, kv_tokens=10, deflection_in_flight=True)
+    assert deflect_target(snap(decode=[light, flagged, listed])) == "flagged"
+    assert deflect_target(snap(decode=[free, DecodeNodeView(id="small", batch_size=1, kv_tokens=9000)])) == "small"
