@@ -336,3 +336,23 @@ def test_a_chunk_of_one_prompt_token_is_a_chunk():
     # B = 8, 𝒳 = (9,): every step carries p = 1 token at 28 + 1/8 = 28.125 (slope 0): ℓ = 3 → 3 steps
     ttft, runs = decode_schedule(EXACT, 8, 0, 3, (9,), 40.0)
     assert expand_runs(runs) == ([9, 9, 9], [28.125] * 3) and ttft == 84.375
+
+
+def test_eq5_refuses_a_step_one_ulp_over_the_limit_where_the_closed_form_guesses_one_more():
+    """Eq. 5 (T ≤ β·τ) decided step by step, not by the run's closed form alone: with
+    T(step j) = 0.7 + 2.5·j ms (B = 1, K = 0, χ = 2: p = 1, c_j = j), the second step takes 3.2 ms.
+    Against a limit one ulp under 3.2, (limit − 0.7) / 2.5 rounds to exactly 1.0, so the closed-form
+    guess of the run's length is 2 steps; the second is over the limit and must be refused (no χ is
+    left, so a 2-token prompt has no schedule). At a limit of exactly 3.2 both steps are safe."""
+    import math
+
+    m = tiny_model(decode_intercept_ms=0.7, decode_coef=(0.0, 0.0), mixed_delta_coef=(0.0, 0.0, 2.5, 0.0))
+    assert m.mixed_step_ms(1, 1, 1, 1) == 3.2  # the second step, by the model itself
+    under = math.nextafter(3.2, 0.0)
+    assert (under - 0.7) / ((0.7 + 2.5) - 0.7) == 1.0  # the float trap the guard exists for
+    ttft, runs = decode_schedule(m, 1, 0, 1, (2,), under)  # a 1-token prompt: the first step only
+    assert ttft == 0.7 and [(r.chi, r.steps) for r in runs] == [(2, 1)]
+    assert decode_schedule(m, 1, 0, 2, (2,), under) is None
+    ttft, runs = decode_schedule(m, 1, 0, 2, (2,), 3.2)
+    assert ttft == pytest.approx(3.9)  # 0.7 + 3.2
+    assert [(r.chi, r.steps) for r in runs] == [(2, 2)]
