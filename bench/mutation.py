@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_run:
         names = [] if args.modules is None else mutant_globs(modules)
         cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *names]
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=sys.stderr).returncode  # its progress, not rows
         if rc != 0:
             print(f"mutation: {' '.join(cmd)} exited with {rc} (run it by hand to see why)", file=sys.stderr)
             return 2
