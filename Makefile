@@ -73,9 +73,10 @@ mutation: $(STAMP)
 	$(BIN)/python bench/mutation.py --no-run --check
 
 ## docker-compose.yml run for real (Debian's docker.io + Compose 1.29, a debootstrapped base image, no
-## registry, host networking only); needs root on a machine without Docker. ops/compose-smoke/smoke.py.
+## registry, host networking only); needs root on a machine without Docker. ops/compose-smoke/smoke.py;
+## options: make compose-smoke ARGS="--duration 60".
 compose-smoke: $(STAMP)
-	$(BIN)/python ops/compose-smoke/smoke.py
+	$(BIN)/python ops/compose-smoke/smoke.py $(ARGS)
 
 ## README/docs figures: rewrite every generated block from bench/results/*.jsonl (kairos/docgen.py).
 docs: $(STAMP)

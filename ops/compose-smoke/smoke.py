@@ -25,8 +25,15 @@ Steps (each printed with its wall time):
    ``dispatcher-1`` and then the agent ``prefill-1`` are SIGKILLed from the host (a crash, not a
    ``docker stop``: the restart policy applies). Checks: every request completed (none failed,
    none lost), some deflected, both containers restarted by Docker and healthy again.
-7. ``docker-compose ps``, the bench summary, then ``down -v`` (containers, volumes, networks) and
-   dockerd stopped if step 2 started it — also when a step fails.
+7. ``docker-compose ps``, the bench summary, then ``down -v`` (containers, volumes, networks; if
+   that fails, the project's containers and volumes removed by their compose label) and dockerd
+   stopped if step 2 started it — also when a step fails and on SIGINT, SIGTERM or SIGHUP (dockerd
+   runs in its own session, so a Ctrl-C reaches it only through this cleanup). After a SIGKILL of
+   this script, ``docker-compose -p kairos-smoke down -v`` by hand.
+
+The ports of the stack (``PORTS``) must be free on 127.0.0.1; the run checks that before ``up``.
+The legacy builder keeps the build stage as an untagged image: each rebuild after a change leaves
+one behind (``docker image prune`` removes them).
 
 Exit 0 when every check passed; 1 with the failed checks listed; 2 when a step could not run.
 """
@@ -36,7 +43,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import math
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -76,9 +86,11 @@ def step(name: str):
             self.t0 = time.monotonic()
             print(f"== {name}", flush=True)
 
-        def __exit__(self, *exc):
-            TIMES[name] = round(time.monotonic() - self.t0, 1)
-            print(f"   {name}: {TIMES[name]:.1f} s", flush=True)
+        def __exit__(self, exc_type, *_):
+            took = round(time.monotonic() - self.t0, 1)
+            if exc_type is None:
+                TIMES[name] = took
+            print(f"   {name}: {took:.1f} s" + ("" if exc_type is None else " (did not finish)"), flush=True)
     return _Step()
 
 
@@ -105,13 +117,18 @@ def docker_up() -> bool:
 def start_dockerd(workdir: Path) -> subprocess.Popen:
     """Start dockerd with the smoke configuration; return it once the API answers (≤ 60 s)."""
     log = open(workdir / "dockerd.log", "w")
+    # its own session: a Ctrl-C in the terminal must not stop it before the stack is taken down
     proc = subprocess.Popen(["dockerd", "--config-file", str(HERE / "daemon.json"),
-                             "--pidfile", str(workdir / "dockerd.pid")], stdout=log, stderr=subprocess.STDOUT)
+                             "--pidfile", str(workdir / "dockerd.pid")], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     deadline = time.monotonic() + 60.0
     while not docker_up():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise StepFailed(f"dockerd did not start; its log: {workdir / 'dockerd.log'}")
+            proc.kill()
+            tail = (workdir / "dockerd.log").read_text()[-1500:]
+            raise StepFailed(f"dockerd did not start; the end of its log:\n{tail}")
         time.sleep(0.5)
+    print("   started dockerd (stopped again at the end)", flush=True)
     return proc
 
 
@@ -136,6 +153,22 @@ def ensure_base_image(workdir: Path) -> bool:
 def build_image() -> None:
     sh(["docker", "build", "--network", "host", "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
         "-f", "ops/docker/Dockerfile", "-t", IMAGE, "."], cwd=ROOT)
+
+
+#: the host ports the stack listens on (docker-compose.yml, docs/deploy.md "Ports"): NATS client,
+#: cluster and monitoring, the ingress, the services' /metrics + /health
+PORTS = (4222, 4223, 4224, 6222, 6223, 6224, 8222, 8223, 8224, 8000, 9100, 9101, 9102, 9110, 9111, 9112, 9113)
+
+
+def ports_in_use() -> list[int]:
+    """The stack's ports that something on 127.0.0.1 already listens on."""
+    busy = []
+    for port in PORTS:
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                busy.append(port)
+    return busy
 
 
 def project_dir(workdir: Path) -> Path:
@@ -183,7 +216,7 @@ def wait_healthy(proj: Path, timeout_s: float = HEALTHY_TIMEOUT_S) -> dict[str, 
         if states and not waiting:
             return states
         if time.monotonic() > deadline:
-            logs = {n: compose(proj, "logs", "--tail", "5", n, check=False).stdout for n in waiting}
+            logs = {n: compose(proj, "logs", "--no-color", "--tail", "5", n, check=False).stdout for n in waiting}
             raise StepFailed(f"not healthy after {timeout_s:.0f} s: {waiting}\n" + "\n".join(logs.values()))
         time.sleep(2.0)
 
@@ -222,6 +255,26 @@ def load_and_faults(proj: Path, duration_s: float, out: Path) -> tuple[dict, dic
     return json.loads(out.read_text()), restarts_before
 
 
+def teardown(proj: Path) -> None:
+    """``down -v``; if that fails, remove the project's containers and volumes by their compose
+    label, and say so (nothing may be left holding the ports)."""
+    p = compose(proj, "down", "-v", "--remove-orphans", check=False)
+    if p.returncode == 0:
+        return
+    print(f"   docker-compose down exited with {p.returncode}: {(p.stderr or '')[-500:]}", flush=True)
+    label = f"label=com.docker.compose.project={PROJECT}"
+    for kind in ("container", "volume"):
+        ids = sh(["docker", kind, "ls", "-aq" if kind == "container" else "-q", "--filter", label],
+                 check=False, capture=True).stdout.split()
+        if ids:
+            sh(["docker", kind, "rm", "-f", *ids], check=False, capture=True)
+            print(f"   removed {len(ids)} {kind}(s) by label", flush=True)
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def checks(report: dict, proj: Path, restarts_before: dict[str, int], states: dict[str, str]) -> list[str]:
     """The failed checks (empty: all passed)."""
     bad = []
@@ -240,12 +293,19 @@ def checks(report: dict, proj: Path, restarts_before: dict[str, int], states: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=30.0, help="bench length, s (default 30: ~130 requests)")
+    ap = argparse.ArgumentParser(description="Run docker-compose.yml for real (emulated profile) on a machine without an "
+                                             "image registry, under load with two containers crashed, and tear it "
+                                             "down. See docs/deploy.md, 'The smoke run'.")
+    ap.add_argument("--duration", type=float, default=30.0,
+                    help="bench length, s (default 30: ~150 requests; the run fails with fewer than 100)")
     ap.add_argument("--remove-image", action="store_true",
                     help="remove kairos:local at the end (kept by default: it is the next build's cache)")
     ap.add_argument("--json", type=Path, help="write the bench report, the step times and the checks here")
     args = ap.parse_args(argv)
+    if not (math.isfinite(args.duration) and args.duration > 0):
+        ap.error(f"--duration must be a positive number of seconds, got {args.duration}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill takes the stack down too (the finally below)
+        signal.signal(sig, _terminated)
     workdir = Path(tempfile.mkdtemp(prefix="kairos-smoke-"))
     dockerd = proj = None
     bad: list[str] = []
@@ -261,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         with step("build"):
             build_image()
         with step("up"):
+            busy = ports_in_use()
+            if busy:
+                raise StepFailed(f"ports of the stack are in use on 127.0.0.1: {busy} (another stack or server?)")
             proj = project_dir(workdir)
             compose(proj, "up", "-d", "--no-build")
             wait_healthy(proj)
@@ -275,18 +338,24 @@ def main(argv: list[str] | None = None) -> int:
         row = {k: report[k] for k in ("sent", "completed", "failed", "errors", "deflections", "ttft_ms", "tbt_ms")}
         row.update(killed=list(KILLED), restarts={s: inspect(container(proj, s))["RestartCount"] for s in KILLED},
                    started_dockerd=dockerd is not None, failed_checks=bad, **fresh)
+        print(f"   restarts by Docker: {row['restarts']}", flush=True)
     except StepFailed as exc:
         print(f"compose-smoke: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print(f"compose-smoke: interrupted ({exc or 'SIGINT'}); taking the stack down", file=sys.stderr)
+        return 130
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cleanup itself is not interrupted
         if proj is not None:
             with step("down"):
-                compose(proj, "down", "-v", "--remove-orphans", check=False)
+                teardown(proj)
                 if args.remove_image:
                     sh(["docker", "image", "rm", IMAGE], check=False, capture=True)
         if dockerd is not None:
             dockerd.terminate()
             dockerd.wait(timeout=30)
+            print("   stopped dockerd", flush=True)
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
