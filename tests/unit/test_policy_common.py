@@ -89,3 +89,17 @@ def test_deflect_target_avoids_nodes_with_a_deflection_in_flight():
     light = DecodeNodeView(id="light", batch_size=2, kv_tokens=10, deflection_in_flight=True)
     assert deflect_target(snap(decode=[light, flagged, listed])) == "flagged"
     assert deflect_target(snap(decode=[free, DecodeNodeView(id="small", batch_size=1, kv_tokens=9000)])) == "small"
+
+
+def test_the_kv_estimate_uses_the_link_the_params_name():
+    # a second link, "slow": 5 ms + t·1000 B / 0.1 GB/s = 5 + t/100 ms; ℓ = 250 → 7.5 ms (the
+    # default link "l": 1 + 250/1000 = 1.25 ms)
+    from shared.latency import LinkModel
+
+    two = tiny_model(links={"l": LinkModel(bandwidth_gb_s=1.0, setup_ms=1.0),
+                            "slow": LinkModel(bandwidth_gb_s=0.1, setup_ms=5.0)})
+    assert best_prefill(snap(), two, PolicyParams())[2] == pytest.approx(1.25)
+    assert best_prefill(snap(), two, PolicyParams(link="slow"))[2] == pytest.approx(7.5)
+    # with the KV term on (kairos+), the link's time is in TTFT_pf too: 7.5 − 1.25 = 6.25 ms more
+    fast_link = best_prefill(snap(), two, PolicyParams(), include_kv=True)[1]
+    assert best_prefill(snap(), two, PolicyParams(link="slow"), include_kv=True)[1] == pytest.approx(fast_link + 6.25)

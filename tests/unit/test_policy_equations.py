@@ -356,3 +356,35 @@ def test_eq5_refuses_a_step_one_ulp_over_the_limit_where_the_closed_form_guesses
     ttft, runs = decode_schedule(m, 1, 0, 2, (2,), 3.2)
     assert ttft == pytest.approx(3.9)  # 0.7 + 3.2
     assert [(r.chi, r.steps) for r in runs] == [(2, 2)]
+
+
+def test_queue_wait_of_a_one_token_queue():
+    # Eq. 2 for a queue of one 1-token prompt, χ_p = 64: (1/64) · T_pf(64, c = 0.5)
+    # = (10 + 6.4 + 0.0001·64·0.5) / 64 = 16.4032 / 64 = 0.2563 ms
+    assert prefill_queue_wait_ms(M, [1], 64) == pytest.approx(0.2563)
+    assert prefill_queue_wait_ms(M, [], 64) == 0.0
+
+
+def test_decisions_under_two_models_use_each_models_own_sweeps():
+    # the same node state decided under the tiny model and under one 10 ms slower per decode step:
+    # the slower model's deflection estimate is its own, not the first model's memoised sweep
+    params = PolicyParams(chunk_candidates=(110, 60, 20), tbt_slo_ms=60.001, ttft_slo_ms=10_000.0, alpha=100.0)
+    s = snapshot(400, [[3000]], [(10, 10_000, False)])
+    fast = parse_policy("kairos").decide(s, M, params)
+    slow = parse_policy("kairos").decide(s, tiny_model(decode_intercept_ms=30.0), params)
+    d0 = next(iter(fast.ttft_decode_est_ms))
+    assert fast.ttft_decode_est_ms[d0] is not None and slow.ttft_decode_est_ms[d0] is not None
+    assert slow.ttft_decode_est_ms[d0] > fast.ttft_decode_est_ms[d0]
+
+
+def test_a_sweep_cache_is_never_another_models_even_under_a_reused_id():
+    # CPython reuses the id of a freed object: a cache left under a new model's id by a model
+    # that is gone must not be handed to the new one
+    from shared.policy import estimates as E
+
+    old, new = tiny_model(), tiny_model(decode_intercept_ms=30.0)
+    stale = E.sweep_cache(old)
+    stale["marker"] = "old model's sweeps"
+    E._SWEEPS[id(new)] = E._SWEEPS.pop(id(old))  # as if `new` got the id `old` had
+    assert "marker" not in E.sweep_cache(new)
+    assert E.sweep_cache(new) is E.sweep_cache(new)  # and the new model's cache is kept
