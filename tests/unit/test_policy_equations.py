@@ -388,3 +388,20 @@ def test_a_sweep_cache_is_never_another_models_even_under_a_reused_id():
     E._SWEEPS[id(new)] = E._SWEEPS.pop(id(old))  # as if `new` got the id `old` had
     assert "marker" not in E.sweep_cache(new)
     assert E.sweep_cache(new) is E.sweep_cache(new)  # and the new model's cache is kept
+
+
+@pytest.mark.parametrize("first_ms, slope_ms, limit, safe_steps", [
+    # T(step j) = first + slope·j (B = 1, K = 0, χ = 2: p = 1, c_j = j). The run's length is guessed
+    # in closed form, 1 + ⌊(limit − first)/slope⌋, and corrected step by step at float boundaries:
+    # 44.18 + 5.1·6 = 74.78 = the limit: 7 steps, where the guess says 6 (too low by one)
+    (44.18, 5.1, 74.78, 7),
+    # 30.4 + 20·4 = 110.4 > the limit one ulp under it: 4 steps, where the guess says 5 (too high)
+    (30.4, 20.0, 110.39999999999999, 4),
+])
+def test_a_runs_length_is_the_last_step_within_the_limit_not_the_closed_form_guess(first_ms, slope_ms, limit,
+                                                                                    safe_steps):
+    m = tiny_model(decode_intercept_ms=first_ms, decode_coef=(0.0, 0.0), mixed_delta_coef=(0.0, 0.0, slope_ms, 0.0))
+    assert m.mixed_step_ms(1, 0, 1, safe_steps - 1) <= limit < m.mixed_step_ms(1, 0, 1, safe_steps)  # by the model
+    ttft, runs = decode_schedule(m, 1, 0, safe_steps, (2,), limit)
+    assert [(r.chi, r.steps) for r in runs] == [(2, safe_steps)]
+    assert decode_schedule(m, 1, 0, safe_steps + 1, (2,), limit) is None  # no χ left after them
