@@ -567,7 +567,9 @@ def mutation(load: Load) -> str:
         lines.append(f"| `{x['module']}` | {num(x['mutants'])} | {num(x['killed'])} | {num(x['timeout'])} | "
                      f"{num(undetected)} | {num(x['equivalent'])} | {pct(x['score'], 1)} |")
     total = sum(x["mutants"] for x in r.rows)
-    return (f"`{command(r.meta)}` ({provenance(r)}; {num(total)} mutants in {seconds(r.meta['wall_s'] * 1000.0, 0)} s). "
+    killed = sum(x["killed"] + x["timeout"] for x in r.rows)
+    return (f"`make mutation` (`{command(r.meta)}`; {provenance(r)}; {num(total)} mutants in "
+            f"{seconds(r.meta['wall_s'] * 1000.0, 0)}, {pct(killed / total, 1)} of them killed or timed out). "
             f"Score: (killed + timeout) ÷ (mutants − listed equivalents):\n\n" + "\n".join(lines))
 
 
@@ -724,6 +726,6 @@ RENDERERS: dict[str, Callable[[Load], str]] = {
     "vllm-pd-rate": vllm_pd_rate,
     "vllm-ab": vllm_ab,
     "vllm-headroom": vllm_headroom,
-    # "mutation": mutation,  (registered with its block, once bench/results/mutation.jsonl is recorded)
+    "mutation": mutation,
     "compose-smoke": compose_smoke,
 }
