@@ -82,10 +82,18 @@ def load_equivalents(folder: Path = EQUIVALENTS) -> list[Equivalent]:
     when one lacks ``function``, ``removed``, ``added`` or a non-empty ``why``."""
     out: list[Equivalent] = []
     for path in sorted(folder.glob("*.toml")):
-        for i, e in enumerate(tomllib.loads(path.read_text()).get("equivalent", [])):
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path.name}: {exc}") from None
+        if set(data) - {"equivalent"}:
+            raise ValueError(f"{path.name}: unknown table(s) {sorted(set(data) - {'equivalent'})} (only [[equivalent]])")
+        for i, e in enumerate(data.get("equivalent", [])):
             missing = [k for k in ("function", "removed", "added", "why") if not isinstance(e.get(k), str)]
             if missing or not e["why"].strip():
                 raise ValueError(f"{path.name} entry {i + 1}: needs function, removed, added and a reason (why)")
+            if set(e) - {"function", "removed", "added", "why"}:
+                raise ValueError(f"{path.name} entry {i + 1}: unknown key(s) {sorted(set(e) - {'function', 'removed', 'added', 'why'})}")
             out.append(Equivalent(e["function"], e["removed"], e["added"], e["why"], path.name))
     return out
 
@@ -100,15 +108,21 @@ class ModuleResult:
     timeout: int = 0
     survived: int = 0
     no_tests: int = 0
+    not_checked: int = 0
     other: int = 0
     equivalent: int = 0
     survivors: list[dict] = field(default_factory=list)
 
     @property
     def score(self) -> float:
-        """(killed + timeout) ÷ (mutants − listed equivalents); 1.0 for a module without mutants."""
-        den = self.mutants - self.equivalent
-        return (self.killed + self.timeout) / den if den > 0 else 1.0
+        """(killed + timeout) ÷ (mutants run − listed equivalents); 0.0 when nothing was run."""
+        den = self.mutants - self.not_checked - self.equivalent
+        return (self.killed + self.timeout) / den if den > 0 else 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Every mutant of the module was run (and there are some)."""
+        return self.mutants > 0 and self.not_checked == 0
 
     @property
     def unexplained(self) -> list[dict]:
@@ -135,6 +149,9 @@ def collect(modules: list[str], equivalents: list[Equivalent]) -> list[ModuleRes
             if status in ("killed", "timeout"):
                 setattr(res, status, getattr(res, status) + 1)
                 continue
+            if status == "not checked":  # not run (yet): neither detected nor a survivor
+                res.not_checked += 1
+                continue
             if status == "survived":
                 res.survived += 1
             elif status == "no tests":
@@ -160,12 +177,21 @@ def mutant_globs(modules: list[str]) -> list[str]:
 def table(results: list[ModuleResult]) -> str:
     lines = [f"{'module':42} {'mutants':>7} {'killed':>6} {'t/o':>4} {'surv':>5} {'equiv':>5} {'score':>6}"]
     for r in results:
-        flag = "" if r.score >= TARGET and not r.unexplained else "  <-- "
+        flag = "" if r.complete and r.score >= TARGET and not r.unexplained else "  <-- "
         if flag:
-            flag += f"under {TARGET:.0%}" if r.score < TARGET else f"{len(r.unexplained)} unexplained"
+            flag += ("no mutants: not run (or not a configured module)" if r.mutants == 0 else
+                     f"{r.not_checked} not run yet" if r.not_checked else
+                     f"under {TARGET:.0%}" if r.score < TARGET else f"{len(r.unexplained)} unexplained")
         lines.append(f"{r.module:42} {r.mutants:7d} {r.killed:6d} {r.timeout:4d} {r.survived + r.no_tests + r.other:5d} "
                      f"{r.equivalent:5d} {r.score:6.1%}{flag}")
     return "\n".join(lines)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modules", nargs="+", metavar="PATH",
                     help="only these of [tool.mutmut].only_mutate (default: all of them)")
-    ap.add_argument("--max-children", type=int, default=2, help="parallel mutant runs (default 2)")
+    ap.add_argument("--max-children", type=_positive, default=2, help="parallel mutant runs (default 2)")
     ap.add_argument("--json", type=Path, help="write the rows (one per module) to this file")
     ap.add_argument("--check", action="store_true",
-                    help=f"exit 1 if a module scores under {TARGET:.0%} or has an unlisted survivor")
+                    help=f"exit 1 if a module was not run in full, scores under {TARGET * 100:.0f} %% or has an unlisted survivor")
     ap.add_argument("--no-run", action="store_true", help="report the last run's results (mutants/) only")
     args = ap.parse_args(argv)
     known = configured_modules()
-    modules = args.modules or known
+    modules = list(dict.fromkeys(args.modules)) if args.modules else known
     unknown = [m for m in modules if m not in known]
     if unknown:
         ap.error(f"not in [tool.mutmut].only_mutate of pyproject.toml: {', '.join(unknown)}")
@@ -189,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         print(f"mutation: {exc}", file=sys.stderr)
         return 2
+    if args.json is not None and not args.json.parent.is_dir():
+        ap.error(f"--json: no folder {args.json.parent}")
     t0 = time.monotonic()
     if not args.no_run:
         names = [] if args.modules is None else mutant_globs(modules)
@@ -203,11 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for s in r.unexplained:
             print(f"\n{s['status']}: {s['mutant']}\n{s['diff']}", file=sys.stderr)
-    print(f"\n{sum(r.mutants for r in results)} mutants in {wall_s:.0f} s", file=sys.stderr)
+    stale = [e for e in equivalents if not any(e.matches(s["function"], s["removed"], s["added"])
+                                              for r in results for s in r.survivors)
+             and any(e.function.startswith(r.module.removesuffix(".py").replace("/", ".") + ".") for r in results)]
+    for e in stale:
+        print(f"note: {e.source}: {e.function} `{e.removed}` -> `{e.added}` matches no survivor now", file=sys.stderr)
+    took = "(results of the last run)" if args.no_run else f"in {wall_s:.0f} s"
+    print(f"\n{sum(r.mutants for r in results)} mutants {took}", file=sys.stderr)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([{**r.row(), "wall_s": round(wall_s, 1)} for r in results], indent=1))
-    bad = [r for r in results if r.score < TARGET or r.unexplained]
+    bad = [r for r in results if not r.complete or r.score < TARGET or r.unexplained]
     return 1 if args.check and bad else 0
 
 

@@ -75,6 +75,11 @@ class HeartbeatGuard:
     keep_epochs: int = 4
     _nodes: dict[str, _NodeHb] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Raises ValueError for ``keep_epochs`` < 1 (no incarnation kept: no replay protection)."""
+        if self.keep_epochs < 1:
+            raise ValueError(f"keep_epochs must be at least 1, got {self.keep_epochs}")
+
     def check(self, node: str, epoch_unix_ms: float, seq: int, sent_unix_ms: float, period_ms: float,
               now_unix_ms: float, rx_ms: float) -> str | None:
         """Validate one heartbeat; record it if accepted.

@@ -212,3 +212,11 @@ def test_only_an_accepted_heartbeat_is_a_sign_of_life():
     other = msgspec.structs.replace(st(1), node="decode-1")
     assert accept_heartbeat(g, lv, other, NOW, 1500.0) is None
     assert lv.epoch("decode-1") == E1 and lv.silent_ms("decode-1", 1600) == 100
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_a_guard_that_would_remember_no_incarnation_is_refused(keep):
+    with pytest.raises(ValueError) as e:
+        HeartbeatGuard(keep_epochs=keep)
+    assert str(e.value) == f"keep_epochs must be at least 1, got {keep}"
+    assert HeartbeatGuard(keep_epochs=1).keep_epochs == 1  # one is enough (the current incarnation)

@@ -42,12 +42,23 @@ def test_a_listed_equivalent_matches_only_its_function_and_both_lines():
 def test_a_module_score_leaves_out_listed_equivalents_and_counts_timeouts_as_detected():
     r = M.ModuleResult("shared/x.py", mutants=20, killed=16, timeout=1, survived=3, equivalent=1)
     assert r.score == pytest.approx(17 / 19)  # (16 killed + 1 timeout) / (20 − 1 equivalent)
-    assert M.ModuleResult("shared/empty.py").score == 1.0
+    assert r.complete
+    # mutants not run yet are neither detected nor survivors, and the module is not complete
+    part = M.ModuleResult("shared/x.py", mutants=20, killed=8, not_checked=10, survived=2)
+    assert part.score == pytest.approx(8 / 10) and not part.complete
+    # a module without mutants (never run, or a path mutmut does not know) scores nothing
+    assert M.ModuleResult("shared/empty.py").score == 0.0 and not M.ModuleResult("shared/empty.py").complete
 
 
-def test_an_entry_without_a_reason_is_refused(tmp_path):
-    (tmp_path / "g.toml").write_text('[[equivalent]]\nfunction = "a.b"\nremoved = "x"\nadded = "y"\nwhy = " "\n')
-    with pytest.raises(ValueError, match="g.toml entry 1"):
+@pytest.mark.parametrize("text, message", [
+    ('[[equivalent]]\nfunction = "a.b"\nremoved = "x"\nadded = "y"\nwhy = " "\n', "g.toml entry 1: needs"),
+    ('[[equivalent]]\nfunction = "a.b"\nremoved = "x"\nadded = "y"\nwhy = "w"\nwhen = "z"\n', "g.toml entry 1: unknown key"),
+    ('[[equivalents]]\nfunction = "a.b"\n', "g.toml: unknown table"),
+    ('[[equivalent]\n', "g.toml: "),
+])
+def test_a_malformed_list_is_refused_naming_the_file(tmp_path, text, message):
+    (tmp_path / "g.toml").write_text(text)
+    with pytest.raises(ValueError, match=message):
         M.load_equivalents(tmp_path)
 
 

@@ -290,3 +290,20 @@ def test_claim_keys_name_no_request_id():
 def test_node_record_parts_need_the_node_and_the_others_refuse_one(part, node):
     with pytest.raises(S.SubjectError):
         S.record_key("cmpl-1", part, node)
+
+
+def test_write_secrets_creates_each_path_private_before_it_sets_the_mode_again(tmp_path, monkeypatch):
+    """The directory is created 0700 and each file with its final mode in the same call that makes
+    it, so there is no moment in which another user of the host can enter the directory or open a
+    file (the chmod/fchmod after them only repair paths that existed before). Shown with those
+    repairs switched off, under a permissive umask."""
+    monkeypatch.setattr(P.os, "chmod", lambda *a, **k: None)
+    monkeypatch.setattr(P.os, "fchmod", lambda *a, **k: None)
+    old = os.umask(0)
+    try:
+        P.write_secrets(P.GeneratedAuth.for_nodes(["decode-0"]), tmp_path / "s")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "s").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "s" / "ingress.password").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "s" / "nats-server.env").stat().st_mode & 0o777 == 0o600

@@ -1,4 +1,5 @@
-"""Test-wide settings. The ``mutation`` Hypothesis profile (``make mutation`` passes
+"""Unit-tier settings (not test-wide: the vLLM tier runs tests/vllm under a virtualenv without
+Hypothesis or the policy's dependencies). The ``mutation`` Hypothesis profile (``make mutation`` passes
 ``--hypothesis-profile=mutation``) draws the same examples in every run and keeps no example
 database, so a mutant is killed or not by the tests alone, never by the luck of a draw or by a
 failing example that an earlier mutant left behind."""
