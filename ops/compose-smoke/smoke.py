@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compose-smoke: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        print(f"compose-smoke: interrupted ({exc or 'SIGINT'}); taking the stack down", file=sys.stderr)
+        print(f"compose-smoke: interrupted ({str(exc) or 'SIGINT'}); taking the stack down", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the cleanup itself is not interrupted
