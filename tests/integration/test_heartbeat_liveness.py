@@ -28,11 +28,9 @@ import pytest
 from shared import subjects as S
 from shared.wire import NodeState, decode, encode, now_ms
 from tests.integration.conftest import stack, wait_until
-from tests.integration.test_ingress_robustness import counter, holder, read_sse
+from tests.integration.test_ingress_robustness import counter, long_decode_stream, read_sse
 
 pytestmark = pytest.mark.integration
-
-MODEL = "kairos-emulated"
 
 
 async def test_replayed_and_forged_heartbeats_of_a_crashed_node_do_not_keep_it_alive(nats_url):
@@ -45,12 +43,7 @@ async def test_replayed_and_forged_heartbeats_of_a_crashed_node_do_not_keep_it_a
             seen.append(m.data)
 
         sub = await forger.subscribe(S.state_subject("decode-0"), cb=keep)
-        body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "stream": True}
-        async with st.http.post(st.base + "/v1/completions", json=body) as r:
-            assert r.status == 200
-            head = await read_sse(r, 3)
-            rid = json.loads(head[0])["id"]
-            node = await wait_until(lambda: holder(st, rid, "decode"), 5, "the decode node streaming it")
+        async with long_decode_stream(st) as (r, _, _, node):
             assert node == "decode-0"
             await wait_until(lambda: len(seen) >= 3, 5, "three real heartbeats of decode-0")
             # while it lives: an older incarnation's heartbeat and one of an incarnation an hour

@@ -7,6 +7,7 @@ Real nats-server and the in-process stack (conftest); nodes are crashed with ``S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -57,6 +58,19 @@ def holder(st, rid: str, role: str) -> str | None:
     return next((n for n, a in st.agents.items() if a.cfg.role == role and n not in st.dead and rid in a.reqs), None)
 
 
+@contextlib.asynccontextmanager
+async def long_decode_stream(st):
+    """A streaming completion (2,000 tokens: it outlives the test's faults), once a decode node
+    streams it: yields (the response, its first three SSE payloads, the request id, that node)."""
+    body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "stream": True}
+    async with st.http.post(st.base + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        head = await read_sse(r, 3)
+        rid = json.loads(head[0])["id"]
+        node = await wait_until(lambda: holder(st, rid, "decode"), 5, "the decode node streaming it")
+        yield r, head, rid, node
+
+
 def counter(c) -> float:
     return c._value.get()
 
@@ -67,12 +81,7 @@ async def test_decode_node_killed_mid_stream_ends_with_node_lost_error_fast(nats
     # idle timeout 30 s: the error must come from node-loss detection, not from the timeout
     async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0,
                      request_timeout_s=60.0) as st:
-        body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "stream": True}
-        async with st.http.post(st.base + "/v1/completions", json=body) as r:
-            assert r.status == 200
-            head = await read_sse(r, 3)
-            rid = json.loads(head[0])["id"]
-            node = await wait_until(lambda: holder(st, rid, "decode"), 5, "the decode node streaming it")
+        async with long_decode_stream(st) as (r, head, rid, node):
             t0 = time.monotonic()
             await st.kill_agent(node)
             rest = await asyncio.wait_for(read_sse(r), 10)
