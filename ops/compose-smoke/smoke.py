@@ -41,9 +41,10 @@ Exit 0 when every check passed; 1 with the failed checks listed; 2 when a step c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import math
+import os
 import shutil
 import signal
 import socket
@@ -53,6 +54,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -79,22 +82,22 @@ def sh(cmd: list[str], *, check: bool = True, capture: bool = False, **kw) -> su
     return p
 
 
+TIMES: dict[str, float] = {}  #: step name → wall time, s, of each step that finished
+
+
+@contextlib.contextmanager
 def step(name: str):
-    """Print ``name`` and, when the block ends, its wall time; record it in ``TIMES``."""
-    class _Step:
-        def __enter__(self):
-            self.t0 = time.monotonic()
-            print(f"== {name}", flush=True)
-
-        def __exit__(self, exc_type, *_):
-            took = round(time.monotonic() - self.t0, 1)
-            if exc_type is None:
-                TIMES[name] = took
-            print(f"   {name}: {took:.1f} s" + ("" if exc_type is None else " (did not finish)"), flush=True)
-    return _Step()
-
-
-TIMES: dict[str, float] = {}
+    """Print ``name`` and, when the block ends, its wall time; record it in ``TIMES`` only if the
+    block finished (an interrupted or failed step is printed as such)."""
+    t0 = time.monotonic()
+    print(f"== {name}", flush=True)
+    try:
+        yield
+    except BaseException:
+        print(f"   {name}: {time.monotonic() - t0:.1f} s (did not finish)", flush=True)
+        raise
+    TIMES[name] = round(time.monotonic() - t0, 1)
+    print(f"   {name}: {TIMES[name]:.1f} s", flush=True)
 
 
 def ensure_tools() -> bool:
@@ -227,8 +230,9 @@ def answered() -> int:
         text = urllib.request.urlopen(f"{INGRESS}/metrics", timeout=5).read().decode()
     except OSError:
         return 0
-    return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                   if ln.startswith("kairos_ingress_requests_total{")))
+    return int(sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "kairos_ingress_requests" for sample in family.samples
+                   if sample.name == "kairos_ingress_requests_total"))
 
 
 def crash(proj: Path, service: str) -> int:
