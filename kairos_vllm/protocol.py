@@ -48,6 +48,17 @@ class DeflectedChunk(msgspec.Struct, frozen=True):
     computed_tokens: int = 0
 
 
+class PrefillChunk(msgspec.Struct, frozen=True):
+    """The prompt tokens one scheduled request without a chunk schedule (keep path: a prefill node's
+    requests, vLLM's own chunked prefill of long prompts) computed in a step."""
+
+    request_id: str  #: Kairos request id, else vLLM's
+    tokens: int  #: prompt tokens scheduled for it in this step
+    #: its ``num_computed_tokens`` before this step (prefix-cache hit + earlier chunks): the context the
+    #: chunk attends over, the ``c`` of the latency model (shared/latency.py)
+    computed_tokens: int
+
+
 class StepRecord(msgspec.Struct, frozen=True):
     """One executed engine step (sent on the snapshot published right after it)."""
 
@@ -62,6 +73,9 @@ class StepRecord(msgspec.Struct, frozen=True):
     #: requests scheduled for the first time this step (Kairos request id, else vLLM's): the start of
     #: their prefill, as the simulator's prefill queue ends (empty from a plugin that predates it)
     first_scheduled: list[str] = msgspec.field(default_factory=list)
+    #: every other request that prefilled this step (no chunk schedule), with its context; empty from
+    #: a plugin that predates the field
+    prefills: list[PrefillChunk] = msgspec.field(default_factory=list)
 
 
 class EngineSnapshot(msgspec.Struct, frozen=True, tag="snapshot"):

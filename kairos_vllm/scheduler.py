@@ -39,7 +39,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kairos_vllm import VLLM_VERSION
 from kairos_vllm.chunks import ChunkScheduleError, chunk_position, kairos_request_id, parse_chunks, prefill_cap
-from kairos_vllm.protocol import STATE_ADDR_ENV, DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest
+from kairos_vllm.protocol import (STATE_ADDR_ENV, DeflectedChunk, EngineSnapshot, PrefillChunk, StepRecord,
+                                  WaitingRequest)
 from kairos_vllm.publisher import StatePublisher
 
 logger = init_logger("vllm.kairos_vllm")  # under "vllm", whose handlers vLLM configures
@@ -140,6 +141,7 @@ class _PendingStep:
     cached_tokens: int
     chunks: list[DeflectedChunk]
     first_scheduled: list[str]
+    prefills: list[PrefillChunk]
 
 
 class KairosSchedulerMixin:
@@ -221,6 +223,7 @@ class KairosSchedulerMixin:
         started_mono, started_unix_ms = time.perf_counter(), time.time() * 1000.0
         prefill = decodes = kv = cached = 0
         chunks: list[DeflectedChunk] = []
+        prefills: list[PrefillChunk] = []
         first_time = {r.req_id for r in out.scheduled_new_reqs}
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
@@ -234,14 +237,16 @@ class KairosSchedulerMixin:
             if rid in first_time and req.num_preemptions == 0:
                 cached += before
             sched = self.kairos_chunks(req)
+            extra = req.sampling_params.extra_args if req.sampling_params is not None else None
             if sched is not None:
                 k, _ = chunk_position(sched, before)
-                extra = req.sampling_params.extra_args if req.sampling_params is not None else None
                 chunks.append(DeflectedChunk(kairos_request_id(extra, rid), k, p, before))
+            else:
+                prefills.append(PrefillChunk(kairos_request_id(extra, rid), p, before))
         first = [kairos_request_id(r.sampling_params.extra_args if r.sampling_params is not None else None, r.req_id)
                  for r in out.scheduled_new_reqs]
         self._kairos_pending.append(_PendingStep(out, started_mono, started_unix_ms, prefill, decodes, kv, cached, chunks,
-                                                 first))
+                                                 first, prefills))
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -259,7 +264,7 @@ class KairosSchedulerMixin:
                              wall_ms=(entered - pending.started_mono) * 1000.0, prefill_tokens=pending.prefill_tokens,
                              decode_count=pending.decode_count, kv_tokens=pending.kv_tokens,
                              cached_tokens=pending.cached_tokens, chunks=pending.chunks,
-                             first_scheduled=pending.first_scheduled)
+                             first_scheduled=pending.first_scheduled, prefills=pending.prefills)
             self.kairos_publish(rec)
         return result
 

@@ -373,6 +373,28 @@ def _outliers(y: np.ndarray, pred: np.ndarray) -> np.ndarray:
     return np.abs(x - med) > OUTLIER_ROBUST_SIGMAS * mad
 
 
+#: quantiles of measured ÷ predicted over each kind's held-out steps, in the fit report
+#: (``metadata.fit.heldout_ratio_quantiles``: ``{"mixed": {"p50": …, "p90": …, "p95": …, "p99": …}}``)
+RATIO_QUANTILES = (0.5, 0.9, 0.95, 0.99)
+
+
+def tbt_safety_beta(model: "LatencyModel", quantile: str = "p95") -> float:
+    """β of Eq. 5 (``T ≤ β·τ``) from a fitted profile's own step noise: 1 ÷ the ``quantile`` of its
+    held-out mixed steps' measured ÷ predicted time (a chunk planned at the limit then breaks τ in
+    about 5 % of its steps for p95), at most 1.0, rounded down to 0.01; 1.0 for a profile without
+    that report (the bundled emulated profiles, artifacts fitted before it existed).
+
+    Raises:
+        KeyError: ``quantile`` is not one of :data:`RATIO_QUANTILES` (``"p50"``, ``"p90"``, …).
+    """
+    if quantile not in {f"p{round(x * 100)}" for x in RATIO_QUANTILES}:
+        raise KeyError(f"quantile {quantile!r}: one of {[f'p{round(x * 100)}' for x in RATIO_QUANTILES]}")
+    q = ((model.metadata.get("fit") or {}).get("heldout_ratio_quantiles") or {}).get("mixed", {}).get(quantile)
+    if not isinstance(q, (int, float)) or q <= 1.0:
+        return 1.0
+    return math.floor(100.0 / q) / 100.0
+
+
 def fit_latency_model(
     records: Sequence[StepRecord],
     *,
@@ -428,6 +450,7 @@ def fit_latency_model(
     mapes: dict[str, float | None] = {}
     regions: dict[str, dict[str, float]] = {}
     counts: dict[str, int] = {}
+    quantiles: dict[str, dict[str, float]] = {}
 
     def fit_kind(kind: str, X: np.ndarray, target: np.ndarray, offset: np.ndarray, intercept: bool):
         """Fit one kind (target = y − offset), reject outliers, report held-out MAPE on y."""
@@ -443,6 +466,10 @@ def fit_latency_model(
         truth, pred = target[te] + offset[te], reg.predict(X[te]) + offset[te]
         mapes[kind] = mape(truth, pred)
         counts[kind] = len(X)
+        ok = pred > 0
+        if ok.any():
+            q = np.quantile(truth[ok] / pred[ok], RATIO_QUANTILES)
+            quantiles[kind] = {f"p{round(x * 100)}": round(float(v), 4) for x, v in zip(RATIO_QUANTILES, q)}
         return reg, te, truth, pred
 
     # prefill-only
@@ -467,7 +494,7 @@ def fit_latency_model(
 
     fit_report = {"holdout": holdout, "samples": counts, "rejected": rejected,
                   "outlier_rule": f"|log residual - median| > {OUTLIER_ROBUST_SIGMAS} x 1.4826 MAD (training rows)",
-                  "mape_regions": regions, "max_mape": max_mape}
+                  "mape_regions": regions, "heldout_ratio_quantiles": quantiles, "max_mape": max_mape}
     model = LatencyModel(
         name=name, version=version,
         prefill_intercept_ms=result["prefill"][0], prefill_coef=result["prefill"][1],

@@ -43,6 +43,15 @@ class ProfileGrid:
         decode_dwell_steps: decode-only steps recorded per batch before its first chunk.
         repeats: each chunked prefill (prefill-only and mixed) is measured this many times (more
             samples per grid point where single steps are noisy, e.g. on a shared CPU).
+        mixed_prefixes: computed prompt tokens before the measured chunks of a mixed run (0: the
+            chunks start the prompt). A prefix P > 0 is run first in steps of
+            :data:`PREFIX_STEP_TOKENS` (χ incl. the B decodes: mixed samples too), so the measured
+            chunks attend over P + earlier chunks' tokens — the long-context chunks a deflected
+            long prompt ends with.
+
+    A prefill-only run whose ``chunk_steps × n`` prompt exceeds the node's context is shortened to
+    the context (less one output token) while a second chunk follows the first, so a chunk the size
+    of the step budget is measured with and without a computed prefix.
     """
 
     batch_sizes: tuple[int, ...]
@@ -52,6 +61,7 @@ class ProfileGrid:
     chunk_steps: int = 5
     decode_dwell_steps: int = 8
     repeats: int = 1
+    mixed_prefixes: tuple[int, ...] = (0,)
 
     def mixed_plan(self) -> list[tuple[int, int, list[int]]]:
         """(B, ctx, χ values with χ > B) per background batch; batches with no such χ are left out."""
@@ -66,7 +76,24 @@ class ProfileGrid:
     def steps_planned(self) -> int:
         """Chunk steps the plan runs (mixed + prefill-only), excluding decode-only steps."""
         mixed = sum(len(chis) for _, _, chis in self.mixed_plan())
-        return (mixed + len(self.prefill_chunks)) * self.chunk_steps * self.repeats
+        return (mixed * len(self.mixed_prefixes) + len(self.prefill_chunks)) * self.chunk_steps * self.repeats
+
+
+#: step size (χ, tokens incl. the B decodes) of a mixed run's computed prefix (ProfileGrid.mixed_prefixes)
+PREFIX_STEP_TOKENS = 512
+
+
+def prefix_schedule(prefix: int, batch: int) -> list[int]:
+    """The chunk schedule (χ per step, incl. ``batch`` decode tokens) that computes ``prefix`` prompt
+    tokens in steps of :data:`PREFIX_STEP_TOKENS` (a vLLM node runs χ − B prompt tokens per step);
+    ``[]`` for no prefix. Raises ValueError when a step would compute nothing (B ≥ the step size)."""
+    if prefix <= 0:
+        return []
+    per = PREFIX_STEP_TOKENS - batch
+    if per <= 0:
+        raise ValueError(f"a prefix step of {PREFIX_STEP_TOKENS} tokens computes nothing beside {batch} decodes")
+    steps, last = divmod(prefix, per)
+    return [PREFIX_STEP_TOKENS] * steps + ([last + batch] if last else [])
 
 
 #: ``quick``: the CI round trip and the README (~15 s on the emulated default profile);
@@ -76,6 +103,10 @@ class ProfileGrid:
 #: context (three chunks of ≤ 512 prompt tokens; background decodes of 256 or 1,024 context tokens plus
 #: ≤ 1,024 output tokens), B ≤ 32 (the deflected request needs one of the 64 running slots), χ ≤ 512 (the
 #: 1,024-token step budget); its CPU step times are ~1–40 ms, so the grid runs in about a minute;
+#: ``cpu-testbed``: the CPU testbed (``kairos profile --vllm``'s default): the region the testbed's
+#: live steps run in — decodes of up to ~2,000 context tokens, prefill chunks up to the 1,024-token
+#: step budget with and without a computed prefix, mixed chunks after a 1,280-token prefix (a long
+#: deflected prompt's last chunks); ``cpu-tiny`` covers only contexts ≤ 1,024 and chunks ≤ 512;
 #: ``cpu-tiny-ci``: the same engine's smallest fittable grid (the vLLM test tier's round trip).
 GRIDS: dict[str, ProfileGrid] = {
     "quick": ProfileGrid(batch_sizes=(4, 16), contexts=(1024,), chunks=(256, 512, 1024),
@@ -85,6 +116,9 @@ GRIDS: dict[str, ProfileGrid] = {
     "cpu-tiny": ProfileGrid(batch_sizes=(1, 4, 16, 32), contexts=(256, 1024), chunks=(128, 256, 512),
                             prefill_chunks=(32, 64, 128, 192, 256, 384, 512), chunk_steps=3, decode_dwell_steps=8,
                             repeats=3),
+    "cpu-testbed": ProfileGrid(batch_sizes=(1, 4, 16, 32), contexts=(256, 1024, 1792), chunks=(128, 256, 512),
+                               prefill_chunks=(64, 128, 256, 512, 768, 1024), chunk_steps=3, decode_dwell_steps=8,
+                               repeats=2, mixed_prefixes=(0, 1280)),
     "cpu-tiny-ci": ProfileGrid(batch_sizes=(2, 8), contexts=(256,), chunks=(128, 384), prefill_chunks=(64, 256, 512),
                                chunk_steps=3, decode_dwell_steps=8),
 }

@@ -46,12 +46,16 @@ def step_output(rec: Any, reqs: dict[str, "_VReq"], started: list[tuple[str, int
     ``deflected_chunk`` is the first deflected chunk of the step whose request this backend knows:
     (rid, chunk_index, χ of the dispatcher's schedule at that index — the last entry repeats —,
     prompt tokens run). ``prefill_chunks`` lists every request seen prefilling in the step:
-    deflected chunks from the record as (rid, tokens, prompt tokens computed before the chunk),
-    keep-path prefills from ``started`` (rid, tokens, 0).
+    deflected chunks from the record as (rid, tokens, prompt tokens computed before the chunk), the
+    record's other prefills (``StepRecord.prefills``: keep-path requests, the first chunk and every
+    later one of a long prompt) likewise, and keep-path prefills from ``started`` the record does not
+    name as (rid, tokens, 0) — a record from a plugin without ``prefills`` names none.
     ``predicted_ms`` is the latency model on the step actually run (B, K, prompt tokens, and the
     token-weighted computed prefix ``c`` of its chunks, as in the agent's step record).
     """
-    chunks: list[tuple[str, int, int]] = list(started)
+    named = {c.request_id for c in rec.prefills}
+    chunks: list[tuple[str, int, int]] = [(c.request_id, c.tokens, c.computed_tokens) for c in rec.prefills]
+    chunks += [s for s in started if s[0] not in named]
     deflected = None
     for c in rec.chunks:
         chunks.append((c.request_id, c.tokens, c.computed_tokens))

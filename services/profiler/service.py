@@ -29,7 +29,8 @@ from shared import subjects as S
 from shared.bus import ensure_buckets, ensure_models_bucket, flush_barrier, publish, request_typed
 from shared.permissions import PROFILER
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
-from shared.profiling import ProfileGrid, default_version, fit_summary, provenance, step_records, warmup_steps
+from shared.profiling import (ProfileGrid, default_version, fit_summary, prefix_schedule, provenance, step_records,
+                              warmup_steps)
 from shared.workloads import WorkloadRequest
 from shared.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
                          OutEvent, HandoffEvent, SamplingParams, StepRecordEvent, WireError, decode, decode_step_records, now_ms)
@@ -216,11 +217,12 @@ class Profiler:
     def _fits(self, prompt: int, output: int) -> bool:
         return self.max_model_len is None or prompt + output <= self.max_model_len
 
-    async def _chunks(self, prompt: int, chi: int, batch: int = 0) -> None:
+    async def _chunks(self, prompt: int, chi: int, batch: int = 0, prefix: int = 0) -> None:
         """One deflected prefill with ``[χ] × chunk_steps`` beside ``batch`` background decodes (the job's
         ``decision_batch_size``: a vLLM node runs χ − B prompt tokens per step, the emulated engine
-        subtracts its own B); returns when its prefill is done."""
-        rid = await self._deflect(prompt, [chi] * self.grid.chunk_steps, 1, batch)
+        subtracts its own B), after ``prefix`` prompt tokens (:func:`shared.profiling.prefix_schedule`);
+        returns when its prefill is done."""
+        rid = await self._deflect(prompt, prefix_schedule(prefix, batch) + [chi] * self.grid.chunk_steps, 1, batch)
         self._live.discard(rid)  # max_tokens 1: finished with its first token
 
     async def _deflect(self, prompt: int, schedule: list[int], max_tokens: int, batch: int = 0) -> str:
@@ -367,12 +369,15 @@ class Profiler:
         await self._drain([])
         self.result.extra["idle_free_kv_tokens"] = self.state.free_kv_tokens  # the node's KV capacity, measured
         for n in g.prefill_chunks:  # prefill-only steps with a growing cached prefix
-            if not self._fits(g.chunk_steps * n, 1):
-                self.progress(f"prefill-only χ={n}: skipped, {g.chunk_steps} × {n} prompt tokens exceed the "
-                              f"node's context {self.max_model_len}")
+            prompt = g.chunk_steps * n
+            if not self._fits(prompt, 1):  # shortened to the context while a chunk follows the first
+                prompt = self.max_model_len - 1 if self.max_model_len - 1 > n else 0
+            if not prompt:
+                self.progress(f"prefill-only χ={n}: skipped, a chunk of {n} prompt tokens fills the node's "
+                              f"context {self.max_model_len}")
                 continue
             for _ in range(g.repeats):
-                await self._chunks(g.chunk_steps * n, n)
+                await self._chunks(prompt, n)
             self.progress(f"prefill-only χ={n}: {len(self.result.events)} steps recorded")
         for batch, ctx, chis in g.mixed_plan():
             fit = [chi for chi in chis if self._fits(g.chunk_steps * (chi - batch), 1)]
@@ -390,9 +395,12 @@ class Profiler:
                               f"{self.state.free_kv_tokens} free")
                 continue
             rids = await self._background(batch, ctx)
-            for chi in chis:
-                for _ in range(g.repeats):
-                    await self._chunks(g.chunk_steps * (chi - batch), chi, batch)
+            for prefix in g.mixed_prefixes:
+                for chi in chis:
+                    if not self._fits(prefix + g.chunk_steps * (chi - batch), 1):
+                        continue  # the prefixed run of a large χ: its prompt exceeds the context
+                    for _ in range(g.repeats):
+                        await self._chunks(prefix + g.chunk_steps * (chi - batch), chi, batch, prefix)
             self.progress(f"B={batch} ctx={ctx} χ={chis}: {len(self.result.events)} steps recorded")
             await self._drain(rids)
         if replay:

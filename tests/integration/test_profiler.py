@@ -225,3 +225,66 @@ async def test_a_profile_fails_soon_with_what_it_collected_when_the_node_stops_h
     finally:
         await nc.close()
         await agent.close()
+
+
+async def test_the_grid_measures_long_context_chunks_within_the_nodes_context(nats_url):
+    """The testbed's live steps attend over long contexts: chunks the size of the step budget after
+    a computed prefix, and a long deflected prompt's last small chunks. A prefill-only run longer
+    than the node's context is shortened to it (its second chunk attends over the first) instead of
+    skipped, and ``mixed_prefixes`` computes a prefix before the measured mixed chunks. Truth: the
+    engine's own step records (B, prompt tokens, computed prefix per step)."""
+    from services.node_agent.agent import NodeAgent
+    from services.node_agent.config import AgentConfig
+    from services.profiler.service import Profiler
+    from shared.profiling import ProfileGrid
+
+    agent = NodeAgent(AgentConfig(node_id="decode-6", role="decode", nats_url=nats_url, metrics_port=-1,
+                                  state_period_ms=10.0), model=fast_model(scale=0.05))
+    await agent.start()
+    nc = await nats.connect(nats_url)
+    try:
+        grid = ProfileGrid(batch_sizes=(2,), contexts=(64,), chunks=(64,), prefill_chunks=(512,), chunk_steps=3,
+                           decode_dwell_steps=2, mixed_prefixes=(0, 600))
+        run = await asyncio.wait_for(Profiler(nc, "decode-6", grid, max_model_len=1100).run(), 60)
+        prefill_only = [e for e in run.events if e.batch_size == 0 and e.prefill_tokens > 0]
+        # 3 × 512 > 1,099: one run of 1,099 tokens, chunks 512 (no prefix) and 512 + 75 after it
+        assert any(e.prefill_tokens == 512 and e.prefill_cached == 0 for e in prefill_only)
+        assert any(e.prefill_tokens == 512 and e.prefill_cached == 512 for e in prefill_only)
+        assert max(e.prefill_cached for e in prefill_only) == 1024
+        mixed = [e for e in run.events if e.batch_size >= 2 and e.prefill_tokens > 0]
+        # the prefixed run's measured chunks (χ − B = 62 prompt tokens) attend over ≥ 600 tokens
+        assert any(e.prefill_tokens == 62 and e.prefill_cached >= 600 for e in mixed)
+        assert any(e.prefill_tokens == 62 and e.prefill_cached < 200 for e in mixed)  # and the unprefixed run's
+    finally:
+        await nc.close()
+        await agent.close()
+
+
+async def test_the_testbed_profile_records_every_step_of_every_node_while_the_replay_runs(nats_url):
+    """``kairos profile --vllm --testbed``'s recorder: every step record both nodes publish while the
+    replay (a blocking client in a thread) runs — and those the agents still batch after it returns
+    — with nothing else. Truth: the records as the replay published them, on a real nats-server."""
+    from kairos.testbed_profile import record_steps
+
+    def rec(node: str, step: int) -> StepRecordEvent:
+        return StepRecordEvent(node=node, role="decode" if node.startswith("d") else "prefill", step=step,
+                               started_unix_ms=float(step), wall_ms=10.0 + step, predicted_ms=9.0, batch_size=step % 3,
+                               kv_tokens=100 * step, prefill_tokens=64 * (step % 2))
+
+    sent = [rec(n, i) for i in range(1, 41) for n in ("decode-0", "prefill-0")]
+
+    def replay() -> str:
+        async def publish() -> None:
+            nc = await nats.connect(nats_url)
+            for k in range(0, len(sent), 8):  # batches, as the agents send them
+                await nc.publish(S.steps_subject(sent[k].node), b"[" + b",".join(encode(e) for e in sent[k:k + 8]) + b"]")
+            await nc.publish(S.steps_subject("decode-0"), b"not json")  # dropped, not fatal
+            await nc.flush()
+            await nc.close()
+        asyncio.run(publish())
+        return "replayed"
+
+    got, result, idle = await record_steps(nats_url, None, replay, quiet_s=0.5)
+    assert result == "replayed" and idle == {}
+    key = lambda e: (e.node, e.step)  # noqa: E731
+    assert sorted(got, key=key) == sorted(sent, key=key)

@@ -3,6 +3,8 @@ tests/integration/test_profiler.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -95,6 +97,36 @@ def test_the_cpu_tiny_grids_fit_the_tiny_models_engine_limits():
             assert max(chis) <= e.decode_max_num_batched_tokens, (name, chis)
 
 
+def test_the_cpu_testbed_grid_covers_the_testbeds_operating_region_within_its_engine_limits():
+    """The testbed's live steps (kairos demo --engine vllm): decodes of up to ~2,000 context tokens,
+    1,024-token prefill chunks with and without a computed prefix, deflected chunks attending over
+    long prefixes. The grid reaches each, and every request fits the engine (a prefill-only run
+    longer than the context is shortened to it, the profiler's rule; prefixed mixed runs that do not
+    fit are left out)."""
+    from shared.profiling import PREFIX_STEP_TOKENS, prefix_schedule
+
+    e, g = load_profile("cpu-testbed-vllm").engine, GRIDS["cpu-testbed"]
+    assert max(g.contexts) >= 1750 and max(g.prefill_chunks) == e.max_num_batched_tokens
+    assert max(g.mixed_prefixes) >= 1024 and max(g.contexts) + g.decode_dwell_steps <= e.max_model_len
+    assert max(g.chunks) <= e.decode_max_num_batched_tokens and max(g.batch_sizes) + 1 <= e.max_num_seqs
+    for b in g.batch_sizes:
+        sched = prefix_schedule(max(g.mixed_prefixes), b)
+        assert sum(x - b for x in sched) == max(g.mixed_prefixes) and max(sched) <= PREFIX_STEP_TOKENS
+    fits = [p + g.chunk_steps * (chi - b) + 1 <= e.max_model_len
+            for b, _, chis in g.mixed_plan() for chi in chis for p in g.mixed_prefixes if p]
+    assert any(fits)  # some prefixed runs fit: the long-context chunks are measured
+
+
+def test_prefix_schedule_computes_the_prefix_in_steps_of_the_step_size():
+    from shared.profiling import PREFIX_STEP_TOKENS, prefix_schedule
+
+    assert prefix_schedule(0, 4) == []
+    assert prefix_schedule(1000, 4) == [PREFIX_STEP_TOKENS, 1000 - (PREFIX_STEP_TOKENS - 4) + 4]
+    assert prefix_schedule(2 * (PREFIX_STEP_TOKENS - 1), 1) == [PREFIX_STEP_TOKENS] * 2
+    with pytest.raises(ValueError, match="computes nothing"):
+        prefix_schedule(100, PREFIX_STEP_TOKENS)
+
+
 def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_threshold():
     """cpu-tiny-vllm (what `kairos up/demo --engine vllm` and the vLLM tier use) is fitted by `kairos
     profile --vllm` on the real engine, labelled CPU + tiny model, with held-out MAPEs under the
@@ -136,14 +168,21 @@ def test_the_committed_cpu_testbed_vllm_artifact_is_a_measurement_of_the_testbed
 
 
 def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
+    from kairos.demo import VLLM_DEMO
     from kairos.profile import ProfileOptions
 
     v = ProfileOptions(vllm=True)
     assert (v.grid, v.background, v.base_profile, v.served_model, v.publish) == \
-        ("cpu-tiny", "deflect", "cpu-testbed-vllm", "kairos-vllm", False)
+        ("cpu-testbed", "deflect", "cpu-testbed-vllm", "kairos-vllm", False)
     assert v.model_size == "testbed"
+    assert v.co_load is ((os.cpu_count() or 1) >= 2)  # the other engine prefills beside the profiled one
+    assert ProfileOptions(vllm=True, co_load=False).co_load is False
+    t = ProfileOptions(vllm=True, testbed="bursty")  # the whole testbed: no one-node co-load
+    assert (t.testbed, t.testbed_duration_s, t.testbed_seed, t.co_load) == ("bursty", 60.0, 2, False)
+    assert t.testbed_rps == VLLM_DEMO["rps"] and ProfileOptions(vllm=True, testbed="x", testbed_rps=2.0).testbed_rps == 2.0
     e = ProfileOptions(emulated=True)
-    assert (e.grid, e.background, e.served_model, e.publish) == ("quick", "handoff", "kairos-emulated", False)
+    assert (e.grid, e.background, e.served_model, e.publish, e.co_load) == \
+        ("quick", "handoff", "kairos-emulated", False, False)
     assert ProfileOptions(nats_url="nats://x:4222").publish is True
     assert ProfileOptions(vllm=True, grid="paper", publish=False).grid == "paper"
 
@@ -151,7 +190,9 @@ def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
 @pytest.mark.parametrize("kw,option", [
     (dict(vllm=True, background="handoff"), "--background"), (dict(vllm=True, publish=True), "--publish"),
     (dict(emulated=True, vllm=True), "--vllm"), (dict(emulated=True, nats_url="nats://x:4222"), "--nats-url"),
-    (dict(model_dir="."), "--model"),
+    (dict(model_dir="."), "--model"), (dict(emulated=True, co_load=True), "--co-load"),
+    (dict(testbed="bursty"), "--testbed"), (dict(vllm=True, testbed="bursty", replay="bursty"), "--testbed"),
+    (dict(vllm=True, testbed="bursty", co_load=True), "--testbed"),
 ])
 def test_profile_options_refuse_what_cannot_run_from_python_too(kw, option):
     from kairos.profile import ProfileOptions, ProfileOptionsError

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kairos_vllm.protocol import DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest
+from kairos_vllm.protocol import DeflectedChunk, EngineSnapshot, PrefillChunk, StepRecord, WaitingRequest
 from services.node_agent.config import AgentConfig
 from services.node_agent.vllm_backend import VllmBackend, step_output
 from shared.envconfig import ConfigError
@@ -146,6 +146,37 @@ async def test_prefill_node_state_lists_every_waiting_prompt_and_marks_started_p
     assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976)], step_record=rec)) == [("p1", 1024, 0)]
     assert b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 0)], step_record=rec)) == []  # reported once
     b.abort("p1")
+    await asyncio_drain()
+
+
+async def test_a_prefill_nodes_later_chunks_are_predicted_with_the_context_they_attend_over():
+    """A 2,000-token keep-path prompt runs as two 1,024-token steps on a prefill node; the second
+    attends over the first 1,024 tokens. Its step record's prediction (and the agent's record,
+    from ``prefill_chunks``) must use that context: predicted without it, the node's live steps
+    looked ~1.3x slower than their profile and the run's step scale was wrong by that much."""
+    b = VllmBackend("prefill", MODEL, "http://127.0.0.1:1", "ipc:///tmp/none")
+    b.add_prefill(req("p1", prompt=2000, ids=[3] * 2000))
+    b.add_prefill(req("p2", prompt=300, ids=[4] * 300))
+    first = StepRecord(step=6, started_unix_ms=1.0, wall_ms=400.0, prefill_tokens=1024, decode_count=0, kv_tokens=0,
+                       cached_tokens=0, chunks=[], first_scheduled=["p1"], prefills=[PrefillChunk("p1", 1024, 0)])
+    started = b._on_snapshot(snapshot(waiting=[WaitingRequest("p1", 2000, 976)], step_record=first))
+    out = step_output(first, b._reqs, started, MODEL)
+    assert out.prefill_chunks == (("p1", 1024, 0),) and out.predicted_ms == pytest.approx(MODEL.step_ms(0, 0, 1024, 0))
+    second = StepRecord(step=7, started_unix_ms=2.0, wall_ms=500.0, prefill_tokens=1024, decode_count=0, kv_tokens=0,
+                        cached_tokens=0, chunks=[], first_scheduled=["p2"],
+                        prefills=[PrefillChunk("p1", 976, 1024), PrefillChunk("p2", 48, 0)])
+    started = b._on_snapshot(snapshot(waiting=[WaitingRequest("p2", 300, 252)], step_record=second))
+    out = step_output(second, b._reqs, started, MODEL)
+    assert out.prefill_chunks == (("p1", 976, 1024), ("p2", 48, 0))  # each request once, with its context
+    c = 976 * 1024 / 1024
+    assert out.predicted_ms == pytest.approx(MODEL.step_ms(0, 0, 1024, c))
+    assert MODEL.step_ms(0, 0, 1024, c) > 1.05 * MODEL.step_ms(0, 0, 1024, 0)
+    # a record from a plugin without the field: the started prefills, as before
+    old = StepRecord(step=8, started_unix_ms=3.0, wall_ms=1.0, prefill_tokens=10, decode_count=0, kv_tokens=0,
+                     cached_tokens=0, chunks=[])
+    assert step_output(old, b._reqs, [("p2", 10, 0)], MODEL).prefill_chunks == (("p2", 10, 0),)
+    for rid in ("p1", "p2"):
+        b.abort(rid)
     await asyncio_drain()
 
 

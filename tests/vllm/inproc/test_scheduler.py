@@ -177,6 +177,11 @@ def test_state_stream_matches_the_scheduler(engine, recorder):
         want = ([("K-defl", step["defl"].tokens, step["defl"].before)] if "defl" in step and step["defl"].before < 260
                 else [])
         assert [(c.request_id, c.tokens, c.computed_tokens) for c in rec.chunks] == want
+        # every other prefilling request, with the context its chunk attends over (later chunks too)
+        pre = sorted((names.get(c.request_id, c.request_id.rsplit("-", 1)[0]), c.tokens, c.computed_tokens)
+                     for c in rec.prefills)
+        assert pre == sorted((n, min(s.tokens, s.prompt - s.before), s.before) for n, s in step.items()
+                             if s.before < s.prompt and n != "defl")
         assert rec.wall_ms > 0
     seen: set[str] = set()
     for snap, step in zip(after, recorder.steps):  # the step in which each request was first scheduled
