@@ -1,7 +1,7 @@
 """How much of the paper's effect the CPU testbed leaves once the policy plans with the step times the
 engines really ran: the simulator, fed by ``bench/vllm_ab.py``'s measurements.
 
-    python bench/vllm_headroom.py [--ab bench/results/vllm-ab.jsonl] [--betas 1.0,0.9]
+    python bench/vllm_headroom.py [--ab bench/results/vllm-ab.jsonl] [--betas 1.0,0.74]
                                   [--out bench/results/vllm-headroom.jsonl]
 
 ``bench/vllm_ab.py`` records, per policy, how much slower than the ``cpu-testbed-vllm`` profile each
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kairos.demo import VLLM_DEMO, simulate_same  # noqa: E402
 from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.up import VLLM_DEFAULTS, UpOptions  # noqa: E402
-from shared.latency import LatencyModel, load_profile  # noqa: E402
+from shared.latency import LatencyModel, load_profile, tbt_safety_beta  # noqa: E402
 
 POLICIES = ("pd", "kairos", "kairos+")
 
@@ -81,7 +81,8 @@ def simulate(model: LatencyModel, beta: float, rps: float, duration: float, seed
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ab", default="bench/results/vllm-ab.jsonl")
-    ap.add_argument("--betas", default="1.0,0.9")
+    ap.add_argument("--betas", default=f"1.0,{tbt_safety_beta(load_profile(VLLM_DEFAULTS['profile']))}",
+                    help="β values (default: 1 and the profile's own, as kairos demo --engine vllm plans)")
     ap.add_argument("--out", default="bench/results/vllm-headroom.jsonl")
     args = ap.parse_args(argv)
     started, load0, t0 = _dt.datetime.now(_dt.timezone.utc), os.getloadavg()[0], time.monotonic()

@@ -12,7 +12,8 @@ shows the per-kind ratios of the grid-only profile on a live run). So this mode 
 testbed itself:
 
 1. start the whole stack exactly as ``kairos demo --engine vllm`` does (:class:`kairos.up.Supervisor`,
-   1P1D, one dispatcher, policy ``kairos`` on ``--base-profile``, the demo's SLOs);
+   1P1D, one dispatcher, policy ``kairos`` on ``--base-profile`` with its β, the demo's SLOs: how much
+   the decode engine deflects sets how loaded each core is);
 2. replay a *training* workload (``--testbed`` spec, rate, duration, seed — a seed other than the
    demo's, so the demo's run is held out) through the ingress with ``kairos bench``'s client, while
    a NATS client logged in as the ``profiler`` role records every engine step of both nodes
@@ -31,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from shared.latency import LatencyModel, fit_latency_model, load_profile
+from shared.latency import LatencyModel, fit_latency_model, load_profile, tbt_safety_beta
 from shared.profiling import decode_spread, default_version, hardware, step_records
 from shared.wire import StepRecordEvent
 
@@ -127,10 +128,12 @@ def run_testbed_profile(opts: Any) -> LatencyModel:
 
     base = load_profile(opts.base_profile)
     model_dir = opts.model_dir or cached_tiny_model(size=opts.model_size)
+    # the demo's stack, policy and planning (β of the base profile, as kairos demo derives it): how much
+    # the decode engine deflects decides how loaded each core is, and the steps' speed depends on it
     up = UpOptions(engine="vllm", model_dir=model_dir, served_model=opts.served_model, prefill=1, decode=1,
                    dispatchers=1, profile=opts.base_profile, port=free_port(),
                    startup_timeout_s=VLLM_DEFAULTS["startup_timeout_s"], tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"],
-                   ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"])
+                   ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"], beta=tbt_safety_beta(base))
     sup = Supervisor(up, out=sys.stderr)
     load_before = os.getloadavg()
     started = time.time() * 1000.0
