@@ -603,6 +603,7 @@ def demo(**opts) -> None:
               show_default=True, help="Give up if NATS cannot be reached within this many seconds.")
 def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
+    from kairos.bench import BenchError
     from kairos.profile import ProfileOptions, ProfileOptionsError, run_profile
     from services.profiler.service import ProfileError
     from shared.bus import BusAuthError
@@ -637,7 +638,7 @@ def profile(**kw) -> None:
         click.echo(f"kairos profile: {exc}; no artifact written{' or published' if opts.publish else ''} "
                    f"(--max-mape sets the limit; single CPU steps are noisy: docs/calibration.md)", err=True)
         sys.exit(1)
-    except (ProfileError, RuntimeError, OSError) as exc:
+    except (ProfileError, RuntimeError, OSError, BenchError) as exc:  # BenchError: --testbed's replay
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(1)
     except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment

@@ -25,8 +25,11 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     ``scales`` (``{node: step-time ÷ profile}``, :mod:`kairos.stepscale`) makes the simulated
     engines' steps that much slower: ``prefill-0``'s scale for every engine (``truth_scale``) and
     ``decode-0``'s relative to it from t = 0 (``drift``), the simulator's two knobs. ``model`` (a
-    ``shared.latency.LatencyModel``): plan and run with it instead of the profile ``opts.profile``."""
-    from shared.latency import load_profile
+    ``shared.latency.LatencyModel``): plan and run with it instead of the profile ``opts.profile``.
+    Each simulated step's time spreads around the model as a measured profile's held-out steps did
+    around it (``shared.latency.step_noise_sigma``; none for the emulated profiles, whose engine is
+    the model)."""
+    from shared.latency import load_profile, step_noise_sigma
     from shared.policy import PolicyParams, parse_policy
     from shared.workloads import parse_workload
     from sim.experiments import run_one
@@ -41,7 +44,7 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
         if scales and "decode-0" in scales and opts.decode >= 1 else {}
     cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms,
                     tbt_guard=policy.name == "kairos+",  # kairos up turns the node-side guard on for kairos+
-                    truth_scale=opts.truth_scale * base, **drift)
+                    truth_scale=opts.truth_scale * base, noise=step_noise_sigma(model), **drift)
     return run_one(wl, policy, model, params, cfg, rps=rps, label="simulated")
 
 
@@ -106,6 +109,23 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
                       + (f"  {r[4]}" if r[4] else "")) for r in rows)
 
 
+def handoff_note(live: dict[str, Any], simulated: dict[str, Any]) -> str | None:
+    """Why the keep path's two last components differ by definition on vLLM (None when either side
+    lacks them): the live ``kv_transfer`` is the decode engine's time from the request's submission
+    to its first token (vLLM pulls the KV, then computes the last prompt token in a step of its own,
+    ``services/node_agent/vllm_backend.py`` ``pull_kv``), so it holds what the simulator splits into
+    the link's transfer and the decode queue. The note compares the live P95 with the simulator's
+    two P95s added (an upper bound of the P95 of their sum)."""
+    lb, sb = live.get("ttft_breakdown_p95_ms") or {}, simulated.get("ttft_breakdown_p95_ms") or {}
+    vals = (lb.get("kv_transfer"), lb.get("decode_queue"), sb.get("kv_transfer"), sb.get("decode_queue"))
+    if any(not isinstance(v, (int, float)) for v in vals):
+        return None
+    lk, ld, sk, sd = vals
+    return (f"KV transfer on vLLM is the decode engine's submission → first token (the KV pull, then the step that "
+            f"computes the last prompt token): live {lk + ld:,.0f} ms (kv + decode queue P95s), simulator "
+            f"{sk + sd:,.0f} ms (link {sk:,.0f} + decode queue {sd:,.0f})")
+
+
 def bench_live(sup: Supervisor, *, workload: str, rps: float | None, duration: float, seed: int,
                json_path: str | None, progress: bool) -> tuple[dict[str, Any], dict[str, float]]:
     """Replay the workload against ``sup``'s running stack (``kairos bench``'s client) while sampling
@@ -149,6 +169,8 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         tol = VLLM_FIDELITY_TOLERANCE if opts.engine == "vllm" else FIDELITY_TOLERANCE
         print("\nSame workload through the simulator (kairos sim), side by side:")
         print(side_by_side(report, sim_row, tol), flush=True)
+        if opts.engine == "vllm" and (note := handoff_note(report, sim_row)):
+            print(note, flush=True)
         doc = {**report, "simulated": sim_row, "step_scale": scales}
         if scales:
             print("\nMeasured step time ÷ profile during the run (Σ measured ÷ Σ predicted of each node's "
@@ -241,4 +263,5 @@ def demo_command(**o) -> None:
                       json_path=o["json_path"], progress=progress_default(o["progress"])))
 
 
-__all__ = ["run_demo", "bench_live", "demo_command", "progress_default", "side_by_side", "simulate_same"]
+__all__ = ["run_demo", "bench_live", "demo_command", "handoff_note", "progress_default", "side_by_side",
+           "simulate_same"]

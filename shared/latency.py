@@ -395,6 +395,18 @@ def tbt_safety_beta(model: "LatencyModel", quantile: str = "p95") -> float:
     return math.floor(100.0 / q) / 100.0
 
 
+def step_noise_sigma(model: "LatencyModel") -> float:
+    """σ of the log of measured ÷ predicted step time (the multiplicative log-normal noise of
+    ``sim.simulator.SimConfig.noise``) from a fitted profile's held-out quantiles: per kind
+    ln(p90 ÷ p50) ÷ z₀.₉ (z₀.₉ = 1.2816, exact for a log-normal ratio), averaged over the kinds
+    reported; 0.0 for a profile without that report (emulated profiles: the engine is the model)."""
+    quantiles = (model.metadata.get("fit") or {}).get("heldout_ratio_quantiles") or {}
+    sigmas = [math.log(q["p90"] / q["p50"]) / 1.2816 for q in quantiles.values()
+              if isinstance(q.get("p90"), (int, float)) and isinstance(q.get("p50"), (int, float))
+              and q["p50"] > 0 and q["p90"] >= q["p50"]]
+    return float(sum(sigmas) / len(sigmas)) if sigmas else 0.0
+
+
 def fit_latency_model(
     records: Sequence[StepRecord],
     *,

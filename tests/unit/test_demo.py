@@ -42,3 +42,14 @@ def test_tbt_rows_compare_engine_steps_when_the_live_run_counted_them():
     assert "20.00" in gaps and "1.00" in gaps
     old = side_by_side(_summary(1000.0, 0.9, 0.20), sim)  # a report recorded before the engines' count
     assert "20.00" in _row(old, "TBT violations % (live: gaps)") and "inter-token gaps" not in old
+
+
+def test_the_handoff_note_compares_the_live_kv_time_with_the_simulators_link_and_decode_queue():
+    from kairos.demo import handoff_note
+
+    live = {"ttft_breakdown_p95_ms": {"kv_transfer": 293.0, "decode_queue": 0.0}}
+    sim = {"ttft_breakdown_p95_ms": {"kv_transfer": 22.0, "decode_queue": 130.0}}
+    note = handoff_note(live, sim)
+    assert "live 293 ms" in note and "simulator 152 ms (link 22 + decode queue 130)" in note
+    assert handoff_note(live, {"ttft_breakdown_p95_ms": {"kv_transfer": None}}) is None
+    assert handoff_note({}, sim) is None

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from kairos.cli import main
-from shared.latency import StepRecord, fit_latency_model, load_profile, tbt_safety_beta
+from shared.latency import StepRecord, fit_latency_model, load_profile, step_noise_sigma, tbt_safety_beta
 
 SIGMA = 0.12  #: log-sd of the generated steps' noise
 
@@ -41,6 +41,8 @@ def test_the_fit_reports_the_held_out_ratio_quantiles_of_the_noise_it_was_given(
             want = math.exp(z * SIGMA - SIGMA ** 2 / 2)
             assert q[kind][name] == pytest.approx(want, rel=0.04), (kind, name)
     assert tbt_safety_beta(m) == math.floor(100 / q["mixed"]["p95"]) / 100 < 0.9
+    assert step_noise_sigma(m) == pytest.approx(SIGMA, rel=0.1)  # the simulator's noise: the generating σ
+    assert step_noise_sigma(load_profile("a100-dsv2lite")) == 0.0
 
 
 def test_beta_is_one_without_a_noise_report_or_without_noise_and_refuses_unknown_quantiles():
