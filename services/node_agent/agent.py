@@ -745,7 +745,9 @@ class NodeAgent:
         self.m.step.labels(node).observe(telemetry.seconds(out.wall_ms))
         for rid, _n, cached in out.prefill_chunks:
             r = self.reqs.get(rid)
-            if r is not None and r.prefill_start_ms is None:
+            # a keep-path decode's one prompt token after its KV arrived is no prefill of this node: its
+            # cached tokens are the prefill node's (the handoff), not the KV it pulled
+            if r is not None and r.kind != "remote_decode" and r.prefill_start_ms is None:
                 r.prefill_start_ms = out.started_unix_ms
                 r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         if out.deflected_chunk is not None:

@@ -314,3 +314,30 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
     assert ing.tokenizer_path == str(tmp_path / "model" / "tokenizer.json") and ing.served_model == "tiny"
     with pytest.raises(ValueError, match="--model"):
         plan(UpOptions(engine="vllm"), "nats://127.0.0.1:4222", tmp_path, run_dir=tmp_path)
+
+
+async def test_a_keep_path_decodes_last_prompt_token_is_not_a_prefill_of_the_decode_node():
+    """vLLM computes a remote decode's last prompt token after the KV pull, and the plugin's record
+    names it among the step's prefills (1 token over the prompt's context). The decode agent must
+    keep the request's cached tokens from the handoff (what the prefill node served from its cache,
+    reported in the usage) and start no prefill clock for it; a deflected prefill's first chunk
+    still starts its clock with the prefix-cache hit it ran after."""
+    from opentelemetry.trace import INVALID_SPAN
+
+    from services.node_agent.agent import NodeAgent, _Req
+    from services.node_agent.backend import StepOutput
+    from services.node_agent.config import AgentConfig
+
+    agent = NodeAgent(AgentConfig(node_id="decode-0", role="decode", nats_url="nats://127.0.0.1:1", metrics_port=-1),
+                      model=MODEL)
+    agent.reqs["rd"] = _Req(req=req("rd", prompt=2000, ids=[3] * 2000), kind="remote_decode", received_ms=0.0,
+                            span=INVALID_SPAN, cached_tokens=256)
+    agent.reqs["df"] = _Req(req=req("df", prompt=600, ids=[4] * 600), kind="deflect", received_ms=0.0, span=INVALID_SPAN)
+    out = StepOutput(step=9, started_unix_ms=123.0, wall_ms=40.0, predicted_ms=40.0, batch_size=2, kv_tokens=4000,
+                     prefill_tokens=129, prefill_chunks=(("rd", 1, 1999), ("df", 128, 64)), deflected_chunk=None,
+                     tokens=(), first_tokens=(), prefill_done=(), finished=())
+    await agent.on_step(out)
+    rd, df = agent.reqs["rd"], agent.reqs["df"]
+    assert (rd.cached_tokens, rd.prefill_start_ms) == (256, None)
+    assert (df.cached_tokens, df.prefill_start_ms) == (64, 123.0)
+    agent._flush_steps()
