@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.demo import VLLM_DEMO, bench_live, simulate_same  # noqa: E402
+from kairos.demo import VLLM_AB_RPS, VLLM_DEMO, bench_live, simulate_same  # noqa: E402
 from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.engines import cached_tiny_model  # noqa: E402
 from kairos.up import VLLM_DEFAULTS, Supervisor, UpOptions, free_port  # noqa: E402
@@ -57,8 +57,8 @@ def run_policy(policy: str, model_dir: str, args) -> dict:
     finally:
         sup.finish()
     sim = simulate_same(VLLM_DEMO["workload"], args.rps, args.duration, args.seed, opts)
-    return {"policy": policy, "live": {k: live.get(k) for k in KEYS}, "simulated": {k: sim.get(k) for k in KEYS},
-            "step_scale": scales}
+    return {"policy": policy, "beta": opts.beta, "live": {k: live.get(k) for k in KEYS},
+            "simulated": {k: sim.get(k) for k in KEYS}, "step_scale": scales}
 
 
 def ratios(rows: list[dict], base: str = "pd") -> dict[str, dict[str, float]]:
@@ -76,7 +76,7 @@ def ratios(rows: list[dict], base: str = "pd") -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policies", default="pd,kairos,kairos+")
-    ap.add_argument("--rps", type=float, default=VLLM_DEMO["rps"])
+    ap.add_argument("--rps", type=float, default=VLLM_AB_RPS)
     ap.add_argument("--duration", type=float, default=VLLM_DEMO["duration"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="bench/results/vllm-ab.jsonl")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.demo import VLLM_DEMO, simulate_same  # noqa: E402
+from kairos.demo import VLLM_AB_RPS, VLLM_DEMO, simulate_same  # noqa: E402
 from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.up import VLLM_DEFAULTS, UpOptions  # noqa: E402
 from shared.latency import LatencyModel, load_profile, tbt_safety_beta  # noqa: E402
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, (p, d) in (("profile", (1.0, 1.0)), ("measured", (sp, sd))):
         model = scaled_model(base, p, d)
         for beta in (float(b) for b in args.betas.split(",")):
-            sim = simulate(model, beta, VLLM_DEMO["rps"], VLLM_DEMO["duration"], 1)
+            sim = simulate(model, beta, VLLM_AB_RPS, VLLM_DEMO["duration"], 1)
             for name, r in sim.items():
                 rows.append({"step_times": label, "prefill_scale": p, "decode_scale": d, "beta": beta, "policy": name,
                              "ttft_ms": r["ttft_ms"], "deflections": r["deflections"],

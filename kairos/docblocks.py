@@ -416,8 +416,10 @@ def vllm_headroom(load: Load) -> str:
                 f"{k['live']['ttft_ms']['p95'] / live['pd']['live']['ttft_ms']['p95']:.2f} with "
                 f"{pct(viol(k['live']), 2)} of its decode steps above τ"
                 + (f"; its decode node's steps took ×{sd:.2f} the profile's on average" if sd else "")
-                + f", and the profile's mixed steps lie {prof['mixed_delta']['mape_heldout']:.1f} % (held-out MAPE) "
-                f"from its model: a chunk planned to end just under τ breaks it whenever that step runs long.")
+                + f"; the profile's mixed steps lie {prof['mixed_delta']['mape_heldout']:.1f} % (held-out MAPE) "
+                f"from its model, so a chunk planned to end just under τ breaks it whenever that step runs long — "
+                + (f"the margin β ({k['beta']:.2f} in that run) is what keeps those steps rare." if k.get("beta")
+                   else "the margin β is what keeps those steps rare."))
     return (f"`{command(r.meta)}` (the simulator, from `{r.meta.get('ab_command', 'bench/vllm_ab.py')}` of "
             f"{str(r.meta.get('ab_date', '?'))[:10]}; the policy plans with the step times the engines run, so no step "
             f"breaks τ by mis-prediction):\n\n" + "\n".join(lines) + ("\n\n" + text.lstrip() if text else ""))

@@ -91,7 +91,7 @@ class ProfileOptions:
     #: ``vllm``: profile the whole 1P1D testbed from its engines' steps while it serves this workload
     #: spec (:mod:`kairos.testbed_profile`) instead of running the grid on one node
     testbed: str | None = None
-    testbed_rps: float | None = None  #: None: ``kairos demo --engine vllm``'s rate (kairos.demo.VLLM_DEMO)
+    testbed_rps: float | None = None  #: None: the A/B's rate (kairos.demo.VLLM_AB_RPS)
     testbed_duration_s: float = 60.0
     testbed_seed: int = 2
 
@@ -120,11 +120,11 @@ class ProfileOptions:
             raise ProfileOptionsError("--testbed", "--testbed replays its workload on the whole testbed; --replay and "
                                                    "--co-load belong to the one-node grid")
         if self.testbed:
-            from kairos.demo import VLLM_DEMO
+            from kairos.demo import VLLM_AB_RPS
 
             object.__setattr__(self, "co_load", False)
             if self.testbed_rps is None:
-                object.__setattr__(self, "testbed_rps", VLLM_DEMO["rps"])
+                object.__setattr__(self, "testbed_rps", VLLM_AB_RPS)
         if self.co_load and not self.vllm:
             raise ProfileOptionsError("--co-load", "--co-load starts a second vLLM server: pass --vllm with it")
         if self.co_load and (os.cpu_count() or 1) < 2:

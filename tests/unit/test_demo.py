@@ -21,7 +21,9 @@ def test_slo_and_tbt_rows_with_flags_outside_the_tolerance():
     slo = _row(text, "SLO attainment %")
     assert "40.8" in slo and "70.7" in slo and "0.58" in slo and flag in slo
     viol = _row(text, "TBT violations %")
-    assert "6.30" in viol and "0.02" in viol and flag in viol
+    assert "6.30" in viol and "0.02" in viol and "more than 1 point apart" in viol  # 6.28 points apart
+    near = side_by_side(_summary(1000.0, 0.7, 0.0), _summary(1000.0, 0.7, 0.0006))
+    assert "<--" not in _row(near, "TBT violations %")  # 0.00 % vs 0.06 %: within a point, no miss
     ttft = _row(text, "TTFT p50 ms")  # 1.10: inside ±15 %
     assert "1.10" in ttft and flag not in ttft
     assert flag not in _row(text, "deflections")

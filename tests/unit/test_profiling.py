@@ -168,7 +168,7 @@ def test_the_committed_cpu_testbed_vllm_artifact_is_a_measurement_of_the_testbed
 
 
 def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
-    from kairos.demo import VLLM_DEMO
+    from kairos.demo import VLLM_AB_RPS
     from kairos.profile import ProfileOptions
 
     v = ProfileOptions(vllm=True)
@@ -179,7 +179,7 @@ def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
     assert ProfileOptions(vllm=True, co_load=False).co_load is False
     t = ProfileOptions(vllm=True, testbed="bursty")  # the whole testbed: no one-node co-load
     assert (t.testbed, t.testbed_duration_s, t.testbed_seed, t.co_load) == ("bursty", 60.0, 2, False)
-    assert t.testbed_rps == VLLM_DEMO["rps"] and ProfileOptions(vllm=True, testbed="x", testbed_rps=2.0).testbed_rps == 2.0
+    assert t.testbed_rps == VLLM_AB_RPS and ProfileOptions(vllm=True, testbed="x", testbed_rps=2.0).testbed_rps == 2.0
     e = ProfileOptions(emulated=True)
     assert (e.grid, e.background, e.served_model, e.publish, e.co_load) == \
         ("quick", "handoff", "kairos-emulated", False, False)
