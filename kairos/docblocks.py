@@ -316,7 +316,7 @@ def vllm_demo(load: Load) -> str:
     """``bench/vllm_demo_runs.py`` (``kairos demo --engine vllm --json`` runs: live on vLLM-CPU +
     ``simulated``, ``step_scale``): the first run's :func:`kairos.demo.side_by_side`, then the
     live ÷ simulated ratios the issue bounds, per run, and whether each is within the band."""
-    from kairos.demo import VLLM_FIDELITY_TOLERANCE, side_by_side
+    from kairos.demo import VLLM_FIDELITY_TOLERANCE, handoff_note, side_by_side
 
     r = load("vllm-demo")
     first = r.rows[0]
@@ -345,7 +345,8 @@ def vllm_demo(load: Load) -> str:
     return (f"`{command(r.meta)}` ({len(r.rows)} runs: {provenance(r)}). The first run, {num(first['completed'])}/"
             f"{num(first['sent'])} requests completed on the real engines, {num(first['deflections'])} deflections "
             f"(simulated: {num(first['simulated']['deflections'])}):\n\n```\n"
-            f"{side_by_side(first, first['simulated'], VLLM_FIDELITY_TOLERANCE)}\n```\n\nEvery run "
+            f"{side_by_side(first, first['simulated'], VLLM_FIDELITY_TOLERANCE)}\n```\n\n"
+            + (f"{note}.\n\n" if (note := handoff_note(first, first["simulated"])) else "") + "Every run "
             f"(✗: outside ±{100 * VLLM_FIDELITY_TOLERANCE:.0f} %):\n\n" + "\n".join(lines))
 
 
