@@ -64,8 +64,10 @@ def policy_params_options(fn):
         click.option("--beta", type=float, default=1.0, show_default=True,
                      help="β, TBT safety factor (Eq. 5); kairos up --engine vllm without it: 1 ÷ the P95 of the "
                           "profile's held-out mixed steps' measured ÷ predicted time (shared.latency.tbt_safety_beta)."),
-        click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True, help="τ, TBT SLO in ms."),
-        click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True, help="TTFT SLO in ms."),
+        click.option("--tbt-slo-ms", type=float, default=70.0, show_default=True,
+                     help="τ, TBT SLO in ms (kairos up --engine vllm without it: the CPU testbed's, 150)."),
+        click.option("--ttft-slo-ms", type=float, default=4000.0, show_default=True,
+                     help="TTFT SLO in ms (kairos up --engine vllm without it: the CPU testbed's, 5000)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -400,10 +402,16 @@ def up(**opts) -> None:
     from kairos.up import UpOptions, run_up
 
     _engine_defaults_or_exit(opts)
-    if opts["engine"] == "vllm" and click.get_current_context().get_parameter_source("beta") == ParameterSource.DEFAULT:
+    if opts["engine"] == "vllm":  # the CPU testbed's planning, as kairos demo --engine vllm, unless given
+        from kairos.demo import VLLM_DEMO
         from shared.latency import tbt_safety_beta
 
-        opts["beta"] = tbt_safety_beta(load_model_or_exit(opts["profile"]))  # the measured profile's step noise
+        given = click.get_current_context().get_parameter_source
+        if given("beta") == ParameterSource.DEFAULT:
+            opts["beta"] = tbt_safety_beta(load_model_or_exit(opts["profile"]))  # the measured profile's step noise
+        for slo in ("tbt_slo_ms", "ttft_slo_ms"):  # τ = 70 ms with that β left no chunk worth deflecting
+            if given(slo) == ParameterSource.DEFAULT:
+                opts[slo] = VLLM_DEMO[slo]
     opts["api_keys"] = tuple(opts["api_keys"])
     if opts["nats_secrets_dir"] and not opts["nats_url"]:
         raise click.UsageError("--nats-secrets-dir needs --nats-url (the bundled NATS gets generated credentials)")
@@ -492,7 +500,7 @@ def nats_cluster(hosts: str, conf_dir: str | None, secrets_dir: str | None) -> N
               help="Workload spec as for `kairos sim` (default: azure-code:busiest, the busiest window of the Azure "
                    "code trace; bursty with --engine vllm).")
 @click.option("--duration", type=click.FloatRange(min=1), default=None,
-              help="Seconds replayed (default 60; 15 with --engine vllm).")
+              help="Seconds replayed (default 60).")
 @click.option("--rps", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Request rate (default: the trace's own timing).")
 @click.option("--seed", type=int, default=1, show_default=True)
@@ -516,7 +524,7 @@ def demo(**opts) -> None:
 
     --engine vllm: 1P1D real vLLM-CPU engines on the CPU testbed (the testbed random-weight model,
     generated once unless --model is given; each engine on its own core) and a minute of Bursty
-    requests (default: bursty, 1 RPS, 60 s)."""
+    requests (default: bursty, 0.5 RPS, 60 s; τ 150 ms, TTFT SLO 5 s, β from the profile's noise)."""
     from kairos.demo import demo_command
 
     _engine_defaults_or_exit(opts)
@@ -622,9 +630,17 @@ def profile(**kw) -> None:
         from shared.workloads import WorkloadError, parse_workload
 
         try:
-            parse_workload(kw["testbed"], kw["testbed_rps"], kw["testbed_duration_s"], kw["testbed_seed"])
+            reqs = parse_workload(kw["testbed"], opts.testbed_rps, kw["testbed_duration_s"], kw["testbed_seed"])
         except WorkloadError as exc:
             raise click.BadParameter(str(exc), param_hint="--testbed") from None
+        if not reqs:  # found before the stack starts, not after it ran
+            raise click.BadParameter(f"{kw['testbed']} at {opts.testbed_rps:g} req/s for {kw['testbed_duration_s']:g} s "
+                                     "has no requests: give a longer --testbed-duration", param_hint="--testbed")
+    out = Path(opts.out or f"out/profiles/{opts.name or 'profiled'}.json")
+    try:  # the artifact's folder, before minutes of profiling are spent
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot create the artifact's folder {out.parent}: {exc}", param_hint="--out") from None
     if kw["replay"]:
         from shared.workloads import WorkloadError, parse_workload
 
@@ -632,8 +648,17 @@ def profile(**kw) -> None:
             parse_workload(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1)
         except WorkloadError as exc:
             raise click.BadParameter(str(exc), param_hint="--replay") from None
+    import signal
+
+    def on_term(signum, _frame) -> None:  # SIGTERM as Ctrl-C: the started servers are stopped on the way out
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         run_profile(opts)
+    except KeyboardInterrupt:
+        click.echo("kairos profile: interrupted; the servers it started are stopped, nothing was written", err=True)
+        sys.exit(130)
     except FitRefused as exc:
         click.echo(f"kairos profile: {exc}; no artifact written{' or published' if opts.publish else ''} "
                    f"(--max-mape sets the limit; single CPU steps are noisy: docs/calibration.md)", err=True)
@@ -644,6 +669,11 @@ def profile(**kw) -> None:
     except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(2)
+    except ValueError as exc:  # too few steps of a kind to fit (shared.latency.fit_latency_model)
+        click.echo(f"kairos profile: {exc}; a longer run records more (--testbed-duration, a larger --grid)", err=True)
+        sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
 
 
 @main.command()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kairos.engines import SCHEDULER_CLS, VLLM_VERSION, VllmServer
-from kairos.up import start_bundled_nats, stop_process
+from kairos.up import kill_group, start_bundled_nats, stop_process
 from services.node_agent.config import AgentConfig
 from shared.envconfig import to_env
 from shared.latency import DEFAULT_PROFILE, FitRefused, LatencyModel, load_profile
@@ -114,6 +114,8 @@ class ProfileOptions:
         for name, default, vllm_default in ENGINE_DEFAULTS:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, vllm_default if self.vllm else default)
+        if self.testbed is not None and not self.testbed.strip():
+            raise ProfileOptionsError("--testbed", "--testbed needs a workload spec (e.g. bursty)")
         if self.testbed and not self.vllm:
             raise ProfileOptionsError("--testbed", "--testbed profiles the vLLM-CPU testbed: pass --vllm with it")
         if self.testbed and (self.replay or self.co_load):
@@ -136,9 +138,13 @@ class ProfileOptions:
 
 
 def _spawn(stack: ExitStack, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A child in its own session (a terminal's Ctrl-C reaches only this process, which stops the
+    children in order), stopped when ``stack`` closes: SIGTERM, SIGKILL after 10 s, then whatever is
+    left of its process group (a vLLM server's resource tracker outlived its server)."""
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=str(Path(__file__).resolve().parent.parent))
+                                cwd=str(Path(__file__).resolve().parent.parent), start_new_session=True)
+    stack.callback(kill_group, proc)  # callbacks run last-in first-out: after stop_process
     stack.callback(stop_process, proc)
     return proc
 

@@ -688,6 +688,9 @@ class Supervisor:
             if c.proc and c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
+        for c in self.procs:  # what a child left in its own session (a vLLM server's resource tracker)
+            if c.proc:
+                kill_group(c.proc)
         shutil.rmtree(self.tmp / "jetstream", ignore_errors=True)
         shutil.rmtree(self.tmp / "nats-credentials", ignore_errors=True)  # never kept, even on failure
 

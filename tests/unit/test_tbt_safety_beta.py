@@ -57,6 +57,7 @@ def test_beta_is_one_without_a_noise_report_or_without_noise_and_refuses_unknown
 
 def test_the_vllm_testbed_plans_with_the_profiles_beta_unless_beta_is_given(monkeypatch, tmp_path):
     import kairos.demo
+    from kairos.demo import VLLM_DEMO
     import kairos.up
 
     seen: list = []
@@ -64,10 +65,13 @@ def test_the_vllm_testbed_plans_with_the_profiles_beta_unless_beta_is_given(monk
     monkeypatch.setattr(kairos.demo, "run_demo", lambda opts, **kw: seen.append(opts) or 0)
     want = tbt_safety_beta(load_profile("cpu-testbed-vllm"))
     assert want < 1.0  # the committed testbed profile measured its noise
-    for args, beta in ((["up", "--engine", "vllm", "--model", str(tmp_path)], want),
-                       (["up", "--engine", "vllm", "--model", str(tmp_path), "--beta", "0.95"], 0.95),
-                       (["up"], 1.0),  # emulated engines: the paper's β = 1
-                       (["demo", "--engine", "vllm", "--model", str(tmp_path)], want)):
+    vllm = ["up", "--engine", "vllm", "--model", str(tmp_path)]
+    for args, beta, tau in ((vllm, want, VLLM_DEMO["tbt_slo_ms"]), (vllm + ["--beta", "0.95"], 0.95, VLLM_DEMO["tbt_slo_ms"]),
+                            (vllm + ["--tbt-slo-ms", "90"], want, 90.0),
+                            (["up"], 1.0, 70.0),  # emulated engines: the paper's β = 1, the default τ
+                            (["demo", "--engine", "vllm", "--model", str(tmp_path)], want, VLLM_DEMO["tbt_slo_ms"])):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 0, (args, r.output)
-        assert seen[-1].beta == beta, args
+        assert (seen[-1].beta, seen[-1].tbt_slo_ms) == (beta, tau), args
+    # kairos up --engine vllm plans as the demo does: with τ = 70 ms and that β no chunk was deflectable
+    assert seen[0].ttft_slo_ms == VLLM_DEMO["ttft_slo_ms"]
