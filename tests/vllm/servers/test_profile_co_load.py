@@ -15,7 +15,8 @@ import pytest
 
 from tests.vllm.servers.conftest import VLLM_PYTHON
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM virtualenv ($KAIROS_VLLM_PYTHON)")
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200),
+              pytest.mark.skipif(not VLLM_PYTHON, reason="no vLLM virtualenv ($KAIROS_VLLM_PYTHON)")]
 REPO = Path(__file__).resolve().parents[3]
 
 
