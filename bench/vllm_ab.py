@@ -24,11 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.demo import VLLM_AB_RPS, VLLM_DEMO, bench_live, simulate_same  # noqa: E402
+from kairos.demo import VLLM_AB_RPS, VLLM_DEMO, bench_live, simulate_same, vllm_testbed_options  # noqa: E402
 from kairos.docgen import result_meta, write_result  # noqa: E402
 from kairos.engines import cached_tiny_model  # noqa: E402
-from kairos.up import VLLM_DEFAULTS, Supervisor, UpOptions, free_port  # noqa: E402
-from shared.latency import load_profile, tbt_safety_beta  # noqa: E402
+from kairos.up import Supervisor  # noqa: E402
 
 KEYS = ("sent", "completed", "failed", "deflections", "ttft_ms", "tbt_ms", "tbt_violation_rate",
         "tbt_gap_violation_rate", "engine_tbt_violation_rate", "slo_attainment", "ttft_breakdown_p95_ms")
@@ -43,11 +42,7 @@ def live_step_violations(live: dict) -> float | None:
 
 def run_policy(policy: str, model_dir: str, args) -> dict:
     """One live run of ``policy`` on a fresh testbed stack and its simulated twin (one JSON row)."""
-    opts = UpOptions(port=free_port(), policy=policy, profile=VLLM_DEFAULTS["profile"], prefill=1, decode=1,
-                     dispatchers=VLLM_DEMO["dispatchers"], engine="vllm", model_dir=model_dir,
-                     served_model=VLLM_DEFAULTS["served_model"], startup_timeout_s=VLLM_DEFAULTS["startup_timeout_s"],
-                     tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"], ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"],
-                     beta=tbt_safety_beta(load_profile(VLLM_DEFAULTS["profile"])))  # as kairos demo --engine vllm
+    opts = vllm_testbed_options(model_dir, policy=policy)  # as kairos demo --engine vllm runs it
     sup = Supervisor(opts)
     try:
         sup.msg(f"{policy}: starting 1P1D ...")

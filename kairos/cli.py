@@ -541,6 +541,16 @@ def demo(**opts) -> None:
     demo_command(**opts)
 
 
+def _profile_workload_or_exit(spec: str, rps: float | None, duration_s: float, seed: int, option: str) -> list:
+    """``shared.workloads.parse_workload`` of a ``kairos profile`` workload option, or a usage error naming it."""
+    from shared.workloads import WorkloadError, parse_workload
+
+    try:
+        return parse_workload(spec, rps, duration_s, seed)
+    except WorkloadError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+
+
 @main.command()
 @click.option("--node", default="decode-0", show_default=True, help="Decode node to profile.")
 @click.option("--nats-url", default=None, help="NATS of a running cluster (default nats://127.0.0.1:4222).")
@@ -626,13 +636,11 @@ def profile(**kw) -> None:
     for opt in ("node_profile", "truth_profile", "base_profile"):
         if getattr(opts, opt):
             load_model_or_exit(getattr(opts, opt), "--" + opt.replace("_", "-"))
+    if kw["replay"]:
+        _profile_workload_or_exit(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1, "--replay")
     if kw["testbed"]:
-        from shared.workloads import WorkloadError, parse_workload
-
-        try:
-            reqs = parse_workload(kw["testbed"], opts.testbed_rps, kw["testbed_duration_s"], kw["testbed_seed"])
-        except WorkloadError as exc:
-            raise click.BadParameter(str(exc), param_hint="--testbed") from None
+        reqs = _profile_workload_or_exit(kw["testbed"], opts.testbed_rps, kw["testbed_duration_s"], kw["testbed_seed"],
+                                         "--testbed")
         if not reqs:  # found before the stack starts, not after it ran
             raise click.BadParameter(f"{kw['testbed']} at {opts.testbed_rps:g} req/s for {kw['testbed_duration_s']:g} s "
                                      "has no requests: give a longer --testbed-duration", param_hint="--testbed")
@@ -641,13 +649,6 @@ def profile(**kw) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise click.BadParameter(f"cannot create the artifact's folder {out.parent}: {exc}", param_hint="--out") from None
-    if kw["replay"]:
-        from shared.workloads import WorkloadError, parse_workload
-
-        try:
-            parse_workload(kw["replay"], kw["replay_rps"], kw["replay_duration_s"], 1)
-        except WorkloadError as exc:
-            raise click.BadParameter(str(exc), param_hint="--replay") from None
     import signal
 
     def on_term(signum, _frame) -> None:  # SIGTERM as Ctrl-C: the started servers are stopped on the way out

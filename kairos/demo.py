@@ -91,7 +91,8 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
     the client's view on both sides (engine steps plus the streaming path's jitter).
     """
     rows = [("", "live", "simulator", "live/sim", "")]
-    violation_rows = {r[0] for r in tbt_rows(live, simulated)}
+    tbt = tbt_rows(live, simulated)
+    violation_rows = {r[0] for r in tbt}
     lb, sb = live.get("ttft_breakdown_p95_ms") or {}, simulated.get("ttft_breakdown_p95_ms") or {}
 
     flag = f"<-- outside ±{tolerance * 100:g} %"
@@ -101,7 +102,7 @@ def side_by_side(live: dict[str, Any], simulated: dict[str, Any], tolerance: flo
             *((f"  p95 {k.replace('_', ' ')} ms", lb.get(k), sb.get(k), ",.0f")
               for k in ("prefill_queue", "prefill_exec", "kv_transfer", "decode_queue")),
             ("TBT p50 ms", live["tbt_ms"]["p50"], simulated["tbt_ms"]["p50"], ",.0f"),
-            *tbt_rows(live, simulated),
+            *tbt,
             ("SLO attainment %", _pct(live, "slo_attainment"), _pct(simulated, "slo_attainment"), ".1f"),
             ("deflections", live["deflections"], simulated["deflections"], ",.0f")):
         num = isinstance(a, (int, float)) and isinstance(b, (int, float))
@@ -246,6 +247,28 @@ VLLM_AB_RPS = 0.7
 EMULATED_DEMO = {"workload": "azure-code:busiest", "rps": None, "duration": 60.0, "prefill": 2, "decode": 2}
 
 
+def vllm_testbed_options(model_dir: str, **overrides: Any) -> UpOptions:
+    """The 1P1D CPU testbed stack ``kairos demo --engine vllm`` runs (``bench/vllm_ab.py`` and ``kairos
+    profile --vllm --testbed`` run the same): vLLM engines serving ``model_dir``, the measured
+    ``cpu-testbed-vllm`` profile (``profile`` in ``overrides``: another), the demo's SLOs and
+    dispatchers, β from the profile's own step noise (``shared.latency.tbt_safety_beta``), a free
+    ingress port; ``overrides`` (policy, port, …) win.
+
+    Raises:
+        shared.latency.ProfileError: the profile cannot be loaded.
+    """
+    from kairos.up import VLLM_DEFAULTS
+    from shared.latency import load_profile, tbt_safety_beta
+
+    profile = overrides.pop("profile", None) or VLLM_DEFAULTS["profile"]
+    base = {"engine": "vllm", "model_dir": model_dir, "profile": profile, "served_model": VLLM_DEFAULTS["served_model"],
+            "prefill": VLLM_DEMO["prefill"], "decode": VLLM_DEMO["decode"], "dispatchers": VLLM_DEMO["dispatchers"],
+            "startup_timeout_s": VLLM_DEFAULTS["startup_timeout_s"], "tbt_slo_ms": VLLM_DEMO["tbt_slo_ms"],
+            "ttft_slo_ms": VLLM_DEMO["ttft_slo_ms"], "beta": tbt_safety_beta(load_profile(profile)),
+            "port": free_port()}
+    return UpOptions(**{**base, **overrides})
+
+
 def demo_command(**o) -> None:
     """Thin click body (see kairos/cli.py); fills the engine-dependent defaults."""
     vllm = o.get("engine") == "vllm"
@@ -254,29 +277,23 @@ def demo_command(**o) -> None:
         if o.get(key) is None:
             o[key] = dflt[key]
     rps = o["rps"] if o["rps"] is not None or o["workload"] != dflt["workload"] else dflt["rps"]
-    extra: dict[str, Any] = {}
+    common = {"port": o["port"] or free_port(), "policy": o["policy"], "profile": o["profile"], "prefill": o["prefill"],
+              "decode": o["decode"], "trace_file": o["trace_file"], "truth_scale": o.get("truth_scale", 1.0)}
     if vllm:
         from kairos.engines import cached_tiny_model
-        from kairos.up import VLLM_DEFAULTS
 
         model_dir = o.get("model_dir")
         if model_dir is None:
             print(f"kairos demo: the {VLLM_DEMO['model_size']} random-weight model (generated once into the cache) ...",
                   file=sys.stderr, flush=True)
             model_dir = cached_tiny_model(size=VLLM_DEMO["model_size"])
-        from shared.latency import load_profile, tbt_safety_beta
-
-        extra = {"engine": "vllm", "model_dir": model_dir, "served_model": VLLM_DEFAULTS["served_model"],
-                 "beta": tbt_safety_beta(load_profile(o["profile"])),  # the measured profile's own step noise
-                 "startup_timeout_s": VLLM_DEFAULTS["startup_timeout_s"], "tbt_slo_ms": VLLM_DEMO["tbt_slo_ms"],
-                 "ttft_slo_ms": VLLM_DEMO["ttft_slo_ms"],
-                 "dispatchers": VLLM_DEMO["dispatchers"] if o["dispatchers"] == 2 else o["dispatchers"]}
-    opts = UpOptions(**{"port": o["port"] or free_port(), "policy": o["policy"], "profile": o["profile"],
-                        "prefill": o["prefill"], "decode": o["decode"], "dispatchers": o["dispatchers"],
-                        "trace_file": o["trace_file"], "truth_scale": o.get("truth_scale", 1.0), **extra})
+        opts = vllm_testbed_options(model_dir, **common,
+                                    dispatchers=VLLM_DEMO["dispatchers"] if o["dispatchers"] == 2 else o["dispatchers"])
+    else:
+        opts = UpOptions(dispatchers=o["dispatchers"], **common)
     sys.exit(run_demo(opts, workload=o["workload"], rps=rps, duration=o["duration"], seed=o["seed"],
                       json_path=o["json_path"], progress=progress_default(o["progress"])))
 
 
 __all__ = ["run_demo", "bench_live", "demo_command", "handoff_note", "progress_default", "side_by_side",
-           "simulate_same"]
+           "simulate_same", "vllm_testbed_options"]

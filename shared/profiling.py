@@ -181,13 +181,14 @@ def hardware() -> dict[str, Any]:
     return {"cpu": cpu, "cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform()}
 
 
-def provenance(*, node: str, grid_name: str, grid: ProfileGrid, events: list[StepRecordEvent], engine: str,
+def provenance(*, node: str, grid_name: str, grid: ProfileGrid | None, events: list[StepRecordEvent], engine: str,
                served_model: str, label: str, started_unix_ms: float, finished_unix_ms: float,
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The artifact's ``metadata``: where, on what and how it was measured.
 
     ``label`` is the human statement of what the artifact is (e.g. "emulated engine under CPU
-    load, not a real engine"); ``engine`` the backend (``emulated``, ``vllm x.y``).
+    load, not a real engine"); ``engine`` the backend (``emulated``, ``vllm x.y``); ``grid`` None for
+    steps that no grid planned (``kairos profile --testbed``'s replay).
     """
     versions = sorted({e.model_version for e in events if e.model_version})
     return {
@@ -199,7 +200,7 @@ def provenance(*, node: str, grid_name: str, grid: ProfileGrid, events: list[Ste
         "model": served_model,
         "node": node,
         "node_model_versions": versions,
-        "grid": {"name": grid_name, **asdict(grid)},
+        "grid": {"name": grid_name, **(asdict(grid) if grid is not None else {})},
         "steps_recorded": len(events),
         "duration_s": round((finished_unix_ms - started_unix_ms) / 1000.0, 1),
         **(extra or {}),
