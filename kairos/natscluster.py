@@ -14,7 +14,9 @@ Syntax: nats-server 2.15 "Clustering" and "JetStream clustering" configuration d
 (``server_name`` is required for JetStream in a cluster; ``cluster { name, listen, authorization,
 routes }``; route URLs ``nats-route://user:password@host:port``; ``http`` is the monitoring
 listener; ``pid_file``). JetStream's replication factor is per stream: the services declare every
-stream and bucket with one replica per member (``shared.bus.stream_replicas``).
+bucket with one replica per member (``shared.bus.stream_replicas``), and the request lanes and
+claim buckets with one replica each, lane ``i`` on member ``i`` — found by its ``server_tags``
+entry ``kairos-lane:<i>`` (``shared/lanes.py`` says why).
 
 Two renderings of one member: :func:`member_config` puts everything in one file (``kairos up``
 writes it into its private temporary directory); :func:`compose_member_config` is the committed,
@@ -30,6 +32,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from shared import subjects as S
 
 #: the cluster's name (``cluster { name }``); every member must carry the same
 CLUSTER_NAME = "kairos"
@@ -108,9 +112,12 @@ def route_lines(m: Member, members: list[Member], route_password: str) -> list[s
             "  timeout: 2", "}", "routes: [", *(f"  {u}" for u in urls), "]"]
 
 
-def _render(m: Member, cluster_body: list[str], tail: list[str], jetstream: list[str] = ()) -> str:
+def _render(m: Member, members: list[Member], cluster_body: list[str], tail: list[str],
+            jetstream: list[str] = ()) -> str:
+    # the member of request lane / claim bucket i (shared/lanes.py) is found by its tag
     text = [f"# Kairos NATS cluster member {m.name} (kairos/natscluster.py). Do not edit.",
             f"server_name: {_quote(m.name)}",
+            f"server_tags: [{_quote(S.lane_tag(members.index(m)))}]",
             f"listen: {_quote(f'{m.host}:{m.port}')}",
             f"http: {_quote(f'{m.host}:{m.monitor_port}')}",
             f"pid_file: {_quote(m.pid_file)}",
@@ -132,7 +139,7 @@ def member_config(m: Member, members: list[Member], route_password: str, auth_bl
         ValueError: ``m`` is not one of ``members``, two members share a name or a host:port, or
             the password cannot be put in a URL.
     """
-    return _render(m, route_lines(m, members, route_password), [auth_block] if auth_block else [])
+    return _render(m, members, route_lines(m, members, route_password), [auth_block] if auth_block else [])
 
 
 def plan_members(n: int, ports: list[tuple[int, int, int]], base: Path, host: str = "127.0.0.1") -> list[Member]:
@@ -206,7 +213,7 @@ def compose_member_config(m: Member, members: list[Member]) -> str:
     """
     _check(m, members)
     peers = ", ".join(f"{x.name} {x.host}:{x.cluster_port}" for x in members if x != m)
-    return _render(m, [f"# the route credential and the routes to {peers} and itself (secret; kairos nats-cluster "
+    return _render(m, members, [f"# the route credential and the routes to {peers} and itself (secret; kairos nats-cluster "
                        "--secrets-dir)",
                        f"include ./{ROUTES_INCLUDE}"],
                    ["# one user per Kairos role (kairos nats-auth; passwords: NATS_PASSWORD_<USER> in the environment)",

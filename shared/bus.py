@@ -24,8 +24,7 @@ import nats
 import nats.js.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, Header, KeyValueConfig, RetentionPolicy,
-                         StorageType, StreamConfig)
+from nats.js.api import Header, KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
@@ -243,7 +242,7 @@ class RequestQueueSettings:
 _STORE_CREATE_ERR = 10049
 
 
-async def _creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait_s: float = 0.1) -> T:
+async def creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait_s: float = 0.1) -> T:
     """``declare()``, retried (``attempts`` × ``wait_s``) on the transient store-creation error."""
     for i in range(attempts):
         try:
@@ -253,29 +252,6 @@ async def _creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wai
                 raise
             await asyncio.sleep(wait_s)
     raise AssertionError("unreachable")
-
-
-async def ensure_request_stream(js: JetStreamContext, q: RequestQueueSettings = RequestQueueSettings(),
-                                consumer: bool = True, replicas: int = 1) -> None:
-    """Declare the work-queue stream KAIROS_REQ and (``consumer``) the shared durable consumer.
-    The ingress declares the stream only (it publishes; requests wait there for a dispatcher).
-    ``replicas``: the stream's replication factor (:func:`stream_replicas`; the consumer has the
-    stream's)."""
-    await _creating(lambda: js.add_stream(StreamConfig(num_replicas=replicas,
-        name=S.REQUEST_STREAM, subjects=[S.REQUEST_SUBJECT], retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.FILE, discard=DiscardPolicy.OLD, max_age=q.max_age_s, duplicate_window=120.0,
-        description="Kairos client requests: ingress -> dispatchers (work queue)")))
-    if not consumer:
-        return
-    await js.add_consumer(S.REQUEST_STREAM, ConsumerConfig(
-        durable_name=S.DISPATCHER_CONSUMER, name=S.DISPATCHER_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
-        ack_wait=q.ack_wait_s, max_deliver=q.max_deliver, filter_subject=S.REQUEST_SUBJECT,
-        max_ack_pending=10_000, description="all dispatcher replicas pull from this one consumer"))
-
-
-async def request_subscription(js: JetStreamContext) -> JetStreamContext.PullSubscription:
-    """Bind to the shared dispatcher consumer (declare it first with :func:`ensure_request_stream`)."""
-    return await js.pull_subscribe_bind(durable=S.DISPATCHER_CONSUMER, stream=S.REQUEST_STREAM)
 
 
 @dataclass(frozen=True)
@@ -295,7 +271,7 @@ async def _declare_kv(js: JetStreamContext, config: KeyValueConfig, replicas: in
         except nats.js.errors.BucketNotFoundError:
             replicas = 1
     cfg = dataclasses.replace(config, replicas=replicas)
-    return await _creating(lambda: js.create_key_value(cfg))
+    return await creating(lambda: js.create_key_value(cfg))
 
 
 async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0, replicas: int | None = 1) -> Buckets:
@@ -337,22 +313,6 @@ class BucketLayoutError(RuntimeError):
 
 #: nats-server's "stream name already in use with a different configuration" (JSStreamNameExistErr)
 _IN_USE_ERR = 10058
-
-
-async def open_requests_bucket(js: JetStreamContext, wait_s: float = 0.25, log=None) -> KeyValue:
-    """Open the existing ``kairos_requests`` bucket (the node agents: they may not create streams,
-    docs/security.md), waiting for a control-plane service to declare it: retried every
-    ``wait_s`` while it does not exist yet (logged once as ``waiting_for_bucket``), forever —
-    cancel the awaiting task to give up, as for :func:`connect`."""
-    logged = False
-    while True:
-        try:
-            return await js.key_value(S.REQUESTS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            if log is not None and not logged:
-                log.info("waiting_for_bucket", bucket=S.REQUESTS_BUCKET)
-                logged = True
-            await asyncio.sleep(wait_s)
 
 
 class BusWatch:

@@ -14,11 +14,11 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   ``.decode.<node>``), and is the only writer of its own node's
   deflection reservations (``$KV.kairos_resv.decode.<node>.*``; everybody else only reads them);
 * only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
-  (``kairos.jobs.*``); only dispatchers consume the request queue; only the ingress enqueues requests (``kairos.req.new``), cancels, and reads
+  (``kairos.jobs.*``); only dispatchers consume the request lanes; only the ingress enqueues requests (``kairos.req.new[.<i>]``), cancels, and reads
   token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
   (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
-* execution claims (``$KV.kairos_requests.claim.<digest>``) are created by the agents and, as
+* execution claims (``$KV.kairos_claims_<i>.claim.<digest>``, one bucket per NATS member) are created by the agents and, as
   tombstones of attempts it refused, by the ingress (shared/claims.py); agents read them by key
   only, keyed by digest so that a get with a literal ``*`` names no request;
 * replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
@@ -97,13 +97,8 @@ def inbox_prefix(user: str) -> str:
 def _declare(stream: str) -> list[str]:
     """Create (idempotent, Kairos' config) and look up a stream. Only the control-plane roles: a
     stream's config names the subjects it captures, so whoever creates one could capture (and
-    replay) any subject — agents only look streams up (:func:`_open`)."""
+    replay) any subject — agents use no stream API but direct gets of claims."""
     return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}"]
-
-
-def _open(stream: str) -> list[str]:
-    """Look up an existing stream / KV bucket (``js.key_value``): nothing else."""
-    return [f"$JS.API.STREAM.INFO.{stream}"]
 
 
 def _read(stream: str) -> list[str]:
@@ -136,9 +131,34 @@ def _kv_buckets_declared() -> list[str]:
     return out
 
 
+#: every request lane / claim bucket a deployment can have (one per NATS member, shared/lanes.py):
+#: the table is the same whatever the cluster's size
+LANES = range(S.MAX_LANES)
+
+
+def _lanes_declared(consumer: bool) -> list[str]:
+    """Declare every request lane (and, ``consumer``, the dispatchers' consumer on it) and every
+    claim bucket (shared/lanes.py ``ensure_lane`` / ``ensure_claims_bucket``: the ingress and the
+    dispatchers)."""
+    out: list[str] = []
+    for i in LANES:
+        out += _declare(S.request_stream(i)) + _declare(kv_stream(S.claims_bucket(i)))
+        if consumer:  # the one durable pull consumer: created by name with its filter in the subject
+            q, c = S.request_stream(i), S.DISPATCHER_CONSUMER
+            out += [f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.request_subject(i)}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
+                    f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
+    return out
+
+
+def _claims(read: bool = True) -> list[str]:
+    """Create / compare-and-delete execution claims in every claim bucket and (``read``) get one by key."""
+    out = [_kv(S.claims_bucket(i), _CLAIMS) for i in LANES]
+    return out + ([_get(S.claims_bucket(i), _CLAIMS) for i in LANES] if read else [])
+
+
 def _consumer_info() -> list[str]:
-    """Read the dispatchers' consumer state (ingress /health, aggregator)."""
-    return [f"$JS.API.CONSUMER.INFO.{S.REQUEST_STREAM}.{S.DISPATCHER_CONSUMER}"]
+    """Read the dispatchers' consumer state on every request lane (ingress /health, aggregator)."""
+    return [f"$JS.API.CONSUMER.INFO.{S.request_stream(i)}.{S.DISPATCHER_CONSUMER}" for i in LANES]
 
 
 def _kv(bucket: str, key: str) -> str:
@@ -170,21 +190,17 @@ def role_permissions(user: str) -> Permissions:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
         # claims: the tombstone of an attempt it refused (shared/claims.py: KV create, read back)
-        pub = [S.REQUEST_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, _kv(rec, _any(S.record_key, "ingress")),
-               _kv(rec, _CLAIMS)]
-        # the request stream too (requests wait there for a dispatcher); records and claims are read (gets only)
-        pub += _kv_buckets_declared() + _declare(S.REQUEST_STREAM) + _read(kv_stream(view)) + [_get(rec, ">")]
+        pub = [*(S.request_subject(i) for i in LANES), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
+               _kv(rec, _any(S.record_key, "ingress")), *_claims()]
+        # the request lanes too (requests wait there for a dispatcher); records are read (gets only)
+        pub += _kv_buckets_declared() + _lanes_declared(consumer=False) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
         # heartbeats: the ingress judges node liveness itself (shared/heartbeat.py), aggregator or not
         sub += [S.OUT_WILDCARD, S.ROUTED_SUBJECT, S.STATE_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
-        q, c = S.REQUEST_STREAM, S.DISPATCHER_CONSUMER
         pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
-        # the one durable pull consumer: created by name with its filter in the subject
-        pub += _kv_buckets_declared() + _declare(q) + [
-            f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.REQUEST_SUBJECT}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
-            f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
+        pub += _kv_buckets_declared() + _lanes_declared(consumer=True)
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
         # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
         sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD]
@@ -209,13 +225,12 @@ def role_permissions(user: str) -> Permissions:
         # its own node's records only (the node id is in the key), KV-pulled notices under its own name
         pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject, user), _any(S.kv_subject, user),
                _any(S.kvdone_subject, user), _kv(resv, S.reservation_key(node).rsplit(".", 1)[0] + ".*"),
-               _kv(rec, _any(S.record_key, "prefill", node)), _kv(rec, _any(S.record_key, "decode", node)),
-               _kv(rec, _CLAIMS)]  # execution claims: create, read (below), compare-and-delete
-        # JetStream: writes are the publishes above; the only read is a claim by key (acceptance.py),
-        # keyed by digest so that a literal '*' for the key names no request (shared.subjects.claim_key).
-        # No consumer, stream-create or message-get API at all: nothing an agent could point at
-        # another role's subjects, and no way to list the bucket's keys.
-        pub += _open(kv_stream(rec)) + [_get(rec, _CLAIMS)]
+               _kv(rec, _any(S.record_key, "prefill", node)), _kv(rec, _any(S.record_key, "decode", node))]
+        # execution claims: create, compare-and-delete, and the only JetStream read: a claim by key
+        # (acceptance.py), keyed by digest so that a literal '*' for the key names no request
+        # (shared.subjects.claim_key). No consumer, stream-create, stream-info or message-get API at
+        # all: nothing an agent could point at another role's subjects, no way to list a bucket's keys.
+        pub += _claims()
         sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT, S.RESEND_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")

@@ -5,7 +5,7 @@ builds a subject string, so renaming a subject is a one-line change here.
 
 Hierarchy::
 
-    kairos.req.new                JetStream stream KAIROS_REQ (work queue): ingress -> dispatchers
+    kairos.req.new[.<lane>]       JetStream streams KAIROS_REQ[_<lane>] (work queue, one per NATS member): ingress -> dispatchers
     kairos.route.decided          routing events: dispatcher -> state_aggregator
     kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
     kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
@@ -19,7 +19,7 @@ Hierarchy::
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.<part>[.<node>]  decision record + measured TTFT components (KV, bucket TTL)
     $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
-    $KV.kairos_requests.claim.<digest of rid>  the one node executing bus request <rid> (atomic create)
+    $KV.kairos_claims_<lane>.claim.<digest of rid>  the one node executing bus request <rid> (atomic create, majority of lanes)
 """
 
 from __future__ import annotations
@@ -29,12 +29,45 @@ import re
 
 PREFIX = "kairos"
 
-#: JetStream work-queue stream holding client requests until a dispatcher acknowledges them.
+#: JetStream work-queue stream holding client requests until a dispatcher acknowledges them
+#: (request lane 0: :func:`request_stream`).
 REQUEST_STREAM = "KAIROS_REQ"
-#: The one durable pull consumer all dispatcher replicas share (work-queue semantics).
+#: The durable pull consumer all dispatcher replicas share on each lane (work-queue semantics).
 DISPATCHER_CONSUMER = "dispatchers"
-#: Subject requests are published on (the stream's only subject).
+#: Subject requests are published on (lane 0's only subject: :func:`request_subject`).
 REQUEST_SUBJECT = f"{PREFIX}.req.new"
+#: most request lanes / claim buckets: one per NATS cluster member, and JetStream clusters have
+#: at most 5 voting members per stream (nats-server refuses ``num_replicas`` > 5)
+MAX_LANES = 5
+
+
+def _lane(lane: int) -> int:
+    if not isinstance(lane, int) or not 0 <= lane < MAX_LANES:
+        raise SubjectError(f"lane {lane!r}: an integer 0..{MAX_LANES - 1}")
+    return lane
+
+
+def request_stream(lane: int) -> str:
+    """The work-queue stream of request lane ``lane`` (shared/lanes.py): :data:`REQUEST_STREAM`
+    for lane 0 (a single nats-server has only it), ``KAIROS_REQ_<lane>`` for the others.
+    Raises SubjectError outside 0..MAX_LANES-1."""
+    return REQUEST_STREAM if _lane(lane) == 0 else f"{REQUEST_STREAM}_{lane}"
+
+
+def request_subject(lane: int) -> str:
+    """The subject of request lane ``lane`` (:data:`REQUEST_SUBJECT`, ``kairos.req.new.<lane>``)."""
+    return REQUEST_SUBJECT if _lane(lane) == 0 else f"{REQUEST_SUBJECT}.{lane}"
+
+
+def claims_bucket(lane: int) -> str:
+    """The execution-claim KV bucket of member ``lane`` (``kairos_claims_<lane>``; shared/claims.py)."""
+    return f"kairos_claims_{_lane(lane)}"
+
+
+def lane_tag(lane: int) -> str:
+    """The ``server_tags`` entry of the NATS cluster member that holds request lane ``lane`` and
+    claim bucket ``lane`` (``kairos-lane:<lane>``; kairos/natscluster.py writes it)."""
+    return f"kairos-lane:{_lane(lane)}"
 #: Routing events (decision + the node's acknowledgement time), consumed by the aggregator.
 ROUTED_SUBJECT = f"{PREFIX}.route.decided"
 #: Broadcast: abort a request (client disconnected or ingress timed out).
@@ -48,7 +81,7 @@ VIEW_KEY = "view"
 #: KV bucket of deflection reservations, one key per decode node, per-message TTL.
 RESERVATION_BUCKET = "kairos_resv"
 #: KV bucket of per-request records (``<rid>.decision``, ``<rid>.ingress``, ``<rid>.prefill.<node>``,
-#: ``<rid>.decode.<node>``: :func:`record_key`) and execution claims (:func:`claim_key`).
+#: ``<rid>.decode.<node>``: :func:`record_key`); execution claims are in :func:`claims_bucket`.
 REQUESTS_BUCKET = "kairos_requests"
 
 #: KV bucket of latency-model artifacts written by ``kairos profile``: ``latency.<name>`` per
@@ -211,7 +244,7 @@ CLAIM_PREFIX = "claim"
 
 
 def claim_key(request_id: str) -> str:
-    """KV key (bucket :data:`REQUESTS_BUCKET`) of the execution claim of bus request ``request_id``
+    """KV key (in every :func:`claims_bucket`) of the execution claim of bus request ``request_id``
     (a :class:`~shared.wire.Claim`, created atomically by the node that runs it, or a tombstone the
     ingress creates for an attempt it refused): ``claim.<digest>``, the first 32 hex digits of the
     SHA-256 of the request id.

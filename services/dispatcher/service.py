@@ -39,8 +39,9 @@ from shared import subjects as S
 from shared import telemetry
 from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
-from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, ensure_request_stream,
-                        flush_barrier, kv_put_nowait, publish, request_subscription, request_typed, stream_replicas)
+from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, flush_barrier,
+                        kv_put_nowait, publish, request_typed, stream_replicas)
+from shared.lanes import declare_each, ensure_claims_bucket, ensure_lane, lane_count
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
@@ -58,6 +59,9 @@ RECENT_ROUTED_S = 5.0
 RECONNECT_SETTLE_S = 3.0
 #: cancelled request ids remembered (a request can wait in the queue while all dispatchers are down)
 MAX_CANCELLED = 100_000
+#: a request lane that cannot be pulled is declared again this often (s): its member came back
+#: with an empty store, or was down when this replica started
+LANE_REDECLARE_S = 2.0
 #: longest time (ms) a deflection job this replica sent holds its slot in this replica's view
 #: before the node's answer (the job ack timeout is shorter; a safety net for a routing task that died)
 PENDING_DEFLECTION_MS = 5000.0
@@ -106,6 +110,7 @@ class _Metrics:
 class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, model: LatencyModel | None = None) -> None:
         self.cfg = cfg
+        self.lanes = lane_count(cfg)  #: request lanes / claim buckets (one per NATS member, shared/lanes.py)
         self.model = model or load_profile(cfg.profile)
         self.policy = parse_policy(cfg.policy)
         self.params = cfg.params(self.model.engine.max_num_batched_tokens)
@@ -148,7 +153,6 @@ class Dispatcher:
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"dispatcher:{cfg.replica_id}")
-        js = self.nc.jetstream()
         await self._declare()
         # routed jobs of every replica (folded into the view until the aggregator has them) and
         # cancels (requests the ingress already answered must not be routed when dequeued later)
@@ -156,8 +160,7 @@ class Dispatcher:
                       await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
         if self.prefix is not None:  # heartbeats' incremental cache events → this replica's index
             self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
-        self.sub = await request_subscription(js)
-        self._main = [asyncio.create_task(self._pull())]
+        self._main = [asyncio.create_task(self._pull(lane)) for lane in range(self.lanes)]
         self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
         self.log.info("dispatcher_started", policy=self.policy.spec, model=self.model.artifact_version,
                       metrics_port=self.metrics_port)
@@ -167,9 +170,6 @@ class Dispatcher:
         at start and after every reconnect (a restarted NATS may have lost them; old watchers may
         sit on consumers that no longer exist)."""
         js = self.js = self.nc.jetstream()
-        await ensure_request_stream(js, RequestQueueSettings(ack_wait_s=self.cfg.ack_wait_s,
-                                                             max_deliver=self.cfg.max_deliver),
-                                    replicas=stream_replicas(self.cfg))
         self.buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
         view_w = await self.buckets.view.watch(S.VIEW_KEY)
         resv_w = await self.buckets.reservations.watchall()
@@ -195,6 +195,14 @@ class Dispatcher:
                 await w.stop()
             except Exception:
                 pass
+        # the lanes last: a lane whose member is down fails its declaration (logged; its pull loop
+        # declares it again), and the watchers above must not wait for that
+        await declare_each("request_lane", self.lanes, self._declare_lane, self.log)
+        await declare_each("claims_bucket", self.lanes, lambda i: ensure_claims_bucket(js, i, self.lanes), self.log)
+
+    async def _declare_lane(self, lane: int) -> None:
+        await ensure_lane(self.nc.jetstream(), lane, self.lanes, RequestQueueSettings().max_age_s,
+                          consumer=(self.cfg.ack_wait_s, self.cfg.max_deliver))
 
     async def close(self, drain: bool = True) -> None:
         """Stop pulling; ``drain`` waits for in-flight requests (else they are redelivered elsewhere)."""
@@ -338,20 +346,37 @@ class Dispatcher:
                 continue
             self.pending_deflections.pop(r.request_id, None)  # the node's own reservation replaces it
 
-    async def _pull(self) -> None:
+    async def _pull(self, lane: int) -> None:
+        """Pull request lane ``lane`` (shared/lanes.py) one message at a time while this replica
+        has room (``max_concurrency``, shared by every lane). A lane that cannot be pulled (its
+        member down, or its consumer never declared because the member was down) is declared
+        again every :data:`LANE_REDECLARE_S` until it answers; the other lanes go on meanwhile."""
+        sub, failing_since, declared_at = None, None, 0.0
         while not self._stop.is_set():
             await self._sem.acquire()
             self._sem.release()
             try:
+                if sub is None:
+                    sub = await self.nc.jetstream().pull_subscribe_bind(durable=S.DISPATCHER_CONSUMER,
+                                                                        stream=S.request_stream(lane))
                 # one message per pull: a lingering pull the server answers with the next request (a
                 # batch pull costs an extra "no more messages" status per fetch, and requests arrive
                 # one by one; under a backlog each pull still returns at once)
-                msgs = await self.sub.fetch(batch=1, timeout=1.0)
+                msgs = await sub.fetch(batch=1, timeout=1.0)
+                failing_since = None
             except (nats.errors.TimeoutError, asyncio.TimeoutError):
                 continue
-            except Exception as exc:  # disconnected: nats-py reconnects
-                self.log.warning("fetch_failed", error=repr(exc))
+            except Exception as exc:  # disconnected (nats-py reconnects), or the lane's member is down
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    self.log.warning("fetch_failed", lane=lane, error=repr(exc))
                 await asyncio.sleep(0.2)
+                if time.monotonic() - declared_at > LANE_REDECLARE_S and self.nc.is_connected:
+                    declared_at = time.monotonic()
+                    try:
+                        await asyncio.wait_for(self._declare_lane(lane), LANE_REDECLARE_S)
+                    except Exception:
+                        pass
                 continue
             for m in msgs:
                 await self._sem.acquire()
@@ -385,7 +410,7 @@ class Dispatcher:
                     "kairos.prompt_tokens": req.prompt_tokens, "kairos.max_tokens": req.max_tokens,
                     T.GEN_AI_REQUEST_MODEL: req.model, T.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens,
                     T.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, T.MESSAGING_SYSTEM: "nats",
-                    T.MESSAGING_DESTINATION: S.REQUEST_SUBJECT, T.MESSAGING_OPERATION_TYPE: "process",
+                    T.MESSAGING_DESTINATION: msg.subject, T.MESSAGING_OPERATION_TYPE: "process",
                     T.MESSAGING_DELIVERY_COUNT: delivery, "kairos.delivery": delivery}) as span:
             log = self.log.bind(request_id=req.request_id, **T.trace_fields(span))
             try:

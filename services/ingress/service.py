@@ -62,11 +62,11 @@ from shared import openai_api as oa
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (BusWatch, connect_service, ensure_buckets, ensure_request_stream, kv_put_nowait, publish,
-                        stream_replicas)
-from shared.claims import withdraw
+from shared.bus import BusWatch, connect_service, ensure_buckets, kv_put_nowait, publish, stream_replicas
+from shared.claims import ClaimQuorum, read_holder, withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness, accept_heartbeat
+from shared.lanes import LanePicker, claim_buckets, declare_each, ensure_claims_bucket, ensure_lane, lane_count
 from shared.latency import load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.vllm_api import unsafe_seed
@@ -74,7 +74,7 @@ from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecy
 from shared.prefix import request_block_hashes
 from shared.records import request_record
 from shared.routing import routable
-from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent,
+from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent,
                          InferenceRequest,
                          IngressTiming, NodeState, OutEvent, PrefillTiming, Resend, RoutedEvent, TokenEvent, WireError, decode,
                          encode, now_ms)
@@ -134,6 +134,9 @@ def _api_err(exc: oa.ApiError) -> web.Response:
     return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
+#: with several request lanes, a publish to one waits this long (s) for JetStream's acknowledgement
+#: before the next lane is tried (the acknowledgement takes milliseconds while the lane's member lives)
+LANE_PUBLISH_TIMEOUT_S = 1.0
 #: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
 #: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
 RECONNECT_WAIT_S = 2.0
@@ -184,6 +187,9 @@ class _Metrics:
                             "Requests refused with 429 overloaded (max_in_flight reached)", registry=reg)
         self.enqueue_retries = Counter("kairos_ingress_enqueue_retries_total",
                                        "Enqueues re-sent because JetStream gave no acknowledgement", registry=reg)
+        self.lane_moves = Counter("kairos_ingress_lane_moves_total",
+                                  "Queued requests enqueued again on another request lane (theirs stalled: its "
+                                  "NATS member died)", registry=reg)
         for outcome in ("resubmitted", "failed"):
             self.node_lost.labels(outcome)
             self.interrupted.labels(outcome)
@@ -249,6 +255,12 @@ class _Flight:
     predicted: tuple[str, float] | None = None
     #: whose out events the current attempt accepts (the node its job went to, ...)
     senders: Senders = field(default_factory=lambda: Senders(""))
+    #: the request lane the current attempt was enqueued on (shared/lanes.py), when, and what was
+    #: published (a stalled lane's requests are enqueued again elsewhere: the same bytes, the same bus id)
+    lane: int | None = None
+    enqueued_at: float = 0.0
+    enqueued: tuple[bytes, dict[str, str]] | None = None
+    moving: bool = False
 
     @property
     def attempt_id(self) -> str:
@@ -287,6 +299,8 @@ class Ingress:
         self._disp: dict | None = None  # cached dispatcher-consumer check
         self._disp_at = 0.0
         self._disp_lock = asyncio.Lock()
+        self.lanes = LanePicker(lane_count(cfg))  #: request lanes, one per NATS member (shared/lanes.py)
+        self.claims: ClaimQuorum | None = None
         self.api_keys = load_api_keys(cfg.api_keys, cfg.api_key_file)
 
     def app(self) -> web.Application:
@@ -306,6 +320,7 @@ class Ingress:
     async def start(self) -> None:
         self.nc = await connect_service(self.cfg, f"ingress:{self.cfg.replica_id}", self.log)
         self.js = self.nc.jetstream()
+        self.claims = ClaimQuorum(claim_buckets(self.js, self.lanes.lanes))
         self._view_watcher = None
         await self._declare()
         self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log,
@@ -330,9 +345,12 @@ class Ingress:
                       chat_template="model" if self.chat_template else "fixed")
 
     async def _declare(self) -> None:
-        """Declare the request stream (requests wait there for a dispatcher) and the buckets, and
-        (re)start the view watcher: at start and after every reconnect."""
-        await ensure_request_stream(self.js, consumer=False, replicas=stream_replicas(self.cfg))
+        """Declare the request lanes (requests wait there for a dispatcher), the claim buckets and
+        the other buckets, and (re)start the view watcher: at start and after every reconnect. A
+        lane whose member is down is logged and left to the dispatchers to declare again."""
+        n = self.lanes.lanes
+        await declare_each("request_lane", n, lambda i: ensure_lane(self.js, i, n), self.log)
+        await declare_each("claims_bucket", n, lambda i: ensure_claims_bucket(self.js, i, n), self.log)
         self.buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         old_w, old_t = self._view_watcher, self._view_task
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)
@@ -522,24 +540,29 @@ class Ingress:
             return out
 
     async def _consumer_state(self) -> dict:
-        try:
-            info = await self.js.consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=1.0)
-        except nats.js.errors.NotFoundError:
-            return {"consuming": False, "detail": f"consumer {S.DISPATCHER_CONSUMER!r} on stream "
-                                                  f"{S.REQUEST_STREAM!r} does not exist: no dispatcher ever started"}
-        except Exception as exc:
-            self.log.warning("consumer_info_failed", error=repr(exc))  # the body names no exception
+        """The dispatchers' consumers on every request lane, read at once; a lane that does not
+        answer (its member is down) is left out while another answers."""
+        async def one(lane: int):
+            return await self.js.consumer_info(S.request_stream(lane), S.DISPATCHER_CONSUMER, timeout=1.0)
+        infos = await asyncio.gather(*(one(i) for i in range(self.lanes.lanes)), return_exceptions=True)
+        ok = [i for i in infos if not isinstance(i, BaseException)]
+        if not ok:
+            if all(isinstance(i, nats.js.errors.NotFoundError) for i in infos):
+                return {"consuming": False, "detail": f"consumer {S.DISPATCHER_CONSUMER!r} on stream "
+                                                      f"{S.REQUEST_STREAM!r} does not exist: no dispatcher ever started"}
+            self.log.warning("consumer_info_failed", error=repr(infos[0]))  # the body names no exception
             return {"consuming": False, "detail": "the consumer state could not be read from JetStream"}
-        waiting = info.num_waiting or 0
-        last = info.delivered.last_active if info.delivered is not None else None
+        waiting = sum(i.num_waiting or 0 for i in ok)
+        lasts = [i.delivered.last_active for i in ok if i.delivered is not None and i.delivered.last_active]
         since = None
-        if last is not None:
-            since = round((datetime.datetime.now(datetime.timezone.utc) - last).total_seconds(), 3)
+        if lasts:
+            since = round((datetime.datetime.now(datetime.timezone.utc) - max(lasts)).total_seconds(), 3)
         consuming = waiting > 0 or (since is not None and since <= self.cfg.dispatcher_active_window_s)
         detail = ("ok" if consuming else
                   f"no pull request waiting and no delivery in the last {self.cfg.dispatcher_active_window_s:g} s")
         return {"consuming": consuming, "detail": detail, "num_waiting": waiting, "last_delivery_s_ago": since,
-                "num_pending": info.num_pending, "num_ack_pending": info.num_ack_pending}
+                "num_pending": sum(i.num_pending or 0 for i in ok),
+                "num_ack_pending": sum(i.num_ack_pending or 0 for i in ok), "lanes_answering": len(ok)}
 
     async def _watch_view(self, watcher) -> None:
         async for e in watcher:
@@ -637,6 +660,8 @@ class Ingress:
         if f is None:
             return
         f.lc.on_routed(ev.request_id, ev.kind, ev.node)
+        if f.lane is not None:
+            self.lanes.delivered(f.lane)
         if ev.request_id == f.attempt_id:
             f.predicted = (None if ev.predicted_ttft_ms is None
                            else ("deflect" if ev.kind == "deflect" else "keep", ev.predicted_ttft_ms))
@@ -722,12 +747,42 @@ class Ingress:
                 f.checking = True
                 self._bg(self._check_claim(f, f.attempt_id))
 
+    def _check_lanes(self) -> None:
+        """Queued requests whose lane stalled (its member died: :meth:`LanePicker.stalled`) are
+        enqueued again on another lane (:meth:`_move`)."""
+        now = time.monotonic()
+        for f in list(self._flights.values()):
+            if (f.lane is not None and not f.moving and f.enqueued is not None and f.lc.phase is Phase.QUEUED
+                    and not (f.lost or f.client_gone or f.lc.ended) and self.lanes.stalled(f.lane, f.enqueued_at, now)):
+                f.moving = True
+                self._bg(self._move(f, f.attempt_id))
+
+    async def _move(self, f: _Flight, attempt_id: str) -> None:
+        """Publish attempt ``attempt_id`` again on another lane, the same bytes and bus id: the
+        first copy a dispatcher routes runs, the other meets its claim (``claimed``) and is
+        only acknowledged. Never raises; a lane that fails too is tried again on the next check."""
+        assert f.enqueued is not None and f.lane is not None
+        body, headers = f.enqueued
+        try:
+            for lane in self.lanes.others(f.lane):
+                if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
+                    return
+                try:
+                    await self.js.publish(S.request_subject(lane), body, headers=headers,
+                                          stream=S.request_stream(lane), timeout=LANE_PUBLISH_TIMEOUT_S)
+                except Exception:
+                    self.lanes.down(lane)
+                    continue
+                self.log.info("request_moved_lane", request_id=attempt_id, from_lane=f.lane, to_lane=lane)
+                self.m.lane_moves.inc()
+                f.lane = lane
+                return
+        finally:
+            f.enqueued_at, f.moving = time.monotonic(), False
+
     async def _check_claim(self, f: _Flight, attempt_id: str) -> None:
         try:
-            e = await self.buckets.requests.get(S.claim_key(attempt_id))
-            claim = decode(e.value, Claim) if e.value else None
-        except Exception:
-            claim = None
+            claim = await read_holder(self.claims, attempt_id) if self.claims is not None else None
         finally:
             f.checking = False
         if claim is None or f.attempt_id != attempt_id or f.lost or f.client_gone or f.lc.ended:
@@ -756,6 +811,7 @@ class Ingress:
             try:
                 self._check_liveness()
                 self._check_quiet()
+                self._check_lanes()
                 since = self._bus.disconnected_since if self._bus is not None else None
                 if since is not None and time.monotonic() - since > self.cfg.bus_outage_timeout_s:
                     for f in list(self._flights.values()):
@@ -793,7 +849,7 @@ class Ingress:
         parts["decision"] = await get(S.record_key(served_by, "decision"), DecisionRecord)
         # the node records of the nodes that ran it (each node writes only keys with its own id):
         # the claim names the executing node, else the decision does
-        claim = await get(S.claim_key(served_by), Claim)
+        claim = await read_holder(self.claims, served_by) if self.claims is not None else None
         d = parts["decision"]
         node = claim.node if claim is not None else (d.node if d is not None else "")
         keep = claim.kind == "prefill" if claim is not None else (d is not None and not d.decision.deflected)
@@ -988,7 +1044,9 @@ class Ingress:
                 # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 published.add(attempt_id)
-                await self._enqueue(encode(ireq), headers)
+                body = encode(ireq)
+                flight.lane, flight.enqueued = await self._enqueue(body, headers), (body, headers)
+                flight.enqueued_at = time.monotonic()
             except Exception as exc:
                 log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
                 return exc
@@ -1229,7 +1287,9 @@ class Ingress:
             self._bg(self._withdraw(attempt_id, code, deadline_unix_ms))
 
     async def _withdraw(self, attempt_id: str, code: str, deadline_unix_ms: float) -> None:
-        outcome, claim = await withdraw(self.buckets.requests, attempt_id, code, deadline_unix_ms)
+        if self.claims is None:
+            return
+        outcome, claim = await withdraw(self.claims, attempt_id, code, deadline_unix_ms)
         if outcome == "withdrawn":
             self.log.info("attempt_withdrawn", request_id=attempt_id, code=code)
         elif outcome == "ran":
@@ -1238,12 +1298,14 @@ class Ingress:
         else:
             self.log.warning("attempt_withdrawal_expired", request_id=attempt_id, code=code)
 
-    async def _enqueue(self, body: bytes, headers: dict[str, str]) -> None:
-        """Publish one request to the work queue, acknowledged by JetStream. A try that gets no
-        acknowledgement within 2 s, or finds no stream leader (no responders or an empty answer,
-        ``NoStreamResponseError``: a NATS cluster electing one after a member died, 4–9 s), is
-        re-sent with the same ``Nats-Msg-Id`` — JetStream keeps one copy within its 120 s
-        duplicate window (docs/bus.md) — until ``cfg.enqueue_timeout_s`` has passed; while the
+    async def _enqueue(self, body: bytes, headers: dict[str, str]) -> int:
+        """Publish one request to a request lane (shared/lanes.py), acknowledged by JetStream;
+        returns the lane. Lanes are tried in turn (:meth:`LanePicker.order`); one that finds no
+        stream (its member is down: no responders) or gives no acknowledgement within
+        :data:`LANE_PUBLISH_TIMEOUT_S` (2 s with a single lane) is marked down and the next is
+        tried at once, with the same ``Nats-Msg-Id`` (a lane keeps one copy within its 120 s
+        duplicate window; copies on two lanes meet one execution claim). With every lane failing
+        it starts over every 0.1 s until ``cfg.enqueue_timeout_s`` has passed; while the
         connection is down (nats-py reconnecting to another member) it waits for it, polling every
         50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
         Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
@@ -1255,6 +1317,7 @@ class Ingress:
                 last try's error.
         """
         deadline = time.monotonic() + self.cfg.enqueue_timeout_s
+        per_try = LANE_PUBLISH_TIMEOUT_S if self.lanes.lanes > 1 else 2.0
         while True:
             while not self.nc.is_connected and not self.nc.is_closed and time.monotonic() < deadline:
                 since = self._bus.disconnected_since if self._bus is not None else None
@@ -1263,16 +1326,18 @@ class Ingress:
                 await asyncio.sleep(0.05)
             if not self.nc.is_connected:
                 raise ConnectionError("the ingress is not connected to NATS")
-            try:
-                await self.js.publish(S.REQUEST_SUBJECT, body, headers=headers, stream=S.REQUEST_STREAM,
-                                      timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-                return
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
-                    nats.js.errors.ServiceUnavailableError):
-                if self.nc.is_closed or time.monotonic() + 0.1 >= deadline:
-                    raise
-                self.m.enqueue_retries.inc()
-                await asyncio.sleep(0.1)
+            for lane in self.lanes.order():
+                try:
+                    await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),
+                                          timeout=min(per_try, max(0.1, deadline - time.monotonic())))
+                    return lane
+                except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                        nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError):
+                    self.lanes.down(lane)
+                    if self.nc.is_closed or time.monotonic() + 0.1 >= deadline:
+                        raise
+                    self.m.enqueue_retries.inc()
+            await asyncio.sleep(0.1)
 
     async def _cancel(self, rid: str, reason: str) -> None:
         try:

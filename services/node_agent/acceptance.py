@@ -4,8 +4,9 @@ Why a claim, and why the node makes it (issue 10, "at most one execution per req
 queue redelivers a request whose dispatcher died (or stalled past ``ack_wait``) after a node had
 already accepted its job, and the new dispatcher may route it to *another* node. A per-node
 "duplicate" check cannot see that, so before its engine gets a request every node agent atomically
-*creates* ``claim.<digest of the bus request id>`` in the ``kairos_requests`` bucket (JetStream KV ``create``:
-fails if the key exists, file-backed, kept with the records for an hour):
+*creates* ``claim.<digest of the bus request id>`` in a majority of the claim buckets (JetStream KV
+``create``: fails if the key exists, file-backed, kept for an hour; one bucket per NATS member,
+:mod:`shared.claims` says why a quorum and not one replicated bucket):
 
 * it wins → it executes the request (if its engine then refuses, it deletes the claim again with
   compare-and-delete, so another node may take it);
@@ -23,22 +24,21 @@ fails if the key exists, file-backed, kept with the records for an hour):
 
 The claim is made by the node, not by the dispatcher: claim and acceptance are then one event, so
 a dispatcher that dies between them cannot leave a claimed request that nobody runs. The window
-in which two nodes could both run a request is closed by the KV's atomic create; the cost is one
-JetStream round trip per accepted job.
+in which two nodes could both run a request is closed by the KV's atomic create in a majority of
+the buckets (two majorities share a bucket); the cost is one JetStream round trip per accepted job
+(the buckets are written at once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Sequence
 
-import nats.js.errors
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
-from shared.wire import Claim, Job, WireError, decode, encode, now_ms
-
-Outcome = Literal["won", "mine", "claimed", "withdrawn", "failed"]
+from shared.claims import ClaimQuorum, Outcome, decide, read_holder, won_revisions
+from shared.wire import Claim, Job, now_ms
 
 
 @dataclass(frozen=True)
@@ -46,72 +46,63 @@ class ClaimResult:
     """What :meth:`Claims.claim` found.
 
     Attributes:
-        outcome: ``won`` (this node executes it; ``revision`` is the key's), ``mine`` (this node and
-            incarnation already hold it), ``claimed`` (another node or incarnation: ``claim``),
-            ``withdrawn`` (a tombstone: the ingress refused the attempt; ``claim``), ``failed`` (bus
-            error: ``error``).
+        outcome: ``won`` (this node executes it; ``revisions``: per claim bucket, what it stored
+            there), ``mine`` (this node and incarnation already hold it), ``claimed`` (another node
+            or incarnation: ``claim``), ``withdrawn`` (a tombstone: the ingress refused the attempt;
+            ``claim``), ``failed`` (no majority answered, or a concurrent claimant: ``error``).
     """
 
     outcome: Outcome
     claim: Claim | None = None
-    revision: int | None = None
+    revisions: tuple[int | None, ...] | None = None
     error: str = ""
 
 
 class Claims:
-    """The node's side of the execution claims (one per bus request id).
+    """The node's side of the execution claims (one per bus request id), kept by a majority of the
+    claim buckets (:class:`shared.claims.ClaimQuorum`; one bucket on a single nats-server).
 
     Args:
-        kv: the ``kairos_requests`` bucket.
+        buckets: the claim buckets ``kairos_claims_<i>`` (one KeyValue or a sequence).
         node: this node's id.
         epoch_unix_ms: this agent's incarnation (its start time, wall clock ms): a claim of this node
             made before it (``claimed_unix_ms`` < epoch) belongs to a previous incarnation, which
             died with the request — it is ``claimed``, not ``mine``.
     """
 
-    def __init__(self, kv: KeyValue, node: str, epoch_unix_ms: float) -> None:
-        self.kv, self.node, self.epoch_unix_ms = kv, node, epoch_unix_ms
+    def __init__(self, buckets: KeyValue | Sequence[KeyValue] | ClaimQuorum, node: str, epoch_unix_ms: float) -> None:
+        self.quorum = buckets if isinstance(buckets, ClaimQuorum) else ClaimQuorum(buckets)
+        self.node, self.epoch_unix_ms = node, epoch_unix_ms
+
+    def _mine(self, c: Claim) -> bool:
+        return not c.withdrawn and c.node == self.node and c.claimed_unix_ms >= self.epoch_unix_ms
 
     async def claim(self, job: Job) -> ClaimResult:
-        """Atomically claim ``job.request.request_id`` for this node (never raises)."""
+        """Atomically claim ``job.request.request_id`` for this node in a majority of the claim
+        buckets (never raises; what it won without a majority is released before it returns)."""
         rid = job.request.request_id
         value = Claim(node=self.node, kind=job.kind,
                       decode_node=job.decode_candidates[0] if job.decode_candidates else self.node,
                       dispatcher_id=job.dispatcher_id, attempt=job.attempt, claimed_unix_ms=now_ms())
-        try:
-            rev = await self.kv.create(S.claim_key(rid), encode(value))
-            return ClaimResult("won", value, rev)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            pass
-        except Exception as exc:  # bus down / timeout: do not execute what may run elsewhere
-            return ClaimResult("failed", error=repr(exc))
-        try:
-            e = await self.kv.get(S.claim_key(rid))
-            held = decode(e.value, Claim) if e.value else None
-        except (nats.js.errors.KeyNotFoundError, WireError) as exc:  # deleted meanwhile: let the dispatcher retry
-            return ClaimResult("failed", error=repr(exc))
-        except Exception as exc:
-            return ClaimResult("failed", error=repr(exc))
-        if held is None:
-            return ClaimResult("failed", error="empty claim")
-        if held.withdrawn:
-            return ClaimResult("withdrawn", held, e.revision)
-        if held.node == self.node and held.claimed_unix_ms >= self.epoch_unix_ms:
-            return ClaimResult("mine", held, e.revision)
-        return ClaimResult("claimed", held, e.revision)
+        key = S.claim_key(rid)
+        votes = await self.quorum.create(key, value)
+        outcome, held, error = decide(votes, self._mine, now_ms())
+        revisions = won_revisions(votes)
+        if outcome == "won":
+            return ClaimResult("won", value, revisions)
+        if outcome == "mine":  # where this node's claim is (to release it if its engine refuses)
+            return ClaimResult("mine", held, tuple(v.revision if v.state == "won" or (
+                v.state == "held" and v.claim is not None and self._mine(v.claim)) else None for v in votes))
+        if any(r is not None for r in revisions):
+            await self.quorum.release(key, revisions)  # no majority: give back what this create took
+        return ClaimResult(outcome, held, None, error)
 
-    async def release(self, request_id: str, revision: int) -> None:
-        """Give up a claim this node won but could not start (compare-and-delete; never raises)."""
-        try:
-            await self.kv.delete(S.claim_key(request_id), last=revision)
-        except Exception:
-            pass
+    async def release(self, request_id: str, revisions: Sequence[int | None]) -> None:
+        """Give up a claim this node won but could not start (compare-and-delete in each bucket it
+        won, ``revisions`` from :attr:`ClaimResult.revisions`; never raises)."""
+        await self.quorum.release(S.claim_key(request_id), revisions)
 
     async def holder(self, request_id: str) -> Claim | None:
-        """The claim of ``request_id`` (who executes it), None when there is none or it cannot be
-        read (never raises). A KV handoff must come from the prefill node holding it."""
-        try:
-            e = await self.kv.get(S.claim_key(request_id))
-            return decode(e.value, Claim)
-        except Exception:  # no such key, no answer, or not a claim (an empty value too: WireError)
-            return None
+        """The claim of ``request_id`` (who executes it) most claim buckets hold, None when none
+        answered with one (never raises). A KV handoff must come from the prefill node holding it."""
+        return await read_holder(self.quorum, request_id)

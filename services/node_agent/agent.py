@@ -33,9 +33,10 @@ from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
+from shared.lanes import claim_buckets, lane_count
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import (BusWatch, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl, open_requests_bucket,
+from shared.bus import (BusWatch, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl,
                         publish, request_typed)
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
@@ -217,9 +218,10 @@ class NodeAgent:
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
 
     async def _declare(self) -> None:
-        """(Re-)open the requests bucket (claims): at start and after every reconnect (a restarted
-        NATS). An agent may not create it (docs/security.md): it waits for a control-plane service."""
-        self.claims = Claims(await open_requests_bucket(self.nc.jetstream(), log=self.log), self.cfg.node_id,
+        """(Re-)name the claim buckets (one per NATS member, shared/lanes.py): at start and after
+        every reconnect. An agent may not create them (docs/security.md): until a control-plane
+        service has, its claims fail (``claim_failed``) and the dispatcher retries."""
+        self.claims = Claims(claim_buckets(self.nc.jetstream(), lane_count(self.cfg)), self.cfg.node_id,
                              self.epoch_unix_ms)
 
     async def close(self, drain: bool = True) -> None:
@@ -420,7 +422,7 @@ class NodeAgent:
             elif claim.outcome == "mine" and rid not in self.reqs and rid in self._uncertain_claims:
                 # an earlier try's claim was stored but its answer lost: this node holds it and never
                 # started it, so it runs it now (answering "duplicate" would leave it run by nobody)
-                claim = ClaimResult("won", claim.claim, claim.revision)
+                claim = ClaimResult("won", claim.claim, claim.revisions)
             if claim.outcome == "mine" or rid in self.reqs:  # executed (or being executed) here already
                 if took_slot and rid not in self.reqs:
                     self.deflecting.pop(rid, None)
@@ -465,8 +467,8 @@ class NodeAgent:
                     self.backend.add_deflected(job.request, list(job.chunk_schedule), job.decision_batch_size)
             except (EngineError, EngineApiError) as exc:
                 reason = f"engine_refused: {exc}"
-                if claim is not None and claim.revision is not None:
-                    await self.claims.release(rid, claim.revision)  # another node may take it
+                if claim is not None and claim.revisions is not None:
+                    await self.claims.release(rid, claim.revisions)  # another node may take it
         ctx = telemetry.extract_context(msg.headers)
         if reason is not None:
             if took_slot:

@@ -27,6 +27,7 @@ from shared.bus import close as bus_close
 from shared.bus import BusWatch, ensure_buckets, flush_barrier, stream_replicas
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
+from shared.lanes import lane_count
 from shared.origin import OriginGuard, forged_counter
 from shared.view import ViewBuilder, with_corrections
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode, now_ms
@@ -93,6 +94,7 @@ class StateAggregator:
                              "Request work queue (JetStream consumer of the dispatchers): pending = not yet "
                              "delivered, ack_pending = delivered and not acknowledged", ("state",), registry=reg)
         self._labelled: set[tuple[str, str]] = set()
+        self._bg: set[asyncio.Task] = set()  #: queue-depth polls in flight
         self._queue_polled = 0.0
         self.view: ClusterView | None = None
         self.metrics_port: int | None = None
@@ -194,22 +196,26 @@ class StateAggregator:
                 self.m_views.inc()
             except Exception as exc:
                 self.log.warning("view_write_failed", error=repr(exc))
-            if time.monotonic() - self._queue_polled >= 1.0:
-                self._queue_polled = time.monotonic()
-                await self._poll_queue()
+            if time.monotonic() - self._queue_polled >= 1.0:  # in the background: a dead lane's timeout
+                self._queue_polled = time.monotonic()        # must not hold the next view back
+                t = asyncio.create_task(self._poll_queue())
+                self._bg.add(t)
+                t.add_done_callback(self._bg.discard)
             try:
                 await asyncio.wait_for(self._stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
 
     async def _poll_queue(self) -> None:
-        """Request work-queue depth from JetStream (absent until a dispatcher declared it)."""
-        try:
-            info = await self.nc.jetstream().consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=0.5)
-        except Exception:
-            return
-        self.m_queue.labels("pending").set(info.num_pending or 0)
-        self.m_queue.labels("ack_pending").set(info.num_ack_pending or 0)
+        """Request work-queue depth from JetStream, summed over the request lanes that answer
+        (absent until a dispatcher declared them; a lane whose member is down is left out)."""
+        js = self.nc.jetstream()
+        infos = await asyncio.gather(*(js.consumer_info(S.request_stream(i), S.DISPATCHER_CONSUMER, timeout=0.5)
+                                       for i in range(lane_count(self.cfg))), return_exceptions=True)
+        ok = [i for i in infos if not isinstance(i, BaseException)]
+        if ok:
+            self.m_queue.labels("pending").set(sum(i.num_pending or 0 for i in ok))
+            self.m_queue.labels("ack_pending").set(sum(i.num_ack_pending or 0 for i in ok))
 
     def _report(self, view: ClusterView) -> None:
         counts: dict[tuple[str, str], int] = {(r, s): 0 for r in ("prefill", "decode") for s in ("true", "false")}

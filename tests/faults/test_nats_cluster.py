@@ -30,6 +30,7 @@ import aiohttp
 import pytest
 
 from kairos.up import free_port
+from shared import subjects as S
 from tests.faults.conftest import REPO, Outcome, expected_text, get_json, poll, request
 
 pytestmark = pytest.mark.faults
@@ -50,37 +51,41 @@ def _jsz(monitor: str, query: str) -> dict | None:
         return None
 
 
+LANES = [S.request_stream(i) for i in range(3)]  #: the request lanes of a 3-member cluster (shared/lanes.py)
+
+
+def _streams(body: dict) -> list[dict]:
+    return [s for a in body.get("account_details", []) for s in a.get("stream_detail", [])]
+
+
 def leaders(members: list[dict]) -> tuple[str | None, str | None]:
-    """(JetStream meta leader, KAIROS_REQ leader), from the members' monitoring endpoints."""
+    """(JetStream meta leader, the member holding request lane 0), from the members' monitoring
+    endpoints. Each lane has one replica, on its own member: killing any member takes a lane."""
     meta = req = None
     for m in members:
         if (body := _jsz(m["monitor_url"], "leader-only=true")) and "server_id" in body:
             meta = m["name"]
-        for acct in (_jsz(m["monitor_url"], "streams=true") or {}).get("account_details", []):
-            for s in acct.get("stream_detail", []):
-                if s["name"] == "KAIROS_REQ" and s.get("cluster", {}).get("leader"):
-                    req = s["cluster"]["leader"]
+        for s in _streams(_jsz(m["monitor_url"], "streams=true") or {}):
+            if s["name"] == S.REQUEST_STREAM and s.get("cluster", {}).get("leader"):
+                req = s["cluster"]["leader"]
     return meta, req
 
 
 def healthy(members: list[dict]) -> bool:
-    """Every member answers, the meta leader sees its peers current, and the leader of KAIROS_REQ
-    sees every replica of it current (a follower's view of the others' currency is not kept)."""
+    """Every member answers, the meta leader sees its peers current, and every request lane is
+    served by its member (a member that restarted has its lane back)."""
     bodies = {m["name"]: _jsz(m["monitor_url"], "streams=true") for m in members}
     if any(b is None for b in bodies.values()):
         return False
-    meta_ok = req_ok = False
+    meta_ok = False
+    lanes: set[str] = set()
     for name, body in bodies.items():
         mc = body.get("meta_cluster", {})
         if mc.get("leader") == name:
             peers = mc.get("replicas", [])
             meta_ok = len(peers) == len(members) - 1 and all(p.get("current") for p in peers)
-        for s in (s for a in body.get("account_details", []) for s in a.get("stream_detail", [])):
-            cl = s.get("cluster", {})
-            if s["name"] == "KAIROS_REQ" and cl.get("leader") == name:
-                reps = cl.get("replicas", [])
-                req_ok = len(reps) == len(members) - 1 and all(r.get("current") for r in reps)
-    return meta_ok and req_ok
+        lanes |= {s["name"] for s in _streams(body) if s["name"] in LANES and s.get("cluster", {}).get("leader") == name}
+    return meta_ok and lanes == set(LANES)
 
 
 def read_pid(m: dict) -> int | None:

@@ -1,9 +1,11 @@
 """The ingress's tombstones (shared/claims.py): an attempt it refused is withdrawn by creating its
-execution claim first, so that no node ever runs it — against an in-memory requests bucket that
-behaves as nats-py's KeyValue does (tests/unit/fake_kv.py), on a clock the test moves."""
+execution claim first, so that no node ever runs it — against one in-memory claim bucket that
+behaves as nats-py's KeyValue does (tests/unit/fake_kv.py), on a clock the test moves (a single
+nats-server; the majority over several buckets: tests/unit/test_claim_quorum.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import nats.errors
@@ -12,7 +14,7 @@ import pytest
 
 from shared import claims
 from shared import subjects as S
-from shared.claims import tombstone, withdraw
+from shared.claims import BUCKET_TIMEOUT_S, ClaimQuorum, tombstone, withdraw
 from shared.wire import Claim, decode, encode
 from tests.unit.fake_kv import FakeKV
 
@@ -44,7 +46,8 @@ class Clock:
 def clock(monkeypatch) -> Clock:
     c = Clock()
     monkeypatch.setattr(claims, "now_ms", c.now_ms)
-    monkeypatch.setattr(claims, "asyncio", types.SimpleNamespace(wait_for=c.wait_for, sleep=c.sleep))
+    monkeypatch.setattr(claims, "asyncio", types.SimpleNamespace(wait_for=c.wait_for, sleep=c.sleep,
+                                                                    gather=asyncio.gather))
     return c
 
 
@@ -60,36 +63,36 @@ def test_a_tombstone_names_no_node_and_the_code_the_attempt_was_answered_with(cl
 
 async def test_withdrawing_a_free_attempt_stores_its_tombstone(clock):
     kv = FakeKV()
-    outcome, held = await withdraw(kv, "cmpl-1", "enqueue_failed", T0 + 5_000)
+    outcome, held = await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000)
     want = Claim(node="", kind="prefill", withdrawn="enqueue_failed", claimed_unix_ms=T0)
     assert (outcome, held) == ("withdrawn", want)
     assert decode(kv.value(KEY), Claim) == want
-    assert kv.calls == [("create", KEY)] and clock.waits == [2.0] and clock.sleeps == []  # one try, bounded 2 s
+    assert kv.calls == [("create", KEY)] and clock.waits == [BUCKET_TIMEOUT_S] and clock.sleeps == []  # one try, bounded
 
 
 async def test_a_nodes_claim_made_first_is_reported_and_kept(clock):
     kv = FakeKV()
     ran = Claim(node="prefill-1", kind="prefill", decode_node="decode-0", claimed_unix_ms=T0 - 10)
     kv.put_raw(KEY, encode(ran))
-    assert await withdraw(kv, "cmpl-1", "enqueue_failed", T0 + 5_000) == ("ran", ran)
+    assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000) == ("ran", ran)
     assert decode(kv.value(KEY), Claim) == ran  # not overwritten
-    assert kv.calls == [("create", KEY), ("get", KEY)] and clock.waits == [2.0, 2.0]
+    assert kv.calls == [("create", KEY), ("get", KEY)] and clock.waits == [BUCKET_TIMEOUT_S] * 2
 
 
 async def test_an_earlier_tombstone_counts_as_withdrawn(clock):
     kv = FakeKV()
     earlier = Claim(node="", kind="prefill", withdrawn="no_available_node", claimed_unix_ms=T0 - 10)
     kv.put_raw(KEY, encode(earlier))
-    assert await withdraw(kv, "cmpl-1", "enqueue_failed", T0 + 5_000) == ("withdrawn", earlier)
+    assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000) == ("withdrawn", earlier)
 
 
 async def test_bus_errors_are_retried_every_quarter_second_until_the_tombstone_is_stored(clock):
     kv = FakeKV()
     kv.faults["create"] += [nats.errors.TimeoutError(), nats.errors.NoRespondersError()]
-    outcome, held = await withdraw(kv, "cmpl-1", "enqueue_failed", T0 + 5_000)
+    outcome, held = await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000)
     # third try at T0 + 2 × 250 ms: the tombstone carries the clock of the withdrawal's start (T0)
     assert outcome == "withdrawn" and held.claimed_unix_ms == T0 and decode(kv.value(KEY), Claim) == held
-    assert kv.calls == [("create", KEY)] * 3 and clock.sleeps == [0.25, 0.25] and clock.waits == [2.0] * 3
+    assert kv.calls == [("create", KEY)] * 3 and clock.sleeps == [0.25, 0.25] and clock.waits == [BUCKET_TIMEOUT_S] * 3
 
 
 @pytest.mark.parametrize("trouble", ["released", "unreadable", "garbled", "empty"])
@@ -107,7 +110,7 @@ async def test_a_held_claim_that_cannot_be_read_is_tried_again(clock, trouble):
     else:
         kv.put_raw(KEY, b'{"node": 7}' if trouble == "garbled" else b"")
         kv.faults["create"] += [lambda: None, lambda: kv.put_raw(KEY, encode(ran))]  # a node claims it then
-    outcome, held = await withdraw(kv, "cmpl-1", "enqueue_failed", T0 + 5_000)
+    outcome, held = await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000)
     if trouble == "released":  # the second create stores the tombstone
         assert outcome == "withdrawn" and held.withdrawn == "enqueue_failed"
         assert kv.calls == [("create", KEY), ("get", KEY), ("create", KEY)]
@@ -120,7 +123,7 @@ async def test_a_held_claim_that_cannot_be_read_is_tried_again(clock, trouble):
 async def test_a_bus_that_never_answers_expires_at_the_deadline(clock):
     kv = FakeKV()
     kv.faults["create"] += [nats.errors.TimeoutError()] * 10
-    assert await withdraw(kv, "cmpl-1", "enqueue_failed", T0 + 1_000) == ("expired", None)
+    assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 1_000) == ("expired", None)
     # tries at T0 + 0, 250, 500, 750 ms; at T0 + 1000 the deadline has come: no fifth
     assert kv.calls == [("create", KEY)] * 4 and clock.sleeps == [0.25] * 4
     assert kv.value(KEY) is None
@@ -129,11 +132,11 @@ async def test_a_bus_that_never_answers_expires_at_the_deadline(clock):
 async def test_retry_and_timeout_are_the_callers(clock):
     kv = FakeKV()
     kv.faults["create"] += [nats.errors.TimeoutError()] * 10
-    assert await withdraw(kv, "cmpl-1", "x", T0 + 1_000, retry_s=0.4, timeout_s=0.1) == ("expired", None)
+    assert await withdraw(ClaimQuorum(kv, timeout_s=0.1), "cmpl-1", "x", T0 + 1_000, retry_s=0.4) == ("expired", None)
     assert clock.sleeps == [0.4] * 3 and clock.waits == [0.1] * 3  # tries at T0 + 0, 400, 800 ms
 
 
 async def test_nothing_is_tried_once_the_deadline_has_come(clock):
     kv = FakeKV()
-    assert await withdraw(kv, "cmpl-1", "enqueue_failed", T0) == ("expired", None)  # now == deadline: too late
+    assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0) == ("expired", None)  # now == deadline: too late
     assert kv.calls == []

@@ -52,7 +52,7 @@ async def test_a_free_request_is_won_with_a_claim_naming_this_node_and_the_job()
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
     want = Claim(node="prefill-0", kind="prefill", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
                  claimed_unix_ms=NOW)  # decode_node: the job's first decode candidate
-    assert (res.outcome, res.claim, res.revision, res.error) == ("won", want, 2, "")  # 2: the next sequence
+    assert (res.outcome, res.claim, res.revisions, res.error) == ("won", want, (2,), "")  # 2: the next sequence
     assert decode(kv.value(S.claim_key("req-1")), Claim) == want  # stored, under the request's digest key
     assert kv.calls == [("create", S.claim_key("req-1"))]  # one atomic create, nothing read
 
@@ -67,7 +67,8 @@ async def test_a_second_node_finds_the_first_nodes_claim_and_does_not_overwrite_
     kv = FakeKV()
     first = await Claims(kv, "prefill-0", EPOCH).claim(job())
     second = await Claims(kv, "prefill-1", EPOCH).claim(job(node="prefill-1", dispatcher="d-b", attempt=3))
-    assert second.outcome == "claimed" and second.claim == first.claim and second.revision == first.revision == 1
+    assert second.outcome == "claimed" and second.claim == first.claim and first.revisions == (1,)
+    assert second.revisions is None  # nothing of it to release
     assert decode(kv.value(S.claim_key("req-1")), Claim).node == "prefill-0"
 
 
@@ -83,7 +84,7 @@ async def test_this_nodes_claim_is_honoured_only_when_made_by_this_incarnation(c
                 claimed_unix_ms=claimed_unix_ms)
     rev = held(kv, "req-1", own)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
-    assert (res.outcome, res.claim, res.revision) == (outcome, own, rev)
+    assert (res.outcome, res.claim, res.revisions) == (outcome, own, (rev,) if outcome == "mine" else None)
     assert decode(kv.value(S.claim_key("req-1")), Claim) == own  # never replaced
 
 
@@ -102,7 +103,8 @@ async def test_a_tombstone_is_withdrawn_even_for_the_node_it_would_otherwise_be_
         tomb = Claim(node=node, kind="prefill", withdrawn="enqueue_failed", claimed_unix_ms=NOW)
         rev = held(kv, f"req-{i}", tomb)
         res = await Claims(kv, "prefill-0", EPOCH).claim(job(rid=f"req-{i}"))
-        assert (res.outcome, res.claim, res.revision) == ("withdrawn", tomb, rev)
+        assert (res.outcome, res.claim, res.revisions) == ("withdrawn", tomb, None)
+        assert rev == kv.entries[S.claim_key(f"req-{i}")][1]  # the tombstone stays
 
 
 BUS_DOWN = [nats.errors.TimeoutError(), nats.errors.NoRespondersError(), nats.errors.ConnectionClosedError(),
@@ -114,7 +116,7 @@ async def test_a_create_the_bus_does_not_answer_fails_and_claims_nothing(exc):
     kv = FakeKV()
     kv.faults["create"].append(exc)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
-    assert (res.outcome, res.claim, res.revision, res.error) == ("failed", None, None, repr(exc))
+    assert (res.outcome, res.claim, res.revisions, res.error) == ("failed", None, None, repr(exc))
     assert kv.calls == [("create", S.claim_key("req-1"))]  # it does not go on to read the key
     assert kv.value(S.claim_key("req-1")) is None
 
@@ -128,7 +130,7 @@ async def test_a_held_claim_that_cannot_be_read_fails(exc):
     held(kv, "req-1", Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW))
     kv.faults["get"].append(exc)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
-    assert (res.outcome, res.claim, res.revision, res.error) == ("failed", None, None, repr(exc))
+    assert (res.outcome, res.claim, res.revisions, res.error) == ("failed", None, None, repr(exc))
     assert kv.calls == [("create", S.claim_key("req-1")), ("get", S.claim_key("req-1"))]
 
 
@@ -139,18 +141,18 @@ async def test_a_held_value_that_is_no_claim_or_empty_fails():
     bad = await Claims(kv, "prefill-0", EPOCH).claim(job(rid="garbled"))
     assert bad.outcome == "failed" and bad.claim is None and bad.error.startswith("WireError('bad Claim message")
     empty = await Claims(kv, "prefill-0", EPOCH).claim(job(rid="empty"))
-    assert (empty.outcome, empty.claim, empty.revision, empty.error) == ("failed", None, None, "empty claim")
+    assert (empty.outcome, empty.claim, empty.revisions, empty.error) == ("failed", None, None, "empty claim")
 
 
 # -- release and holder ----------------------------------------------------------------------------
 async def test_release_deletes_the_won_claim_so_another_node_can_win_it():
     kv = FakeKV()
     mine = await Claims(kv, "prefill-0", EPOCH).claim(job())
-    await Claims(kv, "prefill-0", EPOCH).release("req-1", mine.revision)
+    await Claims(kv, "prefill-0", EPOCH).release("req-1", mine.revisions)
     assert kv.value(S.claim_key("req-1")) is None
     other = await Claims(kv, "prefill-1", EPOCH).claim(job(node="prefill-1"))
     assert other.outcome == "won" and other.claim.node == "prefill-1"
-    assert other.revision == 3  # 1: the claim, 2: its delete marker, 3: the new claim
+    assert other.revisions == (3,)  # 1: the claim, 2: its delete marker, 3: the new claim
 
 
 async def test_release_is_compare_and_delete_and_never_raises():
@@ -158,10 +160,10 @@ async def test_release_is_compare_and_delete_and_never_raises():
     mine = await Claims(kv, "prefill-0", EPOCH).claim(job())  # revision 1
     await kv.delete(S.claim_key("req-1"))  # released meanwhile (revision 2) ...
     theirs = await Claims(kv, "prefill-1", EPOCH).claim(job(node="prefill-1"))  # ... and won again (3)
-    await Claims(kv, "prefill-0", EPOCH).release("req-1", mine.revision)  # stale revision 1: refused, swallowed
+    await Claims(kv, "prefill-0", EPOCH).release("req-1", mine.revisions)  # stale revision 1: refused, swallowed
     assert decode(kv.value(S.claim_key("req-1")), Claim) == theirs.claim
     kv.faults["delete"].append(nats.errors.TimeoutError())
-    await Claims(kv, "prefill-1", EPOCH).release("req-1", theirs.revision)  # bus down: swallowed too
+    await Claims(kv, "prefill-1", EPOCH).release("req-1", theirs.revisions)  # bus down: swallowed too
     assert kv.calls[-1] == ("delete", S.claim_key("req-1"))
 
 

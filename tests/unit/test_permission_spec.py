@@ -34,7 +34,17 @@ _DECLARE_BUCKETS = {
     "$JS.API.STREAM.CREATE.KV_kairos_resv", "$JS.API.STREAM.INFO.KV_kairos_resv",
     "$JS.API.STREAM.CREATE.KV_kairos_requests", "$JS.API.STREAM.INFO.KV_kairos_requests",
 }
-_DECLARE_REQUEST_STREAM = {"$JS.API.STREAM.CREATE.KAIROS_REQ", "$JS.API.STREAM.INFO.KAIROS_REQ"}
+#: "one request lane and one claim bucket per NATS member, up to 5": lane 0 is KAIROS_REQ on
+#: kairos.req.new, lane i KAIROS_REQ_<i> on kairos.req.new.<i>; claim bucket i kairos_claims_<i>
+LANE_STREAMS = ("KAIROS_REQ", "KAIROS_REQ_1", "KAIROS_REQ_2", "KAIROS_REQ_3", "KAIROS_REQ_4")
+LANE_SUBJECTS = ("kairos.req.new", "kairos.req.new.1", "kairos.req.new.2", "kairos.req.new.3", "kairos.req.new.4")
+CLAIM_BUCKETS = ("kairos_claims_0", "kairos_claims_1", "kairos_claims_2", "kairos_claims_3", "kairos_claims_4")
+#: the ingress and the dispatchers declare every lane and every claim bucket
+_DECLARE_REQUEST_STREAM = ({f"$JS.API.STREAM.{op}.{q}" for q in LANE_STREAMS for op in ("CREATE", "INFO")}
+                           | {f"$JS.API.STREAM.{op}.KV_{b}" for b in CLAIM_BUCKETS for op in ("CREATE", "INFO")})
+#: claims: create / compare-and-delete in every claim bucket, and direct gets by key
+_CLAIMS = ({f"$KV.{b}.claim.*" for b in CLAIM_BUCKETS}
+           | {f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.claim.*" for b in CLAIM_BUCKETS})
 _DECLARE_MODELS = {"$JS.API.STREAM.CREATE.KV_kairos_models", "$JS.API.STREAM.INFO.KV_kairos_models"}
 
 
@@ -49,7 +59,7 @@ def _watch(stream: str) -> set[str]:
 
 
 #: "ingress /health, aggregator" read the dispatchers' consumer state
-_DISPATCHERS_CONSUMER_INFO = {"$JS.API.CONSUMER.INFO.KAIROS_REQ.dispatchers"}
+_DISPATCHERS_CONSUMER_INFO = {f"$JS.API.CONSUMER.INFO.{q}.dispatchers" for q in LANE_STREAMS}
 
 
 def _agent(node: str) -> dict:
@@ -60,10 +70,8 @@ def _agent(node: str) -> dict:
             f"kairos.out.*.{u}", f"kairos.kv.*.{u}", f"kairos.kvdone.*.{u}",  # under its own name
             f"$KV.kairos_resv.decode.{node}.*",  # its own reservations: the only writer
             f"$KV.kairos_requests.*.prefill.{node}", f"$KV.kairos_requests.*.decode.{node}",
-            "$KV.kairos_requests.claim.*",  # execution claims: create, compare-and-delete
-            # JetStream: opening the requests bucket and direct gets of claims by key, nothing else
-            "$JS.API.STREAM.INFO.KV_kairos_requests",
-            "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.claim.*",
+            # execution claims: create, compare-and-delete, direct gets by key — its only JetStream API
+            *_CLAIMS,
         },
         "subscribe": {f"_INBOX.{u}.>", f"kairos.jobs.{node}", f"kairos.kv.{node}.*", f"kairos.kvdone.{node}.*",
                       "kairos.cancel", "kairos.resend"},
@@ -74,10 +82,10 @@ def _agent(node: str) -> dict:
 SPEC: dict[str, dict] = {
     "ingress": {
         "publish": {
-            "kairos.req.new", "kairos.cancel", "kairos.resend",
-            "$KV.kairos_requests.*.ingress", "$KV.kairos_requests.claim.*",  # claims: tombstones
+            *LANE_SUBJECTS, "kairos.cancel", "kairos.resend",
+            "$KV.kairos_requests.*.ingress", *_CLAIMS,  # claims: tombstones, and read by key
             *_DECLARE_BUCKETS, *_DECLARE_REQUEST_STREAM, *_watch("KV_kairos_view"),
-            "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records and claims by key
+            "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
             *_DISPATCHERS_CONSUMER_INFO,
         },
         "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.route.decided", "kairos.state.*"},
@@ -87,10 +95,10 @@ SPEC: dict[str, dict] = {
         "publish": {
             "kairos.jobs.*", "kairos.route.decided", "kairos.out.*.dispatcher", "$KV.kairos_requests.*.decision",
             *_DECLARE_BUCKETS, *_DECLARE_REQUEST_STREAM, *_DECLARE_MODELS,
-            # the one durable pull consumer, by name and filter; its MSG.NEXT and acks
-            "$JS.API.CONSUMER.CREATE.KAIROS_REQ.dispatchers.kairos.req.new",
-            "$JS.API.CONSUMER.INFO.KAIROS_REQ.dispatchers", "$JS.API.CONSUMER.MSG.NEXT.KAIROS_REQ.dispatchers",
-            "$JS.ACK.KAIROS_REQ.dispatchers.>",
+            # the one durable pull consumer per lane, by name and filter; its MSG.NEXT and acks
+            *(f"$JS.API.CONSUMER.CREATE.{q}.dispatchers.{subj}" for q, subj in zip(LANE_STREAMS, LANE_SUBJECTS)),
+            *(f"$JS.API.CONSUMER.{op}.{q}.dispatchers" for q in LANE_STREAMS for op in ("INFO", "MSG.NEXT")),
+            *(f"$JS.ACK.{q}.dispatchers.>" for q in LANE_STREAMS),
             # watches the view, the reservations (read only) and the latency models (hot reload)
             *_watch("KV_kairos_view"), *_watch("KV_kairos_resv"), *_watch("KV_kairos_models"),
         },
@@ -155,12 +163,14 @@ RID = "cmpl-1"
 BUILDERS = {
     "state_subject", "steps_subject", "jobs_subject", "kv_subject", "kv_wildcard", "kvdone_subject",
     "kvdone_wildcard", "out_subject", "out_wildcard", "reservation_key", "record_key", "claim_key", "model_key",
+    "request_subject",
     "REQUEST_SUBJECT", "ROUTED_SUBJECT", "CANCEL_SUBJECT", "RESEND_SUBJECT", "STATE_WILDCARD", "STEPS_WILDCARD",
     "OUT_WILDCARD", "VIEW_BUCKET", "RESERVATION_BUCKET", "REQUESTS_BUCKET", "MODELS_BUCKET", "VIEW_KEY",
     "CURRENT_MODEL_KEY", "REQUEST_STREAM", "DISPATCHER_CONSUMER",
 }
-BUCKETS = (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET, S.MODELS_BUCKET)
-STREAMS = (S.REQUEST_STREAM, *(f"KV_{b}" for b in BUCKETS))
+BUCKETS = (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET, S.MODELS_BUCKET,
+           *(S.claims_bucket(i) for i in range(S.MAX_LANES)))
+STREAMS = (*(S.request_stream(i) for i in range(S.MAX_LANES)), *(f"KV_{b}" for b in BUCKETS))
 
 
 def kv_keys() -> list[str]:
@@ -175,7 +185,7 @@ def kv_keys() -> list[str]:
 
 def bus_subjects() -> list[str]:
     """A concrete subject of every builder and constant: each node's, each sender's."""
-    out = [S.REQUEST_SUBJECT, S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, S.STATE_WILDCARD,
+    out = [*(S.request_subject(i) for i in range(S.MAX_LANES)), S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, S.STATE_WILDCARD,
            S.STEPS_WILDCARD, S.OUT_WILDCARD, S.out_wildcard(RID)]
     out += [S.out_subject(RID, u) for u in USERS]
     for n in NODES:
@@ -201,10 +211,12 @@ def js_api_subjects() -> list[str]:
                 f"$JS.API.DIRECT.GET.{st}", f"$JS.FC.{st}.c.1", f"$JS.ACK.{st}.c.1.2.3.4.5"]
         out += [f"$JS.API.DIRECT.GET.{st}.$KV.{b}.{k}" for b in BUCKETS for k in kv_keys()]
     c = S.DISPATCHER_CONSUMER
-    out += [f"$JS.API.CONSUMER.CREATE.KAIROS_REQ.{c}.{S.REQUEST_SUBJECT}", f"$JS.API.CONSUMER.CREATE.KAIROS_REQ.{c}",
-            f"$JS.API.CONSUMER.CREATE.KAIROS_REQ.{c}.>", f"$JS.API.CONSUMER.INFO.KAIROS_REQ.{c}",
-            f"$JS.API.CONSUMER.MSG.NEXT.KAIROS_REQ.{c}", f"$JS.ACK.KAIROS_REQ.{c}.1.2.3.4.5",
-            f"$JS.API.CONSUMER.DELETE.KAIROS_REQ.{c}"]
+    for i in range(S.MAX_LANES):
+        q = S.request_stream(i)
+        out += [f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.request_subject(i)}", f"$JS.API.CONSUMER.CREATE.{q}.{c}",
+                f"$JS.API.CONSUMER.CREATE.{q}.{c}.>", f"$JS.API.CONSUMER.INFO.{q}.{c}",
+                f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.1.2.3.4.5",
+                f"$JS.API.CONSUMER.DELETE.{q}.{c}"]
     return out
 
 
@@ -234,7 +246,8 @@ def test_the_concrete_subjects_are_what_the_spec_names():
               "$KV.kairos_view.view", "$KV.kairos_resv.decode.decode-1.3", "$KV.kairos_requests.cmpl-1.decision",
               "$KV.kairos_requests.cmpl-1.prefill.prefill-0", "$KV.kairos_models.latency.current",
               # claim.<first 32 hex digits of SHA-256 of the request id> (docs/security.md)
-              "$KV.kairos_requests.claim." + hashlib.sha256(RID.encode()).hexdigest()[:32],
+              "$KV.kairos_claims_2.claim." + hashlib.sha256(RID.encode()).hexdigest()[:32],
+              "kairos.req.new.2", "$JS.API.STREAM.INFO.KAIROS_REQ_4",
               "$JS.API.STREAM.DELETE.KAIROS_REQ", "$JS.ACK.KAIROS_REQ.dispatchers.1.2.3.4.5"):
         assert s in subjects, s
 

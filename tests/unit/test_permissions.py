@@ -48,7 +48,8 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     everything = [p for u in users for perms in (P.role_permissions(u),) for p in perms.publish + perms.subscribe]
     for name, fn in inspect.getmembers(S, inspect.isfunction):
         if name.endswith("_subject"):
-            subj = fn(*["n1"] * len(inspect.signature(fn).parameters))
+            args = [1 if p == "lane" else "n1" for p in inspect.signature(fn).parameters]
+            subj = fn(*args)
             assert any(_matches(p, subj) for p in everything), f"{name}() -> {subj} is in no role's permissions"
     for name, value in vars(S).items():
         if name.endswith(("_SUBJECT", "_WILDCARD")):
@@ -76,8 +77,11 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("ingress", "$KV.kairos_view.view", False),
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "ingress"), True),
-    ("ingress", "$KV.kairos_requests." + S.claim_key("cmpl-1"), True),  # tombstones (shared/claims.py)
-    ("agent-decode-0", "$KV.kairos_requests." + S.claim_key("cmpl-1"), True),
+    ("ingress", "$KV.kairos_claims_0." + S.claim_key("cmpl-1"), True),  # tombstones (shared/claims.py)
+    ("ingress", "$KV.kairos_claims_4." + S.claim_key("cmpl-1"), True),
+    ("agent-decode-0", "$KV.kairos_claims_1." + S.claim_key("cmpl-1"), True),
+    ("agent-decode-0", "$KV.kairos_requests." + S.claim_key("cmpl-1"), False),  # claims live in their buckets
+    ("agent-decode-0", "$KV.kairos_claims_1.cmpl-1.decision", False),
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decode", "decode-0"), True),
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decode", "decode-1"), False),
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "prefill", "prefill-0"), False),
@@ -85,7 +89,7 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
     ("agent-decode-0", S.kvdone_subject("prefill-0", "agent-decode-0"), True),
     ("agent-decode-0", S.kvdone_subject("prefill-0", "agent-decode-1"), False),  # only under its own user
-    ("dispatcher", "$KV.kairos_requests." + S.claim_key("cmpl-1"), False),
+    ("dispatcher", "$KV.kairos_claims_0." + S.claim_key("cmpl-1"), False),
     ("dispatcher", S.jobs_subject("decode-0"), True),
     ("dispatcher", "$KV.kairos_view.view", False),
     ("dispatcher", "$KV.kairos_resv." + S.reservation_key("decode-0", 0), False),  # the node's own to write
@@ -267,13 +271,17 @@ def test_no_role_is_granted_all_of_the_jetstream_api():
     "$JS.API.DIRECT.GET.KV_kairos_requests",
     "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.cmpl-1.decision",
     "$JS.API.DIRECT.GET.KV_kairos_resv.$KV.kairos_resv.decode.decode-1.0",
+    "$JS.API.STREAM.INFO.KV_kairos_requests",
+    "$JS.API.CONSUMER.CREATE.KV_kairos_claims_0",  # a watcher of a claim bucket
+    "$JS.API.STREAM.MSG.GET.KV_kairos_claims_0",
+    "$JS.API.CONSUMER.MSG.NEXT.KAIROS_REQ_1.dispatchers",
 ])
 def test_an_agent_has_no_jetstream_api_that_reads_lists_or_delivers(subject):
-    """An agent's only JetStream API calls are a bucket lookup and a claim get by key: no consumer
-    (push or pull: nats-server delivers wherever the creator says), no stream creation, no
-    record other than a claim."""
+    """An agent's only JetStream API call is a claim get by key: no consumer (push or pull:
+    nats-server delivers wherever the creator says), no stream creation or lookup, no record other
+    than a claim."""
     assert not can_pub("agent-decode-0", subject)
-    assert can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests." + S.claim_key("cmpl-1"))
+    assert can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_claims_2.$KV.kairos_claims_2." + S.claim_key("cmpl-1"))
 
 
 def test_claim_keys_name_no_request_id():

@@ -1,0 +1,158 @@
+"""Execution claims over a majority of three claim buckets (shared/claims.py, one bucket per NATS
+member), each an in-memory bucket that behaves as nats-py's KeyValue does (tests/unit/fake_kv.py):
+a claim holds with two of three buckets, one bucket down changes nothing, two down refuse; a
+claimant without a majority gives back what it took; and, checked against the buckets' final
+contents (not against the claimants' own answers), no two claimants ever both run a request,
+whatever buckets fail and however the claimants interleave."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import nats.errors
+import pytest
+
+from services.node_agent import acceptance
+from services.node_agent.acceptance import Claims
+from shared import claims as C
+from shared import subjects as S
+from shared.claims import ClaimQuorum, decide, withdraw
+from shared.wire import Claim, InferenceRequest, Job, decode, encode
+from tests.unit.fake_kv import FakeKV
+
+NOW = 1_700_000_000_000.0
+EPOCH = NOW - 60_000.0
+KEY = S.claim_key("req-1")
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch):
+    monkeypatch.setattr(acceptance, "now_ms", lambda: NOW)
+    monkeypatch.setattr(C, "now_ms", lambda: NOW)
+
+
+def job(node: str) -> Job:
+    req = InferenceRequest(request_id="req-1", model="m", prompt_tokens=8, max_tokens=2, created_unix_ms=NOW,
+                           deadline_unix_ms=NOW + 60_000)
+    return Job(kind="prefill", request=req, node=node, decode_candidates=["decode-0"])
+
+
+def buckets(n: int = 3) -> list[FakeKV]:
+    return [FakeKV(S.claims_bucket(i)) for i in range(n)]
+
+
+def holders(kvs: list[FakeKV]) -> list[Claim | None]:
+    return [decode(v, Claim) if (v := kv.value(KEY)) else None for kv in kvs]
+
+
+def other(node: str = "prefill-1", age_ms: float = 10.0) -> Claim:
+    return Claim(node=node, kind="prefill", claimed_unix_ms=NOW - age_ms)
+
+
+async def test_a_free_request_is_won_in_every_bucket():
+    kvs = buckets()
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert res.outcome == "won" and res.revisions == (1, 1, 1)
+    assert [c.node for c in holders(kvs)] == ["prefill-0"] * 3
+
+
+async def test_one_bucket_down_still_makes_a_majority():
+    kvs = buckets()
+    kvs[1].faults["create"].append(nats.errors.NoRespondersError())
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert res.outcome == "won" and res.revisions == (1, None, 1)
+
+
+async def test_two_buckets_down_refuse_and_give_back_the_one_taken():
+    kvs = buckets()
+    for kv in kvs[1:]:
+        kv.faults["create"].append(nats.errors.TimeoutError())
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert res.outcome == "failed" and "1 of 3 claim buckets answered" in res.error
+    assert holders(kvs) == [None] * 3  # bucket 0's create was released (compare-and-delete)
+    assert ("delete", KEY) in kvs[0].calls
+
+
+async def test_another_nodes_majority_is_claimed_and_this_nodes_one_bucket_released():
+    kvs = buckets()
+    theirs = other()
+    for kv in kvs[:2]:
+        kv.put_raw(KEY, encode(theirs))
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert (res.outcome, res.claim) == ("claimed", theirs)
+    assert holders(kvs) == [theirs, theirs, None]
+
+
+@pytest.mark.parametrize("age_ms, outcome", [(10.0, "failed"), (C.SETTLED_AFTER_MS, "claimed")])
+async def test_a_claim_seen_once_with_its_other_bucket_down_counts_only_once_settled(age_ms, outcome):
+    # bucket 0 holds another node's claim, bucket 2 is down (it may hold that claim too), this node
+    # takes bucket 1: young, the other claim may be a loser about to release; settled, it won
+    kvs = buckets()
+    theirs = other(age_ms=age_ms)
+    kvs[0].put_raw(KEY, encode(theirs))
+    kvs[2].faults["create"].append(nats.errors.NoRespondersError())
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert res.outcome == outcome and (res.claim == theirs) == (outcome == "claimed")
+    assert holders(kvs) == [theirs, None, None]  # bucket 1 given back either way
+
+
+async def test_this_incarnations_claim_in_a_majority_is_mine():
+    kvs = buckets()
+    own = Claim(node="prefill-0", kind="prefill", claimed_unix_ms=EPOCH + 5)
+    for kv in (kvs[0], kvs[2]):
+        kv.put_raw(KEY, encode(own))
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))  # bucket 1 is free: taken too
+    assert (res.outcome, res.claim, res.revisions) == ("mine", own, (1, 1, 1))
+
+
+async def test_a_tombstone_in_one_bucket_withdraws_a_claimant_without_a_majority():
+    kvs = buckets()
+    kvs[0].put_raw(KEY, encode(C.tombstone("enqueue_failed")))
+    kvs[1].faults["create"].append(nats.errors.TimeoutError())
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert res.outcome == "withdrawn" and res.claim.withdrawn == "enqueue_failed"
+    assert holders(kvs)[2] is None  # what it took is given back
+
+
+async def test_a_node_majority_before_the_tombstone_ran_and_the_ingress_says_so():
+    kvs = buckets()
+    res = await Claims(kvs[1:], "prefill-0", EPOCH).claim(job("prefill-0"))  # buckets 1, 2 (bucket 0 was down)
+    assert res.outcome == "won"
+    q = ClaimQuorum(kvs)
+    outcome, held = await withdraw(q, "req-1", "enqueue_failed", NOW + 1)
+    assert outcome == "ran" and held.node == "prefill-0"
+
+
+def test_decide_needs_at_least_one_bucket():
+    with pytest.raises(ValueError, match="at least one bucket"):
+        decide([], mine=lambda c: False)
+
+
+@pytest.mark.parametrize("seed", range(200))
+async def test_no_two_claimants_ever_both_run_a_request(seed):
+    """Three nodes claim one request at once over three buckets; each bucket operation may fail
+    (no answer) at random, and the claimants interleave at every await. Truth from the buckets
+    themselves: at most one claimant says ``won``, and only one whose claim ended in a majority."""
+    rnd = random.Random(seed)
+    kvs = buckets()
+    for kv in kvs:
+        for op in ("create", "get"):
+            for _ in range(3):
+                kv.faults[op].append((lambda: None) if rnd.random() < 0.7 else nats.errors.TimeoutError())
+
+    async def claimant(node: str):
+        for _ in range(rnd.randrange(3)):
+            await asyncio.sleep(0)
+        return node, await Claims(kvs, node, EPOCH).claim(job(node))
+
+    results = await asyncio.gather(*(claimant(f"prefill-{i}") for i in range(3)))
+    winners = [node for node, r in results if r.outcome in ("won", "mine")]
+    assert len(winners) <= 1, results
+    final = [c.node if c else None for c in holders(kvs)]
+    for node in winners:
+        assert final.count(node) >= 2, (final, results)
+    # a claimant that did not win holds no bucket: a later claimant is not refused for nothing
+    for node, r in results:
+        if node not in winners:
+            assert node not in final, (final, results)
