@@ -550,14 +550,16 @@ def nats_cluster_failover(load: Load) -> str:
     return (f"Measured (`{command(r.meta)}`; one run: {provenance(r)}): {num(x['servers'])} nats-servers, "
             f"{x['rate_rps']:g} streaming requests per second offered ({x['achieved_rps']:g} per second sent), "
             f"{num(x['kills'])} SIGKILLs — {num(x['meta_leader_kills'])} of them of the JetStream meta leader, "
-            f"{num(x['req_leader_kills'])} of the request stream's leader (one server may lead both) — each member restarted and current "
+            f"{num(x['req_leader_kills'])} of the member holding request lane 0 (one server may be both; every "
+            f"member holds a lane and a claim bucket) — each member restarted and current "
             f"again {back} s after its kill. Of {num(x['sent'])} requests: {num(x['completed'])} completed with "
             f"exactly the expected text, {num(x['failed'])} ended with an explicit error{errs}, "
             f"{num(x['streams_cut'])} of them after their first token (streams cut); {num(x['lost'])} lost (hung "
             f"or no error), {num(x['duplicated'])} executed twice, {num(x['wrong_text'])} with wrong text. "
             f"p99 TTFT {x['p99_ttft_steady_s']:.2f} s before the first kill, {x['p99_ttft_failover_s']:.2f} s "
             f"(max {x['max_ttft_failover_s']:.2f} s) for the requests sent within "
-            f"{x['failover_window_s']:g} s after a kill.")
+            f"{x['failover_window_s']:g} s after a kill: "
+            f"{x['p99_ttft_failover_s'] - x['p99_ttft_steady_s']:+.2f} s (target: at most +2 s).")
 
 
 def mutation(load: Load) -> str:

@@ -30,8 +30,8 @@ import time
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, KeyValueConfig, Placement, RetentionPolicy,
-                         StorageType, StreamConfig)
+from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, Placement, RetentionPolicy, StorageType,
+                         StreamConfig)
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
@@ -72,12 +72,21 @@ def dispatcher_consumer_config(lane: int, ack_wait_s: float, max_deliver: int) -
                           description="all dispatcher replicas pull from this one consumer")
 
 
-def claims_bucket_config(lane: int, lanes: int, ttl_s: float = 3600.0) -> KeyValueConfig:
-    """Claim bucket ``lane``: one replica on member ``lane``, file storage, direct gets (an agent
-    reads a claim by key only, docs/security.md), kept ``ttl_s`` (the records' hour)."""
-    return KeyValueConfig(bucket=S.claims_bucket(lane), history=1, storage=StorageType.FILE, ttl=ttl_s,
-                          direct=True, replicas=1, placement=placement(lane, lanes),
-                          description=f"execution claims, member {lane} of a majority (shared/claims.py)")
+def claims_bucket_config(lane: int, lanes: int, ttl_s: float = 3600.0) -> StreamConfig:
+    """The stream ``KV_kairos_claims_<lane>`` of claim bucket ``lane``: a KV bucket's stream as
+    nats-py's ``create_key_value`` builds it (nats-py 2.x ``nats/js/client.py``: ``$KV.<bucket>.>``,
+    rollups, per-message TTLs, no deletes through the API, discard new, history 1), plus what that
+    call drops: the placement on member ``lane`` (``KeyValueConfig.placement`` is not passed on, so
+    buckets landed on any member — two on one member would take the majority with it). One
+    replica, file storage, direct gets (an agent reads a claim by key only, docs/security.md),
+    kept ``ttl_s`` (the records' hour)."""
+    bucket = S.claims_bucket(lane)
+    return StreamConfig(name=f"KV_{bucket}", subjects=[f"$KV.{bucket}.>"], num_replicas=1,
+                        placement=placement(lane, lanes), storage=StorageType.FILE, max_age=ttl_s,
+                        max_msgs_per_subject=1, max_msgs=-1, max_consumers=-1, allow_direct=True,
+                        allow_rollup_hdrs=True, allow_msg_ttl=True, deny_delete=True, discard=DiscardPolicy.NEW,
+                        duplicate_window=min(120.0, ttl_s),
+                        description=f"execution claims, member {lane} of a majority (shared/claims.py)")
 
 
 def claim_buckets(js: JetStreamContext, lanes: int) -> list[KeyValue]:
@@ -117,7 +126,7 @@ async def ensure_lane(js: JetStreamContext, lane: int, lanes: int, max_age_s: fl
 
 async def ensure_claims_bucket(js: JetStreamContext, lane: int, lanes: int) -> None:
     """Declare claim bucket ``lane`` (the ingress and dispatchers do; agents may not)."""
-    await creating(lambda: js.create_key_value(claims_bucket_config(lane, lanes)))
+    await creating(lambda: js.add_stream(claims_bucket_config(lane, lanes)))
 
 
 class LanePicker:

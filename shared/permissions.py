@@ -212,6 +212,7 @@ def role_permissions(user: str) -> Permissions:
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
         pub = [_kv(models, ">")] + _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
+        pub += _declare(kv_stream(S.claims_bucket(0)))  # a single server's claim bucket, for the node it drives
         # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
         pub += [_any(S.jobs_subject), _any(S.kv_subject, PROFILER), S.CANCEL_SUBJECT]
         sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, S.OUT_WILDCARD]

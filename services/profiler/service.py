@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import nats.errors
+import nats.js.errors
 import numpy as np
 
 from shared import subjects as S
 from shared.bus import ensure_buckets, ensure_models_bucket, flush_barrier, publish, request_typed
-from shared.permissions import PROFILER
+from shared.lanes import ensure_claims_bucket
+from shared.permissions import PROFILER, kv_stream
 from shared.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
 from shared.profiling import (ProfileGrid, default_version, fit_summary, prefix_schedule, provenance, step_records,
                               warmup_steps)
@@ -326,8 +328,14 @@ class Profiler:
         Raises:
             ProfileError: the node refused, lost or never ran the profiler's work.
         """
-        # the node's claims need the requests bucket, which an agent may not create (docs/security.md)
-        await ensure_buckets(self.nc.jetstream(), replicas=None)  # a cluster's: whatever replicas it has
+        # the node's claims need a claim bucket and its records the requests bucket, which an agent may
+        # not create (docs/security.md); a running deployment's control plane has declared its own
+        js = self.nc.jetstream()
+        await ensure_buckets(js, replicas=None)  # a cluster's: whatever replicas it has
+        try:
+            await js.stream_info(kv_stream(S.claims_bucket(0)))
+        except nats.js.errors.NotFoundError:
+            await ensure_claims_bucket(js, 0, 1)  # a single server's one claim bucket (shared/lanes.py)
         self._subs = [await self.nc.subscribe(S.steps_subject(self.node), cb=self._on_step),
                       await self.nc.subscribe(S.state_subject(self.node), cb=self._on_state)]
         await flush_barrier(self.nc)

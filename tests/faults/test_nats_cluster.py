@@ -1,9 +1,9 @@
 """A ``kairos up --nats-servers 3`` stack (emulated engines) under a steady stream of streaming
 requests, while each nats-server in turn is SIGKILLed by its pid and restarted by ``kairos up`` on
-its ports and store (issue 17, part 2). The JetStream meta leader and the leader of the request
-stream ``KAIROS_REQ`` are among the victims: found from the servers' own monitoring endpoints
-(``/jsz?leader-only=true`` answers only on the meta leader; ``/jsz?streams=true`` names each
-stream's leader).
+its ports and store (issue 17, part 2). The JetStream meta leader and the member of request lane
+0 (``KAIROS_REQ``; every member holds one lane and one claim bucket, shared/lanes.py) are among
+the victims: found from the servers' own monitoring endpoints (``/jsz?leader-only=true`` answers
+only on the meta leader; ``/jsz?streams=true`` names each stream's leader).
 
 Counted from the clients (every request ends; a completion's text is exactly the emulated output)
 and the node agents' logs (executions per request id). Targets: 0 lost, 0 duplicated, 0 wrong
@@ -198,10 +198,9 @@ async def test_cluster_survives_each_server_killed(tmp_path):
     assert row["meta_leader_kills"] >= 1 and row["req_leader_kills"] >= 1, kills
     # safety holds under every kill: nothing lost, run twice, or mixed
     assert not lost and not wrong and not dup, row
-    # availability targets (issue 17): the p99 TTFT one is missed by JetStream's own leader election (4-9 s
-    # after a leader dies, nats-server's raft); errors and cut streams were 0 in the recorded run (README)
-    missed = [what for what, bad in (("offered rate (the client fell behind: a loaded machine)",
-                                      row["achieved_rps"] < RATE * 0.9), ("errors", failed), ("streams cut", cut),
-                                     ("p99 TTFT", row["p99_ttft_failover_s"] > row["p99_ttft_steady_s"] + 2.0)) if bad]
-    if missed:
-        pytest.xfail(f"availability targets missed ({', '.join(missed)}): {json.dumps(row)}")
+    # availability targets (issue 17): nothing failed or cut, and the failover's p99 TTFT within 2 s of the
+    # steady state's (a request lane and a claim bucket per member: nothing waits for a JetStream election)
+    if row["achieved_rps"] < RATE * 0.9:  # the client itself fell behind (a loaded machine): not a measurement
+        pytest.xfail(f"offered rate not reached: {json.dumps(row)}")
+    assert not failed and not cut, row
+    assert row["p99_ttft_failover_s"] <= row["p99_ttft_steady_s"] + 2.0, row

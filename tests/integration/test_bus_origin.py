@@ -18,6 +18,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.js.kv import KeyValue
 
 from shared import subjects as S
 from shared.bus import flush_barrier
@@ -116,19 +117,19 @@ async def test_an_agent_cannot_create_a_consumer_that_delivers_into_another_role
     url, pw = secure
     async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
         attacker = await as_role(url, pw, ATTACKER)
-        stream = f"KV_{S.REQUESTS_BUCKET}"
+        bucket = S.claims_bucket(0)  # the single server's claim bucket: agents may write claims there
+        stream = f"KV_{bucket}"
         job = Job(kind="prefill", node="prefill-0", request=InferenceRequest(
             request_id="forged-job-1", model="m", prompt_tokens=4, max_tokens=2, created_unix_ms=now_ms(),
             deadline_unix_ms=now_ms() + 60_000))
         # its own claim key holds the forged job (agents may write claims)
-        await attacker.nc.publish(f"$KV.{S.REQUESTS_BUCKET}.{S.claim_key('forged-job-1')}", encode(job))
+        await attacker.nc.publish(f"$KV.{bucket}.{S.claim_key('forged-job-1')}", encode(job))
         for victim in (S.jobs_subject("prefill-0"), S.CANCEL_SUBJECT, S.state_subject("decode-0")):
             cfg = {"deliver_subject": victim, "ack_policy": "none", "deliver_policy": "all"}
             attempts = {
                 f"$JS.API.CONSUMER.CREATE.{stream}": {"stream_name": stream, "config": cfg},
-                f"$JS.API.CONSUMER.CREATE.{stream}.evil.$KV.{S.REQUESTS_BUCKET}.>":
-                    {"stream_name": stream, "config": {**cfg, "name": "evil",
-                                                       "filter_subject": f"$KV.{S.REQUESTS_BUCKET}.>"}},
+                f"$JS.API.CONSUMER.CREATE.{stream}.evil.$KV.{bucket}.>":
+                    {"stream_name": stream, "config": {**cfg, "name": "evil", "filter_subject": f"$KV.{bucket}.>"}},
                 f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.evil":
                     {"stream_name": stream, "config": {**cfg, "durable_name": "evil"}},
             }
@@ -139,7 +140,7 @@ async def test_an_agent_cannot_create_a_consumer_that_delivers_into_another_role
         await attacker.nc.publish(pull, b'{"batch": 1}', reply=S.jobs_subject("prefill-0"))
         await attacker.violation(pull, "publish")
         # a direct get of its own claim answered onto prefill-0's job subject: delivered, refused
-        get = f"$JS.API.DIRECT.GET.{stream}.$KV.{S.REQUESTS_BUCKET}.{S.claim_key('forged-job-1')}"
+        get = f"$JS.API.DIRECT.GET.{stream}.$KV.{bucket}.{S.claim_key('forged-job-1')}"
         await attacker.nc.publish(get, b"", reply=S.jobs_subject("prefill-0"))
         await flush_barrier(attacker.nc)
         agent = st.agents["prefill-0"]
@@ -152,7 +153,8 @@ async def test_an_agent_cannot_create_a_consumer_that_delivers_into_another_role
 
 async def test_an_agent_cannot_list_or_read_other_requests_records(secure):
     """Watching kairos_requests showed every request id in the cluster. Now an agent has no
-    consumer API and its only get is a claim by key: it cannot watch, list, or read a record."""
+    consumer or stream API and its only get is a claim by key: it cannot open the bucket, watch
+    it, list it, or read a record."""
     url, pw = secure
     async with stack(url, prefill=1, decode=2, dispatchers=1, passwords=pw) as st:
         status, body = await st.complete("someone else's request", max_tokens=2)
@@ -160,7 +162,11 @@ async def test_an_agent_cannot_list_or_read_other_requests_records(secure):
         rid = body["id"]
         attacker = await as_role(url, pw, ATTACKER)
         js = attacker.nc.jetstream(timeout=1.0)
-        kv = await js.key_value(S.REQUESTS_BUCKET)
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):  # not even the bucket's lookup
+            await js.key_value(S.REQUESTS_BUCKET)
+        await attacker.violation(f"$JS.API.STREAM.INFO.KV_{S.REQUESTS_BUCKET}", "publish")
+        kv = KeyValue(name=S.REQUESTS_BUCKET, stream=f"KV_{S.REQUESTS_BUCKET}", pre=f"$KV.{S.REQUESTS_BUCKET}.",
+                      js=js, direct=True)  # a handle built by hand, as an attacker would
         with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
             await kv.watchall()
         await attacker.violation(f"$JS.API.CONSUMER.CREATE.KV_{S.REQUESTS_BUCKET}", "publish")

@@ -21,7 +21,8 @@ from tests.integration.test_bus_security import _close, as_role
 
 NODES = ["prefill-0", "decode-0", "decode-1"]
 ATTACKER = agent_user("decode-0")
-DIRECT_GET = f"$JS.API.DIRECT.GET.KV_{S.REQUESTS_BUCKET}.$KV.{S.REQUESTS_BUCKET}."
+#: the direct get of a key of claim bucket 0 (a single server's), the only direct get an agent has
+DIRECT_GET = f"$JS.API.DIRECT.GET.KV_{S.claims_bucket(0)}.$KV.{S.claims_bucket(0)}."
 
 
 @pytest.fixture(scope="module")

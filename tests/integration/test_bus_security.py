@@ -17,7 +17,8 @@ import pytest
 from nats.js.kv import KeyValue
 
 from shared import subjects as S
-from shared.bus import ensure_buckets, ensure_request_stream, flush_barrier, request_subscription
+from shared.bus import ensure_buckets, flush_barrier
+from shared.lanes import ensure_lane
 from shared.permissions import agent_user, inbox_prefix
 from shared.wire import InferenceRequest, encode
 from tests.integration.conftest import running_nats, secure_server
@@ -225,8 +226,8 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
     for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_wildcard("cmpl-x")):
         await spy.violation(subject, "subscription")
     js = disp.nc.jetstream()
-    await ensure_request_stream(js)
-    sub = await request_subscription(js)
+    await ensure_lane(js, 0, 1, consumer=(5.0, 5))
+    sub = await js.pull_subscribe_bind(durable=S.DISPATCHER_CONSUMER, stream=S.REQUEST_STREAM)
     req = InferenceRequest(request_id="cmpl-secret", model="m", prompt_tokens=3, max_tokens=1,
                            prompt_text="my secret prompt", created_unix_ms=0.0, deadline_unix_ms=1e15)
     await ingress.nc.jetstream().publish(S.REQUEST_SUBJECT, encode(req), stream=S.REQUEST_STREAM)

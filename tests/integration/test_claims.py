@@ -39,7 +39,7 @@ async def test_second_node_refuses_a_claimed_request_and_names_the_first(nats_ur
         # re-sent to the node that has it: accepted as a duplicate, not run again
         again = await request_typed(nc, S.jobs_subject("prefill-0"), job(rid, "prefill-0", "d-b", 1), JobAck, 2)
         assert again.accepted and again.reason == "duplicate"
-        e = await st.ingress.buckets.requests.get(S.claim_key(rid))
+        e = await st.ingress.claims.buckets[0].get(S.claim_key(rid))  # the single server's claim bucket
         assert decode(e.value, Claim).node == "prefill-0"
         # exactly one execution: one done event, and only prefill-0 ever ran it
         events = []
@@ -86,7 +86,7 @@ async def test_an_attempt_the_ingress_withdrew_is_refused_by_a_node_that_never_h
     nats-py's per-subscription tasks allowed in CI. The node refuses it, and a node's claim made
     first is what ``withdraw`` reports (``ran``) instead of overwriting it."""
     async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:
-        nc, kv, agent = st.ingress.nc, st.ingress.buckets.requests, st.agents["prefill-0"]
+        nc, kv, agent = st.ingress.nc, st.ingress.claims, st.agents["prefill-0"]
         rid = "withdrawn-before-its-job"
         outcome, tomb = await withdraw(kv, rid, "enqueue_failed", now_ms() + 5_000)
         assert outcome == "withdrawn" and tomb is not None and tomb.withdrawn == "enqueue_failed" and not tomb.node

@@ -8,17 +8,21 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
 import nats
+import nats.errors
+import nats.js.errors
 import pytest
 
 from kairos import natscluster as NC
 from kairos.up import free_port, nats_server_binary, stop_process, wait_listening
 from shared import permissions as P
 from shared import subjects as S
-from shared.bus import (BusAuth, BusWatch, connect, ensure_buckets, ensure_request_stream, server_urls,
+from shared.lanes import ensure_claims_bucket, ensure_lane, lane_count
+from shared.bus import (BusAuth, BusWatch, connect, ensure_buckets, server_urls,
                         stream_replicas)
 from shared.envconfig import ServiceConfig
 from tests.integration.conftest import wait_until
@@ -83,30 +87,48 @@ def test_member_config_refuses_bad_input(tmp_path):
 
 
 async def test_cluster_replicates_and_clients_fail_over(members):
+    """The buckets have one replica per member; each request lane and claim bucket one replica, on
+    the member its server tag names (shared/lanes.py). Kill the member the ingress is connected
+    to: it reconnects to a live one and enqueues on a lane of a live member, while the dead
+    member's lane answers "no responders" at once (what makes the ingress move on, not wait)."""
     ms = members
     cfg = ServiceConfig(nats_url=ms.urls)
+    n = lane_count(cfg)
+    assert n == 3
     ingress = await connect(cfg.nats_url, "t-ingress", auth=BusAuth(P.INGRESS, ms.auth.passwords[P.INGRESS]))
     disp = await connect(cfg.nats_url, "t-disp", auth=BusAuth(P.DISPATCHER, ms.auth.passwords[P.DISPATCHER]))
     try:
         js = disp.jetstream(timeout=5)
-        await wait_until_ok(lambda: ensure_request_stream(js, replicas=stream_replicas(cfg)), "JetStream ready")
+        for i in range(n):
+            await wait_until_ok(lambda: ensure_lane(js, i, n, consumer=(5.0, 5)), "JetStream ready")
+            await ensure_claims_bucket(js, i, n)
         await ensure_buckets(js, replicas=stream_replicas(cfg))
-        details = {s["name"]: s for a in ms.jsz(ms.members[0])["account_details"] for s in a["stream_detail"]}
-        for name in (S.REQUEST_STREAM, "KV_" + S.VIEW_BUCKET, "KV_" + S.RESERVATION_BUCKET, "KV_" + S.REQUESTS_BUCKET):
-            assert details[name]["config"]["num_replicas"] == 3, (name, details[name]["config"])
-        # kill the member the ingress is connected to: it reconnects to a live one and enqueues again
+        for name in ("KV_" + S.VIEW_BUCKET, "KV_" + S.RESERVATION_BUCKET, "KV_" + S.REQUESTS_BUCKET):
+            info = await js.stream_info(name)
+            assert info.config.num_replicas == 3, (name, info.config)
+        for i in range(n):
+            for name in (S.request_stream(i), "KV_" + S.claims_bucket(i)):
+                info = await js.stream_info(name)
+                assert info.config.num_replicas == 1 and info.cluster.leader == ms.members[i].name, (name, info.cluster)
         here = ingress.connected_url.port
         victim = next(m for m in ms.members if m.port == here)
+        dead = ms.members.index(victim)
         ms.procs[victim.name].kill()
         ms.procs[victim.name].wait()
-        ack = await wait_until_ok(lambda: ingress.jetstream(timeout=2).publish(S.REQUEST_SUBJECT, b"{}"),
-                                  "a publish after the failover", timeout=20)
-        assert ack.stream == S.REQUEST_STREAM
+        live = (dead + 1) % n
+        ack = await wait_until_ok(lambda: ingress.jetstream(timeout=2).publish(
+            S.request_subject(live), b"{}", stream=S.request_stream(live)), "a publish after the failover", timeout=20)
+        assert ack.stream == S.request_stream(live)
         assert ingress.connected_url.port != here
-        # the member restarted on its store rejoins and has the stream again
+        t0 = time.monotonic()
+        with pytest.raises((nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)):
+            await ingress.jetstream(timeout=2).publish(S.request_subject(dead), b"{}", stream=S.request_stream(dead))
+        assert time.monotonic() - t0 < 0.5  # no timeout waited for: the ingress moves to the next lane at once
+        # the member restarted on its store has its lane again
         ms.start(victim)
-        await wait_until(lambda: any(s["name"] == S.REQUEST_STREAM for a in ms.jsz(victim).get("account_details", [])
-                                     for s in a.get("stream_detail", [])), 20, "the restarted member's replica")
+        ack = await wait_until_ok(lambda: ingress.jetstream(timeout=2).publish(
+            S.request_subject(dead), b"{}", stream=S.request_stream(dead)), "the restarted member's lane", timeout=30)
+        assert ack.stream == S.request_stream(dead)
     finally:
         await ingress.close()
         await disp.close()

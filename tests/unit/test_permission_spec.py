@@ -115,6 +115,8 @@ SPEC: dict[str, dict] = {
         "publish": {
             "$KV.kairos_models.>", "kairos.jobs.*", "kairos.kv.*.profiler", "kairos.cancel",
             *_DECLARE_BUCKETS, *_DECLARE_MODELS, *_watch("KV_kairos_models"),
+            # a single server's claim bucket (the node it drives claims its jobs)
+            "$JS.API.STREAM.CREATE.KV_kairos_claims_0", "$JS.API.STREAM.INFO.KV_kairos_claims_0",
         },
         "subscribe": {"_INBOX.profiler.>", "kairos.steps.*", "kairos.state.*", "kairos.out.*.*"},
         "allow_responses": False,
