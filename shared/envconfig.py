@@ -154,6 +154,9 @@ class ServiceConfig:
             comma-separated list (the client reconnects to a live one; ``shared.bus.server_urls``).
         nats_replicas: replicas of every stream and KV bucket this service declares; 0: one per
             URL in ``nats_url``, at most 5 (``shared.bus.stream_replicas``).
+        nats_lanes: request lanes and claim buckets, one per NATS member (``shared/lanes.py``);
+            0: as many as ``nats_replicas`` gives. Member i must carry the server tag
+            ``kairos-lane:<i>`` when there are several. Every service of a deployment must agree.
         nats_user: NATS user (the service's role: ``ingress``, ``dispatcher``, ``aggregator``,
             ``profiler``, ``agent-<node>``; ``shared/permissions.py``); None: no authentication.
         nats_password: its password (prefer ``nats_password_file``: environments leak).
@@ -169,6 +172,7 @@ class ServiceConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     nats_replicas: int = 0
+    nats_lanes: int = 0
     nats_user: str | None = None
     nats_password: str | None = dataclasses.field(default=None, repr=False)
     nats_password_file: str | None = None
@@ -183,6 +187,7 @@ class ServiceConfig:
         check_nats_auth(self)
         require(any(u.strip() for u in self.nats_url.split(",")), "nats_url", "needs at least one server URL")
         require(0 <= self.nats_replicas <= 5, "nats_replicas", "must be 0 (one per server URL) .. 5")
+        require(0 <= self.nats_lanes <= 5, "nats_lanes", "must be 0 (one per NATS member) .. 5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -45,9 +45,10 @@ LANE_STALL_S = 1.0
 
 
 def lane_count(cfg) -> int:
-    """Lanes of a deployment: one per NATS member (``shared.bus.stream_replicas``: the
-    ``KAIROS_NATS_REPLICAS`` setting, else the number of server URLs), at most :data:`S.MAX_LANES`."""
-    return max(1, min(stream_replicas(cfg), S.MAX_LANES))
+    """Lanes of a deployment: ``KAIROS_NATS_LANES`` (``cfg.nats_lanes``) if set, else one per NATS
+    member (``shared.bus.stream_replicas``: ``KAIROS_NATS_REPLICAS``, else the number of server
+    URLs), at most :data:`S.MAX_LANES`."""
+    return max(1, min(getattr(cfg, "nats_lanes", 0) or stream_replicas(cfg), S.MAX_LANES))
 
 
 def placement(lane: int, lanes: int) -> Placement | None:
@@ -162,16 +163,16 @@ class LanePicker:
 
     def stalled(self, lane: int, enqueued_at: float, now: float | None = None) -> bool:
         """A request enqueued on ``lane`` at ``enqueued_at`` and not routed yet should move: it
-        waited :data:`LANE_STALL_S`, and its lane is marked down or routed nothing since, while
-        another lane routed something within that time (under a backlog every lane is slow alike)."""
+        waited :data:`LANE_STALL_S`, and its lane was marked down since, or routed nothing since
+        while another lane did (under a backlog every lane keeps routing its older requests, and
+        with no dispatcher at all no lane routes: nothing moves then)."""
         now = time.monotonic() if now is None else now
         if self.lanes == 1 or now - enqueued_at < LANE_STALL_S:
             return False
         if self.down_until[lane] > enqueued_at:
             return True
-        recent = now - LANE_STALL_S
-        return self.delivered_at[lane] < max(enqueued_at, recent) and any(
-            t >= recent for i, t in enumerate(self.delivered_at) if i != lane)
+        return self.delivered_at[lane] < enqueued_at and any(
+            t > enqueued_at for i, t in enumerate(self.delivered_at) if i != lane)
 
     def others(self, lane: int, now: float | None = None) -> list[int]:
         """Lanes to move a request queued on ``lane`` to (:meth:`order` without ``lane``)."""

@@ -182,11 +182,13 @@ async def test_cluster_survives_each_server_killed(tmp_path):
                 rid = json.loads(line).get("request_id")
                 execs[rid] = execs.get(rid, 0) + 1
     dup = {r: n for r, n in execs.items() if n > 1}
+    ingress_log = (logs / "ingress.log").read_text(errors="replace")
+    moved = ingress_log.count('"request_moved_lane"')  # queued on a dead member's lane, enqueued again
     row = {"test": "nats-cluster-failover", "servers": 3, "rate_rps": RATE, "sent": len(outcomes),
            "achieved_rps": round(len(outcomes) / load_s, 1), "kills": len(kills),
            "meta_leader_kills": sum(k["meta_leader"] for k in kills), "req_leader_kills": sum(k["req_leader"] for k in kills),
            "completed": len(outcomes) - len(failed), "failed": len(failed), "lost": len(lost), "streams_cut": len(cut),
-           "wrong_text": len(wrong), "duplicated": len(dup),
+           "wrong_text": len(wrong), "duplicated": len(dup), "lane_moves": moved,
            "error_codes": dict(sorted(Counter(code(o) for o in failed).items())),
            "cut_codes": dict(sorted(Counter(code(o) for o in cut).items())),
            "p99_ttft_steady_s": round(p99(steady), 3), "p99_ttft_failover_s": round(p99(during), 3),

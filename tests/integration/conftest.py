@@ -121,7 +121,8 @@ async def reset_bus(url: str, passwords: dict[str, str] | None = None) -> None:
     creds = {"user": ADMIN_USER, "password": passwords[ADMIN_USER]} if passwords else {}
     nc = await nats.connect(url, **creds)
     js = nc.jetstream()
-    for name in (S.REQUEST_STREAM, f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
+    for name in (*(S.request_stream(i) for i in range(S.MAX_LANES)), *(f"KV_{S.claims_bucket(i)}" for i in range(S.MAX_LANES)),
+                 f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
         try:
             await js.delete_stream(name)
         except Exception:
@@ -170,19 +171,21 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
                 idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
                 metrics: bool = False, max_deflections: int = 1, ingress_overrides: dict | None = None,
-                passwords: dict[str, str] | None = None, **dispatcher_overrides):
+                passwords: dict[str, str] | None = None, lanes: int = 0, **dispatcher_overrides):
     """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
 
     ``span_exporter``: also export every service's spans synchronously to it (e.g. an OTel
     ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port;
     ``max_deflections``: deflection slots per decode node (agents and dispatchers alike).
     ``ingress_overrides``: extra :class:`IngressConfig` fields. ``passwords``: log every service
-    in as its role (a :func:`secure_server`'s).
+    in as its role (a :func:`secure_server`'s). ``lanes``: request lanes / claim buckets of every
+    service (``KAIROS_NATS_LANES``; 0: one per server); several need a server carrying their tags.
     """
     await reset_bus(url, passwords)
 
     def cred(user: str) -> dict:
-        return {"nats_user": user, "nats_password": passwords[user]} if passwords else {}
+        out = {"nats_user": user, "nats_password": passwords[user]} if passwords else {}
+        return {**out, "nats_lanes": lanes}
 
     model = model or fast_model()
     mport = 0 if metrics else -1
