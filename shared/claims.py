@@ -39,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
+import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
@@ -50,10 +51,13 @@ Outcome = Literal["won", "mine", "claimed", "withdrawn", "failed"]
 
 #: a claim seen in fewer than a majority of the buckets is taken as held (its owner's majority
 #: includes an unreachable member) once it is this old (claimant's wall clock ms → reader's): a
-#: claimant that lost releases its buckets within one round trip. Assumes clocks within 1 s (NTP).
+#: claimant that lost releases its buckets within its claim's wait (0.75 s at most) plus one round
+#: trip. Assumes clocks within a few hundred ms (NTP); a larger skew costs liveness, not safety.
 SETTLED_AFTER_MS = 1000.0
 #: each bucket's create / get / delete waits this long (s) for its member before it counts as down
 BUCKET_TIMEOUT_S = 0.25
+#: nats-server's "wrong last sequence" (a compare-and-delete of a key that moved on)
+WRONG_LAST_SEQUENCE = 10071
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class ClaimQuorum:
         self.buckets = [buckets] if not isinstance(buckets, Sequence) else list(buckets)
         self.quorum = quorum_of(len(self.buckets))
         self.timeout_s = timeout_s
+        self._releasing: set[asyncio.Future] = set()  #: releases in flight (:meth:`release_later`)
 
     async def _read_one(self, kv: KeyValue, key: str) -> Vote:
         try:
@@ -106,11 +111,18 @@ class ClaimQuorum:
         except WireError as exc:
             return Vote("down", e.revision, error=repr(exc))
 
-    async def _create_one(self, kv: KeyValue, key: str, data: bytes) -> Vote:
+    async def _create_one(self, kv: KeyValue, key: str, data: bytes, value: Claim) -> Vote:
         try:
             return Vote("won", await asyncio.wait_for(kv.create(key, data), self.timeout_s))
         except nats.js.errors.KeyWrongLastSequenceError:
             pass
+        except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+            # no answer: the create may be stored all the same; a read tells (a stored claim whose
+            # revision nobody knows could never be released: an orphan other claimants would honour)
+            v = await self._read_one(kv, key)
+            if v.state == "held" and v.claim == value:
+                return Vote("won", v.revision)
+            return v if v.state == "held" else Vote("down", error=repr(exc))
         except Exception as exc:
             return Vote("down", error=repr(exc))
         v = await self._read_one(kv, key)  # held by someone: whom
@@ -120,21 +132,42 @@ class ClaimQuorum:
         """Atomically create ``key`` = ``value`` in every bucket at once; one :class:`Vote` per
         bucket, in bucket order. Never raises."""
         data = encode(value)
-        return list(await asyncio.gather(*(self._create_one(kv, key, data) for kv in self.buckets)))
+        return list(await asyncio.gather(*(self._create_one(kv, key, data, value) for kv in self.buckets)))
 
     async def read(self, key: str) -> list[Vote]:
         """``key`` in every bucket (``held``, ``absent`` or ``down`` per bucket). Never raises."""
         return list(await asyncio.gather(*(self._read_one(kv, key) for kv in self.buckets)))
 
-    async def release(self, key: str, revisions: Sequence[int | None]) -> None:
-        """Compare-and-delete ``key`` in each bucket where ``revisions[i]`` is set (what a create won).
-        A bucket whose key moved on, or that does not answer, is left alone. Never raises."""
+    async def release(self, key: str, revisions: Sequence[int | None], tries: int = 3, retry_s: float = 0.2) -> None:
+        """Compare-and-delete ``key`` in each bucket where ``revisions[i]`` is set (what a create won),
+        each tried up to ``tries`` times ``retry_s`` apart while its bucket does not answer. A bucket
+        whose key moved on is left alone. Never raises."""
         async def one(kv: KeyValue, rev: int) -> None:
-            try:
-                await asyncio.wait_for(kv.delete(key, last=rev), self.timeout_s)
-            except Exception:
-                pass
+            for i in range(tries):
+                try:
+                    await asyncio.wait_for(kv.delete(key, last=rev), self.timeout_s)
+                    return
+                except nats.js.errors.APIError as exc:
+                    if getattr(exc, "err_code", None) == WRONG_LAST_SEQUENCE:
+                        return  # no longer this revision: someone else's now
+                except Exception:
+                    pass
+                if i < tries - 1:
+                    await asyncio.sleep(retry_s)
         await asyncio.gather(*(one(kv, r) for kv, r in zip(self.buckets, revisions) if r is not None))
+
+    async def settled(self) -> None:
+        """Wait for every :meth:`release_later` in flight (a service stopping; tests)."""
+        while self._releasing:
+            await asyncio.gather(*list(self._releasing), return_exceptions=True)
+
+    def release_later(self, key: str, revisions: Sequence[int | None]) -> None:
+        """:meth:`release` in a task of its own: what a claimant without a majority gives back must
+        not be cut short when the claimant's own wait ends (services/node_agent ``CLAIM_TIMEOUT_S``)."""
+        if any(r is not None for r in revisions):
+            task = asyncio.ensure_future(self.release(key, revisions))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
 
 def won_revisions(votes: Sequence[Vote]) -> tuple[int | None, ...]:
@@ -166,9 +199,10 @@ def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool], now_unix_ms: fl
     if tombs:
         return "withdrawn", tombs[0], ""
     down = [v for v in votes if v.state == "down"]
-    others = Counter(c for c in held if not mine(c))
+    others = Counter(c.node for c in held if not mine(c))  # by node: one node's retry may differ in value
     if others:
-        claim, n = others.most_common(1)[0]
+        node, n = others.most_common(1)[0]
+        claim = max((c for c in held if c.node == node and not mine(c)), key=lambda c: c.claimed_unix_ms)
         now = now_ms() if now_unix_ms is None else now_unix_ms
         if n >= q or (n + len(down) >= q and now - claim.claimed_unix_ms >= SETTLED_AFTER_MS):
             return "claimed", claim, ""
@@ -179,10 +213,13 @@ def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool], now_unix_ms: fl
 
 
 def holder(votes: Sequence[Vote]) -> Claim | None:
-    """The claim most buckets hold (a read's :class:`Vote` list; a tombstone counts too), None
-    when no bucket that answered holds one."""
-    held = Counter(v.claim for v in votes if v.state == "held" and v.claim is not None)
-    return held.most_common(1)[0][0] if held else None
+    """The claim of the node most buckets name (a read's :class:`Vote` list; its newest value; a
+    tombstone counts too, as node ""), None when no bucket that answered holds one."""
+    held = [v.claim for v in votes if v.state == "held" and v.claim is not None]
+    if not held:
+        return None
+    node = Counter(c.node for c in held).most_common(1)[0][0]
+    return max((c for c in held if c.node == node), key=lambda c: c.claimed_unix_ms)
 
 
 async def read_holder(claims: ClaimQuorum, request_id: str) -> Claim | None:

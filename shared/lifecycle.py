@@ -194,13 +194,20 @@ class RequestLifecycle:
 
     def on_error(self, ev: ErrorEvent) -> Action:
         """An error event ends the request — except ``node_lost`` (a restarted agent reporting that
-        its previous incarnation held this attempt), which is handled like a dead node."""
+        its previous incarnation held this attempt), which is handled like a dead node, and a
+        dispatcher's routing failure once a node has accepted the attempt (dropped: it concerns a
+        duplicate copy of the request)."""
         if ev.request_id != self.attempt_id:
             return self._drop("old_attempt")
         if self.ended:
             return self._drop("ended")
         if ev.code == "node_lost":
             return self._lost(f"node_lost:{ev.source}", True, "node_lost", ev.message)
+        if ev.source.startswith("dispatcher:") and self.phase in (Phase.ROUTED, Phase.STREAMING):
+            # a node accepted this attempt (or holds its claim): a dispatcher that failed to route a
+            # duplicate copy of it (a redelivery, the copy left on a request lane it moved from,
+            # shared/lanes.py) says nothing about the node running it
+            return self._drop("routed_elsewhere")
         # cancel too (as every Fail): a node whose acceptance came late (after the dispatcher gave up on it) must
         # not run a request that already ended with this error
         return self._end(ev.status, ev.code, ev.message)

@@ -29,6 +29,10 @@ class RecentIds:
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
+    def discard(self, item: str) -> None:
+        """Forget ``item`` (nothing if unknown)."""
+        self._ids.pop(item, None)
+
     def __contains__(self, item: object) -> bool:
         return item in self._ids
 

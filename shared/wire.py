@@ -119,6 +119,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     decision_batch_size: NonNeg = 0
     dispatcher_id: str = ""  #: replica that routed the job
     attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
+    #: claim buckets (= request lanes, shared/lanes.py) of the dispatcher that sent it (0: not said):
+    #: a node counting another number would take claims from another majority — it refuses the job
+    claim_buckets: NonNeg = 0
 
 
 class Claim(msgspec.Struct, frozen=True, kw_only=True):
@@ -259,6 +262,9 @@ class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
     #: policy made none, or an adopted claim): the ingress's predicted-vs-measured TTFT metrics, without
     #: reading the decision record back per request
     predicted_ttft_ms: float | None = None
+    #: the request lane the routed copy came from (shared/lanes.py; None: unknown): the ingress
+    #: credits that lane with a delivery (a lane that delivers nothing is moved away from)
+    lane: int | None = None
 
 
 class StepRecordEvent(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,8 +8,9 @@ A dispatcher sends each job by request-reply. Three answers say nothing against 
   dispatcher itself just reconnected;
 * ``timeout`` — no answer within ``job_ack_timeout_s``: the job, or the answer, was on a server
   that died (core NATS keeps nothing);
-* ``claim_failed`` — the node could not store its execution claim: the ``kairos_requests``
-  bucket is electing a new leader (a JetStream cluster takes seconds after a member died).
+* ``claim_failed`` — the node could not get its execution claim into a majority of the claim
+  buckets (shared/claims.py): the node is reconnecting, a majority of the members does not
+  answer, or a concurrent claimant of the same request holds part of them for a moment.
 
 Excluding the node for them (what the dispatcher did for every failure) turned a one-second
 failover into 503 ``no_available_node`` for every request in flight. :class:`BusRetry` instead

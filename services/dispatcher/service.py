@@ -23,10 +23,12 @@ the client, then ack.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import time
 
+import msgspec
 import nats.errors
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
@@ -41,7 +43,7 @@ from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, flush_barrier,
                         kv_put_nowait, publish, request_typed, stream_replicas)
-from shared.lanes import declare_each, ensure_claims_bucket, ensure_lane, lane_count
+from shared.lanes import declare_each, ensure_claims_bucket, ensure_lane, lane_count, lane_of
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
@@ -49,8 +51,8 @@ from shared.prefix import PrefixIndex
 from shared.recent import RecentIds
 from shared.routing import (build_snapshot, fold_recent, keep_instead, live_reservations, make_job,
                             predicted_ttft_ms, reservation_ttl_s)
-from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, NodeState,
-                         Reservation, RoutedEvent, WireError, decode, encode, now_ms)
+from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, Job, JobAck,
+                         NodeState, Reservation, RoutedEvent, WireError, decode, encode, now_ms)
 
 #: routed events kept for folding into the view (the aggregator folds them within one Δh)
 RECENT_ROUTED_S = 5.0
@@ -59,6 +61,8 @@ RECENT_ROUTED_S = 5.0
 RECONNECT_SETTLE_S = 3.0
 #: cancelled request ids remembered (a request can wait in the queue while all dispatchers are down)
 MAX_CANCELLED = 100_000
+#: the request lane of the message the current task routes (each request is handled in a task of its own)
+_LANE: contextvars.ContextVar[int | None] = contextvars.ContextVar("kairos_request_lane", default=None)
 #: a request lane that cannot be pulled is declared again this often (s): its member came back
 #: with an empty store, or was down when this replica started
 LANE_REDECLARE_S = 2.0
@@ -379,7 +383,16 @@ class Dispatcher:
                         pass
                 continue
             for m in msgs:
-                await self._sem.acquire()
+                # every lane pulls: a message may wait here for a free slot; it must not pass its ack wait
+                while True:
+                    try:
+                        await asyncio.wait_for(self._sem.acquire(), self.cfg.ack_wait_s / 2)
+                        break
+                    except (asyncio.TimeoutError, TimeoutError):
+                        try:
+                            await m.in_progress()
+                        except Exception:  # disconnected: it is redelivered, and its claim keeps it to one run
+                            pass
                 t = asyncio.create_task(self._handle(m))
                 self._tasks.add(t)
                 t.add_done_callback(self._done)
@@ -399,6 +412,7 @@ class Dispatcher:
             await msg.term()
             return
         T = telemetry
+        _LANE.set(lane_of(msg.metadata.stream, self.lanes))
         delivery = msg.metadata.num_delivered
         if delivery > 1:
             self.m.redeliveries.inc()
@@ -446,6 +460,9 @@ class Dispatcher:
         max_attempts = 2 * (len(self.view.nodes) if self.view else 4) + 4
         hits = self._prefix_hits(req)
         bus_retry = BusRetry(self.cfg.bus_retry_s)
+        #: node -> (decision, job) of this routing's try there that met a bus fault: its claim may be
+        #: stored although its answer was lost (an orphan another node then reports as "claimed")
+        bus_faulted: dict[str, tuple[Decision, Job]] = {}
         while True:
             if rid in self.cancelled:  # its cancel came in while it was being routed: send no job
                 span.set_attribute("kairos.outcome", "cancelled")
@@ -488,7 +505,8 @@ class Dispatcher:
                         expires_unix_ms=now + PENDING_DEFLECTION_MS)
             faults.die("after_decide")
             attempts += 1
-            job = make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_ttl)
+            job = msgspec.structs.replace(make_job(decision, req, snap, self.cfg.replica_id, attempts - 1, resv_ttl),
+                                          claim_buckets=self.lanes)
             if not decision.deflected:  # count it in the view at once; the node's ack replaces it
                 self._provisional(req, decision.node, decision.decode_node)
             headers = telemetry.inject_headers()
@@ -523,8 +541,26 @@ class Dispatcher:
                 return
             if why == "claimed" and ack.claim is not None:  # an earlier delivery's job runs there: not again
                 self._forget_routed(rid)
-                await self._adopt(req, ack.claim, span, log)
+                claim = ack.claim
+                holder = claim.node
+                if holder in bus_faulted and holder != decision.node:
+                    # it is this routing's own earlier try, whose answer was lost: that node holds the claim
+                    # and never started the request — send it that job again (it runs it, or says duplicate)
+                    decision, job = bus_faulted[holder]
+                    log.info("job_resent_to_claim_holder", node=holder)
+                    try:
+                        ack = await request_typed(self.nc, S.jobs_subject(holder), job, JobAck,
+                                                  self.cfg.job_ack_timeout_s, telemetry.inject_headers())
+                    except (nats.errors.Error, asyncio.TimeoutError):
+                        ack = None
+                    if ack is not None and ack.accepted:
+                        await self._accepted(req, decision, ack, snap.state_age_ms, attempts, excluded, conflicts,
+                                             decide_ms, (time.perf_counter() - t_start) * 1000.0, span)
+                        return
+                await self._adopt(req, claim, span, log)
                 return
+            if why in ("timeout", "claim_failed"):  # a claim may be stored there all the same
+                bus_faulted[decision.node] = (decision, job)
             settling = self._bus is not None and self._bus.settling(RECONNECT_SETTLE_S)
             wait = None
             if self.nc.is_connected and now_ms() < req.deadline_unix_ms:
@@ -591,7 +627,8 @@ class Dispatcher:
         log.info("request_claimed_elsewhere", node=claim.node, claim_dispatcher=claim.dispatcher_id)
         await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
             request_id=req.request_id, kind=claim.kind, node=claim.node, decode_node=claim.decode_node,
-            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms))
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms,
+            lane=_LANE.get()))
 
     async def _accepted(self, req: InferenceRequest, d: Decision, ack: JobAck, state_age_ms: float | None,
                         attempts: int, excluded: dict, conflicts: list, decide_ms: float, routing_ms: float,
@@ -616,7 +653,7 @@ class Dispatcher:
         await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
             request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
-            predicted_ttft_ms=predicted_ttft_ms(d)))
+            predicted_ttft_ms=predicted_ttft_ms(d), lane=_LANE.get()))
         # unacknowledged (shared.bus.kv_put_nowait): the routing event, the record and the work-queue
         # ack leave in one socket write
         try:

@@ -134,6 +134,8 @@ def _api_err(exc: oa.ApiError) -> web.Response:
     return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
+#: reasons of ``kairos_ingress_dropped_events_total`` (shared.lifecycle's drops worth counting)
+DROP_REASONS = ("old_attempt", "foreign_node", "duplicate", "routed_elsewhere")
 #: with several request lanes, a publish to one waits this long (s) for JetStream's acknowledgement
 #: before the next lane is tried (the acknowledgement takes milliseconds while the lane's member lives)
 LANE_PUBLISH_TIMEOUT_S = 1.0
@@ -178,7 +180,8 @@ class _Metrics:
                                    ("outcome",), registry=reg)
         self.dropped = Counter("kairos_ingress_dropped_events_total",
                                "Out events not relayed, by reason (old_attempt, foreign_node: tokens of another "
-                               "execution; duplicate)", ("reason",), registry=reg)
+                               "execution; duplicate; routed_elsewhere: a dispatcher's error for a copy of an "
+                               "attempt a node had accepted)", ("reason",), registry=reg)
         self.hb_rejected = Counter("kairos_ingress_heartbeats_rejected_total",
                                    "Heartbeats refused by the liveness tracker, by reason", ("reason",), registry=reg)
         self.bus_down = Counter("kairos_ingress_bus_unavailable_total",
@@ -193,7 +196,7 @@ class _Metrics:
         for outcome in ("resubmitted", "failed"):
             self.node_lost.labels(outcome)
             self.interrupted.labels(outcome)
-        for r in ("old_attempt", "foreign_node", "duplicate"):
+        for r in DROP_REASONS:
             self.dropped.labels(r)
         for r in REJECT_REASONS:
             self.hb_rejected.labels(r)
@@ -255,11 +258,13 @@ class _Flight:
     predicted: tuple[str, float] | None = None
     #: whose out events the current attempt accepts (the node its job went to, ...)
     senders: Senders = field(default_factory=lambda: Senders(""))
-    #: the request lane the current attempt was enqueued on (shared/lanes.py), when, and what was
-    #: published (a stalled lane's requests are enqueued again elsewhere: the same bytes, the same bus id)
+    #: the request lane the current attempt was last enqueued on (shared/lanes.py), when, what was
+    #: published (attempt id, bytes, headers: a stalled lane's requests are enqueued again elsewhere,
+    #: the same bytes and bus id), and every lane holding a copy of it (none is used twice)
     lane: int | None = None
     enqueued_at: float = 0.0
-    enqueued: tuple[bytes, dict[str, str]] | None = None
+    enqueued: tuple[str, bytes, dict[str, str]] | None = None
+    lanes_used: set[int] = field(default_factory=set)
     moving: bool = False
 
     @property
@@ -660,8 +665,9 @@ class Ingress:
         if f is None:
             return
         f.lc.on_routed(ev.request_id, ev.kind, ev.node)
-        if f.lane is not None:
-            self.lanes.delivered(f.lane)
+        lane = ev.lane if ev.lane is not None and 0 <= ev.lane < self.lanes.lanes else f.lane
+        if lane is not None:  # the lane the routed copy came from delivers (not the one it may have moved to)
+            self.lanes.delivered(lane)
         if ev.request_id == f.attempt_id:
             f.predicted = (None if ev.predicted_ttft_ms is None
                            else ("deflect" if ev.kind == "deflect" else "keep", ev.predicted_ttft_ms))
@@ -752,8 +758,9 @@ class Ingress:
         enqueued again on another lane (:meth:`_move`)."""
         now = time.monotonic()
         for f in list(self._flights.values()):
-            if (f.lane is not None and not f.moving and f.enqueued is not None and f.lc.phase is Phase.QUEUED
-                    and not (f.lost or f.client_gone or f.lc.ended) and self.lanes.stalled(f.lane, f.enqueued_at, now)):
+            if (f.lane is not None and not f.moving and f.enqueued is not None and f.enqueued[0] == f.attempt_id
+                    and f.lc.phase is Phase.QUEUED and not (f.lost or f.client_gone or f.lc.ended)
+                    and len(f.lanes_used) < self.lanes.lanes and self.lanes.stalled(f.lane, f.enqueued_at, now)):
                 f.moving = True
                 self._bg(self._move(f, f.attempt_id))
 
@@ -762,9 +769,11 @@ class Ingress:
         first copy a dispatcher routes runs, the other meets its claim (``claimed``) and is
         only acknowledged. Never raises; a lane that fails too is tried again on the next check."""
         assert f.enqueued is not None and f.lane is not None
-        body, headers = f.enqueued
+        _, body, headers = f.enqueued
         try:
             for lane in self.lanes.others(f.lane):
+                if lane in f.lanes_used:
+                    continue
                 if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
                     return
                 try:
@@ -773,12 +782,17 @@ class Ingress:
                 except Exception:
                     self.lanes.down(lane)
                     continue
+                if f.attempt_id != attempt_id:  # re-submitted meanwhile: its own lane stays
+                    return
                 self.log.info("request_moved_lane", request_id=attempt_id, from_lane=f.lane, to_lane=lane)
                 self.m.lane_moves.inc()
                 f.lane = lane
+                f.lanes_used.add(lane)
                 return
         finally:
-            f.enqueued_at, f.moving = time.monotonic(), False
+            if f.attempt_id == attempt_id:
+                f.enqueued_at = time.monotonic()
+            f.moving = False
 
     async def _check_claim(self, f: _Flight, attempt_id: str) -> None:
         try:
@@ -1045,8 +1059,12 @@ class Ingress:
                 headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
                 published.add(attempt_id)
                 body = encode(ireq)
-                flight.lane, flight.enqueued = await self._enqueue(body, headers), (body, headers)
-                flight.enqueued_at = time.monotonic()
+                flight.lane, flight.enqueued = None, None  # nothing of the previous attempt is moved
+                flight.lanes_used.clear()
+                lane = await self._enqueue(body, headers)
+                if flight.attempt_id == attempt_id:
+                    flight.lane, flight.enqueued, flight.enqueued_at = lane, (attempt_id, body, headers), time.monotonic()
+                    flight.lanes_used.add(lane)
             except Exception as exc:
                 log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
                 return exc
@@ -1147,10 +1165,13 @@ class Ingress:
                     self.m.interrupted.labels("failed").inc()
 
                 if isinstance(action, Ignore):
-                    if action.reason in ("old_attempt", "foreign_node", "duplicate"):
+                    if action.reason in DROP_REASONS:
                         self.m.dropped.labels(action.reason).inc()
                         if action.reason == "foreign_node":
                             log.warning("foreign_node_event_dropped", node=getattr(ev, "node", None))
+                        elif action.reason == "routed_elsewhere":
+                            log.info("duplicate_routing_error_dropped", code=getattr(ev, "code", None),
+                                     source=getattr(ev, "source", None))
                     continue
                 if isinstance(action, Resubmit):
                     await self._cancel(action.old_attempt_id, "resubmitted")  # frees what other nodes hold for it

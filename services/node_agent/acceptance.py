@@ -93,8 +93,7 @@ class Claims:
         if outcome == "mine":  # where this node's claim is (to release it if its engine refuses)
             return ClaimResult("mine", held, tuple(v.revision if v.state == "won" or (
                 v.state == "held" and v.claim is not None and self._mine(v.claim)) else None for v in votes))
-        if any(r is not None for r in revisions):
-            await self.quorum.release(key, revisions)  # no majority: give back what this create took
+        self.quorum.release_later(key, revisions)  # no majority: give back what this create took
         return ClaimResult(outcome, held, None, error)
 
     async def release(self, request_id: str, revisions: Sequence[int | None]) -> None:

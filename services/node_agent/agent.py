@@ -159,8 +159,9 @@ class NodeAgent:
         #: request ids cancelled recently, known or not: a job or KV handoff for them is refused
         self.cancelled = RecentIds(CANCELLED_REMEMBERED)
         #: request ids whose claim failed here (a lost answer may hide a stored claim) and that did
-        #: not start here since: a later try finding the claim this node's runs it
-        self._uncertain_claims: set[str] = set()
+        #: not start here since: a later try finding the claim this node's runs it (bounded: the
+        #: dispatcher's retries of one request come within seconds)
+        self._uncertain_claims = RecentIds(CANCELLED_REMEMBERED)
         self.outbox = Outbox()  #: out events published lately (resent after a reconnect)
         self.deflecting: dict[str, str] = {}  # rid -> the key of the reservation it holds (kairos_resv)
         self.max_concurrent_deflections = 0  #: observed here; the cross-replica invariant says ≤ 1
@@ -402,6 +403,14 @@ class NodeAgent:
                              len(self.deflecting), job.request.prompt_tokens, job.request.max_tokens,
                              self.model.engine.max_model_len, job.request.deadline_unix_ms, now_ms(),
                              self.cfg.max_deflections)
+        if reason is None and job.claim_buckets and self.claims is not None \
+                and job.claim_buckets != len(self.claims.quorum.buckets):
+            # two processes counting different claim buckets could both hold a majority: never run it
+            reason = (f"lane_mismatch: the dispatcher has {job.claim_buckets} claim buckets, this node "
+                      f"{len(self.claims.quorum.buckets)} (KAIROS_NATS_LANES / KAIROS_NATS_REPLICAS / KAIROS_NATS_URL "
+                      f"must agree)")
+            self.log.error("lane_mismatch", request_id=rid, dispatcher=job.dispatcher_id,
+                           dispatcher_buckets=job.claim_buckets, node_buckets=len(self.claims.quorum.buckets))
         if reason == "deflection_in_flight":
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()

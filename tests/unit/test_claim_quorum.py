@@ -68,8 +68,10 @@ async def test_two_buckets_down_refuse_and_give_back_the_one_taken():
     kvs = buckets()
     for kv in kvs[1:]:
         kv.faults["create"].append(nats.errors.TimeoutError())
-    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    q = ClaimQuorum(kvs)
+    res = await Claims(q, "prefill-0", EPOCH).claim(job("prefill-0"))
     assert res.outcome == "failed" and "1 of 3 claim buckets answered" in res.error
+    await q.settled()
     assert holders(kvs) == [None] * 3  # bucket 0's create was released (compare-and-delete)
     assert ("delete", KEY) in kvs[0].calls
 
@@ -79,8 +81,10 @@ async def test_another_nodes_majority_is_claimed_and_this_nodes_one_bucket_relea
     theirs = other()
     for kv in kvs[:2]:
         kv.put_raw(KEY, encode(theirs))
-    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    q = ClaimQuorum(kvs)
+    res = await Claims(q, "prefill-0", EPOCH).claim(job("prefill-0"))
     assert (res.outcome, res.claim) == ("claimed", theirs)
+    await q.settled()
     assert holders(kvs) == [theirs, theirs, None]
 
 
@@ -92,8 +96,10 @@ async def test_a_claim_seen_once_with_its_other_bucket_down_counts_only_once_set
     theirs = other(age_ms=age_ms)
     kvs[0].put_raw(KEY, encode(theirs))
     kvs[2].faults["create"].append(nats.errors.NoRespondersError())
-    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    q = ClaimQuorum(kvs)
+    res = await Claims(q, "prefill-0", EPOCH).claim(job("prefill-0"))
     assert res.outcome == outcome and (res.claim == theirs) == (outcome == "claimed")
+    await q.settled()
     assert holders(kvs) == [theirs, None, None]  # bucket 1 given back either way
 
 
@@ -110,8 +116,10 @@ async def test_a_tombstone_in_one_bucket_withdraws_a_claimant_without_a_majority
     kvs = buckets()
     kvs[0].put_raw(KEY, encode(C.tombstone("enqueue_failed")))
     kvs[1].faults["create"].append(nats.errors.TimeoutError())
-    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    q = ClaimQuorum(kvs)
+    res = await Claims(q, "prefill-0", EPOCH).claim(job("prefill-0"))
     assert res.outcome == "withdrawn" and res.claim.withdrawn == "enqueue_failed"
+    await q.settled()
     assert holders(kvs)[2] is None  # what it took is given back
 
 
@@ -141,12 +149,15 @@ async def test_no_two_claimants_ever_both_run_a_request(seed):
             for _ in range(3):
                 kv.faults[op].append((lambda: None) if rnd.random() < 0.7 else nats.errors.TimeoutError())
 
+    q = ClaimQuorum(kvs)
+
     async def claimant(node: str):
         for _ in range(rnd.randrange(3)):
             await asyncio.sleep(0)
-        return node, await Claims(kvs, node, EPOCH).claim(job(node))
+        return node, await Claims(q, node, EPOCH).claim(job(node))
 
     results = await asyncio.gather(*(claimant(f"prefill-{i}") for i in range(3)))
+    await q.settled()  # the losers' releases run in tasks of their own
     winners = [node for node, r in results if r.outcome in ("won", "mine")]
     assert len(winners) <= 1, results
     final = [c.node if c else None for c in holders(kvs)]
@@ -156,3 +167,14 @@ async def test_no_two_claimants_ever_both_run_a_request(seed):
     for node, r in results:
         if node not in winners:
             assert node not in final, (final, results)
+
+
+async def test_one_nodes_claim_stored_as_two_values_is_still_its_majority():
+    # an earlier try of prefill-1 left its claim in bucket 0 (its answer lost), its retry stored another
+    # value in bucket 1: the node holds two buckets, whatever the values
+    kvs = buckets()
+    kvs[0].put_raw(KEY, encode(other(age_ms=900.0)))
+    kvs[1].put_raw(KEY, encode(other(age_ms=10.0)))
+    res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert res.outcome == "claimed" and res.claim == other(age_ms=10.0)  # the newest of its values
+    assert await C.read_holder(ClaimQuorum(kvs), "req-1") == other(age_ms=10.0)

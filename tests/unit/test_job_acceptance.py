@@ -10,6 +10,7 @@ import io
 import json
 import sys
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
@@ -117,8 +118,23 @@ async def test_a_create_the_bus_does_not_answer_fails_and_claims_nothing(exc):
     kv.faults["create"].append(exc)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
     assert (res.outcome, res.claim, res.revisions, res.error) == ("failed", None, None, repr(exc))
-    assert kv.calls == [("create", S.claim_key("req-1"))]  # it does not go on to read the key
+    # a timeout may hide a stored create: the key is read to tell; any other error stored nothing
+    read = [("get", S.claim_key("req-1"))] if isinstance(exc, nats.errors.TimeoutError) else []
+    assert kv.calls == [("create", S.claim_key("req-1")), *read]
     assert kv.value(S.claim_key("req-1")) is None
+
+
+async def test_a_create_stored_whose_answer_was_lost_is_won_when_the_read_finds_it():
+    kv = FakeKV()
+    want = Claim(node="prefill-0", kind="prefill", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
+                 claimed_unix_ms=NOW)
+
+    def stored_then_lost():
+        kv.put_raw(S.claim_key("req-1"), encode(want))
+        raise nats.errors.TimeoutError
+    kv.faults["create"].append(stored_then_lost)
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job())
+    assert (res.outcome, res.claim, res.revisions) == ("won", want, (1,))  # its revision known: releasable
 
 
 @pytest.mark.parametrize("exc", [nats.errors.TimeoutError(), nats.js.errors.KeyNotFoundError()],
@@ -293,8 +309,20 @@ async def test_a_claim_stored_though_its_answer_was_lost_is_run_by_the_next_try_
         raise nats.errors.TimeoutError
 
     kv.faults["create"].append(stored_then_lost)
+    kv.faults["get"].append(nats.errors.TimeoutError())  # and the read that would tell times out too
     agent.claims = Claims(kv, "prefill-0", EPOCH)
     first = await submit(agent, job("answer-lost"))
     assert not first.accepted and first.reason == "claim_failed" and "answer-lost" not in agent.reqs
     again = await submit(agent, job("answer-lost", attempt=3))  # finds this node's claim, never started: runs it
     assert again.accepted and again.reason == "" and agent.backend.phase("answer-lost") is not None
+
+
+async def test_a_job_from_a_dispatcher_counting_other_claim_buckets_is_refused_and_claims_nothing(agent):
+    # a node with 3 claim buckets and a dispatcher (so: other nodes) with 1 could both hold a "majority"
+    kvs = [FakeKV(S.claims_bucket(i)) for i in range(3)]
+    agent.claims = Claims(kvs, "prefill-0", EPOCH)
+    ack = await submit(agent, msgspec.structs.replace(job("mismatch"), claim_buckets=1))
+    assert not ack.accepted and ack.reason.startswith("lane_mismatch: the dispatcher has 1 claim buckets, this node 3")
+    assert all(kv.calls == [] for kv in kvs) and "mismatch" not in agent.reqs
+    ok = await submit(agent, msgspec.structs.replace(job("agreed"), claim_buckets=3))
+    assert ok.accepted

@@ -114,6 +114,21 @@ def err(rid: str, code: str, message: str = "m", source: str = "node_agent:decod
     return ErrorEvent(request_id=rid, status=503, code=code, message=message, source=source, sent_unix_ms=0)
 
 
+def test_a_dispatchers_routing_failure_of_a_duplicate_copy_leaves_the_accepted_attempt_alone():
+    # a copy of the attempt (redelivered, or left on a request lane it moved from) failed to route while
+    # a node runs the attempt: the stream goes on; before any node accepted it, the same error ends it
+    for before in ("routed", "streaming"):
+        lc = RequestLifecycle("r")
+        lc.on_routed("r", "deflect", "decode-0")
+        if before == "streaming":
+            assert isinstance(lc.on_token(tok("r", 0), True), Relay)
+        assert lc.on_error(err("r", "no_available_node", source="dispatcher:d-1")) == Ignore("routed_elsewhere")
+        assert not lc.ended and isinstance(lc.on_token(tok("r", 1 if before == "streaming" else 0), True), Relay)
+    lc = RequestLifecycle("r")
+    lc.on_routed("r", "deflect", "decode-0")
+    assert isinstance(lc.on_error(err("r", "kv_handoff_failed")), Fail)  # the node's own error still ends it
+
+
 def test_events_after_the_end_or_of_another_attempt_change_nothing():
     lc = RequestLifecycle("r", max_resubmits=1)
     assert lc.on_routed("r", "prefill", "prefill-0") == Ignore("state_only")
