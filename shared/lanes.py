@@ -130,6 +130,13 @@ async def ensure_claims_bucket(js: JetStreamContext, lane: int, lanes: int) -> N
     await creating(lambda: js.add_stream(claims_bucket_config(lane, lanes)))
 
 
+async def ensure_claim_buckets(js: JetStreamContext, lanes: int, log=None) -> list[int]:
+    """Declare every claim bucket (:func:`declare_each`: the ones whose member is down are logged
+    and left out). What a control-plane service declares besides ``shared.bus.ensure_buckets``:
+    node agents may not, and refuse jobs (``claim_failed``) until the buckets exist."""
+    return await declare_each("claims_bucket", lanes, lambda i: ensure_claims_bucket(js, i, lanes), log)
+
+
 class LanePicker:
     """The ingress's choice of lane per enqueue, and which queued requests to move (pure, no I/O).
 

@@ -43,7 +43,7 @@ from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, flush_barrier,
                         kv_put_nowait, publish, request_typed, stream_replicas)
-from shared.lanes import declare_each, ensure_claims_bucket, ensure_lane, lane_count, lane_of
+from shared.lanes import declare_each, ensure_claim_buckets, ensure_lane, lane_count, lane_of
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
@@ -202,7 +202,7 @@ class Dispatcher:
         # the lanes last: a lane whose member is down fails its declaration (logged; its pull loop
         # declares it again), and the watchers above must not wait for that
         await declare_each("request_lane", self.lanes, self._declare_lane, self.log)
-        await declare_each("claims_bucket", self.lanes, lambda i: ensure_claims_bucket(js, i, self.lanes), self.log)
+        await ensure_claim_buckets(js, self.lanes, self.log)
 
     async def _declare_lane(self, lane: int) -> None:
         await ensure_lane(self.nc.jetstream(), lane, self.lanes, RequestQueueSettings().max_age_s,

@@ -66,7 +66,7 @@ from shared.bus import BusWatch, connect_service, ensure_buckets, kv_put_nowait,
 from shared.claims import ClaimQuorum, read_holder, withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness, accept_heartbeat
-from shared.lanes import LanePicker, claim_buckets, declare_each, ensure_claims_bucket, ensure_lane, lane_count
+from shared.lanes import LanePicker, claim_buckets, declare_each, ensure_claim_buckets, ensure_lane, lane_count
 from shared.latency import load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.vllm_api import unsafe_seed
@@ -355,7 +355,7 @@ class Ingress:
         lane whose member is down is logged and left to the dispatchers to declare again."""
         n = self.lanes.lanes
         await declare_each("request_lane", n, lambda i: ensure_lane(self.js, i, n), self.log)
-        await declare_each("claims_bucket", n, lambda i: ensure_claims_bucket(self.js, i, n), self.log)
+        await ensure_claim_buckets(self.js, n, self.log)
         self.buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         old_w, old_t = self._view_watcher, self._view_task
         self._view_watcher = await self.buckets.view.watch(S.VIEW_KEY)

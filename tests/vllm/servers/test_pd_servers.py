@@ -23,6 +23,7 @@ from services.node_agent.agent import NodeAgent
 from services.node_agent.config import AgentConfig
 from shared import subjects as S
 from shared.bus import ensure_buckets, request_typed
+from shared.lanes import ensure_claim_buckets
 from shared.latency import load_profile
 from shared.wire import Cancel, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
 from tests.integration.conftest import wait_until
@@ -76,6 +77,7 @@ async def cluster(engines, nats_url):
     streams = {srv.node: Stream(srv.state_addr) for srv in (engines.prefill, engines.decode)}
     nc = await nats.connect(nats_url)
     await ensure_buckets(nc.jetstream())  # what the control plane's services declare (agents may not)
+    await ensure_claim_buckets(nc.jetstream(), 1)
     for srv in (engines.prefill, engines.decode):
         cfg = AgentConfig(node_id=srv.node, role=srv.role, profile=PROFILE, nats_url=nats_url, backend="vllm",
                           engine_url=srv.url, engine_state_addr=srv.state_addr, engine_api_key=srv.api_key,
