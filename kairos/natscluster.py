@@ -121,6 +121,9 @@ def _render(m: Member, members: list[Member], cluster_body: list[str], tail: lis
             f"listen: {_quote(f'{m.host}:{m.port}')}",
             f"http: {_quote(f'{m.host}:{m.monitor_port}')}",
             f"pid_file: {_quote(m.pid_file)}",
+            # keep-alive of client and route connections: a frozen member is dropped by its peers in
+            # about 6 s (the default, 2 minutes x 2, kept its routes and clients hanging)
+            "ping_interval: \"2s\"", "ping_max: 3",
             "jetstream {", f"  store_dir: {_quote(m.store)}", *(f"  {ln}" for ln in jetstream), "}",
             "cluster {", f"  name: {_quote(CLUSTER_NAME)}", f"  listen: {_quote(f'{m.host}:{m.cluster_port}')}",
             *(f"  {ln}" for ln in cluster_body), "}", ""]

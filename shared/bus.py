@@ -142,6 +142,13 @@ def connect_error_hint(errors: list[Exception]) -> str:
     return f"last error: {errors[-1]!r}" if errors else ""
 
 
+#: client keep-alive: a ping every this many seconds (nats-py ``ping_interval``; default 120) ...
+PING_INTERVAL_S = 2
+#: ... and this many unanswered ones make the client drop the server and reconnect to another (a
+#: process stalled for a moment, e.g. the 2.5 s pauses of tests/faults, keeps its connection)
+MAX_OUTSTANDING_PINGS = 3
+
+
 async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
                   tls: ssl.SSLContext | None = None, errors: list[Exception] | None = None) -> Client:
     """Connect with reconnects forever (a restarted nats-server is picked up again).
@@ -157,7 +164,11 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
     (:func:`shared.permissions.inbox_prefix`); a refused login is logged as ``nats_error``
     (``Authorization Violation``). ``tls``: the client TLS context (:func:`tls_context`).
     ``errors``: every connection error is also appended here (a one-shot command that gives up
-    says why: :func:`connect_error_hint`).
+    says why: :func:`connect_error_hint`). A server that stops answering without closing the
+    connection (frozen, SIGSTOP, a stalled VM) is given up after :data:`PING_INTERVAL_S` ×
+    :data:`MAX_OUTSTANDING_PINGS` without a pong and another member is tried (nats-py's default,
+    2 minutes × 2, left a frozen member's clients cut off for minutes: 50 of 275 requests failed in
+    a 15 s freeze of one member of three).
     """
 
     async def on_error(exc: Exception) -> None:
@@ -181,7 +192,8 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
         creds["tls"] = tls
     return await nats.connect(server_urls(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                               error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                              connect_timeout=5, drain_timeout=2, **creds)
+                              connect_timeout=5, drain_timeout=2, ping_interval=PING_INTERVAL_S,
+                              max_outstanding_pings=MAX_OUTSTANDING_PINGS, **creds)
 
 
 async def flush_barrier(nc: Client, timeout: float = 5.0) -> None:
@@ -242,13 +254,32 @@ class RequestQueueSettings:
 _STORE_CREATE_ERR = 10049
 
 
-async def creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait_s: float = 0.1) -> T:
-    """``declare()``, retried (``attempts`` × ``wait_s``) on the transient store-creation error."""
+class StreamConfigMismatch(ConfigError):
+    """A stream or KV bucket exists with another configuration than this service declares it with
+    (nats-server's "stream name already in use with a different configuration"): the services of
+    one deployment disagree on ``KAIROS_NATS_REPLICAS`` / ``KAIROS_NATS_LANES`` / the server URL
+    list, or the store holds an older Kairos's layout. The message says which and what to do."""
+
+
+async def creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait_s: float = 0.1,
+                   what: str = "a stream") -> T:
+    """``declare()``, retried (``attempts`` × ``wait_s``) on the transient store-creation error.
+
+    Raises:
+        StreamConfigMismatch: ``what`` exists with another configuration.
+    """
     for i in range(attempts):
         try:
             return await declare()
-        except nats.js.errors.ServerError as exc:
-            if getattr(exc, "err_code", None) != _STORE_CREATE_ERR or i == attempts - 1:
+        except nats.js.errors.APIError as exc:
+            code = getattr(exc, "err_code", None)
+            if code == _IN_USE_ERR:
+                raise StreamConfigMismatch(
+                    f"{what} exists on the NATS server with another configuration than this service declares "
+                    f"(replicas or placement): every service of a deployment needs the same KAIROS_NATS_URL "
+                    f"member list, KAIROS_NATS_REPLICAS and KAIROS_NATS_LANES (docs/deploy.md); or remove the "
+                    f"old stream if an older deployment left it ({exc.description})") from exc
+            if code != _STORE_CREATE_ERR or i == attempts - 1:
                 raise
             await asyncio.sleep(wait_s)
     raise AssertionError("unreachable")
@@ -271,7 +302,7 @@ async def _declare_kv(js: JetStreamContext, config: KeyValueConfig, replicas: in
         except nats.js.errors.BucketNotFoundError:
             replicas = 1
     cfg = dataclasses.replace(config, replicas=replicas)
-    return await creating(lambda: js.create_key_value(cfg))
+    return await creating(lambda: js.create_key_value(cfg), what=f"KV bucket {config.bucket!r} ({replicas} replicas)")
 
 
 async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0, replicas: int | None = 1) -> Buckets:
@@ -294,9 +325,8 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0, re
         reqs = await _declare_kv(js, KeyValueConfig(
             bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
             description="per-request decision records, measured TTFT components and execution claims"), replicas)
-    except nats.js.errors.APIError as exc:
-        if getattr(exc, "err_code", None) == _IN_USE_ERR and not (await js.stream_info(
-                kv_stream(S.REQUESTS_BUCKET))).config.allow_direct:
+    except StreamConfigMismatch as exc:
+        if not (await js.stream_info(kv_stream(S.REQUESTS_BUCKET))).config.allow_direct:
             raise BucketLayoutError(
                 f"the KV bucket {S.REQUESTS_BUCKET!r} (stream {kv_stream(S.REQUESTS_BUCKET)}) has an older layout without "
                 f"direct gets, which node agents need to read execution claims (docs/security.md); delete it "
@@ -306,7 +336,7 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0, re
     return Buckets(view=view, reservations=resv, requests=reqs)
 
 
-class BucketLayoutError(RuntimeError):
+class BucketLayoutError(ConfigError):
     """A KV bucket in the server's store was created by an older Kairos with a layout this one
     cannot use (:func:`ensure_buckets`); the message names the bucket and what to do."""
 

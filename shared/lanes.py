@@ -36,6 +36,7 @@ from nats.js.kv import KeyValue
 
 from shared import subjects as S
 from shared.bus import creating, stream_replicas
+from shared.envconfig import ConfigError
 
 #: a lane whose publish found no stream (its member is down) is skipped for this long (s)
 LANE_DOWN_S = 1.0
@@ -104,10 +105,14 @@ async def declare_each(what: str, lanes: int, declare, log=None) -> list[int]:
     out of the returned list of declared lanes.
 
     Raises:
+        ConfigError: a lane exists with another configuration (``shared.bus.StreamConfigMismatch``).
         the first error when no lane could be declared (nothing would work).
     """
     res = await asyncio.gather(*(declare(i) for i in range(lanes)), return_exceptions=True)
     errors = [(i, r) for i, r in enumerate(res) if isinstance(r, BaseException)]
+    for _, exc in errors:
+        if isinstance(exc, ConfigError):  # a deployment that disagrees with itself: not a member down
+            raise exc
     for i, exc in errors:
         if log is not None:
             log.warning(f"{what}_declare_failed", lane=i, error=repr(exc))
@@ -120,14 +125,16 @@ async def ensure_lane(js: JetStreamContext, lane: int, lanes: int, max_age_s: fl
                       consumer: tuple[float, int] | None = None) -> None:
     """Declare request lane ``lane``'s stream and, with ``consumer`` = (ack_wait_s, max_deliver),
     the dispatchers' consumer on it. Raises nats-py's JetStream errors."""
-    await creating(lambda: js.add_stream(lane_stream_config(lane, lanes, max_age_s)))
+    await creating(lambda: js.add_stream(lane_stream_config(lane, lanes, max_age_s)),
+                   what=f"request lane {lane} ({S.request_stream(lane)}, of {lanes})")
     if consumer is not None:
         await js.add_consumer(S.request_stream(lane), dispatcher_consumer_config(lane, *consumer))
 
 
 async def ensure_claims_bucket(js: JetStreamContext, lane: int, lanes: int) -> None:
     """Declare claim bucket ``lane`` (the ingress and dispatchers do; agents may not)."""
-    await creating(lambda: js.add_stream(claims_bucket_config(lane, lanes)))
+    await creating(lambda: js.add_stream(claims_bucket_config(lane, lanes)),
+                   what=f"claim bucket {lane} ({S.claims_bucket(lane)}, of {lanes})")
 
 
 async def ensure_claim_buckets(js: JetStreamContext, lanes: int, log=None) -> list[int]:
@@ -135,6 +142,26 @@ async def ensure_claim_buckets(js: JetStreamContext, lanes: int, log=None) -> li
     and left out). What a control-plane service declares besides ``shared.bus.ensure_buckets``:
     node agents may not, and refuse jobs (``claim_failed``) until the buckets exist."""
     return await declare_each("claims_bucket", lanes, lambda i: ensure_claims_bucket(js, i, lanes), log)
+
+
+async def check_lane_count(js: JetStreamContext, lanes: int) -> None:
+    """Refuse to start with fewer lanes than the deployment has: a request lane beyond this
+    service's count exists (another service declared it), so this one would pull or claim from too
+    few (two claim majorities need not meet: a request could run twice).
+
+    Raises:
+        ConfigError: lane ``lanes`` exists. A server that does not answer proves nothing: no error.
+    """
+    if lanes >= S.MAX_LANES:
+        return
+    try:
+        await js.stream_info(S.request_stream(lanes))
+    except Exception:  # not found (as it should be), or no answer
+        return
+    raise ConfigError(f"the NATS deployment has request lane {lanes} ({S.request_stream(lanes)}) but this service "
+                      f"is configured for {lanes} lane(s): every service needs the same KAIROS_NATS_LANES / "
+                      f"KAIROS_NATS_REPLICAS / KAIROS_NATS_URL member list (docs/deploy.md), or remove the streams of "
+                      f"an older, larger deployment")
 
 
 class LanePicker:

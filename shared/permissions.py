@@ -196,17 +196,17 @@ def role_permissions(user: str) -> Permissions:
         pub += _kv_buckets_declared() + _lanes_declared(consumer=False) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
         # heartbeats: the ingress judges node liveness itself (shared/heartbeat.py), aggregator or not
-        sub += [S.OUT_WILDCARD, S.ROUTED_SUBJECT, S.STATE_WILDCARD]
+        sub += [S.OUT_WILDCARD, S.ROUTED_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
         pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
         pub += _kv_buckets_declared() + _lanes_declared(consumer=True)
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
         # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
-        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD]
+        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == AGGREGATOR:
-        pub = [_kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
+        pub = [S.VIEW_SUBJECT, _kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
         # step records: the aggregator's model correction (shared/correction.py)
         sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))

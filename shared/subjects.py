@@ -68,6 +68,9 @@ def lane_tag(lane: int) -> str:
     """The ``server_tags`` entry of the NATS cluster member that holds request lane ``lane`` and
     claim bucket ``lane`` (``kairos-lane:<lane>``; kairos/natscluster.py writes it)."""
     return f"kairos-lane:{_lane(lane)}"
+#: The cluster view, each as it is built (core NATS; the aggregator also keeps the last one in
+#: :data:`VIEW_BUCKET`): a replicated bucket electing a leader must not hold the view back.
+VIEW_SUBJECT = f"{PREFIX}.view"
 #: Routing events (decision + the node's acknowledgement time), consumed by the aggregator.
 ROUTED_SUBJECT = f"{PREFIX}.route.decided"
 #: Broadcast: abort a request (client disconnected or ingress timed out).

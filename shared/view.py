@@ -112,6 +112,12 @@ class ViewBuilder:
                            period_ms=self.period_ms, stale_after_ms=float(self.stale_after_ms), nodes=nodes)
 
 
+def newer(view: ClusterView, than: ClusterView | None) -> bool:
+    """Is ``view`` newer than ``than`` (None: no view yet)? By the aggregator's build time, then
+    its ``seq`` (a view arrives twice: on ``kairos.view`` and from the ``kairos_view`` bucket)."""
+    return than is None or (view.built_unix_ms, view.seq) > (than.built_unix_ms, than.seq)
+
+
 def fold_pending(st: NodeState, pending: list[RoutedEvent], age_ms: float, stale: bool) -> NodeView:
     """A node's view: its last state plus the routed jobs it had not yet reported."""
     queue = list(st.queue_prompt_tokens)

@@ -43,7 +43,7 @@ from shared.permissions import DISPATCHER
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, RequestQueueSettings, ensure_buckets, ensure_models_bucket, flush_barrier,
                         kv_put_nowait, publish, request_typed, stream_replicas)
-from shared.lanes import declare_each, ensure_claim_buckets, ensure_lane, lane_count, lane_of
+from shared.lanes import check_lane_count, declare_each, ensure_claim_buckets, ensure_lane, lane_count, lane_of
 from shared.latency import LatencyModel, ProfileError, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.policy import Decision, parse_policy
@@ -51,6 +51,7 @@ from shared.prefix import PrefixIndex
 from shared.recent import RecentIds
 from shared.routing import (build_snapshot, fold_recent, keep_instead, live_reservations, make_job,
                             predicted_ttft_ms, reservation_ttl_s)
+from shared.view import newer
 from shared.wire import (Cancel, Claim, ClusterView, DecisionRecord, ErrorEvent, InferenceRequest, Job, JobAck,
                          NodeState, Reservation, RoutedEvent, WireError, decode, encode, now_ms)
 
@@ -157,10 +158,12 @@ class Dispatcher:
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"dispatcher:{cfg.replica_id}")
+        await check_lane_count(self.nc.jetstream(timeout=2.0), self.lanes)
         await self._declare()
         # routed jobs of every replica (folded into the view until the aggregator has them) and
         # cancels (requests the ingress already answered must not be routed when dequeued later)
         self._subs = [await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed),
+                      await self.nc.subscribe(S.VIEW_SUBJECT, cb=self._on_view),
                       await self.nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
         if self.prefix is not None:  # heartbeats' incremental cache events → this replica's index
             self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
@@ -258,13 +261,24 @@ class Dispatcher:
         async for e in watcher:
             if e is None or e.value is None or e.operation is not None:
                 continue
-            try:
-                self.view = decode(e.value, ClusterView)
-            except WireError as exc:
-                self.log.warning("bad_view", error=str(exc))
-                continue
-            self._prune_routed(self.view)
-            self._view_changed.set()
+            self._take_view(e.value)
+
+    async def _on_view(self, msg) -> None:
+        """A view as the aggregator built it (core NATS, ``kairos.view``): the bucket's watch may lag
+        seconds behind while a NATS cluster elects the bucket's leader."""
+        self._take_view(msg.data)
+
+    def _take_view(self, data: bytes) -> None:
+        try:
+            view = decode(data, ClusterView)
+        except WireError as exc:
+            self.log.warning("bad_view", error=str(exc))
+            return
+        if not newer(view, self.view):  # each view comes twice (subject and bucket)
+            return
+        self.view = view
+        self._prune_routed(view)
+        self._view_changed.set()
 
     def _prune_routed(self, view: ClusterView) -> None:
         """Forget routed events ``view`` already reflects (their node's state was sent after the
@@ -557,6 +571,12 @@ class Dispatcher:
                         await self._accepted(req, decision, ack, snap.state_age_ms, attempts, excluded, conflicts,
                                              decide_ms, (time.perf_counter() - t_start) * 1000.0, span)
                         return
+                    if ack is not None and ack.reason != "claimed":
+                        # it refused for a reason of its own (and gave its claim up): route elsewhere
+                        del bus_faulted[holder]
+                        excluded[holder] = ack.reason or "refused"
+                        log.info("job_rerouted", node=holder, why=excluded[holder], attempt=attempts)
+                        continue
                 await self._adopt(req, claim, span, log)
                 return
             if why in ("timeout", "claim_failed"):  # a claim may be stored there all the same

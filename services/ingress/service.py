@@ -66,7 +66,8 @@ from shared.bus import BusWatch, connect_service, ensure_buckets, kv_put_nowait,
 from shared.claims import ClaimQuorum, read_holder, withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness, accept_heartbeat
-from shared.lanes import LanePicker, claim_buckets, declare_each, ensure_claim_buckets, ensure_lane, lane_count
+from shared.lanes import (LanePicker, check_lane_count, claim_buckets, declare_each, ensure_claim_buckets,
+                          ensure_lane, lane_count)
 from shared.latency import load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.vllm_api import unsafe_seed
@@ -74,6 +75,7 @@ from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecy
 from shared.prefix import request_block_hashes
 from shared.records import request_record
 from shared.routing import routable
+from shared.view import newer
 from shared.wire import (Cancel, ClusterView, DecisionRecord, DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent,
                          InferenceRequest,
                          IngressTiming, NodeState, OutEvent, PrefillTiming, Resend, RoutedEvent, TokenEvent, WireError, decode,
@@ -326,11 +328,13 @@ class Ingress:
         self.nc = await connect_service(self.cfg, f"ingress:{self.cfg.replica_id}", self.log)
         self.js = self.nc.jetstream()
         self.claims = ClaimQuorum(claim_buckets(self.js, self.lanes.lanes))
+        await check_lane_count(self.nc.jetstream(timeout=2.0), self.lanes.lanes)
         self._view_watcher = None
         await self._declare()
         self._bus = BusWatch(self.nc, self._resume, self._on_bus_lost, log=self.log,
                              on_connected=self._ask_resend).start()
         self._subs.append(await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed))
+        self._subs.append(await self.nc.subscribe(S.VIEW_SUBJECT, cb=self._on_view_msg))
         self._subs.append(await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
         if self.cfg.out_wildcard:  # every token stream, dispatched to its flight by request id
             self._subs.append(await self.nc.subscribe(S.OUT_WILDCARD, cb=self._on_out))
@@ -573,15 +577,26 @@ class Ingress:
         async for e in watcher:
             if e is None or not e.value or e.operation is not None:
                 continue
-            try:
-                view = decode(e.value, ClusterView)
-            except WireError:
-                continue
-            self.view, self._view_rx = view, time.monotonic()
-            try:
-                self._on_view(view)
-            except Exception as exc:  # never let the watcher die
-                self.log.error("view_check_failed", error=repr(exc))
+            self._take_view(e.value)
+
+    async def _on_view_msg(self, msg) -> None:
+        """A view as the aggregator built it (core NATS, ``kairos.view``): the bucket's watch may lag
+        seconds behind while a NATS cluster elects the bucket's leader (/health would say
+        ``cluster_view_stale`` meanwhile)."""
+        self._take_view(msg.data)
+
+    def _take_view(self, data: bytes) -> None:
+        try:
+            view = decode(data, ClusterView)
+        except WireError:
+            return
+        if not newer(view, self.view):  # each view comes twice (subject and bucket)
+            return
+        self.view, self._view_rx = view, time.monotonic()
+        try:
+            self._on_view(view)
+        except Exception as exc:  # never let the watcher die
+            self.log.error("view_check_failed", error=repr(exc))
 
     # -- where requests are, and nodes that die under them --------------------------------------
     def _on_view(self, view: ClusterView) -> None:

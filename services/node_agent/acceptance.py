@@ -101,6 +101,15 @@ class Claims:
         won, ``revisions`` from :attr:`ClaimResult.revisions`; never raises)."""
         await self.quorum.release(S.claim_key(request_id), revisions)
 
+    async def release_mine(self, request_id: str) -> None:
+        """Give up this incarnation's claim of ``request_id`` wherever a bucket holds it (read, then
+        compare-and-delete): a claim whose answer was lost and that this node will not run now
+        (services/node_agent ``_on_job``: refused for a local reason). Never raises."""
+        key = S.claim_key(request_id)
+        votes = await self.quorum.read(key)
+        await self.quorum.release(key, tuple(v.revision if v.state == "held" and v.claim is not None
+                                             and self._mine(v.claim) else None for v in votes))
+
     async def holder(self, request_id: str) -> Claim | None:
         """The claim of ``request_id`` (who executes it) most claim buckets hold, None when none
         answered with one (never raises). A KV handoff must come from the prefill node holding it."""

@@ -411,6 +411,11 @@ class NodeAgent:
                       f"must agree)")
             self.log.error("lane_mismatch", request_id=rid, dispatcher=job.dispatcher_id,
                            dispatcher_buckets=job.claim_buckets, node_buckets=len(self.claims.quorum.buckets))
+        if reason is not None and rid in self._uncertain_claims and rid not in self.reqs and self.claims is not None:
+            # an earlier try's claim may be stored here (its answer was lost) and this node will not run
+            # it now: give it up, or the request would stay claimed by a node that never runs it
+            await self.claims.release_mine(rid)
+            self._uncertain_claims.discard(rid)
         if reason == "deflection_in_flight":
             self.deflect_overlaps += 1
             self.m.overlap.labels(self.cfg.node_id).inc()

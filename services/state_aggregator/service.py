@@ -24,7 +24,7 @@ from services.common import start_metrics_and_connect
 from shared import subjects as S
 from shared import telemetry
 from shared.bus import close as bus_close
-from shared.bus import BusWatch, ensure_buckets, flush_barrier, stream_replicas
+from shared.bus import BusWatch, ensure_buckets, flush_barrier, kv_put_nowait, stream_replicas
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
 from shared.lanes import lane_count
@@ -191,8 +191,10 @@ class StateAggregator:
                 self.m_corr.labels(node, "safety").set(c.safety)
             self.view = view
             self._report(view)
-            try:
-                await self.buckets.view.put(S.VIEW_KEY, encode(view))
+            try:  # core NATS at once, and the bucket unacknowledged: its leader may be electing (seconds)
+                data = encode(view)
+                await self.nc.publish(S.VIEW_SUBJECT, data)
+                await kv_put_nowait(self.nc, S.VIEW_BUCKET, S.VIEW_KEY, data)
                 self.m_views.inc()
             except Exception as exc:
                 self.log.warning("view_write_failed", error=repr(exc))

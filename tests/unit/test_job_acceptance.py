@@ -326,3 +326,24 @@ async def test_a_job_from_a_dispatcher_counting_other_claim_buckets_is_refused_a
     assert all(kv.calls == [] for kv in kvs) and "mismatch" not in agent.reqs
     ok = await submit(agent, msgspec.structs.replace(job("agreed"), claim_buckets=3))
     assert ok.accepted
+
+
+async def test_a_claim_stored_though_its_answer_was_lost_is_given_up_when_the_node_then_refuses_the_job(agent):
+    # the dispatcher sends the job again to the node holding the claim; the node cannot take it now
+    # (here: its deadline passed): it gives the claim up, so the request is not left claimed by nobody
+    kv = FakeKV()
+    key = S.claim_key("given-up")
+
+    def stored_then_lost():
+        kv.put_raw(key, encode(Claim(node="prefill-0", kind="prefill", decode_node="decode-1", claimed_unix_ms=NOW)))
+        raise nats.errors.TimeoutError
+    kv.faults["create"].append(stored_then_lost)
+    kv.faults["get"].append(nats.errors.TimeoutError())
+    agent.claims = Claims(kv, "prefill-0", EPOCH)
+    first = await submit(agent, job("given-up"))
+    assert first.reason == "claim_failed" and kv.value(key) is not None  # stored, unknown to the node
+    late = job("given-up", attempt=3)
+    late = msgspec.structs.replace(late, request=msgspec.structs.replace(late.request, deadline_unix_ms=NOW - 1))
+    refused = await submit(agent, late)
+    assert not refused.accepted and refused.reason == "deadline_passed"
+    assert kv.value(key) is None  # released (compare-and-delete of its own revision)

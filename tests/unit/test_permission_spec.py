@@ -88,7 +88,8 @@ SPEC: dict[str, dict] = {
             "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
             *_DISPATCHERS_CONSUMER_INFO,
         },
-        "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.route.decided", "kairos.state.*"},
+        "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.route.decided", "kairos.state.*",
+                      "kairos.view"},  # the view as built (core NATS), besides the bucket's watch
         "allow_responses": False,
     },
     "dispatcher": {
@@ -103,11 +104,12 @@ SPEC: dict[str, dict] = {
             *_watch("KV_kairos_view"), *_watch("KV_kairos_resv"), *_watch("KV_kairos_models"),
         },
         # heartbeats: "kairos.state.<node>: aggregator, ingress, dispatcher" (origin section)
-        "subscribe": {"_INBOX.dispatcher.>", "kairos.route.decided", "kairos.cancel", "kairos.state.*"},
+        "subscribe": {"_INBOX.dispatcher.>", "kairos.route.decided", "kairos.cancel", "kairos.state.*",
+                      "kairos.view"},
         "allow_responses": False,
     },
     "aggregator": {
-        "publish": {"$KV.kairos_view.view", *_DECLARE_BUCKETS, *_DISPATCHERS_CONSUMER_INFO},
+        "publish": {"kairos.view", "$KV.kairos_view.view", *_DECLARE_BUCKETS, *_DISPATCHERS_CONSUMER_INFO},
         "subscribe": {"_INBOX.aggregator.>", "kairos.state.*", "kairos.route.decided", "kairos.steps.*"},
         "allow_responses": False,
     },
@@ -165,7 +167,7 @@ RID = "cmpl-1"
 BUILDERS = {
     "state_subject", "steps_subject", "jobs_subject", "kv_subject", "kv_wildcard", "kvdone_subject",
     "kvdone_wildcard", "out_subject", "out_wildcard", "reservation_key", "record_key", "claim_key", "model_key",
-    "request_subject",
+    "request_subject", "VIEW_SUBJECT",
     "REQUEST_SUBJECT", "ROUTED_SUBJECT", "CANCEL_SUBJECT", "RESEND_SUBJECT", "STATE_WILDCARD", "STEPS_WILDCARD",
     "OUT_WILDCARD", "VIEW_BUCKET", "RESERVATION_BUCKET", "REQUESTS_BUCKET", "MODELS_BUCKET", "VIEW_KEY",
     "CURRENT_MODEL_KEY", "REQUEST_STREAM", "DISPATCHER_CONSUMER",
@@ -187,7 +189,7 @@ def kv_keys() -> list[str]:
 
 def bus_subjects() -> list[str]:
     """A concrete subject of every builder and constant: each node's, each sender's."""
-    out = [*(S.request_subject(i) for i in range(S.MAX_LANES)), S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, S.STATE_WILDCARD,
+    out = [*(S.request_subject(i) for i in range(S.MAX_LANES)), S.VIEW_SUBJECT, S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, S.STATE_WILDCARD,
            S.STEPS_WILDCARD, S.OUT_WILDCARD, S.out_wildcard(RID)]
     out += [S.out_subject(RID, u) for u in USERS]
     for n in NODES:
