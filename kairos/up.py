@@ -585,7 +585,7 @@ class Supervisor:
                else "no credentials")
         lines.append(f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
                      f"NATS: {bus}")
-        nats_url = next((c.endpoint for c in self.procs if c.endpoint.startswith("nats://")), None)
+        nats_url = ",".join(c.endpoint for c in self.procs if c.endpoint.startswith("nats://")) or None  # every member
         if self.creds and "profiler" in self.creds and nats_url and o.decode:
             lines.append(f"Profile      KAIROS_NATS_USER=profiler KAIROS_NATS_PASSWORD_FILE={self.creds['profiler']} "
                          f"kairos profile --nats-url {nats_url} --node decode-0 --no-publish  (the credentials go "
