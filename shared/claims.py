@@ -67,6 +67,7 @@ class Vote:
     Attributes:
         state: ``won`` (this create stored it: ``revision``), ``held`` (the key holds ``claim`` at
             ``revision``), ``absent`` (a read found no claim), ``down`` (no usable answer: ``error``).
+            Only ``held`` votes carry a claim.
     """
 
     state: Literal["won", "held", "absent", "down"]
@@ -93,7 +94,7 @@ class ClaimQuorum:
 
     def __init__(self, buckets: KeyValue | Sequence[KeyValue], timeout_s: float = BUCKET_TIMEOUT_S) -> None:
         self.buckets = [buckets] if not isinstance(buckets, Sequence) else list(buckets)
-        self.quorum = quorum_of(len(self.buckets))
+        quorum_of(len(self.buckets))  # at least one
         self.timeout_s = timeout_s
         self._releasing: set[asyncio.Future] = set()  #: releases in flight (:meth:`release_later`)
 
@@ -105,11 +106,11 @@ class ClaimQuorum:
         except Exception as exc:  # timeout, no responders (member down), disconnected
             return Vote("down", error=repr(exc))
         if not e.value:
-            return Vote("down", e.revision, error="empty claim")
+            return Vote("down", error="empty claim")
         try:
             return Vote("held", e.revision, decode(e.value, Claim))
         except WireError as exc:
-            return Vote("down", e.revision, error=repr(exc))
+            return Vote("down", error=repr(exc))
 
     async def _create_one(self, kv: KeyValue, key: str, data: bytes, value: Claim) -> Vote:
         try:
@@ -120,9 +121,9 @@ class ClaimQuorum:
             # no answer: the create may be stored all the same; a read tells (a stored claim whose
             # revision nobody knows could never be released: an orphan other claimants would honour)
             v = await self._read_one(kv, key)
-            if v.state == "held" and v.claim == value:
+            if v.claim is not None and v.claim == value:
                 return Vote("won", v.revision)
-            return v if v.state == "held" else Vote("down", error=repr(exc))
+            return v if v.claim is not None else Vote("down", error=repr(exc))
         except Exception as exc:
             return Vote("down", error=repr(exc))
         v = await self._read_one(kv, key)  # held by someone: whom
@@ -157,9 +158,10 @@ class ClaimQuorum:
         await asyncio.gather(*(one(kv, r) for kv, r in zip(self.buckets, revisions) if r is not None))
 
     async def settled(self) -> None:
-        """Wait for every :meth:`release_later` in flight (a service stopping; tests)."""
+        """Wait for every :meth:`release_later` in flight (a service stopping; tests; a release
+        never raises)."""
         while self._releasing:
-            await asyncio.gather(*list(self._releasing), return_exceptions=True)
+            await asyncio.gather(*list(self._releasing))
 
     def release_later(self, key: str, revisions: Sequence[int | None]) -> None:
         """:meth:`release` in a task of its own: what a claimant without a majority gives back must
@@ -175,8 +177,14 @@ def won_revisions(votes: Sequence[Vote]) -> tuple[int | None, ...]:
     return tuple(v.revision if v.state == "won" else None for v in votes)
 
 
-def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool], now_unix_ms: float | None = None
-           ) -> tuple[Outcome, Claim | None, str]:
+def _most(claims: Sequence[Claim]) -> tuple[str, int]:
+    """The node most of ``claims`` name and how many name it (ties: the first named)."""
+    counts = Counter(c.node for c in claims)
+    node = max(counts, key=counts.__getitem__)
+    return node, counts[node]
+
+
+def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool]) -> tuple[Outcome, Claim | None, str]:
     """What a claimant's create over all buckets (``votes``, one per bucket) decided.
 
     ``mine(claim)``: a claim found in a bucket that belongs to this claimant (its node and
@@ -191,7 +199,7 @@ def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool], now_unix_ms: fl
         ``won`` or ``mine``, the caller must release what it won (:func:`won_revisions`).
     """
     q = quorum_of(len(votes))
-    held = [v.claim for v in votes if v.state == "held" and v.claim is not None]
+    held = [v.claim for v in votes if v.claim is not None]
     own_held = [c for c in held if mine(c)]
     if sum(v.state == "won" for v in votes) + len(own_held) >= q:
         return ("mine", own_held[0], "") if own_held else ("won", None, "")
@@ -199,12 +207,11 @@ def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool], now_unix_ms: fl
     if tombs:
         return "withdrawn", tombs[0], ""
     down = [v for v in votes if v.state == "down"]
-    others = Counter(c.node for c in held if not mine(c))  # by node: one node's retry may differ in value
-    if others:
-        node, n = others.most_common(1)[0]
-        claim = max((c for c in held if c.node == node and not mine(c)), key=lambda c: c.claimed_unix_ms)
-        now = now_ms() if now_unix_ms is None else now_unix_ms
-        if n >= q or (n + len(down) >= q and now - claim.claimed_unix_ms >= SETTLED_AFTER_MS):
+    others = [c for c in held if not mine(c)]
+    if others:  # by node: one node's retry may differ in value
+        node, n = _most(others)
+        claim = max((c for c in others if c.node == node), key=lambda c: c.claimed_unix_ms)
+        if n >= q or (n + len(down) >= q and now_ms() - claim.claimed_unix_ms >= SETTLED_AFTER_MS):
             return "claimed", claim, ""
     if down and len(votes) == 1:
         return "failed", None, down[0].error
@@ -215,10 +222,10 @@ def decide(votes: Sequence[Vote], mine: Callable[[Claim], bool], now_unix_ms: fl
 def holder(votes: Sequence[Vote]) -> Claim | None:
     """The claim of the node most buckets name (a read's :class:`Vote` list; its newest value; a
     tombstone counts too, as node ""), None when no bucket that answered holds one."""
-    held = [v.claim for v in votes if v.state == "held" and v.claim is not None]
+    held = [v.claim for v in votes if v.claim is not None]
     if not held:
         return None
-    node = Counter(c.node for c in held).most_common(1)[0][0]
+    node, _ = _most(held)
     return max((c for c in held if c.node == node), key=lambda c: c.claimed_unix_ms)
 
 

@@ -150,10 +150,9 @@ def _lanes_declared(consumer: bool) -> list[str]:
     return out
 
 
-def _claims(read: bool = True) -> list[str]:
-    """Create / compare-and-delete execution claims in every claim bucket and (``read``) get one by key."""
-    out = [_kv(S.claims_bucket(i), _CLAIMS) for i in LANES]
-    return out + ([_get(S.claims_bucket(i), _CLAIMS) for i in LANES] if read else [])
+def _claims() -> list[str]:
+    """Create / compare-and-delete execution claims in every claim bucket, and get one by key."""
+    return [_kv(S.claims_bucket(i), _CLAIMS) for i in LANES] + [_get(S.claims_bucket(i), _CLAIMS) for i in LANES]
 
 
 def _consumer_info() -> list[str]:

@@ -86,13 +86,13 @@ class Claims:
                       dispatcher_id=job.dispatcher_id, attempt=job.attempt, claimed_unix_ms=now_ms())
         key = S.claim_key(rid)
         votes = await self.quorum.create(key, value)
-        outcome, held, error = decide(votes, self._mine, now_ms())
+        outcome, held, error = decide(votes, self._mine)
         revisions = won_revisions(votes)
         if outcome == "won":
             return ClaimResult("won", value, revisions)
         if outcome == "mine":  # where this node's claim is (to release it if its engine refuses)
             return ClaimResult("mine", held, tuple(v.revision if v.state == "won" or (
-                v.state == "held" and v.claim is not None and self._mine(v.claim)) else None for v in votes))
+                v.claim is not None and self._mine(v.claim)) else None for v in votes))
         self.quorum.release_later(key, revisions)  # no majority: give back what this create took
         return ClaimResult(outcome, held, None, error)
 
@@ -107,8 +107,8 @@ class Claims:
         (services/node_agent ``_on_job``: refused for a local reason). Never raises."""
         key = S.claim_key(request_id)
         votes = await self.quorum.read(key)
-        await self.quorum.release(key, tuple(v.revision if v.state == "held" and v.claim is not None
-                                             and self._mine(v.claim) else None for v in votes))
+        await self.quorum.release(key, tuple(v.revision if v.claim is not None and self._mine(v.claim) else None
+                                             for v in votes))
 
     async def holder(self, request_id: str) -> Claim | None:
         """The claim of ``request_id`` (who executes it) most claim buckets hold, None when none

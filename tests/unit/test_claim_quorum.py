@@ -178,3 +178,106 @@ async def test_one_nodes_claim_stored_as_two_values_is_still_its_majority():
     res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))
     assert res.outcome == "claimed" and res.claim == other(age_ms=10.0)  # the newest of its values
     assert await C.read_holder(ClaimQuorum(kvs), "req-1") == other(age_ms=10.0)
+
+
+@pytest.mark.parametrize("n, q", [(1, 1), (2, 2), (3, 2), (4, 3), (5, 3)])
+def test_a_majority_is_more_than_half(n, q):
+    assert C.quorum_of(n) == q
+
+
+def test_no_bucket_is_no_quorum():
+    with pytest.raises(ValueError, match="^a claim needs at least one bucket$"):
+        C.quorum_of(0)
+    with pytest.raises(ValueError, match="^a claim needs at least one bucket$"):
+        ClaimQuorum([])
+
+
+def _held(c: Claim) -> C.Vote:
+    return C.Vote("held", 1, c)
+
+
+def test_decided_outcomes_carry_no_error_and_undecided_ones_say_why():
+    mine = lambda c: c.node == "me"  # noqa: E731
+    me = Claim(node="me", kind="prefill", claimed_unix_ms=NOW)
+    won = C.Vote("won", 1)
+    assert decide([won, won, C.Vote("down", error="e")], mine) == ("won", None, "")
+    assert decide([_held(me), won, C.Vote("absent")], mine) == ("mine", me, "")
+    tomb = C.tombstone("enqueue_failed")
+    assert decide([_held(tomb), won, C.Vote("down", error="e")], mine) == ("withdrawn", tomb, "")
+    theirs = other()
+    assert decide([_held(theirs), _held(theirs), won], mine) == ("claimed", theirs, "")
+    # two buckets, one each: nothing down, a concurrent claimant
+    assert decide([won, _held(theirs)], mine) == (
+        "failed", None, "2 of 2 claim buckets answered: no majority yet (a concurrent claimant)")
+    assert decide([won, C.Vote("down", error="a"), C.Vote("down", error="b")], mine) == (
+        "failed", None, "1 of 3 claim buckets answered: a; b")
+
+
+def test_of_two_other_nodes_the_one_with_more_buckets_holds_it_whatever_is_newer():
+    x_old, y_new = other("prefill-1", age_ms=50.0), other("prefill-2", age_ms=5.0)
+    votes = [_held(x_old), _held(x_old), _held(y_new)]
+    assert decide(votes, lambda c: False) == ("claimed", x_old, "")
+    assert C.holder(votes) == x_old
+    assert C.holder([C.Vote("absent"), C.Vote("down", error="e")]) is None
+
+
+async def test_a_timed_out_create_whose_read_finds_another_nodes_claim_is_claimed():
+    kv = FakeKV()
+    theirs = other()
+
+    def theirs_then_lost():
+        kv.put_raw(KEY, encode(theirs))
+        raise nats.errors.TimeoutError
+    kv.faults["create"].append(theirs_then_lost)
+    res = await Claims(kv, "prefill-0", EPOCH).claim(job("prefill-0"))
+    assert (res.outcome, res.claim) == ("claimed", theirs)
+
+
+async def test_mine_names_the_revisions_of_this_nodes_buckets_only():
+    kvs = buckets()
+    own = Claim(node="prefill-0", kind="prefill", claimed_unix_ms=EPOCH + 5)
+    kvs[0].put_raw(KEY, encode(own))
+    kvs[1].put_raw(KEY, encode(own))
+    kvs[2].put_raw(KEY, encode(other()))
+    claims = Claims(kvs, "prefill-0", EPOCH)
+    res = await claims.claim(job("prefill-0"))
+    assert (res.outcome, res.revisions) == ("mine", (1, 1, None))
+    await claims.release_mine("req-1")  # gives up its own two, never another node's
+    assert holders(kvs) == [None, None, other()]
+
+
+async def test_release_retries_a_silent_bucket_and_stops_at_a_moved_key(monkeypatch):
+    sleeps: list[float] = []
+
+    async def sleep(s: float) -> None:
+        sleeps.append(s)
+    monkeypatch.setattr(C.asyncio, "sleep", sleep)
+    kv = FakeKV()
+    rev = kv.put_raw(KEY, b"x")
+    kv.faults["delete"] += [nats.errors.TimeoutError()] * 5
+    await ClaimQuorum(kv).release(KEY, (rev,))
+    assert kv.calls == [("delete", KEY)] * 3 and sleeps == [0.2, 0.2] and kv.value(KEY) == b"x"
+    moved = FakeKV()
+    moved.put_raw(KEY, b"x")
+    moved.put_raw(KEY, b"y")  # revision 2: someone else's now
+    await ClaimQuorum(moved).release(KEY, (1,))
+    assert moved.calls == [("delete", KEY)] and moved.value(KEY) == b"y"  # refused once, not retried
+
+
+async def test_release_later_starts_nothing_without_a_revision():
+    kv = FakeKV()
+    q = ClaimQuorum(kv)
+    q.release_later(KEY, (None,))
+    assert not q._releasing and kv.calls == []
+    rev = kv.put_raw(KEY, b"x")
+    q.release_later(KEY, (rev,))
+    await q.settled()
+    assert kv.value(KEY) is None and not q._releasing
+
+
+async def test_a_bucket_that_never_answers_a_delete_is_given_up_after_its_timeout():
+    class Silent:  # a member that takes the request and never answers
+        async def delete(self, key: str, last: int | None = None) -> bool:
+            await asyncio.Event().wait()
+            return True
+    await asyncio.wait_for(ClaimQuorum([Silent()], timeout_s=0.01).release(KEY, (1,), retry_s=0.0), 2.0)
