@@ -300,18 +300,24 @@ async def test_the_agent_answers_duplicate_for_a_job_this_incarnation_claimed_an
     assert agent.nc.published == []
 
 
-async def test_a_claim_stored_though_its_answer_was_lost_is_run_by_the_next_try_here(agent):
+async def claim_answer_lost(agent, rid: str) -> tuple[FakeKV, JobAck]:
+    """A job for ``rid`` whose claim create is stored but its answer lost, and the read that would
+    tell times out too: the node answers ``claim_failed`` and holds a claim it does not know of."""
     kv = FakeKV()
-    key = S.claim_key("answer-lost")
 
     def stored_then_lost():
-        kv.put_raw(key, encode(Claim(node="prefill-0", kind="prefill", decode_node="decode-1", claimed_unix_ms=NOW)))
+        kv.put_raw(S.claim_key(rid), encode(Claim(node="prefill-0", kind="prefill", decode_node="decode-1",
+                                                  claimed_unix_ms=NOW)))
         raise nats.errors.TimeoutError
 
     kv.faults["create"].append(stored_then_lost)
-    kv.faults["get"].append(nats.errors.TimeoutError())  # and the read that would tell times out too
+    kv.faults["get"].append(nats.errors.TimeoutError())
     agent.claims = Claims(kv, "prefill-0", EPOCH)
-    first = await submit(agent, job("answer-lost"))
+    return kv, await submit(agent, job(rid))
+
+
+async def test_a_claim_stored_though_its_answer_was_lost_is_run_by_the_next_try_here(agent):
+    _, first = await claim_answer_lost(agent, "answer-lost")
     assert not first.accepted and first.reason == "claim_failed" and "answer-lost" not in agent.reqs
     again = await submit(agent, job("answer-lost", attempt=3))  # finds this node's claim, never started: runs it
     assert again.accepted and again.reason == "" and agent.backend.phase("answer-lost") is not None
@@ -331,16 +337,8 @@ async def test_a_job_from_a_dispatcher_counting_other_claim_buckets_is_refused_a
 async def test_a_claim_stored_though_its_answer_was_lost_is_given_up_when_the_node_then_refuses_the_job(agent):
     # the dispatcher sends the job again to the node holding the claim; the node cannot take it now
     # (here: its deadline passed): it gives the claim up, so the request is not left claimed by nobody
-    kv = FakeKV()
+    kv, first = await claim_answer_lost(agent, "given-up")
     key = S.claim_key("given-up")
-
-    def stored_then_lost():
-        kv.put_raw(key, encode(Claim(node="prefill-0", kind="prefill", decode_node="decode-1", claimed_unix_ms=NOW)))
-        raise nats.errors.TimeoutError
-    kv.faults["create"].append(stored_then_lost)
-    kv.faults["get"].append(nats.errors.TimeoutError())
-    agent.claims = Claims(kv, "prefill-0", EPOCH)
-    first = await submit(agent, job("given-up"))
     assert first.reason == "claim_failed" and kv.value(key) is not None  # stored, unknown to the node
     late = job("given-up", attempt=3)
     late = msgspec.structs.replace(late, request=msgspec.structs.replace(late.request, deadline_unix_ms=NOW - 1))
