@@ -108,7 +108,7 @@ class Claims:
         key = S.claim_key(request_id)
         votes = await self.quorum.read(key)
         await self.quorum.release(key, tuple(v.revision if v.claim is not None and self._mine(v.claim) else None
-                                             for v in votes))
+                                             for v in votes), tries=1)  # bounded: the job's answer waits for it
 
     async def holder(self, request_id: str) -> Claim | None:
         """The claim of ``request_id`` (who executes it) most claim buckets hold, None when none

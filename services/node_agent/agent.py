@@ -33,13 +33,13 @@ from services.node_agent.backend import EngineBackend, StepOutput, make_backend
 from services.node_agent.config import AgentConfig
 from services.common import start_metrics_and_connect
 from shared import subjects as S
-from shared.lanes import claim_buckets, lane_count
 from shared import telemetry
 from shared.bus import close as bus_close
 from shared.bus import (BusWatch, flush_barrier, kv_delete_nowait, kv_put_nowait, kv_put_ttl,
                         publish, request_typed)
 from shared.correction import CorrectionEstimator
 from shared.engine import EngineError, GroundTruth
+from shared.lanes import claim_buckets, lane_count
 from shared.latency import LatencyModel, load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.permissions import AGENT_PREFIX, PROFILER, agent_user
@@ -413,7 +413,8 @@ class NodeAgent:
                            dispatcher_buckets=job.claim_buckets, node_buckets=len(self.claims.quorum.buckets))
         if reason is not None and rid in self._uncertain_claims and rid not in self.reqs and self.claims is not None:
             # an earlier try's claim may be stored here (its answer was lost) and this node will not run
-            # it now: give it up, or the request would stay claimed by a node that never runs it
+            # it now: give it up, or the request would stay claimed by a node that never runs it (one
+            # read and one delete per bucket at once, within the dispatcher's wait for the answer)
             await self.claims.release_mine(rid)
             self._uncertain_claims.discard(rid)
         if reason == "deflection_in_flight":

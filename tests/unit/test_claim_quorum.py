@@ -281,3 +281,11 @@ async def test_a_bucket_that_never_answers_a_delete_is_given_up_after_its_timeou
             await asyncio.Event().wait()
             return True
     await asyncio.wait_for(ClaimQuorum([Silent()], timeout_s=0.01).release(KEY, (1,), retry_s=0.0), 2.0)
+
+
+async def test_release_mine_tries_each_bucket_once_the_jobs_answer_waits_for_it():
+    kv = FakeKV()
+    kv.put_raw(KEY, encode(Claim(node="prefill-0", kind="prefill", claimed_unix_ms=EPOCH + 5)))
+    kv.faults["delete"] += [nats.errors.TimeoutError()] * 3
+    await Claims(kv, "prefill-0", EPOCH).release_mine("req-1")
+    assert [c for c in kv.calls if c[0] == "delete"] == [("delete", KEY)]
