@@ -127,10 +127,26 @@ class Child:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: ports this process handed out (:func:`free_port`) or was told to keep free (:func:`reserve_port`)
+_TAKEN: set[int] = set()
+
+
+def reserve_port(port: int) -> None:
+    """Never hand out ``port`` (the ingress's, chosen by the user or a test, is bound only later)."""
+    _TAKEN.add(port)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port the kernel says is free, never one this process handed out or reserved before: the
+    kernel may offer a port again until someone binds it, and ``kairos up`` binds its services'
+    ports only when they start (a metrics port once equalled the ingress's: its /health answered)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -378,6 +394,7 @@ class Supervisor:
     """Starts, watches and stops the processes of one ``kairos up``."""
 
     def __init__(self, opts: UpOptions, out=sys.stdout, err=sys.stderr) -> None:
+        reserve_port(opts.port)  # before any other port is chosen: the ingress binds it last
         self.opts = opts
         self.out, self.err = out, err
         self.procs: list[Child] = []
