@@ -164,6 +164,14 @@ async def check_lane_count(js: JetStreamContext, lanes: int) -> None:
                       f"an older, larger deployment")
 
 
+async def consumer_infos(js: JetStreamContext, lanes: int, timeout_s: float) -> list:
+    """The dispatchers' consumer info of every lane, asked at once: one entry per lane, the
+    exception where the lane did not answer (its member is down, or it was never declared).
+    Never raises (the ingress's /health and the aggregator's queue gauges sum what answered)."""
+    return await asyncio.gather(*(js.consumer_info(S.request_stream(i), S.DISPATCHER_CONSUMER, timeout=timeout_s)
+                                  for i in range(lanes)), return_exceptions=True)
+
+
 class LanePicker:
     """The ingress's choice of lane per enqueue, and which queued requests to move (pure, no I/O).
 

@@ -66,8 +66,8 @@ from shared.bus import BusWatch, connect_service, ensure_buckets, kv_put_nowait,
 from shared.claims import ClaimQuorum, read_holder, withdraw
 from shared.emulated_text import EMULATED_VOCAB_SIZE
 from shared.heartbeat import REJECT_REASONS, HeartbeatGuard, Liveness, accept_heartbeat
-from shared.lanes import (LanePicker, check_lane_count, claim_buckets, declare_each, ensure_claim_buckets,
-                          ensure_lane, lane_count)
+from shared.lanes import (LanePicker, check_lane_count, claim_buckets, consumer_infos, declare_each,
+                          ensure_claim_buckets, ensure_lane, lane_count)
 from shared.latency import load_profile
 from shared.origin import OriginGuard, forged_counter
 from shared.vllm_api import unsafe_seed
@@ -551,9 +551,7 @@ class Ingress:
     async def _consumer_state(self) -> dict:
         """The dispatchers' consumers on every request lane, read at once; a lane that does not
         answer (its member is down) is left out while another answers."""
-        async def one(lane: int):
-            return await self.js.consumer_info(S.request_stream(lane), S.DISPATCHER_CONSUMER, timeout=1.0)
-        infos = await asyncio.gather(*(one(i) for i in range(self.lanes.lanes)), return_exceptions=True)
+        infos = await consumer_infos(self.js, self.lanes.lanes, 1.0)
         ok = [i for i in infos if not isinstance(i, BaseException)]
         if not ok:
             if all(isinstance(i, nats.js.errors.NotFoundError) for i in infos):

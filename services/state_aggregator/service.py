@@ -27,7 +27,7 @@ from shared.bus import close as bus_close
 from shared.bus import BusWatch, ensure_buckets, flush_barrier, kv_put_nowait, stream_replicas
 from shared.correction import CorrectionEstimator
 from shared.heartbeat import REJECT_REASONS
-from shared.lanes import lane_count
+from shared.lanes import consumer_infos, lane_count
 from shared.origin import OriginGuard, forged_counter
 from shared.view import ViewBuilder, with_corrections
 from shared.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode, now_ms
@@ -211,9 +211,7 @@ class StateAggregator:
     async def _poll_queue(self) -> None:
         """Request work-queue depth from JetStream, summed over the request lanes that answer
         (absent until a dispatcher declared them; a lane whose member is down is left out)."""
-        js = self.nc.jetstream()
-        infos = await asyncio.gather(*(js.consumer_info(S.request_stream(i), S.DISPATCHER_CONSUMER, timeout=0.5)
-                                       for i in range(lane_count(self.cfg))), return_exceptions=True)
+        infos = await consumer_infos(self.nc.jetstream(), lane_count(self.cfg), 0.5)
         ok = [i for i in infos if not isinstance(i, BaseException)]
         if ok:
             self.m_queue.labels("pending").set(sum(i.num_pending or 0 for i in ok))
