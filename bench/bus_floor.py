@@ -213,7 +213,7 @@ def main() -> None:
 
     from contextlib import ExitStack
 
-    from kairos.up import start_bundled_nats
+    from kairos.cli.up import start_bundled_nats
 
     for variant in variants:
         with ExitStack() as stack:

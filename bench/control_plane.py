@@ -61,7 +61,7 @@ STEP_MS = 0.05  #: the near-zero profile's step latency floor, ms
 
 def near_zero_profile(path: Path) -> Path:
     """Write the bundled profile scaled to ~``STEP_MS`` steps and a free link; returns ``path``."""
-    from shared.latency import load_profile
+    from kairos.core.model.latency import load_profile
 
     doc = load_profile().to_dict()
     doc["name"], doc["version"] = "near-zero", "bench"
@@ -79,7 +79,7 @@ async def _records(url: str, ids: list[str]) -> list[dict]:
     """The request records (``GET /v1/requests/{id}``) of ``ids`` that were found."""
     import aiohttp
 
-    from kairos.bench import lookup_decisions
+    from kairos.cli.bench import lookup_decisions
 
     async with aiohttp.ClientSession() as session:
         return list((await lookup_decisions(session, url, ids)).values())
@@ -117,7 +117,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-#: nats-server connection name prefix (``shared.bus.connect``'s ``name``) → kind of process
+#: nats-server connection name prefix (``kairos.runtime.bus.connect``'s ``name``) → kind of process
 CONN_KINDS = {"ingress": "ingress", "dispatcher": "dispatcher", "node_agent": "agent", "state_aggregator": "aggregator"}
 
 
@@ -178,9 +178,9 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     the nats-server's HTTP monitoring, for ``bus_msgs_per_request``."""
     import numpy as np
 
-    from kairos.bench import BenchConfig, run_bench
-    from shared.metrics import serving_metrics
-    from shared.workloads import WorkloadRequest
+    from kairos.cli.bench import BenchConfig, run_bench
+    from kairos.core.workload.serving_metrics import serving_metrics
+    from kairos.core.workload.workloads import WorkloadRequest
 
     n = max(1, int(rate * duration_s))
     wl = [WorkloadRequest(f"cp-{i}", i / rate, prompt_tokens, output_tokens) for i in range(n)]
@@ -219,7 +219,7 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
 
 
 def stack_pids(sup) -> dict[str, list[int]]:
-    """kind → pids of a running :class:`kairos.up.Supervisor`'s processes (ingress, dispatcher,
+    """kind → pids of a running :class:`kairos.cli.up.Supervisor`'s processes (ingress, dispatcher,
     agent, aggregator, nats)."""
     out: dict[str, list[int]] = {}
     for c in sup.procs:
@@ -244,8 +244,8 @@ def main() -> None:
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
 
-    from kairos.up import Supervisor, UpOptions, free_port
-    from shared.latency import load_profile
+    from kairos.cli.up import Supervisor, UpOptions, free_port
+    from kairos.core.model.latency import load_profile
 
     with tempfile.TemporaryDirectory(prefix="kairos-cpbench-") as tmp:
         prof = near_zero_profile(Path(tmp) / "near-zero.json")

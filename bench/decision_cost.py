@@ -46,10 +46,11 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, as the paper measures
 
-    from shared.latency import load_profile
-    from shared.policy import PolicyParams, parse_policy
-    from shared.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
-    from shared.workloads import generate
+    from kairos.core.model.latency import load_profile
+    from kairos.core.policy import PolicyParams
+    from kairos.core.policy import parse_policy
+    from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
+    from kairos.core.workload.workloads import generate
 
     model = load_profile()
     params = PolicyParams()

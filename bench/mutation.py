@@ -20,7 +20,7 @@ entry outlives edits elsewhere in the function.
 
 Score per module: (killed + timeout) ÷ (mutants − listed equivalents). ``--check`` exits 1 when a
 module scores under ``TARGET`` (0.90) or has a survivor that is not listed; the table is printed
-either way, and with ``--json`` the rows are written for ``python -m kairos.docgen record mutation``.
+either way, and with ``--json`` the rows are written for ``python -m tools.docgen record mutation``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def configured_modules(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def function_of(mutant: str) -> str:
-    """The dotted function a mutmut 3 mutant name mutates: ``shared.heartbeat.xǁLivenessǁheard__mutmut_3``
-    → ``shared.heartbeat.Liveness.heard``; ``shared.claims.x_tombstone__mutmut_1`` → ``shared.claims.tombstone``."""
+    """The dotted function a mutmut 3 mutant name mutates: ``kairos.core.cluster.heartbeat.xǁLivenessǁheard__mutmut_3``
+    → ``kairos.core.cluster.heartbeat.Liveness.heard``; ``kairos.runtime.claims.x_tombstone__mutmut_1`` → ``kairos.runtime.claims.tombstone``."""
     head, _, _ = mutant.rpartition("__mutmut_")
     module, _, name = head.rpartition(".")
     if name.startswith("xǁ"):
@@ -170,7 +170,7 @@ def collect(modules: list[str], equivalents: list[Equivalent]) -> list[ModuleRes
 
 
 def mutant_globs(modules: list[str]) -> list[str]:
-    """mutmut name patterns for ``modules`` (``shared/claims.py`` → ``shared.claims.*``)."""
+    """mutmut name patterns for ``modules`` (``kairos/runtime/claims.py`` → ``kairos.runtime.claims.*``)."""
     return [module.removesuffix(".py").replace("/", ".") + ".*" for module in modules]
 
 

@@ -3,7 +3,7 @@ for every node at once, on a cluster whose caches hold the Mooncake conversation
 
 Replays the bundled Mooncake trace's ``hash_ids`` through one engine prefix cache per node
 (requests spread round-robin, each node's cache bounded by the profile's KV capacity in 512-token
-blocks, LRU), feeding the engines' events into one :class:`shared.prefix.PrefixIndex`, then times
+blocks, LRU), feeding the engines' events into one :class:`kairos.core.cluster.prefix_index.PrefixIndex`, then times
 ``match_tokens`` for each request of the trace against the final index. Prints one JSON line per
 cluster size with wall-clock and thread-CPU p50/p99 µs. Not a test: figures vary by machine.
 
@@ -28,10 +28,10 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 
-    from shared.engine.prefix import PrefixCache
-    from shared.latency import load_profile
-    from shared.prefix import PrefixIndex
-    from shared.workloads import BUNDLED_TRACES, MOONCAKE_BLOCK_TOKENS, TRACES_DIR, load_mooncake_jsonl
+    from kairos.core.engine.prefix import PrefixCache
+    from kairos.core.model.latency import load_profile
+    from kairos.core.cluster.prefix_index import PrefixIndex
+    from kairos.core.workload.workloads import BUNDLED_TRACES, MOONCAKE_BLOCK_TOKENS, TRACES_DIR, load_mooncake_jsonl
 
     reqs = load_mooncake_jsonl(TRACES_DIR / BUNDLED_TRACES["mooncake"])
     capacity = load_profile().engine.kv_capacity_tokens

@@ -19,9 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.ingress.config import IngressConfig  # noqa: E402
-from services.ingress.service import Ingress  # noqa: E402
-from kairos.up import start_bundled_nats  # noqa: E402
+from kairos.services.ingress.config import IngressConfig  # noqa: E402
+from kairos.services.ingress.service import Ingress  # noqa: E402
+from kairos.cli.up import start_bundled_nats  # noqa: E402
 
 
 async def measure(nats_url: str, n: int, header_timeout_s: float) -> None:

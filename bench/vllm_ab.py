@@ -10,7 +10,7 @@ each live run the simulator runs the same workload and policy (``kairos sim``). 
 writes as one JSON line per policy after a provenance line, the live and simulated P95 TTFT, TBT
 violations (% of decode steps / inter-token gaps above τ) and failures, and the ratios
 ``kairos ÷ pd`` of P95 TTFT measured live and predicted by the simulator, from the same run.
-The README block ``vllm-ab`` is rendered from the file (``python -m kairos.docgen``).
+The README block ``vllm-ab`` is rendered from the file (``python -m tools.docgen``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.demo import VLLM_AB_RPS, VLLM_DEMO, bench_live, simulate_same, vllm_testbed_options  # noqa: E402
-from kairos.docgen import result_meta, write_result  # noqa: E402
-from kairos.engines import cached_tiny_model  # noqa: E402
-from kairos.up import Supervisor  # noqa: E402
+from kairos.cli.demo import VLLM_AB_RPS, VLLM_DEMO, bench_live, simulate_same, vllm_testbed_options  # noqa: E402
+from tools.docgen.docgen import result_meta, write_result  # noqa: E402
+from kairos.engines.vllm.launch import cached_tiny_model  # noqa: E402
+from kairos.cli.up import Supervisor  # noqa: E402
 
 KEYS = ("sent", "completed", "failed", "deflections", "ttft_ms", "tbt_ms", "tbt_violation_rate",
         "tbt_gap_violation_rate", "engine_tbt_violation_rate", "slo_attainment", "ttft_breakdown_p95_ms")
@@ -35,7 +35,7 @@ KEYS = ("sent", "completed", "failed", "deflections", "ttft_ms", "tbt_ms", "tbt_
 
 def live_step_violations(live: dict) -> float | None:
     """The live run's TBT violation rate as the simulator counts it (share of engine decode steps
-    above τ, :func:`kairos.demo.bench_live`), or the client's gap rate for a run recorded without it."""
+    above τ, :func:`kairos.cli.demo.bench_live`), or the client's gap rate for a run recorded without it."""
     v = live.get("engine_tbt_violation_rate")
     return live["tbt_violation_rate"] if v is None else v
 

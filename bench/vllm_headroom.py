@@ -6,7 +6,7 @@ engines really ran: the simulator, fed by ``bench/vllm_ab.py``'s measurements.
 
 ``bench/vllm_ab.py`` records, per policy, how much slower than the ``cpu-testbed-vllm`` profile each
 node's steps ran during its live run (``step_scale``: Σ measured ÷ Σ predicted of the node's step
-records, :mod:`kairos.stepscale`). This script takes the ``kairos`` run's scales, builds the profile
+records, :mod:`kairos.cli.stepscale`). This script takes the ``kairos`` run's scales, builds the profile
 with its prefill model × the prefill node's scale and its decode and mixed models × the decode node's
 (:func:`scaled_model`), and simulates ``pd``, ``kairos`` and ``kairos+`` on the A/B's seeded workload
 with that model as both the policy's plan and the engines' truth: planning that knows the real step
@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.demo import VLLM_AB_RPS, VLLM_DEMO, simulate_same  # noqa: E402
-from kairos.docgen import result_meta, write_result  # noqa: E402
-from kairos.up import VLLM_DEFAULTS, UpOptions  # noqa: E402
-from shared.latency import LatencyModel, load_profile, tbt_safety_beta  # noqa: E402
+from kairos.cli.demo import VLLM_AB_RPS, VLLM_DEMO, simulate_same  # noqa: E402
+from tools.docgen.docgen import result_meta, write_result  # noqa: E402
+from kairos.cli.up import VLLM_DEFAULTS, UpOptions  # noqa: E402
+from kairos.core.model.latency import LatencyModel, load_profile, tbt_safety_beta  # noqa: E402
 
 POLICIES = ("pd", "kairos", "kairos+")
 
@@ -71,7 +71,7 @@ def measured_scales(ab_path: Path, policy: str = "kairos") -> dict[str, float]:
 
 def simulate(model: LatencyModel, beta: float, rps: float, duration: float, seed: int) -> dict[str, dict]:
     """``{policy: simulator row}`` for :data:`POLICIES` on the A/B's workload and 1P1D stack
-    (:func:`kairos.demo.simulate_same`, as the A/B's simulated column), ``model`` as plan and truth."""
+    (:func:`kairos.cli.demo.simulate_same`, as the A/B's simulated column), ``model`` as plan and truth."""
     opts = dict(port=1, profile=VLLM_DEFAULTS["profile"], prefill=1, decode=1, engine="vllm", beta=beta,
                 tbt_slo_ms=VLLM_DEMO["tbt_slo_ms"], ttft_slo_ms=VLLM_DEMO["ttft_slo_ms"])
     return {name: simulate_same(VLLM_DEMO["workload"], rps, duration, seed, UpOptions(policy=name, **opts), model=model)

@@ -8,7 +8,7 @@ then measures, in the same run:
 
 * **where the forward pass runs**: the CPUs the worker's main thread may use (``/proc``), against
   the core the server is bound to;
-* **idle CPU** of each server's process tree over 5 s (``/proc``, :mod:`kairos.procstat`) and its
+* **idle CPU** of each server's process tree over 5 s (``/proc``, :mod:`kairos.cli.procstat`) and its
   busiest threads;
 * **P-leg throughput**: ``--requests`` prompts of ``--prompt`` tokens sent at once to the prefill
   server as Kairos's agent sends a P leg (``do_remote_decode``, ``max_tokens`` 1), each then pulled
@@ -18,10 +18,10 @@ then measures, in the same run:
 
 Configurations: ``stock`` is vLLM's own behaviour (NIXL progress thread spinning, 1 s shared-memory
 busy loop, the NIXL worker moving the forward thread to the last core), ``quiet`` is
-:mod:`kairos_vllm.plugin` as ``kairos up --engine vllm`` sets it (``VllmServer.quiet_idle``). ``--nice N``
+:mod:`kairos.engines.vllm.plugin.general` as ``kairos up --engine vllm`` sets it (``VllmServer.quiet_idle``). ``--nice N``
 runs the servers niced (``kairos up`` used 15). Prints a table and the quiet ÷ stock ratios; with
 ``--json FILE`` writes a result file (a provenance line, then one JSON line per configuration) that
-``python -m kairos.docgen`` renders into docs/vllm.md.
+``python -m tools.docgen`` renders into docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kairos.docgen import result_meta, write_result  # noqa: E402
-from kairos.engines import VllmServer, cached_tiny_model, launch_servers, stop_servers, vllm_python  # noqa: E402
-from kairos.procstat import allowed_cpus, find_process, measure_tree  # noqa: E402
-from kairos.up import free_port  # noqa: E402
-from shared.latency import load_profile  # noqa: E402
+from tools.docgen.docgen import result_meta, write_result  # noqa: E402
+from kairos.engines.vllm.launch import VllmServer, cached_tiny_model, launch_servers, stop_servers, vllm_python  # noqa: E402
+from kairos.cli.procstat import allowed_cpus, find_process, measure_tree  # noqa: E402
+from kairos.cli.up import free_port  # noqa: E402
+from kairos.core.model.latency import load_profile  # noqa: E402
 
 SERVED = "bench"
 

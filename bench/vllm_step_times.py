@@ -1,8 +1,8 @@
 """Step times of a real vLLM-CPU engine running the Kairos scheduler plugin, from its own step records.
 
-Builds one in-process engine (tiny model from kairos_vllm.tiny_model, float32, eager, after a discarded warm-up,
+Builds one in-process engine (tiny model from kairos.engines.vllm.tiny_model, float32, eager, after a discarded warm-up,
 ``max_num_batched_tokens`` 1024, 1 GiB KV) with ``KairosScheduler`` publishing on an ipc socket,
-and reads the StepRecords through ``kairos_vllm.subscriber`` (wall_ms = schedule() return →
+and reads the StepRecords through ``kairos.engines.vllm.subscriber`` (wall_ms = schedule() return →
 update_from_output() entry, i.e. the forward pass + sampling). Scenarios: decode-only steps with
 B = 1/8/32 running requests, and steps carrying a deflected request's prefill chunk of 128 or 512
 tokens next to B decodes. Prints one JSON line per scenario (median/p90/max ms, samples).
@@ -35,12 +35,12 @@ def main() -> None:
                       KAIROS_ENGINE_STATE_ADDR=f"ipc://{tmp}/state.sock")
     from vllm import LLM, SamplingParams
 
-    from kairos_vllm.subscriber import EngineStateSubscriber
-    from kairos_vllm.tiny_model import ensure_cached
+    from kairos.engines.vllm.subscriber import EngineStateSubscriber
+    from kairos.engines.vllm.tiny_model import ensure_cached
 
     llm = LLM(model=str(ensure_cached()), dtype="float32", enforce_eager=True, max_model_len=2048,
               max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False,
-              scheduler_cls="kairos_vllm.scheduler.KairosScheduler", seed=0)
+              scheduler_cls="kairos.engines.vllm.plugin.scheduler.KairosScheduler", seed=0)
     eng = llm.llm_engine
     counter = iter(range(10**9))
     added: list[str] = []

@@ -1,3 +1,3 @@
-from kairos.cli import main
+from kairos.cli.main import main
 
 main()

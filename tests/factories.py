@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.latency import EngineLimits, LatencyModel, LinkModel
-from shared.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
+from kairos.core.model.latency import EngineLimits, LatencyModel, LinkModel
+from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
 
 
 def tiny_model(**overrides) -> LatencyModel:

@@ -66,7 +66,7 @@ INGRESS = "http://127.0.0.1:8000"
 KILLED = ("dispatcher-1", "prefill-1")  # one dispatcher replica, one node agent
 KILL_AFTER = (15, 30)  # ingress answers before each kill
 HEALTHY_TIMEOUT_S = 240.0
-KAIROS = [sys.executable, "-m", "kairos.cli"]
+KAIROS = [sys.executable, "-m", "kairos.cli.main"]
 
 
 class StepFailed(Exception):

@@ -1,5 +1,5 @@
 """The ``faults`` tier: the real services as separate OS processes (started like ``kairos up`` does,
-from :func:`kairos.up.plan`), a real ``nats-server``, and faults injected by pid — SIGKILL, SIGSTOP /
+from :func:`kairos.cli.up.plan`), a real ``nats-server``, and faults injected by pid — SIGKILL, SIGSTOP /
 SIGCONT, a restart on the same JetStream store — or by the dispatcher's ``KAIROS_FAULT_AT`` hook.
 
 What every test counts, from independent sources:
@@ -13,7 +13,7 @@ What every test counts, from independent sources:
 
 Like ``kairos up``, every service logs in to NATS with its own role's credential, so everything a
 fault path does on the bus (re-declaring after a reconnect, claims, heartbeats at the ingress) is
-also checked against the permission table (``shared/permissions.py``).
+also checked against the permission table (``kairos/contracts/permissions.py``).
 
 Waits poll a condition with a deadline; nothing sleeps as synchronisation.
 """
@@ -37,10 +37,10 @@ from typing import Any, Callable
 import aiohttp
 import pytest
 
-from kairos.up import Child, UpOptions, free_port, nats_server_binary, plan, wait_listening
-from shared import permissions as P
-from shared.emulated_text import emulated_completion
-from shared.wire import SamplingParams
+from kairos.cli.up import Child, UpOptions, free_port, nats_server_binary, plan, wait_listening
+from kairos.contracts import permissions as P
+from kairos.core.engine.text import emulated_completion
+from kairos.contracts.wire import SamplingParams
 from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.faults
@@ -72,7 +72,7 @@ def make_prompt(prompt_len: int) -> list[int]:
 
 def expected_text(prompt: list[int], max_tokens: int) -> str:
     """The emulated engine's complete output for ``prompt`` and ``max_tokens`` (default sampling;
-    the same function the node agents use, shared/emulated_text.py)."""
+    the same function the node agents use, kairos/core/engine/text.py)."""
     return emulated_completion(SamplingParams(), max_tokens, None, prompt).full_text()
 
 
@@ -257,7 +257,7 @@ class Cluster:
 
     async def queue_depth(self) -> int:
         """Requests in the work queue not yet acknowledged (pending + delivered-unacked)."""
-        from shared import subjects as S
+        from kairos.contracts import subjects as S
         nc = await self.connect(P.AGGREGATOR)
         try:
             info = await nc.jetstream().consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=2)

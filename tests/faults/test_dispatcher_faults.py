@@ -10,7 +10,7 @@ import signal
 import aiohttp
 import pytest
 
-from services.dispatcher.faults import FAULT_EXIT_CODE, STEPS
+from kairos.services.dispatcher.faults import FAULT_EXIT_CODE, STEPS
 from tests.faults.conftest import Cluster, apoll, check, request
 
 pytestmark = pytest.mark.faults

@@ -1,7 +1,7 @@
 """A ``kairos up --nats-servers 3`` stack (emulated engines) under a steady stream of streaming
 requests, while each nats-server in turn is SIGKILLed by its pid and restarted by ``kairos up`` on
 its ports and store (issue 17, part 2). The JetStream meta leader and the member of request lane
-0 (``KAIROS_REQ``; every member holds one lane and one claim bucket, shared/lanes.py) are among
+0 (``KAIROS_REQ``; every member holds one lane and one claim bucket, kairos/runtime/lanes.py) are among
 the victims: found from the servers' own monitoring endpoints (``/jsz?leader-only=true`` answers
 only on the meta leader; ``/jsz?streams=true`` names each stream's leader).
 
@@ -9,7 +9,7 @@ Counted from the clients (every request ends; a completion's text is exactly the
 and the node agents' logs (executions per request id). Targets: 0 lost, 0 duplicated, 0 wrong
 text, 0 streams cut, p99 TTFT of the requests started during a failover within 2 s of the steady
 state's. ``KAIROS_CLUSTER_RESULTS=PATH``: the measured figures are written there as one JSON
-object (``python -m kairos.docgen record nats-cluster-failover --rows-from PATH -- env
+object (``python -m tools.docgen record nats-cluster-failover --rows-from PATH -- env
 KAIROS_CLUSTER_RESULTS=PATH pytest …``; README "Reliability", docs/bus.md).
 """
 
@@ -29,8 +29,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kairos.up import free_port
-from shared import subjects as S
+from kairos.cli.up import free_port
+from kairos.contracts import subjects as S
 from tests.faults.conftest import REPO, Outcome, expected_text, get_json, poll, request
 
 pytestmark = pytest.mark.faults
@@ -51,7 +51,7 @@ def _jsz(monitor: str, query: str) -> dict | None:
         return None
 
 
-LANES = [S.request_stream(i) for i in range(3)]  #: the request lanes of a 3-member cluster (shared/lanes.py)
+LANES = [S.request_stream(i) for i in range(3)]  #: the request lanes of a 3-member cluster (kairos/runtime/lanes.py)
 
 
 def _streams(body: dict) -> list[dict]:

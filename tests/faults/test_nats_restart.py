@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
-from shared import permissions as P
-from shared import subjects as S
+from kairos.contracts import permissions as P
+from kairos.contracts import subjects as S
 from tests.faults.conftest import Cluster, apoll, check, get_json, poll, request
 
 pytestmark = pytest.mark.faults
@@ -151,13 +151,13 @@ async def test_a_refused_request_reaching_nodes_before_its_cancel_never_runs(clu
     """The race of the test above, made certain: the request refused with ``enqueue_failed`` is
     stored once nats-server resumes, and the dispatcher and node agents start only after that, so
     they never hear its cancel (it went out before they subscribed): only the attempt's tombstone
-    claim, which the ingress created (shared/claims.py), can stop it. Independent truth: the
+    claim, which the ingress created (kairos/runtime/claims.py), can stop it. Independent truth: the
     agents' own ``job_accepted`` / ``job_refused`` log lines for that bus id."""
     c = cluster
     c.start_nats()
     c.start("state_aggregator")
     # the ingress gives up before its client would drop the frozen server (PING_INTERVAL_S x
-    # MAX_OUTSTANDING_PINGS, shared/bus.py): the publish stays in the connection and is stored on resume
+    # MAX_OUTSTANDING_PINGS, kairos/runtime/bus.py): the publish stays in the connection and is stored on resume
     c.start("ingress", KAIROS_ENQUEUE_TIMEOUT_S="3")
     poll(lambda: get_json(c.base + "/health")[1] is not None, 30, "the ingress serving")
     async with aiohttp.ClientSession() as http:

@@ -9,10 +9,10 @@ import time
 import aiohttp
 import pytest
 
-from shared import permissions as P
-from shared import subjects as S
-from shared.bus import flush_barrier
-from shared.wire import NodeState, decode, encode, now_ms
+from kairos.contracts import permissions as P
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import flush_barrier
+from kairos.contracts.wire import NodeState, decode, encode, now_ms
 from tests.faults.conftest import Cluster, apoll, check, get_json, request
 
 pytestmark = pytest.mark.faults

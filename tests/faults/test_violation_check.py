@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared import subjects as S
-from shared.bus import flush_barrier
-from shared.permissions import agent_user
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import flush_barrier
+from kairos.contracts.permissions import agent_user
 from tests.faults.conftest import Cluster, apoll, check
 
 pytestmark = pytest.mark.faults

@@ -20,17 +20,17 @@ import aiohttp
 import nats
 import pytest
 
-from kairos.up import free_port, stop_process, wait_listening
-from services.dispatcher.config import DispatcherConfig
-from services.dispatcher.service import Dispatcher
-from services.ingress.config import IngressConfig
-from services.ingress.service import Ingress
-from services.node_agent.agent import NodeAgent
-from services.node_agent.config import AgentConfig
-from services.state_aggregator.config import AggregatorConfig
-from services.state_aggregator.service import StateAggregator
-from shared import subjects as S
-from shared.latency import LatencyModel, load_profile
+from kairos.cli.up import free_port, stop_process, wait_listening
+from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.services.dispatcher.service import Dispatcher
+from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.service import Ingress
+from kairos.services.node_agent.agent import NodeAgent
+from kairos.services.node_agent.config import AgentConfig
+from kairos.services.state_aggregator.config import AggregatorConfig
+from kairos.services.state_aggregator.service import StateAggregator
+from kairos.contracts import subjects as S
+from kairos.core.model.latency import LatencyModel, load_profile
 
 NATS_BIN = Path(sys.executable).parent / "nats-server"
 
@@ -88,10 +88,10 @@ ADMIN_USER = "kairos-test-admin"
 
 @contextmanager
 def secure_server(d: Path, nodes: list[str]):
-    """A nats-server with JetStream and the per-role users ``shared/permissions.py`` generates for
+    """A nats-server with JetStream and the per-role users ``kairos/contracts/permissions.py`` generates for
     ``nodes`` (what ``kairos up`` runs), plus :data:`ADMIN_USER`; logs to ``d/nats.log``. Yields
     ``(url, passwords)`` (``passwords[user]``, the admin's included)."""
-    from shared.permissions import GeneratedAuth, new_password
+    from kairos.contracts.permissions import GeneratedAuth, new_password
 
     auth = GeneratedAuth.for_nodes(nodes)
     passwords = {**auth.passwords, ADMIN_USER: new_password()}

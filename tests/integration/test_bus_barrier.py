@@ -1,4 +1,4 @@
-"""``shared.bus.flush_barrier`` against a real nats-server: its protocol trace (``-DV``) shows the
+"""``kairos.runtime.bus.flush_barrier`` against a real nats-server: its protocol trace (``-DV``) shows the
 order in which the server processed one connection's commands, an independent truth for "the
 server has seen everything sent before the barrier returned"."""
 
@@ -9,7 +9,7 @@ import re
 import nats
 import pytest
 
-from shared.bus import flush_barrier
+from kairos.runtime.bus import flush_barrier
 from tests.integration.conftest import running_nats
 
 pytestmark = pytest.mark.integration

@@ -9,12 +9,12 @@ import nats
 import nats.js.errors
 import pytest
 
-from shared import subjects as S
-from shared.bus import ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait
-from services.ingress.service import _SseResponse
-from shared.permissions import agent_user
-from shared.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
-from kairos.stepscale import parse_decode_steps, violation_rate
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait
+from kairos.services.ingress.service import _SseResponse
+from kairos.contracts.permissions import agent_user
+from kairos.contracts.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
+from kairos.cli.stepscale import parse_decode_steps, violation_rate
 from prometheus_client import generate_latest
 from tests.integration.conftest import reset_bus, stack, wait_until
 
@@ -100,7 +100,7 @@ async def test_step_records_arrive_batched_and_complete(nats_url):
         assert {r.node for r in records} <= set(st.agents)
         await wait_until(lambda: st.aggregator.m_steps._value.get() - agg0 >= steps, 2, "the aggregator saw them")
         assert st.aggregator.m_steps._value.get() - agg0 == steps
-        # its decode-step histogram (the live TBT violation count, kairos.stepscale) holds exactly the
+        # its decode-step histogram (the live TBT violation count, kairos.cli.stepscale) holds exactly the
         # records that carried decodes, per node, and the share above 100 ms the records show
         hist = parse_decode_steps(generate_latest(st.aggregator.tel.registry).decode(), 100.0)
         decoding = [r for r in records if r.batch_size > 0]

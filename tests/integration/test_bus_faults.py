@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from services.dispatcher.service import RECONNECT_SETTLE_S
-from shared import subjects as S
-from shared.bus import flush_barrier
+from kairos.services.dispatcher.service import RECONNECT_SETTLE_S
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import flush_barrier
 from tests.integration.conftest import get_record, stack, wait_until
 
 pytestmark = pytest.mark.integration

@@ -3,7 +3,7 @@ a real nats-server running the generated permission table and the whole stack lo
 roles (tests/integration/conftest.py ``secure_server`` + ``stack(passwords=...)``).
 
 Each attack must end in a permission violation the server reports to the attacker, or in a
-refusal the victim counts (``kairos_<service>_forged_messages_total``, shared/origin.py) — and the
+refusal the victim counts (``kairos_<service>_forged_messages_total``, kairos/contracts/origin.py) — and the
 victim's state must show that the forged message changed nothing.
 """
 
@@ -20,12 +20,12 @@ import nats.js.errors
 import pytest
 from nats.js.kv import KeyValue
 
-from shared import subjects as S
-from shared.bus import flush_barrier
-from services.dispatcher.config import DispatcherConfig
-from services.dispatcher.service import Dispatcher
-from shared.permissions import DISPATCHER, agent_user
-from shared.wire import (DoneEvent, ErrorEvent, InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent,
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import flush_barrier
+from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.services.dispatcher.service import Dispatcher
+from kairos.contracts.permissions import DISPATCHER, agent_user
+from kairos.contracts.wire import (DoneEvent, ErrorEvent, InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent,
                          TokenEvent, decode, encode, now_ms)
 from tests.integration.conftest import fast_model, secure_server, stack, wait_until
 from tests.integration.test_bus_security import _close, as_role

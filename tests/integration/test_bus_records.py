@@ -11,10 +11,10 @@ import nats
 import pytest
 from nats.js.api import KeyValueConfig, StorageType
 
-from shared import subjects as S
-from shared.bus import BucketLayoutError, ensure_buckets, flush_barrier
-from shared.permissions import agent_user
-from shared.wire import Claim, InferenceRequest, Job, KvDone, PrefillTiming, decode, encode, now_ms
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import BucketLayoutError, ensure_buckets, flush_barrier
+from kairos.contracts.permissions import agent_user
+from kairos.contracts.wire import Claim, InferenceRequest, Job, KvDone, PrefillTiming, decode, encode, now_ms
 from tests.integration.conftest import ADMIN_USER, get_record, reset_bus, secure_server, stack, wait_until
 from tests.integration.test_bus_origin import forged_count
 from tests.integration.test_bus_security import _close, as_role
@@ -123,7 +123,7 @@ async def test_a_kv_pulled_notice_must_come_from_a_decode_node_the_kv_was_offere
         rid = "held-kv-1"
         req = InferenceRequest(request_id=rid, model="m", prompt_tokens=8, max_tokens=4, created_unix_ms=now_ms(),
                                deadline_unix_ms=now_ms() + 60_000)
-        from services.node_agent.agent import _Req
+        from kairos.services.node_agent.agent import _Req
         victim.reqs[rid] = _Req(req=req, kind="prefill", received_ms=now_ms(), span=victim.tel.tracer.start_span("t"),
                                 job=Job(kind="prefill", request=req, node="prefill-0", decode_candidates=["decode-1"]),
                                 handoff_node="decode-1", handoff_sent_ms=now_ms())

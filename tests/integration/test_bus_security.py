@@ -1,5 +1,5 @@
 """NATS authentication and subject permissions against a real nats-server run with the config
-``shared/permissions.py`` generates (the one ``kairos up`` uses).
+``kairos/contracts/permissions.py`` generates (the one ``kairos up`` uses).
 
 Each "cannot" is shown two ways: the server reports a permissions violation to the offending
 client, and the message never reaches a legitimate subscriber, which does receive a control
@@ -16,11 +16,11 @@ import nats.errors
 import pytest
 from nats.js.kv import KeyValue
 
-from shared import subjects as S
-from shared.bus import ensure_buckets, flush_barrier
-from shared.lanes import ensure_lane
-from shared.permissions import agent_user, inbox_prefix
-from shared.wire import InferenceRequest, encode
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import ensure_buckets, flush_barrier
+from kairos.runtime.lanes import ensure_lane
+from kairos.contracts.permissions import agent_user, inbox_prefix
+from kairos.contracts.wire import InferenceRequest, encode
 from tests.integration.conftest import running_nats, secure_server
 
 NODES = ["prefill-0", "decode-0", "decode-1"]
@@ -249,7 +249,7 @@ async def test_committed_compose_auth_config_reads_passwords_from_the_environmen
     import shutil
     from pathlib import Path
 
-    from shared.permissions import COMPOSE_NODES, cluster_users, new_password, password_env_var
+    from kairos.contracts.permissions import COMPOSE_NODES, cluster_users, new_password, password_env_var
 
     root = Path(__file__).resolve().parents[2]
     shutil.copy(root / "ops" / "nats" / "auth.conf", tmp_path / "auth.conf")
@@ -269,7 +269,7 @@ async def test_committed_compose_auth_config_reads_passwords_from_the_environmen
 def test_kairos_profile_without_credentials_says_the_login_was_refused(secure_nats, monkeypatch):
     from click.testing import CliRunner
 
-    from kairos.cli import main
+    from kairos.cli.main import main
 
     url, _ = secure_nats
     for var in ("KAIROS_NATS_USER", "KAIROS_NATS_PASSWORD", "KAIROS_NATS_PASSWORD_FILE"):

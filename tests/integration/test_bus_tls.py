@@ -13,9 +13,9 @@ import nats
 import nats.errors
 import pytest
 
-from services.ingress.config import IngressConfig
-from shared.bus import BusAuthError, connect_service, flush_barrier, tls_context
-from shared.permissions import GeneratedAuth
+from kairos.services.ingress.config import IngressConfig
+from kairos.runtime.bus import BusAuthError, connect_service, flush_barrier, tls_context
+from kairos.contracts.permissions import GeneratedAuth
 from tests.integration.conftest import running_nats
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -110,6 +110,6 @@ def test_unusable_tls_files_are_config_errors_naming_the_variable(tmp_path, cert
     with pytest.raises(BusAuthError, match="KAIROS_NATS_TLS_CERT_FILE"):
         tls_context(cfg("tls://x:1", {"ingress": "p"}, certs, nats_tls_ca_file=str(certs / "ca.pem"),
                         nats_tls_cert_file=str(tmp_path / "junk.pem"), nats_tls_key_file=str(tmp_path / "junk.pem")))
-    from shared.envconfig import ConfigError
+    from kairos.runtime.envconfig import ConfigError
     with pytest.raises(ConfigError, match="KAIROS_NATS_TLS_KEY_FILE"):
         cfg("tls://x:1", {"ingress": "p"}, certs, nats_tls_cert_file=str(certs / "client.pem"))

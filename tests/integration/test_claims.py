@@ -1,5 +1,5 @@
 """Execution claims on a real bus: one bus request id runs on at most one node, whichever
-dispatcher sends it where (services/node_agent/acceptance.py)."""
+dispatcher sends it where (kairos/services/node_agent/acceptance.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from shared import subjects as S
-from shared.bus import request_typed
-from shared.claims import withdraw
-from shared.wire import Claim, InferenceRequest, Job, JobAck, decode, now_ms
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import request_typed
+from kairos.runtime.claims import withdraw
+from kairos.contracts.wire import Claim, InferenceRequest, Job, JobAck, decode, now_ms
 from tests.integration.conftest import stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -82,7 +82,7 @@ async def test_a_job_that_arrives_after_its_request_was_cancelled_is_refused_and
 
 async def test_an_attempt_the_ingress_withdrew_is_refused_by_a_node_that_never_heard_its_cancel(nats_url):
     """The ingress answered ``enqueue_failed`` and created the attempt's tombstone
-    (shared/claims.py); its job then reaches a node before (here: without) the cancel — the order
+    (kairos/runtime/claims.py); its job then reaches a node before (here: without) the cancel — the order
     nats-py's per-subscription tasks allowed in CI. The node refuses it, and a node's claim made
     first is what ``withdraw`` reports (``ran``) instead of overwriting it."""
     async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:

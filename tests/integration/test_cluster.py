@@ -8,10 +8,10 @@ import random
 import nats
 import pytest
 
-from services.node_agent.agent import NodeAgent
-from services.node_agent.config import AgentConfig
-from shared import subjects as S
-from shared.wire import Reservation, encode, now_ms
+from kairos.services.node_agent.agent import NodeAgent
+from kairos.services.node_agent.config import AgentConfig
+from kairos.contracts import subjects as S
+from kairos.contracts.wire import Reservation, encode, now_ms
 from tests.integration.conftest import fast_model, get_record, stack, wait_until
 
 pytestmark = pytest.mark.integration
@@ -139,8 +139,8 @@ async def test_unacked_request_is_redelivered_to_another_replica(nats_url):
         msgs = await sub.fetch(1, timeout=5)
         assert msgs and msgs[0].metadata.num_delivered == 1
         await zombie.close()
-        from services.dispatcher.config import DispatcherConfig
-        from services.dispatcher.service import Dispatcher
+        from kairos.services.dispatcher.config import DispatcherConfig
+        from kairos.services.dispatcher.service import Dispatcher
         from tests.integration.conftest import fast_model
         d = Dispatcher(DispatcherConfig(replica_id="dispatcher-new", nats_url=nats_url, policy="pd", metrics_port=-1,
                                         ack_wait_s=1.0), model=fast_model())

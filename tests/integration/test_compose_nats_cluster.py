@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from kairos import natscluster as NC
-from kairos.up import free_port, nats_server_binary, stop_process, wait_listening
-from services.dispatcher.config import DispatcherConfig
-from shared import permissions as P
-from shared import subjects as S
-from shared.bus import connect_service, ensure_buckets, stream_replicas
-from shared.lanes import ensure_claims_bucket, ensure_lane, lane_count
-from shared.envconfig import from_env
+from kairos.cli import natscluster as NC
+from kairos.cli.up import free_port, nats_server_binary, stop_process, wait_listening
+from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.contracts import permissions as P
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import connect_service, ensure_buckets, stream_replicas
+from kairos.runtime.lanes import ensure_claims_bucket, ensure_lane, lane_count
+from kairos.runtime.envconfig import from_env
 from tests.integration.conftest import wait_until
 from tests.integration.test_nats_cluster import wait_until_ok
 

@@ -1,5 +1,5 @@
 """Two dispatcher replicas under a burst spread keep-path prefills over the prefill nodes: each
-folds the jobs routed by every replica since the last view into its snapshot (shared.routing.fold_recent)."""
+folds the jobs routed by every replica since the last view into its snapshot (kairos.core.cluster.routing.fold_recent)."""
 
 from __future__ import annotations
 

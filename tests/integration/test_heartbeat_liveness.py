@@ -1,8 +1,8 @@
 """Rejected heartbeats keep no node alive at the ingress (issue 22, "ingress liveness").
 
 The ingress validates every heartbeat (``kairos.state.<node>``) with its own
-:class:`~shared.heartbeat.HeartbeatGuard` and only an accepted one is a sign of life
-(:func:`shared.heartbeat.accept_heartbeat`). Here, while the decode node streams a request,
+:class:`~kairos.core.cluster.heartbeat.HeartbeatGuard` and only an accepted one is a sign of life
+(:func:`kairos.core.cluster.heartbeat.accept_heartbeat`). Here, while the decode node streams a request,
 heartbeats of an older incarnation and of one an hour ahead are published on its subject: taken
 for its own, they would make the ingress think it restarted and end the stream. Then the node is
 crashed and, for as long as the stream lasts, its own earlier heartbeats are replayed byte for
@@ -25,8 +25,8 @@ import msgspec
 import nats
 import pytest
 
-from shared import subjects as S
-from shared.wire import NodeState, decode, encode, now_ms
+from kairos.contracts import subjects as S
+from kairos.contracts.wire import NodeState, decode, encode, now_ms
 from tests.integration.conftest import stack, wait_until
 from tests.integration.test_ingress_robustness import counter, long_decode_stream, read_sse
 

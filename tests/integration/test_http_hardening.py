@@ -17,8 +17,8 @@ import time
 import aiohttp
 import pytest
 
-from services.ingress.config import IngressConfig
-from services.ingress.service import Ingress
+from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.service import Ingress
 from tests.integration.conftest import reset_bus, running_nats
 
 pytestmark = pytest.mark.integration

@@ -15,10 +15,10 @@ import time
 import aiohttp
 import pytest
 
-from services.dispatcher.config import DispatcherConfig
-from services.dispatcher.service import Dispatcher
-from services.ingress.config import IngressConfig
-from services.ingress.service import Ingress
+from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.services.dispatcher.service import Dispatcher
+from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.service import Ingress
 from tests.integration.conftest import fast_model, get_record, reset_bus, stack, wait_until
 
 pytestmark = pytest.mark.integration

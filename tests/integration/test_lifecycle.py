@@ -1,6 +1,6 @@
 """Service mains as real processes: a signal stops them promptly whether they are still starting
-(NATS unreachable: ``shared.bus.connect`` retries forever) or serving, with the exit codes
-documented in ``services/common.py``; and a SIGKILLed ``kairos up`` leaves no orphans."""
+(NATS unreachable: ``kairos.runtime.bus.connect`` retries forever) or serving, with the exit codes
+documented in ``kairos/runtime/service.py``; and a SIGKILLed ``kairos up`` leaves no orphans."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from tests.integration.test_up import alive, children_of, spawn, start_up, wait_
 pytestmark = pytest.mark.integration
 
 SERVICE_ENV = {
-    "services.dispatcher": {"KAIROS_REPLICA_ID": "dispatcher-t"},
-    "services.state_aggregator": {},
-    "services.node_agent": {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode"},
-    "services.ingress": {"KAIROS_PORT": "0"},
+    "kairos.services.dispatcher": {"KAIROS_REPLICA_ID": "dispatcher-t"},
+    "kairos.services.state_aggregator": {},
+    "kairos.services.node_agent": {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode"},
+    "kairos.services.ingress": {"KAIROS_PORT": "0"},
 }
 
 
@@ -47,11 +47,11 @@ def _dead_nats_url() -> str:
 
 
 @pytest.mark.parametrize("module,sig", [
-    ("services.dispatcher", signal.SIGTERM),
-    ("services.state_aggregator", signal.SIGTERM),
-    ("services.node_agent", signal.SIGTERM),
-    ("services.ingress", signal.SIGTERM),
-    ("services.dispatcher", signal.SIGINT),
+    ("kairos.services.dispatcher", signal.SIGTERM),
+    ("kairos.services.state_aggregator", signal.SIGTERM),
+    ("kairos.services.node_agent", signal.SIGTERM),
+    ("kairos.services.ingress", signal.SIGTERM),
+    ("kairos.services.dispatcher", signal.SIGINT),
 ], ids=["dispatcher", "state_aggregator", "node_agent", "ingress", "dispatcher-sigint"])
 def test_signal_while_nats_is_unreachable_stops_the_service(module, sig, spawn, tmp_path):
     log = tmp_path / "service.log"
@@ -72,7 +72,7 @@ def test_sigterm_while_serving_drains_and_exits_0(nats_url, spawn, tmp_path):
     """The startup cancellation must not replace the drain of a running service."""
     log = tmp_path / "agent.log"
     mport = free_port()
-    proc = _service(spawn, "services.node_agent", nats_url, log, KAIROS_METRICS_PORT=str(mport))
+    proc = _service(spawn, "kairos.services.node_agent", nats_url, log, KAIROS_METRICS_PORT=str(mport))
     _wait_for_log(proc, log, "agent_started")
     with urllib.request.urlopen(f"http://127.0.0.1:{mport}/health", timeout=5) as r:
         assert r.status == 200

@@ -1,4 +1,4 @@
-"""Three real nats-servers clustered with kairos/natscluster.py's configs (routes with their own
+"""Three real nats-servers clustered with kairos/cli/natscluster.py's configs (routes with their own
 credential, the per-role client permissions on every member): the services' declarations get
 3 replicas, a client given every URL survives the death of the server it is connected to, and a
 route cannot be opened with a client's credential."""
@@ -17,14 +17,14 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from kairos import natscluster as NC
-from kairos.up import free_port, nats_server_binary, stop_process, wait_listening
-from shared import permissions as P
-from shared import subjects as S
-from shared.lanes import ensure_claims_bucket, ensure_lane, lane_count
-from shared.bus import (BusAuth, BusWatch, connect, ensure_buckets, server_urls,
+from kairos.cli import natscluster as NC
+from kairos.cli.up import free_port, nats_server_binary, stop_process, wait_listening
+from kairos.contracts import permissions as P
+from kairos.contracts import subjects as S
+from kairos.runtime.lanes import ensure_claims_bucket, ensure_lane, lane_count
+from kairos.runtime.bus import (BusAuth, BusWatch, connect, ensure_buckets, server_urls,
                         stream_replicas)
-from shared.envconfig import ServiceConfig
+from kairos.runtime.envconfig import ServiceConfig
 from tests.integration.conftest import wait_until
 
 
@@ -88,7 +88,7 @@ def test_member_config_refuses_bad_input(tmp_path):
 
 async def test_cluster_replicates_and_clients_fail_over(members):
     """The buckets have one replica per member; each request lane and claim bucket one replica, on
-    the member its server tag names (shared/lanes.py). Kill the member the ingress is connected
+    the member its server tag names (kairos/runtime/lanes.py). Kill the member the ingress is connected
     to: it reconnects to a live one and enqueues on a lane of a live member, while the dead
     member's lane answers "no responders" at once (what makes the ingress move on, not wait)."""
     ms = members

@@ -1,7 +1,7 @@
 """The permission spec (tests/unit/test_permission_spec.py, typed from docs/security.md) against a
 real nats-server running the committed ``ops/nats/auth.conf``: every role publishes to, and
 subscribes to, a concrete subject of every subject builder, constant, bucket key and JetStream API
-call of ``shared/subjects.py``; the server must refuse exactly what the spec denies and let through
+call of ``kairos/contracts/subjects.py``; the server must refuse exactly what the spec denies and let through
 exactly what it allows.
 
 Seen two ways, as in test_bus_security.py: a refused PUB or SUB is reported to the client as a
@@ -22,8 +22,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from shared.bus import flush_barrier
-from shared.permissions import COMPOSE_NODES, inbox_prefix, new_password, password_env_var
+from kairos.runtime.bus import flush_barrier
+from kairos.contracts.permissions import COMPOSE_NODES, inbox_prefix, new_password, password_env_var
 from tests.integration.conftest import ADMIN_USER, running_nats
 from tests.unit.test_permission_spec import NODES, SPEC, USERS, all_subjects, spec_allows
 

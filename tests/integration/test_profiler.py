@@ -19,13 +19,13 @@ import nats
 import numpy as np
 import pytest
 
-from kairos.profile import ProfileOptions, run_profile
-from services.profiler.service import publish_model
-from shared import subjects as S
-from shared.bus import flush_barrier
-from shared.latency import LatencyModel, load_profile
-from shared.routing import build_snapshot
-from shared.wire import InferenceRequest, StepRecordEvent, encode, now_ms
+from kairos.cli.profile import ProfileOptions, run_profile
+from kairos.services.profiler.service import publish_model
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import flush_barrier
+from kairos.core.model.latency import LatencyModel, load_profile
+from kairos.core.cluster.routing import build_snapshot
+from kairos.contracts.wire import InferenceRequest, StepRecordEvent, encode, now_ms
 from tests.integration.conftest import fast_model, stack, wait_until
 
 BELIEF = load_profile()
@@ -149,11 +149,11 @@ async def test_step_records_become_corrections_in_every_dispatchers_view(nats_ur
 
 
 async def test_trace_replay_mixes_deflections_and_handoffs_and_leaves_the_node_idle(nats_url):
-    from services.node_agent.agent import NodeAgent
-    from services.node_agent.config import AgentConfig
-    from services.profiler.service import Profiler
-    from shared.profiling import ProfileGrid
-    from shared.workloads import generate
+    from kairos.services.node_agent.agent import NodeAgent
+    from kairos.services.node_agent.config import AgentConfig
+    from kairos.services.profiler.service import Profiler
+    from kairos.core.model.profiling import ProfileGrid
+    from kairos.core.workload.workloads import generate
 
     agent = NodeAgent(AgentConfig(node_id="decode-7", role="decode", nats_url=nats_url, metrics_port=-1,
                                   state_period_ms=50.0), model=fast_model())
@@ -179,10 +179,10 @@ async def test_the_profiler_receives_the_record_of_every_step_the_engine_ran(nat
     """Heartbeats every 10 ms, step records batched for up to 50 ms: the idle heartbeat the
     profiler ends on must not overtake the last steps' records (the agent sends them first).
     Truth: the emulated engine's own step counter."""
-    from services.node_agent.agent import NodeAgent
-    from services.node_agent.config import AgentConfig
-    from services.profiler.service import Profiler
-    from shared.profiling import ProfileGrid
+    from kairos.services.node_agent.agent import NodeAgent
+    from kairos.services.node_agent.config import AgentConfig
+    from kairos.services.profiler.service import Profiler
+    from kairos.core.model.profiling import ProfileGrid
 
     agent = NodeAgent(AgentConfig(node_id="decode-8", role="decode", nats_url=nats_url, metrics_port=-1,
                                   state_period_ms=10.0), model=fast_model(scale=0.05))
@@ -204,10 +204,10 @@ async def test_a_profile_fails_soon_with_what_it_collected_when_the_node_stops_h
     """The node's agent crashes mid-grid: the run ends with a ProfileError naming the silence within
     a few heartbeat-loss periods — not after the per-step timeouts of the phase it was in (minutes)
     — and carries the step records collected until then."""
-    from services.node_agent.agent import NodeAgent
-    from services.node_agent.config import AgentConfig
-    from services.profiler.service import ProfileError, Profiler
-    from shared.profiling import ProfileGrid
+    from kairos.services.node_agent.agent import NodeAgent
+    from kairos.services.node_agent.config import AgentConfig
+    from kairos.services.profiler.service import ProfileError, Profiler
+    from kairos.core.model.profiling import ProfileGrid
 
     agent = NodeAgent(AgentConfig(node_id="decode-9", role="decode", nats_url=nats_url, metrics_port=-1,
                                   state_period_ms=50.0), model=fast_model())
@@ -233,10 +233,10 @@ async def test_the_grid_measures_long_context_chunks_within_the_nodes_context(na
     than the node's context is shortened to it (its second chunk attends over the first) instead of
     skipped, and ``mixed_prefixes`` computes a prefix before the measured mixed chunks. Truth: the
     engine's own step records (B, prompt tokens, computed prefix per step)."""
-    from services.node_agent.agent import NodeAgent
-    from services.node_agent.config import AgentConfig
-    from services.profiler.service import Profiler
-    from shared.profiling import ProfileGrid
+    from kairos.services.node_agent.agent import NodeAgent
+    from kairos.services.node_agent.config import AgentConfig
+    from kairos.services.profiler.service import Profiler
+    from kairos.core.model.profiling import ProfileGrid
 
     agent = NodeAgent(AgentConfig(node_id="decode-6", role="decode", nats_url=nats_url, metrics_port=-1,
                                   state_period_ms=10.0), model=fast_model(scale=0.05))
@@ -264,7 +264,7 @@ async def test_the_testbed_profile_records_every_step_of_every_node_while_the_re
     """``kairos profile --vllm --testbed``'s recorder: every step record both nodes publish while the
     replay (a blocking client in a thread) runs — and those the agents still batch after it returns
     — with nothing else. Truth: the records as the replay published them, on a real nats-server."""
-    from kairos.testbed_profile import record_steps
+    from kairos.cli.testbed_profile import record_steps
 
     def rec(node: str, step: int) -> StepRecordEvent:
         return StepRecordEvent(node=node, role="decode" if node.startswith("d") else "prefill", step=step,

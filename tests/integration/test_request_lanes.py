@@ -1,4 +1,4 @@
-"""Request lanes on a real nats-server (shared/lanes.py): the ingress spreads requests over the
+"""Request lanes on a real nats-server (kairos/runtime/lanes.py): the ingress spreads requests over the
 lanes; requests queued on a lane that stops delivering are enqueued again on another and served;
 the stranded copies, delivered once the lane is back, meet their execution claims and run nowhere
 again. One nats-server carries the tags of two lanes (``kairos-lane:0``, ``kairos-lane:1``), so
@@ -16,7 +16,7 @@ from collections import Counter
 import nats
 import pytest
 
-from shared import subjects as S
+from kairos.contracts import subjects as S
 from tests.integration.conftest import running_nats, stack
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from shared.emulated_text import NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, emulated_completion
-from shared.wire import SamplingParams
+from kairos.core.engine.text import NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, emulated_completion
+from kairos.contracts.wire import SamplingParams
 from tests.integration.conftest import stack
 
 pytestmark = pytest.mark.integration
@@ -125,8 +125,8 @@ async def test_ingress_with_a_model_tokenizer_and_chat_template(nats_url, tmp_pa
     template with that tokenizer and bounds token ids by its vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from services.ingress.config import IngressConfig
-    from services.ingress.service import Ingress
+    from kairos.services.ingress.config import IngressConfig
+    from kairos.services.ingress.service import Ingress
     from tests.integration.conftest import wait_until
 
     words = ["<unk>", "<s>", "</s>", "[", "]", "user", "assistant", "hi", "there"]
@@ -168,7 +168,7 @@ async def test_vllm_cpu_engines_get_no_seeded_sampled_request_on_any_route(nats_
     seeded requests are served. (Emulated nodes behind it: what matters is that nothing reaches them.)"""
     import nats as nats_client
 
-    from shared import subjects as S
+    from kairos.contracts import subjects as S
 
     nc = await nats_client.connect(nats_url)
     published: list[bytes] = []

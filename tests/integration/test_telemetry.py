@@ -18,11 +18,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.node_agent.agent import NodeAgent
-from services.node_agent.config import AgentConfig
-from shared import telemetry
-from shared.bus import flush_barrier
-from shared.tracefile import trace_report
+from kairos.services.node_agent.agent import NodeAgent
+from kairos.services.node_agent.config import AgentConfig
+from kairos.runtime import telemetry
+from kairos.runtime.bus import flush_barrier
+from kairos.cli.trace import trace_report
 from tests.integration.conftest import components_known, fast_model, get_record, stack, wait_until
 
 pytestmark = pytest.mark.integration

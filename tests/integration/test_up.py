@@ -423,31 +423,31 @@ def test_demo_progress_is_on_unless_turned_off(monkeypatch):
     where the bench client prints periodic lines instead of a bar (issue 11)."""
     from click.testing import CliRunner
 
-    import kairos.demo
-    from kairos.cli import main
+    import kairos.cli.demo
+    from kairos.cli.main import main
 
     seen = []
-    monkeypatch.setattr(kairos.demo, "run_demo", lambda opts, **kw: seen.append(kw["progress"]) or 0)
+    monkeypatch.setattr(kairos.cli.demo, "run_demo", lambda opts, **kw: seen.append(kw["progress"]) or 0)
     for args in ([], ["--progress"], ["--no-progress"]):
         r = CliRunner().invoke(main, ["demo", *args])
         assert r.exit_code == 0, r.output
     assert seen == [True, True, False]
-    assert kairos.demo.progress_default(None) is True
-    assert kairos.demo.progress_default(False) is False
+    assert kairos.cli.demo.progress_default(None) is True
+    assert kairos.cli.demo.progress_default(False) is False
 
 
 @pytest.mark.parametrize("module,env,field", [
-    ("services.dispatcher", {"KAIROS_POLICY": "bogus"}, "KAIROS_POLICY"),
-    ("services.dispatcher", {"KAIROS_ALPHA": "0.5"}, "KAIROS_ALPHA"),
-    ("services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "middle"}, "KAIROS_ROLE"),
-    ("services.node_agent", {"KAIROS_ROLE": "decode"}, "KAIROS_NODE_ID"),
-    ("services.ingress", {"KAIROS_PORT": "eighty"}, "KAIROS_PORT"),
-    ("services.state_aggregator", {"KAIROS_STATE_PERIOD_MS": "-1"}, "KAIROS_STATE_PERIOD_MS"),
-    ("services.dispatcher", {"KAIROS_NATS_USER": "dispatcher"}, "KAIROS_NATS_PASSWORD"),
-    ("services.state_aggregator", {"KAIROS_NATS_PASSWORD": "x"}, "KAIROS_NATS_USER"),
-    ("services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode", "KAIROS_NATS_USER": "agent-decode-0",
+    ("kairos.services.dispatcher", {"KAIROS_POLICY": "bogus"}, "KAIROS_POLICY"),
+    ("kairos.services.dispatcher", {"KAIROS_ALPHA": "0.5"}, "KAIROS_ALPHA"),
+    ("kairos.services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "middle"}, "KAIROS_ROLE"),
+    ("kairos.services.node_agent", {"KAIROS_ROLE": "decode"}, "KAIROS_NODE_ID"),
+    ("kairos.services.ingress", {"KAIROS_PORT": "eighty"}, "KAIROS_PORT"),
+    ("kairos.services.state_aggregator", {"KAIROS_STATE_PERIOD_MS": "-1"}, "KAIROS_STATE_PERIOD_MS"),
+    ("kairos.services.dispatcher", {"KAIROS_NATS_USER": "dispatcher"}, "KAIROS_NATS_PASSWORD"),
+    ("kairos.services.state_aggregator", {"KAIROS_NATS_PASSWORD": "x"}, "KAIROS_NATS_USER"),
+    ("kairos.services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode", "KAIROS_NATS_USER": "agent-decode-0",
                              "KAIROS_NATS_PASSWORD_FILE": "/nonexistent/pw"}, "KAIROS_NATS_PASSWORD_FILE"),
-    ("services.ingress", {"KAIROS_API_KEY_FILE": "/nonexistent/keys"}, "KAIROS_API_KEY_FILE"),
+    ("kairos.services.ingress", {"KAIROS_API_KEY_FILE": "/nonexistent/keys"}, "KAIROS_API_KEY_FILE"),
 ], ids=["policy", "alpha", "role", "missing-node-id", "port", "period", "user-without-password",
         "password-without-user", "unreadable-password-file", "unreadable-api-key-file"])
 def test_bad_config_exits_nonzero_naming_the_field(module, env, field):
@@ -570,11 +570,11 @@ def test_demo_rejects_a_bad_workload_before_starting_anything(tmp_path, monkeypa
     """`kairos demo --workload nope` is a usage error at once, not after the stack came up."""
     from click.testing import CliRunner
 
-    import kairos.demo
-    from kairos.cli import main
+    import kairos.cli.demo
+    from kairos.cli.main import main
 
     started = []
-    monkeypatch.setattr(kairos.demo, "demo_command", lambda **o: started.append(o))
+    monkeypatch.setattr(kairos.cli.demo, "demo_command", lambda **o: started.append(o))
     r = CliRunner().invoke(main, ["demo", "--workload", "nope"])
     assert r.exit_code == 2 and "--workload" in r.stderr and started == []
     r = CliRunner().invoke(main, ["demo", "--duration", "1e12"])

@@ -1,7 +1,7 @@
 """A stand-in vLLM OpenAI server process for ``kairos up --engine vllm`` tests (no vLLM, no model).
 
 ``kairos up`` runs ``$KAIROS_VLLM_PYTHON -m vllm.entrypoints.openai.api_server --port N ...`` with
-the engine's environment (kairos/engines.py ``VllmServer``); a test points ``KAIROS_VLLM_PYTHON``
+the engine's environment (kairos/engines/vllm/launch.py ``VllmServer``); a test points ``KAIROS_VLLM_PYTHON``
 at a shell wrapper that runs this file with those arguments. It then does what the node agent
 needs of a real server, as vLLM 0.32.0 does it:
 

@@ -11,12 +11,12 @@ settings.register_profile("mutation", derandomize=True, database=None)
 
 import pytest  # noqa: E402
 
-from shared.policy import estimates as _estimates  # noqa: E402
+from kairos.core.policy import estimates as _estimates
 
 
 @pytest.fixture(autouse=True)
 def _fresh_sweep_cache():
-    """Each test starts without the policy's memoised sweeps (``shared.policy.estimates._SWEEPS``, a
+    """Each test starts without the policy's memoised sweeps (``kairos.core.policy.estimates._SWEEPS``, a
     process-wide cache): a test must not pass on a schedule an earlier test computed, and mutmut's
     map of which test exercises which function (its stats run, all tests in one process) must not
     miss a test whose sweeps were already cached."""

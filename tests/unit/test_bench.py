@@ -1,4 +1,4 @@
-"""`kairos bench` (kairos/bench.py): SSE parsing, chunk → token accounting, record building, and a
+"""`kairos bench` (kairos/cli/bench.py): SSE parsing, chunk → token accounting, record building, and a
 replay against an in-process fake OpenAI server (its own thread and event loop, port 0).
 
 The fake's behaviour is keyed on the prompt length (exact, since bench sends token-id prompts):
@@ -19,13 +19,13 @@ import numpy as np
 from aiohttp import web
 from click.testing import CliRunner
 
-from kairos.bench import (BenchConfig, BenchError, SSEParser, StreamState, build_report, check_url, chunk_tokens,
+from kairos.cli.bench import (BenchConfig, BenchError, SSEParser, StreamState, build_report, check_url, chunk_tokens,
                           deflect_delta, make_record, parse_deflect_counter, prompt_token_ids, request_body,
                           run_bench)
-from kairos.cli import main
-from kairos.up import free_port
-from shared.metrics import format_table, summarize
-from shared.workloads import WorkloadRequest, load_plain_csv
+from kairos.cli.main import main
+from kairos.cli.up import free_port
+from kairos.core.workload.serving_metrics import format_table, summarize
+from kairos.core.workload.workloads import WorkloadRequest, load_plain_csv
 
 # prompt lengths that select a behaviour of the fake server
 PL_400, PL_CLOSE, PL_STREAM_ERR, PL_MULTI, PL_SLOW, PL_HOLD_A, PL_HOLD_B, PL_STALL = 13, 17, 19, 20, 30, 40, 41, 50
@@ -495,13 +495,13 @@ def test_make_record_takes_deflection_and_ttft_components_from_the_decision_reco
 # --- vllm bench serve figures (issue 11) -------------------------------------------------------------
 
 def _rec(i: int, arrival_s: float, times: list[float], *, prompt: int = 10, error: str | None = None):
-    from shared.metrics import RequestRecord
+    from kairos.core.workload.serving_metrics import RequestRecord
     return RequestRecord(id=f"r{i}", arrival_s=arrival_s, prompt_tokens=prompt, output_tokens=len(times),
                          ttft_ms=(times[0] - arrival_s) * 1000 if times else None, token_times_s=times, error=error)
 
 
 def test_serving_metrics_follow_vllm_definitions():
-    from shared.metrics import serving_metrics
+    from kairos.core.workload.serving_metrics import serving_metrics
     a = _rec(0, 0.0, [0.1, 0.2, 0.4])          # TTFT 100, E2EL 400, TPOT (400-100)/2 = 150, ITL 100, 200
     b = _rec(1, 1.0, [1.5], prompt=20)         # one token: TTFT = E2EL = 500, no TPOT (0 for goodput), no ITL
     c = _rec(2, 0.5, [0.9, 0.9, 1.0])          # 2 tokens in one chunk: ITL is one 100 ms gap between chunks
@@ -526,7 +526,7 @@ def test_serving_metrics_follow_vllm_definitions():
 
 def test_progress_lines_when_stderr_is_not_a_terminal():
     import io
-    from kairos.bench import ProgressReporter
+    from kairos.cli.bench import ProgressReporter
     now = [0.0]
     out = io.StringIO()  # not a terminal
     rep = ProgressReporter(5, enabled=True, interval_s=10.0, stream=out, clock=lambda: now[0])
@@ -593,7 +593,7 @@ def test_cli_prints_the_vllm_result_block_and_warns_without_usage(tmp_path):
 
 
 def test_bench_defaults_to_a_one_minute_workload():
-    from kairos.cli import bench as bench_cmd
+    from kairos.cli.main import bench as bench_cmd
     opt = next(o for o in bench_cmd.params if o.name == "duration")
     assert opt.default == 60.0
 

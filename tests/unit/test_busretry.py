@@ -1,11 +1,11 @@
-"""The dispatcher's bus-fault retries (services/dispatcher/busretry.py): which failures are the
+"""The dispatcher's bus-fault retries (kairos/services/dispatcher/busretry.py): which failures are the
 bus's, the backoff, the per-request budget."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.dispatcher.busretry import BUS_RETRY_FIRST_WAIT_S, BUS_RETRY_MAX_WAIT_S, BusRetry
+from kairos.services.dispatcher.busretry import BUS_RETRY_FIRST_WAIT_S, BUS_RETRY_MAX_WAIT_S, BusRetry
 
 
 @pytest.mark.parametrize("why", ["no_responders", "timeout", "claim_failed"])

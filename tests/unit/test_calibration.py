@@ -5,8 +5,8 @@ import itertools
 
 import pytest
 
-from shared.latency import load_profile
-from shared.policy.estimates import prefill_exec_ms
+from kairos.core.model.latency import load_profile
+from kairos.core.policy.estimates import prefill_exec_ms
 
 M = load_profile("a100-dsv2lite")
 BATCHES = (4, 8, 16, 32)

@@ -7,7 +7,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from shared import openai_api as oa
+from kairos.services.ingress import openai_api as oa
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"

@@ -1,4 +1,4 @@
-"""Execution claims over a majority of three claim buckets (shared/claims.py, one bucket per NATS
+"""Execution claims over a majority of three claim buckets (kairos/runtime/claims.py, one bucket per NATS
 member), each an in-memory bucket that behaves as nats-py's KeyValue does (tests/unit/fake_kv.py):
 a claim holds with two of three buckets, one bucket down changes nothing, two down refuse; a
 claimant without a majority gives back what it took; and, checked against the buckets' final
@@ -13,12 +13,12 @@ import random
 import nats.errors
 import pytest
 
-from services.node_agent import acceptance
-from services.node_agent.acceptance import Claims
-from shared import claims as C
-from shared import subjects as S
-from shared.claims import ClaimQuorum, decide, withdraw
-from shared.wire import Claim, InferenceRequest, Job, decode, encode
+from kairos.services.node_agent import acceptance
+from kairos.services.node_agent.acceptance import Claims
+from kairos.runtime import claims as C
+from kairos.contracts import subjects as S
+from kairos.runtime.claims import ClaimQuorum, decide, withdraw
+from kairos.contracts.wire import Claim, InferenceRequest, Job, decode, encode
 from tests.unit.fake_kv import FakeKV
 
 NOW = 1_700_000_000_000.0

@@ -1,4 +1,4 @@
-"""The ingress's tombstones (shared/claims.py): an attempt it refused is withdrawn by creating its
+"""The ingress's tombstones (kairos/runtime/claims.py): an attempt it refused is withdrawn by creating its
 execution claim first, so that no node ever runs it — against one in-memory claim bucket that
 behaves as nats-py's KeyValue does (tests/unit/fake_kv.py), on a clock the test moves (a single
 nats-server; the majority over several buckets: tests/unit/test_claim_quorum.py)."""
@@ -12,17 +12,17 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from shared import claims
-from shared import subjects as S
-from shared.claims import BUCKET_TIMEOUT_S, ClaimQuorum, tombstone, withdraw
-from shared.wire import Claim, decode, encode
+from kairos.runtime import claims
+from kairos.contracts import subjects as S
+from kairos.runtime.claims import BUCKET_TIMEOUT_S, ClaimQuorum, tombstone, withdraw
+from kairos.contracts.wire import Claim, decode, encode
 from tests.unit.fake_kv import FakeKV
 
 T0 = 1_700_000_000_000.0  #: the test clock's start, wall-clock ms
 
 
 class Clock:
-    """``now_ms`` of shared.claims and the ``asyncio`` it waits with: a sleep moves the clock on at
+    """``now_ms`` of kairos.runtime.claims and the ``asyncio`` it waits with: a sleep moves the clock on at
     once; every wait for the bus and every sleep is recorded (seconds)."""
 
     def __init__(self) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
+from kairos.cli.main import main
 
 EXAMPLE = (Path(__file__).resolve().parents[2] / "examples" / "snapshot.json").read_text()
 
@@ -39,7 +39,7 @@ def test_options_change_the_decision():
 def test_reads_a_file_and_profile_path(tmp_path):
     snap = tmp_path / "s.json"
     snap.write_text(EXAMPLE)
-    from shared.latency import load_profile
+    from kairos.core.model.latency import load_profile
 
     prof = tmp_path / "p.json"
     load_profile().save(prof)

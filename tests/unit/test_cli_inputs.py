@@ -2,7 +2,7 @@
 
 from click.testing import CliRunner
 
-from kairos import cli
+from kairos.cli import main as cli
 
 
 def test_an_empty_served_model_is_a_usage_error_before_anything_starts():
@@ -25,12 +25,12 @@ def test_a_cluster_without_a_fault_tolerant_majority_is_warned_about(tmp_path):
 def test_vllm_engines_without_a_model_get_the_testbed_model(monkeypatch):
     """``kairos up --engine vllm`` without ``--model`` exited 2; it now takes the CPU testbed's
     generated model, as ``kairos demo --engine vllm`` does."""
-    import kairos.engines
+    import kairos.engines.vllm.launch
 
     asked = []
-    monkeypatch.setattr(kairos.engines, "cached_tiny_model", lambda size="tiny", python=None: asked.append(size) or "/m")
+    monkeypatch.setattr(kairos.engines.vllm.launch, "cached_tiny_model", lambda size="tiny", python=None: asked.append(size) or "/m")
     opts = {"engine": "vllm", "model_dir": None, "profile": None, "served_model": None}
     cli._engine_defaults_or_exit(opts)
-    from kairos.demo import VLLM_DEMO
+    from kairos.cli.demo import VLLM_DEMO
     assert opts["model_dir"] == "/m" and asked == [VLLM_DEMO["model_size"]]
     assert opts["profile"] == "cpu-testbed-vllm" and opts["served_model"] == "kairos-vllm"

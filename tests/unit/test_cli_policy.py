@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
+from kairos.cli.main import main
 
 
 @pytest.mark.parametrize("command", [["up"], ["demo"]])
@@ -20,8 +20,8 @@ def test_live_commands_refuse_the_simulator_only_policy_and_do_not_offer_it(comm
 
 
 def test_a_dispatcher_configured_with_a_simulator_only_policy_refuses_to_start():
-    from services.dispatcher.config import DispatcherConfig
-    from shared.envconfig import ConfigError
+    from kairos.services.dispatcher.config import DispatcherConfig
+    from kairos.runtime.envconfig import ConfigError
 
     with pytest.raises(ConfigError, match="simulator baseline"):
         DispatcherConfig(policy="taichi")

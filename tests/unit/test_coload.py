@@ -1,4 +1,4 @@
-"""kairos.coload: the profile's co-load keeps a vLLM server's queue full of distinct prefills.
+"""kairos.cli.coload: the profile's co-load keeps a vLLM server's queue full of distinct prefills.
 
 Truth: what an HTTP server (a stand-in for vLLM's ``/v1/completions``, stdlib ``http.server``)
 received — request count, prompt lengths, token ids, one output token each."""
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from kairos.coload import CoLoad
+from kairos.cli.coload import CoLoad
 
 
 class _Server:

@@ -1,5 +1,5 @@
 """docker-compose.yml's NATS cluster, checked without Docker: one service per member of
-kairos/natscluster.py's compose layout, the committed member configs equal to what the generator
+kairos/cli/natscluster.py's compose layout, the committed member configs equal to what the generator
 writes (``kairos nats-cluster --conf-dir ops/nats``), distinct ports, routes to the other members,
 every Kairos service given every server URL and 3 replicas, host networking on every container.
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kairos import natscluster as NC
-from kairos.cli import main
-from shared.bus import server_urls, stream_replicas
-from shared.envconfig import from_env
+from kairos.cli import natscluster as NC
+from kairos.cli.main import main
+from kairos.runtime.bus import server_urls, stream_replicas
+from kairos.runtime.envconfig import from_env
 from tests.unit.test_deploy_files import COMPOSE, ROOT, config_class, env_of, kairos_services
 
 yaml = pytest.importorskip("yaml")

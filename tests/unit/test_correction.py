@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
-from shared.correction import IDENTITY, CorrectionEstimator, StepCorrection
-from shared.engine import GroundTruth
-from shared.policy import PolicyParams, parse_policy
-from shared.policy.estimates import decode_schedule
-from shared.snapshot import DecodeNodeView
+from kairos.cli.main import main
+from kairos.core.model.correction import IDENTITY, CorrectionEstimator, StepCorrection
+from kairos.core.engine import GroundTruth
+from kairos.core.policy import PolicyParams
+from kairos.core.policy import parse_policy
+from kairos.core.policy.estimates import decode_schedule
+from kairos.core.cluster.snapshot import DecodeNodeView
 from tests.factories import snapshot, tiny_model
 
 MODEL = tiny_model()

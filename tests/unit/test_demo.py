@@ -1,7 +1,7 @@
 """`kairos demo`'s live-vs-simulated table: SLO attainment and TBT violations are shown, and a ratio
 outside the stated tolerance is flagged (issue 11)."""
 
-from kairos.demo import FIDELITY_TOLERANCE, side_by_side
+from kairos.cli.demo import FIDELITY_TOLERANCE, side_by_side
 
 
 def _summary(ttft_p50, slo, viol, defl=10):
@@ -47,7 +47,7 @@ def test_tbt_rows_compare_engine_steps_when_the_live_run_counted_them():
 
 
 def test_the_handoff_note_compares_the_live_kv_time_with_the_simulators_link_and_decode_queue():
-    from kairos.demo import handoff_note
+    from kairos.cli.demo import handoff_note
 
     live = {"ttft_breakdown_p95_ms": {"kv_transfer": 293.0, "decode_queue": 0.0}}
     sim = {"ttft_breakdown_p95_ms": {"kv_transfer": 22.0, "decode_queue": 130.0}}

@@ -3,7 +3,7 @@
 No Docker engine and no network: the compose file is parsed with PyYAML (merge keys resolved),
 ``${VAR:-default}`` interpolation is resolved to its defaults, and each Kairos service's
 environment is checked against the config dataclass that service actually reads
-(``services/<name>/config.py`` through ``shared.envconfig``).
+(``kairos/services/<name>/config.py`` through ``kairos.runtime.envconfig``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.envconfig import ConfigError, env_name, from_env
+from kairos.runtime.envconfig import ConfigError, env_name, from_env
 
 yaml = pytest.importorskip("yaml")
 
@@ -55,9 +55,9 @@ def services(compose) -> dict[str, dict]:
 
 
 def kairos_module(svc: dict) -> str | None:
-    """``services.<name>`` if the service runs ``python -m services.<name>``, else None."""
+    """``kairos.services.<name>`` if the service runs ``python -m kairos.services.<name>``, else None."""
     cmd = svc.get("command")
-    if isinstance(cmd, list) and len(cmd) == 3 and cmd[:2] == ["python", "-m"] and cmd[2].startswith("services."):
+    if isinstance(cmd, list) and len(cmd) == 3 and cmd[:2] == ["python", "-m"] and cmd[2].startswith("kairos.services."):
         return cmd[2]
     return None
 
@@ -103,7 +103,7 @@ def test_compose_has_the_expected_services(services):
 def test_every_kairos_command_is_an_existing_service_module(services):
     found = kairos_services(services)
     assert {mod for _, mod in found.values()} == {
-        "services.ingress", "services.dispatcher", "services.state_aggregator", "services.node_agent"}
+        "kairos.services.ingress", "kairos.services.dispatcher", "kairos.services.state_aggregator", "kairos.services.node_agent"}
     for name, (_, mod) in found.items():
         assert importlib.util.find_spec(f"{mod}.__main__") is not None, f"{name}: no module {mod}.__main__"
         assert (ROOT / Path(*mod.split(".")) / "__main__.py").is_file()
@@ -142,7 +142,7 @@ def test_every_kairos_variable_is_a_config_field_of_that_service(services):
         set_vars = {k for k in env_of(svc) if k.startswith("KAIROS_")}
         unknown = set_vars - known
         assert not unknown, f"{name} ({mod}) sets {sorted(unknown)}, which {cls.__name__} does not read"
-    from kairos_vllm.protocol import STATE_ADDR_ENV
+    from kairos.engines.vllm.plugin.protocol import STATE_ADDR_ENV
 
     for name, svc in services.items():
         if kairos_module(svc) is None:
@@ -165,14 +165,14 @@ def test_node_ids_and_replica_ids_are_unique_per_profile(services):
     for profile in ("emulated", "vllm"):
         nodes: dict[str, str] = {}
         for name, (svc, mod) in kairos_services(services).items():
-            if mod != "services.node_agent" or profiles_of(svc) != {profile}:
+            if mod != "kairos.services.node_agent" or profiles_of(svc) != {profile}:
                 continue
             env = env_of(svc)
             assert env["KAIROS_NODE_ID"] not in nodes, f"{profile}: node id {env['KAIROS_NODE_ID']} twice"
             nodes[env["KAIROS_NODE_ID"]] = env["KAIROS_ROLE"]
         assert nodes == {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
     replicas = [env_of(svc).get("KAIROS_REPLICA_ID") for svc, mod in kairos_services(services).values()
-                if mod == "services.dispatcher"]
+                if mod == "kairos.services.dispatcher"]
     assert len(replicas) == 2 and None not in replicas and len(set(replicas)) == 2
 
 
@@ -219,7 +219,7 @@ def test_vllm_agents_sit_beside_their_engine(services):
 
 
 def test_vllm_engines_load_the_kairos_plugin_and_the_kv_connector(services):
-    """The engines' flags name things that exist: the scheduler class in kairos_vllm (mounted from
+    """The engines' flags name things that exist: the scheduler class in kairos.engines.vllm.plugin (mounted from
     this repository onto the engine's PYTHONPATH), NixlConnector with kv_both, the served model the
     ingress accepts, and the prompt-token details the agent reads cached tokens from."""
     import json
@@ -254,7 +254,7 @@ def test_every_service_reaches_jaeger(services):
 
 def test_otel_service_name_matches_the_code(services):
     """The code sets service.name itself (telemetry.setup → resource); OTEL_SERVICE_NAME must agree."""
-    from shared.telemetry import make_tracer_provider
+    from kairos.runtime.telemetry import make_tracer_provider
 
     for name, (svc, mod) in kairos_services(services).items():
         src = "".join(p.read_text() for p in (ROOT / Path(*mod.split("."))).glob("*.py"))
@@ -278,7 +278,7 @@ def test_healthchecks_and_ports_match_the_configured_ports(services):
                 continue
             env = env_of(svc)
             url = svc["healthcheck"]["test"][-1]
-            if mod == "services.ingress":
+            if mod == "kairos.services.ingress":
                 assert env["KAIROS_HOST"] == "0.0.0.0"
                 port = env["KAIROS_PORT"]
             else:

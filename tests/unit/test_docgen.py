@@ -1,4 +1,4 @@
-"""Figures in README.md and docs/ are generated from committed result files (kairos/docgen.py):
+"""Figures in README.md and docs/ are generated from committed result files (tools/docgen/docgen.py):
 every generated block equals its rendering from bench/results/ (a hand edit or a stale block
 fails), the converted sections hold no figure outside generated blocks, and the recorder writes
 what the renderers read."""
@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from kairos import docblocks, docgen
+from tools.docgen import blocks as docblocks
+
+from tools.docgen import docgen
 
 
 def test_every_generated_block_equals_its_rendering_from_the_committed_results():
@@ -25,7 +27,7 @@ def test_every_renderer_has_a_block_and_every_block_a_renderer():
 
 
 def test_a_fitted_profile_renders_from_its_own_metadata_and_a_calibration_is_refused():
-    art = json.loads((docgen.ROOT / "shared" / "profiles" / "emulated-cpu.json").read_text())
+    art = json.loads((docgen.ROOT / "kairos" / "core" / "data" / "profiles" / "emulated-cpu.json").read_text())
     text = " ".join(docgen.render_block("profile-fit.emulated-cpu").split())
     assert f"held-out MAPE {art['prefill']['mape_heldout']:.1f} % (prefill)" in text
     assert f"{art['metadata']['steps_recorded']} steps in {art['metadata']['duration_s']:.0f} s" in text
@@ -90,7 +92,7 @@ def test_a_result_file_without_meta_is_read_and_a_missing_one_named(tmp_path):
     (tmp_path / "plain.jsonl").write_text(json.dumps({"dispatchers": 1, "offered_rps": 100}) + "\n")
     r = docgen.load_result("plain", tmp_path)
     assert r.meta == {} and r.rows == [{"dispatchers": 1, "offered_rps": 100}]
-    with pytest.raises(docgen.DocgenError, match="record it: python -m kairos.docgen record absent"):
+    with pytest.raises(docgen.DocgenError, match="record it: python -m tools.docgen record absent"):
         docgen.load_result("absent", tmp_path)
 
 

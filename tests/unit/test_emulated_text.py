@@ -1,4 +1,4 @@
-"""The emulated engine's deterministic output and vLLM's stop rules (shared/emulated_text.py).
+"""The emulated engine's deterministic output and vLLM's stop rules (kairos/core/engine/text.py).
 
 The truth each test checks against is the *unconstrained* output of the same request (no stop
 conditions), computed independently of the stop logic: a stop rule must cut that sequence exactly
@@ -7,9 +7,9 @@ where vLLM's rules say.
 
 import pytest
 
-from shared.emulated_text import (EOS_TOKEN_ID, NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, EmulatedCompletion,
+from kairos.core.engine.text import (EOS_TOKEN_ID, NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, EmulatedCompletion,
                                   emulated_completion, natural_length, sequence_key, token_text)
-from shared.wire import SamplingParams as SP
+from kairos.contracts.wire import SamplingParams as SP
 
 
 def free(seed=7, n=200, prompt="hello"):

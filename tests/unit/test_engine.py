@@ -1,4 +1,4 @@
-"""Unit tests of the continuous-batching engine model (shared/engine)."""
+"""Unit tests of the continuous-batching engine model (kairos/core/engine)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.engine import Engine, EngineConfig, EngineError, EngineState, StepPlan, StepResult
-from shared.engine.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
-from shared.latency import EngineLimits, LatencyModel, load_profile
-from shared.snapshot import InFlightDeflection
+from kairos.core.engine import Engine
+
+from kairos.core.engine import EngineConfig
+
+from kairos.core.engine import EngineError
+
+from kairos.core.engine import EngineState
+
+from kairos.core.engine import StepPlan
+
+from kairos.core.engine import StepResult
+from kairos.core.engine.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
+from kairos.core.model.latency import EngineLimits, LatencyModel, load_profile
+from kairos.core.cluster.snapshot import InFlightDeflection
 
 MODEL: LatencyModel = load_profile()
 

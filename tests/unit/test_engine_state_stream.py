@@ -1,4 +1,4 @@
-"""The engine-state stream (contract A) through real ZMQ sockets: kairos_vllm.publisher → subscriber.
+"""The engine-state stream (contract A) through real ZMQ sockets: kairos.engines.vllm.plugin.publisher → subscriber.
 
 No vLLM here (this runs in .venv); the in-engine side is covered by tests/vllm/inproc.
 """
@@ -14,9 +14,9 @@ import msgspec
 import pytest
 import zmq
 
-from kairos_vllm.protocol import DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest, decode, encode
-from kairos_vllm.publisher import StatePublisher
-from kairos_vllm.subscriber import EngineStateError, EngineStateSubscriber
+from kairos.engines.vllm.plugin.protocol import DeflectedChunk, EngineSnapshot, StepRecord, WaitingRequest, decode, encode
+from kairos.engines.vllm.plugin.publisher import StatePublisher
+from kairos.engines.vllm.subscriber import EngineStateError, EngineStateSubscriber
 
 
 def snapshot(step_record: StepRecord | None = None, **kw) -> EngineSnapshot:

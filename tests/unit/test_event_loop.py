@@ -1,4 +1,4 @@
-"""The services' event loop choice (services/common.py ``serve``, ``KAIROS_EVENT_LOOP``)."""
+"""The services' event loop choice (kairos/runtime/service.py ``serve``, ``KAIROS_EVENT_LOOP``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import uvloop
 
-from services.common import serve
+from kairos.runtime.service import serve
 
 
 def _loop_class(monkeypatch, value: str | None) -> type:

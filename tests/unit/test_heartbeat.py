@@ -1,13 +1,13 @@
-"""Heartbeat validation (epoch + seq, future timestamps) and liveness (shared/heartbeat.py, shared/view.py)."""
+"""Heartbeat validation (epoch + seq, future timestamps) and liveness (kairos/core/cluster/heartbeat.py, kairos/services/state_aggregator/view.py)."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from shared.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
-from shared.view import ViewBuilder
-from shared.wire import NodeState
+from kairos.core.cluster.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
+from kairos.services.state_aggregator.view import ViewBuilder
+from kairos.contracts.wire import NodeState
 
 NOW = 1_700_000_000_000.0
 E1 = NOW - 60_000.0  # the agent started a minute ago

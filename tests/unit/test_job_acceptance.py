@@ -1,6 +1,6 @@
-"""Job acceptance's execution claims (services/node_agent/acceptance.py) against an in-memory
+"""Job acceptance's execution claims (kairos/services/node_agent/acceptance.py) against an in-memory
 requests bucket that behaves as nats-py's KeyValue does (tests/unit/fake_kv.py), and the node
-agent's answer to each claim outcome (services/node_agent/agent.py ``_on_job``): at most one
+agent's answer to each claim outcome (kairos/services/node_agent/agent.py ``_on_job``): at most one
 execution per bus request id — a node runs a request only when it won the claim (or holds it from
 this incarnation), never when the bus cannot answer or an earlier incarnation held it."""
 
@@ -15,13 +15,13 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from services.node_agent import acceptance
-from services.node_agent.acceptance import Claims
-from services.node_agent.agent import NodeAgent
-from services.node_agent.config import AgentConfig
-from shared import subjects as S
-from shared import telemetry
-from shared.wire import Claim, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, decode, encode, now_ms
+from kairos.services.node_agent import acceptance
+from kairos.services.node_agent.acceptance import Claims
+from kairos.services.node_agent.agent import NodeAgent
+from kairos.services.node_agent.config import AgentConfig
+from kairos.contracts import subjects as S
+from kairos.runtime import telemetry
+from kairos.contracts.wire import Claim, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, decode, encode, now_ms
 from tests.unit.fake_kv import FakeKV
 
 NOW = 1_700_000_000_000.0  #: the patched wall clock of every claim made here, ms

@@ -1,4 +1,4 @@
-"""kairos_vllm's vLLM-free parts: chunk-schedule arithmetic, the tiny model's tokenizer, the pin."""
+"""kairos.engines.vllm.plugin's vLLM-free parts: chunk-schedule arithmetic, the tiny model's tokenizer, the pin."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kairos_vllm import VLLM_VERSION
-from kairos_vllm.chunks import ChunkScheduleError, chunk_position, kairos_request_id, parse_chunks, prefill_cap
-from kairos_vllm.tiny_model import SPECIALS, VOCAB_SIZE, build_tokenizer, write_tokenizer_files
-from shared.openai_api import load_chat_template, load_tokenizer, render_chat, tokenizer_counter
+from kairos.engines.vllm.plugin import VLLM_VERSION
+from kairos.engines.vllm.plugin.chunks import ChunkScheduleError, chunk_position, kairos_request_id, parse_chunks, prefill_cap
+from kairos.engines.vllm.tiny_model import SPECIALS, VOCAB_SIZE, build_tokenizer, write_tokenizer_files
+from kairos.services.ingress.openai_api import load_chat_template, load_tokenizer, render_chat, tokenizer_counter
 from tests.vllm.chat_example import CHAT_MSGS, CHAT_TEXT  # tests/vllm/inproc checks the tiny model's template
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,13 +1,13 @@
-"""Request lanes (shared/lanes.py): which lane the ingress tries next, when a queued request moves
+"""Request lanes (kairos/runtime/lanes.py): which lane the ingress tries next, when a queued request moves
 to another lane, and the stream / bucket configs that put lane i on NATS member i."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared import subjects as S
-from shared.envconfig import ServiceConfig
-from shared.lanes import (LANE_DOWN_S, LANE_STALL_S, LanePicker, claims_bucket_config, lane_count, lane_of,
+from kairos.contracts import subjects as S
+from kairos.runtime.envconfig import ServiceConfig
+from kairos.runtime.lanes import (LANE_DOWN_S, LANE_STALL_S, LanePicker, claims_bucket_config, lane_count, lane_of,
                           lane_stream_config)
 
 T = 1000.0  #: a monotonic clock, s

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from shared.latency import LatencyModel, ProfileError, StepRecord, fit_latency_model, load_profile, mape, report_mape
+from kairos.core.model.latency import LatencyModel, ProfileError, StepRecord, fit_latency_model, load_profile, mape, report_mape
 
 TRUE = load_profile()
 
@@ -127,7 +127,7 @@ def test_fit_hygiene_rejects_invalid_and_outlier_samples_and_counts_them():
 
 
 def test_fit_above_the_mape_threshold_is_refused():
-    from shared.latency import FitRefused
+    from kairos.core.model.latency import FitRefused
 
     noisy = synthetic_records(TRUE, 600, seed=5, noise=0.2)
     with pytest.raises(FitRefused, match="MAPE above 3") as exc:

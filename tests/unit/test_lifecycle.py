@@ -1,9 +1,9 @@
-"""The ingress's per-request state machine (shared/lifecycle.py), without HTTP or a bus."""
+"""The ingress's per-request state machine (kairos/services/ingress/lifecycle.py), without HTTP or a bus."""
 
 from __future__ import annotations
 
-from shared.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
-from shared.wire import DoneEvent, ErrorEvent, TokenEvent
+from kairos.services.ingress.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
+from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
 
 
 def tok(rid: str, i: int, node: str = "decode-0", count: int = 1) -> TokenEvent:

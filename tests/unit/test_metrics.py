@@ -1,11 +1,11 @@
-"""Serving metrics (shared/metrics.py): hand-computed percentiles, SLO attainment, table."""
+"""Serving metrics (kairos/core/workload/serving_metrics.py): hand-computed percentiles, SLO attainment, table."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
-from shared.metrics import RequestRecord, format_table, summarize
+from kairos.core.workload.serving_metrics import RequestRecord, format_table, summarize
 
 KEYS = {"requests", "completed", "failed", "ttft_ms", "ttft_breakdown_p95_ms", "tbt_ms",
         "tbt_violation_rate", "tbt_gap_violation_rate", "slo_attainment", "deflections", "output_tokens_per_s",

@@ -17,9 +17,9 @@ _spec.loader.exec_module(M)
 
 
 @pytest.mark.parametrize("mutant, function", [
-    ("shared.heartbeat.xǁLivenessǁheard__mutmut_3", "shared.heartbeat.Liveness.heard"),
-    ("shared.claims.x_tombstone__mutmut_12", "shared.claims.tombstone"),
-    ("services.node_agent.acceptance.xǁClaimsǁ__init____mutmut_1", "services.node_agent.acceptance.Claims.__init__"),
+    ("kairos.core.cluster.heartbeat.xǁLivenessǁheard__mutmut_3", "kairos.core.cluster.heartbeat.Liveness.heard"),
+    ("kairos.runtime.claims.x_tombstone__mutmut_12", "kairos.runtime.claims.tombstone"),
+    ("kairos.services.node_agent.acceptance.xǁClaimsǁ__init____mutmut_1", "kairos.services.node_agent.acceptance.Claims.__init__"),
 ])
 def test_a_mutant_name_names_the_function_it_mutates(mutant, function):
     assert M.function_of(mutant) == function

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from services.dispatcher.config import DispatcherConfig
-from services.dispatcher.service import Dispatcher
-from services.ingress.config import IngressConfig
-from services.ingress.service import Ingress
-from services.node_agent.agent import NodeAgent
-from services.node_agent.config import AgentConfig
-from services.state_aggregator.config import AggregatorConfig
-from services.state_aggregator.service import StateAggregator
-from shared.telemetry import metric_names
+from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.services.dispatcher.service import Dispatcher
+from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.service import Ingress
+from kairos.services.node_agent.agent import NodeAgent
+from kairos.services.node_agent.config import AgentConfig
+from kairos.services.state_aggregator.config import AggregatorConfig
+from kairos.services.state_aggregator.service import StateAggregator
+from kairos.runtime.telemetry import metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "grafana" / "kairos-dashboard.json"

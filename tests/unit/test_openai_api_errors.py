@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared import openai_api as oa
+from kairos.services.ingress import openai_api as oa
 
 MODELS = ["m"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared import openai_api as oa
-from shared.wire import SamplingParams
+from kairos.services.ingress import openai_api as oa
+from kairos.contracts.wire import SamplingParams
 
 MODELS = ["m"]
 BASE = {"completions": {"model": "m", "prompt": "hello"},
@@ -212,7 +212,7 @@ def test_readme_parameter_table_is_the_code_table():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     m = re.search(r"<!-- openai-params:begin -->\n(.*?)<!-- openai-params:end -->", readme, re.S)
     assert m, "README lacks the generated OpenAI parameter table"
-    assert m.group(1) == oa.parameter_table_markdown(), "README table differs: python -m shared.openai_api"
+    assert m.group(1) == oa.parameter_table_markdown(), "README table differs: python -m kairos.services.ingress.openai_api"
 
 
 def test_vllm_bench_serve_payloads_are_accepted():

@@ -1,4 +1,4 @@
-"""Who sent a bus message (shared/origin.py): the subject the bus proves, never the body; a
+"""Who sent a bus message (kairos/contracts/origin.py): the subject the bus proves, never the body; a
 JetStream delivery is nobody's. Refusals are counted per kind and logged; nothing else is."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from shared.origin import OriginGuard, forged_counter
+from kairos.contracts.origin import OriginGuard, forged_counter
 
 METRIC = "kairos_ingress_forged_messages_total"
-#: the kinds docs/observability lists for the counter (shared/origin.py FORGED_KINDS), written out
+#: the kinds docs/observability lists for the counter (kairos/contracts/origin.py FORGED_KINDS), written out
 KINDS = ("heartbeat", "step_record", "out_event", "kv_handoff", "kv_done", "job")
 
 

@@ -1,10 +1,10 @@
-"""Which senders the ingress accepts an attempt's out events from (services/ingress/senders.py)."""
+"""Which senders the ingress accepts an attempt's out events from (kairos/services/ingress/senders.py)."""
 
 from __future__ import annotations
 
-from services.ingress.senders import HOLD_MAX, Senders
-from shared import subjects as S
-from shared.wire import DoneEvent, ErrorEvent, HandoffEvent, TokenEvent
+from kairos.services.ingress.senders import HOLD_MAX, Senders
+from kairos.contracts import subjects as S
+from kairos.contracts.wire import DoneEvent, ErrorEvent, HandoffEvent, TokenEvent
 
 RID = "cmpl-1"
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from services.node_agent.backend import EmulatedBackend
-from shared.engine import GroundTruth
-from shared.wire import InferenceRequest
+from kairos.engines.base import EmulatedBackend
+from kairos.core.engine import GroundTruth
+from kairos.contracts.wire import InferenceRequest
 from tests.factories import tiny_model
 
 # the node believes ~2-6 ms steps (the tiny model scaled down 10x) ...
@@ -25,7 +25,7 @@ SCALE = 1.3
 
 
 def truth_ms(B: int, K: int, p: int, c: float) -> float:
-    """The truth's formulas written out (shared/latency.py module docstring), × SCALE."""
+    """The truth's formulas written out (kairos/core/model/latency.py module docstring), × SCALE."""
     if p == 0:
         t = 4.0 + 0.05 * B + 0.0002 * K
     elif B == 0:

@@ -1,9 +1,9 @@
 """The bus permission table against a spec written from intent (docs/security.md), not from the
 generator: for each role, the exact subjects it may publish and subscribe to — bus subjects, KV
 keys it may write (``$KV.<bucket>.<key>``), the JetStream API calls that read buckets and streams —
-as literal patterns typed from the docs' table and rules, never built with ``shared.permissions``
-or ``shared.subjects``. Then every role is tried on a concrete subject of every subject builder,
-constant and bucket of ``shared/subjects.py`` (its own node's, another node's, every user's): the
+as literal patterns typed from the docs' table and rules, never built with ``kairos.contracts.permissions``
+or ``kairos.contracts.subjects``. Then every role is tried on a concrete subject of every subject builder,
+constant and bucket of ``kairos/contracts/subjects.py`` (its own node's, another node's, every user's): the
 table must allow exactly what the spec allows and deny everything else.
 
 The same spec is tried against a real nats-server running the committed ``ops/nats/auth.conf`` by
@@ -17,8 +17,8 @@ import inspect
 
 import pytest
 
-from shared import permissions as P
-from shared import subjects as S
+from kairos.contracts import permissions as P
+from kairos.contracts import subjects as S
 
 #: the node agents of the compose deployment (ops/nats/auth.conf)
 NODES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
@@ -159,10 +159,10 @@ def test_covers_is_nats_matching():
     assert not covers("a.b", "a.c") and not covers("a.b.c", "a.b")
 
 
-# --- every builder of shared/subjects.py, as concrete subjects ------------------------------------
+# --- every builder of kairos/contracts/subjects.py, as concrete subjects ------------------------------------
 
 RID = "cmpl-1"
-#: every subject/key builder and name of shared/subjects.py this module tries; a new one fails
+#: every subject/key builder and name of kairos/contracts/subjects.py this module tries; a new one fails
 #: test_every_builder_of_subjects_py_is_tried until it is added here (and to the spec)
 BUILDERS = {
     "state_subject", "steps_subject", "jobs_subject", "kv_subject", "kv_wildcard", "kvdone_subject",

@@ -2,7 +2,15 @@
 
 import pytest
 
-from shared.policy import POLICIES, PolicyError, PolicyParams, parse_policies, parse_policy
+from kairos.core.policy import POLICIES
+
+from kairos.core.policy import PolicyError
+
+from kairos.core.policy import PolicyParams
+
+from kairos.core.policy import parse_policies
+
+from kairos.core.policy import parse_policy
 from tests.factories import snapshot, tiny_model
 
 M = tiny_model()

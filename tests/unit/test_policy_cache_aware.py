@@ -13,9 +13,10 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from shared.latency import load_profile
-from shared.policy import PolicyParams, parse_policy
-from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from kairos.core.model.latency import load_profile
+from kairos.core.policy import PolicyParams
+from kairos.core.policy import parse_policy
+from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
 from tests.unit.test_policy_properties import reference_schedule  # Algorithm 1's loop, from a cached prefix c0
 
 MODEL = load_profile()

@@ -1,4 +1,4 @@
-"""The pieces every policy shares (shared/policy/common.py), by hand with the tiny model
+"""The pieces every policy shares (kairos/core/policy/common.py), by hand with the tiny model
 (tests/factories.py): the cached-prefix cap, the prefill node of Eq. 1 and its kairos+ terms, the
 keep path's KV receiver and the static policies' deflection target."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.policy import PolicyParams
-from shared.policy.common import best_prefill, deflect_target, keep_receiver, least_loaded_decode, request_hit
-from shared.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from kairos.core.policy import PolicyParams
+from kairos.core.policy.common import best_prefill, deflect_target, keep_receiver, least_loaded_decode, request_hit
+from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
 from tests.factories import tiny_model
 
 M = tiny_model()
@@ -94,7 +94,7 @@ def test_deflect_target_avoids_nodes_with_a_deflection_in_flight():
 def test_the_kv_estimate_uses_the_link_the_params_name():
     # a second link, "slow": 5 ms + t·1000 B / 0.1 GB/s = 5 + t/100 ms; ℓ = 250 → 7.5 ms (the
     # default link "l": 1 + 250/1000 = 1.25 ms)
-    from shared.latency import LinkModel
+    from kairos.core.model.latency import LinkModel
 
     two = tiny_model(links={"l": LinkModel(bandwidth_gb_s=1.0, setup_ms=1.0),
                             "slow": LinkModel(bandwidth_gb_s=0.1, setup_ms=5.0)})

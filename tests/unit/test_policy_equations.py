@@ -3,8 +3,10 @@
 import msgspec
 import pytest
 
-from shared.policy import PolicyParams, parse_policy
-from shared.policy.estimates import decode_schedule, expand_runs, prefill_exec_ms, prefill_queue_wait_ms
+from kairos.core.policy import PolicyParams
+
+from kairos.core.policy import parse_policy
+from kairos.core.policy.estimates import decode_schedule, expand_runs, prefill_exec_ms, prefill_queue_wait_ms
 from tests.factories import snapshot, tiny_model
 
 M = tiny_model()
@@ -101,7 +103,7 @@ def test_keep_goes_to_lowest_ttft_prefill_node_and_least_loaded_decode():
 # -- Eq. 1 and Eq. 3 from a cached prefix ---------------------------------------------------------
 
 def test_eq1_is_queue_wait_plus_prefill_exec():
-    from shared.policy.estimates import prefill_ttft_ms
+    from kairos.core.policy.estimates import prefill_ttft_ms
 
     # W(Σℓ = 400, χ_p = 100) = 88 (test_eq2) + T_pf(250, χ_p = 100) = 57 (test_eq3) = 145
     assert prefill_ttft_ms(M, 250, [300, 100], 100) == pytest.approx(145.0)
@@ -120,7 +122,7 @@ def test_eq3_from_a_cached_prefix_computes_only_the_rest():
 # -- Eq. 5–6: the schedule's runs, from a cached prefix ------------------------------------------
 
 def test_eq5_eq6_runs_carry_their_tokens_cache_and_first_step():
-    from shared.policy.estimates import ChunkRun
+    from kairos.core.policy.estimates import ChunkRun
 
     # the schedule of test_eq5_eq6_schedule_by_hand, run by run (ChunkRun(χ, steps, p, first c,
     # last step's p, first step, first ms, slope, last ms)): 110 once (p = 100, 60.01 next);
@@ -193,7 +195,7 @@ FIXED_CASES = [
 
 @pytest.mark.parametrize("ell, chi, cached, chis, steps", FIXED_CASES)
 def test_fixed_chunk_schedule(ell, chi, cached, chis, steps):
-    from shared.policy.estimates import fixed_chunk_steps
+    from kairos.core.policy.estimates import fixed_chunk_steps
 
     args = (M, 10, 1000, ell, chi) + ((cached,) if cached else ())  # c = 0 is the default
     got_chis, got_steps = fixed_chunk_steps(*args)
@@ -202,7 +204,7 @@ def test_fixed_chunk_schedule(ell, chi, cached, chis, steps):
 
 
 def test_a_sweep_is_grown_only_as_far_as_asked():
-    from shared.policy.estimates import decode_sweep
+    from kairos.core.policy.estimates import decode_sweep
 
     # test_eq5_eq6_schedule_by_hand's node (c = 0 by default): its first run (χ = 110, one step)
     # covers exactly 100 tokens, the second (χ = 60, four steps of 50) 300
@@ -214,7 +216,7 @@ def test_a_sweep_is_grown_only_as_far_as_asked():
 
 
 def test_no_schedule_is_longer_than_the_request_limit():
-    from shared.snapshot import MAX_TOKENS_PER_REQUEST
+    from kairos.core.cluster.snapshot import MAX_TOKENS_PER_REQUEST
 
     # T = 20 + B + K/2^20 + p/8, binary-exact: B = 1, K = 0, 𝒳 = (1001, 9). χ = 1001 (p = 1000)
     # starts at 146 and grows by 2^-20 per step; a limit of 146 + 999999·2^-20 allows 10^6 steps,
@@ -276,14 +278,14 @@ def test_why_each_decode_node_could_not_take_the_request():
 
 
 def _node(node_id, B, in_flight=(), flag=False, **kw):
-    from shared.snapshot import DecodeNodeView, InFlightDeflection
+    from kairos.core.cluster.snapshot import DecodeNodeView, InFlightDeflection
 
     return DecodeNodeView(id=node_id, batch_size=B, kv_tokens=0, deflection_in_flight=flag,
                           in_flight=[InFlightDeflection(prompt_tokens=t) for t in in_flight], **kw)
 
 
 def test_kairos_plus_projects_the_deflections_in_flight():
-    from shared.snapshot import ClusterSnapshot, PrefillNodeView, RequestView
+    from kairos.core.cluster.snapshot import ClusterSnapshot, PrefillNodeView, RequestView
 
     nodes = [
         # a 32-token deflection runs first: one χ = 72 step carrying 32 tokens, 28 + 4 = 32; then
@@ -317,7 +319,7 @@ def test_kairos_plus_projects_the_deflections_in_flight():
 
 
 def test_kairos_plus_correction_scales_the_estimate_and_tightens_eq5():
-    from shared.snapshot import ClusterSnapshot, PrefillNodeView, RequestView
+    from kairos.core.cluster.snapshot import ClusterSnapshot, PrefillNodeView, RequestView
 
     # bias 2: TTFT_dec and the predicted step 2 · 36 = 72; safety 1.25: 36 > 40 / 1.25 = 32 → unsafe
     nodes = [_node("biased", 8, step_bias=2.0), _node("unsure", 8, step_safety=1.25)]
@@ -380,7 +382,7 @@ def test_decisions_under_two_models_use_each_models_own_sweeps():
 def test_a_sweep_cache_is_never_another_models_even_under_a_reused_id():
     # CPython reuses the id of a freed object: a cache left under a new model's id by a model
     # that is gone must not be handed to the new one
-    from shared.policy import estimates as E
+    from kairos.core.policy import estimates as E
 
     old, new = tiny_model(), tiny_model(decode_intercept_ms=30.0)
     stale = E.sweep_cache(old)

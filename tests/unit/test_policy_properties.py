@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.latency import load_profile
-from shared.policy import PolicyParams, parse_policy
-from shared.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
+from kairos.core.model.latency import load_profile
+from kairos.core.policy import PolicyParams
+from kairos.core.policy import parse_policy
+from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, PrefillNodeView, RequestView
 
 MODEL = load_profile()
 KAIROS = parse_policy("kairos")

@@ -1,5 +1,5 @@
-"""Prefix caches: the engine's block-hash cache (shared/engine/prefix.py), its use by the engine
-model, the view's prefix index (shared/prefix.py) and the Mooncake trace's hashes."""
+"""Prefix caches: the engine's block-hash cache (kairos/core/engine/prefix.py), its use by the engine
+model, the view's prefix index (kairos/core/cluster/prefix_index.py) and the Mooncake trace's hashes."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.engine import Engine, EngineConfig
-from shared.engine.prefix import PrefixCache
-from shared.latency import load_profile
-from shared.prefix import PrefixIndex
-from shared.workloads import BUNDLED_TRACES, MOONCAKE_BLOCK_TOKENS, TRACES_DIR, load_mooncake_jsonl
+from kairos.core.engine import Engine
+
+from kairos.core.engine import EngineConfig
+from kairos.core.engine.prefix import PrefixCache
+from kairos.core.model.latency import load_profile
+from kairos.core.cluster.prefix_index import PrefixIndex
+from kairos.core.workload.workloads import BUNDLED_TRACES, MOONCAKE_BLOCK_TOKENS, TRACES_DIR, load_mooncake_jsonl
 
 MODEL = load_profile()
 
@@ -246,7 +248,7 @@ def test_mooncake_trace_carries_its_hash_ids() -> None:
 
 # -- hashes and the heartbeat feed -----------------------------------------------------------
 def test_hash_chains_identify_prefixes() -> None:
-    from shared.prefix import request_block_hashes, text_block_hashes, token_block_hashes
+    from kairos.core.cluster.prefix_index import request_block_hashes, text_block_hashes, token_block_hashes
 
     a = token_block_hashes(list(range(40)), 16)
     b = token_block_hashes(list(range(32)) + [7] * 8, 16)
@@ -267,7 +269,7 @@ def test_hash_values_are_the_chained_blake2b_digests() -> None:
     import hashlib
     import struct
 
-    from shared.prefix import chain_hashes, request_block_hashes, text_block_hashes, token_block_hashes
+    from kairos.core.cluster.prefix_index import chain_hashes, request_block_hashes, text_block_hashes, token_block_hashes
 
     d0 = hashlib.blake2b(b"abcd", digest_size=8).digest()
     d1 = hashlib.blake2b(d0 + b"efgh", digest_size=8).digest()  # the second block digests the first's hash
@@ -318,9 +320,9 @@ def test_heartbeat_feed_resyncs_after_a_lost_heartbeat() -> None:
 
 
 def test_emulated_backend_reports_what_its_engine_caches() -> None:
-    from services.node_agent.backend import EmulatedBackend
+    from kairos.engines.base import EmulatedBackend
 
-    from shared.wire import InferenceRequest
+    from kairos.contracts.wire import InferenceRequest
 
     def req(rid: str, prompt: int) -> InferenceRequest:
         return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=1, created_unix_ms=0.0,
@@ -343,9 +345,9 @@ def test_a_full_cache_sync_fits_one_nats_message_and_keeps_the_recent_chains() -
     the full sync carries the most recently used ones — the last request's chain whole — the
     encoded heartbeat stays under the limit, and a delta too large for one heartbeat becomes such
     a full sync."""
-    from services.node_agent.backend import EmulatedBackend
+    from kairos.engines.base import EmulatedBackend
 
-    from shared.wire import CACHE_SYNC_MAX_HASHES, NodeState, encode
+    from kairos.contracts.wire import CACHE_SYNC_MAX_HASHES, NodeState, encode
 
     be = EmulatedBackend("decode", MODEL)
     cache = be.engine.cache

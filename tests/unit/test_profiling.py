@@ -8,10 +8,10 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
-from shared.latency import load_profile
-from shared.profiling import GRIDS, ProfileGrid, decode_spread, fit_summary, step_records
-from shared.wire import StepRecordEvent
+from kairos.cli.main import main
+from kairos.core.model.latency import load_profile
+from kairos.core.model.profiling import GRIDS, ProfileGrid, decode_spread, fit_summary, step_records
+from kairos.contracts.wire import StepRecordEvent
 
 
 def test_mixed_plan_leaves_out_chunks_that_carry_no_prompt_tokens():
@@ -103,7 +103,7 @@ def test_the_cpu_testbed_grid_covers_the_testbeds_operating_region_within_its_en
     long prefixes. The grid reaches each, and every request fits the engine (a prefill-only run
     longer than the context is shortened to it, the profiler's rule; prefixed mixed runs that do not
     fit are left out)."""
-    from shared.profiling import PREFIX_STEP_TOKENS, prefix_schedule
+    from kairos.core.model.profiling import PREFIX_STEP_TOKENS, prefix_schedule
 
     e, g = load_profile("cpu-testbed-vllm").engine, GRIDS["cpu-testbed"]
     assert max(g.contexts) >= 1750 and max(g.prefill_chunks) == e.max_num_batched_tokens
@@ -118,7 +118,7 @@ def test_the_cpu_testbed_grid_covers_the_testbeds_operating_region_within_its_en
 
 
 def test_prefix_schedule_computes_the_prefix_in_steps_of_the_step_size():
-    from shared.profiling import PREFIX_STEP_TOKENS, prefix_schedule
+    from kairos.core.model.profiling import PREFIX_STEP_TOKENS, prefix_schedule
 
     assert prefix_schedule(0, 4) == []
     assert prefix_schedule(1000, 4) == [PREFIX_STEP_TOKENS, 1000 - (PREFIX_STEP_TOKENS - 4) + 4]
@@ -144,7 +144,7 @@ def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_thresh
         assert fit["samples"][kind] >= 50, kind
     assert m.mape["decode"] <= 1.25 * meta["decode_spread"]["mape"]
     assert len(meta["load_average"]["before"]) == 3
-    # limits a vLLM server gets from it (kairos/engines.py): the tiny model's context, measured KV capacity
+    # limits a vLLM server gets from it (kairos/engines/vllm/launch.py): the tiny model's context, measured KV capacity
     assert (m.engine.max_model_len, m.engine.kv_capacity_tokens) == (2048, meta["idle_free_kv_tokens"])
     # 2 layers × K and V × 2 KV heads × 64 × float32
     card = meta["model_card"]
@@ -154,7 +154,7 @@ def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_thresh
 def test_the_committed_cpu_testbed_vllm_artifact_is_a_measurement_of_the_testbed_model():
     """cpu-testbed-vllm (what `kairos up/demo --engine vllm` use) is fitted by `kairos profile --vllm`
     on the testbed model; engine facts measured (KV capacity) or derived from its architecture (KV
-    bytes per token, kairos.profile.measured_engine_facts), MAPEs under its recorded threshold."""
+    bytes per token, kairos.cli.profile.measured_engine_facts), MAPEs under its recorded threshold."""
     m = load_profile("cpu-testbed-vllm")
     meta, fit = m.metadata, m.metadata["fit"]
     assert meta["provenance"] == "kairos profile" and meta["command"].startswith("kairos profile --vllm")
@@ -168,8 +168,8 @@ def test_the_committed_cpu_testbed_vllm_artifact_is_a_measurement_of_the_testbed
 
 
 def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
-    from kairos.demo import VLLM_AB_RPS
-    from kairos.profile import ProfileOptions
+    from kairos.cli.demo import VLLM_AB_RPS
+    from kairos.cli.profile import ProfileOptions
 
     v = ProfileOptions(vllm=True)
     assert (v.grid, v.background, v.base_profile, v.served_model, v.publish) == \
@@ -195,7 +195,7 @@ def test_profile_options_fill_the_engine_defaults_as_the_cli_does():
     (dict(vllm=True, testbed="bursty", co_load=True), "--testbed"),
 ])
 def test_profile_options_refuse_what_cannot_run_from_python_too(kw, option):
-    from kairos.profile import ProfileOptions, ProfileOptionsError
+    from kairos.cli.profile import ProfileOptions, ProfileOptionsError
 
     with pytest.raises(ProfileOptionsError) as err:
         ProfileOptions(**kw)
@@ -203,7 +203,7 @@ def test_profile_options_refuse_what_cannot_run_from_python_too(kw, option):
 
 
 def test_warmup_steps_are_the_first_of_each_prefill_composition_in_step_order():
-    from shared.profiling import warmup_steps
+    from kairos.core.model.profiling import warmup_steps
 
     def ev(step, b, p):
         return StepRecordEvent(node="d0", role="decode", step=step, started_unix_ms=0.0, wall_ms=1.0,

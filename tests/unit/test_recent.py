@@ -1,6 +1,6 @@
 import pytest
 
-from shared.recent import RecentIds
+from kairos.core.cluster.recent import RecentIds
 
 
 def test_remembers_the_last_capacity_ids_and_forgets_the_oldest_first():

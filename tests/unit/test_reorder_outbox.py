@@ -1,13 +1,13 @@
-"""Tokens ahead of a gap wait for it (services/ingress/reorder.py), and the agent keeps what it
-published lately for a resend after a reconnect (services/node_agent/outbox.py)."""
+"""Tokens ahead of a gap wait for it (kairos/services/ingress/reorder.py), and the agent keeps what it
+published lately for a resend after a reconnect (kairos/services/node_agent/outbox.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.ingress.reorder import Reorder
-from services.node_agent.outbox import Outbox
-from shared.wire import DoneEvent, TokenEvent
+from kairos.services.ingress.reorder import Reorder
+from kairos.services.node_agent.outbox import Outbox
+from kairos.contracts.wire import DoneEvent, TokenEvent
 
 
 class Clock:

@@ -1,5 +1,5 @@
-"""The reproduction report tells the truth by construction: its prose (sim/report_template.md,
-sim/report_notes.md) holds no typed-in figure — every number is a placeholder the report run fills
+"""The reproduction report tells the truth by construction: its prose (tools/docgen/templates/report_template.md,
+tools/docgen/templates/report_notes.md) holds no typed-in figure — every number is a placeholder the report run fills
 from its own rows — and every placeholder the notes use is one the report provides."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import sim.report as report
-from kairos.docgen import figures_outside
+import tools.docgen.reproduction as report
+from tools.docgen.docgen import figures_outside
 
-SIM = Path(report.__file__).parent
+SIM = Path(report.__file__).parent / "templates"
 PROSE = [SIM / "report_template.md", SIM / "report_notes.md"]
 
-#: the scanner README/docs use too (kairos/docgen.py): digits that are names, not figures, are allowed
+#: the scanner README/docs use too (tools/docgen/docgen.py): digits that are names, not figures, are allowed
 figures_outside_placeholders = figures_outside
 
 

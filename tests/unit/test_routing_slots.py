@@ -3,9 +3,9 @@
 import msgspec
 import pytest
 
-from shared import subjects as S
-from shared.routing import build_snapshot, job_refusal
-from shared.wire import ClusterView, InferenceRequest, NodeView, Reservation
+from kairos.contracts import subjects as S
+from kairos.core.cluster.routing import build_snapshot, job_refusal
+from kairos.contracts.wire import ClusterView, InferenceRequest, NodeView, Reservation
 
 
 def node(name, role):
@@ -75,14 +75,14 @@ def test_agent_refuses_a_deflection_beyond_its_slots(deflecting, slots, refused)
 
 
 def routed(rid, node, accepted, prompt=1000, kind="prefill"):
-    from shared.wire import RoutedEvent
+    from kairos.contracts.wire import RoutedEvent
 
     return RoutedEvent(request_id=rid, kind=kind, node=node, decode_node="decode-0", prompt_tokens=prompt,
                        output_tokens=5, node_accepted_unix_ms=accepted)
 
 
 def test_fold_recent_adds_only_jobs_the_view_does_not_have_yet():
-    from shared.routing import fold_recent
+    from kairos.core.cluster.routing import fold_recent
 
     p0 = msgspec.structs.replace(VIEW.nodes[0], state_sent_unix_ms=500.0, queue_prompt_tokens=[700],
                                  pending_ids=["seen"], pending_routed=1)

@@ -1,6 +1,6 @@
 """Contract C: SamplingParams travels on InferenceRequest; sampling_body() gives vLLM body fields."""
 
-from shared.wire import DoneEvent, InferenceRequest, SamplingParams, decode, encode, sampling_body
+from kairos.contracts.wire import DoneEvent, InferenceRequest, SamplingParams, decode, encode, sampling_body
 
 
 def _req(**kw) -> InferenceRequest:

@@ -11,12 +11,13 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
-from shared.latency import load_profile
-from shared.policy import PolicyParams, parse_policy
-from shared.workloads import generate
-from sim.experiments import run_one
-from sim.simulator import SimConfig, Simulator
+from kairos.cli.main import main
+from kairos.core.model.latency import load_profile
+from kairos.core.policy import PolicyParams
+from kairos.core.policy import parse_policy
+from kairos.core.workload.workloads import generate
+from kairos.sim.experiments import run_one
+from kairos.sim.simulator import SimConfig, Simulator
 
 MODEL = load_profile()
 PARAMS = PolicyParams()

@@ -1,16 +1,16 @@
-"""kairos.stepscale reads the aggregator's step counters and decode-step histogram as prometheus_client
+"""kairos.cli.stepscale reads the aggregator's step counters and decode-step histogram as prometheus_client
 exposes them (the aggregator's own metric names and buckets)."""
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from kairos.stepscale import HISTOGRAM, STEP_TIME, STEPS, parse_decode_steps, parse_step_times, step_scales, violation_rate
+from kairos.cli.stepscale import HISTOGRAM, STEP_TIME, STEPS, parse_decode_steps, parse_step_times, step_scales, violation_rate
 
 
 def _histogram(observations: dict[str, list[float]], tbt_slo_ms: float | None = None) -> str:
     """The aggregator's decode-step histogram (its own buckets) with these observations, exposed."""
     from prometheus_client import Histogram
 
-    from services.state_aggregator.service import decode_step_buckets
+    from kairos.services.state_aggregator.service import decode_step_buckets
 
     reg = CollectorRegistry()
     h = Histogram(HISTOGRAM, "decode steps", ("node",), buckets=decode_step_buckets(tbt_slo_ms), registry=reg)

@@ -7,13 +7,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.engine import Engine, EngineConfig, EngineError
-from shared.latency import load_profile
-from shared.policy import PolicyError, PolicyParams, parse_policy
-from shared.policy.estimates import fixed_chunk_steps
-from shared.snapshot import InFlightDeflection
-from shared.workloads import generate
-from sim.simulator import SimConfig, Simulator
+from kairos.core.engine import Engine
+
+from kairos.core.engine import EngineConfig
+
+from kairos.core.engine import EngineError
+from kairos.core.model.latency import load_profile
+from kairos.core.policy import PolicyError
+from kairos.core.policy import PolicyParams
+from kairos.core.policy import parse_policy
+from kairos.core.policy.estimates import fixed_chunk_steps
+from kairos.core.cluster.snapshot import InFlightDeflection
+from kairos.core.workload.workloads import generate
+from kairos.sim.simulator import SimConfig, Simulator
 from tests.factories import snapshot
 
 MODEL = load_profile()

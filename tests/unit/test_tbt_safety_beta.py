@@ -1,4 +1,4 @@
-"""β from a fitted profile's own step noise (shared.latency.tbt_safety_beta) and where the vLLM
+"""β from a fitted profile's own step noise (kairos.core.model.latency.tbt_safety_beta) and where the vLLM
 testbed uses it (kairos up/demo --engine vllm without --beta).
 
 Truth for the fit report: the noise the records were generated with (a lognormal factor of known
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
-from shared.latency import StepRecord, fit_latency_model, load_profile, step_noise_sigma, tbt_safety_beta
+from kairos.cli.main import main
+from kairos.core.model.latency import StepRecord, fit_latency_model, load_profile, step_noise_sigma, tbt_safety_beta
 
 SIGMA = 0.12  #: log-sd of the generated steps' noise
 
@@ -56,13 +56,13 @@ def test_beta_is_one_without_a_noise_report_or_without_noise_and_refuses_unknown
 
 
 def test_the_vllm_testbed_plans_with_the_profiles_beta_unless_beta_is_given(monkeypatch, tmp_path):
-    import kairos.demo
-    from kairos.demo import VLLM_DEMO
-    import kairos.up
+    import kairos.cli.demo
+    from kairos.cli.demo import VLLM_DEMO
+    import kairos.cli.up
 
     seen: list = []
-    monkeypatch.setattr(kairos.up, "run_up", lambda opts: seen.append(opts) or 0)
-    monkeypatch.setattr(kairos.demo, "run_demo", lambda opts, **kw: seen.append(opts) or 0)
+    monkeypatch.setattr(kairos.cli.up, "run_up", lambda opts: seen.append(opts) or 0)
+    monkeypatch.setattr(kairos.cli.demo, "run_demo", lambda opts, **kw: seen.append(opts) or 0)
     want = tbt_safety_beta(load_profile("cpu-testbed-vllm"))
     assert want < 1.0  # the committed testbed profile measured its noise
     vllm = ["up", "--engine", "vllm", "--model", str(tmp_path)]

@@ -1,4 +1,4 @@
-"""shared.telemetry: exporter choice from OTEL_* variables, the span file, W3C propagation through
+"""kairos.runtime.telemetry: exporter choice from OTEL_* variables, the span file, W3C propagation through
 header dicts, and log lines (JSON with request and trace ids; console on a TTY)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import structlog
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import set_span_in_context
 
-from shared import telemetry
-from shared.tracefile import parse_span
+from kairos.runtime import telemetry
+from kairos.cli.trace import parse_span
 
 
 def _exporters(provider) -> list[str]:

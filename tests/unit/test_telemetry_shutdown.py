@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import sys, time
-from shared import telemetry
+from kairos.runtime import telemetry
 tel = telemetry.setup("ingress", "shutdown-test", log_format="json")
 for _ in range(50):
     with tel.tracer.start_as_current_span("work"):

@@ -1,4 +1,4 @@
-"""shared.tracefile (pure) and ``kairos trace`` (exit codes, env default, --json) on hand-built span files."""
+"""kairos.cli.trace (pure) and ``kairos trace`` (exit codes, env default, --json) on hand-built span files."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import main
-from shared.tracefile import TraceLookupError, find_spans, parse_span, render_trace, trace_report
+from kairos.cli.main import main
+from kairos.cli.trace import TraceLookupError, find_spans, parse_span, render_trace, trace_report
 
 T = "4bf92f3577b34da6a3ce929d0e0e4736"
 T2 = "00000000000000000000000000000abc"

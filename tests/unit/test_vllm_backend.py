@@ -12,14 +12,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kairos_vllm.protocol import DeflectedChunk, EngineSnapshot, PrefillChunk, StepRecord, WaitingRequest
-from services.node_agent.config import AgentConfig
-from services.node_agent.vllm_backend import VllmBackend, step_output
-from shared.envconfig import ConfigError
-from shared.latency import load_profile
-from shared.vllm_api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, kv_block_count,
+from kairos.engines.vllm.plugin.protocol import DeflectedChunk, EngineSnapshot, PrefillChunk, StepRecord, WaitingRequest
+from kairos.services.node_agent.config import AgentConfig
+from kairos.engines.vllm.backend import VllmBackend, step_output
+from kairos.runtime.envconfig import ConfigError
+from kairos.core.model.latency import load_profile
+from kairos.engines.vllm.api import (EngineApiError, cached_tokens, decode_body, engine_prefill_chunks, kv_block_count,
                              parse_sse_line, prefill_body, prefill_result)
-from shared.wire import InferenceRequest, Job, KvHandoff, SamplingParams, decode, encode
+from kairos.contracts.wire import InferenceRequest, Job, KvHandoff, SamplingParams, decode, encode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -261,9 +261,9 @@ def test_agent_config_requires_the_engine_url_and_state_stream_for_vllm():
 
 
 def vllm_plan(tmp_path, monkeypatch) -> list:
-    """``kairos up --engine vllm`` 1P1D's children (:func:`kairos.up.plan`; this python stands in
+    """``kairos up --engine vllm`` 1P1D's children (:func:`kairos.cli.up.plan`; this python stands in
     for the vLLM one, nothing is started)."""
-    from kairos.up import UpOptions, plan
+    from kairos.cli.up import UpOptions, plan
 
     monkeypatch.setenv("KAIROS_VLLM_PYTHON", sys.executable)
     (tmp_path / "model").mkdir()
@@ -274,9 +274,9 @@ def vllm_plan(tmp_path, monkeypatch) -> list:
 
 
 def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypatch):
-    from kairos.up import ENGINE_NICE, UpOptions, plan
-    from shared.envconfig import from_env
-    from services.ingress.config import IngressConfig
+    from kairos.cli.up import ENGINE_NICE, UpOptions, plan
+    from kairos.runtime.envconfig import from_env
+    from kairos.services.ingress.config import IngressConfig
 
     children = vllm_plan(tmp_path, monkeypatch)
     by = {c.name: c for c in children}
@@ -288,13 +288,13 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
         # the control plane (at nice 15 any nice-0 process took ~97 % of the engine's core)
         assert argv[:3] == ["taskset", "-c", str(k % (os.cpu_count() or 1))] and ENGINE_NICE == 0
         assert eng.env["VLLM_CPU_OMP_THREADS_BIND"] == argv[2]
-        # the quiet-idle plugin (kairos_vllm.plugin) is on: NIXL progress thread delay, no shm busy loop
+        # the quiet-idle plugin (kairos.engines.vllm.plugin.general) is on: NIXL progress thread delay, no shm busy loop
         assert eng.env["KAIROS_NIXL_PROGRESS_DELAY_US"] == "1000" and eng.env["KAIROS_VLLM_MQ_BUSY_LOOP_S"] == "0"
-        assert str(ROOT / "kairos_vllm" / "plugins") in eng.env["PYTHONPATH"].split(os.pathsep)
+        assert str(ROOT / "kairos" / "engines" / "vllm" / "plugin" / "plugins") in eng.env["PYTHONPATH"].split(os.pathsep)
         argv = argv[3:]
         assert argv[0] == sys.executable and argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
         flag = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
-        assert flag["--scheduler-cls"] == "kairos_vllm.scheduler.KairosScheduler"
+        assert flag["--scheduler-cls"] == "kairos.engines.vllm.plugin.scheduler.KairosScheduler"
         assert json.loads(flag["--kv-transfer-config"])["kv_role"] == "kv_both"
         assert flag["--dtype"] == "float32" and flag["--max-model-len"] == "2048" and "--enforce-eager" in argv
         assert flag["--served-model-name"] == "tiny"
@@ -306,7 +306,7 @@ def test_kairos_up_vllm_plan_puts_a_server_beside_each_agent(tmp_path, monkeypat
         nixl.add(eng.env["VLLM_NIXL_SIDE_CHANNEL_PORT"])
         assert children.index(eng) < children.index(agent)
     assert len(nixl) == 2
-    from services.state_aggregator.config import AggregatorConfig
+    from kairos.services.state_aggregator.config import AggregatorConfig
     assert from_env(AggregatorConfig, env=by["state_aggregator"].env).stale_after_ms == 2000.0
     # vLLM-CPU engines: the ingress refuses what would kill them, whatever the route (issue 16 §5)
     assert from_env(IngressConfig, env=by["ingress"].env).engine_kind == "vllm-cpu"
@@ -324,9 +324,9 @@ async def test_a_keep_path_decodes_last_prompt_token_is_not_a_prefill_of_the_dec
     still starts its clock with the prefix-cache hit it ran after."""
     from opentelemetry.trace import INVALID_SPAN
 
-    from services.node_agent.agent import NodeAgent, _Req
-    from services.node_agent.backend import StepOutput
-    from services.node_agent.config import AgentConfig
+    from kairos.services.node_agent.agent import NodeAgent, _Req
+    from kairos.engines.base import StepOutput
+    from kairos.services.node_agent.config import AgentConfig
 
     agent = NodeAgent(AgentConfig(node_id="decode-0", role="decode", nats_url="nats://127.0.0.1:1", metrics_port=-1),
                       model=MODEL)

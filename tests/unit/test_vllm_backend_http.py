@@ -18,11 +18,11 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kairos_vllm.protocol import EngineSnapshot, encode
-from services.node_agent.vllm_backend import VllmBackend
-from shared.latency import load_profile
-from shared.vllm_api import EngineApiError
-from shared.wire import InferenceRequest
+from kairos.engines.vllm.plugin.protocol import EngineSnapshot, encode
+from kairos.engines.vllm.backend import VllmBackend
+from kairos.core.model.latency import load_profile
+from kairos.engines.vllm.api import EngineApiError
+from kairos.contracts.wire import InferenceRequest
 
 MODEL = load_profile("cpu-tiny-vllm")
 WAIT_S = 5.0  #: deadline of every wait on a condition
@@ -97,7 +97,7 @@ class StandIn:
 
 
 class Events:
-    """The agent's side of :class:`~services.node_agent.backend.EngineEvents`, recorded."""
+    """The agent's side of :class:`~kairos.engines.base.EngineEvents`, recorded."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -312,7 +312,7 @@ async def test_a_seeded_deflected_request_is_refused_before_it_can_kill_the_engi
     engine never sees it. Greedy seeded requests still go through."""
     import msgspec.structs
 
-    from shared.wire import SamplingParams
+    from kairos.contracts.wire import SamplingParams
 
     standin, events, make = engine
 

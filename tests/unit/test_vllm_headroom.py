@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from vllm_headroom import measured_scales, scaled_model  # noqa: E402
 
-from shared.latency import load_profile  # noqa: E402
+from kairos.core.model.latency import load_profile  # noqa: E402
 
 
 def test_prefill_and_decode_node_step_times_scale_separately():

@@ -1,4 +1,4 @@
-"""Workload loaders, windows and generators (shared/workloads.py; paper §3, Table 1)."""
+"""Workload loaders, windows and generators (kairos/core/workload/workloads.py; paper §3, Table 1)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.workloads import (
+from kairos.core.workload.workloads import (
     BUNDLED_TRACES, KINDS, TRACES_DIR, WorkloadError, WorkloadRequest, busiest_window, generate,
     load_azure_csv, load_mooncake_jsonl, load_plain_csv, load_trace, parse_workload,
     rescale_to_rps, window,
@@ -266,7 +266,7 @@ def test_parse_workload_uses_table1_rate_by_default() -> None:
 
 
 def test_busiest_suffix_takes_the_busiest_window():
-    from shared.workloads import busiest_window, load_trace, parse_workload, TRACES_DIR, BUNDLED_TRACES
+    from kairos.core.workload.workloads import busiest_window, load_trace, parse_workload, TRACES_DIR, BUNDLED_TRACES
 
     wl = parse_workload("azure-code:busiest", None, 60, seed=0)
     full = load_trace(TRACES_DIR / BUNDLED_TRACES["azure-code"], id_prefix="azure-code")

@@ -138,7 +138,7 @@ class Engine:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from kairos_vllm.tiny_model import ensure_cached
+    from kairos.engines.vllm.tiny_model import ensure_cached
 
     return str(ensure_cached())
 
@@ -155,7 +155,7 @@ def engine(tiny_model):
     try:
         llm = LLM(model=tiny_model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
                   max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=8, enable_prefix_caching=True,
-                  num_gpu_blocks_override=NUM_BLOCKS, scheduler_cls="kairos_vllm.scheduler.KairosScheduler",
+                  num_gpu_blocks_override=NUM_BLOCKS, scheduler_cls="kairos.engines.vllm.plugin.scheduler.KairosScheduler",
                   seed=0)
     finally:
         if old is None:

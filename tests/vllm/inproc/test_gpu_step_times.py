@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kairos.docgen import load_result
+from tools.docgen.docgen import load_result
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""kairos_vllm.plugin against the real vLLM and NIXL code it patches (the vLLM venv).
+"""kairos.engines.vllm.plugin.general against the real vLLM and NIXL code it patches (the vLLM venv).
 
 Truths: the kernel's CPU accounting of this process (a NIXL agent left idle), libzmq's own socket
 options, and vLLM's classes as vLLM builds them. The servers-level effects (idle engines, lost
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import zmq
 
-from kairos_vllm import plugin
+from kairos.engines.vllm.plugin import general as plugin
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def _idle_agent_cpu_share(delay_us: int | None) -> float:
     """Share of a core a fresh NIXL agent (vLLM's config: num_threads 4) uses over 1.5 s idle, in a
     child process (a NIXL agent's threads live as long as the process)."""
-    patch = f"from kairos_vllm.plugin import set_nixl_progress_delay; set_nixl_progress_delay({delay_us})" \
+    patch = f"from kairos.engines.vllm.plugin.general import set_nixl_progress_delay; set_nixl_progress_delay({delay_us})" \
         if delay_us is not None else ""
     code = textwrap.dedent(f"""
         import os, time
@@ -45,7 +45,7 @@ def test_an_idle_nixl_agent_spins_a_core_and_the_delay_stops_it():
     # NIXL's own pthrDelay 0: the progress thread spins (a whole core on an idle machine; still a
     # large share when other jobs compete for the cores, hence the ratio); the delay stops it
     assert spinning > 0.25 and spinning > 10 * delayed, (spinning, delayed)
-    assert delayed < 0.1  # kairos.engines.NIXL_PROGRESS_DELAY_US
+    assert delayed < 0.1  # kairos.engines.vllm.launch.NIXL_PROGRESS_DELAY_US
 
 
 def test_short_busy_loop_readers_and_a_lossless_writer():

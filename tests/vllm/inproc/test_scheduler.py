@@ -73,7 +73,7 @@ def test_request_without_schedule_is_unchanged(engine, recorder):
     chunked by vLLM's budget (700 > 512) beside decodes."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kairos_vllm.scheduler import KairosSchedulerMixin
+    from kairos.engines.vllm.plugin.scheduler import KairosSchedulerMixin
 
     sched = engine.sched
 
@@ -143,7 +143,7 @@ def test_prefix_hit_and_preemption_keep_the_cursor(engine, recorder):
 
 
 def test_state_stream_matches_the_scheduler(engine, recorder):
-    from kairos_vllm.subscriber import EngineStateSubscriber
+    from kairos.engines.vllm.subscriber import EngineStateSubscriber
 
     async def scenario():
         async with EngineStateSubscriber(engine.state_addr) as sub:
@@ -202,8 +202,8 @@ def test_version_guard_fails_loudly(monkeypatch):
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kairos_vllm import VLLM_VERSION
-    from kairos_vllm import scheduler as ks
+    from kairos.engines.vllm.plugin import VLLM_VERSION
+    from kairos.engines.vllm.plugin import scheduler as ks
 
     assert vllm.__version__.split("+")[0] == VLLM_VERSION, "the vLLM venv must have the pinned vLLM"
     ks.check_vllm_compat(vllm.__version__, Scheduler)
@@ -238,7 +238,7 @@ def test_settings_the_plugin_cannot_serve_refuse_to_start(engine):
     changed setting differs from a start that works."""
     import copy
 
-    from kairos_vllm import scheduler as ks
+    from kairos.engines.vllm.plugin import scheduler as ks
 
     sched = engine.sched
     args = (sched.kv_cache_config, sched.structured_output_manager, sched.block_size)

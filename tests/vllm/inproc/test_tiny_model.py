@@ -1,4 +1,4 @@
-"""The tiny model generator (kairos_vllm.tiny_model) under the vLLM venv: real, seeded weights and a
+"""The tiny model generator (kairos.engines.vllm.tiny_model) under the vLLM venv: real, seeded weights and a
 tokenizer/chat template that transformers (what vLLM uses) reads as the ingress does."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def digest(path) -> str:
 def test_weights_are_seeded_and_real(tmp_path, tiny_model):
     from safetensors.numpy import load_file
 
-    from kairos_vllm.tiny_model import generate
+    from kairos.engines.vllm.tiny_model import generate
 
     a, b, c = generate(tmp_path / "a", seed=0), generate(tmp_path / "b", seed=0), generate(tmp_path / "c", seed=1)
     assert digest(a / "model.safetensors") == digest(b / "model.safetensors")

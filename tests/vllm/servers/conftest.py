@@ -3,7 +3,7 @@ per module, a real nats-server, and the node agents in-process with the vLLM bac
 
 The servers run from the vLLM virtualenv ``$KAIROS_VLLM_PYTHON`` (``make test-vllm`` sets it); without
 it every test here is skipped. They serve the tiny random-weight model (``python -m
-kairos_vllm.tiny_model``, generated once per session; nothing is downloaded) with greedy defaults
+kairos.engines.vllm.tiny_model``, generated once per session; nothing is downloaded) with greedy defaults
 (``--override-generation-config``, so outputs are comparable). Each server gets its own core
 (``VLLM_CPU_OMP_THREADS_BIND``). Waits are on conditions with deadlines, never fixed sleeps.
 """
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from kairos.engines import VllmServer, launch_servers, make_tiny_model, stop_servers
-from kairos.up import free_port
-from shared.latency import load_profile
+from kairos.engines.vllm.launch import VllmServer, launch_servers, make_tiny_model, stop_servers
+from kairos.cli.up import free_port
+from kairos.core.model.latency import load_profile
 from tests.integration.conftest import nats_url  # noqa: F401  (the real nats-server fixture)
 
 VLLM_PYTHON = os.environ.get("KAIROS_VLLM_PYTHON")

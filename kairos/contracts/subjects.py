@@ -1,0 +1,266 @@
+"""Every NATS subject, stream, consumer and KV bucket name Kairos uses, built in one place.
+
+Where they go: the services (``kairos/services/*``) and the docs table (``docs/bus.md``). No other module
+builds a subject string, so renaming a subject is a one-line change here.
+
+Hierarchy::
+
+    kairos.req.new[.<lane>]       JetStream streams KAIROS_REQ[_<lane>] (work queue, one per NATS member): ingress -> dispatchers
+    kairos.route.decided          routing events: dispatcher -> state_aggregator
+    kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
+    kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
+    kairos.kv.<node>.<sender>     KV handoff, request-reply: prefill agent (its NATS user) -> decode agent
+    kairos.kvdone.<node>.<sender> KV pulled, release blocks: decode agent (its NATS user) -> prefill agent
+    kairos.out.<request_id>.<sender>  token stream / result / error: node agent (its NATS user), dispatcher -> ingress
+    kairos.cancel                 client went away or timed out: ingress -> node agents
+    kairos.resend                 publish your recent out events again (the ingress reconnected): ingress -> node agents
+    kairos.steps.<node>           one record per engine step: node_agent -> aggregator, profiler
+    $KV.kairos_view.view          cluster view (KV bucket kairos_view): aggregator -> dispatchers
+    $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
+    $KV.kairos_requests.<rid>.<part>[.<node>]  decision record + measured TTFT components (KV, bucket TTL)
+    $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
+    $KV.kairos_claims_<lane>.claim.<digest of rid>  the one node executing bus request <rid> (atomic create, majority of lanes)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+PREFIX = "kairos"
+
+#: JetStream work-queue stream holding client requests until a dispatcher acknowledges them
+#: (request lane 0: :func:`request_stream`).
+REQUEST_STREAM = "KAIROS_REQ"
+#: The durable pull consumer all dispatcher replicas share on each lane (work-queue semantics).
+DISPATCHER_CONSUMER = "dispatchers"
+#: Subject requests are published on (lane 0's only subject: :func:`request_subject`).
+REQUEST_SUBJECT = f"{PREFIX}.req.new"
+#: most request lanes / claim buckets: one per NATS cluster member, and JetStream clusters have
+#: at most 5 voting members per stream (nats-server refuses ``num_replicas`` > 5)
+MAX_LANES = 5
+
+
+def _lane(lane: int) -> int:
+    if not isinstance(lane, int) or not 0 <= lane < MAX_LANES:
+        raise SubjectError(f"lane {lane!r}: an integer 0..{MAX_LANES - 1}")
+    return lane
+
+
+def request_stream(lane: int) -> str:
+    """The work-queue stream of request lane ``lane`` (kairos/runtime/lanes.py): :data:`REQUEST_STREAM`
+    for lane 0 (a single nats-server has only it), ``KAIROS_REQ_<lane>`` for the others.
+    Raises SubjectError outside 0..MAX_LANES-1."""
+    return REQUEST_STREAM if _lane(lane) == 0 else f"{REQUEST_STREAM}_{lane}"
+
+
+def request_subject(lane: int) -> str:
+    """The subject of request lane ``lane`` (:data:`REQUEST_SUBJECT`, ``kairos.req.new.<lane>``)."""
+    return REQUEST_SUBJECT if _lane(lane) == 0 else f"{REQUEST_SUBJECT}.{lane}"
+
+
+def claims_bucket(lane: int) -> str:
+    """The execution-claim KV bucket of member ``lane`` (``kairos_claims_<lane>``; kairos/runtime/claims.py)."""
+    return f"kairos_claims_{_lane(lane)}"
+
+
+def lane_tag(lane: int) -> str:
+    """The ``server_tags`` entry of the NATS cluster member that holds request lane ``lane`` and
+    claim bucket ``lane`` (``kairos-lane:<lane>``; kairos/cli/natscluster.py writes it)."""
+    return f"kairos-lane:{_lane(lane)}"
+#: The cluster view, each as it is built (core NATS; the aggregator also keeps the last one in
+#: :data:`VIEW_BUCKET`): a replicated bucket electing a leader must not hold the view back.
+VIEW_SUBJECT = f"{PREFIX}.view"
+#: Routing events (decision + the node's acknowledgement time), consumed by the aggregator.
+ROUTED_SUBJECT = f"{PREFIX}.route.decided"
+#: Broadcast: abort a request (client disconnected or ingress timed out).
+CANCEL_SUBJECT = f"{PREFIX}.cancel"
+#: Broadcast: the ingress reconnected (its server died); agents publish their recent out events again.
+RESEND_SUBJECT = f"{PREFIX}.resend"
+
+#: KV bucket with the materialized cluster view (one key, :data:`VIEW_KEY`).
+VIEW_BUCKET = "kairos_view"
+VIEW_KEY = "view"
+#: KV bucket of deflection reservations, one key per decode node, per-message TTL.
+RESERVATION_BUCKET = "kairos_resv"
+#: KV bucket of per-request records (``<rid>.decision``, ``<rid>.ingress``, ``<rid>.prefill.<node>``,
+#: ``<rid>.decode.<node>``: :func:`record_key`); execution claims are in :func:`claims_bucket`.
+REQUESTS_BUCKET = "kairos_requests"
+
+#: KV bucket of latency-model artifacts written by ``kairos profile``: ``latency.<name>`` per
+#: profile, and :data:`CURRENT_MODEL_KEY`, the one dispatchers watch and hot-reload.
+MODELS_BUCKET = "kairos_models"
+CURRENT_MODEL_KEY = "latency.current"
+
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class SubjectError(ValueError):
+    """A node or request id cannot be used as a subject token (only ``[A-Za-z0-9_-]``, ≤ 128)."""
+
+
+def check_token(token: str, what: str = "id") -> str:
+    """Return ``token`` if it is a valid single subject token / KV key part, else raise."""
+    if not _TOKEN_RE.match(token):
+        shown = token if len(token) <= 140 else f"{token[:128]}… ({len(token)} characters)"
+        raise SubjectError(f"{what} {shown!r} must match [A-Za-z0-9_-]{{1,128}} (it becomes a NATS subject token)")
+    return token
+
+
+def subject_node(subject: str, build) -> str | None:
+    """The node id ``n`` for which ``build(n) == subject`` (``build``: a one-node subject builder
+    such as :func:`state_subject`, the node id its last token), else None (a subject of another
+    kind, or a JetStream delivery, which keeps its stream's subject). How a consumer learns the
+    sender of a per-node subject: the bus let only that node's agent publish there
+    (:mod:`kairos.contracts.permissions`), so the subject, not the body, names the sender."""
+    node = subject.rpartition(".")[2]
+    try:
+        return node if build(node) == subject else None
+    except SubjectError:
+        return None
+
+
+def state_subject(node: str) -> str:
+    """Heartbeat subject of ``node``."""
+    return f"{PREFIX}.state.{check_token(node, 'node id')}"
+
+
+STATE_WILDCARD = f"{PREFIX}.state.*"
+
+
+def jobs_subject(node: str) -> str:
+    """Request-reply subject on which ``node``'s agent accepts routed jobs."""
+    return f"{PREFIX}.jobs.{check_token(node, 'node id')}"
+
+
+def kv_subject(node: str, sender: str) -> str:
+    """Request-reply subject on which decode ``node``'s agent accepts KV handoffs sent by NATS user
+    ``sender`` (``agent-<prefill node>``, or ``profiler``): the bus lets each user publish only
+    under its own name, so the decode node knows who hands it a KV cache (kairos/contracts/origin.py)."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}.{check_token(sender, 'NATS user')}"
+
+
+def kv_wildcard(node: str) -> str:
+    """Every :func:`kv_subject` of decode ``node`` (its agent's one subscription)."""
+    return f"{PREFIX}.kv.{check_token(node, 'node id')}.*"
+
+
+def kvdone_subject(node: str, sender: str) -> str:
+    """Subject on which prefill ``node``'s agent learns that the decode node whose NATS user is
+    ``sender`` (``agent-<decode node>``) pulled a KV cache: the bus lets each user publish only under
+    its own name, so the prefill node knows which node says so (kairos/contracts/origin.py)."""
+    return f"{PREFIX}.kvdone.{check_token(node, 'node id')}.{check_token(sender, 'NATS user')}"
+
+
+def kvdone_wildcard(node: str) -> str:
+    """Every :func:`kvdone_subject` of prefill ``node`` (its agent's one subscription)."""
+    return f"{PREFIX}.kvdone.{check_token(node, 'node id')}.*"
+
+
+def out_subject(request_id: str, sender: str) -> str:
+    """Subject on which NATS user ``sender`` (``agent-<node>``, or ``dispatcher`` for routing
+    errors) publishes the token stream / result / error of bus request ``request_id``. The bus lets
+    each user publish only under its own name (:mod:`kairos.contracts.permissions`), so the ingress knows
+    which node sent an event and accepts only the node the request's job went to (kairos/contracts/origin.py)."""
+    return f"{PREFIX}.out.{check_token(request_id, 'request id')}.{check_token(sender, 'NATS user')}"
+
+
+def out_wildcard(request_id: str) -> str:
+    """Every sender's :func:`out_subject` of ``request_id`` (a per-request subscription)."""
+    return f"{PREFIX}.out.{check_token(request_id, 'request id')}.*"
+
+
+def out_origin(subject: str) -> tuple[str, str] | None:
+    """``(request id, sender user)`` of an :func:`out_subject`, else None (another subject, or a
+    JetStream delivery, which keeps its stream's subject)."""
+    parts = subject.split(".")
+    if len(parts) != 4 or f"{parts[0]}.{parts[1]}" != f"{PREFIX}.out":
+        return None
+    try:
+        return (parts[2], parts[3]) if out_subject(parts[2], parts[3]) == subject else None
+    except SubjectError:
+        return None
+
+
+#: Every request's token stream from every sender (an ingress's single subscription, dispatching
+#: by the request id token).
+OUT_WILDCARD = f"{PREFIX}.out.*.*"
+
+
+def reservation_key(decode_node: str, slot: int = 0) -> str:
+    """KV key (bucket :data:`RESERVATION_BUCKET`) reserving deflection slot ``slot`` of
+    ``decode_node`` (``kairos``: one slot per node, §5.3; ``kairos+``: several)."""
+    if slot < 0:
+        raise SubjectError(f"reservation slot must be >= 0, got {slot}")
+    return f"decode.{check_token(decode_node, 'node id')}.{slot}"
+
+
+def node_of_reservation_key(key: str) -> str | None:
+    """The decode node of a :func:`reservation_key` (None for a foreign key)."""
+    parts = key.split(".")
+    return parts[1] if len(parts) == 3 and parts[0] == "decode" and parts[2].isdigit() else None
+
+
+def steps_subject(node: str) -> str:
+    """Subject of ``node``'s per-step records (:class:`kairos.contracts.wire.StepRecordEvent`)."""
+    return f"{PREFIX}.steps.{check_token(node, 'node id')}"
+
+
+STEPS_WILDCARD = f"{PREFIX}.steps.*"
+
+
+def model_key(name: str) -> str:
+    """KV key (bucket :data:`MODELS_BUCKET`) of the latency artifact named ``name``."""
+    return f"latency.{check_token(name, 'profile name')}"
+
+
+RECORD_PARTS = ("decision", "prefill", "decode", "ingress")
+#: parts a node agent writes: keyed by the writing node too (:func:`record_key`)
+NODE_RECORD_PARTS = ("prefill", "decode")
+
+
+def record_key(request_id: str, part: str, node: str | None = None) -> str:
+    """KV key (bucket :data:`REQUESTS_BUCKET`) of one part of a request's record:
+    ``<rid>.decision`` (dispatcher), ``<rid>.ingress`` (ingress), and the node agents' parts
+    ``<rid>.prefill.<node>`` / ``<rid>.decode.<node>`` keyed by the node that writes them.
+
+    Why the node in the key: NATS KV records no author, so the subject is the only proof of who
+    wrote a record; an agent may write only keys ending in its own node id
+    (:mod:`kairos.contracts.permissions`), and a reader asks for the record of the node the request's claim
+    (or decision) names — another agent's record for that request is another key, never read.
+
+    Raises:
+        SubjectError: an unknown part, a node part without ``node`` (or another part with one), or
+            an id that is not a subject token.
+    """
+    if part not in RECORD_PARTS:
+        raise SubjectError(f"unknown record part {part!r}; known: {RECORD_PARTS}")
+    if (node is not None) != (part in NODE_RECORD_PARTS):
+        raise SubjectError(f"record part {part!r} is keyed by node: {NODE_RECORD_PARTS} take the node id, "
+                           f"the others none (got node={node!r})")
+    key = f"{check_token(request_id, 'request id')}.{part}"
+    return key if node is None else f"{key}.{check_token(node, 'node id')}"
+
+
+#: first token of every execution-claim key (:func:`claim_key`)
+CLAIM_PREFIX = "claim"
+
+
+def claim_key(request_id: str) -> str:
+    """KV key (in every :func:`claims_bucket`) of the execution claim of bus request ``request_id``
+    (a :class:`~kairos.contracts.wire.Claim`, created atomically by the node that runs it, or a tombstone the
+    ingress creates for an attempt it refused): ``claim.<digest>``, the first 32 hex digits of the
+    SHA-256 of the request id.
+
+    Why a digest: agents may read claims by key (a direct get names its key in the subject), and
+    nats-server answers a direct get whose key holds a literal ``*`` with the newest message
+    matching it — a permission pattern cannot tell that ``*`` from a key. Keyed by digest (and
+    the :class:`~kairos.contracts.wire.Claim` value naming no request id) such an answer names no request:
+    an agent can read only the claims of request ids it already knows (128 bits of the digest of
+    a 96-bit random id: not invertible). docs/security.md.
+
+    Raises:
+        SubjectError: ``request_id`` is not a subject token.
+    """
+    digest = hashlib.sha256(check_token(request_id, "request id").encode()).hexdigest()[:32]
+    return f"{CLAIM_PREFIX}.{digest}"

@@ -1,0 +1,545 @@
+"""Typed wire messages exchanged over NATS (JSON bodies, so ``nats sub`` shows readable text).
+
+Every message is a frozen msgspec Struct with a schema version ``v`` and units in field names.
+Subjects are in :mod:`kairos.contracts.subjects`; the table with producers/consumers is ``docs/bus.md``.
+Times named ``*_unix_ms`` are wall-clock milliseconds since the epoch *of the producing process*;
+durations are ``*_ms``. Decoding validates types and names the offending field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+import msgspec
+
+from kairos.core.model.correction import StepCorrection
+from kairos.core.policy.base import Decision
+
+SCHEMA_VERSION = 1
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+
+
+def now_ms() -> float:
+    """Wall clock in ms since the epoch (the ``*_unix_ms`` fields)."""
+    return time.time() * 1000.0
+
+
+class WireError(ValueError):
+    """A message body does not decode into its schema (the message names the field)."""
+
+
+# --------------------------------------------------------------------------------------------
+# ingress -> dispatchers (JetStream stream KAIROS_REQ, subject kairos.req.new)
+# --------------------------------------------------------------------------------------------
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Sampling parameters of one request, with the OpenAI / vLLM names (``None`` = engine default).
+
+    Carried on :class:`InferenceRequest` so every backend sees what the client asked for: a vLLM
+    backend merges :func:`sampling_body` into its ``/v1/completions`` body (the field names are
+    vLLM's ``CompletionRequest`` names, vllm/entrypoints/openai/protocol.py); the emulated engine
+    honours the ones that shape its deterministic output (``seed``, ``stop``, ``stop_token_ids``,
+    ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``; see
+    :mod:`kairos.core.engine.text`). The ingress validated the values (ranges, token ids against the
+    vocabulary) before building this.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None  #: stop strings (a single OpenAI string becomes a one-item list)
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None  #: token id (decimal string) -> bias in [-100, 100]
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+
+def sampling_body(sp: SamplingParams) -> dict:
+    """The non-``None`` fields of ``sp`` as a dict, ready to merge into a vLLM ``/v1/completions`` body."""
+    return {f: v for f in sp.__struct_fields__ if (v := getattr(sp, f)) is not None}
+
+
+class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One client request, as the ingress accepted it."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str  #: ingress-assigned id (``cmpl-…``/``chatcmpl-…``), also the out-subject token
+    model: str  #: served model name the client asked for
+    prompt_tokens: Pos  #: ℓ_r, prompt length in tokens (tokenizer count, estimate, or exact ids)
+    max_tokens: Pos  #: output tokens to generate (the emulated engine always generates all of them)
+    prompt_tokens_exact: bool = True  #: False when prompt_tokens is the documented estimate
+    prompt_text: str | None = None  #: rendered prompt text (for a real-engine backend), or None
+    prompt_token_ids: list[int] | None = None  #: token-id prompt as sent by the client, or None
+    created_unix_ms: float  #: when the ingress accepted the request
+    deadline_unix_ms: float  #: after this the ingress has answered 504; nobody should work on it
+    sampling: SamplingParams = SamplingParams()  #: the client's sampling parameters (contract C)
+    #: prefix-cache hashes of the prompt's full blocks of ``block_hash_tokens`` tokens each
+    #: (kairos/core/cluster/prefix_index.py: from the token ids, else from the text at the ingress's 4 bytes/token);
+    #: empty when the ingress hashes nothing
+    block_hashes: list[int] = []
+    block_hash_tokens: NonNeg = 0
+    #: False when the client set no max_tokens (``max_tokens`` is then the endpoint's default: 16 for
+    #: completions, the remaining context for chat); the emulated engine ends such requests with EOS
+    max_tokens_explicit: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# dispatcher -> node agent (request-reply on kairos.jobs.<node>)
+# --------------------------------------------------------------------------------------------
+
+JobKind = Literal["prefill", "deflect"]
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    """A routed request for one node: keep-path prefill on a prefill node, or a deflection."""
+
+    v: int = SCHEMA_VERSION
+    kind: JobKind  #: ``prefill`` (keep path, then KV handoff) or ``deflect`` (chunked prefill + decode here)
+    request: InferenceRequest
+    node: str  #: the node this job is for
+    #: keep path: decode nodes to hand the KV to, in order of preference (first = the decision's)
+    decode_candidates: list[str] = []
+    chunk_schedule: list[int] = []  #: deflect: χ per step (total batch tokens incl. decodes)
+    predicted_step_ms: list[float] = []  #: deflect: the policy's predicted latency per step, ms
+    #: deflect: TTL (s) of the reservation the decode node publishes while it runs this prefill
+    #: (``kairos_resv``; 0: the node's default); set from the decision (kairos.core.cluster.routing.reservation_ttl_s)
+    reservation_ttl_s: NonNeg = 0
+    #: deflect: B_n of the decode node the decision assumed (its chunk schedule's χ_i include these
+    #: B decode tokens; a vLLM engine is given p_i = χ_i − B prompt tokens per step)
+    decision_batch_size: NonNeg = 0
+    dispatcher_id: str = ""  #: replica that routed the job
+    attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
+    #: claim buckets (= request lanes, kairos/runtime/lanes.py) of the dispatcher that sent it (0: not said):
+    #: a node counting another number would take claims from another majority — it refuses the job
+    claim_buckets: NonNeg = 0
+
+
+class Claim(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of :func:`kairos.contracts.subjects.claim_key` (``claim.<digest of the bus request id>``) in the
+    ``kairos_requests`` bucket: the one node that executes this attempt. Created atomically (KV
+    ``create``) by the node agent before its engine gets the request; a second node finds it and
+    refuses (``claimed``), so a redelivered request never runs twice, whichever dispatcher and node
+    it reaches (docs/bus.md). It names no request id (an agent's wildcard get must not learn one).
+
+    A *tombstone* (``withdrawn`` set, ``node`` empty) is created by the ingress for an attempt it
+    answered with an error before any node claimed it (``enqueue_failed``: the publish may still
+    be stored): every node then finds the attempt claimed and refuses it, in whatever order the
+    request and its cancel reach the nodes."""
+
+    v: int = SCHEMA_VERSION
+    node: str  #: the node executing it ("" in a tombstone)
+    kind: JobKind
+    decode_node: str = ""  #: the job's first decode candidate (keep) or the node itself (deflect)
+    dispatcher_id: str = ""
+    attempt: NonNeg = 0  #: the job's attempt (re-route count) that won the claim
+    claimed_unix_ms: float  #: node clock (the ingress's in a tombstone)
+    #: a tombstone: the error code the ingress answered the attempt with (nobody may execute it)
+    withdrawn: str = ""
+
+
+class JobAck(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply of a node agent to a :class:`Job`."""
+
+    v: int = SCHEMA_VERSION
+    accepted: bool
+    node: str
+    #: why not (``wrong_role``, ``draining``, ``too_long``, ``claimed``, ``claim_failed``, …) or ``duplicate``
+    reason: str = ""
+    accepted_unix_ms: float = 0.0  #: node clock when the engine got the job (aggregator dedup key)
+    #: ``reason == "claimed"``: the claim of the node that already executes the request
+    claim: Claim | None = None
+    #: an accepted deflection: the reservation the node stored for it (``kairos_resv``), its key and
+    #: revision — the dispatcher applies it at once (a KV watcher may deliver it later, or never when
+    #: the node deletes it first) and ignores older watched events of that key
+    reservation: "Reservation | None" = None
+    reservation_key: str | None = None
+    reservation_revision: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# prefill agent <-> decode agent
+# --------------------------------------------------------------------------------------------
+
+class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
+    """Keep path: prefill finished on ``src_node``; the decode node should pull the KV and decode."""
+
+    v: int = SCHEMA_VERSION
+    request: InferenceRequest
+    src_node: str  #: prefill node holding the KV blocks
+    kv_tokens: NonNeg  #: KV tokens to transfer (the prompt length)
+    prefill_done_unix_ms: float
+    cached_tokens: NonNeg = 0  #: prompt tokens the prefill node served from its prefix cache
+    #: vLLM prefill node: the engine's ``kv_transfer_params`` for this KV (NIXL remote block ids,
+    #: engine id, host, port, …), passed unchanged to the decode node's engine; None when emulated
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class KvAck(msgspec.Struct, frozen=True, kw_only=True):
+    """Reply of the decode agent to a :class:`KvHandoff` (before the transfer starts)."""
+
+    v: int = SCHEMA_VERSION
+    accepted: bool
+    node: str
+    reason: str = ""
+
+
+class KvDone(msgspec.Struct, frozen=True, kw_only=True):
+    """The decode node finished pulling (``ok``) or gave up on (``not ok``) a KV cache."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    decode_node: str
+    ok: bool
+    transfer_ms: float = 0.0  #: emulated transfer time incl. waiting for the link, ms
+
+
+# --------------------------------------------------------------------------------------------
+# node agent -> aggregator (kairos.state.<node>), dispatcher -> aggregator (kairos.route.decided)
+# --------------------------------------------------------------------------------------------
+
+NodeRole = Literal["prefill", "decode"]
+
+
+class InFlight(msgspec.Struct, frozen=True):
+    """A deflected prefill still running (mirrors :class:`kairos.core.cluster.snapshot.InFlightDeflection`)."""
+
+    prompt_tokens: NonNeg  #: prefill tokens not yet computed
+    output_tokens: NonNeg = 0
+
+
+class NodeState(msgspec.Struct, frozen=True, kw_only=True):
+    """Heartbeat of one node agent: its engine state, every ``period_ms``."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    role: NodeRole
+    seq: NonNeg  #: increments per heartbeat within one incarnation (restart resets it)
+    sent_unix_ms: float
+    #: the agent's incarnation: its start time (wall clock ms); a restart is a newer epoch (kairos/core/cluster/heartbeat.py)
+    epoch_unix_ms: float = 0.0
+    period_ms: float  #: heartbeat period the agent uses
+    batch_size: NonNeg = 0  #: B_n, running decodes
+    kv_tokens: NonNeg = 0  #: K_n, cached KV tokens of those decodes
+    queue_prompt_tokens: list[NonNeg] = []  #: prefill tokens still to compute per queued request, FIFO
+    deflection_in_flight: bool = False
+    in_flight: list[InFlight] = []
+    waiting: NonNeg = 0  #: requests waiting for admission
+    free_kv_tokens: NonNeg = 0
+    running: NonNeg = 0
+    kv_backlog_ms: float = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
+    accepting: bool = True  #: False while draining
+    #: prefix-cache events (kairos/core/engine/prefix.py, kairos/core/cluster/prefix_index.py ``on_heartbeat``): the cache's
+    #: block size in tokens (0: the engine reports no cache), the block hashes stored and removed
+    #: since the previous heartbeat (net), or with ``cache_full`` the whole cache in ``cache_stored``
+    cache_block_tokens: NonNeg = 0
+    cache_stored: list[int] = []
+    cache_removed: list[int] = []
+    cache_full: bool = False
+
+
+class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """A job a node accepted; the aggregator adds it to the view until the node's state shows it."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    kind: JobKind
+    node: str  #: node that accepted the job
+    decode_node: str
+    prompt_tokens: NonNeg
+    output_tokens: NonNeg
+    node_accepted_unix_ms: float  #: from JobAck (node clock, comparable with NodeState.sent_unix_ms)
+    #: the decision's TTFT estimate for the path taken, ms (kairos.core.cluster.routing.predicted_ttft_ms; None: the
+    #: policy made none, or an adopted claim): the ingress's predicted-vs-measured TTFT metrics, without
+    #: reading the decision record back per request
+    predicted_ttft_ms: float | None = None
+    #: the request lane the routed copy came from (kairos/runtime/lanes.py; None: unknown): the ingress
+    #: credits that lane with a delivery (a lane that delivers nothing is moved away from)
+    lane: int | None = None
+
+
+class StepRecordEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One executed engine step (``kairos.steps.<node>``, core NATS), from the backend-neutral
+    ``StepOutput`` of any backend: predicted vs actual for the closed-loop correction (aggregator)
+    and the samples ``kairos profile`` fits.
+
+    ``prefill_cached`` is the token-weighted mean of the chunks' cached prompt tokens (the model's
+    ``c``/``prefill_cached`` input, exact for its bilinear features).
+    """
+
+    v: int = SCHEMA_VERSION
+    node: str
+    role: NodeRole
+    step: NonNeg
+    started_unix_ms: float
+    wall_ms: float  #: measured step time, ms
+    predicted_ms: float  #: the node's latency model on this step's batch, ms
+    batch_size: NonNeg  #: B, decodes in the step
+    kv_tokens: NonNeg  #: K, their context tokens
+    prefill_tokens: NonNeg  #: new prompt tokens in the step (all chunks)
+    prefill_cached: float = 0.0
+    prefill_chunks: NonNeg = 0  #: prefill chunks in the step
+    deflected: bool = False  #: a deflected chunk ran in this step
+    model_version: str = ""  #: ``name@version`` of the node's latency model
+
+
+#: the body of ``kairos.steps.<node>``: a batch of step records (a JSON array; node agents send one
+#: at most ``STEP_BATCH_S`` after its first step) or a single record (a JSON object, as tools may send)
+StepRecords = list[StepRecordEvent] | StepRecordEvent
+
+#: a node agent sends its step records at most this many seconds after the step (one message per
+#: batch instead of one per step: ~1000 steps/s at near-zero step times, issue 12 item 5)
+STEP_BATCH_S = 0.05
+#: … or as soon as this many are waiting (a batch stays far below NATS' 1 MiB max_payload)
+STEP_BATCH_MAX = 256
+
+#: most prefix-cache block hashes one heartbeat carries (``NodeState.cache_stored`` +
+#: ``cache_removed``): ~20 bytes of JSON each, 650 KB at most, under NATS' default 1 MiB
+#: ``max_payload``. A decode node can cache 70,000+ blocks (1.15 M tokens in 16-token blocks): its
+#: full sync then carries the most recently used ones (``PrefixCache.recent_hashes``), and a delta
+#: larger than this becomes such a full sync — the dispatchers' index under-reports hits
+#: (conservative), instead of the heartbeat being refused by the server and the index forgetting
+#: the node for good.
+CACHE_SYNC_MAX_HASHES = 32_768
+
+
+def decode_step_records(data: bytes) -> list[StepRecordEvent]:
+    """The step records of one ``kairos.steps.<node>`` message (:data:`StepRecords`).
+
+    Raises:
+        WireError: neither a record nor an array of records.
+    """
+    recs = decode(data, StepRecords)  # type: ignore[arg-type]
+    return recs if isinstance(recs, list) else [recs]
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    """One node in the cluster view (state + what was routed to it since)."""
+
+    node: str
+    role: NodeRole
+    stale: bool  #: heartbeats stopped (no state for stale_after_ms): route nothing here
+    age_ms: float  #: time since the aggregator received this node's last heartbeat, at build time
+    accepting: bool = True
+    batch_size: NonNeg = 0
+    kv_tokens: NonNeg = 0
+    queue_prompt_tokens: list[NonNeg] = []
+    deflection_in_flight: bool = False
+    in_flight: list[InFlight] = []
+    waiting: NonNeg = 0
+    kv_backlog_ms: float = 0.0
+    pending_routed: NonNeg = 0  #: routed jobs not yet visible in the node's state (already folded in)
+    #: node clock time its last state was sent (RoutedEvent.node_accepted_unix_ms is comparable)
+    state_sent_unix_ms: float = 0.0
+    pending_ids: list[str] = []  #: request ids of the routed jobs folded in (``pending_routed`` of them)
+    #: learned step-time correction of this node (aggregator, from kairos.steps.<node>); kairos+ uses it
+    correction: StepCorrection = StepCorrection()
+
+
+class ClusterView(msgspec.Struct, frozen=True, kw_only=True):
+    """The aggregator's materialized view (KV bucket kairos_view, key ``view``)."""
+
+    v: int = SCHEMA_VERSION
+    seq: NonNeg
+    built_unix_ms: float
+    period_ms: float
+    stale_after_ms: float
+    nodes: list[NodeView] = []
+
+
+class Reservation(msgspec.Struct, frozen=True, kw_only=True):
+    """Value of a reservation key: which request holds the decode node's deflection slot."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    decode_node: str
+    dispatcher_id: str
+    prompt_tokens: NonNeg
+    output_tokens: NonNeg = 0
+    created_unix_ms: float
+    expires_unix_ms: float  #: the bus deletes the key at this time even if nobody releases it
+
+
+# --------------------------------------------------------------------------------------------
+# node agent -> ingress (kairos.out.<request_id>.<sender user>)
+# --------------------------------------------------------------------------------------------
+
+class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
+    """Tokens generated for the request in one engine step (usually one)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    first_index: NonNeg  #: output index of the first token in ``text``
+    count: Pos  #: tokens in this event
+    text: str  #: their text (emulated engines produce placeholder words)
+    node: str
+    sent_unix_ms: float
+
+
+class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
+    """The request finished; no more events follow."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    completion_tokens: NonNeg
+    finish_reason: Literal["length", "stop", "abort"] = "length"
+    cached_tokens: NonNeg = 0  #: prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    node: str
+    sent_unix_ms: float
+
+
+class ErrorEvent(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
+    """The request failed; no more events follow. ``status`` is the HTTP status the ingress returns."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    status: int  #: HTTP status (503 no capacity/node, 500 internal, 504 deadline)
+    code: str  #: OpenAI-style error code (``no_available_node``, ``kv_handoff_failed``, …)
+    message: str
+    source: str  #: service/replica/node that gave up
+    sent_unix_ms: float
+
+
+class HandoffEvent(msgspec.Struct, frozen=True, kw_only=True, tag="handoff"):
+    """Keep path: prefill ``node`` handed the request's KV cache to ``decode_node`` (it accepted),
+    whose events the ingress then accepts. Sent on the prefill node's own out subject; the ingress
+    trusts it because the routing event named that node (kairos/services/ingress/senders.py)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    node: str  #: the prefill node (its agent publishes this)
+    decode_node: str  #: the decode node that took the KV
+    sent_unix_ms: float
+
+
+OutEvent = Union[TokenEvent, DoneEvent, ErrorEvent, HandoffEvent]
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True):
+    """Abort a request everywhere (client disconnected, or the ingress timed it out)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    reason: str
+
+
+class Resend(msgspec.Struct, frozen=True, kw_only=True):
+    """The ingress lost its NATS server and reconnected to another cluster member: every node agent
+    publishes again the out events it sent in the last ``window_s`` seconds (the dead server may
+    have had them; the ingress drops what it already has by token index). Agents cap ``window_s``
+    at what they keep (``kairos/services/node_agent/outbox.py``)."""
+
+    v: int = SCHEMA_VERSION
+    window_s: Annotated[float, msgspec.Meta(gt=0)]
+    sent_unix_ms: float
+
+
+# --------------------------------------------------------------------------------------------
+# request records (KV bucket kairos_requests): GET /v1/requests/{id}
+# --------------------------------------------------------------------------------------------
+
+class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.decision``: what the dispatcher decided and why (written after the node accepted)."""
+
+    v: int = SCHEMA_VERSION
+    request_id: str
+    dispatcher_id: str
+    decision: Decision  #: the policy's decision (policy, kind, node, chunk schedule, estimates, reason)
+    node: str  #: node that accepted the job (may differ from decision.node after a re-route)
+    decode_node: str
+    attempts: NonNeg  #: jobs sent, including refused ones
+    excluded_nodes: dict[str, str] = {}  #: node -> why it was excluded while routing this request
+    reservation_conflicts: list[str] = []  #: decode nodes whose reservation another request held
+    state_age_ms: float | None = None  #: age of the cluster view the policy saw
+    view_seq: NonNeg = 0
+    decided_unix_ms: float
+    decide_ms: float  #: policy evaluation time, ms (all attempts)
+    routing_ms: float  #: dequeue -> node accepted, ms
+
+
+class PrefillTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.prefill``: keep-path prefill on a prefill node (node clock)."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    received_unix_ms: float
+    prefill_start_unix_ms: float | None = None  #: first step that computed this prompt
+    prefill_done_unix_ms: float | None = None
+    handoff_node: str | None = None  #: decode node that accepted the KV
+    error: str | None = None
+
+
+class DecodeTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.decode``: decode node side (keep: handoff + decode; deflect: chunked prefill + decode)."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    kind: JobKind
+    received_unix_ms: float  #: handoff (keep) or job (deflect) received
+    kv_allocated_unix_ms: float | None = None  #: keep: blocks allocated, transfer may start
+    kv_arrived_unix_ms: float | None = None  #: keep: transfer done
+    prefill_start_unix_ms: float | None = None  #: deflect: first chunk started
+    prefill_done_unix_ms: float | None = None  #: deflect: last chunk done
+    first_token_unix_ms: float | None = None
+    finished_unix_ms: float | None = None
+    completion_tokens: NonNeg = 0
+    chunk_predicted_ms: list[float] = []  #: deflect: policy prediction per chunk step
+    chunk_actual_ms: list[float] = []  #: deflect: measured wall time per chunk step
+    chunk_sizes: list[int] = []  #: deflect: χ actually run per step
+    error: str | None = None
+
+
+class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """``<rid>.ingress``: what the client saw."""
+
+    v: int = SCHEMA_VERSION
+    received_unix_ms: float
+    first_token_unix_ms: float | None = None
+    finished_unix_ms: float | None = None
+    status: int = 200
+    prompt_tokens: NonNeg = 0
+    completion_tokens: NonNeg = 0  #: tokens delivered to the client (a disconnected client: those sent before)
+    error: str | None = None
+    error_message: str | None = None  #: the message of the error the client got (its ``error.message``)
+    #: bus request ids of the re-submissions after a node was lost (``<id>-r1``, …); the decision,
+    #: prefill and decode records of the attempt that served the request are under the last one
+    resubmitted_as: list[str] = []
+
+
+# --------------------------------------------------------------------------------------------
+# encoding helpers
+# --------------------------------------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+T = TypeVar("T")
+_decoders: dict[object, msgspec.json.Decoder] = {}
+
+
+def encode(msg: msgspec.Struct | list) -> bytes:
+    """JSON body of a wire message (a struct, or a list of them: :data:`StepRecords`)."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, typ: type[T]) -> T:
+    """Decode and validate a body into ``typ`` (a Struct or the :data:`OutEvent` union).
+
+    Raises:
+        WireError: invalid JSON or schema mismatch; the message names the field.
+    """
+    dec = _decoders.get(typ)
+    if dec is None:
+        dec = _decoders[typ] = msgspec.json.Decoder(typ)
+    try:
+        return dec.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        name = getattr(typ, "__name__", str(typ))
+        raise WireError(f"bad {name} message: {exc}") from None

@@ -1,0 +1,222 @@
+"""Dispatcher rules without I/O: view → policy snapshot, reservation conflicts, re-routes, jobs.
+
+Where data comes from: the :class:`~kairos.contracts.wire.ClusterView` (KV watch), the reservations bucket
+(KV watch) and the refusals the dispatcher met while routing one request. Where it goes: the
+policy (:mod:`kairos.core.policy`) and the :class:`~kairos.contracts.wire.Job` sent to a node.
+
+Rules (docs/services.md has the same list):
+
+1. Stale nodes, nodes that are not accepting and nodes excluded for this request (refused the
+   job, or did not answer) are left out of the snapshot. No routable prefill *or* no routable
+   decode node → no snapshot (the dispatcher waits for a view update, then errors 503).
+2. The reservations are the dispatchers' view of in-flight deflections: a decode node whose slots
+   are reserved by other requests is shown to the policy with ``deflection_in_flight=True`` (and no
+   projection data), so ``kairos`` skips it (§5.3); an unreserved node is shown free even if its
+   last heartbeat (up to Δh old) still reported the finished deflection. The decode node publishes
+   a reservation from when it accepts a deflection until its prefill ends; a replica adds its own
+   deflection jobs from the decision until the node answers — what the simulator does.
+3. If a policy still deflects onto a reserved node (static policies may), the decision becomes a
+   keep on the best prefill node (reason ``keep_reservation_conflict``). The node itself refuses a
+   deflection beyond its slots (:func:`job_refusal`; the dispatcher re-routes), so across replicas
+   at most ``max_deflections`` run per decode node at a time.
+4. Keep-path jobs carry an ordered list of decode candidates so the prefill agent can hand the KV
+   to the next one when the chosen decode node is gone (a re-route, never a drop).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import msgspec
+
+from kairos.core.model.latency import LatencyModel
+from kairos.core.policy.base import Decision, PolicyParams
+from kairos.core.policy.common import best_prefill, least_loaded_decode
+from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
+from kairos.contracts.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation, RoutedEvent
+
+
+#: deflection slots per decode node of ``kairos+`` (the live default of ``kairos up``; kairos: 1, §5.3)
+KAIROS_PLUS_SLOTS = 4
+
+
+def deflection_slots(policy_name: str) -> int | None:
+    """Deflections a decode node holds at once under ``policy_name`` — the default of the live
+    dispatcher (``max_deflections_per_node``) and of the simulator: ``kairos+`` →
+    :data:`KAIROS_PLUS_SLOTS`, ``taichi`` → None (no cap: TaiChi queues its decode-heavy prefills,
+    simulator only), every other policy → 1 (rule 3 turns a deflection onto a full node into a keep)."""
+    if policy_name == "kairos+":
+        return KAIROS_PLUS_SLOTS
+    if policy_name == "taichi":
+        return None
+    return 1
+
+
+def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
+    """(prefill, decode) nodes a dispatcher may route to, in view order."""
+    if view is None:
+        return [], []
+    ok = [n for n in view.nodes if not n.stale and n.accepting and n.node not in excluded]
+    return [n for n in ok if n.role == "prefill"], [n for n in ok if n.role == "decode"]
+
+
+def live_reservations(reservations: Mapping[str, Reservation], now_unix_ms: float) -> dict[str, Reservation]:
+    """reservation key → reservation, without the ones past their expiry (the bus deletes those)."""
+    return {key: r for key, r in reservations.items() if r.expires_unix_ms > now_unix_ms}
+
+
+def held_by_node(reserved: Mapping[str, Reservation], request_id: str) -> dict[str, list[Reservation]]:
+    """decode node → reservations held there by *other* requests, oldest first."""
+    out: dict[str, list[Reservation]] = {}
+    for r in sorted(reserved.values(), key=lambda r: r.created_unix_ms):
+        if r.request_id != request_id:
+            out.setdefault(r.decode_node, []).append(r)
+    return out
+
+
+def predicted_ttft_ms(d: Decision) -> float | None:
+    """The decision's TTFT estimate (ms) for the path it took: keep → Eq. 1 ``TTFT_pf``, deflect →
+    Eq. 6 ``TTFT_dec`` of the chosen node; None if the policy made none."""
+    return d.ttft_decode_est_ms.get(d.node) if d.deflected else d.ttft_prefill_est_ms
+
+
+def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> ClusterView | None:
+    """``view`` plus the keep-path jobs routed (by any replica) since the aggregator built it.
+
+    The aggregator folds routed events into the view only when it next writes it (every Δh), so
+    between two views every replica would see the same empty queue and send a burst to one node.
+    A routed event is already in the view when its node's state was sent after the node accepted
+    the job (same node clock) or when the view lists its request id as pending; anything else is
+    appended to that prefill node's queue here — what the simulator's dispatcher does with
+    ``routed_since``. Deflections need no folding: the reservations carry them.
+    """
+    if view is None:
+        return None
+    extra: dict[str, list[RoutedEvent]] = {}
+    for ev in recent:
+        if ev.kind == "prefill":
+            extra.setdefault(ev.node, []).append(ev)
+    if not extra:
+        return view
+    nodes = []
+    for n in view.nodes:
+        mine = extra.get(n.node)
+        if not mine:
+            nodes.append(n)
+            continue
+        pending = set(n.pending_ids)  # a set: folding is O(events + pending) per node, not their product
+        evs = [ev for ev in mine if ev.node_accepted_unix_ms > n.state_sent_unix_ms and ev.request_id not in pending]
+        if evs:
+            n = msgspec.structs.replace(n, queue_prompt_tokens=[*n.queue_prompt_tokens, *(e.prompt_tokens for e in evs)],
+                                        pending_routed=n.pending_routed + len(evs),
+                                        pending_ids=[*n.pending_ids, *(e.request_id for e in evs)])
+        nodes.append(n)
+    return msgspec.structs.replace(view, nodes=nodes)
+
+
+def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Mapping[str, Reservation],
+                   excluded: Mapping[str, str], now_unix_ms: float, max_deflections: int = 1,
+                   full: frozenset[str] | set[str] = frozenset(),
+                   prefix_hits: Mapping[str, int] = {}) -> ClusterSnapshot | None:
+    """The policy input for ``req``, or None when no prefill or no decode node is routable.
+
+    ``reserved`` is every live reservation (any key); a decode node with ``max_deflections``
+    reservations of other requests, or listed in ``full`` (a conflict this dispatcher just met), is
+    shown with ``deflection_in_flight=True`` and no projection data (no policy deflects there); a
+    node with fewer is shown with its reservations as ``in_flight`` deflections (kairos+ projects
+    them; kairos skips the node, §5.3). ``prefix_hits`` (node → leading prompt tokens it holds,
+    from the dispatcher's :class:`kairos.core.cluster.prefix_index.PrefixIndex`) becomes ``cached_prefix_tokens``.
+    """
+    pfs, dcs = routable(view, excluded)
+    if not pfs or not dcs or view is None:
+        return None
+    held = held_by_node(reserved, req.request_id)
+    decode = []
+    for n in dcs:
+        mine = held.get(n.node, [])
+        if n.node in full or len(mine) >= max_deflections:
+            in_flight, busy = [], True
+        else:
+            in_flight = [InFlightDeflection(prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens) for r in mine]
+            busy = bool(mine)
+        decode.append(DecodeNodeView(id=n.node, batch_size=n.batch_size, kv_tokens=n.kv_tokens,
+                                     deflection_in_flight=busy, in_flight=in_flight, waiting=n.waiting,
+                                     step_bias=n.correction.bias, step_safety=n.correction.safety,
+                                     cached_prefix_tokens=prefix_hits.get(n.node, 0)))
+    prefill = [PrefillNodeView(id=n.node, queue_prompt_tokens=list(n.queue_prompt_tokens),
+                               kv_backlog_ms=n.kv_backlog_ms, step_bias=n.correction.bias,
+                               cached_prefix_tokens=prefix_hits.get(n.node, 0)) for n in pfs]
+    age = max(0.0, now_unix_ms - view.built_unix_ms) + max(n.age_ms for n in (*pfs, *dcs))
+    return ClusterSnapshot(
+        request=RequestView(id=req.request_id, prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens),
+        prefill_nodes=prefill, decode_nodes=decode, state_age_ms=age)
+
+
+def keep_instead(decision: Decision, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams,
+                 reason: str) -> Decision:
+    """Turn a deflection the dispatcher cannot carry out into a keep (best TTFT_pf prefill node)."""
+    node, ttft_pf, kv_ms = best_prefill(snap, model, params, include_kv=params.kv_transfer_aware)
+    return msgspec.structs.replace(decision, decision="keep", node=node, decode_node=least_loaded_decode(snap),
+                                   reason=reason, chunk_schedule=[], predicted_step_ms=[],
+                                   ttft_prefill_est_ms=ttft_pf, kv_transfer_est_ms=kv_ms)
+
+
+def decode_candidates(decision: Decision, snap: ClusterSnapshot) -> list[str]:
+    """Keep path: the decision's decode node first, then the others, least loaded first."""
+    rest = sorted((d for d in snap.decode_nodes if d.id != decision.decode_node),
+                  key=lambda d: (d.kv_tokens, d.batch_size, d.waiting))
+    return [decision.decode_node, *(d.id for d in rest)]
+
+
+def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, dispatcher_id: str, attempt: int,
+             reservation_ttl_s: int = 0) -> Job:
+    """The job for ``decision.node`` (``reservation_ttl_s``: a deflection's, :func:`reservation_ttl_s`)."""
+    if decision.deflected:
+        return Job(kind="deflect", request=req, node=decision.node, decode_candidates=[decision.node],
+                   chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
+                   reservation_ttl_s=reservation_ttl_s,
+                   decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
+                   attempt=attempt)
+    return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
+               dispatcher_id=dispatcher_id, attempt=attempt)
+
+
+def decision_batch_size(decision: Decision, snap: ClusterSnapshot) -> int:
+    """B the decision's chunk schedule was computed with on ``decision.node``: the node's B_n, plus
+    one per deflection in flight there that kairos+ projected ahead of this one (each joins the
+    batch before this prefill runs, kairos/core/policy/kairos.py). 0 when the node is not in the snapshot."""
+    for dn in snap.decode_nodes:
+        if dn.id == decision.node:
+            return dn.batch_size + len(dn.in_flight)
+    return 0
+
+
+def reservation_ttl_s(decision: Decision, floor_s: float) -> int:
+    """Reservation TTL (whole seconds, the bus's unit): ≥ ``floor_s`` and ≥ 4 × the predicted
+    deflected prefill time, so a healthy deflection always releases before expiry."""
+    predicted_s = sum(decision.predicted_step_ms) / 1000.0
+    return max(1, int(max(floor_s, 4.0 * predicted_s) + 0.999))
+
+
+def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: bool, deflecting: int,
+                prompt_tokens: int, max_tokens: int, max_model_len: int, deadline_unix_ms: float,
+                now_unix_ms: float, max_deflections: int = 1) -> str | None:
+    """Why a node agent refuses a job (the dispatcher then re-routes it), or None to accept.
+
+    A decode node takes ``max_deflections`` deflections at a time (1 for kairos, §5.3): one more
+    deflect job is refused (``deflection_in_flight``) — it is how two replicas that deflected onto
+    the node within the same few ms learn it (docs/bus.md).
+    """
+    if job_node != node:
+        return "wrong_node"
+    if not accepting:
+        return "draining"
+    if (job_kind == "prefill") != (role == "prefill"):
+        return "wrong_role"
+    if prompt_tokens + max_tokens > max_model_len:
+        return "too_long"
+    if deadline_unix_ms <= now_unix_ms:
+        return "deadline_passed"
+    if job_kind == "deflect" and deflecting >= max_deflections:
+        return "deflection_in_flight"
+    return None

@@ -1,0 +1,127 @@
+"""What every service main shares: SIGINT/SIGTERM → a stop event, then ``run(config, stop)``.
+
+Lifecycle of ``python -m kairos.services.<name>`` (``run(config, stop)`` = ``start()``, ``await
+stop.wait()``, then a draining ``close()``):
+
+* a signal while the service is **serving** (its ``run`` awaits ``stop.wait()``) sets ``stop``: the
+  service drains (agents send explicit errors for their in-flight requests, dispatchers finish
+  routing, …) and the process exits **0**;
+* a signal while it is still **starting** (e.g. ``kairos.runtime.bus.connect`` retrying an unreachable
+  NATS forever) cancels the startup at once: the process exits **128 + signal number** (143 for
+  SIGTERM, 130 for SIGINT) within a moment;
+* a **second** signal during the drain cancels the drain too (exit 128 + signal number).
+
+A bad ``KAIROS_*`` value exits 2 before any of this (``kairos.runtime.envconfig.main_config``); a
+:class:`~kairos.runtime.envconfig.ConfigError` raised during startup (an unreadable password or API key
+file) exits 2 too, with its message on stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Any, Awaitable, Callable
+
+from kairos.runtime.envconfig import ConfigError
+
+
+class StopEvent(asyncio.Event):
+    """An :class:`asyncio.Event` that remembers whether anyone has waited on it yet: the service
+    ``run`` functions await ``stop.wait()`` only once their startup is complete, so ``serving`` tells
+    "draining is meaningful" from "still connecting / declaring"."""
+
+    serving: bool = False
+
+    async def wait(self) -> bool:  # type: ignore[override]
+        self.serving = True
+        return await super().wait()
+
+
+async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
+    """Run a service until SIGINT/SIGTERM, then let it drain (see the module docstring).
+
+    Raises:
+        SystemExit: 128 + signal number when the run was cancelled (signal during startup, or a
+            second signal during the drain).
+    """
+    stop = StopEvent()
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(run(config, stop))
+    got: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        got.append(signum)
+        if not stop.is_set():
+            stop.set()
+            if stop.serving:
+                return  # serving: drain through run's own close()
+        task.cancel()  # still starting (nothing to drain), or a second signal: stop now
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await task
+    except ConfigError as exc:  # found at startup (e.g. an unreadable password or API key file)
+        print(f"bad configuration: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except asyncio.CancelledError:
+        if not got or not task.cancelled():
+            raise  # cancelled from outside, not by a signal
+        raise SystemExit(128 + got[-1]) from None
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+#: ``KAIROS_EVENT_LOOP`` values: ``auto`` (uvloop when installed, else asyncio's own loop)
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def serve(run: Callable[..., Awaitable[Any]], config: Any, service: str) -> None:
+    """``python -m kairos.services.<name>``: :func:`run_main` on the event loop ``KAIROS_EVENT_LOOP``
+    names — ``auto`` (default): uvloop if installed (libuv's loop in C: the services spend most of
+    their CPU in the event loop and socket I/O, issue 12 item 5), else asyncio's; ``uvloop``
+    (required); ``asyncio`` (the standard library's selector loop).
+
+    Raises:
+        SystemExit: 2 with a message naming the variable for an unknown value or a missing uvloop;
+            else as :func:`run_main`.
+    """
+    choice = os.environ.get("KAIROS_EVENT_LOOP", "auto").strip().lower() or "auto"
+    if choice not in EVENT_LOOPS:
+        print(f"{service}: bad configuration: KAIROS_EVENT_LOOP: {choice!r} is not one of {', '.join(EVENT_LOOPS)}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                print(f"{service}: bad configuration: KAIROS_EVENT_LOOP: uvloop is not installed", file=sys.stderr)
+                raise SystemExit(2) from None
+        else:
+            uvloop.run(run_main(run, config))
+            return
+    asyncio.run(run_main(run, config))
+
+
+async def start_metrics_and_connect(svc: Any, client_name: str) -> None:
+    """The startup every non-HTTP service shares: its ``/metrics`` + ``/health`` server (healthy =
+    connected to NATS; skipped when ``cfg.metrics_port`` is -1), then the NATS connection.
+
+    ``svc`` has ``cfg`` (a :class:`kairos.runtime.envconfig.MetricsServiceConfig`), ``tel`` and ``log``;
+    this sets ``svc._runner`` and ``svc.metrics_port`` (before connecting, so a cancelled startup
+    can still clean up) and ``svc.nc``.
+    """
+    from kairos.runtime import telemetry
+    from kairos.runtime.bus import connect_service
+
+    cfg = svc.cfg
+    if cfg.metrics_port >= 0:
+        svc._runner, svc.metrics_port = await telemetry.start_metrics_server(
+            svc.tel.registry, cfg.metrics_host, cfg.metrics_port,
+            health=lambda: svc.nc is not None and svc.nc.is_connected)
+    svc.nc = await connect_service(cfg, client_name, svc.log)
+

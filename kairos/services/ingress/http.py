@@ -1,0 +1,220 @@
+"""The ingress's HTTP layer hardening (docs/security.md): API keys, slow-client timeouts, every
+error as OpenAI-shaped JSON (aiohttp's own protocol-level errors included), bounded echoes,
+``Retry-After`` on every 503.
+
+aiohttp specifics (aiohttp 3.14, ``aiohttp/web_protocol.py``): a malformed request line or header
+never reaches the application — ``RequestHandler.handle_error`` renders it as ``text/plain``; and
+the server has no header read timeout of its own (``keepalive_timeout`` is armed at connection
+start but also bounds idle kept-alive connections). :class:`HardenedRunner` serves the
+application through :class:`_Handler`, a ``RequestHandler`` subclass that renders those errors
+as JSON and drops a connection whose request head is not complete within ``header_timeout_s``.
+The body read timeout is the handler's (``asyncio.wait_for`` around ``request.read()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from kairos.services.ingress import openai_api as oa
+from kairos.runtime.envconfig import ConfigError
+
+#: error messages are cut to this many characters (a 1 MB model name must not come back as a 1 MB body)
+MAX_ERROR_MESSAGE_CHARS = 1024
+#: paths served without an API key (like vLLM, which protects only /v1/*): probes and scrapers
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def clip(text: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marking the cut (``… [N more characters]``)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [{len(text) - limit} more characters]"
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error (``{"error": {message, type, param, code}}``), message clipped."""
+    body = oa.error_body(clip(message), oa.error_type_for(status), param, code)
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+class ApiKeyError(ConfigError):
+    """The API key file cannot be read."""
+
+
+def load_api_keys(keys: Iterable[str], key_file: str | None) -> frozenset[str]:
+    """The accepted API keys: ``keys`` plus one per line of ``key_file`` (blank lines and lines
+    starting with ``#`` ignored).
+
+    Raises:
+        ApiKeyError: the file cannot be read, or names no key.
+    """
+    out = set(keys)
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as exc:
+            raise ApiKeyError(f"KAIROS_API_KEY_FILE={key_file}: {exc.strerror}") from None
+        found = {ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")}
+        if not found:
+            raise ApiKeyError(f"KAIROS_API_KEY_FILE={key_file} contains no key")
+        out |= found
+    return frozenset(out)
+
+
+def api_key_middleware(keys: frozenset[str], on_reject: Callable[[web.Request, str], None] | None = None):
+    """Require ``Authorization: Bearer <key>`` with a key of ``keys`` on every path but
+    :data:`OPEN_PATHS`; else 401 with an OpenAI-shaped body (``type`` ``invalid_request_error``,
+    ``code`` ``invalid_api_key``, as api.openai.com answers; vLLM's own middleware,
+    ``vllm/entrypoints/serve/middleware/authenticate.py``, answers ``{"error": "Unauthorized"}``)
+    and ``WWW-Authenticate: Bearer`` (RFC 6750). Keys are compared as SHA-256 digests with
+    ``hmac.compare_digest`` (as vLLM does); a presented key is never echoed, and one that is not
+    UTF-8 (``\\xff``) is just an invalid key (401).
+    ``on_reject(request, reason)`` is called for each refusal (``missing`` / ``invalid``)."""
+    hashed = [hashlib.sha256(k.encode()).digest() for k in keys]  # equal lengths: nothing leaks by timing
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            reason, msg = "missing", ("You didn't provide an API key. Send it in an Authorization header using "
+                                      "Bearer auth (Authorization: Bearer YOUR_KEY).")
+        else:
+            # the header's raw bytes (aiohttp keeps a non-UTF-8 byte as a surrogate escape, which a
+            # plain encode() refuses: that was a 500); a key that is not valid UTF-8 matches no key
+            presented = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+            match = False
+            for k in hashed:  # every key compared (no early exit revealing which one matched)
+                match |= hmac.compare_digest(presented, k)
+            if match:
+                return await handler(request)
+            reason, msg = "invalid", "Incorrect API key provided."
+        if on_reject is not None:
+            on_reject(request, reason)
+        return error_response(401, msg, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+async def add_retry_after(request: web.Request, response: web.StreamResponse, seconds: int = 1) -> None:
+    """``on_response_prepare`` hook: every 503 carries ``Retry-After`` (RFC 9110 §10.2.3)."""
+    if response.status == 503 and "Retry-After" not in response.headers:
+        response.headers["Retry-After"] = str(seconds)
+
+
+_PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large", 414: "uri_too_long",
+                   431: "headers_too_large", 500: "internal_error", 504: "timeout"}
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler with a header read timeout and JSON protocol errors."""
+
+    def __init__(self, *args: Any, header_timeout_s: float, on_slow_client: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hdr_timeout = header_timeout_s
+        self._hdr_handle: asyncio.TimerHandle | None = None
+        self._hdr_count = 0
+        self._on_slow = on_slow_client
+
+    def _arm(self) -> None:
+        self._hdr_count = self._request_count
+        self._hdr_handle = self._loop.call_later(self._hdr_timeout, self._header_deadline)
+
+    def _disarm(self) -> None:
+        if self._hdr_handle is not None:
+            self._hdr_handle.cancel()
+            self._hdr_handle = None
+
+    def _header_deadline(self) -> None:
+        self._hdr_handle = None
+        if self._request_count == self._hdr_count and not self._request_in_progress:
+            if self._on_slow is not None:
+                self._on_slow()
+            self.force_close()
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()  # the first request head must arrive within the timeout
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """A client's malformed request (aiohttp's ``HttpProcessingError``: a bad header, a broken
+        gzip body …) is one warning line naming the error class and status: aiohttp's own record
+        is an error with a traceback that quotes the offending bytes — an ``Authorization`` header
+        and its token included. Anything else is logged as aiohttp does."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self.logger.warning("malformed HTTP request refused: %s (HTTP %s)", type(exc).__name__, exc.code)
+            return
+        super().log_exception(*args, **kw)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._request_count != self._hdr_count:
+            self._disarm()  # a request head is complete
+            self._hdr_count = self._request_count
+        elif self._hdr_handle is None and not self._request_in_progress:
+            self._arm()  # the next request on a kept-alive connection started arriving
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """Like aiohttp's, but an OpenAI-shaped JSON body, never a traceback or exception name."""
+        self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        if isinstance(exc, ContentEncodingError):  # e.g. br: the parser has no decoder for it
+            resp = error_response(415, "unsupported Content-Encoding: the ingress reads request bodies sent as "
+                                       "identity, gzip or deflate", "unsupported_content_encoding")
+            resp.force_close()
+            return resp
+        if status >= 500:
+            text = "internal server error" if status == 500 else "the request handler timed out"
+        else:
+            detail = getattr(exc, "message", None) or message or ""
+            text = f"malformed HTTP request: {clip(str(detail), 200)}" if detail else "malformed HTTP request"
+        resp = error_response(status, text, _PROTOCOL_CODES.get(status, "http_error"))
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __init__(self, *args: Any, header_timeout_s: float, on_slow_client=None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hdr = {"header_timeout_s": header_timeout_s, "on_slow_client": on_slow_client}
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._hdr, **self._kwargs)
+
+
+class HardenedRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections use :class:`_Handler` (header timeout, JSON errors).
+
+    ``header_timeout_s``: seconds a client has to send a complete request head after connecting
+    (or after starting the next request on a kept-alive connection); ``on_slow_client()`` is called
+    for each connection dropped for it. Other keyword arguments go to aiohttp's RequestHandler
+    (``keepalive_timeout``, ``max_line_size``, ``max_field_size``, ...)."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, on_slow_client=None, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._hdr = {"header_timeout_s": header_timeout_s, "on_slow_client": on_slow_client}
+
+    async def _make_server(self) -> web.Server:
+        srv = await super()._make_server()
+        return _Server(srv.request_handler, request_factory=srv.request_factory,
+                       handler_cancellation=srv.handler_cancellation, loop=srv._loop, **self._hdr, **srv._kwargs)

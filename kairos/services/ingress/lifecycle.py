@@ -1,0 +1,266 @@
+"""The ingress's per-request lifecycle as an explicit state machine (no I/O; issue 10 design note).
+
+One :class:`RequestLifecycle` per client request. The HTTP layer (kairos/services/ingress/service.py) feeds
+it what happens — bus events of the attempt it follows, node deaths, bus outages, timeouts — and
+carries out the :data:`Action` it returns (write tokens, re-submit, send an error, finish).
+
+States::
+
+    QUEUED ──routed──▶ ROUTED ──first token──▶ STREAMING ──done──▶ ENDED
+       │                 │                         │
+       └──── node dead / stream interrupted ───────┴──▶ QUEUED (re-submitted as <id>-r<n>) or ENDED (error)
+
+Rules:
+
+* **Which attempt is followed.** An attempt is a bus request id (``<id>``, then ``<id>-r1``, …)
+  *and* the node its tokens come from: the first token of an attempt fixes that node; tokens or a
+  ``done`` from any other node are dropped (``foreign_node``) — a response never mixes executions.
+  Events of an abandoned attempt id are dropped (``old_attempt``).
+* **Token order.** Each token event carries its output index: an index below the next expected
+  one is a duplicate (dropped); above it, tokens were lost (a bus outage) — the stream is
+  *interrupted*. A ``done`` whose ``completion_tokens`` differs from the tokens received is too.
+* **When it may be re-submitted.** Only while nothing has reached the client (``committed`` is
+  False: a stream before its first byte; a non-streaming request until its answer), with
+  re-submissions left (``max_resubmits``) and time left. Re-submission is triggered by *positive
+  evidence* that the attempt cannot finish: its node is dead (liveness, not routing staleness),
+  or its stream was interrupted.
+* **When it must end.** ``done`` → completion; an error event, a node death or interruption that
+  cannot be re-submitted, a timeout, the client leaving, the bus unavailable for too long, or the
+  ingress shutting down → an explicit error. After ENDED every event is ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"  #: on the work queue (or being routed); no routing event yet
+    ROUTED = "routed"  #: a node accepted its job; no token yet
+    STREAMING = "streaming"  #: tokens arriving from one node
+    ENDED = "ended"
+
+
+@dataclass(frozen=True)
+class Relay:
+    """Deliver these tokens (write them to the stream, or keep them for the final answer)."""
+
+    event: TokenEvent
+
+
+@dataclass(frozen=True)
+class Ignore:
+    """Drop the event (``reason``: ``old_attempt``, ``foreign_node``, ``duplicate``, ``ended``, ``not_dependent``)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resubmit:
+    """Cancel ``old_attempt_id`` on the nodes, forget its partial output, publish ``new_attempt_id``."""
+
+    old_attempt_id: str
+    new_attempt_id: str
+    why: str  #: ``node_lost:<node>`` or ``stream_interrupted:<detail>``
+
+
+@dataclass(frozen=True)
+class Fail:
+    """End with an explicit error (HTTP status / SSE error event); ``cancel``: tell the nodes to stop
+    ``attempt_id`` too."""
+
+    status: int
+    code: str
+    message: str
+    attempt_id: str
+    cancel: bool = True
+
+
+@dataclass(frozen=True)
+class Complete:
+    """The request finished: send the final chunk / the full response."""
+
+    finish_reason: str
+    completion_tokens: int
+    cached_tokens: int = 0  #: prompt tokens served from the engine's prefix cache (DoneEvent)
+
+
+Action = Union[Relay, Ignore, Resubmit, Fail, Complete]
+
+
+@dataclass
+class RequestLifecycle:
+    """One request's lifecycle (rules in the module docstring).
+
+    Args:
+        rid: the id the client sees; also the first attempt's bus id.
+        max_resubmits: re-submissions allowed after a lost node / interrupted stream.
+    """
+
+    rid: str
+    max_resubmits: int = 2
+    phase: Phase = Phase.QUEUED
+    attempt_id: str = ""
+    resubmits: int = 0
+    kind: str | None = None  #: ``prefill`` (keep path) or ``deflect``, from the routing event
+    node: str | None = None  #: node that accepted the job
+    handoff_node: str | None = None  #: keep path: decode node that took the KV
+    token_node: str | None = None  #: node the followed attempt's tokens come from
+    received: int = 0  #: tokens of the current attempt accepted so far (= next expected index)
+    committed: bool = False  #: something reached the client: no re-submission any more
+    dropped: dict[str, int] = field(default_factory=dict)  #: ignored events by reason
+
+    def __post_init__(self) -> None:
+        if not self.attempt_id:
+            self.attempt_id = self.rid
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def ended(self) -> bool:
+        return self.phase is Phase.ENDED
+
+    def depends_on(self) -> str | None:
+        """The node whose death ends this attempt: the token node once streaming; a deflection's
+        node; on the keep path the decode node that took the KV, else the prefill node; None while
+        queued."""
+        if self.phase is Phase.STREAMING:
+            return self.token_node
+        if self.phase is Phase.ROUTED:
+            if self.kind == "prefill" and self.handoff_node is not None:
+                return self.handoff_node
+            return self.node
+        return None
+
+    def can_resubmit(self, time_left: bool) -> bool:
+        return not self.committed and self.resubmits < self.max_resubmits and time_left and not self.ended
+
+    # -- events ----------------------------------------------------------------------------------
+    def on_routed(self, attempt_id: str, kind: str, node: str) -> Action:
+        """A dispatcher reports that ``node`` accepted the job of ``attempt_id`` (or holds its claim)."""
+        if attempt_id != self.attempt_id or self.ended:
+            return self._drop("old_attempt" if attempt_id != self.attempt_id else "ended")
+        self.kind, self.node = kind, node
+        if self.phase is Phase.QUEUED:
+            self.phase = Phase.ROUTED
+        return Ignore("state_only")
+
+    def on_handoff(self, attempt_id: str, decode_node: str) -> None:
+        """Keep path: the prefill record says ``decode_node`` took the KV of ``attempt_id``."""
+        if attempt_id == self.attempt_id and not self.ended:
+            self.handoff_node = decode_node
+
+    def committed_to_client(self) -> None:
+        """The HTTP layer sent something to the client (SSE headers / first chunk)."""
+        self.committed = True
+
+    def _not_followed(self, ev: TokenEvent | DoneEvent) -> Action | None:
+        """A Drop for an event of another attempt, after the end, or from a node other than the one
+        whose tokens are followed; None for an event of the followed stream."""
+        if ev.request_id != self.attempt_id:
+            return self._drop("old_attempt")
+        if self.ended:
+            return self._drop("ended")
+        if self.token_node is not None and ev.node != self.token_node:
+            return self._drop("foreign_node")
+        return None
+
+    def on_token(self, ev: TokenEvent, time_left: bool) -> Action:
+        """Tokens of some attempt arrived."""
+        if (drop := self._not_followed(ev)) is not None:
+            return drop
+        if ev.first_index < self.received:
+            if ev.first_index + ev.count <= self.received:
+                return self._drop("duplicate")
+            return self.interrupted(f"overlapping tokens {ev.first_index}..{ev.first_index + ev.count - 1} after "
+                                    f"{self.received}", time_left)
+        if ev.first_index > self.received:
+            return self.interrupted(f"tokens {self.received}..{ev.first_index - 1} never arrived", time_left)
+        self.token_node = ev.node
+        self.phase = Phase.STREAMING
+        self.received += ev.count
+        return Relay(ev)
+
+    def on_done(self, ev: DoneEvent, time_left: bool) -> Action:
+        if (drop := self._not_followed(ev)) is not None:
+            return drop
+        if ev.completion_tokens != self.received:
+            return self.interrupted(f"done after {ev.completion_tokens} tokens, {self.received} arrived", time_left)
+        self.phase = Phase.ENDED
+        return Complete(ev.finish_reason, self.received, ev.cached_tokens)
+
+    def on_error(self, ev: ErrorEvent) -> Action:
+        """An error event ends the request — except ``node_lost`` (a restarted agent reporting that
+        its previous incarnation held this attempt), which is handled like a dead node, and a
+        dispatcher's routing failure once a node has accepted the attempt (dropped: it concerns a
+        duplicate copy of the request)."""
+        if ev.request_id != self.attempt_id:
+            return self._drop("old_attempt")
+        if self.ended:
+            return self._drop("ended")
+        if ev.code == "node_lost":
+            return self._lost(f"node_lost:{ev.source}", True, "node_lost", ev.message)
+        if ev.source.startswith("dispatcher:") and self.phase in (Phase.ROUTED, Phase.STREAMING):
+            # a node accepted this attempt (or holds its claim): a dispatcher that failed to route a
+            # duplicate copy of it (a redelivery, the copy left on a request lane it moved from,
+            # kairos/runtime/lanes.py) says nothing about the node running it
+            return self._drop("routed_elsewhere")
+        # cancel too (as every Fail): a node whose acceptance came late (after the dispatcher gave up on it) must
+        # not run a request that already ended with this error
+        return self._end(ev.status, ev.code, ev.message)
+
+    def on_node_dead(self, node: str, time_left: bool) -> Action:
+        """``node`` is dead (positive evidence: liveness timeout). Matters only if this attempt depends on it."""
+        if self.ended or self.depends_on() != node:
+            return Ignore("not_dependent")
+        return self._lost(f"node_lost:{node}", time_left, "node_lost",
+                          f"node {node} serving request {self.rid} was lost (no heartbeat and no token; it may have "
+                          f"crashed) and the request cannot be moved")
+
+    def interrupted(self, detail: str, time_left: bool) -> Action:
+        """The followed stream lost events (bus outage): it can never be completed correctly."""
+        if self.ended:
+            return self._drop("ended")
+        return self._lost(f"stream_interrupted:{detail}", time_left, "stream_interrupted",
+                          f"the token stream of request {self.rid} was interrupted ({detail}; a message-bus outage) "
+                          f"and the request cannot be moved")
+
+    def on_timeout(self, before_first_token: bool) -> Action:
+        what = "before its first token" if before_first_token else "waiting for tokens"
+        return self._end(504, "timeout", f"request {self.rid} timed out {what}")
+
+    def on_bus_unavailable(self, outage_s: float) -> Action:
+        return self._end(503, "bus_unavailable", f"the message bus has been unreachable for {outage_s:.1f} s; request "
+                                                 f"{self.rid} cannot be served now, retry it")
+
+    def on_shutdown(self) -> Action:
+        return self._end(503, "ingress_shutdown", f"the ingress serving request {self.rid} is shutting down; retry "
+                                                  f"the request")
+
+    def on_client_gone(self) -> Action:
+        return self._end(499, "client_disconnected", "client closed the connection")
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _lost(self, why: str, time_left: bool, code: str, message: str) -> Action:
+        if self.can_resubmit(time_left):
+            old = self.attempt_id
+            self.resubmits += 1
+            self.attempt_id = f"{self.rid}-r{self.resubmits}"
+            self.phase, self.kind, self.node, self.handoff_node, self.token_node = Phase.QUEUED, None, None, None, None
+            self.received = 0
+            return Resubmit(old, self.attempt_id, why)
+        reason = ("output was already sent to the client" if self.committed else
+                  f"re-submitted {self.resubmits} time(s) already" if self.resubmits >= self.max_resubmits else
+                  "no time left")
+        return self._end(503, code, f"{message}: {reason}")
+
+    def _end(self, status: int, code: str, message: str) -> Fail:
+        self.phase = Phase.ENDED
+        return Fail(status, code, message, self.attempt_id)  # cancel: the nodes stop it too
+
+    def _drop(self, reason: str) -> Ignore:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        return Ignore(reason)

@@ -1,6 +1,0 @@
-"""``python -m services.profiler``: the same as ``kairos profile`` (options on the command line)."""
-
-from kairos.cli import profile
-
-if __name__ == "__main__":
-    profile()
