@@ -15,8 +15,11 @@ import msgspec
 
 from kairos.core.model.correction import StepCorrection
 from kairos.core.policy.base import Decision
+from kairos.core.vocabulary import PathKind, WirePathKind, path_kind
 
-SCHEMA_VERSION = 1
+#: 2: the keep path is ``kind="keep"`` everywhere (v1 said ``"prefill"`` in Job, Claim, RoutedEvent and
+#: DecodeTiming; decoders still read it as ``keep`` for one release, see kairos.core.vocabulary)
+SCHEMA_VERSION = 2
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(ge=1)]
@@ -97,14 +100,20 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
 # dispatcher -> node agent (request-reply on kairos.jobs.<node>)
 # --------------------------------------------------------------------------------------------
 
-JobKind = Literal["prefill", "deflect"]
+class _PathKindField:
+    """Mixin of the structs with a ``kind`` path field: a v1 ``"prefill"`` is read as ``"keep"``."""
+
+    def __post_init__(self) -> None:
+        if self.kind != (k := path_kind(self.kind)):  # type: ignore[attr-defined]
+            msgspec.structs.force_setattr(self, "kind", k)
 
 
-class Job(msgspec.Struct, frozen=True, kw_only=True):
+class Job(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """A routed request for one node: keep-path prefill on a prefill node, or a deflection."""
 
     v: int = SCHEMA_VERSION
-    kind: JobKind  #: ``prefill`` (keep path, then KV handoff) or ``deflect`` (chunked prefill + decode here)
+    #: ``keep`` (prefill here, then KV handoff) or ``deflect`` (chunked prefill + decode here); a PathKind
+    kind: WirePathKind
     request: InferenceRequest
     node: str  #: the node this job is for
     #: keep path: decode nodes to hand the KV to, in order of preference (first = the decision's)
@@ -124,7 +133,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     claim_buckets: NonNeg = 0
 
 
-class Claim(msgspec.Struct, frozen=True, kw_only=True):
+class Claim(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """Value of :func:`kairos.contracts.subjects.claim_key` (``claim.<digest of the bus request id>``) in the
     ``kairos_requests`` bucket: the one node that executes this attempt. Created atomically (KV
     ``create``) by the node agent before its engine gets the request; a second node finds it and
@@ -138,7 +147,7 @@ class Claim(msgspec.Struct, frozen=True, kw_only=True):
 
     v: int = SCHEMA_VERSION
     node: str  #: the node executing it ("" in a tombstone)
-    kind: JobKind
+    kind: WirePathKind  #: a PathKind once decoded (``keep`` / ``deflect``)
     decode_node: str = ""  #: the job's first decode candidate (keep) or the node itself (deflect)
     dispatcher_id: str = ""
     attempt: NonNeg = 0  #: the job's attempt (re-route count) that won the claim
@@ -247,12 +256,12 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     cache_full: bool = False
 
 
-class RoutedEvent(msgspec.Struct, frozen=True, kw_only=True):
+class RoutedEvent(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """A job a node accepted; the aggregator adds it to the view until the node's state shows it."""
 
     v: int = SCHEMA_VERSION
     request_id: str
-    kind: JobKind
+    kind: WirePathKind  #: a PathKind once decoded (``keep`` / ``deflect``)
     node: str  #: node that accepted the job
     decode_node: str
     prompt_tokens: NonNeg
@@ -478,12 +487,12 @@ class PrefillTiming(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
-class DecodeTiming(msgspec.Struct, frozen=True, kw_only=True):
+class DecodeTiming(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """``<rid>.decode``: decode node side (keep: handoff + decode; deflect: chunked prefill + decode)."""
 
     v: int = SCHEMA_VERSION
     node: str
-    kind: JobKind
+    kind: WirePathKind  #: a PathKind once decoded (``keep`` / ``deflect``)
     received_unix_ms: float  #: handoff (keep) or job (deflect) received
     kv_allocated_unix_ms: float | None = None  #: keep: blocks allocated, transfer may start
     kv_arrived_unix_ms: float | None = None  #: keep: transfer done

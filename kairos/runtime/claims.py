@@ -242,7 +242,7 @@ def tombstone(code: str) -> Claim:
     """The tombstone claim of an attempt the ingress answered with error ``code``."""
     if not code:
         raise ValueError("a tombstone needs the error code the attempt was answered with")
-    return Claim(node="", kind="prefill", withdrawn=code, claimed_unix_ms=now_ms())
+    return Claim(node="", kind="keep", withdrawn=code, claimed_unix_ms=now_ms())
 
 
 async def withdraw(claims: ClaimQuorum, request_id: str, code: str, until_unix_ms: float,

@@ -119,7 +119,7 @@ async def test_an_agent_cannot_create_a_consumer_that_delivers_into_another_role
         attacker = await as_role(url, pw, ATTACKER)
         bucket = S.claims_bucket(0)  # the single server's claim bucket: agents may write claims there
         stream = f"KV_{bucket}"
-        job = Job(kind="prefill", node="prefill-0", request=InferenceRequest(
+        job = Job(kind="keep", node="prefill-0", request=InferenceRequest(
             request_id="forged-job-1", model="m", prompt_tokens=4, max_tokens=2, created_unix_ms=now_ms(),
             deadline_unix_ms=now_ms() + 60_000))
         # its own claim key holds the forged job (agents may write claims)

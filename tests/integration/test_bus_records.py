@@ -124,8 +124,8 @@ async def test_a_kv_pulled_notice_must_come_from_a_decode_node_the_kv_was_offere
         req = InferenceRequest(request_id=rid, model="m", prompt_tokens=8, max_tokens=4, created_unix_ms=now_ms(),
                                deadline_unix_ms=now_ms() + 60_000)
         from kairos.services.node_agent.agent import _Req
-        victim.reqs[rid] = _Req(req=req, kind="prefill", received_ms=now_ms(), span=victim.tel.tracer.start_span("t"),
-                                job=Job(kind="prefill", request=req, node="prefill-0", decode_candidates=["decode-1"]),
+        victim.reqs[rid] = _Req(req=req, kind="keep", received_ms=now_ms(), span=victim.tel.tracer.start_span("t"),
+                                job=Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-1"]),
                                 handoff_node="decode-1", handoff_sent_ms=now_ms())
         attacker = await as_role(url, pw, ATTACKER)
         old = f"{S.PREFIX}.kvdone.prefill-0"  # the subject before it named its sender

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def job(rid: str, node: str, dispatcher: str = "d-x", attempt: int = 0) -> Job:
     req = InferenceRequest(request_id=rid, model="m", prompt_tokens=64, max_tokens=3, created_unix_ms=now_ms(),
                            deadline_unix_ms=now_ms() + 30_000)
-    return Job(kind="prefill", request=req, node=node, decode_candidates=["decode-0"], dispatcher_id=dispatcher,
+    return Job(kind="keep", request=req, node=node, decode_candidates=["decode-0"], dispatcher_id=dispatcher,
                attempt=attempt)
 
 
@@ -35,7 +35,7 @@ async def test_second_node_refuses_a_claimed_request_and_names_the_first(nats_ur
                                                     JobAck, 2) for _ in range(2)])
         for a in acks:
             assert not a.accepted and a.reason == "claimed" and a.claim is not None
-            assert a.claim.node == "prefill-0" and a.claim.dispatcher_id == "d-a" and a.claim.kind == "prefill"
+            assert a.claim.node == "prefill-0" and a.claim.dispatcher_id == "d-a" and a.claim.kind == "keep"
         # re-sent to the node that has it: accepted as a duplicate, not run again
         again = await request_typed(nc, S.jobs_subject("prefill-0"), job(rid, "prefill-0", "d-b", 1), JobAck, 2)
         assert again.accepted and again.reason == "duplicate"

@@ -74,7 +74,7 @@ async def test_requests_on_a_stalled_lane_move_to_another_and_run_once(two_lane_
             await asyncio.sleep(0.05)  # polling the server's own count, not a synchronisation guess
         ids = {b["id"] for _, b in results}
         jobs = st.agents["prefill-0"].m.jobs
-        assert jobs.labels("prefill-0", "prefill", "accepted")._value.get() == len(ids) + 1  # + the warm-up
-        assert jobs.labels("prefill-0", "prefill", "duplicate")._value.get() >= moved
+        assert jobs.labels("prefill-0", "keep", "accepted")._value.get() == len(ids) + 1  # + the warm-up
+        assert jobs.labels("prefill-0", "keep", "duplicate")._value.get() >= moved
         received = Counter(r for r in st.agents["prefill-0"].jobs_received if r in ids)
         assert set(received) == ids and sum(received.values()) >= len(ids) + moved

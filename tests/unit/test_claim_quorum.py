@@ -35,7 +35,7 @@ def clock(monkeypatch):
 def job(node: str) -> Job:
     req = InferenceRequest(request_id="req-1", model="m", prompt_tokens=8, max_tokens=2, created_unix_ms=NOW,
                            deadline_unix_ms=NOW + 60_000)
-    return Job(kind="prefill", request=req, node=node, decode_candidates=["decode-0"])
+    return Job(kind="keep", request=req, node=node, decode_candidates=["decode-0"])
 
 
 def buckets(n: int = 3) -> list[FakeKV]:
@@ -47,7 +47,7 @@ def holders(kvs: list[FakeKV]) -> list[Claim | None]:
 
 
 def other(node: str = "prefill-1", age_ms: float = 10.0) -> Claim:
-    return Claim(node=node, kind="prefill", claimed_unix_ms=NOW - age_ms)
+    return Claim(node=node, kind="keep", claimed_unix_ms=NOW - age_ms)
 
 
 async def test_a_free_request_is_won_in_every_bucket():
@@ -105,7 +105,7 @@ async def test_a_claim_seen_once_with_its_other_bucket_down_counts_only_once_set
 
 async def test_this_incarnations_claim_in_a_majority_is_mine():
     kvs = buckets()
-    own = Claim(node="prefill-0", kind="prefill", claimed_unix_ms=EPOCH + 5)
+    own = Claim(node="prefill-0", kind="keep", claimed_unix_ms=EPOCH + 5)
     for kv in (kvs[0], kvs[2]):
         kv.put_raw(KEY, encode(own))
     res = await Claims(kvs, "prefill-0", EPOCH).claim(job("prefill-0"))  # bucket 1 is free: taken too
@@ -198,7 +198,7 @@ def _held(c: Claim) -> C.Vote:
 
 def test_decided_outcomes_carry_no_error_and_undecided_ones_say_why():
     mine = lambda c: c.node == "me"  # noqa: E731
-    me = Claim(node="me", kind="prefill", claimed_unix_ms=NOW)
+    me = Claim(node="me", kind="keep", claimed_unix_ms=NOW)
     won = C.Vote("won", 1)
     assert decide([won, won, C.Vote("down", error="e")], mine) == ("won", None, "")
     assert decide([_held(me), won, C.Vote("absent")], mine) == ("mine", me, "")
@@ -235,7 +235,7 @@ async def test_a_timed_out_create_whose_read_finds_another_nodes_claim_is_claime
 
 async def test_mine_names_the_revisions_of_this_nodes_buckets_only():
     kvs = buckets()
-    own = Claim(node="prefill-0", kind="prefill", claimed_unix_ms=EPOCH + 5)
+    own = Claim(node="prefill-0", kind="keep", claimed_unix_ms=EPOCH + 5)
     kvs[0].put_raw(KEY, encode(own))
     kvs[1].put_raw(KEY, encode(own))
     kvs[2].put_raw(KEY, encode(other()))
@@ -285,7 +285,7 @@ async def test_a_bucket_that_never_answers_a_delete_is_given_up_after_its_timeou
 
 async def test_release_mine_tries_each_bucket_once_the_jobs_answer_waits_for_it():
     kv = FakeKV()
-    kv.put_raw(KEY, encode(Claim(node="prefill-0", kind="prefill", claimed_unix_ms=EPOCH + 5)))
+    kv.put_raw(KEY, encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=EPOCH + 5)))
     kv.faults["delete"] += [nats.errors.TimeoutError()] * 3
     await Claims(kv, "prefill-0", EPOCH).release_mine("req-1")
     assert [c for c in kv.calls if c[0] == "delete"] == [("delete", KEY)]

@@ -56,7 +56,7 @@ KEY = S.claim_key("cmpl-1")
 
 
 def test_a_tombstone_names_no_node_and_the_code_the_attempt_was_answered_with(clock):
-    assert tombstone("enqueue_failed") == Claim(node="", kind="prefill", withdrawn="enqueue_failed",
+    assert tombstone("enqueue_failed") == Claim(node="", kind="keep", withdrawn="enqueue_failed",
                                                 claimed_unix_ms=T0)
     with pytest.raises(ValueError, match="^a tombstone needs the error code the attempt was answered with$"):
         tombstone("")
@@ -65,7 +65,7 @@ def test_a_tombstone_names_no_node_and_the_code_the_attempt_was_answered_with(cl
 async def test_withdrawing_a_free_attempt_stores_its_tombstone(clock):
     kv = FakeKV()
     outcome, held = await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000)
-    want = Claim(node="", kind="prefill", withdrawn="enqueue_failed", claimed_unix_ms=T0)
+    want = Claim(node="", kind="keep", withdrawn="enqueue_failed", claimed_unix_ms=T0)
     assert (outcome, held) == ("withdrawn", want)
     assert decode(kv.value(KEY), Claim) == want
     assert kv.calls == [("create", KEY)] and clock.waits == [BUCKET_TIMEOUT_S] and clock.sleeps == []  # one try, bounded
@@ -73,7 +73,7 @@ async def test_withdrawing_a_free_attempt_stores_its_tombstone(clock):
 
 async def test_a_nodes_claim_made_first_is_reported_and_kept(clock):
     kv = FakeKV()
-    ran = Claim(node="prefill-1", kind="prefill", decode_node="decode-0", claimed_unix_ms=T0 - 10)
+    ran = Claim(node="prefill-1", kind="keep", decode_node="decode-0", claimed_unix_ms=T0 - 10)
     kv.put_raw(KEY, encode(ran))
     assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000) == ("ran", ran)
     assert decode(kv.value(KEY), Claim) == ran  # not overwritten
@@ -82,7 +82,7 @@ async def test_a_nodes_claim_made_first_is_reported_and_kept(clock):
 
 async def test_an_earlier_tombstone_counts_as_withdrawn(clock):
     kv = FakeKV()
-    earlier = Claim(node="", kind="prefill", withdrawn="no_available_node", claimed_unix_ms=T0 - 10)
+    earlier = Claim(node="", kind="keep", withdrawn="no_available_node", claimed_unix_ms=T0 - 10)
     kv.put_raw(KEY, encode(earlier))
     assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0 + 5_000) == ("withdrawn", earlier)
 
@@ -103,7 +103,7 @@ async def test_a_held_claim_that_cannot_be_read_is_tried_again(clock, trouble):
     # the create finds the key held, but the read gets no claim: the holder released it meanwhile
     # (compare-and-delete), the read timed out, or the value is not a claim: try again from the create
     kv = FakeKV()
-    ran = Claim(node="prefill-1", kind="prefill", claimed_unix_ms=T0 - 10)
+    ran = Claim(node="prefill-1", kind="keep", claimed_unix_ms=T0 - 10)
     if trouble == "released":
         kv.put_raw(KEY, encode(ran))
         kv.faults["get"].append(lambda: kv.entries.pop(KEY))  # gone between the create and the read

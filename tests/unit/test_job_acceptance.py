@@ -33,7 +33,7 @@ def clock(monkeypatch):
     monkeypatch.setattr(acceptance, "now_ms", lambda: NOW)
 
 
-def job(rid: str = "req-1", kind: str = "prefill", node: str = "prefill-0",
+def job(rid: str = "req-1", kind: str = "keep", node: str = "prefill-0",
         candidates: tuple[str, ...] = ("decode-1", "decode-0"), dispatcher: str = "d-a", attempt: int = 2) -> Job:
     req = InferenceRequest(request_id=rid, model="m", prompt_tokens=64, max_tokens=3,
                            created_unix_ms=now_ms(), deadline_unix_ms=now_ms() + 60_000)
@@ -51,7 +51,7 @@ async def test_a_free_request_is_won_with_a_claim_naming_this_node_and_the_job()
     kv = FakeKV()
     kv.put_raw("claim.other", b"{}")  # revision 1: the bucket's sequence is shared by every key
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
-    want = Claim(node="prefill-0", kind="prefill", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
+    want = Claim(node="prefill-0", kind="keep", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
                  claimed_unix_ms=NOW)  # decode_node: the job's first decode candidate
     assert (res.outcome, res.claim, res.revisions, res.error) == ("won", want, (2,), "")  # 2: the next sequence
     assert decode(kv.value(S.claim_key("req-1")), Claim) == want  # stored, under the request's digest key
@@ -81,7 +81,7 @@ async def test_a_second_node_finds_the_first_nodes_claim_and_does_not_overwrite_
 ])
 async def test_this_nodes_claim_is_honoured_only_when_made_by_this_incarnation(claimed_unix_ms, outcome):
     kv = FakeKV()
-    own = Claim(node="prefill-0", kind="prefill", decode_node="decode-0", dispatcher_id="d-a",
+    own = Claim(node="prefill-0", kind="keep", decode_node="decode-0", dispatcher_id="d-a",
                 claimed_unix_ms=claimed_unix_ms)
     rev = held(kv, "req-1", own)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
@@ -91,7 +91,7 @@ async def test_this_nodes_claim_is_honoured_only_when_made_by_this_incarnation(c
 
 async def test_another_nodes_claim_made_in_this_incarnation_is_still_not_mine():
     kv = FakeKV()
-    other = Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW)
+    other = Claim(node="prefill-1", kind="keep", claimed_unix_ms=NOW)
     held(kv, "req-1", other)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
     assert res.outcome == "claimed" and res.claim == other
@@ -101,7 +101,7 @@ async def test_a_tombstone_is_withdrawn_even_for_the_node_it_would_otherwise_be_
     kv = FakeKV()
     # a tombstone names no node; even one naming this node, made in this incarnation, is withdrawn
     for i, node in enumerate(("", "prefill-0")):
-        tomb = Claim(node=node, kind="prefill", withdrawn="enqueue_failed", claimed_unix_ms=NOW)
+        tomb = Claim(node=node, kind="keep", withdrawn="enqueue_failed", claimed_unix_ms=NOW)
         rev = held(kv, f"req-{i}", tomb)
         res = await Claims(kv, "prefill-0", EPOCH).claim(job(rid=f"req-{i}"))
         assert (res.outcome, res.claim, res.revisions) == ("withdrawn", tomb, None)
@@ -126,7 +126,7 @@ async def test_a_create_the_bus_does_not_answer_fails_and_claims_nothing(exc):
 
 async def test_a_create_stored_whose_answer_was_lost_is_won_when_the_read_finds_it():
     kv = FakeKV()
-    want = Claim(node="prefill-0", kind="prefill", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
+    want = Claim(node="prefill-0", kind="keep", decode_node="decode-1", dispatcher_id="d-a", attempt=2,
                  claimed_unix_ms=NOW)
 
     def stored_then_lost():
@@ -143,7 +143,7 @@ async def test_a_held_claim_that_cannot_be_read_fails(exc):
     # the key existed at the create (someone holds it) but the read gets no claim: the timeout, or
     # the holder released it (compare-and-delete) in between — the dispatcher retries either way
     kv = FakeKV()
-    held(kv, "req-1", Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW))
+    held(kv, "req-1", Claim(node="prefill-1", kind="keep", claimed_unix_ms=NOW))
     kv.faults["get"].append(exc)
     res = await Claims(kv, "prefill-0", EPOCH).claim(job())
     assert (res.outcome, res.claim, res.revisions, res.error) == ("failed", None, None, repr(exc))
@@ -185,7 +185,7 @@ async def test_release_is_compare_and_delete_and_never_raises():
 
 async def test_holder_names_the_claim_or_none():
     kv = FakeKV()
-    c = Claim(node="prefill-1", kind="prefill", claimed_unix_ms=NOW)
+    c = Claim(node="prefill-1", kind="keep", claimed_unix_ms=NOW)
     held(kv, "req-1", c)
     kv.put_raw(S.claim_key("empty"), b"")
     kv.put_raw(S.claim_key("garbled"), b'{"node": 7}')
@@ -278,7 +278,7 @@ async def test_the_agent_refuses_a_job_before_its_requests_bucket_is_open(agent)
 
 async def test_the_agent_refuses_a_job_its_earlier_incarnation_claimed_and_says_the_request_is_lost(agent):
     kv = FakeKV()
-    before = Claim(node="prefill-0", kind="prefill", decode_node="decode-0", claimed_unix_ms=EPOCH - 1.0)
+    before = Claim(node="prefill-0", kind="keep", decode_node="decode-0", claimed_unix_ms=EPOCH - 1.0)
     held(kv, "lost-in-restart", before)
     agent.claims = Claims(kv, "prefill-0", EPOCH)
     ack = await submit(agent, job("lost-in-restart"))
@@ -291,7 +291,7 @@ async def test_the_agent_refuses_a_job_its_earlier_incarnation_claimed_and_says_
 
 async def test_the_agent_answers_duplicate_for_a_job_this_incarnation_claimed_and_does_not_run_it_again(agent):
     kv = FakeKV()
-    ours = Claim(node="prefill-0", kind="prefill", decode_node="decode-0", claimed_unix_ms=EPOCH + 1.0)
+    ours = Claim(node="prefill-0", kind="keep", decode_node="decode-0", claimed_unix_ms=EPOCH + 1.0)
     held(kv, "ran-here", ours)  # claimed (and run) by this incarnation; the request has left the node since
     agent.claims = Claims(kv, "prefill-0", EPOCH)
     ack = await submit(agent, job("ran-here", dispatcher="d-b", attempt=3))  # redelivered via another dispatcher
@@ -306,7 +306,7 @@ async def claim_answer_lost(agent, rid: str) -> tuple[FakeKV, JobAck]:
     kv = FakeKV()
 
     def stored_then_lost():
-        kv.put_raw(S.claim_key(rid), encode(Claim(node="prefill-0", kind="prefill", decode_node="decode-1",
+        kv.put_raw(S.claim_key(rid), encode(Claim(node="prefill-0", kind="keep", decode_node="decode-1",
                                                   claimed_unix_ms=NOW)))
         raise nats.errors.TimeoutError
 

@@ -57,7 +57,7 @@ def test_done_with_missing_tokens_is_an_interruption():
 
 def test_node_death_resubmits_until_committed_or_used_up():
     lc = RequestLifecycle("r", max_resubmits=2)
-    lc.on_routed("r", "prefill", "prefill-0")
+    lc.on_routed("r", "keep", "prefill-0")
     assert lc.on_node_dead("decode-1", True) == Ignore("not_dependent")  # keep path before the handoff
     out = lc.on_node_dead("prefill-0", True)
     assert out == Resubmit("r", "r-r1", "node_lost:prefill-0")
@@ -65,7 +65,7 @@ def test_node_death_resubmits_until_committed_or_used_up():
     assert lc.on_token(tok("r", 0), True) == Ignore("old_attempt")
     assert isinstance(lc.on_error(ErrorEvent(request_id="r", status=503, code="x", message="", source="s",
                                              sent_unix_ms=0)), Ignore)
-    lc.on_routed("r-r1", "prefill", "prefill-1")
+    lc.on_routed("r-r1", "keep", "prefill-1")
     lc.on_handoff("r-r1", "decode-0")
     assert lc.depends_on() == "decode-0"
     assert lc.on_node_dead("prefill-1", True) == Ignore("not_dependent")  # the KV is on decode-0 now
@@ -131,7 +131,7 @@ def test_a_dispatchers_routing_failure_of_a_duplicate_copy_leaves_the_accepted_a
 
 def test_events_after_the_end_or_of_another_attempt_change_nothing():
     lc = RequestLifecycle("r", max_resubmits=1)
-    assert lc.on_routed("r", "prefill", "prefill-0") == Ignore("state_only")
+    assert lc.on_routed("r", "keep", "prefill-0") == Ignore("state_only")
     assert lc.on_node_dead("prefill-0", True) == Resubmit("r", "r-r1", "node_lost:prefill-0")
     assert lc.on_routed("r", "deflect", "decode-9") == Ignore("old_attempt")  # the abandoned attempt
     lc.on_handoff("r", "decode-9")

@@ -55,7 +55,7 @@ def test_keep_path_the_prefill_node_names_the_decode_node_whose_early_tokens_are
     assert judge(s, "agent-decode-0", tok("decode-0", 0, "FORGED")) == "held"
     assert judge(s, "agent-prefill-0", handoff("prefill-0", "decode-1")) == "held"
     assert judge(s, "agent-decode-1", tok("decode-1", 1, "b")) == "held"
-    s.routed("prefill-0", "prefill")
+    s.routed("prefill-0", "keep")
     ok, refused = s.release()
     assert ok == [handoff("prefill-0", "decode-1"), tok("decode-1", 0, "a"), tok("decode-1", 1, "b")]
     assert refused == [] and [h.event.text for h in s.refuse_held()] == ["FORGED"]
@@ -65,7 +65,7 @@ def test_keep_path_the_prefill_node_names_the_decode_node_whose_early_tokens_are
 
 def test_a_decode_node_cannot_name_another_one_and_the_hold_is_bounded():
     s = Senders(RID)
-    s.routed("prefill-0", "prefill")
+    s.routed("prefill-0", "keep")
     assert judge(s, "agent-prefill-0", handoff("prefill-0", "decode-1")) is None
     assert judge(s, "agent-decode-1", handoff("decode-1", "decode-0")) == "not_the_prefill_node"
     for _ in range(HOLD_MAX):

@@ -74,7 +74,7 @@ def test_agent_refuses_a_deflection_beyond_its_slots(deflecting, slots, refused)
     assert (why == "deflection_in_flight") is refused
 
 
-def routed(rid, node, accepted, prompt=1000, kind="prefill"):
+def routed(rid, node, accepted, prompt=1000, kind="keep"):
     from kairos.contracts.wire import RoutedEvent
 
     return RoutedEvent(request_id=rid, kind=kind, node=node, decode_node="decode-0", prompt_tokens=prompt,

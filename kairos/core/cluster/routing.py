@@ -30,6 +30,7 @@ from typing import Iterable, Mapping
 import msgspec
 
 from kairos.core.model.latency import LatencyModel
+from kairos.core.vocabulary import PathKind
 from kairos.core.policy.base import Decision, PolicyParams
 from kairos.core.policy.common import best_prefill, least_loaded_decode
 from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
@@ -94,7 +95,7 @@ def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> Clus
         return None
     extra: dict[str, list[RoutedEvent]] = {}
     for ev in recent:
-        if ev.kind == "prefill":
+        if ev.kind == "keep":
             extra.setdefault(ev.node, []).append(ev)
     if not extra:
         return view
@@ -177,7 +178,7 @@ def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, d
                    reservation_ttl_s=reservation_ttl_s,
                    decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
                    attempt=attempt)
-    return Job(kind="prefill", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
+    return Job(kind="keep", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
                dispatcher_id=dispatcher_id, attempt=attempt)
 
 
@@ -198,7 +199,7 @@ def reservation_ttl_s(decision: Decision, floor_s: float) -> int:
     return max(1, int(max(floor_s, 4.0 * predicted_s) + 0.999))
 
 
-def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: bool, deflecting: int,
+def job_refusal(job_kind: PathKind, job_node: str, node: str, role: str, accepting: bool, deflecting: int,
                 prompt_tokens: int, max_tokens: int, max_model_len: int, deadline_unix_ms: float,
                 now_unix_ms: float, max_deflections: int = 1) -> str | None:
     """Why a node agent refuses a job (the dispatcher then re-routes it), or None to accept.
@@ -211,7 +212,7 @@ def job_refusal(job_kind: str, job_node: str, node: str, role: str, accepting: b
         return "wrong_node"
     if not accepting:
         return "draining"
-    if (job_kind == "prefill") != (role == "prefill"):
+    if (job_kind == "keep") != (role == "prefill"):  # the keep path prefills on a prefill node
         return "wrong_role"
     if prompt_tokens + max_tokens > max_model_len:
         return "too_long"

@@ -7,9 +7,9 @@ so α, β, τ and the TTFT SLO mean the same thing everywhere.
 from __future__ import annotations
 
 import math
-from typing import Literal
-
 import msgspec
+
+from kairos.core.vocabulary import PathKind
 
 DEFAULT_CANDIDATES: tuple[int, ...] = (2048, 1024, 512, 256, 128)
 
@@ -92,7 +92,8 @@ class PolicyParams(msgspec.Struct, frozen=True):
         return self.beta * self.tbt_slo_ms
 
 
-DecisionKind = Literal["deflect", "keep"]
+#: the decision's path (one vocabulary with the wire and the lifecycle: kairos.core.vocabulary)
+DecisionKind = PathKind
 
 
 class Decision(msgspec.Struct, frozen=True, omit_defaults=False):

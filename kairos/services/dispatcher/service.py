@@ -296,7 +296,7 @@ class Dispatcher:
         """A keep-path job this replica is sending: fold it into its own snapshots right away
         (concurrent requests of one replica would otherwise all see the same queue)."""
         self._remember_routed(RoutedEvent(
-            request_id=req.request_id, kind="prefill", node=node, decode_node=decode_node,
+            request_id=req.request_id, kind="keep", node=node, decode_node=decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=float("inf")))
 
     async def _on_state(self, msg) -> None:
@@ -672,7 +672,7 @@ class Dispatcher:
         self.log.info("request_routed", request_id=rid, decision=d.decision, reason=d.reason, node=ack.node,
                       decode_node=d.decode_node, attempts=attempts, state_age_ms=state_age_ms)
         await publish(self.nc, S.ROUTED_SUBJECT, RoutedEvent(
-            request_id=rid, kind="deflect" if d.deflected else "prefill", node=ack.node, decode_node=d.decode_node,
+            request_id=rid, kind="deflect" if d.deflected else "keep", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
             predicted_ttft_ms=predicted_ttft_ms(d), lane=_LANE.get()))
         # unacknowledged (kairos.runtime.bus.kv_put_nowait): the routing event, the record and the work-queue

@@ -35,6 +35,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Union
 
+from kairos.core.vocabulary import KEEP, PathKind
 from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
 
 
@@ -106,7 +107,7 @@ class RequestLifecycle:
     phase: Phase = Phase.QUEUED
     attempt_id: str = ""
     resubmits: int = 0
-    kind: str | None = None  #: ``prefill`` (keep path) or ``deflect``, from the routing event
+    kind: PathKind | None = None  #: ``keep`` or ``deflect``, from the routing event
     node: str | None = None  #: node that accepted the job
     handoff_node: str | None = None  #: keep path: decode node that took the KV
     token_node: str | None = None  #: node the followed attempt's tokens come from
@@ -130,7 +131,7 @@ class RequestLifecycle:
         if self.phase is Phase.STREAMING:
             return self.token_node
         if self.phase is Phase.ROUTED:
-            if self.kind == "prefill" and self.handoff_node is not None:
+            if self.kind == KEEP and self.handoff_node is not None:
                 return self.handoff_node
             return self.node
         return None
@@ -139,7 +140,7 @@ class RequestLifecycle:
         return not self.committed and self.resubmits < self.max_resubmits and time_left and not self.ended
 
     # -- events ----------------------------------------------------------------------------------
-    def on_routed(self, attempt_id: str, kind: str, node: str) -> Action:
+    def on_routed(self, attempt_id: str, kind: PathKind, node: str) -> Action:
         """A dispatcher reports that ``node`` accepted the job of ``attempt_id`` (or holds its claim)."""
         if attempt_id != self.attempt_id or self.ended:
             return self._drop("old_attempt" if attempt_id != self.attempt_id else "ended")

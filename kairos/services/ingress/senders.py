@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kairos.core.vocabulary import KEEP, PathKind
 from kairos.contracts.permissions import AGENT_PREFIX, DISPATCHER
 from kairos.contracts.wire import ErrorEvent, HandoffEvent, OutEvent
 
@@ -60,10 +61,10 @@ class Senders:
     prefill_nodes: set[str] = field(default_factory=set)  #: routed keep-path nodes: may name decode nodes
     held: list[Held] = field(default_factory=list)
 
-    def routed(self, node: str, kind: str) -> None:
+    def routed(self, node: str, kind: PathKind) -> None:
         """A routing event: ``node`` accepted (or holds the claim of) this attempt's ``kind`` job."""
         self.nodes.add(node)
-        if kind == "prefill":
+        if kind == KEEP:
             self.prefill_nodes.add(node)
 
     def judge(self, subject: str, sender: str, ev: OutEvent) -> str | None:

@@ -683,7 +683,7 @@ class Ingress:
             self.lanes.delivered(lane)
         if ev.request_id == f.attempt_id:
             f.predicted = (None if ev.predicted_ttft_ms is None
-                           else ("deflect" if ev.kind == "deflect" else "keep", ev.predicted_ttft_ms))
+                           else (ev.kind, ev.predicted_ttft_ms))
             f.senders.routed(ev.node, ev.kind)  # only dispatchers may publish routing events
             self._release(f)
         self.liveness.watch(ev.node, time.monotonic() * 1000.0)
@@ -705,7 +705,7 @@ class Ingress:
             lc = f.lc
             if f.lost or f.client_gone or lc.ended:
                 continue
-            if lc.phase is Phase.ROUTED and lc.kind == "prefill" and lc.handoff_node is None:
+            if lc.phase is Phase.ROUTED and lc.kind == "keep" and lc.handoff_node is None:
                 if (lc.node in dead or decode_died or self._restarted(f, lc.node)) and not f.checking:
                     f.checking = True
                     self._bg(self._check_handoff(f, f.attempt_id))
@@ -879,7 +879,7 @@ class Ingress:
         claim = await read_holder(self.claims, served_by) if self.claims is not None else None
         d = parts["decision"]
         node = claim.node if claim is not None else (d.node if d is not None else "")
-        keep = claim.kind == "prefill" if claim is not None else (d is not None and not d.decision.deflected)
+        keep = claim.kind == "keep" if claim is not None else (d is not None and not d.decision.deflected)
         parts["prefill"] = await get(S.record_key(served_by, "prefill", node), PrefillTiming) if node and keep else None
         dec_node = ((parts["prefill"].handoff_node if parts["prefill"] else None)
                     or (claim.decode_node if claim is not None else (d.decode_node if d is not None else "")))

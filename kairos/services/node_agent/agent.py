@@ -82,7 +82,7 @@ class _Req:
     """What the agent tracks for one request on this node."""
 
     req: InferenceRequest
-    kind: str  # "prefill" (keep, prefill node) | "remote_decode" (keep, decode node) | "deflect"
+    kind: str  # "keep" (keep path, prefill node) | "remote_decode" (keep path, decode node) | "deflect"
     received_ms: float
     span: Span
     job: Job | None = None
@@ -236,7 +236,7 @@ class NodeAgent:
             for s in self._subs:
                 await s.unsubscribe()
             for rid, r in list(self.reqs.items()):
-                if r.kind != "prefill" or r.handoff_node is None:
+                if r.kind != "keep" or r.handoff_node is None:
                     await self._fail(rid, 503, "node_shutdown", f"node {self.cfg.node_id} is shutting down")
             await self._send_state()
         self._stop.set()
@@ -365,7 +365,7 @@ class NodeAgent:
         ingress timeout, the cluster gets its memory back."""
         limit = now_ms() - self.cfg.kv_hold_timeout_s * 1000.0
         for rid, r in list(self.reqs.items()):
-            if r.kind == "prefill" and r.handoff_sent_ms is not None and r.handoff_sent_ms < limit:
+            if r.kind == "keep" and r.handoff_sent_ms is not None and r.handoff_sent_ms < limit:
                 self.reqs.pop(rid, None)
                 self.kv_backlog.pop(rid, None)
                 if self.backend.phase(rid) == "held":
@@ -477,7 +477,7 @@ class NodeAgent:
         if reason is None:
             try:
                 self.backend.note_block_hashes(rid, job.request.block_hashes, job.request.block_hash_tokens)
-                if job.kind == "prefill":
+                if job.kind == "keep":
                     self.backend.add_prefill(job.request)
                 else:
                     self.backend.add_deflected(job.request, list(job.chunk_schedule), job.decision_batch_size)
@@ -494,7 +494,7 @@ class NodeAgent:
             await msg.respond(encode(JobAck(accepted=False, node=self.cfg.node_id, reason=reason)))
             return
         now = now_ms()
-        name = "node.prefill" if job.kind == "prefill" else "node.deflected_prefill"
+        name = "node.prefill" if job.kind == "keep" else "node.deflected_prefill"
         attrs = {telemetry.REQUEST_ID: rid, "kairos.node": self.cfg.node_id, "kairos.role": self.cfg.role,
                  "kairos.prompt_tokens": job.request.prompt_tokens, "kairos.max_tokens": job.request.max_tokens,
                  "kairos.attempt": job.attempt, "kairos.dispatcher_id": job.dispatcher_id,
@@ -534,7 +534,7 @@ class NodeAgent:
         self._rlog(c.request_id, r.span).info("request_cancelled", reason=c.reason)
         # the stages that ran stay visible in GET /v1/requests/{id} (a prefill record written at the
         # handoff already says everything about this node's part)
-        if r.kind != "prefill":
+        if r.kind != "keep":
             self._write_decode_timing(r, error=f"cancelled: {c.reason}")
         elif r.handoff_node is None:
             self._write_prefill_timing(r, error=f"cancelled: {c.reason}")
@@ -682,7 +682,7 @@ class NodeAgent:
         if not self.origin.check(msg, "kv_handoff", proven, h.src_node, request_id=rid):
             return "forged"
         claim = await self.claims.holder(rid) if self.claims is not None else None
-        if claim is None or claim.node != h.src_node or claim.kind != "prefill":
+        if claim is None or claim.node != h.src_node or claim.kind != "keep":
             self.origin.counter.labels("kv_handoff").inc()
             self.log.warning("forged_message_refused", kind="kv_handoff", reason="not_the_holder", subject=msg.subject,
                              sender=proven, request_id=rid, claimed_by=claim.node if claim else None)
@@ -922,7 +922,7 @@ class NodeAgent:
         if r is not None:
             for sp in (r.span, r.handoff_span, r.decode_span):
                 telemetry.end_span(sp, code)
-            if r.kind == "prefill":
+            if r.kind == "keep":
                 self._write_prefill_timing(r, error=code)
             else:
                 self._write_decode_timing(r, error=code)
@@ -934,7 +934,7 @@ class NodeAgent:
         self._put_record(r.req.request_id, "prefill", rec, r.span)
 
     def _write_decode_timing(self, r: _Req, finished_ms: float | None = None, error: str | None = None) -> None:
-        rec = DecodeTiming(node=self.cfg.node_id, kind="deflect" if r.kind == "deflect" else "prefill",
+        rec = DecodeTiming(node=self.cfg.node_id, kind="deflect" if r.kind == "deflect" else "keep",
                            received_unix_ms=r.received_ms, kv_allocated_unix_ms=r.kv_alloc_ms,
                            kv_arrived_unix_ms=r.kv_arrived_ms,
                            prefill_start_unix_ms=r.prefill_start_ms if r.kind == "deflect" else None,

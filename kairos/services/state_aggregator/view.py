@@ -124,7 +124,7 @@ def fold_pending(st: NodeState, pending: list[RoutedEvent], age_ms: float, stale
     in_flight = list(st.in_flight)
     deflecting = st.deflection_in_flight
     for p in pending:
-        if p.kind == "prefill" and st.role == "prefill":
+        if p.kind == "keep" and st.role == "prefill":
             queue.append(p.prompt_tokens)
         elif p.kind == "deflect" and st.role == "decode":
             deflecting = True

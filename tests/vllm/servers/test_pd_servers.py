@@ -172,7 +172,7 @@ async def test_keep_path_decode_node_computes_only_the_last_token_and_matches_a_
     agents, streams, nc = cluster
     await idle_kv(engines)
     ids = prompt_ids(600, seed=1)
-    job = Job(kind="prefill", request=request("keep-1", ids, 8), node="prefill-0", decode_candidates=["decode-0"])
+    job = Job(kind="keep", request=request("keep-1", ids, 8), node="prefill-0", decode_candidates=["decode-0"])
     marks = {n: len(s.snaps) for n, s in streams.items()}
     c = Client()
     await c.start(nc, job)
@@ -248,7 +248,7 @@ async def test_cancel_mid_prefill_frees_the_kv_on_both_nodes(cluster, engines):
     agents, streams, nc = cluster
     await idle_kv(engines)
     ids = prompt_ids(1900, seed=5)  # four prefill steps under the prefill server's 512-token budget
-    job = Job(kind="prefill", request=request("cancel-1", ids, 16), node="prefill-0", decode_candidates=["decode-0"])
+    job = Job(kind="keep", request=request("cancel-1", ids, 16), node="prefill-0", decode_candidates=["decode-0"])
     mark = len(streams["prefill-0"].snaps)
     c = Client()
     await c.start(nc, job)

@@ -1,0 +1,38 @@
+"""One name per path end to end (kairos.core.vocabulary): the policy's Decision, the wire messages and
+the lifecycle all say ``keep``/``deflect``; wire schema v1's ``prefill`` is still read as ``keep``."""
+
+import msgspec
+import pytest
+
+from kairos.contracts import wire as W
+from kairos.core.policy.base import Decision, DecisionKind
+from kairos.core.vocabulary import DEFLECT, KEEP, PATHS, PathKind, path_kind
+
+V1_CLAIM = b'{"v":1,"node":"prefill-0","kind":"prefill","claimed_unix_ms":1.0}'
+
+
+def test_a_v1_keep_path_named_prefill_decodes_as_keep_and_is_written_back_as_keep():
+    claim = W.decode(V1_CLAIM, W.Claim)
+    assert claim.kind == KEEP
+    assert b'"kind":"keep"' in W.encode(claim)
+
+
+@pytest.mark.parametrize("cls,fields", [
+    (W.Claim, dict(node="n", claimed_unix_ms=1.0)),
+    (W.DecodeTiming, dict(node="n", received_unix_ms=1.0)),
+])
+def test_every_path_field_reads_both_paths_and_refuses_others_naming_the_field(cls, fields):
+    for kind in PATHS:
+        assert W.decode(W.encode(cls(kind=kind, **fields)), cls).kind == kind
+    body = msgspec.json.encode({**fields, "kind": "decode"})
+    with pytest.raises(W.WireError, match=r"\$\.kind"):
+        W.decode(body, cls)
+
+
+def test_the_decision_and_the_wire_share_the_path_names():
+    assert DecisionKind is PathKind and W.PathKind is PathKind
+    d = Decision(request_id="r", policy="pd", decision=KEEP, node="prefill-0", decode_node="decode-0", reason="r")
+    assert msgspec.json.decode(msgspec.json.encode(d), type=Decision).decision == KEEP
+    assert path_kind("prefill") == KEEP and path_kind(DEFLECT) == DEFLECT
+    with pytest.raises(ValueError, match="unknown path kind 'remote_decode'"):
+        path_kind("remote_decode")
