@@ -38,22 +38,26 @@ gets the rest of the token budget. What this model emulates and where it simplif
 * **Chunk schedules** (paper §5.4, Kairos' scheduler change): on a decode node one deflected
   prefill runs at a time, FIFO, and its i-th step carries ``min(remaining, χ_i − B, budget − B)``
   prompt tokens, at least 1 (χ counts the B decode tokens, §3.2).
+
+:class:`Engine` is the API and its argument checks; the work is done by three collaborators:
+:class:`~kairos.core.engine.queues.PhaseQueues` (where each request is, FIFO admission, removal),
+:class:`~kairos.core.engine.kv.KvBlocks` (KV blocks and the prefix cache) and
+:mod:`kairos.core.engine.step` (composing and committing one step).
 """
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from typing import Callable
 
-from kairos.core.engine.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
+from kairos.core.engine import step
+from kairos.core.engine.kv import KvBlocks
 from kairos.core.engine.prefix import PrefixCache
-from kairos.core.engine.request import (AWAIT_KV, DECODING, DEFLECT, DEFLECTING, GONE, HELD, PHASE_NAMES, PREFILL,
-                                   PREFILLING, READY, REMOTE, WAITING, Req, as_count)
+from kairos.core.engine.queues import PhaseQueues
+from kairos.core.engine.request import AWAIT_KV, DEFLECT, HELD, PHASE_NAMES, PREFILL, REMOTE, Req, as_count
 from kairos.core.engine.truth import GroundTruth
 from kairos.core.engine.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
 from kairos.core.model.latency import LatencyModel
-from kairos.core.cluster.snapshot import InFlightDeflection
+
 
 class Engine:
     """Continuous-batching engine model of one prefill or decode node; pure and deterministic.
@@ -72,9 +76,8 @@ class Engine:
             to the true time.
     """
 
-    __slots__ = ("config", "model", "tbt_guard_ms", "truth", "_noise", "_total_blocks", "_free_blocks",
-                 "_reqs", "_waiting", "_prefilling", "_deflect", "_await_kv", "_ready",
-                 "_decoding", "_held", "_decode_kv", "_alloc_log", "_plan", "_plan_refs", "_steps", "cache")
+    __slots__ = ("config", "model", "tbt_guard_ms", "truth", "cache", "_noise", "_kv", "_q", "_plan", "_plan_refs",
+                 "_steps")
 
     def __init__(self, config: EngineConfig, model: LatencyModel,
                  step_noise: Callable[[float], float] | None = None, *,
@@ -86,23 +89,13 @@ class Engine:
         self.tbt_guard_ms = tbt_guard_ms
         self.truth = truth
         self._noise = step_noise
-        self._total_blocks = config.total_blocks
-        self._free_blocks = self._total_blocks
-        self._reqs: dict[str, Req] = {}
-        self._waiting: deque[Req] = deque()  # waiting for blocks + a running slot, FIFO
-        self._prefilling: deque[Req] = deque()  # prefill node: admitted, prompt not done, FIFO
-        self._deflect: deque[Req] = deque()  # decode node: admitted deflections; head runs
-        self._await_kv: dict[str, Req] = {}  # remote decodes with blocks, KV not arrived
-        self._ready: deque[Req] = deque()  # KV arrived, no running slot yet
-        self._decoding: dict[str, Req] = {}  # running decodes, in start order
-        self._held: dict[str, Req] = {}  # prefill done, KV not yet released
-        self._decode_kv = 0  # Σ (prompt + generated) over _decoding
-        self._alloc_log: dict[str, None] = {}  # allocated, not yet polled, still awaiting KV
+        self._kv = KvBlocks(config)
+        self._q = PhaseQueues(config, self._kv)
         self._plan: StepPlan | None = None
-        self._plan_refs: tuple[list[Req], list[tuple[Req, int]]] = ([], [])
+        self._plan_refs: step.StepRefs = step.NO_REFS
         self._steps = 0
         #: the node's prefix cache (None when ``config.prefix_caching`` is off)
-        self.cache: PrefixCache | None = PrefixCache(config.cache_block_tokens) if config.prefix_caching else None
+        self.cache: PrefixCache | None = self._kv.cache
 
     # -- adding requests ----------------------------------------------------------------------
     def add_prefill(self, req_id: str, prompt_tokens: int, block_hashes: tuple[int, ...] | list[int] = (),
@@ -126,7 +119,7 @@ class Engine:
         """
         if as_count(req_id, "output_tokens", output_tokens) < 0:
             raise EngineError(f"{req_id!r}: output_tokens must be >= 0, got {output_tokens}")
-        self._add(req_id, PREFILL, "prefill", prompt_tokens, output_tokens, (), block_hashes)
+        self._q.add(req_id, PREFILL, "prefill", prompt_tokens, output_tokens, (), block_hashes)
 
     def add_remote_decode(self, req_id: str, prompt_tokens: int, output_tokens: int,
                           block_hashes: tuple[int, ...] | list[int] = ()) -> None:
@@ -140,7 +133,7 @@ class Engine:
         Raises:
             EngineError: not a decode node, duplicate id, a token count < 1, or too large to ever fit.
         """
-        self._add(req_id, REMOTE, "decode", prompt_tokens, output_tokens, (), block_hashes)
+        self._q.add(req_id, REMOTE, "decode", prompt_tokens, output_tokens, (), block_hashes)
 
     def add_deflected(self, req_id: str, prompt_tokens: int, output_tokens: int,
                       chunk_schedule: list[int] | tuple[int, ...],
@@ -160,29 +153,7 @@ class Engine:
         sched = tuple(as_count(req_id, "chunk_schedule", c) for c in chunk_schedule)
         if any(c < 1 for c in sched):
             raise EngineError(f"{req_id!r}: chunk_schedule entries must be ints >= 1, got {list(sched)}")
-        self._add(req_id, DEFLECT, "decode", prompt_tokens, output_tokens, sched, block_hashes)
-
-    def _add(self, req_id: str, kind: int, role: str, prompt: int, output: int,
-             sched: tuple[int, ...], hashes: tuple[int, ...] | list[int] = ()) -> None:
-        if self.config.role != role:
-            raise EngineError(f"{req_id!r}: a {role} request was sent to a {self.config.role} engine")
-        if not isinstance(req_id, str) or not req_id:
-            raise EngineError(f"request id must be a non-empty str, got {req_id!r}")
-        if req_id in self._reqs:
-            raise EngineError(f"duplicate request id {req_id!r}")
-        prompt, output = as_count(req_id, "prompt_tokens", prompt), as_count(req_id, "output_tokens", output)
-        if prompt < 1 or (kind != PREFILL and output < 1):
-            raise EngineError(f"{req_id!r}: need prompt_tokens >= 1 and output_tokens >= 1, got "
-                              f"{prompt} and {output}")
-        blocks = blocks_needed(prompt + output, self.config.block_size)
-        if blocks > self._total_blocks:
-            raise EngineError(f"{req_id!r}: needs {blocks} KV blocks ({prompt + output} tokens), the node "
-                              f"has {self._total_blocks} in total; it could never be admitted")
-        r = Req(req_id, kind, prompt, output, blocks, sched)
-        if hashes and self.cache is not None:  # full blocks only (vLLM caches no partial block)
-            r.hashes = tuple(hashes[:prompt // self.cache.block_tokens])
-        self._reqs[req_id] = r
-        self._waiting.append(r)
+        self._q.add(req_id, DEFLECT, "decode", prompt_tokens, output_tokens, sched, block_hashes)
 
     # -- admission and external events --------------------------------------------------------
     def admit(self) -> list[str]:
@@ -198,42 +169,7 @@ class Engine:
         exactly one channel; ``poll_allocated()`` is the one that sees all allocations (those made
         here, in :meth:`plan_step`, and reported in ``StepPlan.allocated``).
         """
-        cap = self.config.max_num_seqs
-        running = len(self._prefilling) + len(self._deflect) + len(self._decoding)
-        while self._ready and running < cap:
-            self._start_decode(self._ready.popleft())
-            running += 1
-        new: list[str] = []
-        waiting = self._waiting
-        while waiting and running < cap:
-            r = waiting[0]
-            if r.blocks > self._free_blocks:
-                break
-            waiting.popleft()
-            self._free_blocks -= r.blocks
-            if r.hashes:  # prefix-cache hit: pin it; prompts computed here start after it
-                cache = self.cache
-                r.hit = cache.hit_tokens(r.hashes, r.prompt)
-                r.pinned = cache.pin(r.hashes[:r.hit // cache.block_tokens])
-                if r.kind != REMOTE:
-                    r.computed = r.hit
-            if r.kind == REMOTE:
-                r.phase = AWAIT_KV
-                self._await_kv[r.id] = r
-                new.append(r.id)
-            elif r.kind == PREFILL:
-                r.phase = PREFILLING
-                self._prefilling.append(r)
-                running += 1
-            else:
-                r.phase = DEFLECTING
-                self._deflect.append(r)
-                running += 1
-        for rid in new:
-            self._alloc_log[rid] = None
-        if self.cache is not None:
-            self.cache.evict_to(self._free_blocks * self.config.block_size)
-        return new
+        return self._q.admit()
 
     def poll_allocated(self) -> list[str]:
         """Remote decodes whose blocks were allocated since the last poll, in allocation order.
@@ -243,8 +179,9 @@ class Engine:
         at most the awaiting-KV requests: a caller that consumes :meth:`admit`'s return value and
         ``StepPlan.allocated`` instead need never poll.
         """
-        out = list(self._alloc_log)
-        self._alloc_log.clear()
+        log = self._q.alloc_log
+        out = list(log)
+        log.clear()
         return out
 
     def kv_arrived(self, req_id: str, generated: int = 0) -> None:
@@ -266,16 +203,7 @@ class Engine:
         g = as_count(req_id, "generated", generated)
         if not 0 <= g < r.output:
             raise EngineError(f"kv_arrived({req_id!r}): generated must be in [0, {r.output}), got {g}")
-        r.generated = g
-        del self._await_kv[req_id]
-        self._alloc_log.pop(req_id, None)
-        self._cache_insert(r)
-        running = len(self._prefilling) + len(self._deflect) + len(self._decoding)
-        if not self._ready and running < self.config.max_num_seqs:
-            self._start_decode(r)
-        else:
-            r.phase = READY
-            self._ready.append(r)
+        self._q.arrive(r, g)
 
     def release(self, req_id: str) -> None:
         """Prefill node: the KV of ``req_id`` has been handed off; free its blocks.
@@ -286,8 +214,8 @@ class Engine:
         r = self._get(req_id)
         if r.phase != HELD:
             raise EngineError(f"release({req_id!r}): request is {PHASE_NAMES[r.phase]}, not held; use abort()")
-        del self._held[req_id]
-        self._drop(r)
+        del self._q.held[req_id]
+        self._q.drop(r)
 
     def abort(self, req_id: str) -> bool:
         """Remove ``req_id`` in any phase and free its blocks (failure, cancellation, re-route).
@@ -297,29 +225,10 @@ class Engine:
         is not yet committed, the commit skips it (no token, no progress), as vLLM discards the
         output of an aborted request.
         """
-        r = self._reqs.get(req_id)
+        r = self._q.reqs.get(req_id)
         if r is None:
             return False
-        ph = r.phase
-        if ph == WAITING:
-            self._waiting.remove(r)
-            del self._reqs[req_id]
-            r.phase = GONE
-            return True
-        if ph == PREFILLING:
-            self._prefilling.remove(r)
-        elif ph == DEFLECTING:
-            self._deflect.remove(r)
-        elif ph == AWAIT_KV:
-            del self._await_kv[req_id]
-        elif ph == READY:
-            self._ready.remove(r)
-        elif ph == DECODING:
-            del self._decoding[req_id]
-            self._decode_kv -= r.prompt + r.generated
-        else:  # HELD
-            del self._held[req_id]
-        self._drop(r)
+        self._q.remove(r)
         return True
 
     # -- stepping -----------------------------------------------------------------------------
@@ -337,57 +246,11 @@ class Engine:
         deflected prefill with ``min(remaining, χ_i − B, budget − B)`` tokens, at least 1, shrunk by
         the TBT guard when set. ``predicted_ms = model.step_ms(B, K, Σn, Σn·c/Σn)``.
         """
-        allocated = tuple(self.admit())
-        budget = self.config.max_num_batched_tokens
-        decs = list(self._decoding.values())
-        B = len(decs)
-        K = self._decode_kv
-        left = budget - B
-        chunks: list[tuple[str, int, int]] = []
-        refs: list[tuple[Req, int]] = []
-        defl: tuple[str, int, int, int] | None = None
-        ptok = 0
-        pcw = 0  # Σ n·cached
-        if self._prefilling:
-            for r in self._prefilling:
-                if left <= 0:
-                    break
-                n = r.prompt - r.computed
-                if n > left:
-                    n = left
-                chunks.append((r.id, n, r.computed))
-                refs.append((r, n))
-                left -= n
-                ptok += n
-                pcw += n * r.computed
-        elif self._deflect:
-            r = self._deflect[0]
-            i = r.steps
-            chi = chunk_size_at(r.schedule, i, budget)
-            # left ≥ 1: r holds a running slot, so B < max_num_seqs ≤ budget
-            n = deflected_chunk_tokens(r.prompt - r.computed, chi, B, left)
-            if self.tbt_guard_ms is not None:
-                n = guard_chunk_tokens(self.model, B, K, n, r.computed, self.tbt_guard_ms)
-            chunks.append((r.id, n, r.computed))
-            refs.append((r, n))
-            defl = (r.id, i, chi, n)
-            ptok = n
-            pcw = n * r.computed
-        if not B and not ptok:
-            self._plan = None
-            return None
-        cached = pcw / ptok if ptok else 0.0
-        predicted = self.model.step_ms(B, K, ptok, cached)
-        duration = predicted if self.truth is None else self.truth.step_ms(B, K, ptok, cached)
-        if self._noise is not None:
-            true_ms = duration
-            duration = float(self._noise(true_ms))
-            if not (duration >= 0.0 and math.isfinite(duration)):
-                raise EngineError(f"step_noise({true_ms!r}) returned {duration!r}; need a finite ms >= 0")
-        plan = StepPlan(duration, predicted, tuple(self._decoding), tuple(chunks), B, K, ptok, cached,
-                        defl, allocated, self._steps)
+        allocated = tuple(self._q.admit())
+        plan, refs = step.plan_step(self._q, self.model, self.truth, self._noise, self.tbt_guard_ms, allocated,
+                                    self._steps)
         self._plan = plan
-        self._plan_refs = (decs, refs)
+        self._plan_refs = refs
         return plan
 
     def commit_step(self, plan: StepPlan) -> StepResult:
@@ -406,121 +269,34 @@ class Engine:
         if plan is not self._plan:
             raise EngineError("commit_step: plan is stale, already committed or from another engine")
         self._plan = None
-        decs, refs = self._plan_refs
-        self._plan_refs = ([], [])
-        tokens: list[tuple[str, int]] = []
-        first: list[str] = []
-        done: list[str] = []
-        finished: list[str] = []
-        decoding = self._decoding
-        for r in decs:
-            if r.phase != DECODING:
-                continue  # aborted while the step ran
-            idx = r.generated
-            r.generated = idx + 1
-            tokens.append((r.id, idx))
-            if idx == 0:
-                first.append(r.id)
-            if idx + 1 >= r.output:
-                del decoding[r.id]
-                self._decode_kv -= r.prompt + idx
-                self._drop(r)
-                finished.append(r.id)
-            else:
-                self._decode_kv += 1
-        for r, n in refs:
-            if r.phase == PREFILLING:
-                r.computed += n
-                r.steps += 1
-                if r.computed >= r.prompt:
-                    self._prefilling.remove(r)  # a FIFO prefix: found at the front
-                    self._cache_insert(r)
-                    if r.output > 0:  # aggregated: first token here, then decode here
-                        self._first_token(r, tokens, first, finished)
-                        continue
-                    r.phase = HELD
-                    self._held[r.id] = r
-                    done.append(r.id)
-            elif r.phase == DEFLECTING:
-                r.computed += n
-                r.steps += 1
-                if r.computed >= r.prompt:
-                    self._deflect.popleft()  # r is the head: only abort can remove it earlier
-                    self._cache_insert(r)
-                    self._first_token(r, tokens, first, finished)
-        result = StepResult(tuple(tokens), tuple(first), tuple(done), tuple(finished), plan.allocated,
-                            self._steps)
+        refs = self._plan_refs
+        self._plan_refs = step.NO_REFS
+        result = step.commit_step(self._q, refs, plan.allocated, self._steps)
         self._steps += 1
         return result
-
-    def _first_token(self, r, tokens: list, first: list, finished: list) -> None:
-        """``r``'s prefill completed on this node: its first output token is emitted in this step
-        (index 0); then it decodes here, or is finished if it wanted one token."""
-        r.generated = 1
-        tokens.append((r.id, 0))
-        first.append(r.id)
-        if r.output <= 1:
-            self._drop(r)
-            finished.append(r.id)
-        else:
-            self._start_decode(r)
 
     # -- views --------------------------------------------------------------------------------
     def state(self) -> EngineState:
         """Snapshot for heartbeats and the dispatcher (see :class:`EngineState`); O(requests)."""
-        bs = self.config.block_size
-        if self.config.role == "prefill":
-            queue = [r.prompt - r.computed for r in self._prefilling]
-            queue.extend(r.prompt for r in self._waiting)
-            in_flight: list[InFlightDeflection] = []
-        else:
-            pending = list(self._deflect)
-            pending.extend(r for r in self._waiting if r.kind == DEFLECT)
-            queue = [r.prompt - r.computed for r in pending]
-            in_flight = [InFlightDeflection(prompt_tokens=r.prompt - r.computed, output_tokens=r.output)
-                         for r in pending]
-        return EngineState(
-            role=self.config.role,
-            batch_size=len(self._decoding),
-            kv_tokens=self._decode_kv,
-            queue_prompt_tokens=queue,
-            deflection_in_flight=bool(in_flight),
-            in_flight=in_flight,
-            waiting=len(self._waiting) + len(self._await_kv) + len(self._ready),
-            free_kv_tokens=self._free_blocks * bs,
-            running=len(self._prefilling) + len(self._deflect) + len(self._decoding),
-            awaiting_kv=len(self._await_kv),
-            held=len(self._held),
-            used_kv_tokens=(self._total_blocks - self._free_blocks) * bs,
-            steps=self._steps,
-        )
+        return self._q.state(self._steps)
 
     @property
     def idle(self) -> bool:
         """True iff :meth:`plan_step` would return None now: no running work and no waiting
         request that admission alone would make runnable. Only an external event (add,
         ``kv_arrived``, ``release``, ``abort``) can then create work. Does not mutate."""
-        if self._decoding or self._prefilling or self._deflect or self._ready:
-            return False
-        free = self._free_blocks  # running == 0 here, so only blocks gate admission
-        for r in self._waiting:
-            if r.blocks > free:
-                break
-            if r.kind != REMOTE:
-                return False
-            free -= r.blocks
-        return True
+        return self._q.idle
 
     @property
     def decoding_ids(self) -> frozenset[str]:
         """Ids of the running decodes (the B_n of the node's state), for attribution in tests and
         the simulator (which decodes joined a node after a decision)."""
-        return frozenset(self._decoding)
+        return frozenset(self._q.decoding)
 
     @property
     def num_requests(self) -> int:
         """Requests the engine holds in any phase (0: fully drained)."""
-        return len(self._reqs)
+        return len(self._q.reqs)
 
     @property
     def steps(self) -> int:
@@ -530,12 +306,12 @@ class Engine:
     def phase(self, req_id: str) -> str | None:
         """Phase name of ``req_id`` (``waiting``, ``prefilling``, ``deflected_prefill``,
         ``awaiting_kv``, ``ready``, ``decoding``, ``held``), None if unknown or gone."""
-        r = self._reqs.get(req_id)
+        r = self._q.reqs.get(req_id)
         return None if r is None else PHASE_NAMES[r.phase]
 
     def progress(self, req_id: str) -> tuple[int, int] | None:
         """``(prompt tokens computed here, output tokens emitted)`` of ``req_id``, None if unknown."""
-        r = self._reqs.get(req_id)
+        r = self._q.reqs.get(req_id)
         return None if r is None else (r.computed, r.generated)
 
     def check_invariants(self) -> None:
@@ -544,24 +320,7 @@ class Engine:
         Raises:
             AssertionError: blocks, slots, K or the phase indexes are inconsistent.
         """
-        held_blocks = sum(r.blocks for r in self._reqs.values() if r.phase != WAITING)
-        assert 0 <= self._free_blocks <= self._total_blocks, "free blocks out of range"
-        assert held_blocks == self._total_blocks - self._free_blocks, "block accounting drift"
-        running = len(self._prefilling) + len(self._deflect) + len(self._decoding)
-        assert running <= self.config.max_num_seqs, "running slots exceeded"
-        assert self._decode_kv == sum(r.prompt + r.generated for r in self._decoding.values()), "K drift"
-        n = (len(self._waiting) + len(self._prefilling) + len(self._deflect) + len(self._await_kv)
-             + len(self._ready) + len(self._decoding) + len(self._held))
-        assert n == len(self._reqs), "phase indexes do not partition the requests"
-        assert all(rid in self._await_kv for rid in self._alloc_log), "allocation log holds a non-awaiting id"
-        if self.cache is not None:
-            pins: dict[int, int] = {}
-            for r in self._reqs.values():
-                for h in r.pinned or ():
-                    pins[h] = pins.get(h, 0) + 1
-            assert pins == self.cache._ref, "prefix-cache pin counts drift from the requests' pins"
-            assert self.cache.free_tokens <= self._free_blocks * self.config.block_size, \
-                "evictable cached blocks exceed the free KV capacity"
+        self._q.check_invariants()
 
     # -- prefix cache -------------------------------------------------------------------------
     def cached_prefix_tokens(self, req_id: str) -> int:
@@ -586,31 +345,9 @@ class Engine:
         empty when caching is off. Feed them to :meth:`kairos.core.cluster.prefix_index.PrefixIndex.apply`."""
         return self.cache.drain_events() if self.cache is not None else ([], [])
 
-    def _cache_insert(self, r: Req) -> None:
-        """``r``'s prompt is computed (or its KV arrived) here: cache its full blocks."""
-        if r.hashes:
-            have = r.pinned or []
-            r.pinned = have + self.cache.insert(r.hashes[len(have):])
-
     # -- internals ----------------------------------------------------------------------------
     def _get(self, req_id: str) -> Req:
-        r = self._reqs.get(req_id)
+        r = self._q.reqs.get(req_id)
         if r is None:
             raise EngineError(f"unknown request id {req_id!r}")
         return r
-
-    def _start_decode(self, r: Req) -> None:
-        r.phase = DECODING
-        self._decoding[r.id] = r
-        self._decode_kv += r.prompt + r.generated
-
-    def _drop(self, r: Req) -> None:
-        """Forget an admitted request and free its blocks (caller removed it from its index)."""
-        del self._reqs[r.id]
-        self._free_blocks += r.blocks
-        if r.pinned is not None:
-            self.cache.unpin(r.pinned)
-            r.pinned = None
-            self.cache.evict_to(self._free_blocks * self.config.block_size)
-        self._alloc_log.pop(r.id, None)  # unpolled allocation: its transfer must not start
-        r.phase = GONE
