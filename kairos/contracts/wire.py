@@ -15,6 +15,7 @@ import msgspec
 
 from kairos.core.model.correction import StepCorrection
 from kairos.core.policy.base import Decision
+from kairos.contracts.errors import ErrorCode
 from kairos.core.vocabulary import PathKind, WirePathKind, path_kind
 
 #: 2: the keep path is ``kind="keep"`` everywhere (v1 said ``"prefill"`` in Job, Claim, RoutedEvent and
@@ -411,8 +412,8 @@ class ErrorEvent(msgspec.Struct, frozen=True, kw_only=True, tag="error"):
 
     v: int = SCHEMA_VERSION
     request_id: str
-    status: int  #: HTTP status (503 no capacity/node, 500 internal, 504 deadline)
-    code: str  #: OpenAI-style error code (``no_available_node``, ``kv_handoff_failed``, …)
+    status: int  #: HTTP status (``code.status``: 503 no capacity/node, 500 internal, 504 deadline)
+    code: ErrorCode  #: the OpenAI-style error code, one of the catalogue (kairos.contracts.errors, docs/errors.md)
     message: str
     source: str  #: service/replica/node that gave up
     sent_unix_ms: float

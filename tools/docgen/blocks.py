@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.docgen.docgen import ROOT, DocgenError, Result
+from tools.docgen.error_codes import error_codes
 
 Load = Callable[[str], Result]
 
@@ -711,6 +712,7 @@ PARAM_RENDERERS: dict[str, Callable[[Load, str], str]] = {
 
 #: block name → renderer (takes the result loader, returns markdown)
 RENDERERS: dict[str, Callable[[Load], str]] = {
+    "error-codes": error_codes,
     "sim-bursty": sim_bursty,
     "sim-speed": sim_speed,
     "sim-mooncake": sim_mooncake,
