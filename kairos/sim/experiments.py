@@ -15,7 +15,8 @@ from kairos.core.workload.serving_metrics import summarize
 from kairos.core.policy import Policy
 from kairos.core.policy import PolicyParams
 from kairos.core.workload.workloads import WorkloadRequest
-from kairos.sim.simulator import SimConfig, SimResult, Simulator
+from kairos.sim.results import SimResult
+from kairos.sim.simulator import SimConfig, Simulator
 
 
 def violation_attribution(result: SimResult, limit_ms: float) -> dict[str, int]:

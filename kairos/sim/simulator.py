@@ -48,189 +48,59 @@ Model of the cluster:
   engine's guard limit is β·τ / its ``safety`` (the node knows its own residuals).
 
 Event order is deterministic: the heap is keyed ``(time_ms, priority, sequence)``.
+
+This module is the event loop and the handlers that move requests between nodes and links; the
+rest is one concern a module: :mod:`kairos.sim.config` (:class:`SimConfig`), :mod:`kairos.sim.nodes`
+(the engines and their ground truth), :mod:`kairos.sim.view` (the dispatcher's view, decisions,
+reservations, corrections), :mod:`kairos.sim.links` (the KV-transfer links) and
+:mod:`kairos.sim.results` (per-request timings, :class:`SimResult`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
-import math
-from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
-
-from kairos.core.model.correction import IDENTITY, CorrectionEstimator, StepCorrection
-from kairos.core.engine import Engine
-from kairos.core.engine import EngineConfig
-from kairos.core.engine import GroundTruth
+from kairos.core.engine import StepPlan
 from kairos.core.model.latency import LatencyModel
-from kairos.core.workload.serving_metrics import RequestRecord
-from kairos.core.policy import Policy
-from kairos.core.policy import PolicyParams
-from kairos.core.cluster.routing import deflection_slots, keep_instead
-from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
-from kairos.core.cluster.prefix_index import PrefixIndex
-from kairos.core.workload.workloads import MOONCAKE_BLOCK_TOKENS, WorkloadRequest
+from kairos.core.policy import Policy, PolicyParams
+from kairos.core.workload.workloads import WorkloadRequest
+from kairos.sim.config import SimConfig
+from kairos.sim.links import KvLinks, LinkKey
+from kairos.sim.nodes import build_nodes
+from kairos.sim.results import DeflectedStep, SimRequest, SimResult, request_record
+from kairos.sim.view import DispatcherView
+
+__all__ = ["SimConfig", "SimResult", "DeflectedStep", "Simulator"]
 
 # event kinds, in priority order for equal timestamps (heartbeats first so that a decision at the
 # same instant sees the fresh state; step ends before arrivals so freed capacity is visible)
 _HEARTBEAT, _STEP_END, _TRANSFER_END, _ARRIVAL = range(4)
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    """Cluster and experiment settings.
-
-    Attributes:
-        n_prefill, n_decode: node counts (paper: 2P2D).
-        heartbeat_ms: Δh, state refresh period of the dispatcher view; 0 = exact state (Oracle).
-        link: KV-transfer link name from the profile (None: its default, the paper-calibrated one).
-        tbt_guard: kairos+ node-side guard: decode engines shrink a deflected chunk whose predicted
-            step would exceed β·τ at the current batch.
-        truth: ground-truth latency model of the engines (None: the policy's model).
-        truth_scale: every engine's steps take this × the truth model (1.1: 10 % slower).
-        drift_node: node id (``decode-0``) that drifts; None: no drift.
-        drift_scale: from ``drift_at_s`` on, ``drift_node``'s steps take this × longer (1.15).
-        drift_at_s: simulated time (s) the drift starts.
-        noise: σ of multiplicative log-normal noise on every step's latency (0: none).
-        seed: RNG seed of the noise.
-        correction_window_ms: sliding window of the model-correction estimator (ms).
-        reservation_rule: apply the live dispatcher's reservation rule (kairos/core/cluster/routing.py rule 3)
-            with ``deflection_slots`` per decode node; False: deflections queue on any node.
-        deflection_slots: deflections per decode node under the rule; 0: the policy's live
-            default (:func:`kairos.core.cluster.routing.deflection_slots`).
-        prefix_caching: engines keep prefix caches (kairos/core/engine/prefix.py); requests with block
-            hashes (the Mooncake trace) hit them. The dispatcher's prefix index is refreshed with
-            the view (every Δh) from the engines' cache events.
-        prefix_block_tokens: tokens per hashed block of the workload's ``block_hashes`` (the
-            Mooncake trace: 512).
-    """
-
-    n_prefill: int = 2
-    n_decode: int = 2
-    heartbeat_ms: float = 100.0
-    link: str | None = None
-    tbt_guard: bool = False
-    truth: LatencyModel | None = None
-    truth_scale: float = 1.0
-    drift_node: str | None = None
-    drift_scale: float = 1.0
-    drift_at_s: float = 0.0
-    noise: float = 0.0
-    seed: int = 0
-    correction_window_ms: float = 10_000.0
-    reservation_rule: bool = True
-    deflection_slots: int = 0
-    prefix_caching: bool = True
-    prefix_block_tokens: int = MOONCAKE_BLOCK_TOKENS
-
-
-@dataclass
-class _Req:
-    w: WorkloadRequest
-    deflected: bool = False
-    prefill_node: int = -1
-    decode_node: int = -1
-    prefill_start_ms: float | None = None
-    prefill_end_ms: float | None = None
-    kv_arrived_ms: float | None = None
-    first_token_ms: float | None = None
-    token_times_ms: list[float] = field(default_factory=list)
-    # deflection bookkeeping: decodes running at decision and predicted step ms (violation attribution)
-    decided_decodes: frozenset[str] = frozenset()
-    predicted_steps: list[float] = field(default_factory=list)
-    # TaiChi flowing decode: decoding on its prefill node; migration in progress; tokens at its start
-    local: bool = False
-    migrating: bool = False
-    migrate_from: int = 0
-    done: bool = False
-    transfer_tokens: int = 0  #: keep path: prompt tokens the decode node lacked (KV transferred)
-    cached_tokens: int = 0  #: prompt tokens the prefilling node served from its prefix cache
-
-
-@dataclass
-class DeflectedStep:
-    """One executed step of a deflected prefill (for TBT-violation attribution)."""
-
-    request_id: str
-    step_index: int
-    predicted_ms: float | None  #: the dispatcher's prediction for this step (None past the plan)
-    actual_ms: float
-    batch_at_decision: int
-    batch_at_step: int
-    decode_joined: bool  #: a decode that was not running at the decision is in this step's batch
-
-
-@dataclass
-class SimResult:
-    """Raw output of one run."""
-
-    records: list[RequestRecord]
-    #: latency of every step with ≥ 1 decode in it (decode nodes; prefill nodes only under TaiChi)
-    decode_step_ms: list[float]
-    deflected_steps: list[DeflectedStep]
-    deflections: int
-    sim_seconds: float
-    #: (end time ms, node) of each entry of ``decode_step_ms``: decode node index i, or −1−i for
-    #: prefill node i (drift analysis)
-    decode_step_at: list[tuple[float, int]] = field(default_factory=list)
-
-
 class Simulator:
     """One run of one policy over one workload. Use :meth:`run`.
 
+    Attributes (after :meth:`run`):
+        reqs: every request of the run by id (:class:`~kairos.sim.results.SimRequest`).
+
     Raises:
-        ValueError: fewer than one prefill or decode node.
+        ValueError: fewer than one prefill or decode node, or a drift node that is not a node.
     """
 
     def __init__(self, cfg: SimConfig, model: LatencyModel, policy: Policy, params: PolicyParams) -> None:
-        if cfg.n_prefill < 1 or cfg.n_decode < 1:
-            raise ValueError("need at least one prefill and one decode node")
         self.cfg, self.model, self.policy = cfg, model, policy
         self.params = policy.params(params)
-        truth = cfg.truth or model
-        self.prefill_ids = [f"prefill-{i}" for i in range(cfg.n_prefill)]
-        self.decode_ids = [f"decode-{i}" for i in range(cfg.n_decode)]
-        if cfg.drift_node is not None and cfg.drift_node not in self.prefill_ids + self.decode_ids:
-            raise ValueError(f"drift node {cfg.drift_node!r} is not one of {self.prefill_ids + self.decode_ids}")
         self._now = 0.0
-
-        def ground_truth(node: str) -> GroundTruth | None:
-            drifts = node == cfg.drift_node and cfg.drift_scale != 1.0
-            if truth is model and cfg.truth_scale == 1.0 and not drifts:
-                return None  # the exact-model run: the engine's prediction is the truth (no second evaluation)
-            return GroundTruth(truth, scale=cfg.truth_scale, drift_scale=cfg.drift_scale if drifts else 1.0,
-                               drift_at_ms=cfg.drift_at_s * 1000.0 if drifts else math.inf,
-                               clock=lambda: self._now)
-
-        self.corrector = CorrectionEstimator(window_ms=cfg.correction_window_ms)
-        self._corr: dict[str, StepCorrection] = {}
-        self._correcting = self.params.model_correction  # only kairos+ reads corrections: skip the work otherwise
-        rng = np.random.default_rng(cfg.seed)
-        noise = None
-        if cfg.noise > 0:
-            sigma = cfg.noise
-
-            def noise(ms: float) -> float:
-                return ms * math.exp(sigma * rng.standard_normal() - sigma * sigma / 2)
-
-        guard = self.params.step_limit_ms if cfg.tbt_guard else None
-        self.guard_ms = guard
-        pc = dict(prefix_block_tokens=cfg.prefix_block_tokens, prefix_caching=cfg.prefix_caching)
-        pcfg = EngineConfig.from_limits("prefill", truth.engine, **pc)
-        if self.params.flowing_decode:  # TaiChi P-heavy instances: the chunk-size slider
-            pcfg = dataclasses.replace(pcfg, max_num_batched_tokens=max(self.params.prefill_chunk_tokens,
-                                                                        pcfg.max_num_seqs))
-        self.slots = (cfg.deflection_slots or deflection_slots(policy.name)) if cfg.reservation_rule else None
-        self.prefill = [Engine(pcfg, model, step_noise=noise, truth=ground_truth(n)) for n in self.prefill_ids]
-        self.decode = [Engine(EngineConfig.from_limits("decode", truth.engine, **pc), model, step_noise=noise,
-                              tbt_guard_ms=guard, truth=ground_truth(n)) for n in self.decode_ids]
-        self.prefix_index = PrefixIndex(cfg.prefix_block_tokens)
+        nodes = build_nodes(cfg, model, self.params, lambda: self._now)
+        self.prefill_ids, self.decode_ids = nodes.prefill_ids, nodes.decode_ids
+        self.prefill, self.decode = nodes.prefill, nodes.decode
+        self.view = DispatcherView(cfg, model, policy, self.params, nodes)
+        truth = cfg.truth or model
         self.link = truth.link(cfg.link)
         self.kv_bytes = truth.kv_bytes_per_token
 
-    # -- event plumbing ------------------------------------------------------------------------
+    # -- event loop ----------------------------------------------------------------------------
     def _push(self, t: float, kind: int, payload) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (t, kind, self._seq, payload))
@@ -239,12 +109,9 @@ class Simulator:
         """Simulate until every request has finished. Deterministic for a given seed."""
         self._heap: list = []
         self._seq = 0
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, SimRequest] = {}
         self.busy = {("p", i): False for i in range(len(self.prefill))} | {("d", i): False for i in range(len(self.decode))}
-        self.links: dict[tuple[int, int], list[str]] = {}
-        self.link_busy: set[tuple[int, int]] = set()
-        self.reserved: dict[int, dict[str, int]] = {i: {} for i in range(len(self.decode))}
-        self.routed_since: dict[int, list[int]] = {i: [] for i in range(len(self.prefill))}
+        self.links = KvLinks(self.link, self.kv_bytes)
         self.decode_steps: list[float] = []
         self.decode_step_at: list[tuple[float, int]] = []
         self.deflected_steps: list[DeflectedStep] = []
@@ -252,8 +119,7 @@ class Simulator:
         for w in workload:
             self._push(w.arrival_s * 1000.0, _ARRIVAL, w)
         hb = self.cfg.heartbeat_ms
-        self._view_p = [e.state() for e in self.prefill]
-        self._view_d = [e.state() for e in self.decode]
+        self.view.reset()
         if hb > 0 and workload:
             self._push(0.0, _HEARTBEAT, None)
         pending = len(workload)
@@ -268,88 +134,24 @@ class Simulator:
             elif kind == _TRANSFER_END:
                 self._transfer_end(now, *payload)
             elif kind == _HEARTBEAT:
-                self._view_p = [e.state() for e in self.prefill]
-                self._view_d = [e.state() for e in self.decode]
-                self._refresh_prefix_index()
-                self._refresh_corrections(now)
-                for q in self.routed_since.values():
-                    q.clear()
+                self.view.heartbeat(now)
                 if pending > 0:
                     self._push(now + hb, _HEARTBEAT, None)
-        records = [self._record(r) for r in self.reqs.values()]
+        records = [request_record(r) for r in self.reqs.values()]
         return SimResult(records=records, decode_step_ms=self.decode_steps, deflected_steps=self.deflected_steps,
                          deflections=self.deflections, sim_seconds=now / 1000.0, decode_step_at=self.decode_step_at)
 
-    def _refresh_prefix_index(self) -> None:
-        """Apply every engine's prefix-cache events since the last refresh to the view's index."""
-        for nid, eng in zip(self.prefill_ids + self.decode_ids, self.prefill + self.decode):
-            stored, removed = eng.drain_cache_events()
-            if stored or removed:
-                self.prefix_index.apply(nid, stored, removed)
-
-    def _refresh_corrections(self, now: float) -> None:
-        """New per-node corrections (with the view); the guard of a correcting kairos+ node
-        tightens to β·τ / safety."""
-        if not self._correcting:
-            return
-        self._corr = self.corrector.corrections(now)
-        if self.guard_ms is not None and self.params.model_correction:
-            for nid, eng in zip(self.decode_ids, self.decode):
-                eng.tbt_guard_ms = self.guard_ms / self._corr.get(nid, IDENTITY).safety
-
     # -- dispatcher ----------------------------------------------------------------------------
-    def _snapshot(self, w: WorkloadRequest) -> ClusterSnapshot:
-        exact = self.cfg.heartbeat_ms <= 0
-        vp = [e.state() for e in self.prefill] if exact else self._view_p
-        vd = [e.state() for e in self.decode] if exact else self._view_d
-        if exact:
-            self._refresh_corrections(self._now)
-            self._refresh_prefix_index()
-        corr = self._corr
-        hits = self.prefix_index.match_tokens(w.block_hashes, w.prompt_tokens) if w.block_hashes else {}
-        prefill = [PrefillNodeView(id=self.prefill_ids[i],
-                                   queue_prompt_tokens=list(s.queue_prompt_tokens) + ([] if exact else self.routed_since[i]),
-                                   kv_backlog_ms=self._link_backlog_ms(i),
-                                   step_bias=corr.get(self.prefill_ids[i], IDENTITY).bias,
-                                   cached_prefix_tokens=hits.get(self.prefill_ids[i], 0))
-                   for i, s in enumerate(vp)]
-        decode = []
-        for i, s in enumerate(vd):
-            res = self.reserved[i]
-            full = self.slots is not None and len(res) >= self.slots  # as kairos.core.cluster.routing.build_snapshot
-            decode.append(DecodeNodeView(
-                id=self.decode_ids[i], batch_size=s.batch_size, kv_tokens=s.kv_tokens,
-                deflection_in_flight=bool(res),
-                in_flight=[] if full else [InFlightDeflection(prompt_tokens=self.reqs[r].w.prompt_tokens,
-                                                              output_tokens=self.reqs[r].w.output_tokens) for r in res],
-                waiting=s.waiting, step_bias=corr.get(self.decode_ids[i], IDENTITY).bias,
-                step_safety=corr.get(self.decode_ids[i], IDENTITY).safety,
-                cached_prefix_tokens=hits.get(self.decode_ids[i], 0)))
-        return ClusterSnapshot(request=RequestView(id=w.id, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens),
-                               prefill_nodes=prefill, decode_nodes=decode)
-
-    def _link_backlog_ms(self, p: int) -> float:
-        """Queued KV-transfer work on prefill node ``p``'s links, ms (kairos+ input)."""
-        total = 0.0
-        for (pi, _), q in self.links.items():
-            if pi == p:
-                total += sum(self.link.transfer_ms(self.reqs[r].transfer_tokens, self.kv_bytes) for r in q)
-        return total
-
     def _arrive(self, now: float, w: WorkloadRequest) -> None:
-        r = _Req(w)
+        r = SimRequest(w)
         self.reqs[w.id] = r
-        snap = self._snapshot(w)
-        d = self.policy.decide(snap, self.model, self.params)
-        if d.decision == "deflect" and self.slots is not None \
-                and len(self.reserved[self.decode_ids.index(d.node)]) >= self.slots:
-            d = keep_instead(d, snap, self.model, self.params, "keep_reservation_conflict")
+        d = self.view.decide(w, now, self.links)
         if d.decision == "deflect":
             di = self.decode_ids.index(d.node)
             r.deflected, r.decode_node = True, di
             r.decided_decodes = self.decode[di].decoding_ids
             r.predicted_steps = list(d.predicted_step_ms)
-            self.reserved[di][w.id] = w.prompt_tokens
+            self.view.reserved[di][w.id] = w
             self.deflections += 1
             self.decode[di].add_deflected(w.id, w.prompt_tokens, w.output_tokens, list(d.chunk_schedule),
                                           w.block_hashes)
@@ -357,7 +159,7 @@ class Simulator:
         else:
             pi = self.prefill_ids.index(d.node)
             r.prefill_node, r.decode_node = pi, self.decode_ids.index(d.decode_node)
-            self.routed_since[pi].append(w.prompt_tokens)
+            self.view.routed_since[pi].append(w.prompt_tokens)
             r.local = self.params.flowing_decode
             self.prefill[pi].add_prefill(w.id, w.prompt_tokens, w.block_hashes,
                                          output_tokens=w.output_tokens if r.local else 0)
@@ -386,13 +188,11 @@ class Simulator:
                 r.cached_tokens = cached  # the first chunk starts after the prefix-cache hit
         self._push(now + plan.duration_ms, _STEP_END, (role, i, plan))
 
-    def _step_end(self, now: float, role: str, i: int, plan) -> int:
+    def _step_end(self, now: float, role: str, i: int, plan: StepPlan) -> int:
         eng = self.prefill[i] if role == "p" else self.decode[i]
         res = eng.commit_step(plan)
         self.busy[(role, i)] = False
-        if self._correcting:
-            self.corrector.observe((self.prefill_ids if role == "p" else self.decode_ids)[i], plan.predicted_ms,
-                                   plan.duration_ms, now, mixed=plan.batch_size > 0 and plan.prefill_tokens > 0)
+        self.view.observe((self.prefill_ids if role == "p" else self.decode_ids)[i], plan, now)
         if plan.batch_size > 0:  # prefill nodes decode only under TaiChi (aggregation)
             self.decode_steps.append(plan.duration_ms)
             self.decode_step_at.append((now, i if role == "d" else -1 - i))
@@ -414,7 +214,7 @@ class Simulator:
             if r.deflected or r.local:
                 r.prefill_end_ms = now
             if r.deflected:
-                self.reserved[r.decode_node].pop(rid, None)
+                self.view.reserved[r.decode_node].pop(rid, None)
         for rid in res.finished:
             r = self.reqs[rid]
             r.done = True
@@ -439,21 +239,17 @@ class Simulator:
         r.transfer_tokens = r.w.prompt_tokens + (r.migrate_from if r.migrating else 0) \
             - self.decode[di].cached_prefix_tokens(rid)
         key = (r.prefill_node, di)
-        self.links.setdefault(key, []).append(rid)
+        self.links.enqueue(key, r)
         self._start_transfer(now, key)
 
-    def _start_transfer(self, now: float, key: tuple[int, int]) -> None:
-        q = self.links.get(key)
-        if key in self.link_busy or not q:
-            return
-        rid = q.pop(0)
-        self.link_busy.add(key)
-        r = self.reqs[rid]
-        ms = self.link.transfer_ms(r.transfer_tokens, self.kv_bytes)
-        self._push(now + ms, _TRANSFER_END, (key, rid))
+    def _start_transfer(self, now: float, key: LinkKey) -> None:
+        """Start the next KV transfer of link ``key`` if it is free: its end is an event."""
+        r = self.links.start(key)
+        if r is not None:
+            self._push(now + self.links.transfer_ms(r), _TRANSFER_END, (key, r.w.id))
 
-    def _transfer_end(self, now: float, key: tuple[int, int], rid: str) -> None:
-        self.link_busy.discard(key)
+    def _transfer_end(self, now: float, key: LinkKey, rid: str) -> None:
+        self.links.finish(key)
         r = self.reqs[rid]
         if r.migrating:
             self._migrated(now, key, r)
@@ -466,7 +262,7 @@ class Simulator:
         self._kick(now, "d", r.decode_node)
 
     # -- TaiChi flowing decode ------------------------------------------------------------------
-    def _flow(self, now: float, p: int, plan) -> None:
+    def _flow(self, now: float, p: int, plan: StepPlan) -> None:
         """After a step of P-heavy node ``p``: start migrating each request that decoded in it and
         whose mean time per output token so far exceeds ``flow_tpot_fraction``·τ."""
         limit = self.params.flow_tpot_fraction * self.params.tbt_slo_ms
@@ -488,7 +284,7 @@ class Simulator:
                                               r.w.block_hashes)
             self._kick(now, "d", di)
 
-    def _migrated(self, now: float, key: tuple[int, int], r: _Req) -> None:
+    def _migrated(self, now: float, key: LinkKey, r: SimRequest) -> None:
         """The migrating KV of ``r`` arrived: the source drops it, the target resumes decoding."""
         src, dst = self.prefill[r.prefill_node], self.decode[r.decode_node]
         r.migrating = False
@@ -502,36 +298,13 @@ class Simulator:
         self._kick(now, "p", r.prefill_node)
         self._kick(now, "d", r.decode_node)
 
-    def _cancel_migration(self, now: float, r: _Req) -> None:
+    def _cancel_migration(self, now: float, r: SimRequest) -> None:
         """``r`` finished on its P-heavy node while migrating: free the target's reservation and
         drop a transfer that has not started (a running one ends in :meth:`_migrated`)."""
-        key = (r.prefill_node, r.decode_node)
-        q = self.links.get(key)
-        if q and r.w.id in q:
-            q.remove(r.w.id)
+        if self.links.unqueue((r.prefill_node, r.decode_node), r):
             r.migrating = False
             self.decode[r.decode_node].abort(r.w.id)
         elif self.decode[r.decode_node].phase(r.w.id) == "waiting":
             r.migrating = False
             self.decode[r.decode_node].abort(r.w.id)
         self._kick(now, "d", r.decode_node)
-
-    # -- results -------------------------------------------------------------------------------
-    def _record(self, r: _Req) -> RequestRecord:
-        a = r.w.arrival_s * 1000.0
-        if r.first_token_ms is None:
-            return RequestRecord(id=r.w.id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_tokens,
-                                 output_tokens=0, deflected=r.deflected, error="not finished")
-        pq = r.prefill_start_ms - a
-        if r.deflected or r.local:
-            pe, kv, dq = r.first_token_ms - r.prefill_start_ms, 0.0, 0.0
-        else:
-            pe = r.prefill_end_ms - r.prefill_start_ms
-            kv = r.kv_arrived_ms - r.prefill_end_ms
-            dq = r.first_token_ms - r.kv_arrived_ms
-        return RequestRecord(
-            id=r.w.id, arrival_s=r.w.arrival_s, prompt_tokens=r.w.prompt_tokens,
-            output_tokens=len(r.token_times_ms), ttft_ms=r.first_token_ms - a,
-            token_times_s=[t / 1000.0 for t in r.token_times_ms], deflected=r.deflected,
-            prefill_queue_ms=pq, prefill_exec_ms=pe, kv_transfer_ms=kv, decode_queue_ms=dq,
-            cached_tokens=r.cached_tokens)
