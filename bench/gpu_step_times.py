@@ -21,7 +21,7 @@ Timing: per grid point (``B``, ``ctx``, ``p``, ``c``) the inputs and caches are 
 are run and discarded, then ``--repeats`` steps are timed (CUDA events, ``torch.cuda.synchronize``; on CPU
 ``time.perf_counter``); the row's ``latency_ms`` is their median. Points run decode-only and prefill-only
 first, then mixed ones in a seeded random order until ``--budget-s`` (wall, model build included) is spent.
-The fit is :func:`kairos.core.model.latency.fit_latency_model` (the form of ``kairos profile``) over those rows: it holds
+The fit is :func:`kairos.core.model.fitting.fit_latency_model` (the form of ``kairos profile``) over those rows: it holds
 out a random 20 % of each kind (prefill-only, decode-only, mixed) and reports MAPE on those rows only.
 
 Output: ``bench/results/gpu-step-times.jsonl`` (the result-file format of tools/docgen/docgen.py: a meta line, then
@@ -264,13 +264,13 @@ def time_point(model: Any, point: tuple[int, int, int, int], warmup: int, repeat
 
 
 def fit_rows(steps: list[dict[str, Any]], seed: int = 0) -> list[dict[str, Any]]:
-    """Fit :func:`kairos.core.model.latency.fit_latency_model` to ``step`` rows; one ``fit`` row per kind.
+    """Fit :func:`kairos.core.model.fitting.fit_latency_model` to ``step`` rows; one ``fit`` row per kind.
 
     Each row: ``kind``, ``samples`` (rows of that kind), ``heldout`` (rows the MAPE is computed on: the fit's
     random 20 %, never trained on), ``mape_heldout`` (percent), ``outliers_rejected`` (training rows, all kinds),
     and the fitted coefficients (ms per feature unit). Raises ValueError with fewer than 5 rows of a kind.
     """
-    from kairos.core.model.latency import StepRecord, fit_latency_model
+    from kairos.core.model.fitting import StepRecord, fit_latency_model
 
     recs = [StepRecord(r["batch_size"], r["kv_tokens"], r["prefill_tokens"], r["prefill_cached"], r["latency_ms"])
             for r in steps]

@@ -628,7 +628,7 @@ def profile(**kw) -> None:
     from kairos.services.profiler.service import ProfileError
     from kairos.runtime.bus import BusAuthError
     from kairos.runtime.envconfig import ConfigError
-    from kairos.core.model.latency import FitRefused
+    from kairos.core.model.fitting import FitRefused
 
     kw["version"] = kw.pop("version_")
     try:
@@ -672,7 +672,7 @@ def profile(**kw) -> None:
     except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(2)
-    except ValueError as exc:  # too few steps of a kind to fit (kairos.core.model.latency.fit_latency_model)
+    except ValueError as exc:  # too few steps of a kind to fit (kairos.core.model.fitting.fit_latency_model)
         click.echo(f"kairos profile: {exc}; a longer run records more (--testbed-duration, a larger --grid)", err=True)
         sys.exit(1)
     finally:

@@ -33,7 +33,8 @@ from kairos.engines.vllm.launch import SCHEDULER_CLS, VLLM_VERSION, VllmServer
 from kairos.cli.up import kill_group, start_bundled_nats, stop_process
 from kairos.services.node_agent.config import AgentConfig
 from kairos.runtime.envconfig import to_env
-from kairos.core.model.latency import DEFAULT_PROFILE, FitRefused, LatencyModel, load_profile
+from kairos.core.model.fitting import FitRefused
+from kairos.core.model.latency import DEFAULT_PROFILE, LatencyModel, load_profile
 from kairos.core.model.profiling import GRIDS, decode_spread, fit_summary
 
 

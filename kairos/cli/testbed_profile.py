@@ -19,7 +19,7 @@ testbed itself:
    a NATS client logged in as the ``profiler`` role records every engine step of both nodes
    (``kairos.steps.*``; the plugin's records carry each prefill chunk's context,
    ``kairos.engines.vllm.plugin.protocol.PrefillChunk``);
-3. fit the latency model on those steps (:func:`kairos.core.model.latency.fit_latency_model`: held-out MAPE per
+3. fit the latency model on those steps (:func:`kairos.core.model.fitting.fit_latency_model`: held-out MAPE per
    kind; no warm-up rule — every live step is a step serving sees).
 """
 
@@ -32,7 +32,8 @@ import sys
 import time
 from typing import Any
 
-from kairos.core.model.latency import LatencyModel, fit_latency_model
+from kairos.core.model.fitting import fit_latency_model
+from kairos.core.model.latency import LatencyModel
 from kairos.core.model.profiling import decode_spread, default_version, provenance, step_records
 from kairos.contracts.wire import StepRecordEvent
 
@@ -112,7 +113,7 @@ def run_testbed_profile(opts: Any, base: LatencyModel) -> LatencyModel:
     :func:`kairos.cli.profile.run_profile`'s to write.
 
     Raises:
-        kairos.core.model.latency.FitRefused: held-out MAPE above ``opts.max_mape``.
+        kairos.core.model.fitting.FitRefused: held-out MAPE above ``opts.max_mape``.
         ValueError: too few steps of a kind to fit.
         RuntimeError: the stack did not start, or its NATS refused the profiler.
         kairos.cli.bench.BenchError: the replay could not run.

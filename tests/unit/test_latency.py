@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from kairos.core.model.latency import LatencyModel, ProfileError, StepRecord, fit_latency_model, load_profile, mape, report_mape
+from kairos.core.model.fitting import StepRecord, fit_latency_model, mape, report_mape
+from kairos.core.model.latency import LatencyModel, ProfileError, load_profile
 
 TRUE = load_profile()
 
@@ -127,7 +128,7 @@ def test_fit_hygiene_rejects_invalid_and_outlier_samples_and_counts_them():
 
 
 def test_fit_above_the_mape_threshold_is_refused():
-    from kairos.core.model.latency import FitRefused
+    from kairos.core.model.fitting import FitRefused
 
     noisy = synthetic_records(TRUE, 600, seed=5, noise=0.2)
     with pytest.raises(FitRefused, match="MAPE above 3") as exc:

@@ -13,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from kairos.cli.main import main
-from kairos.core.model.latency import StepRecord, fit_latency_model, load_profile, step_noise_sigma, tbt_safety_beta
+from kairos.core.model.fitting import StepRecord, fit_latency_model
+from kairos.core.model.latency import load_profile, step_noise_sigma, tbt_safety_beta
 
 SIGMA = 0.12  #: log-sd of the generated steps' noise
 

@@ -12,7 +12,7 @@ The §3.2 grid, driven on one decode node (its engine runs all three step kinds)
 * **prefill-only steps with a cached prefix** — on the idle node, a deflected prefill of
   ``chunk_steps × χ`` tokens with ``[χ] × chunk_steps``: ``n = χ`` after ``c = 0, χ, 2χ, …``.
 
-Where the samples go: :func:`kairos.core.model.latency.fit_latency_model` (via :func:`step_records`), and the
+Where the samples go: :func:`kairos.core.model.fitting.fit_latency_model` (via :func:`step_records`), and the
 artifact's ``metadata`` (:func:`provenance`).
 """
 
@@ -26,7 +26,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from kairos.core.model.latency import LatencyModel, StepRecord
+from kairos.core.model.fitting import StepRecord
+from kairos.core.model.latency import LatencyModel
 from kairos.contracts.wire import StepRecordEvent
 
 

@@ -6,7 +6,7 @@ any backend) and heartbeats on ``kairos.state.<node>``. Outputs: KV handoffs
 (``kairos.kv.<node>``, background decodes), deflect jobs (``kairos.jobs.<node>``, the measured
 chunks), cancels, and the artifact in the KV bucket ``kairos_models`` under ``latency.<name>`` and
 ``latency.current`` (dispatchers watch the latter and hot-reload). The plan is
-:class:`kairos.core.model.profiling.ProfileGrid`; fitting and its hygiene are :func:`kairos.core.model.latency.fit_latency_model`.
+:class:`kairos.core.model.profiling.ProfileGrid`; fitting and its hygiene are :func:`kairos.core.model.fitting.fit_latency_model`.
 
 The profiled node should not serve traffic meanwhile (its jobs would mix into the samples; the
 samples stay valid — every step record is a sample — but the grid would not be the one planned).
@@ -30,7 +30,8 @@ from kairos.contracts import subjects as S
 from kairos.runtime.bus import ensure_buckets, ensure_models_bucket, flush_barrier, publish, request_typed
 from kairos.runtime.lanes import ensure_claims_bucket
 from kairos.contracts.permissions import PROFILER, kv_stream
-from kairos.core.model.latency import FitRefused, LatencyModel, StepRecord, fit_latency_model
+from kairos.core.model.fitting import FitRefused, StepRecord, fit_latency_model
+from kairos.core.model.latency import LatencyModel
 from kairos.core.model.profiling import (ProfileGrid, default_version, fit_summary, prefix_schedule, provenance, step_records,
                               warmup_steps)
 from kairos.core.workload.workloads import WorkloadRequest
