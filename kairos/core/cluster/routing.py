@@ -31,26 +31,24 @@ import msgspec
 
 from kairos.core.model.latency import LatencyModel
 from kairos.core.vocabulary import PathKind
+from kairos.core.policy import Policy
 from kairos.core.policy.base import Decision, PolicyParams
 from kairos.core.policy.common import best_prefill, least_loaded_decode
+from kairos.core.policy.registry import KAIROS_PLUS_SLOTS, policy_spec  # noqa: F401 (KAIROS_PLUS_SLOTS: re-exported)
 from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
 from kairos.contracts.wire import ClusterView, InferenceRequest, Job, NodeView, Reservation, RoutedEvent
 
 
-#: deflection slots per decode node of ``kairos+`` (the live default of ``kairos up``; kairos: 1, §5.3)
-KAIROS_PLUS_SLOTS = 4
-
-
 def deflection_slots(policy_name: str) -> int | None:
-    """Deflections a decode node holds at once under ``policy_name`` — the default of the live
-    dispatcher (``max_deflections_per_node``) and of the simulator: ``kairos+`` →
-    :data:`KAIROS_PLUS_SLOTS`, ``taichi`` → None (no cap: TaiChi queues its decode-heavy prefills,
-    simulator only), every other policy → 1 (rule 3 turns a deflection onto a full node into a keep)."""
-    if policy_name == "kairos+":
-        return KAIROS_PLUS_SLOTS
-    if policy_name == "taichi":
-        return None
-    return 1
+    """Deflections a decode node holds at once under ``policy_name`` — the default of ``kairos up``'s
+    dispatchers and agents and of the simulator: the policy's
+    :attr:`~kairos.core.policy.registry.PolicySpec.deflection_slots` (None: no cap, simulator only).
+    Rule 3 (:func:`decide_within_slots`) turns a deflection onto a full node into a keep.
+
+    Raises:
+        kairos.core.policy.PolicyError: unknown policy.
+    """
+    return policy_spec(policy_name).deflection_slots
 
 
 def routable(view: ClusterView | None, excluded: Mapping[str, str] = {}) -> tuple[list[NodeView], list[NodeView]]:
@@ -160,6 +158,31 @@ def keep_instead(decision: Decision, snap: ClusterSnapshot, model: LatencyModel,
     return msgspec.structs.replace(decision, decision="keep", node=node, decode_node=least_loaded_decode(snap),
                                    reason=reason, chunk_schedule=[], predicted_step_ms=[],
                                    ttft_prefill_est_ms=ttft_pf, kv_transfer_est_ms=kv_ms)
+
+
+def slot_taken(decision: Decision, held: Mapping[str, Reservation], full: frozenset[str] | set[str],
+               max_deflections: int) -> bool:
+    """Rule 3: ``decision`` deflects onto a decode node that has no free slot — ``max_deflections``
+    reservations of other requests in ``held`` (live reservations, any key), or listed in ``full``
+    (a conflict or refusal this routing met)."""
+    if not decision.deflected:
+        return False
+    node = decision.node
+    taken = sum(1 for r in held.values() if r.decode_node == node and r.request_id != decision.request_id)
+    return node in full or taken >= max_deflections
+
+
+def decide_within_slots(policy: Policy, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams,
+                        held: Mapping[str, Reservation], full: frozenset[str] | set[str],
+                        max_deflections: int) -> Decision:
+    """The dispatcher's decision for ``snap`` (from :func:`build_snapshot` with the same ``held``,
+    ``full`` and ``max_deflections``): the policy's, with a deflection onto a node without a free slot
+    (:func:`slot_taken`) turned into a keep (reason ``keep_reservation_conflict``, rule 3). Pure;
+    the simulator applies the same rule to its own reservations."""
+    decision = policy.decide(snap, model, params)
+    if slot_taken(decision, held, full, max_deflections):
+        return keep_instead(decision, snap, model, params, "keep_reservation_conflict")
+    return decision
 
 
 def decode_candidates(decision: Decision, snap: ClusterSnapshot) -> list[str]:

@@ -29,6 +29,11 @@ from kairos.core.policy.common import best_prefill, deflect_target, keep_receive
 from kairos.core.policy.estimates import fixed_chunk_steps
 from kairos.core.cluster.snapshot import ClusterSnapshot
 
+#: ``dynamo``'s L: the longest uncached prompt it prefills locally (Dynamo's ``max_local_prefill_length``)
+DYNAMO_MAX_LOCAL_PREFILL = 1000
+#: ``dynamo``'s Q: prefill queue size from which it prefills locally (Dynamo's ``max_prefill_queue_size``)
+DYNAMO_MAX_QUEUE = 2
+
 
 def _decision(spec: str, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams, deflect: bool,
               reason: str, chunk_tokens: int, target: tuple[str, int] | None = None) -> Decision:
@@ -78,7 +83,7 @@ def decide_sl(length: int):
     return decide
 
 
-def decide_dynamo(max_local_prefill: int = 1000, max_queue: int = 2):
+def decide_dynamo(max_local_prefill: int = DYNAMO_MAX_LOCAL_PREFILL, max_queue: int = DYNAMO_MAX_QUEUE):
     """``dynamo[:L[:Q]]``."""
 
     def decide(spec: str, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams) -> Decision:

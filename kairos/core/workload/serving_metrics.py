@@ -22,6 +22,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from kairos.core.policy import DEFAULT_PARAMS
+
 #: TTFT components of Table 3, in the order a request meets them
 BREAKDOWN_COMPONENTS: tuple[str, ...] = ("prefill_queue", "prefill_exec", "kv_transfer", "decode_queue")
 
@@ -69,7 +71,8 @@ def _gaps_ms(record: RequestRecord) -> np.ndarray:
     return np.diff(np.asarray(record.token_times_s, dtype=float)) * 1000.0
 
 
-def summarize(records: Sequence[RequestRecord], *, tbt_slo_ms: float = 70.0, ttft_slo_ms: float = 4000.0,
+def summarize(records: Sequence[RequestRecord], *, tbt_slo_ms: float = DEFAULT_PARAMS.tbt_slo_ms,
+              ttft_slo_ms: float = DEFAULT_PARAMS.ttft_slo_ms,
               decode_step_ms: Sequence[float] | None = None,
               duration_s: float | None = None) -> dict[str, Any]:
     """Summarize a run (paper Table 3 and Table 4 metrics). Never raises on empty input.

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 from kairos.runtime.envconfig import MetricsServiceConfig, require
 from kairos.core.model.latency import DEFAULT_PROFILE
-from kairos.core.policy import PolicyError
-from kairos.core.policy import PolicyParams
-from kairos.core.policy import parse_policy
+from kairos.core.policy import DEFAULT_PARAMS, DEFAULT_POLICY, PolicyError, PolicyParams, parse_policy
+from kairos.core.policy.registry import SHARED_PARAMS
 
 
 @dataclass(frozen=True)
@@ -17,16 +16,19 @@ class DispatcherConfig(MetricsServiceConfig):
     """One dispatcher replica (any number share the work queue)."""
 
     replica_id: str = f"dispatcher-{os.getpid()}"  #: shown in decision records and spans
-    policy: str = "kairos"  #: pd, sq:θ, sl:ℓ, dynamo, kairos, kairos+
+    #: a live policy of the policy table (kairos.core.policy.registry.POLICIES), e.g. ``kairos+``, ``sl:1024``
+    policy: str = DEFAULT_POLICY
     profile: str = DEFAULT_PROFILE  #: latency profile (bundled name or artifact path)
-    alpha: float = 1.3
-    beta: float = 1.0
-    tbt_slo_ms: float = 70.0
-    ttft_slo_ms: float = 4000.0
+    alpha: float = DEFAULT_PARAMS.alpha  #: α, Eq. 7 TTFT margin (kairos.core.policy.base.PolicyParams)
+    beta: float = DEFAULT_PARAMS.beta  #: β, TBT safety factor (Eq. 5)
+    tbt_slo_ms: float = DEFAULT_PARAMS.tbt_slo_ms  #: τ, TBT SLO, ms
+    ttft_slo_ms: float = DEFAULT_PARAMS.ttft_slo_ms  #: TTFT SLO, ms
     link: str | None = None  #: KV link of the profile used by kv-transfer-aware policies
     job_ack_timeout_s: float = 1.0  #: a node must accept/refuse a job within this, else re-route
     reservation_ttl_s: float = 30.0  #: floor of a deflection reservation's TTL
-    max_deflections_per_node: int = 1  #: deflection slots per decode node (kairos: 1, §5.3; kairos+: several)
+    #: deflection slots per decode node; must equal the node agents' ``max_deflections`` (both default
+    #: to 1, §5.3); ``kairos up`` sets both to the policy's ``PolicySpec.deflection_slots`` (kairos+: 4)
+    max_deflections_per_node: int = 1
     no_node_wait_s: float = 2.0  #: wait this long for a routable node before answering 503
     #: a job lost to a bus fault (no responders, no answer, claim not stored) is sent again, the
     #: live node not excluded, for at most this long per request (kairos/services/dispatcher/busretry.py); 0: never
@@ -36,8 +38,8 @@ class DispatcherConfig(MetricsServiceConfig):
     max_concurrency: int = 64  #: requests routed concurrently by this replica
     #: hot-reload the latency model from KV ``kairos_models``/``latency.current`` (``kairos profile --publish``)
     watch_models: bool = True
-    #: tokens per prefix-cache block the ingress hashes and the engines cache (prefix-aware
-    #: policies: kairos+, dynamo); must equal the ingress's ``KAIROS_PREFIX_BLOCK_TOKENS``
+    #: tokens per prefix-cache block the ingress hashes and the engines cache (the prefix-aware
+    #: policies': ``PolicySpec.needs_prefix_index``); must equal the ingress's ``KAIROS_PREFIX_BLOCK_TOKENS``
     prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
@@ -49,7 +51,7 @@ class DispatcherConfig(MetricsServiceConfig):
         try:
             self.params()
         except PolicyError as exc:
-            bad = next((f for f in ("alpha", "beta", "tbt_slo_ms", "ttft_slo_ms") if str(exc).startswith(f)), "policy")
+            bad = next((f for f in SHARED_PARAMS if str(exc).startswith(f)), "policy")
             require(False, bad, str(exc))
         require(self.job_ack_timeout_s > 0, "job_ack_timeout_s", "must be > 0")
         require(self.max_deflections_per_node >= 1, "max_deflections_per_node", "must be >= 1")
@@ -60,7 +62,7 @@ class DispatcherConfig(MetricsServiceConfig):
         require(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         require(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
 
-    def params(self, prefill_chunk_tokens: int = 2048) -> PolicyParams:
+    def params(self, prefill_chunk_tokens: int = DEFAULT_PARAMS.prefill_chunk_tokens) -> PolicyParams:
         """The shared policy parameters (α, β, τ, TTFT SLO) of this replica."""
         return PolicyParams(alpha=self.alpha, beta=self.beta, tbt_slo_ms=self.tbt_slo_ms, ttft_slo_ms=self.ttft_slo_ms,
                             prefill_chunk_tokens=prefill_chunk_tokens, link=self.link)
