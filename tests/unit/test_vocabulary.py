@@ -36,3 +36,22 @@ def test_the_decision_and_the_wire_share_the_path_names():
     assert path_kind("prefill") == KEEP and path_kind(DEFLECT) == DEFLECT
     with pytest.raises(ValueError, match="unknown path kind 'remote_decode'"):
         path_kind("remote_decode")
+
+
+def test_one_phase_and_role_vocabulary_for_the_engine_model_the_backends_and_the_agent():
+    from kairos.core.engine import Engine, EngineConfig
+    from kairos.core.engine import request as engine_request
+    from kairos.core.vocabulary import RequestPhase, RequestRole, job_role
+    from tests.factories import tiny_model
+
+    # the engine model's constants are the vocabulary's members, not numbers of their own
+    assert {engine_request.WAITING, engine_request.PREFILLING, engine_request.DEFLECTING, engine_request.AWAIT_KV,
+            engine_request.READY, engine_request.DECODING, engine_request.HELD,
+            engine_request.GONE} == set(RequestPhase) - {RequestPhase.HANDED_OFF}
+    assert (engine_request.PREFILL, engine_request.REMOTE, engine_request.DEFLECT) == tuple(RequestRole)
+    model = tiny_model()
+    e = Engine(EngineConfig.from_limits("prefill", model.engine), model)
+    e.add_prefill("a", 8)
+    assert e.phase("a") is RequestPhase.WAITING and e.phase("a") == "waiting"  # a name on the wire and in logs
+    assert [(r.path, r.node_role) for r in RequestRole] == [(KEEP, "prefill"), (KEEP, "decode"), (DEFLECT, "decode")]
+    assert (job_role(KEEP), job_role(DEFLECT)) == (RequestRole.PREFILL, RequestRole.DEFLECT)

@@ -53,7 +53,8 @@ from kairos.core.engine import step
 from kairos.core.engine.kv import KvBlocks
 from kairos.core.engine.prefix import PrefixCache
 from kairos.core.engine.queues import PhaseQueues
-from kairos.core.engine.request import AWAIT_KV, DEFLECT, HELD, PHASE_NAMES, PREFILL, REMOTE, Req, as_count
+from kairos.core.engine.request import AWAIT_KV, DEFLECT, HELD, PREFILL, REMOTE, Req, as_count
+from kairos.core.vocabulary import RequestPhase
 from kairos.core.engine.truth import GroundTruth
 from kairos.core.engine.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
 from kairos.core.model.latency import LatencyModel
@@ -199,7 +200,7 @@ class Engine:
         """
         r = self._get(req_id)
         if r.phase != AWAIT_KV:
-            raise EngineError(f"kv_arrived({req_id!r}): request is {PHASE_NAMES[r.phase]}, not awaiting_kv")
+            raise EngineError(f"kv_arrived({req_id!r}): request is {r.phase}, not awaiting_kv")
         g = as_count(req_id, "generated", generated)
         if not 0 <= g < r.output:
             raise EngineError(f"kv_arrived({req_id!r}): generated must be in [0, {r.output}), got {g}")
@@ -213,7 +214,7 @@ class Engine:
         """
         r = self._get(req_id)
         if r.phase != HELD:
-            raise EngineError(f"release({req_id!r}): request is {PHASE_NAMES[r.phase]}, not held; use abort()")
+            raise EngineError(f"release({req_id!r}): request is {r.phase}, not held; use abort()")
         del self._q.held[req_id]
         self._q.drop(r)
 
@@ -303,11 +304,11 @@ class Engine:
         """Steps committed so far."""
         return self._steps
 
-    def phase(self, req_id: str) -> str | None:
-        """Phase name of ``req_id`` (``waiting``, ``prefilling``, ``deflected_prefill``,
-        ``awaiting_kv``, ``ready``, ``decoding``, ``held``), None if unknown or gone."""
+    def phase(self, req_id: str) -> RequestPhase | None:
+        """Phase of ``req_id`` (:class:`~kairos.core.vocabulary.RequestPhase`: ``waiting``, ``prefilling``,
+        ``deflected_prefill``, ``awaiting_kv``, ``ready``, ``decoding``, ``held``), None if unknown or gone."""
         r = self._q.reqs.get(req_id)
-        return None if r is None else PHASE_NAMES[r.phase]
+        return None if r is None else r.phase
 
     def progress(self, req_id: str) -> tuple[int, int] | None:
         """``(prompt tokens computed here, output tokens emitted)`` of ``req_id``, None if unknown."""

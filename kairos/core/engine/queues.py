@@ -28,6 +28,7 @@ from kairos.core.engine.kv import KvBlocks
 from kairos.core.engine.request import (AWAIT_KV, DECODING, DEFLECT, DEFLECTING, GONE, PREFILL, PREFILLING, READY,
                                         REMOTE, WAITING, Req, as_count)
 from kairos.core.engine.types import EngineConfig, EngineError, EngineState
+from kairos.core.vocabulary import RequestRole
 
 
 class PhaseQueues:
@@ -59,7 +60,7 @@ class PhaseQueues:
         """Requests holding a running slot (prefilling, deflected prefills, decoding)."""
         return len(self.prefilling) + len(self.deflect) + len(self.decoding)
 
-    def add(self, req_id: str, kind: int, role: str, prompt: int, output: int,
+    def add(self, req_id: str, kind: RequestRole, role: str, prompt: int, output: int,
             sched: tuple[int, ...], hashes: tuple[int, ...] | list[int] = ()) -> None:
         """Check a new request and queue it at the tail of the waiting queue.
 

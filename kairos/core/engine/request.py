@@ -6,12 +6,14 @@ import operator
 from dataclasses import dataclass
 
 from kairos.core.engine.types import EngineError
+from kairos.core.vocabulary import RequestPhase, RequestRole
 
-# request kinds
-PREFILL, REMOTE, DEFLECT = 0, 1, 2
-# request phases (an index into the engine's per-phase containers)
-WAITING, PREFILLING, DEFLECTING, AWAIT_KV, READY, DECODING, HELD, GONE = range(8)
-PHASE_NAMES = ("waiting", "prefilling", "deflected_prefill", "awaiting_kv", "ready", "decoding", "held", "gone")
+# request kinds: the node's part of the path (kairos.core.vocabulary.RequestRole)
+PREFILL, REMOTE, DEFLECT = RequestRole.PREFILL, RequestRole.REMOTE_DECODE, RequestRole.DEFLECT
+# request phases (kairos.core.vocabulary.RequestPhase; each names the engine's container that holds the request)
+WAITING, PREFILLING, DEFLECTING = RequestPhase.WAITING, RequestPhase.PREFILLING, RequestPhase.DEFLECTED_PREFILL
+AWAIT_KV, READY, DECODING = RequestPhase.AWAITING_KV, RequestPhase.READY, RequestPhase.DECODING
+HELD, GONE = RequestPhase.HELD, RequestPhase.GONE
 
 
 def as_count(req_id: str, name: str, v: object) -> int:
@@ -27,12 +29,12 @@ class Req:
     """One request on one engine (compared by identity, so a re-added id is a different request)."""
 
     id: str
-    kind: int  #: PREFILL, REMOTE or DEFLECT
+    kind: RequestRole  #: PREFILL, REMOTE or DEFLECT
     prompt: int  #: prompt tokens
     output: int  #: output tokens to emit (0 on prefill nodes unless they also decode: PD aggregation)
     blocks: int  #: KV blocks reserved at admission
     schedule: tuple[int, ...] = ()  #: deflected: χ per prefill step (total step tokens)
-    phase: int = WAITING
+    phase: RequestPhase = WAITING
     computed: int = 0  #: prompt tokens computed on this node
     generated: int = 0  #: output tokens emitted
     steps: int = 0  #: prefill steps run
