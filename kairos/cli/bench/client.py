@@ -1,0 +1,310 @@
+"""The HTTP side of ``kairos bench``: probe the ingress, replay a workload open-loop, collect deflections.
+
+Inputs: :class:`BenchConfig` (URL, model, concurrency bound, timeouts in s, API key) and the
+workload (:class:`~kairos.core.workload.workloads.WorkloadRequest` with arrival offsets in s).
+Outputs: a :class:`BenchResult`: one :class:`Outcome` per request (send time, what its stream
+delivered, its error, the server's request id) and one
+:class:`~kairos.core.workload.serving_metrics.RequestRecord` each, the run's duration and send
+span (s), and the deflection count from ``GET /v1/requests/{id}`` or, failing that, from the
+``/metrics`` counters (:func:`deflect_delta`). Request failures are data, never raised; only usage
+errors raise :class:`BenchError`. The rules followed are in :mod:`kairos.cli.bench`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S, ProgressReporter
+from kairos.cli.bench.stream import SSEParser, StreamState, error_message, int_or_none, make_record, request_body
+from kairos.core.workload.serving_metrics import RequestRecord
+from kairos.core.workload.workloads import WorkloadRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+LOOKUP_CONCURRENCY = 16  #: parallel GET /v1/requests/{id} after the run
+LOOKUP_TIMEOUT_S = 10.0  #: per lookup / metrics scrape / model probe, seconds
+#: Prometheus sample names whose ``decision="deflect"`` series count deflections (summed)
+DEFLECT_COUNTERS: tuple[str, ...] = ("kairos_decisions_total", "kairos_dispatcher_decisions_total")
+
+
+class BenchError(Exception):
+    """A usage error: bad URL or option, server unreachable at start, bad workload. The CLI exits 2."""
+
+
+def check_url(url: str) -> str:
+    """The base URL without a trailing slash.
+
+    Raises:
+        BenchError: not an ``http(s)://host[:port]`` URL.
+    """
+    from yarl import URL
+
+    try:
+        u = URL(url.strip())
+    except (ValueError, TypeError) as exc:
+        raise BenchError(f"bad --url {url!r}: {exc}") from None
+    if u.scheme not in ("http", "https") or not u.host:
+        raise BenchError(f"bad --url {url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    return str(u).rstrip("/")
+
+
+def parse_deflect_counter(text: str) -> float | None:
+    """Sum of the :data:`DEFLECT_COUNTERS` samples labelled ``decision="deflect"`` in a Prometheus
+    text exposition; None if no such counter family is exposed (0.0 if it is, without deflects)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = False
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in DEFLECT_COUNTERS:
+                found = True
+                if s.labels.get("decision") == "deflect":
+                    total += s.value
+    return total if found else None
+
+
+def deflect_delta(before: str | None, after: str | None) -> float | None:
+    """Deflections during the run from two ``/metrics`` scrapes (None where unknown)."""
+    if before is None or after is None:
+        return None
+    a = parse_deflect_counter(after)
+    if a is None:
+        return None
+    b = parse_deflect_counter(before)
+    return a - (b or 0.0)
+
+
+@dataclass
+class BenchConfig:
+    """Options of one run (times in seconds)."""
+
+    url: str = DEFAULT_URL
+    model: str | None = None  #: None → the first id of ``GET /v1/models``
+    max_concurrency: int | None = None  #: None → unbounded (pure open loop)
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    progress: bool = True  #: progress on stderr: a tqdm bar on a terminal, else periodic lines
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S  #: seconds between progress lines (not a terminal)
+    api_key: str | None = None  #: sent as ``Authorization: Bearer`` (ingress with API keys)
+    #: after the replay, read each request's record (``GET /v1/requests/{id}``: decisions, deflection
+    #: count); False skips it (``deflections`` is then None): bench/control_plane.py measures the
+    #: CPU of serving alone and reads the records itself afterwards
+    lookup_records: bool = True
+
+
+@dataclass
+class Outcome:
+    """One request's raw result."""
+
+    index: int
+    req: WorkloadRequest
+    sent_s: float  #: seconds since the bench start
+    state: StreamState
+    error: str | None
+    server_id: str | None
+
+
+@dataclass
+class BenchResult:
+    """What one run produced (times in seconds)."""
+
+    records: list[RequestRecord]
+    outcomes: list[Outcome]
+    model: str
+    sent: int
+    duration_s: float  #: bench start → last request finished, seconds
+    send_span_s: float  #: first → last request actually sent, seconds (achieved rate = (sent − 1) / span)
+    deflections: int | None
+    deflections_source: str | None  #: "requests" (GET /v1/requests/{id}), "metrics" or None
+
+
+async def _get(session, url: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> tuple[int, str]:
+    async with asyncio.timeout(timeout_s):
+        async with session.get(url) as resp:
+            return resp.status, await resp.text()
+
+
+async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
+    """Check the server is reachable and pick the model: ``(model, max_model_len or None)``.
+
+    Raises:
+        BenchError: connection refused/timeout, a 401 (missing or wrong API key), no ``--model``
+            and no model listed, or a ``--model`` the server does not list.
+    """
+    import aiohttp
+
+    try:
+        status, text = await _get(session, f"{url}/v1/models")
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        raise BenchError(f"cannot reach the ingress at {url}: {type(exc).__name__}: {exc}") from None
+    if status == 401:
+        raise BenchError(f"{url} requires an API key (HTTP 401 from /v1/models): pass --api-key KEY or set "
+                         f"OPENAI_API_KEY, or check the key")
+    cards: list = []
+    if status == 200:
+        try:
+            cards = [c for c in json.loads(text).get("data", []) if isinstance(c, dict)]
+        except (ValueError, AttributeError):
+            cards = []
+    if model is None:
+        if not cards or not isinstance(cards[0].get("id"), str):
+            raise BenchError(f"{url}/v1/models gave no model (HTTP {status}); pass --model")
+        model = cards[0]["id"]
+    ids = [c.get("id") for c in cards]
+    if cards and model not in ids:
+        raise BenchError(f"--model {model!r} is not served by {url} (served: {', '.join(map(str, ids))})")
+    card = next((c for c in cards if c.get("id") == model), {})
+    return model, int_or_none(card.get("max_model_len"))
+
+
+async def send_one(session, url: str, index: int, req: WorkloadRequest, model: str, t0: float,
+                   timeout_s: float) -> Outcome:
+    """Send one streaming request and record its chunk arrivals (never raises)."""
+    body = request_body(req, index, model)
+    state = StreamState()
+    parser = SSEParser()
+    error: str | None = None
+    header_id: str | None = None
+    sent_s = time.perf_counter() - t0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                header_id = resp.headers.get("x-request-id")
+                if resp.status != 200:
+                    text = await resp.text()
+                    try:
+                        msg = error_message(json.loads(text).get("error") or text)
+                    except (ValueError, AttributeError):
+                        msg = text.strip()[:300] or (resp.reason or "")
+                    error = f"HTTP {resp.status}: {msg}"
+                else:
+                    async for data in resp.content.iter_any():
+                        t = time.perf_counter() - t0
+                        for ev in parser.feed(data):
+                            state.on_data(ev, t)
+                    t = time.perf_counter() - t0
+                    for ev in parser.close():
+                        state.on_data(ev, t)
+                    if state.error is None and not state.done:
+                        error = "stream ended before data: [DONE]"
+    except TimeoutError:
+        error = f"timeout after {timeout_s:g} s"
+    except Exception as exc:  # aiohttp.ClientError, OSError, ...: the request failed, the run goes on
+        error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return Outcome(index, req, sent_s, state, state.error or error, state.server_id or header_id)
+
+
+async def lookup_decisions(session, url: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``GET /v1/requests/{id}`` for each id: id → the decision record (JSON object) for the records
+    found (200). Its ``decision`` is deflect/keep; its ``measured`` object has the server-side
+    TTFT components in ms (Kairos ingress; absent elsewhere)."""
+    sem = asyncio.Semaphore(LOOKUP_CONCURRENCY)
+    found: dict[str, dict[str, Any]] = {}
+
+    async def one(rid: str) -> None:
+        async with sem:
+            try:
+                status, text = await _get(session, f"{url}/v1/requests/{rid}")
+                if status == 200:
+                    obj = json.loads(text)
+                    if isinstance(obj, dict):
+                        found[rid] = obj
+            except Exception as exc:  # a lookup failure only loses that record
+                log.debug("GET /v1/requests/%s failed: %r", rid, exc)
+
+    await asyncio.gather(*(one(r) for r in ids))
+    return found
+
+
+async def scrape_metrics(session, url: str) -> str | None:
+    """``GET /metrics`` text, or None if unavailable."""
+    try:
+        status, text = await _get(session, f"{url}/metrics")
+    except Exception:
+        return None
+    return text if status == 200 else None
+
+
+async def run_bench(cfg: BenchConfig,
+                    workload: Sequence[WorkloadRequest] | Callable[[int | None], Sequence[WorkloadRequest]],
+                    ) -> BenchResult:
+    """Probe the server, replay the workload open-loop, then collect deflections.
+
+    Args:
+        cfg: options; ``cfg.url`` is checked with :func:`check_url`.
+        workload: the requests, or a function of the server's ``max_model_len`` (None if
+            ``/v1/models`` does not report one) returning them.
+
+    Raises:
+        BenchError: bad URL, unreachable server, no model, empty workload.
+    """
+    import aiohttp
+
+    url = check_url(cfg.url)
+    connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
+    auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                     trust_env=True, headers=auth) as session:
+        model, max_len = await probe(session, url, cfg.model)
+        reqs = list(workload(max_len) if callable(workload) else workload)
+        if not reqs:
+            raise BenchError("the workload has no requests")
+        metrics_before = await scrape_metrics(session, url)
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        bar = ProgressReporter(len(reqs), enabled=cfg.progress, interval_s=cfg.progress_interval_s)
+        n_failed = 0
+
+        async def task(i: int, r: WorkloadRequest) -> Outcome:
+            nonlocal n_failed
+            if sem is None:
+                out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s)
+            else:
+                async with sem:
+                    out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s)
+            n_failed += out.error is not None
+            bar.update(n_failed)
+            return out
+
+        t0 = time.perf_counter()
+        tasks = []
+        try:
+            for i, r in enumerate(reqs):
+                delay = r.arrival_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(task(i, r)))
+            outcomes = list(await asyncio.gather(*tasks))
+            send_span_s = max(o.sent_s for o in outcomes) - min(o.sent_s for o in outcomes)
+        finally:
+            for t in tasks:
+                t.cancel()
+            bar.close()
+        duration_s = time.perf_counter() - t0
+
+        ids = sorted({o.server_id for o in outcomes if o.server_id})
+        decisions = await lookup_decisions(session, url, ids) if ids and cfg.lookup_records else {}
+        source: str | None
+        deflections: int | None
+        if not cfg.lookup_records:
+            source, deflections = None, None
+        elif decisions:
+            source = "requests"
+            deflections = sum(d.get("decision") == "deflect" for d in decisions.values())
+        else:
+            delta = deflect_delta(metrics_before, await scrape_metrics(session, url))
+            source = "metrics" if delta is not None else None
+            deflections = None if delta is None else int(round(delta))
+
+    records = [make_record(o.req, o.sent_s, o.state.chunks, output_tokens=o.state.usage_completion_tokens,
+                           error=o.error, record=decisions.get(o.server_id or ""))
+               for o in outcomes]
+    return BenchResult(records=records, outcomes=outcomes, model=model, sent=len(outcomes), duration_s=duration_s,
+                       send_span_s=send_span_s, deflections=deflections, deflections_source=source)

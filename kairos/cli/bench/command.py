@@ -1,0 +1,108 @@
+"""``kairos bench`` as a function: check the options, build the workload, run, print and write the report.
+
+Inputs: the options of the ``kairos bench`` click command (:mod:`kairos.cli.main`), also called by
+``kairos demo`` and ``kairos profile --testbed``. Outputs: ``vllm bench serve``'s result block and
+the paper's metrics table on stdout, a summary and warnings on stderr, the JSON report at
+``--json``; the report dict is returned. Usage errors raise
+:class:`~kairos.cli.bench.client.BenchError` (the CLI exits 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_bench
+from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S
+from kairos.cli.bench.report import build_report, format_report
+from kairos.core.workload.workloads import DEFAULT_MAX_MODEL_LEN, WorkloadRequest
+
+
+def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
+    """``vllm bench serve --goodput`` syntax: ``KEY:VALUE`` pairs (ms), keys ttft, tpot, e2el.
+
+    Raises:
+        BenchError: malformed pair, unknown key or a value that is not a positive number.
+    """
+    out: dict[str, float] = {}
+    for spec in specs:
+        key, sep, value = spec.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if not sep or key not in ("ttft", "tpot", "e2el") or not (ms > 0 and ms != float("inf")):
+            raise BenchError(f"--goodput {spec!r}: expected ttft:MS, tpot:MS or e2el:MS with MS > 0")
+        out[key] = ms
+    return out
+
+
+def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | None, seed: int,
+              model: str | None, max_concurrency: int | None, request_timeout: float, max_model_len: int | None,
+              label: str, json_path: str | None, save_records: bool, progress: bool, tbt_slo_ms: float,
+              ttft_slo_ms: float, goodput: Sequence[str] = (),
+              progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None) -> dict[str, Any]:
+    """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
+    metrics table (stdout) and a summary (stderr), write JSON.
+
+    Raises:
+        BenchError: any usage error (the CLI exits 2).
+    """
+    import click
+
+    from kairos.core.workload.workloads import WorkloadError, parse_workload
+
+    url = check_url(url)
+    from kairos.cli.main import check_workload_size
+    try:
+        check_workload_size(duration, [rps])
+    except click.BadParameter as exc:
+        raise BenchError(f"{exc.param_hint}: {exc.message}") from None
+    if save_records and not json_path:
+        raise BenchError("--save-records needs --json PATH")
+    slos = parse_goodput(goodput) if goodput else None
+
+    def make_workload(n: int) -> list[WorkloadRequest]:
+        try:
+            return parse_workload(workload, rps, duration, seed, max_model_len=n)
+        except WorkloadError as exc:
+            raise BenchError(f"--workload: {exc}") from None
+
+    cache: dict[int, list[WorkloadRequest]] = {}
+
+    def workload_fn(server_max_len: int | None) -> list[WorkloadRequest]:
+        n = max_model_len or server_max_len or DEFAULT_MAX_MODEL_LEN
+        if n not in cache:
+            cache.clear()
+            cache[n] = make_workload(n)
+        return cache[n]
+
+    workload_fn(None)  # workload errors before touching the network
+    cfg = BenchConfig(url=url, model=model, max_concurrency=max_concurrency, request_timeout_s=request_timeout,
+                      progress=progress, progress_interval_s=progress_interval_s, api_key=api_key)
+    wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "seed": seed}
+    result = asyncio.run(run_bench(cfg, workload_fn))
+    wl = next(iter(cache.values()))
+    span = wl[-1].arrival_s - wl[0].arrival_s
+    wl_info.update(requests=len(wl), offered_rps=round((len(wl) - 1) / span, 3) if span > 0 else None)
+    report = build_report(result, url=url, workload=wl_info, label=label, tbt_slo_ms=tbt_slo_ms,
+                          ttft_slo_ms=ttft_slo_ms, max_concurrency=max_concurrency,
+                          request_timeout_s=request_timeout, goodput_slo_ms=slos, save_records=save_records)
+    click.echo(format_report(report))
+    if report["usage_reported"] == 0 and report["completed"]:
+        click.echo("kairos bench: warning: the server sent no usage; output tokens are counted as one per chunk "
+                   "with text, which undercounts when a chunk carries several tokens", err=True)
+    src = f" (from {report['deflections_source']})" if report["deflections_source"] else ""
+    click.echo(f"sent {report['sent']}, completed {report['completed']}, failed {report['failed']} in "
+               f"{report['duration_s']:.1f} s; deflections: {report['deflections']}{src}", err=True)
+    for msg, n in list(report["errors"].items())[:5]:
+        click.echo(f"  {n} x {msg}", err=True)
+    if json_path:
+        p = Path(json_path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+    return report

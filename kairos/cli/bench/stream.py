@@ -1,0 +1,216 @@
+"""One request's wire in ``kairos bench``: the body sent, the SSE stream read back, the record made of it.
+
+Inputs: a :class:`~kairos.core.workload.workloads.WorkloadRequest` (prompt and output lengths in
+tokens), then the raw bytes of its ``text/event-stream`` response with the time each read arrived
+(seconds since the bench start). Outputs: the ``POST /v1/completions`` JSON body
+(:func:`request_body`), the events' ``data`` (:class:`SSEParser`), what the stream delivered
+(:class:`StreamState`: content chunks as ``(time_s, tokens)``, usage, server id, errors) and the
+:class:`~kairos.core.workload.serving_metrics.RequestRecord` of the request (:func:`make_record`:
+TTFT in ms, token times in s, the server's TTFT components in ms). Pure: no I/O, times are passed
+in. The token rules are those of :mod:`kairos.cli.bench` (vLLM's ``vllm bench serve`` client).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kairos.core.workload.serving_metrics import RequestRecord
+from kairos.core.workload.workloads import WorkloadRequest
+
+
+def prompt_token_ids(index: int, n: int) -> list[int]:
+    """Deterministic prompt of exactly ``n`` token ids in ``[1, 1000]`` for the ``index``-th request.
+
+    Range-based: id k is ``(index + k) % 1000 + 1``; the second id is overwritten with
+    ``(index // 1000) % 1000 + 1`` so that two requests (index < 10⁶) never share a prefix and a
+    prefix cache cannot reuse one request's KV for another (vLLM's random dataset offsets its
+    token ids per request for the same reason).
+    """
+    ids = [(index + k) % 1000 + 1 for k in range(n)]
+    if n > 1:
+        ids[1] = (index // 1000) % 1000 + 1
+    return ids
+
+
+def request_body(req: WorkloadRequest, index: int, model: str) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/completions`` for one workload request."""
+    return {"model": model, "prompt": prompt_token_ids(index, req.prompt_tokens), "max_tokens": req.output_tokens,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+class SSEParser:
+    """Incremental ``text/event-stream`` parser (WHATWG HTML "server-sent events" rules).
+
+    :meth:`feed` takes raw bytes as they arrive and returns the ``data`` of every event completed
+    by them: the event's ``data:`` lines joined with ``"\\n"`` (one leading space after the colon is
+    dropped). Lines end with ``\\n``, ``\\r\\n`` or ``\\r``; a blank line ends an event; lines
+    starting with ``:`` are comments (keep-alives) and ignored, as are ``event``/``id``/``retry``
+    fields; an event without data lines is not returned. UTF-8 split across reads is handled.
+    :meth:`close` returns a last event that lacks its blank line (lenient, like vLLM's
+    ``StreamedResponseHandler``).
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buf = ""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buf += self._decoder.decode(chunk)
+        out: list[str] = []
+        while True:
+            i = next((j for j, ch in enumerate(self._buf) if ch in "\r\n"), -1)
+            if i < 0:
+                break
+            if self._buf[i] == "\r" and i + 1 == len(self._buf):
+                break  # a "\r" at the end may be the first half of "\r\n"
+            line = self._buf[:i]
+            skip = 2 if self._buf.startswith("\r\n", i) else 1
+            self._buf = self._buf[i + skip:]
+            self._line(line, out)
+        return out
+
+    def close(self) -> list[str]:
+        out: list[str] = []
+        rest = self._buf + self._decoder.decode(b"", final=True)
+        self._buf = ""
+        for line in rest.splitlines():
+            self._line(line, out)
+        self._line("", out)
+        return out
+
+    def _line(self, line: str, out: list[str]) -> None:
+        if not line:
+            if self._data:
+                out.append("\n".join(self._data))
+                self._data = []
+            return
+        if line.startswith(":"):
+            return
+        name, _, value = line.partition(":")
+        if name == "data":
+            self._data.append(value[1:] if value.startswith(" ") else value)
+
+
+def error_message(err: Any) -> str:
+    """The text of an OpenAI-style ``error`` object (``message (code)``), or ``str(err)``."""
+    if isinstance(err, dict):
+        msg = err.get("message") or err.get("msg") or json.dumps(err)
+        code = err.get("code")
+        return f"{msg} ({code})" if code else str(msg)
+    return str(err)
+
+
+def int_or_none(v: Any) -> int | None:
+    """``v`` if it is an int (not a bool), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+@dataclass
+class StreamState:
+    """What one streamed response has delivered so far (pure: times are passed in).
+
+    ``chunks`` holds ``(time_s, tokens)`` for every content chunk (seconds since the bench start).
+    """
+
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    usage_completion_tokens: int | None = None  #: last ``usage.completion_tokens`` seen
+    server_id: str | None = None  #: the response ``id`` (request id assigned by the server)
+    done: bool = False  #: ``data: [DONE]`` seen
+    error: str | None = None  #: first error (an ``error`` object or malformed data)
+    _cumulative: int = 0  #: tokens accounted for by per-chunk usage
+
+    def on_data(self, data: str, t_s: float) -> None:
+        """Apply one SSE event's data that arrived at ``t_s`` (seconds)."""
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            self.error = self.error or f"malformed SSE data: {data[:200]!r}"
+            return
+        if not isinstance(obj, dict):
+            self.error = self.error or f"malformed SSE data: {data[:200]!r}"
+            return
+        if obj.get("error"):
+            self.error = self.error or error_message(obj["error"])
+            return
+        if self.server_id is None and isinstance(obj.get("id"), str):
+            self.server_id = obj["id"]
+        usage = obj.get("usage")
+        ct = int_or_none(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+        if ct is not None:
+            self.usage_completion_tokens = ct
+        choices = obj.get("choices")
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            return
+        n = chunk_tokens(choices[0], ct, self._cumulative)
+        if ct is not None:
+            self._cumulative = max(self._cumulative, ct)
+        if n > 0:
+            self.chunks.append((t_s, n))
+
+
+def chunk_tokens(choice: dict[str, Any], usage_completion_tokens: int | None, counted_so_far: int) -> int:
+    """Output tokens carried by one streamed choice (see the module docstring).
+
+    Args:
+        choice: ``choices[0]`` of a completions (``text``) or chat (``delta.content``) chunk.
+        usage_completion_tokens: the chunk's cumulative ``usage.completion_tokens`` or None.
+        counted_so_far: tokens already accounted for by earlier chunks' cumulative usage.
+    """
+    if usage_completion_tokens is not None:
+        return max(usage_completion_tokens - counted_so_far, 0)
+    lp = choice.get("logprobs")
+    if isinstance(lp, dict):
+        toks = lp.get("tokens") if isinstance(lp.get("tokens"), list) else lp.get("content")
+        if isinstance(toks, list) and toks:
+            return len(toks)
+    text = choice.get("text")
+    if text is None and isinstance(choice.get("delta"), dict):
+        text = choice["delta"].get("content")
+    return 1 if text else 0  # a role-only delta, an empty first chunk or a pure finish marker carries none
+
+
+def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[float, int]], *,
+                output_tokens: int | None = None, error: str | None = None,
+                record: dict[str, Any] | None = None) -> RequestRecord:
+    """Turn one request's recorded chunk arrivals into a :class:`RequestRecord`.
+
+    Args:
+        req: the workload request (id and prompt length are kept).
+        sent_s: when the request was sent, seconds since the bench start (the record's arrival).
+        chunks: ``(arrival_s, tokens)`` per content chunk, seconds since the bench start, in order.
+        output_tokens: the server's count (final ``usage``); default: the tokens in ``chunks``.
+        error: failure reason or None. A request without any token and no error gets
+            ``"no output tokens in the stream"``.
+        record: the server's decision record (``GET /v1/requests/{id}``) if found: ``deflected``
+            is ``decision == "deflect"`` and the TTFT components (ms) come from its ``measured``
+            object (server-side timestamps), so the live run has a P95 breakdown like the simulator.
+
+    Returns:
+        ``token_times_s`` with each chunk's time repeated once per token; ``ttft_ms`` =
+        (first chunk − ``sent_s``) × 1000, None without tokens.
+    """
+    record = record or {}
+    measured = record.get("measured") if isinstance(record.get("measured"), dict) else {}
+
+    def comp(key: str) -> float | None:
+        v = measured.get(key)
+        return float(v) if isinstance(v, (int, float)) else None
+
+    times = [t for t, k in chunks for _ in range(k)]
+    if not times and error is None:
+        error = "no output tokens in the stream"
+    return RequestRecord(
+        id=req.id, arrival_s=sent_s, prompt_tokens=req.prompt_tokens,
+        output_tokens=len(times) if output_tokens is None else output_tokens,
+        ttft_ms=(times[0] - sent_s) * 1000.0 if times else None, token_times_s=times,
+        deflected=record.get("decision") == "deflect", error=error,
+        prefill_queue_ms=comp("prefill_queue_ms"), prefill_exec_ms=comp("prefill_exec_ms"),
+        kv_transfer_ms=comp("kv_transfer_ms"), decode_queue_ms=comp("decode_queue_ms"))
