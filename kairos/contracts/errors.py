@@ -81,6 +81,8 @@ class ErrorCode(enum.StrEnum):
     ENQUEUE_FAILED = ("enqueue_failed", 503, "no request lane acknowledged the request within `KAIROS_ENQUEUE_TIMEOUT_S`")
     BUS_UNAVAILABLE = ("bus_unavailable", 503, "NATS stayed unreachable for `KAIROS_BUS_OUTAGE_TIMEOUT_S`")
     ENGINE_ERROR = ("engine_error", 502, "the node's engine (a vLLM server) failed the request")
+    ENGINE_REJECTED_REQUEST = ("engine_rejected_request", 400,
+                               "the node's engine (a vLLM server) refused the request itself (its 4xx status and message)")
     ROUTING_FAILED = ("routing_failed", 500, "a dispatcher failed while routing the request (a bug: its log has the error)")
     INTERNAL_ERROR = ("internal_error", 500, "the ingress failed (a bug: the message has an error id found in its log)")
     TIMEOUT = ("timeout", 504, "the request did not finish within `KAIROS_REQUEST_TIMEOUT_S`")

@@ -15,7 +15,7 @@ import pytest
 
 from kairos.engines.vllm.launch import AUTH_MIDDLEWARE, VllmServer
 from kairos.engines.vllm.plugin.auth import RequireApiKey
-from kairos.engines.base import make_backend
+from kairos.engines import make_backend
 from kairos.services.node_agent.config import AgentConfig
 from kairos.runtime.envconfig import ConfigError, from_env
 from kairos.core.model.latency import load_profile

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kairos.engines.base import EmulatedBackend
+from kairos.engines.emulated import EmulatedBackend
 from kairos.core.engine import GroundTruth
 from kairos.contracts.wire import InferenceRequest
 from tests.factories import tiny_model

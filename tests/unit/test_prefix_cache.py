@@ -320,7 +320,7 @@ def test_heartbeat_feed_resyncs_after_a_lost_heartbeat() -> None:
 
 
 def test_emulated_backend_reports_what_its_engine_caches() -> None:
-    from kairos.engines.base import EmulatedBackend
+    from kairos.engines.emulated import EmulatedBackend
 
     from kairos.contracts.wire import InferenceRequest
 
@@ -345,7 +345,7 @@ def test_a_full_cache_sync_fits_one_nats_message_and_keeps_the_recent_chains() -
     the full sync carries the most recently used ones — the last request's chain whole — the
     encoded heartbeat stays under the limit, and a delta too large for one heartbeat becomes such
     a full sync."""
-    from kairos.engines.base import EmulatedBackend
+    from kairos.engines.emulated import EmulatedBackend
 
     from kairos.contracts.wire import CACHE_SYNC_MAX_HASHES, NodeState, encode
 

@@ -40,15 +40,18 @@ from typing import Any
 import aiohttp
 import structlog
 
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.wire import InferenceRequest
+from kairos.core.engine import EngineState, GroundTruth
+from kairos.core.model.latency import LatencyModel
+from kairos.core.vocabulary import RequestPhase, RequestRole
 from kairos.engines.base import EngineBackend, EngineEvents
+from kairos.engines.vllm.api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_prefill_chunks,
+                                     prefill_body, prefill_result, require_kv_blocks, unsafe_seed)
 from kairos.engines.vllm.http import KV_RELEASE_TIMEOUT_S, EngineClient  # noqa: F401  (re-exported)
 from kairos.engines.vllm.state import (_VReq, engine_state, step_output,  # noqa: F401  (re-exported)
-                                           track_prefills)
-from kairos.core.engine import EngineState
-from kairos.core.model.latency import LatencyModel
-from kairos.engines.vllm.api import (EngineApiError, EngineHttpError, cached_tokens, decode_body, engine_prefill_chunks,
-                             prefill_body, prefill_result, require_kv_blocks, unsafe_seed)
-from kairos.contracts.wire import InferenceRequest
+                                       track_prefills)
+from kairos.engines.vllm.subscriber import EngineStateSubscriber, follow
 
 log = structlog.get_logger("kairos.node_agent.vllm")
 
@@ -91,6 +94,16 @@ class VllmBackend(EngineBackend):
         self._stop: asyncio.Event | None = None  #: run()'s stop event
         self._ready_task: asyncio.Future | None = None  #: waiting for the server (_become_ready)
 
+    @classmethod
+    def from_config(cls, cfg: Any, model: LatencyModel, truth: GroundTruth | None = None) -> "VllmBackend":
+        """The server's URL, state stream, staleness and key from an AgentConfig (``truth`` is ignored:
+        the engine's steps take what they take).
+
+        Raises:
+            ConfigError: the key file cannot be read (``AgentConfig.engine_key``)."""
+        return cls(cfg.role, model, cfg.engine_url, cfg.engine_state_addr, stale_after_ms=cfg.engine_stale_after_ms,
+                   api_key=cfg.engine_key())
+
     # -- availability / state -------------------------------------------------------------------
     @property
     def available(self) -> bool:  # type: ignore[override]
@@ -120,7 +133,7 @@ class VllmBackend(EngineBackend):
         """Heartbeat state from the last snapshot (:func:`~kairos.engines.vllm.state.engine_state`)."""
         return engine_state(self.role, self.snapshot, self._reqs)
 
-    def phase(self, req_id: str) -> str | None:
+    def phase(self, req_id: str) -> RequestPhase | None:
         r = self._reqs.get(req_id)
         return None if r is None else r.phase
 
@@ -130,20 +143,20 @@ class VllmBackend(EngineBackend):
 
     # -- lifecycle ------------------------------------------------------------------------------
     def add_prefill(self, req: InferenceRequest) -> None:
-        self._add(_VReq(req=req, kind="prefill", phase="prefilling", remaining=req.prompt_tokens))
+        self._add(_VReq(req=req, kind=RequestRole.PREFILL, phase=RequestPhase.PREFILLING, remaining=req.prompt_tokens))
 
     def add_remote_decode(self, req: InferenceRequest, kv_transfer_params: dict[str, Any] | None = None) -> None:
         if not kv_transfer_params:
             raise EngineApiError(f"{req.request_id}: a vLLM decode node needs the prefill server's kv_transfer_params "
                                  "(was the prefill node running the emulated backend?)")
         require_kv_blocks(kv_transfer_params, req.request_id)  # never forwarded: it would kill the engine
-        r = _VReq(req=req, kind="remote_decode", phase="awaiting_kv", kv_params=dict(kv_transfer_params))
+        r = _VReq(req=req, kind=RequestRole.REMOTE_DECODE, phase=RequestPhase.AWAITING_KV, kv_params=dict(kv_transfer_params))
         r.kv_ready = asyncio.get_running_loop().create_future()
         self._add(r)
         self._allocated.append(req.request_id)  # vLLM allocates and pulls by itself once submitted
 
     def add_deflected(self, req: InferenceRequest, chunk_schedule: list[int], decision_batch_size: int = 0) -> None:
-        self._add(_VReq(req=req, kind="deflect", phase="deflected_prefill", chunk_schedule=list(chunk_schedule),
+        self._add(_VReq(req=req, kind=RequestRole.DEFLECT, phase=RequestPhase.DEFLECTED_PREFILL, chunk_schedule=list(chunk_schedule),
                         engine_chunks=engine_prefill_chunks(list(chunk_schedule), decision_batch_size),
                         remaining=req.prompt_tokens))
 
@@ -159,14 +172,14 @@ class VllmBackend(EngineBackend):
 
     def kv_arrived(self, req_id: str) -> None:
         r = self._reqs.get(req_id)
-        if r is not None and r.phase == "awaiting_kv":
-            r.phase = "decoding"
+        if r is not None and r.phase is RequestPhase.AWAITING_KV:
+            r.phase = RequestPhase.DECODING
 
     def release(self, req_id: str) -> None:
         """Prefill node: the decode node has the KV. vLLM frees the blocks itself once read (NIXL
         notification), so this only forgets the request."""
         r = self._reqs.get(req_id)
-        if r is not None and r.phase == "held":
+        if r is not None and r.phase is RequestPhase.HELD:
             del self._reqs[req_id]
 
     def abort(self, req_id: str) -> bool:
@@ -212,7 +225,7 @@ class VllmBackend(EngineBackend):
         await self._ready.wait()
         while True:
             try:
-                if r.kind == "prefill":
+                if r.kind is RequestRole.PREFILL:
                     await self._prefill(r)
                 else:
                     await self._stream(r)
@@ -223,7 +236,8 @@ class VllmBackend(EngineBackend):
                 if self._reqs.get(rid) is not r:
                     return
                 refused = isinstance(exc, EngineHttpError) and exc.client_error  # the same body fails again
-                if (r.kind == "remote_decode" and r.tokens_out == 0 and not refused
+                remote = r.kind is RequestRole.REMOTE_DECODE
+                if (remote and r.tokens_out == 0 and not refused
                         and attempts < REMOTE_DECODE_RETRIES):
                     attempts += 1
                     log.warning("remote_decode_retry", request_id=rid, attempt=attempts, error=repr(exc))
@@ -231,15 +245,16 @@ class VllmBackend(EngineBackend):
                 del self._reqs[rid]
                 if r.kv_ready is not None and not r.kv_ready.done():
                     r.kv_ready.set_result(False)
-                if r.kind == "remote_decode" and r.tokens_out == 0 and r.kv_params:
+                if remote and r.tokens_out == 0 and r.kv_params:
                     self.http.release_kv(rid, r.kv_params)
                 log.warning("engine_request_failed", request_id=rid, error=repr(exc))
                 if self._events is not None:
-                    if refused:
-                        await self._events.on_failed(rid, exc.status, "engine_rejected_request",
+                    if refused:  # vLLM's own 4xx status: the request itself is wrong
+                        await self._events.on_failed(rid, exc.status, ErrorCode.ENGINE_REJECTED_REQUEST,
                                                      f"the engine refused the request: {exc.engine_message}")
                     else:
-                        await self._events.on_failed(rid, 502, "engine_error", f"vLLM at {self.url}: {exc}")
+                        await self._events.on_failed(rid, ErrorCode.ENGINE_ERROR.status, ErrorCode.ENGINE_ERROR,
+                                                     f"vLLM at {self.url}: {exc}")
                 return
 
     async def _prefill(self, r: _VReq) -> None:
@@ -247,15 +262,16 @@ class VllmBackend(EngineBackend):
         params, _n = prefill_result(await self.http.complete(prefill_body(r.req, self.served_model)), rid)
         if self._reqs.get(rid) is not r:  # aborted meanwhile
             return
-        r.kv_params, r.phase, r.remaining = params, "held", 0
+        r.kv_params, r.phase, r.remaining = params, RequestPhase.HELD, 0
         if self._events is not None:
             await self._events.on_prefill_done(rid)
 
     async def _stream(self, r: _VReq) -> None:
         rid = r.req.request_id
-        if r.kind == "deflect" and (why := unsafe_seed(r.req.sampling)) is not None:  # it would kill the engine
+        if r.kind is RequestRole.DEFLECT and (why := unsafe_seed(r.req.sampling)) is not None:  # it would kill the engine
             raise EngineHttpError(400, why)
-        body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if r.kind == "remote_decode" else None,
+        remote = r.kind is RequestRole.REMOTE_DECODE
+        body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if remote else None,
                            prefill_chunks=r.engine_chunks or None)
         index, finish, usage = 0, None, None
         async for d in self.http.stream(body):
@@ -268,8 +284,8 @@ class VllmBackend(EngineBackend):
                     r.remaining = 0
                     if r.kv_ready is not None and not r.kv_ready.done():
                         r.kv_ready.set_result(True)
-                    if r.phase == "deflected_prefill":
-                        r.phase = "decoding"
+                    if r.phase is RequestPhase.DEFLECTED_PREFILL:
+                        r.phase = RequestPhase.DECODING
                 await self._events.on_tokens(rid, index, d.token_count, d.text)
                 index += d.token_count
                 r.tokens_out = index
@@ -317,48 +333,28 @@ class VllmBackend(EngineBackend):
             self._ready_task = asyncio.get_running_loop().create_task(self._become_ready(self._stop))
 
     async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
-        """Wait for the server and follow its state stream until ``stop``; every snapshot with a
-        step record is reported as a :class:`StepOutput`. The stream's connection closing (the
-        engine process died) or a new ``engine_pid`` (it restarted) makes the engine unavailable
-        until its server answers again (:meth:`_engine_lost`)."""
-        from kairos.engines.vllm.subscriber import EngineStateSubscriber
-
+        """Wait for the server and follow its state stream until ``stop``
+        (:func:`~kairos.engines.vllm.subscriber.follow`); every snapshot with a step record is
+        reported as a :class:`StepOutput`. The stream's connection closing (the engine process
+        died) or a new ``engine_pid`` (it restarted) makes the engine unavailable until its server
+        answers again (:meth:`_engine_lost`)."""
         self._events, self._stop = events, stop
         sub = EngineStateSubscriber(self.state_addr)
-        stop_wait = asyncio.ensure_future(stop.wait())
         self._ready_task = asyncio.ensure_future(self._become_ready(stop))
-        recv, gone = asyncio.ensure_future(sub.recv()), asyncio.ensure_future(sub.disconnected())
+
+        async def on_snapshot(snap: Any) -> None:
+            if self.snapshot is not None and snap.engine_pid != self.snapshot.engine_pid:
+                self._engine_lost(f"engine restarted (pid {self.snapshot.engine_pid} -> {snap.engine_pid})")
+            started = self._on_snapshot(snap)
+            if snap.step_record is not None:
+                await events.on_step(step_output(snap.step_record, self._reqs, started, self.model))
         try:
-            while not stop.is_set():
-                await asyncio.wait({recv, gone, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if stop.is_set():
-                    break
-                if gone.done():
-                    gone.result()
-                    self._engine_lost("engine-state stream disconnected")
-                    gone = asyncio.ensure_future(sub.disconnected())
-                if not recv.done():
-                    continue
-                try:
-                    snap = recv.result()
-                except ValueError as exc:  # EngineStateError: a bad message; keep listening
-                    log.warning("bad_engine_state", error=str(exc))
-                    snap = None
-                recv = asyncio.ensure_future(sub.recv())
-                if snap is None:
-                    continue
-                if self.snapshot is not None and snap.engine_pid != self.snapshot.engine_pid:
-                    self._engine_lost(f"engine restarted (pid {self.snapshot.engine_pid} -> {snap.engine_pid})")
-                started = self._on_snapshot(snap)
-                if snap.step_record is not None:
-                    await events.on_step(step_output(snap.step_record, self._reqs, started, self.model))
+            await follow(sub, stop, on_snapshot, self._engine_lost)
         finally:
-            for f in (stop_wait, recv, gone, self._ready_task):
-                f.cancel()
-            await asyncio.gather(recv, gone, self._ready_task, return_exceptions=True)
+            self._ready_task.cancel()
+            await asyncio.gather(self._ready_task, return_exceptions=True)
             sub.close()
             for r in list(self._reqs.values()):
                 if r.task is not None:
                     r.task.cancel()
             await self.http.close()
-

@@ -14,11 +14,15 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from kairos.engines.base import StepOutput
+from kairos.contracts.wire import InferenceRequest
+from kairos.core.cluster.snapshot import InFlightDeflection
 from kairos.core.engine import EngineState
 from kairos.core.model.latency import LatencyModel
-from kairos.core.cluster.snapshot import InFlightDeflection
-from kairos.contracts.wire import InferenceRequest
+from kairos.core.vocabulary import RequestPhase, RequestRole
+from kairos.engines.base import StepOutput
+
+#: the phases in which a request's prompt is still being computed on the server
+PREFILL_PHASES = (RequestPhase.PREFILLING, RequestPhase.DEFLECTED_PREFILL)
 
 
 @dataclass
@@ -26,8 +30,9 @@ class _VReq:
     """One request this backend has in its vLLM server."""
 
     req: InferenceRequest
-    kind: str  # "prefill" | "remote_decode" | "deflect"
-    phase: str  # "prefilling" | "held" | "awaiting_kv" | "deflected_prefill" | "decoding"
+    kind: RequestRole  #: this node's part: prefill, remote_decode or deflect
+    #: prefilling → held (prefill node); awaiting_kv → decoding (remote decode); deflected_prefill → decoding
+    phase: RequestPhase
     chunk_schedule: list[int] = field(default_factory=list)
     engine_chunks: list[int] = field(default_factory=list)  #: p_i sent to vLLM
     kv_params: dict[str, Any] | None = None
@@ -78,26 +83,26 @@ def engine_state(role: str, snapshot: Any, reqs: dict[str, _VReq]) -> EngineStat
     requests still prefilling (``in_flight``). ``snapshot``: the last
     kairos.engines.vllm.plugin ``EngineSnapshot`` (None before the first); ``reqs``: the backend's requests by id."""
     s = snapshot
-    deflecting = [r for r in reqs.values() if r.kind == "deflect" and r.phase == "deflected_prefill"]
+    deflecting = [r for r in reqs.values() if r.kind is RequestRole.DEFLECT and r.phase is RequestPhase.DEFLECTED_PREFILL]
     in_flight = [InFlightDeflection(prompt_tokens=max(r.remaining, 0), output_tokens=r.req.max_tokens)
                  for r in deflecting]
     if s is None:
         return EngineState(role=role, batch_size=0, kv_tokens=0,
                            queue_prompt_tokens=[r.remaining for r in reqs.values()
-                                                if r.phase in ("prefilling", "deflected_prefill")],
+                                                if r.phase in PREFILL_PHASES],
                            deflection_in_flight=bool(deflecting), in_flight=in_flight, waiting=0,
                            free_kv_tokens=0, running=0)
     if role == "prefill":
         queue = [w.remaining_prefill_tokens for w in s.waiting]
     else:
         queue = [w.remaining_prefill_tokens for w in s.waiting
-                 if (r := reqs.get(w.request_id)) is not None and r.kind == "deflect"]
+                 if (r := reqs.get(w.request_id)) is not None and r.kind is RequestRole.DEFLECT]
     used = int(round(s.free_kv_tokens * s.kv_cache_usage / (1.0 - s.kv_cache_usage))) if s.kv_cache_usage < 1 else 0
     return EngineState(role=role, batch_size=s.batch_size, kv_tokens=s.kv_tokens, queue_prompt_tokens=queue,
                        deflection_in_flight=bool(deflecting), in_flight=in_flight, waiting=s.num_waiting,
                        free_kv_tokens=s.free_kv_tokens, running=s.num_running,
-                       awaiting_kv=sum(1 for r in reqs.values() if r.phase == "awaiting_kv"),
-                       held=sum(1 for r in reqs.values() if r.phase == "held"),
+                       awaiting_kv=sum(1 for r in reqs.values() if r.phase is RequestPhase.AWAITING_KV),
+                       held=sum(1 for r in reqs.values() if r.phase is RequestPhase.HELD),
                        used_kv_tokens=used, steps=s.step)
 
 
@@ -116,15 +121,16 @@ def track_prefills(snapshot: Any, reqs: dict[str, _VReq]) -> list[tuple[str, int
     first = set(rec.first_scheduled) if rec is not None else set()
     for rid, r in reqs.items():
         # "held": the prefill's HTTP answer can overtake the stream's messages about its steps
-        if r.phase not in ("prefilling", "deflected_prefill") and not (r.phase == "held" and not r.started):
+        held = r.phase is RequestPhase.HELD
+        if r.phase not in PREFILL_PHASES and not (held and not r.started):
             continue
         w = waiting.get(rid)
-        if r.phase == "held" and w is None and rid not in first:  # done before any message showed it: no start to report
+        if held and w is None and rid not in first:  # done before any message showed it: no start to report
             r.started = True
             continue
-        if w is not None and r.phase != "held":
+        if w is not None and not held:
             r.remaining = w.remaining_prefill_tokens
-        if r.kind == "prefill" and not r.started and (rid in first or (w is not None and w.remaining_prefill_tokens
+        if r.kind is RequestRole.PREFILL and not r.started and (rid in first or (w is not None and w.remaining_prefill_tokens
                                                                         < w.prompt_tokens)):
             r.started = True
             started.append((rid, r.req.prompt_tokens - (w.remaining_prefill_tokens if w else 0), 0))

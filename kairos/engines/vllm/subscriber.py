@@ -15,13 +15,17 @@ the full state at least every 100 ms, so a late subscriber only misses history.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import msgspec
+import structlog
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kairos.engines.vllm.plugin.protocol import EngineSnapshot, decode
+
+log = structlog.get_logger("kairos.node_agent.vllm")
 
 
 class EngineStateError(ValueError):
@@ -100,3 +104,36 @@ class EngineStateSubscriber:
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+async def follow(sub: EngineStateSubscriber, stop: asyncio.Event,
+                 on_snapshot: Callable[[EngineSnapshot], Awaitable[None]], on_lost: Callable[[str], None]) -> None:
+    """Follow ``sub`` until ``stop`` is set: every snapshot is awaited in ``on_snapshot`` (in
+    publication order), the connection closing calls ``on_lost(why)`` at once (the engine process
+    died; ZMQ reconnects by itself), a message that does not decode is logged and skipped. Closes
+    nothing: the caller owns ``sub``."""
+    stop_wait = asyncio.ensure_future(stop.wait())
+    recv, gone = asyncio.ensure_future(sub.recv()), asyncio.ensure_future(sub.disconnected())
+    try:
+        while not stop.is_set():
+            await asyncio.wait({recv, gone, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                break
+            if gone.done():
+                gone.result()
+                on_lost("engine-state stream disconnected")
+                gone = asyncio.ensure_future(sub.disconnected())
+            if not recv.done():
+                continue
+            try:
+                snap = recv.result()
+            except EngineStateError as exc:  # a bad message; keep listening
+                log.warning("bad_engine_state", error=str(exc))
+                snap = None
+            recv = asyncio.ensure_future(sub.recv())
+            if snap is not None:
+                await on_snapshot(snap)
+    finally:
+        for f in (stop_wait, recv, gone):
+            f.cancel()
+        await asyncio.gather(recv, gone, return_exceptions=True)

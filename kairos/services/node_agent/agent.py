@@ -29,7 +29,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from kairos.services.node_agent.acceptance import ClaimResult, Claims
 from kairos.services.node_agent.outbox import RESEND_WINDOW_S, Outbox
-from kairos.engines.base import EngineBackend, StepOutput, make_backend
+from kairos.engines import make_backend
+from kairos.engines.base import EngineBackend, StepOutput
 from kairos.services.node_agent.config import AgentConfig
 from kairos.runtime.service import start_metrics_and_connect
 from kairos.contracts import subjects as S
