@@ -1,4 +1,4 @@
-"""`kairos bench` (kairos/cli/bench.py): SSE parsing, chunk → token accounting, record building, and a
+"""`kairos bench` (kairos/cli/bench/): SSE parsing, chunk → token accounting, record building, and a
 replay against an in-process fake OpenAI server (its own thread and event loop, port 0).
 
 The fake's behaviour is keyed on the prompt length (exact, since bench sends token-id prompts):

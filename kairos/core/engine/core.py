@@ -54,10 +54,10 @@ from kairos.core.engine.kv import KvBlocks
 from kairos.core.engine.prefix import PrefixCache
 from kairos.core.engine.queues import PhaseQueues
 from kairos.core.engine.request import AWAIT_KV, DEFLECT, HELD, PREFILL, REMOTE, Req, as_count
-from kairos.core.vocabulary import RequestPhase
 from kairos.core.engine.truth import GroundTruth
 from kairos.core.engine.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
 from kairos.core.model.latency import LatencyModel
+from kairos.core.vocabulary import RequestPhase
 
 
 class Engine:
