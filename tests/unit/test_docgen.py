@@ -1,10 +1,12 @@
 """Figures in README.md and docs/ are generated from committed result files (tools/docgen/docgen.py):
 every generated block equals its rendering from bench/results/ (a hand edit or a stale block
-fails), the converted sections hold no figure outside generated blocks, and the recorder writes
-what the renderers read."""
+fails) and sits in the files the registry (tools/docgen/blocks.py) names, the converted sections
+hold no figure outside generated blocks, the recorder writes what the renderers read, and the
+blocks and the reproduction report share one set of formatters (tools/docgen/fmt.py)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -13,26 +15,52 @@ import sys
 import pytest
 
 from tools.docgen import blocks as docblocks
-
-from tools.docgen import docgen
+from tools.docgen import docgen, fmt, profile_blocks
 
 
 def test_every_generated_block_equals_its_rendering_from_the_committed_results():
     assert docgen.stale_blocks() == []
 
 
-def test_every_renderer_has_a_block_and_every_block_a_renderer():
+def test_every_block_is_in_the_files_the_registry_names_and_only_there():
+    assert docgen.misplaced_blocks() == []
     used = {m.group("name") for rel in docgen.DOC_FILES for m in docgen.BLOCK.finditer((docgen.ROOT / rel).read_text())}
-    assert {n for n in used if n.partition(".")[0] not in docblocks.PARAM_RENDERERS} == set(docblocks.RENDERERS)
+    assert used == set(docblocks.BLOCKS) == set(docblocks.RENDERERS)
+
+
+def _copy_docs(tmp_path):
+    for rel in docgen.DOC_FILES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(docgen.ROOT / rel, tmp_path / rel)
+
+
+def test_a_block_moved_out_of_its_registered_file_or_unregistered_is_named(tmp_path):
+    _copy_docs(tmp_path)
+    name = "decision-cost"
+    home = docblocks.BLOCKS[name].files[0]
+    text = (tmp_path / home).read_text()
+    m = next(m for m in docgen.BLOCK.finditer(text) if m.group("name") == name)
+    (tmp_path / home).write_text(text[:m.start()] + text[m.end():])
+    other = next(rel for rel in docgen.DOC_FILES if rel not in docblocks.BLOCKS[name].files)
+    (tmp_path / other).write_text((tmp_path / other).read_text() + "\n" + m.group(0) + "\n"
+                                  + "<!-- kairos:generated no-such-block -->\nx\n<!-- /kairos:generated -->\n")
+    assert sorted(docgen.misplaced_blocks(root=tmp_path)) == sorted([
+        f"{other}: {name}: not registered for this file in tools/docgen/blocks.py BLOCKS",
+        f"{other}: no-such-block: not registered for this file in tools/docgen/blocks.py BLOCKS",
+        f"{home}: {name}: registered here, but the file holds no such block"])
 
 
 def test_a_fitted_profile_renders_from_its_own_metadata_and_a_calibration_is_refused():
     art = json.loads((docgen.ROOT / "kairos" / "core" / "data" / "profiles" / "emulated-cpu.json").read_text())
-    text = " ".join(docgen.render_block("profile-fit.emulated-cpu").split())
+    text = " ".join(docgen.render_block("profile-fit.cpu-testbed-vllm").split())
+    assert "held-out MAPE" in text and "cpu-testbed-vllm" in text
+    text = " ".join(docblocks.BLOCKS["emulated-cpu-fit"].render(lambda n: None).split())
+    assert f"held-out MAPE of {art['prefill']['mape_heldout']:.2f} % (prefill)" in text
+    text = " ".join(profile_blocks.profile_fit(lambda n: None, "emulated-cpu").split())
     assert f"held-out MAPE {art['prefill']['mape_heldout']:.1f} % (prefill)" in text
     assert f"{art['metadata']['steps_recorded']} steps in {art['metadata']['duration_s']:.0f} s" in text
     with pytest.raises(docgen.DocgenError, match="records no fit"):
-        docgen.render_block("profile-fit.a100-dsv2lite")
+        profile_blocks.profile_fit(lambda n: None, "a100-dsv2lite")
     with pytest.raises(docgen.DocgenError, match="no renderer"):
         docgen.render_block("no-such-block")
 
@@ -42,19 +70,18 @@ def test_converted_sections_hold_no_typed_figures():
 
 
 def test_a_hand_edited_figure_in_a_block_is_caught(tmp_path):
-    for rel in docgen.DOC_FILES:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(docgen.ROOT / rel, tmp_path / rel)
-    readme = tmp_path / "README.md"
-    text = readme.read_text()
+    _copy_docs(tmp_path)
+    rel = docblocks.BLOCKS["sim-bursty"].files[0]
+    doc = tmp_path / rel
+    text = doc.read_text()
     m = next(m for m in docgen.BLOCK.finditer(text) if m.group("name") == "sim-bursty")
     body = m.group("body")
     edited = body.replace("deflections", "deflections (hand-edited: 1 more)", 1)
     assert edited != body
-    readme.write_text(text[:m.start("body")] + edited + text[m.end("body"):])
-    assert docgen.stale_blocks(root=tmp_path) == ["README.md: sim-bursty"]
+    doc.write_text(text[:m.start("body")] + edited + text[m.end("body"):])
+    assert docgen.stale_blocks(root=tmp_path) == [f"{rel}: sim-bursty"]
     # and rewriting restores the rendering
-    readme.write_text(docgen.regenerate(readme.read_text()))
+    doc.write_text(docgen.regenerate(doc.read_text()))
     assert docgen.stale_blocks(root=tmp_path) == []
 
 
@@ -104,3 +131,29 @@ def test_record_rows_from_a_file_the_command_writes_and_not_from_a_stale_one(tmp
     os.utime(out, (out.stat().st_atime - 60, out.stat().st_mtime - 60))  # left over from an earlier run
     with pytest.raises(docgen.DocgenError, match="not written by this run"):
         docgen.record("stale", [sys.executable, "-c", "pass"], rows_from=str(out), results_dir=tmp_path)
+
+
+def test_one_set_of_formatters():
+    """The blocks and the reproduction report format with tools/docgen/fmt.py: no other module of
+    tools/docgen defines a function of the same name (a second copy)."""
+    names = {n for n in vars(fmt) if callable(getattr(fmt, n)) and getattr(getattr(fmt, n), "__module__", "") == fmt.__name__}
+    assert {"num", "pct", "ms", "seconds", "in_seconds", "span", "num_range", "ratio"} <= names
+    for path in (docgen.ROOT / "tools" / "docgen").glob("*.py"):
+        if path.name == "fmt.py":
+            continue
+        defined = {n.name.lstrip("_") for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        assert not defined & names, f"{path.name} defines its own {sorted(defined & names)}: use tools.docgen.fmt"
+
+
+@pytest.mark.parametrize("call, text", [
+    (lambda: fmt.num(1234.5, 1), "1,234.5"), (lambda: fmt.num(None), "–"), (lambda: fmt.sig(0.1734), "0.17"),
+    (lambda: fmt.sig(1134), "1,134"), (lambda: fmt.us(460), "460 µs"), (lambda: fmt.us(4321), "4.3 ms"),
+    (lambda: fmt.ms(9.44), "9.4 ms"), (lambda: fmt.ms(127.4), "127 ms"), (lambda: fmt.seconds(9412.0), "9.4 s"),
+    (lambda: fmt.in_seconds(5160.0), "5.16"), (lambda: fmt.in_seconds(None), "–"), (lambda: fmt.pct(0.684), "68 %"),
+    (lambda: fmt.pct(0.00172, 2), "0.17 %"), (lambda: fmt.ratio(3.0, 4.0), "0.75"), (lambda: fmt.ratio(1.0, 0.0), "–"),
+    (lambda: fmt.span([2.0, None, 1.0], str), "1.0–2.0"), (lambda: fmt.span([None], str), "–"),
+    (lambda: fmt.num_range([0.0042, 0.0051], 1, 1000), "4.2–5.1"), (lambda: fmt.num_range([3.04, 2.96], 1), "3.0"),
+    (lambda: fmt.code_counts({"node_lost": 1, "bus_unavailable": 3}), "`bus_unavailable` 3, `node_lost` 1"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_formatters(call, text):
+    assert call() == text

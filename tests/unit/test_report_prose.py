@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import tools.docgen.repro_facts as facts
 import tools.docgen.reproduction as report
+from kairos.core.policy import PolicyParams
 from tools.docgen.docgen import figures_outside
 
-SIM = Path(report.__file__).parent / "templates"
+SIM = report.TEMPLATES
 PROSE = [SIM / "report_template.md", SIM / "report_notes.md"]
 
 #: the scanner README/docs use too (tools/docgen/docgen.py): digits that are names, not figures, are allowed
@@ -38,8 +40,8 @@ def placeholders(text: str) -> set[str]:
 def test_every_note_placeholder_is_a_fact_or_a_template_value():
     notes = report.read_notes(SIM / "report_notes.md")
     needed = set().union(*(placeholders(v) for v in notes.values()))
-    provided = set(report.template_values(report.PolicyParams(), 60.0, 1, 0.0))
-    facts_src = Path(report.__file__).read_text()
+    provided = set(report.template_values(PolicyParams(), 60.0, 1, 0.0))
+    facts_src = Path(facts.__file__).read_text()
     provided |= set(re.findall(r'f\["(\w+)"\]', facts_src))
     provided |= {m for pat in re.findall(r'f\[f"(\w*)\{', facts_src) for m in (pat,)}  # f[f"t4_best_{link}"] …
     missing = {n for n in needed if n not in provided and not any(n.startswith(p) and p for p in provided)}

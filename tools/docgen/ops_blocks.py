@@ -1,0 +1,84 @@
+"""Blocks of running it for real (docs/reliability.md, docs/bus.md, docs/security.md, docs/deploy.md):
+the NATS cluster under SIGKILLs (``tests/faults/test_nats_cluster.py``), the mutation tier (``make
+mutation``), slow HTTP clients (``bench/slow_clients.py``) and the Compose smoke run (``make
+compose-smoke``).
+"""
+
+from __future__ import annotations
+
+from tools.docgen.fmt import code_counts, command, num, one_run, pct, provenance, seconds, span
+from tools.docgen.results import DocgenError, Load
+
+
+def nats_cluster_failover(load: Load) -> str:
+    """``tests/faults/test_nats_cluster.py``: a 3-server cluster under streaming load, every member
+    SIGKILLed in turn (result ``nats-cluster-failover``, its last row)."""
+    r = load("nats-cluster-failover")
+    if not r.rows:
+        raise DocgenError("nats-cluster-failover: no rows")
+    x = r.rows[-1]
+    errs = f" ({code_counts(x['error_codes'])})" if x["error_codes"] else ""
+    back = span(x["member_back_s"], lambda v: f"{v:.1f}")
+    return (f"Measured ({one_run(r)}): {num(x['servers'])} nats-servers, "
+            f"{x['rate_rps']:g} streaming requests per second offered ({x['achieved_rps']:g} per second sent), "
+            f"{num(x['kills'])} SIGKILLs — {num(x['meta_leader_kills'])} of them of the JetStream meta leader, "
+            f"{num(x['req_leader_kills'])} of the member holding request lane 0 (one server may be both; every "
+            f"member holds a lane and a claim bucket) — each member restarted and current "
+            f"again {back} s after its kill. Of {num(x['sent'])} requests: {num(x['completed'])} completed with "
+            f"exactly the expected text, {num(x['failed'])} ended with an explicit error{errs}, "
+            f"{num(x['streams_cut'])} of them after their first token (streams cut); {num(x['lost'])} lost (hung "
+            f"or no error), {num(x['duplicated'])} executed twice, {num(x['wrong_text'])} with wrong text"
+            + (f"; {num(x['lane_moves'])} queued on a dead member's lane and enqueued again on another" if "lane_moves" in x
+               else "") + ". "
+            f"p99 TTFT {x['p99_ttft_steady_s']:.2f} s before the first kill, {x['p99_ttft_failover_s']:.2f} s "
+            f"(max {x['max_ttft_failover_s']:.2f} s) for the requests sent within "
+            f"{x['failover_window_s']:g} s after a kill: "
+            f"{x['p99_ttft_failover_s'] - x['p99_ttft_steady_s']:+.2f} s (target: at most +2 s).")
+
+
+def mutation(load: Load) -> str:
+    """``bench/mutation.py`` (``make mutation``): mutants of each safety-critical module by outcome."""
+    r = load("mutation")
+    lines = ["| module | mutants | killed | timeout | survived | of them listed equivalent | score |",
+             "|---|---|---|---|---|---|---|"]
+    for x in r.rows:
+        undetected = x["survived"] + x["no_tests"] + x["other"]
+        lines.append(f"| `{x['module']}` | {num(x['mutants'])} | {num(x['killed'])} | {num(x['timeout'])} | "
+                     f"{num(undetected)} | {num(x['equivalent'])} | {pct(x['score'], 1)} |")
+    total = sum(x["mutants"] for x in r.rows)
+    killed = sum(x["killed"] + x["timeout"] for x in r.rows)
+    return (f"`make mutation` (`{command(r.meta)}`; {provenance(r)}; {num(total)} mutants in "
+            f"{seconds(r.meta['wall_s'] * 1000.0, 0)}, {pct(killed / total, 1)} of them killed or timed out). "
+            f"Score: (killed + timeout) ÷ (mutants − listed equivalents):\n\n" + "\n".join(lines))
+
+
+def slow_clients(load: Load) -> str:
+    """``bench/slow_clients.py``: when the ingress closed slow-header connections (s)."""
+    r = load("slow-clients")
+    x = r.rows[0]
+    everyone = "all" if x["closed"] == x["connections"] else "not all"
+    return (f"Measured ({one_run(r)}): {num(x['connections'])} connections that send a request line and one header "
+            f"and then nothing are {everyone} closed by the ingress, between {x['first_closed_s']:.2f} s and "
+            f"{x['last_closed_s']:.2f} s after they connected (`KAIROS_HEADER_TIMEOUT_S` {x['header_timeout_s']:g}), "
+            f"and counted (`kairos_ingress_slow_clients_dropped_total` {num(x['dropped_counter'])}).")
+
+
+def compose_smoke(load: Load) -> str:
+    """``make compose-smoke`` (``ops/compose-smoke/smoke.py``, its last row): the seconds of each step and
+    the burst's outcome — requests completed and failed (by error code), deflections, TTFT, the
+    services SIGKILLed mid-burst and how often Docker restarted them, the checks that failed."""
+    r = load("compose-smoke")
+    x = r.rows[-1]
+    t = x["times_s"]
+    fresh = [what for what, done in (("installed Docker and Compose", x.get("installed_tools")),
+                                     ("made the base image", x.get("built_base_image")),
+                                     ("started dockerd", x.get("started_dockerd"))) if done]
+    steps = ", ".join(f"{name} {seconds(v * 1000.0, 0)}" for name, v in t.items())
+    errs = f" ({code_counts(x['errors'])})" if x["errors"] else ""
+    return (f"`{command(r.meta)}` ({provenance(r)}; {seconds(r.meta['wall_s'] * 1000.0, 0)} in all"
+            + (f"; this run {', '.join(fresh)}" if fresh else "") + f"). Steps: {steps}. "
+            f"Of {num(x['sent'])} streaming requests {num(x['completed'])} completed and {num(x['failed'])} failed{errs}, "
+            f"{num(x['deflections'])} deflected; TTFT p50 {seconds(x['ttft_ms']['p50'])}, p99 {seconds(x['ttft_ms']['p99'])}; "
+            f"{' and '.join(f'`{k}`' for k in x['killed'])} SIGKILLed mid-burst and restarted by Docker "
+            f"({', '.join(f'{k}: {num(v)}' for k, v in x['restarts'].items())} restarts)"
+            + (f"; failed checks: {'; '.join(x['failed_checks'])}" if x["failed_checks"] else "; every check passed") + ".")
