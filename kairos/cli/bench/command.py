@@ -56,7 +56,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     from kairos.core.workload.workloads import WorkloadError, parse_workload
 
     url = check_url(url)
-    from kairos.cli.main import check_workload_size
+    from kairos.cli.options import workload_size_or_exit as check_workload_size
     try:
         check_workload_size(duration, [rps])
     except click.BadParameter as exc:

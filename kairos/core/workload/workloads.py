@@ -87,6 +87,34 @@ class WorkloadError(ValueError):
     line or field, or lists the valid choices."""
 
 
+#: Longest workload `kairos sim` / `kairos bench` generate, seconds (a week), and the highest rate:
+#: beyond them the request list alone would not fit in memory.
+MAX_WORKLOAD_S = 7 * 24 * 3600.0
+MAX_RPS = 100_000.0
+
+
+class WorkloadSizeError(WorkloadError):
+    """A workload length or rate out of bounds; ``param`` names it (``duration`` or ``rps``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_workload_size(duration_s: float | None, rates: Sequence[float | None]) -> None:
+    """The workload length ``duration_s`` (s) and every rate in ``rates`` (requests/s) must be
+    finite, > 0 and within :data:`MAX_WORKLOAD_S` / :data:`MAX_RPS` (None: not given, the default).
+
+    Raises:
+        WorkloadSizeError: naming the parameter (``duration`` or ``rps``) and the bound.
+    """
+    if duration_s is not None and not (math.isfinite(duration_s) and 0 < duration_s <= MAX_WORKLOAD_S):
+        raise WorkloadSizeError("duration", f"must be > 0 and <= {MAX_WORKLOAD_S:g} s, got {duration_s:g}")
+    for r in rates:
+        if r is not None and not (math.isfinite(r) and 0 < r <= MAX_RPS):
+            raise WorkloadSizeError("rps", f"must be > 0 and <= {MAX_RPS:g} requests/s, got {r:g}")
+
+
 class WorkloadRequest(msgspec.Struct, frozen=True):
     """One request of a workload (immutable)."""
 
