@@ -19,6 +19,7 @@ from functools import partial
 
 from tools.docgen import bus_blocks, cli_blocks, ops_blocks, profile_blocks, sim_blocks, vllm_blocks
 from tools.docgen.error_codes import error_codes
+from tools.docgen.policy_table import policy_table
 from tools.docgen.results import Load
 
 Renderer = Callable[[Load], str]
@@ -71,6 +72,7 @@ BLOCKS: dict[str, Block] = {
     "compose-smoke": Block(ops_blocks.compose_smoke, "docs/deploy.md"),
     "error-codes": Block(error_codes, "docs/errors.md"),
     "model-error": Block(sim_blocks.model_error_table, "docs/policies.md"),
+    "policy-table": Block(policy_table, "docs/policies.md"),
     "slow-clients": Block(ops_blocks.slow_clients, "docs/security.md"),
     "vllm-pd-rate": Block(vllm_blocks.vllm_pd_rate, "docs/vllm.md"),
     "vllm-step-times": Block(vllm_blocks.vllm_step_times, "docs/vllm.md"),
