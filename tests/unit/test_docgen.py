@@ -89,12 +89,23 @@ def test_a_typed_figure_outside_a_block_is_caught(tmp_path):
     (tmp_path / "README.md").write_text(
         "## Results\n\nKairos cuts P95 TTFT to 5.6 s on 2P2D, see `kairos sim --rps 4`.\n"
         "<!-- kairos:generated sim-bursty -->\n9.4 s\n<!-- /kairos:generated -->\n\n## Next\n\n7 s\n")
-    assert docgen.typed_figures(root=tmp_path) == ["README.md: ## Results: Kairos cuts  TTFT to 5.6 s on , see ."]
+    readme = tuple(x for x in docgen.FIGURE_FREE_SECTIONS if x[0] == "README.md")
+    assert docgen.typed_figures(root=tmp_path, sections=readme) == [
+        "README.md: ## Results: Kairos cuts  TTFT to 5.6 s on , see ."]
+
+
+def test_every_figure_free_section_exists_and_results_md_is_one():
+    files = {rel for rel, _, _ in docgen.FIGURE_FREE_SECTIONS}
+    assert {"README.md", "docs/results.md"} <= files
+    for rel, heading, _ in docgen.FIGURE_FREE_SECTIONS:
+        assert docgen.section((docgen.ROOT / rel).read_text(), heading).strip(), f"{rel}: {heading} is empty"
 
 
 def test_the_scanner_keeps_names_and_drops_figures():
     assert docgen.figures_outside("P99 in §6, Table 4, Eq. 1–3, `sq:1`, {x} ms") == []
     assert docgen.figures_outside("offered 200 req/s") == ["offered 200 req/s"]
+    assert docgen.figures_outside("see [Eq. 1–6](policies.md#cache-aware-eq-16)") == []
+    assert docgen.figures_outside("[2 ms](results.md#control)") == ["[2 ms"]
 
 
 def test_record_writes_the_rows_and_provenance_the_renderers_read(tmp_path):

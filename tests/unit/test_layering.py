@@ -8,6 +8,8 @@ checked against :data:`RULES`:
   from ``kairos.runtime``/``services``/``engines``/``sim``/``cli``, nor ``tools``, ``nats``, ``aiohttp``;
 * ``kairos.runtime`` (the I/O helpers every service shares) imports no service, engine, sim or CLI;
 * ``kairos.services`` import no CLI, simulator or tooling;
+* ``kairos.engines`` (the backends) import no service, simulator or CLI;
+* ``kairos.sim`` imports only the pure layers (no runtime, services, engines, CLI, tools, network);
 * ``kairos.engines.vllm.plugin`` runs inside vLLM: it imports nothing of ``kairos`` outside itself
   and no ``nats``/``aiohttp``; the packages its import runs first (``kairos``, ``kairos.engines``,
   ``kairos.engines.vllm``) import nothing at module level but the plugin and the standard library;
@@ -75,6 +77,10 @@ RULES = (
     Rule("runtime: no services, engines, simulator or CLI",
          ("kairos.runtime",), ("kairos.services", "kairos.engines", "kairos.sim", "kairos.cli")),
     Rule("services: no CLI, simulator or tools", ("kairos.services",), ("kairos.cli", "kairos.sim", "tools")),
+    Rule("engine backends: no services, simulator or CLI (the node agent drives a backend)",
+         ("kairos.engines",), ("kairos.services", "kairos.sim", "kairos.cli")),
+    Rule("simulator: pure layers only (no runtime, services, engines, CLI, tools, network)",
+         ("kairos.sim",), ("kairos.runtime", "kairos.services", "kairos.engines", "kairos.cli", "tools", *NETWORK)),
     Rule("vLLM plugin (runs inside vLLM): nothing of kairos outside itself, no network",
          (PLUGIN,), ("kairos", *NETWORK), allowed=(PLUGIN,)),
     Rule("packages above the vLLM plugin: only the plugin and the standard library at module level",
@@ -82,6 +88,11 @@ RULES = (
     Rule("kairos never imports tools (not installed)", ("kairos",), ("tools",)),
     Rule("pure state machines: no network, no runtime", STATE_MACHINES, (*NETWORK, "kairos.runtime"), exact=True),
 )
+
+
+def rule(prefix: str) -> Rule:
+    """The rule whose name starts with ``prefix``."""
+    return next(r for r in RULES if r.name.startswith(prefix))
 
 
 def under(name: str, prefix: str) -> bool:
@@ -301,24 +312,29 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 #: (rule, module file, its text, the import the violation names) — one breach per rule
 BREACHES = [
-    (RULES[0], "kairos/core/policy/bad.py", "import nats\n", "nats"),
-    (RULES[0], "kairos/contracts/bad.py", "def f():\n    from kairos.runtime import bus\n", "kairos.runtime.bus"),
-    (RULES[0], "kairos/core/bad.py", "from ..services.ingress import app\n", "kairos.services.ingress.app"),
-    (RULES[0], "kairos/core/bad.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import aiohttp\n",
+    (rule("pure core"), "kairos/core/policy/bad.py", "import nats\n", "nats"),
+    (rule("pure core"), "kairos/contracts/bad.py", "def f():\n    from kairos.runtime import bus\n", "kairos.runtime.bus"),
+    (rule("pure core"), "kairos/core/bad.py", "from ..services.ingress import app\n", "kairos.services.ingress.app"),
+    (rule("pure core"), "kairos/core/bad.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import aiohttp\n",
      "aiohttp"),
-    (RULES[1], "kairos/runtime/bad.py", "from kairos.engines import vllm\n", "kairos.engines.vllm"),
-    (RULES[2], "kairos/services/dispatcher/bad.py", "import kairos.cli.main\n", "kairos.cli.main"),
-    (RULES[2], "kairos/services/dispatcher/bad.py", "from kairos.sim.simulator import Sim\n",
+    (rule("runtime"), "kairos/runtime/bad.py", "from kairos.engines import vllm\n", "kairos.engines.vllm"),
+    (rule("services"), "kairos/services/dispatcher/bad.py", "import kairos.cli.main\n", "kairos.cli.main"),
+    (rule("services"), "kairos/services/dispatcher/bad.py", "from kairos.sim.simulator import Sim\n",
      "kairos.sim.simulator"),
-    (RULES[3], "kairos/engines/vllm/plugin/bad.py", "from kairos.core.policy import x\n", "kairos.core.policy.x"),
-    (RULES[3], "kairos/engines/vllm/plugin/bad.py", "def f():\n    import aiohttp.web\n", "aiohttp.web"),
-    (RULES[4], "kairos/engines/__init__.py", "from kairos.engines.emulated import EmulatedBackend\n",
+    (rule("vLLM plugin"), "kairos/engines/vllm/plugin/bad.py", "from kairos.core.policy import x\n", "kairos.core.policy.x"),
+    (rule("vLLM plugin"), "kairos/engines/vllm/plugin/bad.py", "def f():\n    import aiohttp.web\n", "aiohttp.web"),
+    (rule("packages above"), "kairos/engines/__init__.py", "from kairos.engines.emulated import EmulatedBackend\n",
      "kairos.engines.emulated"),
-    (RULES[4], "kairos/__init__.py", "import msgspec\n", "msgspec"),
-    (RULES[5], "kairos/cli/bad.py", "def f():\n    from tools.docgen import fmt\n", "tools.docgen.fmt"),
-    (RULES[6], "kairos/services/ingress/lifecycle.py", "from kairos.runtime.bus import Bus\n",
+    (rule("packages above"), "kairos/__init__.py", "import msgspec\n", "msgspec"),
+    (rule("kairos never"), "kairos/cli/bad.py", "def f():\n    from tools.docgen import fmt\n", "tools.docgen.fmt"),
+    (rule("pure state"), "kairos/services/ingress/lifecycle.py", "from kairos.runtime.bus import Bus\n",
      "kairos.runtime.bus"),
-    (RULES[6], "kairos/services/node_agent/request.py", "import nats.js\n", "nats.js"),
+    (rule("pure state"), "kairos/services/node_agent/request.py", "import nats.js\n", "nats.js"),
+    (rule("engine backends"), "kairos/engines/emulated.py", "from kairos.services.ingress import app\n",
+     "kairos.services.ingress.app"),
+    (rule("simulator"), "kairos/sim/bad.py", "from kairos.runtime.bus import connect\n", "kairos.runtime.bus"),
+    (rule("simulator"), "kairos/sim/bad.py", "def f():\n    from kairos.engines import emulated\n",
+     "kairos.engines.emulated"),
 ]
 
 

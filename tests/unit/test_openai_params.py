@@ -206,13 +206,13 @@ def test_usage_carries_cached_tokens():
     assert oa.usage_chunk(p, "cmpl-1", 0, 10, 2, 4)["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
 
 
-# -- README ------------------------------------------------------------------------------------------
+# -- docs/api.md -------------------------------------------------------------------------------------
 
-def test_readme_parameter_table_is_the_code_table():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    m = re.search(r"<!-- openai-params:begin -->\n(.*?)<!-- openai-params:end -->", readme, re.S)
-    assert m, "README lacks the generated OpenAI parameter table"
-    assert m.group(1) == oa.parameter_table_markdown(), "README table differs: python -m kairos.services.ingress.openai_api"
+def test_docs_parameter_table_is_the_code_table():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    m = re.search(r"<!-- openai-params:begin -->\n(.*?)<!-- openai-params:end -->", doc, re.S)
+    assert m, "docs/api.md lacks the generated OpenAI parameter table"
+    assert m.group(1) == oa.parameter_table_markdown(), "docs/api.md table differs: python -m kairos.services.ingress.openai_api"
 
 
 def test_vllm_bench_serve_payloads_are_accepted():

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from tools.docgen import bus_blocks, cli_blocks, ops_blocks, profile_blocks, sim_blocks, vllm_blocks
+from tools.docgen import bus_blocks, cli_blocks, ops_blocks, profile_blocks, sim_blocks, summary_blocks, vllm_blocks
 from tools.docgen.error_codes import error_codes
 from tools.docgen.policy_table import policy_table
 from tools.docgen.results import Load
@@ -47,33 +47,38 @@ def _profile_fit(name: str) -> Renderer:
 BLOCKS: dict[str, Block] = {
     # README.md
     "demo-default": Block(cli_blocks.demo_default, "README.md"),
-    "decide-example": Block(cli_blocks.decide_example, "README.md"),
-    "bench-example": Block(cli_blocks.bench_example, "README.md"),
-    "sim-bursty": Block(sim_blocks.sim_bursty, "README.md"),
-    "sim-speed": Block(sim_blocks.sim_speed, "README.md"),
-    "sim-mooncake": Block(sim_blocks.sim_mooncake, "README.md"),
-    "prefix-index": Block(sim_blocks.prefix_index, "README.md"),
-    "decision-cost": Block(sim_blocks.decision_cost, "README.md"),
-    "control-plane": Block(bus_blocks.control_plane, "README.md"),
-    "control-plane-traced": Block(partial(bus_blocks.control_plane, name="control-plane-traced"), "README.md"),
-    "control-plane-compare": Block(bus_blocks.control_plane_compare, "README.md"),
-    "bus-floor": Block(bus_blocks.bus_floor, "README.md"),
-    "fidelity": Block(cli_blocks.fidelity, "README.md"),
-    "mutation": Block(ops_blocks.mutation, "README.md"),
-    "vllm-demo": Block(vllm_blocks.vllm_demo, "README.md"),
-    "vllm-ab": Block(vllm_blocks.vllm_ab, "README.md"),
-    "vllm-headroom": Block(vllm_blocks.vllm_headroom, "README.md"),
-    "nats-cluster-failover": Block(ops_blocks.nats_cluster_failover, "README.md", "docs/bus.md"),
-    "profile-fit.cpu-tiny-vllm": Block(_profile_fit("cpu-tiny-vllm"), "README.md", "docs/calibration.md"),
-    # docs/
+    "results-summary": Block(summary_blocks.results_summary, "README.md"),
+    # docs/results.md
+    "sim-bursty": Block(sim_blocks.sim_bursty, "docs/results.md"),
+    "sim-speed": Block(sim_blocks.sim_speed, "docs/results.md"),
+    "sim-mooncake": Block(sim_blocks.sim_mooncake, "docs/results.md"),
+    "prefix-index": Block(sim_blocks.prefix_index, "docs/results.md"),
+    "decision-cost": Block(sim_blocks.decision_cost, "docs/results.md"),
+    "control-plane": Block(bus_blocks.control_plane, "docs/results.md"),
+    "control-plane-traced": Block(partial(bus_blocks.control_plane, name="control-plane-traced"), "docs/results.md"),
+    "control-plane-compare": Block(bus_blocks.control_plane_compare, "docs/results.md"),
+    "bus-floor": Block(bus_blocks.bus_floor, "docs/results.md"),
+    "fidelity": Block(cli_blocks.fidelity, "docs/results.md"),
+    "vllm-demo": Block(vllm_blocks.vllm_demo, "docs/results.md"),
+    "vllm-ab": Block(vllm_blocks.vllm_ab, "docs/results.md"),
+    "vllm-headroom": Block(vllm_blocks.vllm_headroom, "docs/results.md"),
+    # docs/cli.md
+    "decide-example": Block(cli_blocks.decide_example, "docs/cli.md"),
+    "bench-example": Block(cli_blocks.bench_example, "docs/cli.md"),
+    # docs/reliability.md, docs/bus.md, docs/security.md, docs/deploy.md
+    "nats-cluster-failover": Block(ops_blocks.nats_cluster_failover, "docs/reliability.md", "docs/bus.md"),
+    "mutation": Block(ops_blocks.mutation, "docs/reliability.md"),
+    "slow-clients": Block(ops_blocks.slow_clients, "docs/security.md"),
+    "compose-smoke": Block(ops_blocks.compose_smoke, "docs/deploy.md"),
+    # docs/calibration.md
     "calibration-link": Block(sim_blocks.calibration_link, "docs/calibration.md"),
     "emulated-cpu-fit": Block(profile_blocks.emulated_cpu_fit, "docs/calibration.md"),
     "profile-fit.cpu-testbed-vllm": Block(_profile_fit("cpu-testbed-vllm"), "docs/calibration.md"),
-    "compose-smoke": Block(ops_blocks.compose_smoke, "docs/deploy.md"),
-    "error-codes": Block(error_codes, "docs/errors.md"),
+    "profile-fit.cpu-tiny-vllm": Block(_profile_fit("cpu-tiny-vllm"), "docs/calibration.md"),
+    # docs/policies.md, docs/errors.md, docs/vllm.md
     "model-error": Block(sim_blocks.model_error_table, "docs/policies.md"),
     "policy-table": Block(policy_table, "docs/policies.md"),
-    "slow-clients": Block(ops_blocks.slow_clients, "docs/security.md"),
+    "error-codes": Block(error_codes, "docs/errors.md"),
     "vllm-pd-rate": Block(vllm_blocks.vllm_pd_rate, "docs/vllm.md"),
     "vllm-step-times": Block(vllm_blocks.vllm_step_times, "docs/vllm.md"),
 }
