@@ -22,6 +22,7 @@ they are needed.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
