@@ -310,32 +310,30 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-#: (rule, module file, its text, the import the violation names) — one breach per rule
-BREACHES = [
-    (rule("pure core"), "kairos/core/policy/bad.py", "import nats\n", "nats"),
-    (rule("pure core"), "kairos/contracts/bad.py", "def f():\n    from kairos.runtime import bus\n", "kairos.runtime.bus"),
-    (rule("pure core"), "kairos/core/bad.py", "from ..services.ingress import app\n", "kairos.services.ingress.app"),
-    (rule("pure core"), "kairos/core/bad.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import aiohttp\n",
-     "aiohttp"),
-    (rule("runtime"), "kairos/runtime/bad.py", "from kairos.engines import vllm\n", "kairos.engines.vllm"),
-    (rule("services"), "kairos/services/dispatcher/bad.py", "import kairos.cli.main\n", "kairos.cli.main"),
-    (rule("services"), "kairos/services/dispatcher/bad.py", "from kairos.sim.simulator import Sim\n",
-     "kairos.sim.simulator"),
-    (rule("vLLM plugin"), "kairos/engines/vllm/plugin/bad.py", "from kairos.core.policy import x\n", "kairos.core.policy.x"),
-    (rule("vLLM plugin"), "kairos/engines/vllm/plugin/bad.py", "def f():\n    import aiohttp.web\n", "aiohttp.web"),
-    (rule("packages above"), "kairos/engines/__init__.py", "from kairos.engines.emulated import EmulatedBackend\n",
-     "kairos.engines.emulated"),
-    (rule("packages above"), "kairos/__init__.py", "import msgspec\n", "msgspec"),
-    (rule("kairos never"), "kairos/cli/bad.py", "def f():\n    from tools.docgen import fmt\n", "tools.docgen.fmt"),
-    (rule("pure state"), "kairos/services/ingress/lifecycle.py", "from kairos.runtime.bus import Bus\n",
-     "kairos.runtime.bus"),
-    (rule("pure state"), "kairos/services/node_agent/request.py", "import nats.js\n", "nats.js"),
-    (rule("engine backends"), "kairos/engines/emulated.py", "from kairos.services.ingress import app\n",
-     "kairos.services.ingress.app"),
-    (rule("simulator"), "kairos/sim/bad.py", "from kairos.runtime.bus import connect\n", "kairos.runtime.bus"),
-    (rule("simulator"), "kairos/sim/bad.py", "def f():\n    from kairos.engines import emulated\n",
-     "kairos.engines.emulated"),
-]
+#: one breach per row: the rule's name (its start) | the module's file | its text (``;`` between
+#: lines, ``>`` an indent) | the import the violation must name
+BREACH_TABLE = """
+pure core       | kairos/core/policy/bad.py              | import nats                                    | nats
+pure core       | kairos/contracts/bad.py                | def f():;>from kairos.runtime import bus       | kairos.runtime.bus
+pure core       | kairos/core/bad.py                     | from ..services.ingress import app             | kairos.services.ingress.app
+pure core       | kairos/core/bad.py                     | from typing import TYPE_CHECKING;if TYPE_CHECKING:;>import aiohttp | aiohttp
+runtime         | kairos/runtime/bad.py                  | from kairos.engines import vllm                | kairos.engines.vllm
+services        | kairos/services/dispatcher/bad.py      | import kairos.cli.main                         | kairos.cli.main
+services        | kairos/services/dispatcher/bad.py      | from kairos.sim.simulator import Sim           | kairos.sim.simulator
+engine backends | kairos/engines/emulated.py             | from kairos.services.ingress import app        | kairos.services.ingress.app
+simulator       | kairos/sim/bad.py                      | from kairos.runtime.bus import connect         | kairos.runtime.bus
+simulator       | kairos/sim/bad.py                      | def f():;>from kairos.engines import emulated  | kairos.engines.emulated
+vLLM plugin     | kairos/engines/vllm/plugin/bad.py      | from kairos.core.policy import x               | kairos.core.policy.x
+vLLM plugin     | kairos/engines/vllm/plugin/bad.py      | def f():;>import aiohttp.web                   | aiohttp.web
+packages above  | kairos/engines/__init__.py             | from kairos.engines.emulated import EmulatedBackend | kairos.engines.emulated
+packages above  | kairos/__init__.py                     | import msgspec                                 | msgspec
+kairos never    | kairos/cli/bad.py                      | def f():;>from tools.docgen import fmt         | tools.docgen.fmt
+pure state      | kairos/services/ingress/lifecycle.py   | from kairos.runtime.bus import Bus             | kairos.runtime.bus
+pure state      | kairos/services/node_agent/request.py  | import nats.js                                 | nats.js
+"""
+BREACHES = [(rule(name), rel, code.strip().replace(";", "\n").replace(">", "    ") + "\n", target)
+            for name, rel, code, target in (tuple(c.strip() for c in row.split("|"))
+                                            for row in BREACH_TABLE.strip().splitlines())]
 
 
 @pytest.mark.parametrize("rule, rel, text, target", BREACHES, ids=[f"{b[1]}:{b[3]}" for b in BREACHES])
@@ -347,6 +345,10 @@ def test_each_rule_fails_on_a_breach_naming_file_line_and_rule(tmp_path, rule, r
     line = text.splitlines().index(next(x for x in text.splitlines() if "import" in x and "TYPE_CHECKING" not in x)) + 1
     found = layer_violations(root)
     assert any(v.startswith(f"{rel}:{line}: {rule.name}: ") and v.endswith(f" imports {target}") for v in found), found
+
+
+def test_every_rule_has_a_breach_above():
+    assert {r.name for r, *_ in BREACHES} == {r.name for r in RULES}
 
 
 def test_the_same_imports_where_the_layers_allow_them_pass(tmp_path):
