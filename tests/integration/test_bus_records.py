@@ -12,7 +12,8 @@ import pytest
 from nats.js.api import KeyValueConfig, StorageType
 
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import BucketLayoutError, ensure_buckets, flush_barrier
+from kairos.runtime.bus import flush_barrier
+from kairos.runtime.streams import BucketLayoutError, ensure_buckets
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.wire import Claim, InferenceRequest, Job, KvDone, PrefillTiming, decode, encode, now_ms
 from tests.integration.conftest import ADMIN_USER, get_record, reset_bus, secure_server, stack, wait_until
@@ -123,10 +124,13 @@ async def test_a_kv_pulled_notice_must_come_from_a_decode_node_the_kv_was_offere
         rid = "held-kv-1"
         req = InferenceRequest(request_id=rid, model="m", prompt_tokens=8, max_tokens=4, created_unix_ms=now_ms(),
                                deadline_unix_ms=now_ms() + 60_000)
-        from kairos.services.node_agent.agent import _Req
-        victim.reqs[rid] = _Req(req=req, kind="keep", received_ms=now_ms(), span=victim.tel.tracer.start_span("t"),
-                                job=Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-1"]),
-                                handoff_node="decode-1", handoff_sent_ms=now_ms())
+        from kairos.core.vocabulary import RequestPhase, RequestRole
+        from kairos.services.node_agent.request import NodeRequest
+        from kairos.services.node_agent.tracing import RequestSpans
+        victim.reqs[rid] = NodeRequest(req=req, role=RequestRole.PREFILL, node="prefill-0", phase=RequestPhase.HANDED_OFF,
+                                       received_ms=now_ms(), spans=RequestSpans(main=victim.tel.tracer.start_span("t")),
+                                       job=Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-1"]),
+                                       handoff_node="decode-1", handoff_sent_ms=now_ms())
         attacker = await as_role(url, pw, ATTACKER)
         old = f"{S.PREFIX}.kvdone.prefill-0"  # the subject before it named its sender
         await attacker.nc.publish(old, encode(KvDone(request_id=rid, decode_node="decode-1", ok=True)))

@@ -324,15 +324,21 @@ async def test_a_keep_path_decodes_last_prompt_token_is_not_a_prefill_of_the_dec
     still starts its clock with the prefix-cache hit it ran after."""
     from opentelemetry.trace import INVALID_SPAN
 
-    from kairos.services.node_agent.agent import NodeAgent, _Req
+    from kairos.core.vocabulary import RequestPhase, RequestRole
     from kairos.engines.base import StepOutput
+    from kairos.services.node_agent.agent import NodeAgent
     from kairos.services.node_agent.config import AgentConfig
+    from kairos.services.node_agent.request import NodeRequest
+    from kairos.services.node_agent.tracing import RequestSpans
 
     agent = NodeAgent(AgentConfig(node_id="decode-0", role="decode", nats_url="nats://127.0.0.1:1", metrics_port=-1),
                       model=MODEL)
-    agent.reqs["rd"] = _Req(req=req("rd", prompt=2000, ids=[3] * 2000), kind="remote_decode", received_ms=0.0,
-                            span=INVALID_SPAN, cached_tokens=256)
-    agent.reqs["df"] = _Req(req=req("df", prompt=600, ids=[4] * 600), kind="deflect", received_ms=0.0, span=INVALID_SPAN)
+    agent.reqs["rd"] = NodeRequest(req=req("rd", prompt=2000, ids=[3] * 2000), role=RequestRole.REMOTE_DECODE,
+                                   node="decode-0", phase=RequestPhase.DECODING, received_ms=0.0,
+                                   spans=RequestSpans(main=INVALID_SPAN), cached_tokens=256)
+    agent.reqs["df"] = NodeRequest(req=req("df", prompt=600, ids=[4] * 600), role=RequestRole.DEFLECT, node="decode-0",
+                                   phase=RequestPhase.DEFLECTED_PREFILL, received_ms=0.0,
+                                   spans=RequestSpans(main=INVALID_SPAN))
     out = StepOutput(step=9, started_unix_ms=123.0, wall_ms=40.0, predicted_ms=40.0, batch_size=2, kv_tokens=4000,
                      prefill_tokens=129, prefill_chunks=(("rd", 1, 1999), ("df", 128, 64)), deflected_chunk=None,
                      tokens=(), first_tokens=(), prefill_done=(), finished=())
@@ -340,4 +346,4 @@ async def test_a_keep_path_decodes_last_prompt_token_is_not_a_prefill_of_the_dec
     rd, df = agent.reqs["rd"], agent.reqs["df"]
     assert (rd.cached_tokens, rd.prefill_start_ms) == (256, None)
     assert (df.cached_tokens, df.prefill_start_ms) == (64, 123.0)
-    agent._flush_steps()
+    agent.steps.flush()
