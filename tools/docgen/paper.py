@@ -1,11 +1,11 @@
 """The paper's published figures the reproduction report sets beside ours — the only figures in
-the report typed in by hand (CALIBRATION.md §B–D; paper: *Towards Load-Aware Prefill Deflection for
+the report typed in by hand (paper: *Towards Load-Aware Prefill Deflection for
 Disaggregated LLM Serving*, Table 3, Table 4 and §6).
 """
 
 from __future__ import annotations
 
-# Paper figures (CALIBRATION.md §B–D): Table 3 P95 breakdown (ms) and Table 4 (Bursty).
+# Table 3's P95 breakdown (ms) and Table 4 (Bursty).
 PAPER_T3 = {  # workload: (prefill queue, prefill exec, kv transfer, decode queue, TTFT)
     "lpld": (59, 191, 4205, 55, 6279), "lphd": (54, 177, 1429, 59, 7876), "hpld": (655, 1340, 1723, 37, 5782),
     "hphd": (350, 1223, 3585, 55, 6292), "bursty": (841, 1070, 2176, 56, 7894),

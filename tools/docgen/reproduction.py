@@ -1,5 +1,5 @@
 """Generate ``docs/results/paper-reproduction.md``: our Table 3, Table 4, §6 sweep and the kairos+
-ablations beside the paper's numbers (CALIBRATION.md sections C–D), for both link settings.
+ablations beside the paper's numbers, for both link settings.
 
     python -m tools.docgen.reproduction [--out docs/results] [--duration 600] [--seed 1]
 
