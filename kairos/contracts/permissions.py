@@ -124,7 +124,7 @@ def _get(bucket: str, key_pattern: str) -> str:
 
 
 def _kv_buckets_declared() -> list[str]:
-    """What :func:`kairos.runtime.bus.ensure_buckets` needs (every control-plane service calls it at start)."""
+    """What :func:`kairos.runtime.streams.ensure_buckets` needs (every control-plane service calls it at start)."""
     out = ["$JS.API.INFO"]  # create_key_value checks the server's API level
     for b in (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET):
         out += _declare(kv_stream(b))

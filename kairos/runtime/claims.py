@@ -8,7 +8,7 @@ went silent (nats-server ``server/raft.go``, ``minElectionTimeoutDefault``..
 — waited that long after a member was killed (``tests/faults/test_nats_cluster.py``: 82 of 969
 requests failed ``claim_failed`` → ``no_available_node``, p99 TTFT 12.8 s). Here a claim lives in
 N single-replica buckets ``kairos_claims_<i>``, bucket ``i`` placed on cluster member ``i``
-(``kairos.runtime.bus.ensure_claim_buckets``, server tag ``kairos-lane:<i>``). A single-replica stream has
+(``kairos.runtime.lanes.ensure_claim_buckets``, server tag ``kairos-lane:<i>``). A single-replica stream has
 no raft group at all, so a bucket answers as long as its member lives. A node *holds* a claim when
 its KV ``create`` (atomic: refused if the key exists) won in a majority ``N // 2 + 1`` of the
 buckets; two majorities always share a bucket, so two nodes can never both hold one. Like a
@@ -87,7 +87,7 @@ class ClaimQuorum:
     """The claim buckets of one deployment (one per NATS member, or the one bucket of a single server).
 
     Args:
-        buckets: ``kairos_claims_<i>`` for i in 0..N-1 (``kairos.runtime.bus.claim_buckets``); a list order
+        buckets: ``kairos_claims_<i>`` for i in 0..N-1 (``kairos.runtime.lanes.ensure_claim_buckets``); a list order
             every process shares is not needed (a majority is a count).
         timeout_s: how long each bucket's operation waits (:data:`BUCKET_TIMEOUT_S`).
     """

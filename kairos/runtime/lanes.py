@@ -35,7 +35,8 @@ from nats.js.api import (AckPolicy, ConsumerConfig, DiscardPolicy, Placement, Re
 from nats.js.kv import KeyValue
 
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import creating, stream_replicas
+from kairos.runtime.bus import stream_replicas
+from kairos.runtime.streams import creating
 from kairos.runtime.envconfig import ConfigError
 
 #: a lane whose publish found no stream (its member is down) is skipped for this long (s)
@@ -105,7 +106,7 @@ async def declare_each(what: str, lanes: int, declare, log=None) -> list[int]:
     out of the returned list of declared lanes.
 
     Raises:
-        ConfigError: a lane exists with another configuration (``kairos.runtime.bus.StreamConfigMismatch``).
+        ConfigError: a lane exists with another configuration (``kairos.runtime.streams.StreamConfigMismatch``).
         the first error when no lane could be declared (nothing would work).
     """
     res = await asyncio.gather(*(declare(i) for i in range(lanes)), return_exceptions=True)
@@ -139,7 +140,7 @@ async def ensure_claims_bucket(js: JetStreamContext, lane: int, lanes: int) -> N
 
 async def ensure_claim_buckets(js: JetStreamContext, lanes: int, log=None) -> list[int]:
     """Declare every claim bucket (:func:`declare_each`: the ones whose member is down are logged
-    and left out). What a control-plane service declares besides ``kairos.runtime.bus.ensure_buckets``:
+    and left out). What a control-plane service declares besides ``kairos.runtime.streams.ensure_buckets``:
     node agents may not, and refuse jobs (``claim_failed``) until the buckets exist."""
     return await declare_each("claims_bucket", lanes, lambda i: ensure_claims_bucket(js, i, lanes), log)
 

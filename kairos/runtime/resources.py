@@ -120,6 +120,14 @@ class BackgroundTasks:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the tasks running now to end, then :meth:`cancel_all` the rest
+        (a service's draining close: finish what is in flight, within a bound)."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        await self.cancel_all()
+
     async def cancel_all(self) -> None:
         """Cancel every task still running and wait for them to end."""
         tasks = list(self._tasks)

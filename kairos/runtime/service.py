@@ -25,6 +25,7 @@ import sys
 from typing import Any, Awaitable, Callable
 
 from kairos.runtime.envconfig import ConfigError
+from kairos.runtime.resources import Resources
 
 
 class StopEvent(asyncio.Event):
@@ -107,21 +108,38 @@ def serve(run: Callable[..., Awaitable[Any]], config: Any, service: str) -> None
     asyncio.run(run_main(run, config))
 
 
-async def start_metrics_and_connect(svc: Any, client_name: str) -> None:
+async def start_metrics_and_connect(svc: Any, client_name: str, res: Resources | None = None,
+                                    graceful: Callable[[], bool] = lambda: True) -> None:
     """The startup every non-HTTP service shares: its ``/metrics`` + ``/health`` server (healthy =
     connected to NATS; skipped when ``cfg.metrics_port`` is -1), then the NATS connection.
 
     ``svc`` has ``cfg`` (a :class:`kairos.runtime.envconfig.MetricsServiceConfig`), ``tel`` and ``log``;
     this sets ``svc._runner`` and ``svc.metrics_port`` (before connecting, so a cancelled startup
-    can still clean up) and ``svc.nc``.
+    can still clean up) and ``svc.nc``. With ``res``, each is registered there as soon as it is open
+    (``metrics server``, then ``nats connection``: closed in reverse), the connection flushed first
+    when ``graceful()`` says so at close time.
     """
     from kairos.runtime import telemetry
-    from kairos.runtime.bus import connect_service
+    from kairos.runtime.bus import close, connect_service
 
     cfg = svc.cfg
     if cfg.metrics_port >= 0:
         svc._runner, svc.metrics_port = await telemetry.start_metrics_server(
             svc.tel.registry, cfg.metrics_host, cfg.metrics_port,
             health=lambda: svc.nc is not None and svc.nc.is_connected)
+        if res is not None:
+            res.push("metrics server", svc._runner.cleanup)
     svc.nc = await connect_service(cfg, client_name, svc.log)
+    if res is not None:
+        res.push("nats connection", lambda: close(svc.nc, graceful=graceful(), log=svc.log))
 
+
+async def run_service(svc: Any, stop: asyncio.Event) -> None:
+    """A service's ``run(config, stop)``: ``svc.start()``, wait for ``stop``, then ``svc.close()`` —
+    which also runs when the start failed or was cancelled (a signal during startup), so whatever
+    the start had opened is closed (:class:`kairos.runtime.resources.Resources`)."""
+    try:
+        await svc.start()
+        await stop.wait()
+    finally:
+        await svc.close()

@@ -10,7 +10,9 @@ import nats.js.errors
 import pytest
 
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import ensure_buckets, flush_barrier, kv_delete_nowait, kv_put_nowait
+from kairos.runtime.bus import flush_barrier
+from kairos.runtime.messaging import kv_delete_nowait, kv_put_nowait
+from kairos.runtime.streams import ensure_buckets
 from kairos.services.ingress.service import _SseResponse
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms

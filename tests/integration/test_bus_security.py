@@ -17,7 +17,8 @@ import pytest
 from nats.js.kv import KeyValue
 
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import ensure_buckets, flush_barrier
+from kairos.runtime.bus import flush_barrier
+from kairos.runtime.streams import ensure_buckets
 from kairos.runtime.lanes import ensure_lane
 from kairos.contracts.permissions import agent_user, inbox_prefix
 from kairos.contracts.wire import InferenceRequest, encode

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import request_typed
+from kairos.runtime.messaging import request_typed
 from kairos.runtime.claims import withdraw
 from kairos.contracts.wire import Claim, InferenceRequest, Job, JobAck, decode, now_ms
 from tests.integration.conftest import stack, wait_until

@@ -25,7 +25,8 @@ from kairos.cli.up import free_port, nats_server_binary, stop_process, wait_list
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.contracts import permissions as P
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import connect_service, ensure_buckets, stream_replicas
+from kairos.runtime.bus import connect_service, stream_replicas
+from kairos.runtime.streams import ensure_buckets
 from kairos.runtime.lanes import ensure_claims_bucket, ensure_lane, lane_count
 from kairos.runtime.envconfig import from_env
 from tests.integration.conftest import wait_until

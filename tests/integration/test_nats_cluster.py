@@ -22,8 +22,9 @@ from kairos.cli.up import free_port, nats_server_binary, stop_process, wait_list
 from kairos.contracts import permissions as P
 from kairos.contracts import subjects as S
 from kairos.runtime.lanes import ensure_claims_bucket, ensure_lane, lane_count
-from kairos.runtime.bus import (BusAuth, BusWatch, connect, ensure_buckets, server_urls,
-                        stream_replicas)
+from kairos.runtime.bus import BusAuth, connect, server_urls, stream_replicas
+from kairos.runtime.buswatch import BusWatch
+from kairos.runtime.streams import ensure_buckets
 from kairos.runtime.envconfig import ServiceConfig
 from tests.integration.conftest import wait_until
 

@@ -22,7 +22,8 @@ from kairos.engines.vllm.subscriber import EngineStateSubscriber
 from kairos.services.node_agent.agent import NodeAgent
 from kairos.services.node_agent.config import AgentConfig
 from kairos.contracts import subjects as S
-from kairos.runtime.bus import ensure_buckets, request_typed
+from kairos.runtime.messaging import request_typed
+from kairos.runtime.streams import ensure_buckets
 from kairos.runtime.lanes import ensure_claim_buckets
 from kairos.core.model.latency import load_profile
 from kairos.contracts.wire import Cancel, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
