@@ -1,0 +1,335 @@
+"""The node agent's protocol logic without a nats-server: its parts (kairos/services/node_agent/jobs.py,
+kv.py, slots.py, effects.py) built on a :class:`NodeContext` whose connection records what it
+publishes and answers requests as the test says, whose claim buckets are in memory
+(tests/unit/fake_kv.py) and whose clock is manual (kairos/runtime/clock.py: a retry's pause takes no
+time). Job acceptance (slots taken before the claim's await, an engine refusal giving the claim
+back, a slow claim) and the KV handoff on both sides (candidates in order, retries while the
+connection settles, the pulled notice, a handoff from a node not holding the claim)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import nats.errors
+import pytest
+import structlog
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+
+from kairos.contracts import subjects as S
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.origin import OriginGuard, forged_counter
+from kairos.contracts.permissions import agent_user
+from kairos.contracts.wire import (Claim, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, KvAck, KvDone,
+                                   KvHandoff, OutEvent, PrefillTiming, Reservation, decode, encode)
+from kairos.core.vocabulary import RequestPhase
+from kairos.engines.emulated import EmulatedBackend
+from kairos.runtime.clock import ManualClock
+from kairos.runtime.resources import BackgroundTasks
+from kairos.services.node_agent import jobs as jobs_module
+from kairos.services.node_agent.acceptance import ClaimResult, Claims
+from kairos.services.node_agent.config import AgentConfig
+from kairos.services.node_agent.context import NodeContext
+from kairos.services.node_agent.effects import Effects
+from kairos.services.node_agent.jobs import Jobs, claim_verdict
+from kairos.services.node_agent.kv import KvReceiver, KvSender
+from kairos.services.node_agent.metrics import AgentMetrics
+from kairos.services.node_agent.request import NodeRequest
+from kairos.services.node_agent.slots import DeflectionSlots
+from tests.factories import tiny_model
+from tests.unit.fake_kv import FakeKV
+
+MODEL = tiny_model()
+
+
+@dataclass
+class Ack:
+    seq: int
+
+
+class FakeJetStream:
+    """``nc.jetstream()`` as far as a reservation's put goes (kairos.runtime.messaging.kv_put_ttl)."""
+
+    def __init__(self) -> None:
+        self.puts: list[tuple[str, bytes, int]] = []
+
+    async def publish(self, subject: str, value: bytes, msg_ttl: int, timeout: float) -> Ack:
+        self.puts.append((subject, value, msg_ttl))
+        return Ack(len(self.puts))
+
+
+class FakeBus:
+    """The agent's connection: records publishes; ``answer[subject]`` answers a request there (a
+    callable of the request's body returning the reply's body, or an exception to raise); a subject
+    nobody answers raises NoRespondersError, as nats-py does."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes, dict | None]] = []
+        self.requests: list[str] = []
+        self.answer: dict[str, Callable[[bytes], bytes] | BaseException] = {}
+        self.js = FakeJetStream()
+
+    async def publish(self, subject: str, payload: bytes, headers: dict | None = None) -> None:
+        self.published.append((subject, payload, headers))
+
+    async def request(self, subject: str, payload: bytes, timeout: float, headers: dict | None = None) -> Any:
+        self.requests.append(subject)
+        a = self.answer.get(subject)
+        if a is None:
+            raise nats.errors.NoRespondersError
+        if isinstance(a, BaseException):
+            raise a
+        return type("Reply", (), {"data": a(payload)})()
+
+    def jetstream(self) -> FakeJetStream:
+        return self.js
+
+    def out(self, rid: str, node: str) -> list[OutEvent]:
+        """The out events published for ``rid`` by ``node``, decoded."""
+        subject = S.out_subject(rid, agent_user(node))
+        return [decode(p, OutEvent) for s, p, _ in self.published if s == subject]
+
+
+class Msg:
+    """A message as nats-py hands it to a subscription callback."""
+
+    def __init__(self, subject: str, data: bytes, reply: str = "_INBOX.t") -> None:
+        self.subject, self.data, self.reply, self.headers = subject, data, reply, None
+        self.answers: list[bytes] = []
+
+    async def respond(self, data: bytes) -> None:
+        self.answers.append(data)
+
+
+def context(node: str, role: str, backend: Any = None, **cfg: Any) -> NodeContext:
+    reg = CollectorRegistry()
+    log = structlog.get_logger("test").bind(node=node)
+    return NodeContext(cfg=AgentConfig(node_id=node, role=role, metrics_port=-1, **cfg), model=MODEL,
+                       backend=backend or EmulatedBackend(role, MODEL), log=log, tracer=trace.get_tracer("test"),
+                       metrics=AgentMetrics(reg, node), origin=OriginGuard(forged_counter("agent", reg), log),
+                       tasks=BackgroundTasks(log), clock=ManualClock(now_ms=1e12), nc=FakeBus())
+
+
+@dataclass
+class Node:
+    ctx: NodeContext
+    slots: DeflectionSlots
+    effects: Effects
+    jobs: Jobs
+    kv_out: KvSender
+    kv_in: KvReceiver
+
+    @property
+    def bus(self) -> FakeBus:
+        return self.ctx.nc
+
+
+def node(name: str, role: str, backend: Any = None, **cfg: Any) -> Node:
+    """The agent's parts wired as NodeAgent wires them, on a fake context."""
+    ctx = context(name, role, backend, **cfg)
+    slots = DeflectionSlots(ctx)
+    parts: dict[str, Any] = {}
+    effects = Effects(ctx, slots, hand_off=lambda r: parts["out"].start(r), pull=lambda r: parts["in"].start_pull(r))
+    parts["out"], parts["in"] = KvSender(ctx, effects), KvReceiver(ctx, effects)
+    return Node(ctx, slots, effects, Jobs(ctx, slots, effects), parts["out"], parts["in"])
+
+
+def request(rid: str, prompt: int = 40, out: int = 3) -> InferenceRequest:
+    return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=out, created_unix_ms=0.0,
+                            deadline_unix_ms=1e15)
+
+
+def deflect_job(rid: str, node_id: str = "decode-0") -> Job:
+    return Job(kind="deflect", request=request(rid), node=node_id, chunk_schedule=[16], dispatcher_id="d-a",
+               reservation_ttl_s=10)
+
+
+def keep_job(rid: str, candidates: tuple[str, ...] = ("decode-0", "decode-1", "decode-2")) -> Job:
+    return Job(kind="keep", request=request(rid), node="prefill-0", decode_candidates=list(candidates),
+               dispatcher_id="d-a")
+
+
+class GatedClaims(Claims):
+    """Claims over a FakeKV whose ``claim`` waits at ``gate`` (a slow requests bucket)."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(FakeKV(), node_id, 0.0)
+        self.gate = asyncio.Event()
+
+    async def claim(self, job: Job) -> ClaimResult:
+        await self.gate.wait()
+        return await super().claim(job)
+
+
+# -- jobs ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("outcome, here, uncertain, verdict", [
+    ("won", False, False, "run"), ("won", True, False, "duplicate"),
+    ("mine", False, False, "duplicate"), ("mine", True, True, "duplicate"), ("mine", False, True, "run"),
+    ("claimed", False, False, "claimed"), ("claimed", True, False, "duplicate"),
+    ("withdrawn", False, True, "withdrawn"), ("failed", False, True, "failed"), ("failed", True, True, "duplicate"),
+])
+def test_a_claims_outcome_settles_into_one_verdict(outcome, here, uncertain, verdict):
+    assert claim_verdict(ClaimResult(outcome), here, uncertain) == verdict
+
+
+async def test_a_deflect_job_holds_its_slot_across_the_claims_wait_so_a_second_one_is_refused():
+    n = node("decode-0", "decode")
+    n.ctx.claims = claims = GatedClaims("decode-0")
+    first = asyncio.create_task(n.jobs.handle(deflect_job("a")))
+    await asyncio.sleep(0)  # the first job waits for its claim, its slot taken
+    assert n.slots.held == {"a": S.reservation_key("decode-0", 0)}
+    second, _ = await n.jobs.handle(deflect_job("b"))
+    assert (second.accepted, second.reason, n.slots.overlaps) == (False, "deflection_in_flight", 1)
+    claims.gate.set()
+    ack, lost = await first
+    assert ack.accepted and lost is None and n.ctx.reqs["a"].phase is RequestPhase.DEFLECTED_PREFILL
+    # the reservation went out with a TTL and its revision is in the answer (the dispatcher applies it)
+    (subject, body, ttl), = n.bus.js.puts
+    assert subject == f"$KV.{S.RESERVATION_BUCKET}.{S.reservation_key('decode-0', 0)}" and ttl == 10
+    assert decode(body, Reservation).request_id == "a" and ack.reservation_revision == 1
+    assert n.slots.max_concurrent == 1
+
+
+async def test_an_engine_refusal_gives_the_claim_and_the_slot_back():
+    class Refusing(EmulatedBackend):
+        def add_deflected(self, req, chunk_schedule, decision_batch_size=0):
+            raise ValueError("no room")
+
+    n = node("decode-0", "decode", backend=Refusing("decode", MODEL))
+    kv = FakeKV()
+    n.ctx.claims = Claims(kv, "decode-0", 0.0)
+    ack, _ = await n.jobs.handle(deflect_job("a"))
+    assert (ack.accepted, ack.reason) == (False, "engine_refused: no room")
+    assert kv.value(S.claim_key("a")) is None  # compare-and-delete: another node may take it
+    assert n.slots.held == {} and "a" not in n.ctx.reqs and n.bus.js.puts == []
+
+
+async def test_a_claim_the_bucket_does_not_answer_in_time_is_refused_claim_failed_and_remembered(monkeypatch):
+    monkeypatch.setattr(jobs_module, "CLAIM_TIMEOUT_S", 0.01)
+    n = node("prefill-0", "prefill")
+    n.ctx.claims = GatedClaims("prefill-0")  # never opened
+    ack, _ = await n.jobs.handle(keep_job("slow"))
+    assert (ack.accepted, ack.reason) == (False, "claim_failed")
+    assert "slow" in n.jobs.uncertain and n.ctx.backend.phase("slow") is None
+
+
+async def test_a_job_for_a_cancelled_request_is_refused_and_the_subscription_answers_once():
+    n = node("prefill-0", "prefill")
+    n.ctx.claims = Claims(FakeKV(), "prefill-0", 0.0)
+    n.ctx.cancelled.add("late")
+    msg = Msg(S.jobs_subject("prefill-0"), encode(keep_job("late")))
+    await n.jobs.on_job(msg)
+    (answer,) = msg.answers
+    assert decode(answer, JobAck).reason == "cancelled" and n.jobs.received == ["late"]
+    foreign = Msg("kairos.jobs.other", encode(keep_job("x")))  # not this node's subject: refused as forged
+    await n.jobs.on_job(foreign)
+    assert foreign.answers == [] and n.jobs.received == ["late"]
+
+
+# -- the KV handoff, prefill side ------------------------------------------------------------------
+def kv_ack(node_id: str, accepted: bool = True, reason: str = "") -> Callable[[bytes], bytes]:
+    return lambda _body: encode(KvAck(accepted=accepted, node=node_id, reason=reason))
+
+
+def held_request(n: Node, rid: str, candidates: tuple[str, ...] = ("decode-0", "decode-1", "decode-2")) -> NodeRequest:
+    """A keep-path request whose prefill is done on ``n`` (its engine holds the KV)."""
+    n.ctx.backend.add_prefill(request(rid))
+    r = NodeRequest.for_job(keep_job(rid, candidates), "prefill-0", n.ctx.clock.now_ms())
+    n.ctx.reqs[rid] = r
+    r.prefill_done(n.ctx.clock.now_ms())
+    return r
+
+
+def kv_subject(cand: str) -> str:
+    return S.kv_subject(cand, agent_user("prefill-0"))
+
+
+async def test_the_kv_goes_to_the_first_candidate_that_accepts_and_the_client_is_told_which():
+    n = node("prefill-0", "prefill")
+    r = held_request(n, "r1")
+    n.bus.answer[kv_subject("decode-0")] = nats.errors.TimeoutError()
+    n.bus.answer[kv_subject("decode-1")] = kv_ack("decode-1", accepted=False, reason="draining")
+    n.bus.answer[kv_subject("decode-2")] = kv_ack("decode-2")
+    await n.kv_out.hand_off(r)
+    assert n.bus.requests == [kv_subject("decode-0"), kv_subject("decode-1"), kv_subject("decode-2")]
+    (ev,) = n.bus.out("r1", "prefill-0")
+    assert isinstance(ev, HandoffEvent) and ev.decode_node == "decode-2"
+    assert r.phase is RequestPhase.HANDED_OFF and r.kv_backlog_ms == n.ctx.backend.kv_transfer_ms(40) > 0
+    await n.ctx.tasks.wait_all()  # the prefill record's write
+    (rec,) = [p for s, p, _ in n.bus.published if s == f"$KV.{S.REQUESTS_BUCKET}.{S.record_key('r1', 'prefill', 'prefill-0')}"]
+    assert decode(rec, PrefillTiming).handoff_node == "decode-2"
+
+
+async def test_a_kv_nobody_takes_fails_the_request_and_frees_the_blocks():
+    n = node("prefill-0", "prefill")
+    r = held_request(n, "r1", ("decode-0",))
+    n.ctx.backend.engine.plan_step()  # admitted: the prompt's blocks are reserved
+    await n.kv_out.hand_off(r)
+    (err,) = n.bus.out("r1", "prefill-0")
+    assert isinstance(err, ErrorEvent) and (err.code, err.status) == (ErrorCode.KV_HANDOFF_FAILED, 503)
+    assert "decode-0" in err.message and "no_responders" in err.message
+    assert "r1" not in n.ctx.reqs and n.ctx.backend.phase("r1") is None
+
+
+class Settling:
+    """A bus watch right after a reconnect: the decode agents may not have re-subscribed yet."""
+
+    def settling(self, window_s: float) -> bool:
+        return True
+
+
+async def test_after_a_reconnect_the_handoff_is_offered_again_until_a_decode_agent_is_back():
+    n = node("prefill-0", "prefill")
+    n.ctx.bus = Settling()
+    r = held_request(n, "r1", ("decode-0",))
+    clock = n.ctx.clock
+
+    async def back_after_two_passes(seconds: float) -> None:  # the manual clock's sleep, and the agent resubscribing
+        await ManualClock.sleep(clock, seconds)
+        if len(clock.slept) == 2:
+            n.bus.answer[kv_subject("decode-0")] = kv_ack("decode-0")
+    clock.sleep = back_after_two_passes
+    await n.kv_out.hand_off(r)
+    assert n.bus.requests == [kv_subject("decode-0")] * 3 and clock.slept == [0.2, 0.2]
+    assert r.phase is RequestPhase.HANDED_OFF
+
+
+async def test_the_kv_is_freed_by_the_pulled_notice_of_a_candidate_only():
+    n = node("prefill-0", "prefill")
+    r = held_request(n, "r1", ("decode-0",))
+    n.ctx.backend.engine.plan_step()
+    while n.ctx.backend.phase("r1") != RequestPhase.HELD:  # the engine computes the prompt
+        n.ctx.backend.engine.commit_step(n.ctx.backend.engine.plan_step())
+    notice = encode(KvDone(request_id="r1", decode_node="decode-1", ok=True, transfer_ms=3.0))
+    await n.kv_out.on_kvdone(Msg(S.kvdone_subject("prefill-0", agent_user("decode-1")), notice, reply=""))
+    assert "r1" in n.ctx.reqs and n.ctx.backend.phase("r1") == RequestPhase.HELD  # not a node the KV was offered to
+    notice = encode(KvDone(request_id="r1", decode_node="decode-0", ok=True, transfer_ms=3.0))
+    await n.kv_out.on_kvdone(Msg(S.kvdone_subject("prefill-0", agent_user("decode-0")), notice, reply=""))
+    assert "r1" not in n.ctx.reqs and n.ctx.backend.phase("r1") is None and r.pulled
+
+
+# -- the KV handoff, decode side -------------------------------------------------------------------
+def handoff_msg(src: str, rid: str = "r1") -> Msg:
+    h = KvHandoff(request=request(rid), src_node=src, kv_tokens=40, prefill_done_unix_ms=0.0)
+    return Msg(S.kv_subject("decode-0", agent_user(src)), encode(h))
+
+
+async def test_a_handoff_is_taken_only_from_the_claims_holder_and_its_kv_pulled_and_confirmed():
+    n = node("decode-0", "decode")
+    kv = FakeKV()
+    kv.put_raw(S.claim_key("r1"), encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=1.0)))
+    n.ctx.claims = Claims(kv, "decode-0", 0.0)
+    impostor = handoff_msg("prefill-1")
+    await n.kv_in.on_kv(impostor)
+    assert decode(impostor.answers[0], KvAck).reason == "not_the_holder" and "r1" not in n.ctx.reqs
+    msg = handoff_msg("prefill-0")
+    await n.kv_in.on_kv(msg)
+    assert decode(msg.answers[0], KvAck).accepted
+    r = n.ctx.reqs["r1"]
+    assert r.phase is RequestPhase.AWAITING_KV  # the engine had blocks at once: the pull started
+    await n.ctx.tasks.wait_all()
+    assert r.phase is RequestPhase.DECODING and n.ctx.backend.phase("r1") == RequestPhase.DECODING
+    (done,) = [decode(p, KvDone) for s, p, _ in n.bus.published if s == S.kvdone_subject("prefill-0", agent_user("decode-0"))]
+    assert done.ok and done.request_id == "r1"
