@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from kairos.services.dispatcher.service import RECONNECT_SETTLE_S
+from kairos.services.dispatcher.route import RECONNECT_SETTLE_S
 from kairos.contracts import subjects as S
 from kairos.runtime.bus import flush_barrier
 from tests.integration.conftest import get_record, stack, wait_until

@@ -68,7 +68,7 @@ async def test_deflect_path_streaming(nats_url):
         assert rec["records"]["ingress"]["prompt_tokens"] == 600
         # the node published a reservation for the deflection and released it when the prefill finished
         await wait_until(lambda: all(rid not in {r.request_id for r in d.reservations.values()}
-                                     and rid not in d.pending_deflections for d in st.dispatchers), 5,
+                                     and rid not in d.state.pending_deflections for d in st.dispatchers), 5,
                          "the reservation released")
         assert all(a.deflecting == {} for a in st.agents.values())
 

@@ -19,13 +19,14 @@ backoff, for at most ``budget_s`` per request, while the node is still live in t
 that really died goes stale within 3 heartbeat periods and is left out by the snapshot, docs/bus.md).
 
 Nothing runs twice: every try carries the same bus request id, and the node's cluster-wide claim
-(kairos/services/node_agent/acceptance.py) makes a job that did reach the node answer ``duplicate`` (that
+(kairos/services/node_agent) makes a job that did reach the node answer ``duplicate`` (that
 node runs it) or ``claimed`` (another node runs it: adopted) on the next try.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 #: job failures that are the bus's, not the node's (module docstring)
 BUS_FAULTS = frozenset({"no_responders", "timeout", "claim_failed"})
@@ -40,15 +41,17 @@ class BusRetry:
     Args:
         budget_s: retry for at most this long (s, from the first bus fault) before the node is
             excluded as before; 0: never retry.
+        monotonic: the clock the budget is measured on (s; :meth:`kairos.runtime.clock.Clock.monotonic`).
 
     Raises:
         ValueError: ``budget_s`` < 0.
     """
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, monotonic: Callable[[], float] = time.monotonic) -> None:
         if budget_s < 0:
             raise ValueError(f"budget_s must be >= 0, got {budget_s!r}")
         self.budget_s = budget_s
+        self._monotonic = monotonic
         self.retries = 0  #: retries granted so far
         self._until: float | None = None
 
@@ -58,7 +61,7 @@ class BusRetry:
         handle it as a refusal)."""
         if why not in BUS_FAULTS or not node_live:
             return None
-        now = time.monotonic()
+        now = self._monotonic()
         if self._until is None:
             self._until = now + self.budget_s
         if now >= self._until:

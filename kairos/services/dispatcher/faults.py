@@ -4,7 +4,7 @@ reaches that step of the routing protocol; with ``KAIROS_FAULT_MODE=stop`` it SI
 instead (once), so a test can SIGCONT it after its ack wait has passed. Only honoured when the
 variable is set; unset (every normal run) each hook is one string comparison.
 
-Steps, in protocol order (kairos/services/dispatcher/service.py):
+Steps, in protocol order (kairos/services/dispatcher/pull.py and route.py):
 
 * ``before_decide`` — dequeued, nothing decided yet;
 * ``after_decide`` — the decision is made (a deflection's decode-node slot is held in this replica's

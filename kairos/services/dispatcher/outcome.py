@@ -1,0 +1,146 @@
+"""How a routing ends, told to the cluster: routed (accepted or found claimed elsewhere) or an error.
+
+* **accepted** — the node took the job: a :class:`~kairos.contracts.wire.RoutedEvent` on
+  ``kairos.route.decided`` (the aggregator folds it into the view, the ingress and the other replicas
+  see it), the decision's ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing"), the metrics,
+  and the :class:`~kairos.contracts.wire.DecisionRecord` in the requests bucket (written
+  unacknowledged: the routing event, the record and the work-queue ack leave in one socket write);
+* **claimed elsewhere** — an earlier delivery's job holds the request's claim on another node: its
+  routing event is published again (the earlier replica may have died before sending it);
+* **error** — an :class:`~kairos.contracts.wire.ErrorEvent` to the request's out subject, its code one of
+  :class:`kairos.contracts.errors.ErrorCode` and its status the code's.
+
+The bus is two callables (``publish(subject, message)``, ``put_record(key, bytes)``), so a unit test
+hands in fakes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from opentelemetry.trace import Status, StatusCode
+
+from kairos.contracts import subjects as S
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.permissions import DISPATCHER
+from kairos.contracts.wire import Claim, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, RoutedEvent, encode
+from kairos.core.cluster.routing import predicted_ttft_ms
+from kairos.core.policy import Decision
+from kairos.runtime import telemetry
+from kairos.runtime.clock import SYSTEM_CLOCK, Clock
+from kairos.services.dispatcher.metrics import DispatcherMetrics
+
+#: ``publish(subject, message)``: a core-NATS publish of a typed message (kairos.runtime.messaging.publish)
+Publish = Callable[[str, msgspec.Struct], Awaitable[None]]
+#: ``put_record(key, value)``: an unacknowledged write to the requests bucket (kairos.runtime.messaging.kv_put_nowait)
+PutRecord = Callable[[str, bytes], Awaitable[None]]
+
+
+class Outcomes:
+    """The end of each routing of one replica (see the module docstring).
+
+    Args:
+        replica_id: this replica (decision records, error sources).
+        policy_spec: the policy's spec string (a metric label).
+        metrics: the replica's metrics.
+        publish: see :data:`Publish`.
+        put_record: see :data:`PutRecord`.
+        log: the replica's logger.
+        clock: wall clock of records and events.
+
+    Attributes:
+        routed: requests this replica routed (accepted by a node).
+    """
+
+    def __init__(self, replica_id: str, policy_spec: str, metrics: DispatcherMetrics, publish: Publish,
+                 put_record: PutRecord, log: Any, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.replica_id, self.policy_spec, self.m = replica_id, policy_spec, metrics
+        self.publish, self.put_record, self.log, self.clock = publish, put_record, log, clock
+        self.routed = 0
+
+    async def accepted(self, req: InferenceRequest, d: Decision, ack: JobAck, *, state_age_ms: float | None,
+                       attempts: int, excluded: dict[str, str], conflicts: list[str], decide_ms: float,
+                       routing_ms: float, view_seq: int, lane: int | None, span: Any) -> None:
+        """``ack.node`` accepted ``req``'s job carrying out decision ``d`` (times in ms)."""
+        rid = req.request_id
+        rec = DecisionRecord(request_id=rid, dispatcher_id=self.replica_id, decision=d, node=ack.node,
+                             decode_node=d.decode_node, attempts=attempts, excluded_nodes=excluded,
+                             reservation_conflicts=conflicts, state_age_ms=state_age_ms, view_seq=view_seq,
+                             decided_unix_ms=self.clock.now_ms(), decide_ms=decide_ms, routing_ms=routing_ms)
+        set_decision_attributes(span, d, state_age_ms, attempts, excluded, conflicts)
+        span.set_attributes({"kairos.accepted_by": ack.node, "kairos.view_seq": rec.view_seq,
+                             "kairos.decide_ms": decide_ms, "kairos.routing_ms": routing_ms})
+        self.m.decisions.labels(self.policy_spec, d.decision, d.reason).inc()
+        self.m.decide.observe(telemetry.seconds(decide_ms))
+        self.m.route.observe(telemetry.seconds(routing_ms))
+        if state_age_ms is not None:
+            self.m.state_age.observe(telemetry.seconds(state_age_ms))
+        self.routed += 1
+        self.log.info("request_routed", request_id=rid, decision=d.decision, reason=d.reason, node=ack.node,
+                      decode_node=d.decode_node, attempts=attempts, state_age_ms=state_age_ms)
+        await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
+            request_id=rid, kind="deflect" if d.deflected else "keep", node=ack.node, decode_node=d.decode_node,
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
+            predicted_ttft_ms=predicted_ttft_ms(d), lane=lane))
+        try:
+            await self.put_record(S.record_key(rid, "decision"), encode(rec))
+        except Exception as exc:  # a record is advisory: the request is routed all the same
+            self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
+
+    async def claimed_elsewhere(self, req: InferenceRequest, claim: Claim, lane: int | None, span: Any,
+                                log: Any) -> None:
+        """``req`` was already claimed by ``claim.node`` (a previous delivery's job, whose
+        dispatcher died or stalled before acking): publish where it is — the routing event may never
+        have been sent — and let the message be acked. If that node is dead, the ingress's liveness
+        check re-submits the request under a new bus id."""
+        self.m.adopted.inc()
+        span.set_attribute("kairos.outcome", "claimed_elsewhere")
+        span.set_attribute("kairos.accepted_by", claim.node)
+        log.info("request_claimed_elsewhere", node=claim.node, claim_dispatcher=claim.dispatcher_id)
+        await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
+            request_id=req.request_id, kind=claim.kind, node=claim.node, decode_node=claim.decode_node,
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms,
+            lane=lane))
+
+    async def error(self, req: InferenceRequest, code: ErrorCode, message: str, span: Any = None) -> None:
+        """End ``req`` with ``code`` (HTTP status ``code.status``) and ``message`` to its client."""
+        self.m.errors.labels(code.value).inc()
+        if span is not None:
+            span.set_attribute("kairos.outcome", code.value)
+            span.set_status(Status(StatusCode.ERROR, f"{code.value}: {message}"))
+        self.log.warning("request_failed", request_id=req.request_id, code=code.value, message=message)
+        await self.publish(S.out_subject(req.request_id, DISPATCHER), ErrorEvent(
+            request_id=req.request_id, status=code.status, code=code, message=message,
+            source=f"dispatcher:{self.replica_id}", sent_unix_ms=self.clock.now_ms()))
+
+
+def set_decision_attributes(span: Any, d: Decision, state_age_ms: float | None, attempts: int,
+                            excluded: dict[str, str], conflicts: list[str]) -> None:
+    """The decision as ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing").
+
+    Per-node maps are flattened (span attributes are scalars or homogeneous lists):
+    ``kairos.ttft_decode_est_ms.<node>`` for every decode node with an estimate and
+    ``kairos.decode_infeasible.<node>`` (the reason) for every node that could not take the
+    deflection. Values equal the decision record (``GET /v1/requests/{id}``)."""
+    attrs = {"kairos.decision": d.decision, "kairos.reason": d.reason, "kairos.node": d.node, "kairos.outcome": "routed",
+             "kairos.decode_node": d.decode_node, "kairos.chunk_schedule": list(d.chunk_schedule),
+             "kairos.predicted_step_ms": list(d.predicted_step_ms), "kairos.attempts": attempts,
+             "kairos.model_version": d.model_version, "kairos.policy": d.policy}
+    if d.ttft_prefill_est_ms is not None:
+        attrs["kairos.ttft_prefill_est_ms"] = d.ttft_prefill_est_ms
+    if d.kv_transfer_est_ms is not None:
+        attrs["kairos.kv_transfer_est_ms"] = d.kv_transfer_est_ms
+    if state_age_ms is not None:
+        attrs["kairos.state_age_ms"] = state_age_ms
+    for node, est in d.ttft_decode_est_ms.items():
+        if est is not None:
+            attrs[f"kairos.ttft_decode_est_ms.{node}"] = est
+    for node, why in d.decode_infeasible.items():
+        attrs[f"kairos.decode_infeasible.{node}"] = why
+    if excluded:
+        attrs["kairos.excluded"] = [f"{k}:{v}" for k, v in excluded.items()]
+    if conflicts:
+        attrs["kairos.reservation_conflicts"] = list(conflicts)
+    span.set_attributes(attrs)
+    span.set_status(Status(StatusCode.OK))

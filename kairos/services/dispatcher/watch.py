@@ -1,0 +1,190 @@
+"""What a dispatcher replica listens to, and what it declares on the bus (at start and after a reconnect).
+
+Subscriptions (core NATS; nats-py re-subscribes them after a reconnect by itself):
+
+* ``kairos.route.decided`` — every replica's routed jobs, folded into this replica's snapshots until
+  the view has them;
+* ``kairos.view`` — the view as the aggregator built it (the bucket's watch may lag seconds behind
+  while a NATS cluster elects the bucket's leader);
+* ``kairos.cancel`` — requests the ingress already answered must not be routed when dequeued later;
+* ``kairos.state.*`` — prefix-aware policies only: the heartbeats' cache events (origin-checked,
+  :mod:`kairos.contracts.origin`).
+
+KV watchers (restarted by every :meth:`ClusterWatch.declare`: a restarted NATS may have lost them,
+old ones may sit on consumers that no longer exist): the view (``kairos_view``), the reservations
+(``kairos_reservations``) and, with ``watch_models``, the latency model (``kairos_models`` /
+``latency.current``: hot reload, ``kairos profile --publish``). Everything heard goes into the
+replica's :class:`~kairos.services.dispatcher.state.RoutingState`.
+
+Declarations: the buckets, the request lanes and their consumer, the claim buckets
+(:mod:`kairos.runtime.lanes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable
+
+import nats.errors
+from nats.aio.client import Client
+
+from kairos.contracts import subjects as S
+from kairos.contracts.origin import OriginGuard
+from kairos.contracts.wire import Cancel, NodeState, RoutedEvent, WireError, decode
+from kairos.core.model.latency import LatencyModel
+from kairos.runtime.bus import stream_replicas
+from kairos.runtime.lanes import declare_each, ensure_claim_buckets, ensure_lane
+from kairos.runtime.resources import BackgroundTasks
+from kairos.runtime.streams import RequestQueueSettings, ensure_buckets, ensure_models_bucket
+from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.services.dispatcher.state import RoutingState
+
+
+class ClusterWatch:
+    """The replica's subscriptions, KV watchers and declarations (see the module docstring).
+
+    Args:
+        cfg: the replica's configuration.
+        lanes: request lanes / claim buckets of the deployment.
+        state: where what is heard goes.
+        origin: checks that a heartbeat comes from the node it names.
+        model: the latency model in use (a callable: the router's).
+        use_model: called with a newly published latency model (a hot reload).
+        log: the replica's logger.
+    """
+
+    def __init__(self, cfg: DispatcherConfig, lanes: int, state: RoutingState, origin: OriginGuard,
+                 model: Callable[[], LatencyModel], use_model: Callable[[LatencyModel], None], log: Any) -> None:
+        self.cfg, self.lanes, self.state, self.origin, self.log = cfg, lanes, state, origin, log
+        self._model, self._use_model = model, use_model
+        self.nc: Client | None = None
+        self._watchers: list = []
+        self._watch_tasks: list[asyncio.Task] = []
+        self._tasks = BackgroundTasks(log)
+
+    # -- declarations -------------------------------------------------------------------------------
+    async def declare(self) -> None:
+        """Declare the buckets, (re)start the KV watchers, declare the request lanes and the claim
+        buckets: at start and after every reconnect (:class:`kairos.runtime.buswatch.BusWatch`)."""
+        js = self.nc.jetstream()
+        buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
+        view_w = await buckets.view.watch(S.VIEW_KEY)
+        resv_w = await buckets.reservations.watchall()
+        watchers = [view_w, resv_w]
+        tasks = [self._tasks.spawn(self._watch_view(view_w), "view watcher"),
+                 self._tasks.spawn(self._watch_resv(resv_w), "reservation watcher")]
+        if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
+            try:
+                models_w = await (await ensure_models_bucket(js, stream_replicas(self.cfg))).watch(S.CURRENT_MODEL_KEY)
+            except Exception as exc:  # optional: routing must not wait for it (the next re-declare retries)
+                self.log.warning("model_watch_failed", error=repr(exc))
+            else:
+                watchers.append(models_w)
+                tasks.append(self._tasks.spawn(self._watch_models(models_w), "model watcher"))
+        old, self._watchers = self._watchers, watchers
+        if old:
+            self.state.forget_reservations()  # the new watcher replays every live key
+        old_tasks, self._watch_tasks = self._watch_tasks, tasks
+        for t in old_tasks:
+            t.cancel()
+        await self._stop_watchers(old)
+        # the lanes last: a lane whose member is down fails its declaration (logged; its pull loop
+        # declares it again), and the watchers above must not wait for that
+        await declare_each("request_lane", self.lanes, self.declare_lane, self.log)
+        await ensure_claim_buckets(js, self.lanes, self.log)
+
+    async def declare_lane(self, lane: int) -> None:
+        """Declare request lane ``lane`` and the dispatchers' consumer of it."""
+        await ensure_lane(self.nc.jetstream(), lane, self.lanes, RequestQueueSettings().max_age_s,
+                          consumer=(self.cfg.ack_wait_s, self.cfg.max_deliver))
+
+    async def _stop_watchers(self, watchers: list) -> None:
+        for w in watchers:
+            try:
+                await w.stop()
+            except nats.errors.Error as exc:  # its consumer or connection is gone already: nothing left to stop
+                self.log.info("kv_watcher_stop_failed", error=repr(exc))
+
+    async def close(self) -> None:
+        """Stop the KV watchers and their tasks."""
+        await self._tasks.cancel_all()
+        await self._stop_watchers(self._watchers)
+        self._watchers, self._watch_tasks = [], []
+
+    # -- subscriptions -------------------------------------------------------------------------------
+    async def subscribe(self) -> list:
+        """Subscribe (see the module docstring); returns the subscriptions (the caller unsubscribes)."""
+        nc = self.nc
+        subs = [await nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed),
+                await nc.subscribe(S.VIEW_SUBJECT, cb=self._on_view),
+                await nc.subscribe(S.CANCEL_SUBJECT, cb=self._on_cancel)]
+        if self.state.prefix is not None:  # heartbeats' incremental cache events → this replica's index
+            subs.append(await nc.subscribe(S.STATE_WILDCARD, cb=self._on_state))
+        return subs
+
+    async def _on_routed(self, msg) -> None:
+        try:
+            ev = decode(msg.data, RoutedEvent)
+        except WireError as exc:  # the aggregator logs every malformed routing event: once is enough
+            self.log.debug("bad_routed", error=str(exc))
+            return
+        self.state.remember_routed(ev)  # the node's acknowledged event replaces a provisional one
+
+    async def _on_view(self, msg) -> None:
+        self._take_view(msg.data)
+
+    def _take_view(self, data: bytes) -> None:
+        try:
+            self.state.take_view(data)
+        except WireError as exc:
+            self.log.warning("bad_view", error=str(exc))
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            c = decode(msg.data, Cancel)
+        except WireError as exc:
+            self.log.warning("bad_cancel", error=str(exc))
+            return
+        self.state.cancelled.add(c.request_id)
+
+    async def _on_state(self, msg) -> None:
+        try:
+            st = decode(msg.data, NodeState)
+        except WireError as exc:  # the aggregator logs every malformed heartbeat: once is enough
+            self.log.debug("bad_state", error=str(exc))
+            return
+        if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
+            return  # one node's prefix-cache events are never another's (kairos/contracts/origin.py)
+        self.state.on_heartbeat(st)
+
+    # -- KV watchers ---------------------------------------------------------------------------------
+    async def _watch_view(self, watcher) -> None:
+        async for e in watcher:
+            if e is None or e.value is None or e.operation is not None:
+                continue
+            self._take_view(e.value)
+
+    async def _watch_resv(self, watcher) -> None:
+        async for e in watcher:
+            if e is not None:
+                self.state.watched_reservation(e.key, e.revision, e.value, deleted=e.operation is not None)
+
+    async def _watch_models(self, watcher) -> None:
+        """Hot-reload: a new artifact under ``latency.current`` replaces the model for the next
+        decisions (each decision records the ``name@version`` it used); an invalid one is logged
+        and ignored."""
+        async for e in watcher:
+            if e is None or e.value is None or e.operation is not None:
+                continue
+            try:
+                model = LatencyModel.from_dict(json.loads(e.value))
+            except ValueError as exc:  # not JSON, or not a valid artifact (ProfileError is a ValueError)
+                self.log.warning("bad_model_artifact", key=e.key, revision=e.revision, error=str(exc))
+                continue
+            old = self._model().artifact_version
+            if model.artifact_version == old:
+                continue
+            self._use_model(model)
+            self.log.info("model_reloaded", model=model.artifact_version, previous=old, revision=e.revision,
+                          mape=model.mape)
