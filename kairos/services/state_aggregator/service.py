@@ -9,28 +9,36 @@ correction into the view, so all dispatcher replicas apply the same one (kairos+
 Restarts: a new aggregator writes its first view only after one ``stale_after_ms`` of listening
 (warm-up), so its empty first view never replaces the previous one (the bucket is file-backed and
 keeps it) — every live node has heartbeated by then. A NATS restart is survived by re-declaring the
-bucket after each reconnect (:class:`kairos.runtime.bus.BusWatch`).
+bucket after each reconnect (:class:`kairos.runtime.buswatch.BusWatch`).
+
+Start and close go through one :class:`kairos.runtime.resources.Resources` (the ``/metrics`` server,
+the connection, the subscriptions, the view loop: closed in reverse, each failure logged); the
+queue-depth polls are :class:`kairos.runtime.resources.BackgroundTasks`. Its clocks (receive time of
+each heartbeat, the view's build time) come from a :class:`kairos.runtime.clock.Clock`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from kairos.services.state_aggregator.config import AggregatorConfig
-from kairos.runtime.service import start_metrics_and_connect
 from kairos.contracts import subjects as S
-from kairos.runtime import telemetry
-from kairos.runtime.bus import close as bus_close
-from kairos.runtime.bus import BusWatch, ensure_buckets, flush_barrier, kv_put_nowait, stream_replicas
-from kairos.core.model.correction import CorrectionEstimator
-from kairos.core.cluster.heartbeat import REJECT_REASONS
-from kairos.runtime.lanes import consumer_infos, lane_count
 from kairos.contracts.origin import OriginGuard, forged_counter
+from kairos.contracts.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode
+from kairos.core.cluster.heartbeat import REJECT_REASONS
+from kairos.core.model.correction import CorrectionEstimator
+from kairos.runtime import telemetry
+from kairos.runtime.bus import flush_barrier, stream_replicas
+from kairos.runtime.buswatch import BusWatch
+from kairos.runtime.clock import SYSTEM_CLOCK, Clock
+from kairos.runtime.lanes import consumer_infos, lane_count
+from kairos.runtime.messaging import kv_put_nowait
+from kairos.runtime.resources import BackgroundTasks, Resources
+from kairos.runtime.service import run_service, start_metrics_and_connect
+from kairos.runtime.streams import ensure_buckets
+from kairos.services.state_aggregator.config import AggregatorConfig
 from kairos.services.state_aggregator.view import ViewBuilder, with_corrections
-from kairos.contracts.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode, now_ms
 
 
 #: bucket boundaries (ms) of ``kairos_aggregator_decode_step_seconds``; the configured TBT SLO is added
@@ -45,17 +53,29 @@ def decode_step_buckets(tbt_slo_ms: float | None) -> tuple[float, ...]:
     return tuple(v / 1000.0 for v in sorted(ms))
 
 
-def _mono_ms() -> float:
-    return time.monotonic() * 1000.0
+#: the request work queue's depth is polled at most this often (s)
+QUEUE_POLL_S = 1.0
+#: how long one poll waits for the lanes' consumer info (s)
+QUEUE_POLL_TIMEOUT_S = 0.5
 
 
 class StateAggregator:
-    def __init__(self, cfg: AggregatorConfig) -> None:
+    """The cluster's one state aggregator (see the module docstring).
+
+    Args:
+        cfg: its configuration (``KAIROS_*``).
+        clock: its clocks: monotonic (heartbeat receive times, staleness) and wall (the view's build time).
+    """
+
+    def __init__(self, cfg: AggregatorConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
+        self.clock = clock
         self.builder = ViewBuilder(period_ms=cfg.state_period_ms, stale_after_ms=cfg.stale_after_ms)
         self.corrector = CorrectionEstimator(window_ms=cfg.correction_window_ms)
         self.tel = telemetry.setup("state_aggregator", "aggregator", cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
+        self.res = Resources(self.log)
+        self.res.push("telemetry", self.tel.shutdown)
         reg = self.tel.registry
         self.m_states = Counter("kairos_aggregator_states_total", "Heartbeats received", registry=reg)
         self.m_routed = Counter("kairos_aggregator_routed_total", "Routing events received", registry=reg)
@@ -94,12 +114,11 @@ class StateAggregator:
                              "Request work queue (JetStream consumer of the dispatchers): pending = not yet "
                              "delivered, ack_pending = delivered and not acknowledged", ("state",), registry=reg)
         self._labelled: set[tuple[str, str]] = set()
-        self._bg: set[asyncio.Task] = set()  #: queue-depth polls in flight
-        self._queue_polled = 0.0
+        self._bg = BackgroundTasks(self.log)  #: queue-depth polls in flight
+        self._queue_polled = float("-inf")
         self.view: ClusterView | None = None
         self.metrics_port: int | None = None
         self._stale: set[str] = set()
-        self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._runner = None
         self._bus: BusWatch | None = None
@@ -108,29 +127,29 @@ class StateAggregator:
     async def _declare(self) -> None:
         self.buckets = await ensure_buckets(self.nc.jetstream(), replicas=stream_replicas(self.cfg))
 
+    def _mono_ms(self) -> float:
+        return self.clock.monotonic() * 1000.0
+
     async def start(self) -> None:
-        await start_metrics_and_connect(self, "state_aggregator")
+        """Connect, declare, subscribe, start the view loop; :meth:`close` closes whatever was opened."""
+        await start_metrics_and_connect(self, "state_aggregator", self.res)
         await self._declare()
         self._bus = BusWatch(self.nc, self._declare, log=self.log).start()
-        await self.nc.subscribe(S.STATE_WILDCARD, cb=self._on_state)
-        await self.nc.subscribe(S.ROUTED_SUBJECT, cb=self._on_routed)
-        await self.nc.subscribe(S.STEPS_WILDCARD, cb=self._on_step)
+        self.res.push("bus watch", self._bus.stop)
+        for subject, cb in ((S.STATE_WILDCARD, self._on_state), (S.ROUTED_SUBJECT, self._on_routed),
+                            (S.STEPS_WILDCARD, self._on_step)):
+            sub = await self.nc.subscribe(subject, cb=cb)
+            self.res.push(f"subscription {subject}", sub.unsubscribe)
         await flush_barrier(self.nc)
-        self._task = asyncio.create_task(self._loop())
+        self.res.push("queue polls", self._bg.cancel_all)
+        self.res.push_task("view loop", asyncio.create_task(self._loop()))
         self.log.info("aggregator_started", metrics_port=self.metrics_port,
                       stale_after_ms=self.builder.stale_after_ms)
 
     async def close(self) -> None:
+        """Stop the view loop, unsubscribe, close the connection, the /metrics server and telemetry."""
         self._stop.set()
-        if self._bus is not None:
-            await self._bus.stop()
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        await bus_close(self.nc, graceful=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        self.tel.shutdown()
+        await self.res.aclose()
 
     async def _on_state(self, msg) -> None:
         try:
@@ -141,7 +160,7 @@ class StateAggregator:
         if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
             return  # a heartbeat is its sender's, never another node's (kairos/contracts/origin.py)
         self.m_states.inc()
-        why = self.builder.on_state(st, _mono_ms(), now_ms())
+        why = self.builder.on_state(st, self._mono_ms(), self.clock.now_ms())
         if why is not None:
             self.m_rejected.labels(why).inc()
             self.log.warning("heartbeat_rejected", node=st.node, reason=why, seq=st.seq, epoch_unix_ms=st.epoch_unix_ms,
@@ -158,7 +177,7 @@ class StateAggregator:
         if not self.origin.check(msg, "step_record", sender, bad or sender):
             return  # the whole batch: one foreign record proves the sender forges
         self.m_steps.inc(len(recs))
-        now = _mono_ms()
+        now = self._mono_ms()
         for rec in recs:
             self.corrector.observe(rec.node, rec.predicted_ms, rec.wall_ms, now,
                                    mixed=rec.batch_size > 0 and rec.prefill_tokens > 0)
@@ -175,17 +194,15 @@ class StateAggregator:
             self.log.warning("bad_routed", error=str(exc))
             return
         self.m_routed.inc()
-        self.builder.on_routed(ev, _mono_ms())
+        self.builder.on_routed(ev, self._mono_ms())
 
     async def _loop(self) -> None:
         period = self.cfg.state_period_ms / 1000.0
-        try:  # warm-up: hear every live node before the first view replaces the previous aggregator's
-            await asyncio.wait_for(self._stop.wait(), float(self.builder.stale_after_ms) / 1000.0)
-        except asyncio.TimeoutError:
-            pass
+        # warm-up: hear every live node before the first view replaces the previous aggregator's
+        await self.clock.wait_event(self._stop, float(self.builder.stale_after_ms) / 1000.0)
         while not self._stop.is_set():
-            corrections = self.corrector.corrections(_mono_ms())
-            view = with_corrections(self.builder.build(_mono_ms(), built_unix_ms=now_ms()), corrections)
+            corrections = self.corrector.corrections(self._mono_ms())
+            view = with_corrections(self.builder.build(self._mono_ms(), built_unix_ms=self.clock.now_ms()), corrections)
             for node, c in corrections.items():
                 self.m_corr.labels(node, "bias").set(c.bias)
                 self.m_corr.labels(node, "safety").set(c.safety)
@@ -196,22 +213,17 @@ class StateAggregator:
                 await self.nc.publish(S.VIEW_SUBJECT, data)
                 await kv_put_nowait(self.nc, S.VIEW_BUCKET, S.VIEW_KEY, data)
                 self.m_views.inc()
-            except Exception as exc:
+            except Exception as exc:  # disconnected (the next period writes a newer view): logged, not raised
                 self.log.warning("view_write_failed", error=repr(exc))
-            if time.monotonic() - self._queue_polled >= 1.0:  # in the background: a dead lane's timeout
-                self._queue_polled = time.monotonic()        # must not hold the next view back
-                t = asyncio.create_task(self._poll_queue())
-                self._bg.add(t)
-                t.add_done_callback(self._bg.discard)
-            try:
-                await asyncio.wait_for(self._stop.wait(), period)
-            except asyncio.TimeoutError:
-                pass
+            if self.clock.monotonic() - self._queue_polled >= QUEUE_POLL_S:  # in the background: a dead
+                self._queue_polled = self.clock.monotonic()  # lane's timeout must not hold the next view back
+                self._bg.spawn(self._poll_queue(), "queue depth poll")
+            await self.clock.wait_event(self._stop, period)
 
     async def _poll_queue(self) -> None:
         """Request work-queue depth from JetStream, summed over the request lanes that answer
         (absent until a dispatcher declared them; a lane whose member is down is left out)."""
-        infos = await consumer_infos(self.nc.jetstream(), lane_count(self.cfg), 0.5)
+        infos = await consumer_infos(self.nc.jetstream(), lane_count(self.cfg), QUEUE_POLL_TIMEOUT_S)
         ok = [i for i in infos if not isinstance(i, BaseException)]
         if ok:
             self.m_queue.labels("pending").set(sum(i.num_pending or 0 for i in ok))
@@ -244,9 +256,4 @@ class StateAggregator:
 
 async def run(cfg: AggregatorConfig, stop: asyncio.Event) -> None:
     """Run the aggregator until ``stop`` is set."""
-    agg = StateAggregator(cfg)
-    await agg.start()
-    try:
-        await stop.wait()
-    finally:
-        await agg.close()
+    await run_service(StateAggregator(cfg), stop)
