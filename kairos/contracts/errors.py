@@ -59,6 +59,7 @@ class ErrorCode(enum.StrEnum):
     PROMPT_TOO_LARGE = ("prompt_too_large", 400, "the request would not fit one NATS message")
     INVALID_CONTENT_ENCODING = ("invalid_content_encoding", 400, "the body is not what its `Content-Encoding` says")
     BAD_REQUEST = ("bad_request", 400, "a malformed HTTP request (aiohttp's protocol-level 400)")
+    INVALID_REQUEST_ID = ("invalid_request_id", 400, "the id of `GET /v1/requests/{id}` is not a valid request id")
     INVALID_API_KEY = ("invalid_api_key", 401, "API keys are configured and none, or a wrong one, was presented")
     MODEL_NOT_FOUND = ("model_not_found", 404, "`model` is not the served model name")
     NOT_FOUND = ("not_found", 404, "no such path (or no such request id for `GET /v1/requests/{id}`)")
@@ -84,6 +85,11 @@ class ErrorCode(enum.StrEnum):
     ENGINE_REJECTED_REQUEST = ("engine_rejected_request", 400,
                                "the node's engine (a vLLM server) refused the request itself (its 4xx status and message)")
     ROUTING_FAILED = ("routing_failed", 500, "a dispatcher failed while routing the request (a bug: its log has the error)")
+    INGRESS_SHUTDOWN = ("ingress_shutdown", 503,
+                        "the ingress serving the request was stopped (SIGTERM) before the request finished")
+    CLIENT_DISCONNECTED = ("client_disconnected", 499,
+                           "the client closed its connection before the end (never read by it: the status of the "
+                           "request's log line, metrics and record; the node agents get a cancel)")
     INTERNAL_ERROR = ("internal_error", 500, "the ingress failed (a bug: the message has an error id found in its log)")
     TIMEOUT = ("timeout", 504, "the request did not finish within `KAIROS_REQUEST_TIMEOUT_S`")
 

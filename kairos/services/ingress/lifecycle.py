@@ -1,6 +1,6 @@
 """The ingress's per-request lifecycle as an explicit state machine (no I/O; issue 10 design note).
 
-One :class:`RequestLifecycle` per client request. The HTTP layer (kairos/services/ingress/service.py) feeds
+One :class:`RequestLifecycle` per client request. The relay (kairos/services/ingress/relay.py) feeds
 it what happens — bus events of the attempt it follows, node deaths, bus outages, timeouts — and
 carries out the :data:`Action` it returns (write tokens, re-submit, send an error, finish).
 
@@ -35,8 +35,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Union
 
-from kairos.core.vocabulary import KEEP, PathKind
+from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
+from kairos.core.vocabulary import KEEP, PathKind
 
 
 class Phase(enum.Enum):
@@ -74,8 +75,8 @@ class Fail:
     """End with an explicit error (HTTP status / SSE error event); ``cancel``: tell the nodes to stop
     ``attempt_id`` too."""
 
-    status: int
-    code: str
+    status: int  #: the HTTP status (the code's, or the one an error event carried)
+    code: ErrorCode
     message: str
     attempt_id: str
     cancel: bool = True
@@ -202,8 +203,8 @@ class RequestLifecycle:
             return self._drop("old_attempt")
         if self.ended:
             return self._drop("ended")
-        if ev.code == "node_lost":
-            return self._lost(f"node_lost:{ev.source}", True, "node_lost", ev.message)
+        if ev.code == ErrorCode.NODE_LOST:  # (a str in a struct built in Python, an ErrorCode when decoded)
+            return self._lost(f"node_lost:{ev.source}", True, ErrorCode.NODE_LOST, ev.message)
         if ev.source.startswith("dispatcher:") and self.phase in (Phase.ROUTED, Phase.STREAMING):
             # a node accepted this attempt (or holds its claim): a dispatcher that failed to route a
             # duplicate copy of it (a redelivery, the copy left on a request lane it moved from,
@@ -211,13 +212,13 @@ class RequestLifecycle:
             return self._drop("routed_elsewhere")
         # cancel too (as every Fail): a node whose acceptance came late (after the dispatcher gave up on it) must
         # not run a request that already ended with this error
-        return self._end(ev.status, ev.code, ev.message)
+        return self._end(ev.code, ev.message, ev.status)
 
     def on_node_dead(self, node: str, time_left: bool) -> Action:
         """``node`` is dead (positive evidence: liveness timeout). Matters only if this attempt depends on it."""
         if self.ended or self.depends_on() != node:
             return Ignore("not_dependent")
-        return self._lost(f"node_lost:{node}", time_left, "node_lost",
+        return self._lost(f"node_lost:{node}", time_left, ErrorCode.NODE_LOST,
                           f"node {node} serving request {self.rid} was lost (no heartbeat and no token; it may have "
                           f"crashed) and the request cannot be moved")
 
@@ -225,27 +226,27 @@ class RequestLifecycle:
         """The followed stream lost events (bus outage): it can never be completed correctly."""
         if self.ended:
             return self._drop("ended")
-        return self._lost(f"stream_interrupted:{detail}", time_left, "stream_interrupted",
+        return self._lost(f"stream_interrupted:{detail}", time_left, ErrorCode.STREAM_INTERRUPTED,
                           f"the token stream of request {self.rid} was interrupted ({detail}; a message-bus outage) "
                           f"and the request cannot be moved")
 
     def on_timeout(self, before_first_token: bool) -> Action:
         what = "before its first token" if before_first_token else "waiting for tokens"
-        return self._end(504, "timeout", f"request {self.rid} timed out {what}")
+        return self._end(ErrorCode.TIMEOUT, f"request {self.rid} timed out {what}")
 
     def on_bus_unavailable(self, outage_s: float) -> Action:
-        return self._end(503, "bus_unavailable", f"the message bus has been unreachable for {outage_s:.1f} s; request "
-                                                 f"{self.rid} cannot be served now, retry it")
+        return self._end(ErrorCode.BUS_UNAVAILABLE, f"the message bus has been unreachable for {outage_s:.1f} s; "
+                                                    f"request {self.rid} cannot be served now, retry it")
 
     def on_shutdown(self) -> Action:
-        return self._end(503, "ingress_shutdown", f"the ingress serving request {self.rid} is shutting down; retry "
-                                                  f"the request")
+        return self._end(ErrorCode.INGRESS_SHUTDOWN, f"the ingress serving request {self.rid} is shutting down; "
+                                                     f"retry the request")
 
     def on_client_gone(self) -> Action:
-        return self._end(499, "client_disconnected", "client closed the connection")
+        return self._end(ErrorCode.CLIENT_DISCONNECTED, "client closed the connection")
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _lost(self, why: str, time_left: bool, code: str, message: str) -> Action:
+    def _lost(self, why: str, time_left: bool, code: ErrorCode, message: str) -> Action:
         if self.can_resubmit(time_left):
             old = self.attempt_id
             self.resubmits += 1
@@ -256,11 +257,12 @@ class RequestLifecycle:
         reason = ("output was already sent to the client" if self.committed else
                   f"re-submitted {self.resubmits} time(s) already" if self.resubmits >= self.max_resubmits else
                   "no time left")
-        return self._end(503, code, f"{message}: {reason}")
+        return self._end(code, f"{message}: {reason}")
 
-    def _end(self, status: int, code: str, message: str) -> Fail:
+    def _end(self, code: ErrorCode, message: str, status: int | None = None) -> Fail:
+        """End with ``code`` (HTTP ``status``: the code's unless an error event carried its own)."""
         self.phase = Phase.ENDED
-        return Fail(status, code, message, self.attempt_id)  # cancel: the nodes stop it too
+        return Fail(code.status if status is None else status, code, message, self.attempt_id)  # cancel: the nodes too
 
     def _drop(self, reason: str) -> Ignore:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
