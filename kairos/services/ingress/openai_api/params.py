@@ -1,0 +1,162 @@
+"""The OpenAI request parameters Kairos knows, what it does with each, and the validated request (no I/O).
+
+:data:`PARAMETERS` lists every parameter of ``POST /v1/completions`` and ``POST /v1/chat/completions``
+and whether it is honoured (validated as vLLM 0.32's OpenAI server does, carried on the bus in
+:class:`~kairos.contracts.wire.SamplingParams`), accepted (metadata) or refused with a 400 naming it;
+any other parameter is a 400 too (:mod:`.parse`). The README's parameter table is
+:func:`parameter_table_markdown` (``python -m kairos.services.ingress.openai_api`` prints it).
+:class:`ParsedRequest` is what validation returns and the ingress turns into an
+:class:`~kairos.contracts.wire.InferenceRequest`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kairos.contracts.wire import SamplingParams
+
+Endpoint = Literal["completions", "chat"]
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated completion request."""
+
+    endpoint: Endpoint
+    model: str
+    prompt_text: str | None  #: the prompt (chat: rendered) or None for token ids
+    prompt_token_ids: list[int] | None
+    max_tokens: int | None  #: None until :func:`resolve_max_tokens` (chat without max_tokens)
+    stream: bool
+    include_usage: bool  #: stream_options.include_usage
+    sampling: SamplingParams = SamplingParams()
+    max_tokens_explicit: bool = True  #: the client set max_tokens (else it is the endpoint's default)
+
+
+Support = Literal["honoured", "refused", "accepted"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One request parameter and what Kairos does with it (the README table is generated from these).
+
+    ``support``: ``honoured`` — validated, carried on the bus (:class:`~kairos.contracts.wire.SamplingParams`
+    or :class:`~kairos.contracts.wire.InferenceRequest`) and applied by the engine (vLLM, and the emulated
+    engine as ``how`` says); ``refused`` — any value other than ``allowed`` is a 400 naming it;
+    ``accepted`` — validated, not used for generation (metadata). ``example``: a valid non-default
+    value; ``bad``: a value that is refused (both used by the tests that tie this table to the code).
+    """
+
+    name: str
+    endpoints: Literal["both", "completions", "chat"]
+    support: Support
+    how: str
+    example: Any = None
+    bad: Any = None
+    allowed: tuple = (None,)
+
+
+#: Every request parameter Kairos knows. A parameter not listed here is a 400 ``unknown_parameter``.
+PARAMETERS: tuple[Param, ...] = (
+    Param("model", "both", "honoured", "must be the served model (404 otherwise)", example=None),
+    Param("prompt", "completions", "honoured", "a string or token ids (< vocabulary size); one prompt per request",
+          example=[1, 2, 3], bad=[[1], [2]]),
+    Param("messages", "chat", "honoured", "roles system/developer/user/assistant/tool, text content; assistant "
+          "`tool_calls` and tool results are rendered into the prompt and counted",
+          example=[{"role": "user", "content": "hi"}], bad=[]),
+    Param("max_tokens", "both", "honoured", "output limit (→ `finish_reason: length`); prompt + max_tokens ≤ "
+          "max_model_len. Default: 16 (completions), the remaining context (chat)", example=5, bad=0),
+    Param("max_completion_tokens", "chat", "honoured", "as `max_tokens` (takes precedence)", example=5, bad=0),
+    Param("stream", "both", "honoured", "SSE chunks; a JSON boolean", example=True, bad="true"),
+    Param("stream_options", "both", "honoured", "only with `stream: true`; `include_usage` (JSON boolean) adds the "
+          "usage chunk; `continuous_usage_stats: true` is refused", example={"include_usage": True},
+          bad={"include_usage": "false"}),
+    Param("n", "both", "honoured", "1 only (400 otherwise)", example=1, bad=2),
+    Param("temperature", "both", "honoured", "[0, 2]; vLLM samples with it; emulated: 0 makes the output depend "
+          "on the prompt only", example=0.5, bad=3),
+    Param("top_p", "both", "honoured", "(0, 1]; passed to vLLM (no effect on emulated text)", example=0.9, bad=0),
+    Param("top_k", "both", "honoured", "integer ≥ -1 (0 or -1: off); passed to vLLM", example=5, bad=-2),
+    Param("min_p", "both", "honoured", "[0, 1]; passed to vLLM", example=0.1, bad=1.5),
+    Param("seed", "both", "honoured", "64-bit integer; emulated: the output is a function of (seed, index), "
+          "without a seed of the prompt; vLLM-CPU engines (`kairos up --engine vllm`): only with temperature 0, "
+          "else 400 (it would kill the engine)", example=42, bad="7"),
+    Param("stop", "both", "honoured", "string or list of non-empty strings; text is cut before the match "
+          "(`finish_reason: stop`)", example=["\n"], bad=[""]),
+    Param("stop_token_ids", "both", "honoured", "token ids < vocabulary size; `finish_reason: stop`",
+          example=[7], bad=[10**12]),
+    Param("min_tokens", "both", "honoured", "≤ max_tokens; EOS, stop ids and stop strings do not end the output "
+          "before it", example=2, bad=-1),
+    Param("ignore_eos", "both", "honoured", "JSON boolean; emulated EOS: see the emulated engine notes",
+          example=True, bad=1),
+    Param("logit_bias", "both", "honoured", "{token id: bias}, ids < vocabulary size, bias clamped to [-100, 100] "
+          "(as vLLM); emulated: −100 bans the id", example={"7": -100}, bad={"x": 1}),
+    Param("presence_penalty", "both", "honoured", "[-2, 2]; passed to vLLM", example=0.5, bad=3),
+    Param("frequency_penalty", "both", "honoured", "[-2, 2]; passed to vLLM", example=0.5, bad=3),
+    Param("repetition_penalty", "both", "honoured", "> 0; passed to vLLM", example=1.1, bad=0),
+    Param("include_stop_str_in_output", "both", "honoured", "JSON boolean; keep the stop string / stop token text",
+          example=True, bad="yes"),
+    Param("skip_special_tokens", "both", "honoured", "JSON boolean; emulated: EOS shows as `</s>` when false",
+          example=False, bad="no"),
+    Param("user", "both", "accepted", "a string; not used for generation", example="u", bad=1),
+    Param("echo", "completions", "refused", "only false", example=False, bad=True, allowed=(None, False)),
+    Param("logprobs", "both", "refused", "not carried back from the engine: only null (chat: false)", bad=1,
+          allowed=(None, False)),
+    Param("top_logprobs", "chat", "refused", "only null or 0", bad=2, allowed=(None, 0)),
+    Param("best_of", "completions", "refused", "only 1", example=1, bad=2, allowed=(None, 1)),
+    Param("suffix", "completions", "refused", "only null", bad="x"),
+    Param("response_format", "both", "refused", "only `{\"type\": \"text\"}` (no structured output)",
+          example={"type": "text"}, bad={"type": "json_object"}, allowed=(None, {"type": "text"})),
+    Param("tools", "chat", "refused", "no tool-call parsing on Kairos' path: only null or []", example=[],
+          bad=[{"type": "function", "function": {"name": "f"}}], allowed=(None, [])),
+    Param("tool_choice", "chat", "refused", "only null or \"none\"", example="none", bad="auto",
+          allowed=(None, "none")),
+    Param("parallel_tool_calls", "chat", "refused", "only null (no tools)", bad=True),
+    Param("functions", "chat", "refused", "only null (deprecated tools)", bad=[{"name": "f"}]),
+    Param("function_call", "chat", "refused", "only null or \"none\"", bad="auto", allowed=(None, "none")),
+    Param("modalities", "chat", "refused", "only [\"text\"]", example=["text"], bad=["audio"],
+          allowed=(None, ["text"])),
+    Param("audio", "chat", "refused", "only null", bad={"voice": "x"}),
+    Param("prediction", "chat", "refused", "only null", bad={"type": "content", "content": "x"}),
+    Param("store", "chat", "refused", "only null or false", example=False, bad=True, allowed=(None, False)),
+    Param("metadata", "chat", "refused", "only null (stored completions)", bad={"k": "v"}),
+    Param("service_tier", "chat", "refused", "only null, \"auto\" or \"default\"", example="auto", bad="flex",
+          allowed=(None, "auto", "default")),
+    Param("reasoning_effort", "chat", "refused", "only null", bad="low"),
+    Param("web_search_options", "chat", "refused", "only null", bad={}),
+    Param("use_beam_search", "both", "refused", "only false (vLLM extension)", example=False, bad=True,
+          allowed=(None, False)),
+    Param("allowed_token_ids", "both", "refused", "only null (vLLM extension)", bad=[1]),
+    Param("bad_words", "both", "refused", "only null or [] (vLLM extension)", bad=["x"], allowed=(None, [])),
+    Param("prompt_logprobs", "both", "refused", "only null (vLLM extension)", bad=1),
+    Param("truncate_prompt_tokens", "both", "refused", "only null (vLLM extension)", bad=10),
+    Param("structured_outputs", "both", "refused", "only null (vLLM extension)", bad={"regex": "a"}),
+    Param("priority", "both", "refused", "only 0 (vLLM extension)", example=0, bad=1, allowed=(None, 0)),
+    Param("cache_salt", "both", "refused", "only null (vLLM extension; the node agents may set it)", bad="s"),
+    Param("kv_transfer_params", "both", "refused", "only null (set by Kairos' node agents)", bad={}),
+    Param("vllm_xargs", "both", "refused", "only null (set by Kairos' node agents)", bad={}),
+    Param("chat_template", "chat", "refused", "only null (the served model's template is used)", bad="{{x}}"),
+    Param("chat_template_kwargs", "chat", "refused", "only null", bad={"x": 1}),
+    Param("add_generation_prompt", "chat", "refused", "only true", example=True, bad=False, allowed=(None, True)),
+    Param("continue_final_message", "chat", "refused", "only false", example=False, bad=True,
+          allowed=(None, False)),
+)
+
+_BY_NAME: dict[str, dict[str, Param]] = {"completions": {}, "chat": {}}
+for _p in PARAMETERS:
+    for _e in (("completions", "chat") if _p.endpoints == "both" else (_p.endpoints,)):
+        _BY_NAME[_e][_p.name] = _p
+
+
+def parameters(endpoint: Endpoint) -> dict[str, Param]:
+    """The :data:`PARAMETERS` of one endpoint, by name."""
+    return _BY_NAME[endpoint]
+
+
+def parameter_table_markdown() -> str:
+    """The README's table of supported OpenAI parameters, generated from :data:`PARAMETERS`."""
+    ep = {"both": "both", "completions": "completions", "chat": "chat"}
+    rows = ["| parameter | endpoint | support | what Kairos does |", "|---|---|---|---|"]
+    for p in PARAMETERS:
+        rows.append(f"| `{p.name}` | {ep[p.endpoints]} | {p.support} | {p.how} |")
+    return "\n".join(rows) + "\n"
