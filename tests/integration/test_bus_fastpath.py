@@ -13,7 +13,7 @@ from kairos.contracts import subjects as S
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.messaging import kv_delete_nowait, kv_put_nowait
 from kairos.runtime.streams import ensure_buckets
-from kairos.services.ingress.service import _SseResponse
+from kairos.services.ingress.sse import SseResponse
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
 from kairos.cli.stepscale import parse_decode_steps, violation_rate
@@ -124,7 +124,7 @@ async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkey
     """Token events that are already waiting when the ingress relays one go out in one socket write
     with it (and the end of the stream with them); the client gets every token, in order."""
     writes: list[bytes] = []
-    orig_write, orig_eof = _SseResponse.write, _SseResponse.write_eof
+    orig_write, orig_eof = SseResponse.write, SseResponse.write_eof
 
     async def write(self, data: bytes) -> None:
         writes.append(bytes(data))
@@ -133,8 +133,8 @@ async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkey
     async def write_eof(self, data: bytes = b"") -> None:
         writes.append(bytes(data))
         await orig_eof(self, data)
-    monkeypatch.setattr(_SseResponse, "write", write)
-    monkeypatch.setattr(_SseResponse, "write_eof", write_eof)
+    monkeypatch.setattr(SseResponse, "write", write)
+    monkeypatch.setattr(SseResponse, "write_eof", write_eof)
     async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:  # nobody routes: the test is the node
         body = {"model": "kairos-emulated", "prompt": "hi", "max_tokens": 8, "stream": True}
 
@@ -143,7 +143,7 @@ async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkey
                 assert r.status == 200
                 return [line.strip()[6:].decode() async for line in r.content if line.startswith(b"data: ")]
         reader = asyncio.create_task(client())
-        rid = await wait_until(lambda: next(iter(st.ingress._flights), None), 5, "the request in flight")
+        rid = await wait_until(lambda: next(iter(st.ingress.flights), None), 5, "the request in flight")
         nc = st.aggregator.nc  # any other connection: one flush, so the ingress reads them together
         out = S.out_subject(rid, agent_user("decode-0"))  # as decode-0's agent, which the routing event names
         await nc.publish(S.ROUTED_SUBJECT, encode(RoutedEvent(request_id=rid, kind="deflect", node="decode-0",

@@ -212,7 +212,7 @@ async def test_a_kv_handoff_must_come_from_the_prefill_node_holding_the_request(
 
 def held_out_events(st, rid: str) -> int:
     """Out events of ``rid`` the ingress holds because their sender is not accepted (yet)."""
-    f = st.ingress._flights.get(rid)
+    f = st.ingress.flights.get(rid)
     senders = getattr(f, "senders", None)
     return len(senders.held) if senders is not None else 0
 
@@ -229,7 +229,7 @@ async def _forge_before_routing(secure, forged: list, max_tokens: int = 6):
         await wait_until(lambda: all(not n.accepting for n in st.ingress.view.nodes if n.node == "decode-0"), 5,
                          "decode-0 draining in the view")
         client = asyncio.create_task(st.complete("the victim's request", max_tokens=max_tokens))
-        rid = await wait_until(lambda: next(iter(st.ingress._flights), None), 5, "the request in flight")
+        rid = await wait_until(lambda: next(iter(st.ingress.flights), None), 5, "the request in flight")
         attacker = await as_role(url, pw, ATTACKER)
         events = forged(rid)
         for ev in events:

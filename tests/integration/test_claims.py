@@ -70,7 +70,7 @@ async def test_a_job_that_arrives_after_its_request_was_cancelled_is_refused_and
     async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:
         nc = st.ingress.nc
         rid = "cancelled-before-its-job"
-        await st.ingress._cancel(rid, "no_available_node")
+        await st.ingress.bus.cancel(rid, "no_available_node")
         agent = st.agents["prefill-0"]
         await wait_until(lambda: rid in agent.cancelled, 5, "the agent to hear the cancel")
         ack = await request_typed(nc, S.jobs_subject("prefill-0"), job(rid, "prefill-0"), JobAck, 2)

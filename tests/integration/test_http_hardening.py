@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.app import IngressApp
 from kairos.services.ingress.service import Ingress
 from tests.integration.conftest import reset_bus, running_nats
 
@@ -169,7 +170,7 @@ async def test_internal_errors_name_no_exception(small_nats, monkeypatch):
     async def broken(self, _req):
         raise RuntimeError("SecretInternalDetail")
 
-    monkeypatch.setattr(Ingress, "models", broken)
+    monkeypatch.setattr(IngressApp, "models", broken)
     async with running(small_nats) as ing, aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{ing.port}/v1/models") as r:
             body = await r.read()

@@ -240,7 +240,7 @@ async def test_health_503_when_the_cluster_view_is_stale(nats_url):
 
 async def test_health_503_when_no_dispatcher_consumes_requests(nats_url):
     async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
-        st.ingress.cfg = dataclasses.replace(st.ingress.cfg, dispatcher_check_interval_s=0.2)
+        st.ingress.readiness.cfg = dataclasses.replace(st.ingress.cfg, dispatcher_check_interval_s=0.2)
         body = await poll_health(st.base, st.http, 200, 5)
         assert body["dispatchers"]["consuming"] and body["dispatchers"]["num_waiting"] >= 1
         gone = list(st.dispatchers)
@@ -330,7 +330,7 @@ async def test_ingress_shutdown_ends_unrouted_requests_with_an_explicit_error(na
         st.dispatchers.clear()
         body = {"model": "kairos-emulated", "prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
         pending = asyncio.ensure_future(st.http.post(f"{st.base}/v1/completions", json=body))
-        await wait_until(lambda: len(st.ingress._flights) == 1, 5, "the request is in flight")
+        await wait_until(lambda: len(st.ingress.flights) == 1, 5, "the request is in flight")
         closing = asyncio.ensure_future(st.ingress.close())
         resp = await asyncio.wait_for(pending, 5)
         err = (await resp.json())["error"]  # no token yet: the SSE stream never started

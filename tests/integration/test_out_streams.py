@@ -39,4 +39,4 @@ async def test_concurrent_streams_get_their_own_tokens(nats_url, wildcard):
             assert chunks[-1]["usage"]["completion_tokens"] == k
         # per-request subscriptions are gone once their requests ended; the wildcard one stays
         assert len(st.ingress.nc._subs) == subs_before
-        assert not st.ingress._flights
+        assert not st.ingress.flights

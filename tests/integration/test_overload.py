@@ -41,7 +41,7 @@ async def test_overload_is_shed_with_429_and_recovers(nats_url):
         # the load is gone: the very next request is admitted and served
         status, _, body, elapsed = await one(st, max_tokens=4)
         assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-        assert st.ingress._admitted == 0
+        assert st.ingress.completions.admitted == 0
         text = await (await st.http.get(st.base + "/metrics")).text()
         line = next(ln for ln in text.splitlines() if ln.startswith("kairos_ingress_overload_shed_total "))
         assert float(line.split()[-1]) == len(shed)

@@ -1,6 +1,6 @@
 """The ingress's HTTP layer hardening (docs/security.md): API keys, slow-client timeouts, every
-error as OpenAI-shaped JSON (aiohttp's own protocol-level errors included), bounded echoes,
-``Retry-After`` on every 503.
+error as OpenAI-shaped JSON (aiohttp's own protocol-level errors and HTTP exceptions included, each
+with an :class:`~kairos.contracts.errors.ErrorCode`), bounded echoes, ``Retry-After`` on every 503.
 
 aiohttp specifics (aiohttp 3.14, ``aiohttp/web_protocol.py``): a malformed request line or header
 never reaches the application — ``RequestHandler.handle_error`` renders it as ``text/plain``; and
@@ -24,13 +24,20 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from kairos.services.ingress import openai_api as oa
+from kairos.contracts.errors import PROTOCOL_CODES, ErrorCode, error_type_for
 from kairos.runtime.envconfig import ConfigError
+from kairos.services.ingress.openai_api.responses import ApiError, error_body
 
 #: error messages are cut to this many characters (a 1 MB model name must not come back as a 1 MB body)
 MAX_ERROR_MESSAGE_CHARS = 1024
 #: paths served without an API key (like vLLM, which protects only /v1/*): probes and scrapers
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: Content-Encoding values whose request bodies the ingress reads (aiohttp decodes gzip and deflate)
+READABLE_ENCODINGS = frozenset({"identity", "gzip", "deflate"})
+#: set on a request once its SSE headers are sent (no error response can replace them any more)
+STREAM_STARTED = web.RequestKey("kairos_stream_started", bool)
+#: set on a completion request once its id is assigned (error logs name it)
+REQUEST_ID = web.RequestKey("kairos_request_id", str)
 
 
 def clip(text: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
@@ -40,11 +47,54 @@ def clip(text: str, limit: int = MAX_ERROR_MESSAGE_CHARS) -> str:
     return f"{text[:limit]}… [{len(text) - limit} more characters]"
 
 
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
+def error_response(code: ErrorCode, message: str, param: str | None = None, *, status: int | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI-shaped JSON error (``{"error": {message, type, param, code}}``), message clipped."""
-    body = oa.error_body(clip(message), oa.error_type_for(status), param, code)
+    """An OpenAI-shaped JSON error (``{"error": {message, type, param, code}}``), message clipped.
+    ``status``: the HTTP status, ``code.status`` unless given (an error event's own, an HTTP exception's)."""
+    status = code.status if status is None else status
+    body = error_body(clip(message), error_type_for(status), param, code)
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def api_error_response(exc: ApiError) -> web.Response:
+    """The answer to a request that failed validation (:class:`ApiError`)."""
+    return error_response(exc.code, exc.message, exc.param, status=exc.status)
+
+
+def code_for_status(status: int) -> ErrorCode:
+    """The catalogue's code for an HTTP status no handler chose a code for (aiohttp's own errors)."""
+    if status in PROTOCOL_CODES:
+        return PROTOCOL_CODES[status]
+    fallback = ErrorCode.INTERNAL_ERROR if status >= 500 else ErrorCode.BAD_REQUEST
+    return next((c for c in ErrorCode if c.status == status), fallback)
+
+
+def http_error(request: web.Request, exc: web.HTTPException, max_body_bytes: int) -> web.Response:
+    """An aiohttp HTTP exception (its own 404/405/413, or one a handler raised) as an OpenAI-shaped
+    error of the same status, naming the endpoints (404), the allowed methods (405, with ``Allow``) or
+    the body limit ``max_body_bytes`` (413)."""
+    if isinstance(exc, web.HTTPNotFound):
+        msg, code = (f"Unknown path {clip(request.path, 200)!r}. Endpoints: POST /v1/completions, POST "
+                     f"/v1/chat/completions, GET /v1/models, GET /v1/requests/{{id}}, GET /health, GET /metrics",
+                     ErrorCode.NOT_FOUND)
+    elif isinstance(exc, web.HTTPMethodNotAllowed):
+        msg = (f"Method {request.method} is not allowed for {request.path}; use "
+               f"{' or '.join(sorted(exc.allowed_methods))}")
+        code = ErrorCode.METHOD_NOT_ALLOWED
+    elif isinstance(exc, web.HTTPRequestEntityTooLarge):
+        # a compressed body is limited after decompression: its Content-Length is not the size that counted
+        encoded = request.headers.get("Content-Encoding", "identity").lower() not in ("", "identity")
+        got = (f" (got more than that after decoding the {clip(request.headers['Content-Encoding'], 20)} "
+               f"body of {request.content_length} bytes)" if encoded and request.content_length
+               else f" (got {request.content_length})" if request.content_length else "")
+        msg, code = f"request body is too large: the limit is {max_body_bytes} bytes{got}", ErrorCode.REQUEST_TOO_LARGE
+    else:
+        msg, code = exc.text or exc.reason, code_for_status(exc.status)
+    out = error_response(code, msg, status=exc.status)
+    for h in ("Allow", "Retry-After"):
+        if h in exc.headers:
+            out.headers[h] = exc.headers[h]
+    return out
 
 
 class ApiKeyError(ConfigError):
@@ -103,7 +153,7 @@ def api_key_middleware(keys: frozenset[str], on_reject: Callable[[web.Request, s
             reason, msg = "invalid", "Incorrect API key provided."
         if on_reject is not None:
             on_reject(request, reason)
-        return error_response(401, msg, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return error_response(ErrorCode.INVALID_API_KEY, msg, headers={"WWW-Authenticate": "Bearer"})
 
     return check
 
@@ -112,10 +162,6 @@ async def add_retry_after(request: web.Request, response: web.StreamResponse, se
     """``on_response_prepare`` hook: every 503 carries ``Retry-After`` (RFC 9110 §10.2.3)."""
     if response.status == 503 and "Retry-After" not in response.headers:
         response.headers["Retry-After"] = str(seconds)
-
-
-_PROTOCOL_CODES = {400: "bad_request", 408: "request_timeout", 413: "request_too_large", 414: "uri_too_long",
-                   431: "headers_too_large", 500: "internal_error", 504: "timeout"}
 
 
 class _Handler(RequestHandler):
@@ -179,8 +225,8 @@ class _Handler(RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
         if isinstance(exc, ContentEncodingError):  # e.g. br: the parser has no decoder for it
-            resp = error_response(415, "unsupported Content-Encoding: the ingress reads request bodies sent as "
-                                       "identity, gzip or deflate", "unsupported_content_encoding")
+            resp = error_response(ErrorCode.UNSUPPORTED_CONTENT_ENCODING, "unsupported Content-Encoding: the "
+                                  "ingress reads request bodies sent as identity, gzip or deflate")
             resp.force_close()
             return resp
         if status >= 500:
@@ -188,7 +234,7 @@ class _Handler(RequestHandler):
         else:
             detail = getattr(exc, "message", None) or message or ""
             text = f"malformed HTTP request: {clip(str(detail), 200)}" if detail else "malformed HTTP request"
-        resp = error_response(status, text, _PROTOCOL_CODES.get(status, "http_error"))
+        resp = error_response(code_for_status(status), text, status=status)
         resp.force_close()
         return resp
 

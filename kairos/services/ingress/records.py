@@ -1,10 +1,11 @@
-"""Merge a request's records into the ``GET /v1/requests/{id}`` answer (no I/O).
+"""A request's records: the ingress's own (written when it ends), and the ``GET /v1/requests/{id}`` answer.
 
 Where data comes from: the ``kairos_requests`` KV bucket, one key per writer so nobody overwrites
 anybody: ``<rid>.decision`` (dispatcher), ``<rid>.prefill.<node>`` (prefill agent, keep path),
-``<rid>.decode.<node>`` (decode agent), ``<rid>.ingress`` (ingress); the ingress reads the node
-records of the nodes the request's claim names (an agent may write only keys with its own node id).
-Where it goes: the ingress's JSON.
+``<rid>.decode.<node>`` (decode agent), ``<rid>.ingress`` (ingress, :func:`write_ingress_record`);
+the ingress reads the node records of the nodes the request's claim names (an agent may write only
+keys with its own node id; :func:`lookup`). Where it goes: the ingress's JSON (:func:`request_record`
+merges the records). The bucket is reached through :class:`~.ports.IngressBus` (no I/O here).
 
 Measured TTFT components (the paper's Table 3 breakdown), each a difference of two timestamps
 taken on the *same* node, so clock skew between hosts does not enter:
@@ -30,7 +31,14 @@ from typing import Any
 
 import msgspec
 
-from kairos.contracts.wire import DecisionRecord, DecodeTiming, IngressTiming, PrefillTiming
+from kairos.contracts import subjects as S
+from kairos.contracts.wire import DecisionRecord, DecodeTiming, IngressTiming, PrefillTiming, encode
+from kairos.core.vocabulary import DEFLECT, KEEP
+from kairos.services.ingress.metrics import IngressMetrics
+from kairos.services.ingress.ports import IngressBus
+
+#: key of the (decision kind, predicted TTFT ms) pair in a request's timing dict (not part of its record)
+PREDICTED = "predicted_ttft"
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -39,7 +47,7 @@ def _diff(a: float | None, b: float | None) -> float | None:
 
 def ttft_components(prefill: PrefillTiming | None, dec: DecodeTiming | None) -> dict[str, float | None]:
     """The four measured components in ms (None where a timestamp is missing)."""
-    if dec is not None and dec.kind == "deflect":
+    if dec is not None and dec.kind == DEFLECT:
         return {"prefill_queue_ms": _diff(dec.prefill_start_unix_ms, dec.received_unix_ms),
                 "prefill_exec_ms": _diff(dec.first_token_unix_ms, dec.prefill_start_unix_ms),
                 "kv_transfer_ms": 0.0, "decode_queue_ms": 0.0}
@@ -95,3 +103,45 @@ def request_record(rid: str, decision: DecisionRecord | None, prefill: PrefillTi
                     for k, v in (("prefill", prefill), ("decode", dec), ("ingress", ingress))},
     }
     return out
+
+
+async def lookup(rid: str, bus: IngressBus) -> dict[str, Any] | None:
+    """The ``GET /v1/requests/{id}`` body of request ``rid`` (:func:`request_record`), None when the
+    bucket holds no record of it (unknown, or older than the record TTL).
+
+    A request re-submitted after a node was lost is explained by the records of the attempt that
+    served it (the last of ``resubmitted_as``); its node records are those of the nodes its claim
+    names, else its decision names (each node writes only keys with its own id).
+
+    Raises:
+        Exception: the bucket did not answer (the caller's 500).
+    """
+    ingress = await bus.read_record(S.record_key(rid, "ingress"), IngressTiming)
+    served_by = ingress.resubmitted_as[-1] if ingress and ingress.resubmitted_as else rid
+    decision = await bus.read_record(S.record_key(served_by, "decision"), DecisionRecord)
+    claim = await bus.read_claim(served_by)
+    node = claim.node if claim is not None else (decision.node if decision is not None else "")
+    keep = claim.kind == KEEP if claim is not None else (decision is not None and not decision.decision.deflected)
+    prefill = (await bus.read_record(S.record_key(served_by, "prefill", node), PrefillTiming)
+               if node and keep else None)
+    dec_node = ((prefill.handoff_node if prefill else None)
+                or (claim.decode_node if claim is not None else (decision.decode_node if decision is not None else "")))
+    dec_node = dec_node if keep else node
+    dec = await bus.read_record(S.record_key(served_by, "decode", dec_node), DecodeTiming) if dec_node else None
+    if decision is None and prefill is None and dec is None and ingress is None:
+        return None
+    return request_record(rid, decision, prefill, dec, ingress)
+
+
+async def write_ingress_record(bus: IngressBus, rid: str, timing: dict[str, Any], metrics: IngressMetrics,
+                               log: Any) -> None:
+    """Store ``<rid>.ingress`` from the request's ``timing`` dict (``received_unix_ms``, ``status``, …:
+    the fields of :class:`IngressTiming`, plus ``finish_reason`` and :data:`PREDICTED`, left out), and
+    observe predicted vs measured TTFT of a request that succeeded. A failed write is logged."""
+    rec = msgspec.convert({k: v for k, v in timing.items() if k not in ("finish_reason", PREDICTED)}, IngressTiming)
+    if timing.get("status") == 200 and rec.first_token_unix_ms is not None and timing.get(PREDICTED) is not None:
+        metrics.observe_prediction(*timing[PREDICTED], rec.first_token_unix_ms - rec.received_unix_ms)
+    try:
+        await bus.write_record(S.record_key(rid, "ingress"), encode(rec))
+    except Exception as exc:  # a lost record costs GET /v1/requests/<id> its ingress part, never the request
+        log.warning("record_write_failed", request_id=rid, error=repr(exc))

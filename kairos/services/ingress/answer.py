@@ -1,0 +1,127 @@
+"""What the client of one request gets: an SSE stream opened at its first token, or one JSON body.
+
+The relay (:mod:`.relay`) decides; :class:`ClientAnswer` writes. A streaming request's HTTP headers
+go out only with its first token (so an error before it still gets a proper 4xx/5xx status), each
+burst of chunks in one write, and the end — the last chunks, ``data: [DONE]`` and the
+chunked-encoding end — in one more; chat streams send the role alone first, as OpenAI and vLLM do.
+An error after the first token is an SSE error event. A non-streaming request's text is kept
+until its end. Bodies are OpenAI's (:mod:`.openai_api.responses`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import orjson
+from aiohttp import web
+
+from kairos.contracts.errors import ErrorCode, error_type_for
+from kairos.contracts.wire import TokenEvent
+from kairos.services.ingress.http import STREAM_STARTED, clip, error_response
+from kairos.services.ingress.openai_api.params import ParsedRequest
+from kairos.services.ingress.openai_api.responses import error_body, full_response, stream_chunk, usage_chunk
+from kairos.services.ingress.sse import GONE, SseResponse, sse_done, sse_event, sse_write
+
+#: what a relay returns: the response sent (or to send) and its HTTP status (499: the client left)
+Outcome = tuple[web.StreamResponse, int]
+
+
+class ClientAnswer:
+    """The answer to one request (module docstring).
+
+    Args:
+        request: the client's HTTP request (the stream is prepared on it).
+        parsed: its validated body (endpoint, stream, include_usage, model).
+        rid, created, trace_id: the id the client sees, its ``created`` (unix s), its trace id.
+        on_commit: called when the stream opens (something reached the client: no re-submission).
+    """
+
+    def __init__(self, request: web.Request, parsed: ParsedRequest, rid: str, created: int, trace_id: str | None,
+                 on_commit: Callable[[], None]) -> None:
+        self.request, self.parsed, self.rid, self.created, self.trace_id = request, parsed, rid, created, trace_id
+        self.on_commit = on_commit
+        self.resp: web.StreamResponse | None = None  #: the SSE stream, once opened
+        self.sent = 0  #: tokens delivered to the client (streaming)
+        #: SSE chunks relayed but not written yet, and their tokens: written when no further event is
+        #: already waiting (one socket write per burst; never held back while the queue is empty)
+        self.unsent: list[bytes] = []
+        self.unsent_tokens = 0
+        self.text_parts: list[str] = []  #: the answer so far (non-streaming)
+
+    async def tokens(self, tok: TokenEvent, first: bool, flush: Callable[[], bool]) -> bool:
+        """Relay ``tok`` (``first``: the attempt's first; ``flush()``: no further event waits, so write
+        the burst now). False when the client is gone."""
+        parsed = self.parsed
+        if not parsed.stream:
+            self.text_parts.append(tok.text)
+            return True
+        if self.resp is None and not await self._open_stream():
+            return False
+        if first and parsed.endpoint == "chat":  # the role alone first, as OpenAI and vLLM send it
+            self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, "", None, first=True)))
+        self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, None)))
+        self.unsent_tokens += tok.count
+        if flush():
+            ok = await sse_write(self.resp, b"".join(self.unsent))
+            self.unsent.clear()
+            if not ok:
+                return False
+            self.sent += self.unsent_tokens
+            self.unsent_tokens = 0
+        return True
+
+    async def _open_stream(self) -> bool:
+        """Send the SSE headers (with the first token's chunk); False if the client is gone."""
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.rid}
+        if self.trace_id:
+            headers["X-Trace-Id"] = self.trace_id
+        self.resp = SseResponse(headers=headers)
+        self.request[STREAM_STARTED] = True
+        self.on_commit()
+        try:
+            await self.resp.prepare(self.request)
+            return True
+        except GONE:  # gone while the headers were written
+            return False
+
+    def discard(self) -> int:
+        """Forget the text kept so far (the attempt was given up); returns how many token events it had."""
+        n = len(self.text_parts)
+        self.text_parts.clear()
+        return n
+
+    @property
+    def delivered(self) -> int:
+        """Tokens the client got or is getting with the error now (streaming), 0 otherwise."""
+        return self.sent + self.unsent_tokens if self.parsed.stream else 0
+
+    async def complete(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+                       cached_tokens: int) -> Outcome:
+        """The final chunk (and usage) of the stream, or the full response body."""
+        parsed, rid, created = self.parsed, self.rid, self.created
+        if not parsed.stream:
+            body = full_response(parsed, rid, created, "".join(self.text_parts), finish_reason, prompt_tokens,
+                                 completion_tokens, cached_tokens)
+            out = web.Response(body=orjson.dumps(body), content_type="application/json")
+            out.headers["X-Request-Id"] = rid
+            return out, 200
+        assert self.resp is not None
+        last = stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "", finish_reason)
+        usage = ([usage_chunk(parsed, rid, created, prompt_tokens, completion_tokens, cached_tokens)]
+                 if parsed.include_usage else [])
+        await sse_done(self.resp, last, *usage, before=b"".join(self.unsent))
+        return self.resp, 200
+
+    async def error(self, status: int, code: ErrorCode, message: str) -> Outcome:
+        """An OpenAI error body with ``status`` before the first token, else an SSE error event."""
+        if self.resp is None:
+            return error_response(code, message, status=status), status
+        await sse_done(self.resp, error_body(clip(message), error_type_for(status), None, code),
+                       before=b"".join(self.unsent))
+        return self.resp, status
+
+    def gone(self) -> Outcome:
+        """The client left: 499 (nobody reads it; the status is for the log, metrics and record)."""
+        if self.resp is None or not self.resp.prepared:
+            return error_response(ErrorCode.CLIENT_DISCONNECTED, "client closed the connection"), 499
+        return self.resp, 499

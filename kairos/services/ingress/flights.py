@@ -1,0 +1,239 @@
+"""The in-flight registry: every request being served, keyed by its current bus id, and the bus events for it.
+
+A request's **flight** (:class:`Flight`) holds its lifecycle (:class:`~.lifecycle.RequestLifecycle`:
+which attempt is followed, where it runs) and the I/O bits: the queue its relay reads, the senders
+its current attempt accepts out events from, its request lane. :class:`Flights` maps each flight's
+current attempt id (``<id>``, then ``<id>-r1`` … after a re-submission) to it and takes in the bus
+events addressed to in-flight requests:
+
+* **out events** (``kairos.out.<attempt id>.<sender>``: tokens, done, errors, KV handoffs) go to the
+  queue of the flight whose current attempt they belong to, if their sender is accepted
+  (:class:`~.senders.Senders`: the node the attempt's job went to, the decode node its prefill node
+  handed the KV to, a dispatcher for errors); an event of another sender is held until its sender is
+  accepted, or refused as forged (``kairos_ingress_forged_messages_total{kind="out_event"}``);
+* **routing events** (``kairos.route.decided``, dispatchers only) tell the flight where its attempt
+  runs (lifecycle, senders, the TTFT the decision predicted) and which request lane delivered it.
+
+Besides its bus events, the relay's queue receives the watchers' verdicts (:mod:`.liveness`): the
+queue items below. No I/O here beyond handing events to queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from kairos.contracts import subjects as S
+from kairos.contracts.origin import OriginGuard
+from kairos.contracts.wire import ErrorEvent, HandoffEvent, OutEvent, RoutedEvent, TokenEvent, WireError, decode
+from kairos.core.cluster.heartbeat import Liveness
+from kairos.core.vocabulary import PathKind
+from kairos.runtime.clock import Clock
+from kairos.runtime.lanes import LanePicker
+from kairos.services.ingress.lifecycle import RequestLifecycle
+from kairos.services.ingress.senders import Senders
+
+
+@dataclass
+class NodeLost:
+    """Queue item: a node the request depends on is dead (liveness timeout, or it restarted)."""
+
+    node: str
+    attempt_id: str
+
+
+@dataclass
+class Interrupted:
+    """Queue item: the attempt's stream lost events (silent after a bus outage)."""
+
+    attempt_id: str
+    detail: str
+
+
+@dataclass
+class BusDown:
+    """Queue item: NATS has been unreachable for ``outage_s`` seconds."""
+
+    outage_s: float
+
+
+class ClientGone:
+    """Queue item: the HTTP client closed its connection."""
+
+
+class Shutdown:
+    """Queue item: this ingress is stopping; end the request with an explicit error now."""
+
+
+#: what a relay's queue carries: out events of its attempts and the watchers' verdicts
+QueueItem = OutEvent | NodeLost | Interrupted | BusDown | ClientGone | Shutdown
+
+
+@dataclass
+class Flight:
+    """One in-flight request: its lifecycle (where it is and what it may do) plus the I/O bits.
+
+    ``request``: the client's HTTP request (anything with aiohttp's ``transport``: a closed one means
+    the client left).
+    """
+
+    lc: RequestLifecycle
+    queue: asyncio.Queue
+    request: Any
+    lost: bool = False  #: a NodeLost/Interrupted was queued for the current attempt
+    client_gone: bool = False
+    bus_down: bool = False  #: a BusDown was queued
+    checking: bool = False  #: a prefill-record / claim lookup is running
+    quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
+    #: node -> its incarnation when this request first depended on it (a newer one = restarted, lost)
+    dep_epochs: dict[str, float] = field(default_factory=dict)
+    #: (decision kind, its TTFT estimate in ms) from the routing event of the current attempt
+    predicted: tuple[PathKind, float] | None = None
+    #: whose out events the current attempt accepts (the node its job went to, ...)
+    senders: Senders = field(default_factory=lambda: Senders(""))
+    #: the request lane the current attempt was last enqueued on (kairos/runtime/lanes.py), when, what was
+    #: published (attempt id, bytes, headers: a stalled lane's requests are enqueued again elsewhere,
+    #: the same bytes and bus id), and every lane holding a copy of it (none is used twice)
+    lane: int | None = None
+    enqueued_at: float = 0.0
+    enqueued: tuple[str, bytes, dict[str, str]] | None = None
+    lanes_used: set[int] = field(default_factory=set)
+    moving: bool = False
+
+    @property
+    def attempt_id(self) -> str:
+        return self.lc.attempt_id
+
+    @property
+    def watched(self) -> bool:
+        """The watchers may still queue a verdict for it (none queued yet, client there, not ended)."""
+        return not (self.lost or self.client_gone or self.lc.ended)
+
+    def new_attempt(self, attempt_id: str) -> None:
+        """Forget what concerned the previous attempt (its liveness evidence, prediction, senders, lane)."""
+        self.lost = self.checking = False
+        self.quiet_deadline = None
+        self.dep_epochs.clear()
+        self.predicted = None
+        self.senders = Senders(attempt_id)
+        self.lane, self.enqueued = None, None  # nothing of the previous attempt is moved
+        self.lanes_used.clear()
+
+
+class Flights:
+    """Every in-flight request by current attempt id, and the intake of their bus events.
+
+    Args:
+        origin: refuses (counts, logs) out events whose sender the bus does not prove.
+        liveness: node liveness (a token is a sign of life of its node; a routed node is watched).
+        lanes: the request lanes (a routing event says its lane delivers).
+        clock: monotonic s for the liveness tracker and the lanes.
+        log: the service's structured logger.
+    """
+
+    def __init__(self, origin: OriginGuard, liveness: Liveness, lanes: LanePicker, clock: Clock, log: Any) -> None:
+        self.origin, self.liveness, self.lanes, self.clock, self.log = origin, liveness, lanes, clock, log
+        self._by_attempt: dict[str, Flight] = {}
+
+    # -- the registry ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._by_attempt)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_attempt)
+
+    def get(self, attempt_id: str) -> Flight | None:
+        return self._by_attempt.get(attempt_id)
+
+    def values(self) -> list[Flight]:
+        """A snapshot of the flights (safe to iterate while they change)."""
+        return list(self._by_attempt.values())
+
+    def bind(self, flight: Flight, attempt_id: str) -> None:
+        """Route ``attempt_id``'s events to ``flight`` from now on (and no longer its earlier attempt's);
+        events held for the attempt given up are refused: its job's node never vouched for them."""
+        self.forget(flight)
+        self._by_attempt[attempt_id] = flight
+        self.refuse_held(flight)
+        flight.new_attempt(attempt_id)
+
+    def forget(self, flight: Flight) -> None:
+        """``flight`` ended: no event reaches it any more."""
+        for k in [k for k, f in self._by_attempt.items() if f is flight]:
+            del self._by_attempt[k]
+
+    # -- bus events --------------------------------------------------------------------------------
+    async def on_out(self, msg: Any) -> None:
+        """An out event (``kairos.out.<attempt id>.<sender>``): to the queue of the request whose
+        current attempt it belongs to, if its sender is accepted (:class:`Senders`); events of
+        finished or superseded attempts are dropped here."""
+        where = S.out_origin(msg.subject)
+        f = self._by_attempt.get(where[0]) if where is not None else None
+        if f is None:
+            return
+        try:
+            ev = decode(msg.data, OutEvent)  # type: ignore[arg-type]
+        except WireError as exc:
+            self.log.warning("bad_out_event", subject=msg.subject, error=str(exc))
+            return
+        if not self.origin.check(msg, "out_event", where[1], None, request_id=where[0]):
+            return  # a JetStream delivery (kairos/contracts/origin.py)
+        why = f.senders.judge(msg.subject, where[1], ev)
+        if why == "held":
+            return
+        if why is not None:
+            self._refuse_out(msg.subject, why, where[1], ev)
+            return
+        self._deliver(f, ev)
+        if isinstance(ev, HandoffEvent):
+            self._release(f)
+        elif isinstance(ev, TokenEvent):  # it streams from its node: nothing held can be accepted any more
+            self.refuse_held(f)
+
+    async def on_routed(self, msg: Any) -> None:
+        """A routing event: the node that accepted the job of an attempt (or holds its claim)."""
+        try:
+            ev = decode(msg.data, RoutedEvent)
+        except WireError:
+            return
+        f = self._by_attempt.get(ev.request_id)
+        if f is None:
+            return
+        f.lc.on_routed(ev.request_id, ev.kind, ev.node)
+        lane = ev.lane if ev.lane is not None and 0 <= ev.lane < self.lanes.lanes else f.lane
+        if lane is not None:  # the lane the routed copy came from delivers (not the one it may have moved to)
+            self.lanes.delivered(lane, self.clock.monotonic())
+        if ev.request_id == f.attempt_id:
+            f.predicted = (None if ev.predicted_ttft_ms is None
+                           else (ev.kind, ev.predicted_ttft_ms))
+            f.senders.routed(ev.node, ev.kind)  # only dispatchers may publish routing events
+            self._release(f)
+        self.liveness.watch(ev.node, self.clock.monotonic() * 1000.0)
+
+    def _deliver(self, f: Flight, ev: OutEvent) -> None:
+        if isinstance(ev, HandoffEvent):  # who may send tokens (Senders), nothing for the client
+            return
+        if isinstance(ev, TokenEvent):  # a token is a sign of life of its node
+            self.liveness.heard(ev.node, self.clock.monotonic() * 1000.0)
+        if ev.request_id == f.attempt_id:
+            f.quiet_deadline = None
+        f.queue.put_nowait(ev)
+
+    def _release(self, f: Flight) -> None:
+        """Deliver the held events whose sender is accepted now (a routing or handoff event came)."""
+        ok, refused = f.senders.release()
+        for h, why in refused:
+            self._refuse_out(h.subject, why, h.node, h.event)
+        for ev in ok:
+            self._deliver(f, ev)
+
+    def refuse_held(self, f: Flight) -> None:
+        """Give up the events held for ``f``'s attempt (counted and logged as forged)."""
+        for h in f.senders.refuse_held():
+            self._refuse_out(h.subject, "not_the_jobs_node", h.node, h.event)
+
+    def _refuse_out(self, subject: str, why: str, sender: str | None, ev: OutEvent) -> None:
+        claimed = ev.source if isinstance(ev, ErrorEvent) else ev.node
+        self.origin.refuse(subject, "out_event", why, sender, claimed, request_id=ev.request_id,
+                           event_type=type(ev).__name__)

@@ -1,0 +1,161 @@
+"""The ingress's bus operations on NATS: :class:`~.ports.IngressBus` over one connection.
+
+* **enqueue**: an attempt is published to a request lane (``kairos.req.new.<lane>``, one JetStream
+  stream per NATS member, kairos/runtime/lanes.py) and acknowledged by JetStream; lanes are tried in
+  turn, a lane that does not answer is marked down and the next one tried with the same
+  ``Nats-Msg-Id``; while the connection is down (a failover to another member) the enqueue waits
+  for it, at most :data:`RECONNECT_WAIT_S` of outage;
+* **cancel**: core NATS ``kairos.cancel`` to every node;
+* **tombstones**: an attempt answered with an error before any node took it gets its tombstone
+  claim (kairos/runtime/claims.py ``withdraw``), so no node runs it later;
+* **records**: the requests bucket (``kairos_requests``), read with a get, written without an
+  acknowledgement (:func:`kairos.runtime.bus.kv_put_nowait`); the claim buckets, read by a quorum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, TypeVar
+
+import nats.errors
+import nats.js.errors
+
+from kairos.contracts import subjects as S
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.wire import Cancel, Claim, WireError, decode
+from kairos.runtime.buswatch import BusWatch
+from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
+from kairos.runtime.clock import Clock
+from kairos.runtime.lanes import LanePicker
+from kairos.runtime.messaging import kv_put_nowait, publish
+from kairos.services.ingress.metrics import IngressMetrics
+
+T = TypeVar("T")
+
+#: with several request lanes, a publish to one waits this long (s) for JetStream's acknowledgement
+#: before the next lane is tried (the acknowledgement takes milliseconds while the lane's member lives)
+LANE_PUBLISH_TIMEOUT_S = 1.0
+#: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
+#: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
+RECONNECT_WAIT_S = 2.0
+#: what a lane that does not take a publish raises (no stream: its member is down; no acknowledgement)
+LANE_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+               nats.js.errors.ServiceUnavailableError)
+
+
+class _OutSub:
+    """One attempt's out-event subscription; a failed unsubscribe is logged."""
+
+    def __init__(self, sub: Any, log: Any) -> None:
+        self.sub, self.log = sub, log
+
+    async def unsubscribe(self) -> None:
+        try:
+            await self.sub.unsubscribe()
+        except nats.errors.Error as exc:  # already gone with its connection: nothing left to stop
+            self.log.info("out_unsubscribe_failed", subject=self.sub.subject, error=repr(exc))
+
+
+class NatsIngressBus:
+    """:class:`~.ports.IngressBus` on a NATS connection (module docstring).
+
+    Args:
+        nc: the connected client; ``js`` its JetStream context.
+        lanes: the request lanes' picker (which to try, which are down).
+        claims: the claim buckets (None: read as no claim, no tombstone written).
+        watch: the connection's :class:`BusWatch` (when the connection was lost).
+        enqueue_timeout_s: how long an enqueue keeps trying (``KAIROS_ENQUEUE_TIMEOUT_S``).
+        metrics, clock, log: the ingress's metrics (enqueue retries), clocks and logger.
+    """
+
+    def __init__(self, nc: Any, js: Any, lanes: LanePicker, claims: ClaimQuorum | None, watch: BusWatch | None,
+                 enqueue_timeout_s: float, metrics: IngressMetrics, clock: Clock, log: Any) -> None:
+        self.nc, self.js, self.lanes, self.claims, self.watch = nc, js, lanes, claims, watch
+        self.enqueue_timeout_s, self.m, self.clock, self.log = enqueue_timeout_s, metrics, clock, log
+        self.requests: Any = None  #: the requests bucket (set at every declare: start and reconnects)
+
+    @property
+    def max_payload(self) -> int:
+        return getattr(self.nc, "max_payload", 0) or 0
+
+    def disconnected_since(self) -> float | None:
+        return self.watch.disconnected_since if self.watch is not None else None
+
+    async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
+        """Publish one request to a request lane (kairos/runtime/lanes.py), acknowledged by JetStream;
+        returns the lane. Lanes are tried in turn (:meth:`LanePicker.order`); one that finds no
+        stream (its member is down: no responders) or gives no acknowledgement within
+        :data:`LANE_PUBLISH_TIMEOUT_S` (2 s with a single lane) is marked down and the next is
+        tried at once, with the same ``Nats-Msg-Id`` (a lane keeps one copy within its 120 s
+        duplicate window; copies on two lanes meet one execution claim). With every lane failing
+        it starts over every 0.1 s until ``enqueue_timeout_s`` has passed; while the
+        connection is down (nats-py reconnecting to another member) it waits for it, polling every
+        50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
+        Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
+        connection raises at once.
+
+        Raises:
+            ConnectionError: not connected to NATS when the time was up.
+            nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error: the
+                last try's error.
+        """
+        mono = self.clock.monotonic
+        deadline = mono() + self.enqueue_timeout_s
+        per_try = LANE_PUBLISH_TIMEOUT_S if self.lanes.lanes > 1 else 2.0
+        while True:
+            while not self.nc.is_connected and not self.nc.is_closed and mono() < deadline:
+                since = self.disconnected_since()
+                if since is not None and mono() - since > RECONNECT_WAIT_S:
+                    break
+                await self.clock.sleep(0.05)
+            if not self.nc.is_connected:
+                raise ConnectionError("the ingress is not connected to NATS")
+            for lane in self.lanes.order(mono()):
+                try:
+                    await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),
+                                          timeout=min(per_try, max(0.1, deadline - mono())))
+                    return lane
+                except LANE_ERRORS:
+                    self.lanes.down(lane, mono())
+                    if self.nc.is_closed or mono() + 0.1 >= deadline:
+                        raise
+                    self.m.enqueue_retries.inc()
+            await self.clock.sleep(0.1)
+
+    async def publish_on_lane(self, lane: int, body: bytes, headers: dict[str, str]) -> None:
+        await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),
+                              timeout=LANE_PUBLISH_TIMEOUT_S)
+
+    async def subscribe_out(self, attempt_id: str, cb: Callable[[Any], Awaitable[None]]) -> _OutSub:
+        return _OutSub(await self.nc.subscribe(S.out_wildcard(attempt_id), cb=cb), self.log)
+
+    async def cancel(self, attempt_id: str, reason: str) -> None:
+        try:
+            await publish(self.nc, S.CANCEL_SUBJECT, Cancel(request_id=attempt_id, reason=reason))
+        except nats.errors.Error as exc:  # the connection is gone: the nodes' deadlines end the attempt
+            self.log.warning("cancel_publish_failed", request_id=attempt_id, reason=reason, error=repr(exc))
+
+    async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
+        if self.claims is None:
+            return
+        outcome, claim = await withdraw(self.claims, attempt_id, code, deadline_unix_ms)
+        if outcome == "withdrawn":
+            self.log.info("attempt_withdrawn", request_id=attempt_id, code=code)
+        elif outcome == "ran":
+            self.log.warning("withdrawn_attempt_ran", request_id=attempt_id, code=code,
+                             node=claim.node if claim else None)
+        else:
+            self.log.warning("attempt_withdrawal_expired", request_id=attempt_id, code=code)
+
+    async def read_record(self, key: str, typ: type[T]) -> T | None:
+        try:
+            e = await self.requests.get(key)
+            return decode(e.value, typ) if e is not None and e.value else None
+        except (nats.js.errors.KeyNotFoundError, WireError):
+            return None
+
+    async def read_claim(self, attempt_id: str) -> Claim | None:
+        return await read_holder(self.claims, attempt_id) if self.claims is not None else None
+
+    async def write_record(self, key: str, data: bytes) -> None:
+        await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, key, data)

@@ -1,0 +1,83 @@
+"""What the ingress's request logic needs from the message bus, as one small protocol.
+
+The relay of a request (:mod:`.relay`), the watchers of in-flight requests (:mod:`.liveness`), the
+timing records and the records endpoint (:mod:`.records`) reach NATS only through
+:class:`IngressBus`. The service (:mod:`.service`) hands them :class:`~.nats_bus.NatsIngressBus`
+(JetStream request lanes, core-NATS cancels, the claim buckets, the requests bucket); a unit test
+hands them a fake that records what was sent (tests/unit/test_ingress_relay.py), so their protocol
+logic runs without a nats-server. Their clocks come the same way (:class:`kairos.runtime.clock.Clock`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
+
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.wire import Claim
+
+T = TypeVar("T")
+
+
+class OutSubscription(Protocol):
+    """A subscription to one attempt's out events (``kairos.out.<attempt id>.*``)."""
+
+    async def unsubscribe(self) -> None:
+        """Stop it (a failure is the bus adapter's to log, never raised)."""
+
+
+class IngressBus(Protocol):
+    """The bus operations of the ingress's request logic (units: s, ms since the epoch for ``*_unix_ms``).
+
+    Raises: only where a method says so; every other failure is logged by the implementation.
+    """
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the bus carries, bytes (NATS ``max_payload``; 0: unknown, no limit)."""
+
+    def disconnected_since(self) -> float | None:
+        """``time.monotonic()`` when the connection was lost, None while connected."""
+
+    async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
+        """Publish one attempt (an encoded :class:`~kairos.contracts.wire.InferenceRequest`) to a
+        request lane, acknowledged by JetStream; returns the lane.
+
+        Raises:
+            Exception: no lane acknowledged it in time (the caller answers 503 ``enqueue_failed``).
+        """
+
+    async def publish_on_lane(self, lane: int, body: bytes, headers: dict[str, str]) -> None:
+        """Publish the same attempt again on request lane ``lane`` (a stalled lane's request moves).
+
+        Raises:
+            Exception: the lane did not acknowledge it.
+        """
+
+    async def subscribe_out(self, attempt_id: str, cb: Callable[[Any], Awaitable[None]]) -> OutSubscription:
+        """Deliver the out events of ``attempt_id`` to ``cb`` (a message with ``subject``, ``data``,
+        ``headers``), for an ingress without the one ``kairos.out.*.*`` subscription."""
+
+    async def cancel(self, attempt_id: str, reason: str) -> None:
+        """Tell every node to stop ``attempt_id`` (core NATS, ``kairos.cancel``); never raises."""
+
+    async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
+        """Store the tombstone claim of an attempt answered with ``code`` before any node took it,
+        retried until the bus answers or ``deadline_unix_ms`` (kairos/runtime/claims.py); never raises."""
+
+    async def read_record(self, key: str, typ: type[T]) -> T | None:
+        """The record under ``key`` of the requests bucket decoded as ``typ``; None when absent or
+        not decodable.
+
+        Raises:
+            Exception: the bucket did not answer.
+        """
+
+    async def read_claim(self, attempt_id: str) -> Claim | None:
+        """The execution claim holding ``attempt_id`` (which node runs it), None when none does."""
+
+    async def write_record(self, key: str, data: bytes) -> None:
+        """Store a record in the requests bucket without waiting for an acknowledgement.
+
+        Raises:
+            Exception: the connection did not take it.
+        """

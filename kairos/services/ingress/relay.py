@@ -1,0 +1,364 @@
+"""The relay of one request: submit it to the dispatchers, follow its events, answer the client.
+
+One :class:`RequestRelay` per admitted completion request (:mod:`.completions` admits it). It
+routes the request's out events to itself (:class:`~.flights.Flights`, or with
+``out_wildcard=False`` a subscription per attempt) *before* publishing it (no token can be missed:
+NATS processes one connection's SUB before its later PUB), publishes the
+:class:`~kairos.contracts.wire.InferenceRequest` onto a request lane with the W3C trace context in
+its headers, then reads its queue: out events of its attempt (tokens, done, errors) and the
+watchers' verdicts (:mod:`.liveness`: node lost, stream interrupted, bus down, client gone,
+shutdown). Each goes to its :class:`~.lifecycle.RequestLifecycle` — the pure state machine that
+decides — and the :data:`~.lifecycle.Action` it returns is carried out here, dispatched on its type:
+
+* ``Relay`` — tokens: TTFT/TBT observed, handed to the client's :class:`~.answer.ClientAnswer`
+  (an SSE stream opened at the first token, so an error before it still gets a proper 4xx/5xx
+  status; one write per burst; or kept for the non-streaming answer);
+* ``Ignore`` — dropped (counted by reason in ``kairos_ingress_dropped_events_total``);
+* ``Resubmit`` — the old attempt cancelled on the nodes, its partial output forgotten, the request
+  published again as ``<id>-r<n>``;
+* ``Fail`` — the nodes told to stop, the client an OpenAI error body with the code's status (or an
+  SSE error event mid-stream); a client that left gets nothing (499 in the record);
+* ``Complete`` — the final chunk / the full response with usage.
+
+Everything it sends goes through :class:`~.ports.IngressBus` and its time comes from a
+:class:`~kairos.runtime.clock.Clock`, so a unit test drives it with a fake bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, ClassVar
+
+from aiohttp import web
+
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.wire import DoneEvent, ErrorEvent, InferenceRequest, TokenEvent, encode
+from kairos.core.cluster.prefix_index import request_block_hashes
+from kairos.runtime import telemetry
+from kairos.runtime.clock import Clock
+from kairos.runtime.resources import BackgroundTasks
+from kairos.services.ingress.config import IngressConfig
+from kairos.services.ingress.answer import ClientAnswer, Outcome
+from kairos.services.ingress.flights import BusDown, ClientGone, Flight, Flights, Interrupted, NodeLost, Shutdown
+from kairos.services.ingress.http import clip, error_response
+from kairos.services.ingress.lifecycle import Action, Complete, Fail, Ignore, Relay, RequestLifecycle, Resubmit
+from kairos.services.ingress.metrics import DROP_REASONS, IngressMetrics
+from kairos.services.ingress.openai_api.params import ParsedRequest
+from kairos.services.ingress.ports import IngressBus, OutSubscription
+from kairos.services.ingress.records import PREDICTED
+from kairos.services.ingress.reorder import Reorder
+
+
+def bus_request(parsed: ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
+                deadline_unix_ms: float, block_hashes: list[int] | None = None,
+                block_tokens: int = 0) -> InferenceRequest:
+    """The :class:`InferenceRequest` the ingress publishes for one attempt of ``parsed``, with the
+    prompt's prefix-cache ``block_hashes`` of ``block_tokens`` tokens each (kairos/core/cluster/prefix_index.py)."""
+    return InferenceRequest(request_id=request_id, model=parsed.model, prompt_tokens=prompt_tokens,
+                            max_tokens=parsed.max_tokens, prompt_tokens_exact=exact, prompt_text=parsed.prompt_text,
+                            prompt_token_ids=parsed.prompt_token_ids, created_unix_ms=created_unix_ms,
+                            deadline_unix_ms=deadline_unix_ms, sampling=parsed.sampling,
+                            max_tokens_explicit=parsed.max_tokens_explicit, block_hashes=block_hashes or [],
+                            block_hash_tokens=block_tokens if block_hashes else 0)
+
+
+@dataclass(frozen=True)
+class RelayDeps:
+    """What every relay of one ingress shares: its configuration, in-flight registry, bus, metrics,
+    background tasks (tombstones) and clocks."""
+
+    cfg: IngressConfig
+    flights: Flights
+    bus: IngressBus
+    metrics: IngressMetrics
+    bg: BackgroundTasks
+    clock: Clock
+
+
+@dataclass
+class Admitted:
+    """One admitted request: the client's HTTP request, its validated body, the id the client sees
+    (``rid``, also the first attempt's bus id), ``created`` (unix s), its prompt tokens (``exact``:
+    counted by a tokenizer), when it was received (unix ms), its timing dict (the ingress record,
+    filled as it goes), its bound logger and trace id."""
+
+    request: web.Request
+    parsed: ParsedRequest
+    rid: str
+    created: int
+    prompt_tokens: int
+    exact: bool
+    received: float
+    timing: dict
+    log: Any
+    trace_id: str | None = None
+
+
+class RequestRelay:
+    """Serves one admitted request until it completes or ends with an explicit error (module docstring)."""
+
+    def __init__(self, deps: RelayDeps, req: Admitted) -> None:
+        self.d, self.req, self.cfg, self.clock = deps, req, deps.cfg, deps.clock
+        self.lc = RequestLifecycle(rid=req.rid, max_resubmits=self.cfg.max_resubmits)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.flight = Flight(lc=self.lc, queue=self.queue, request=req.request)
+        self.answer = ClientAnswer(req.request, req.parsed, req.rid, req.created, req.trace_id,
+                                   self.lc.committed_to_client)
+        self.deadline = req.received + self.cfg.request_timeout_s * 1000.0  #: unix ms
+        self.hashes = request_block_hashes(req.parsed.prompt_token_ids, req.parsed.prompt_text,
+                                           self.cfg.prefix_block_tokens)
+        self.sub: OutSubscription | None = None
+        self.published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
+        self.reorder = Reorder(clock=self.clock.monotonic)  # events ahead of a gap wait a moment (reorder.py)
+        self.last_token_ms = 0.0
+        self.first = True  #: no token of the current attempt accepted before the event being handled
+        self.time_left = True  #: the request's deadline is still ahead
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def run(self) -> Outcome:
+        """Submit, then carry out what the lifecycle says about every event until the request ends."""
+        try:
+            if (out := await self._submit_first()) is not None:
+                return out
+            while True:
+                ev = await self._next_event()
+                self.time_left = self.deadline > self.clock.now_ms()
+                self.first = self.lc.received == 0
+                action = self._on_timeout() if ev is None else self._EVENTS[type(ev)](self, ev)
+                if action is None:
+                    continue
+                out = await self._ACTIONS[type(action)](self, action, ev)
+                if out is not None:
+                    return out
+        finally:
+            await self._leave()
+
+    async def _submit(self, attempt_id: str) -> Exception | None:
+        """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a per-request
+        one), then publish it onto a request lane. No flush in between: NATS processes one
+        connection's SUB before its later PUB, so no token can be missed. The error if it failed."""
+        d, f, req = self.d, self.flight, self.req
+        d.flights.bind(f, attempt_id)
+        old = self.sub
+        try:
+            if not self.cfg.out_wildcard:
+                self.sub = await d.bus.subscribe_out(attempt_id, d.flights.on_out)
+                if old is not None:
+                    await old.unsubscribe()
+            ireq = bus_request(req.parsed, attempt_id, req.prompt_tokens, req.exact, req.received, self.deadline,
+                               self.hashes, self.cfg.prefix_block_tokens)
+            # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
+            headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+            self.published.add(attempt_id)
+            body = encode(ireq)
+            lane = await d.bus.enqueue(body, headers)
+            if f.attempt_id == attempt_id:
+                f.lane, f.enqueued, f.enqueued_at = lane, (attempt_id, body, headers), self.clock.monotonic()
+                f.lanes_used.add(lane)
+        except Exception as exc:  # logged; the caller answers 503 enqueue_failed
+            req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
+            return exc
+        return None
+
+    async def _submit_first(self) -> Outcome | None:
+        if await self._submit(self.req.rid) is None:
+            return None
+        timing = self.req.timing
+        timing["error"] = ErrorCode.ENQUEUE_FAILED
+        timing["error_message"] = "could not enqueue the request (the message bus is unavailable)"
+        # a publish that timed out may still be stored (the server was slow, not gone): the
+        # cancel and the attempt's tombstone claim follow it on this connection, so no node
+        # runs it (kairos/runtime/claims.py), and the client's retry is the only execution
+        await self._refused(self.req.rid, ErrorCode.ENQUEUE_FAILED)
+        return error_response(ErrorCode.ENQUEUE_FAILED, "could not enqueue the request (the message bus is "
+                                                        "unavailable); retry"), 503
+
+    async def _refused(self, attempt_id: str, code: ErrorCode) -> None:
+        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it: cancel
+        it and, if its publish was issued (it may be stored although it failed), create its
+        tombstone claim in the background (retried until the bus answers, at most until the
+        request's deadline), which every node's claim finds — in whatever order the nodes get the
+        request and the cancel."""
+        await self.d.bus.cancel(attempt_id, code)
+        if attempt_id in self.published:
+            self.d.bg.spawn(self.d.bus.withdraw(attempt_id, code, self.deadline), "withdraw")
+
+    async def _next_event(self) -> Any:
+        """The next event to handle: a held one whose gap was filled (or waited enough), one already
+        queued, or the next to arrive; None when the idle or request timeout passed first."""
+        while True:
+            if (held := self.reorder.ready(self.lc.received)) is not None:
+                return held
+            if not self.queue.empty():  # already here (a burst of token events): no timer, no task
+                return self.queue.get_nowait()
+            left = min(self.cfg.idle_timeout_s, (self.deadline - self.clock.now_ms()) / 1000.0)
+            if left <= 0:
+                return None
+            hold_left = self.reorder.time_left()
+            try:  # not wait_for: no task and no extra loop turn per event
+                async with asyncio.timeout(left if hold_left is None else min(left, hold_left + 0.001)):
+                    return await self.queue.get()
+            except TimeoutError:
+                if hold_left is None or hold_left >= left:
+                    return None
+                # the gap's wait ran out: the next round hands the held events on
+
+    async def _leave(self) -> None:
+        """The request ended: nothing more reaches it; its prediction goes to its record."""
+        if self.flight.predicted is not None:
+            self.req.timing[PREDICTED] = self.flight.predicted
+        self.d.flights.refuse_held(self.flight)
+        self.d.flights.forget(self.flight)
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+
+    # -- events: each to the lifecycle, which returns the action (None: nothing to do) -------------
+    def _on_timeout(self) -> Action:
+        action = self.lc.on_timeout(before_first_token=self.first)
+        self.req.log.warning("request_timeout_before_first_token" if self.first else "request_timeout_mid_stream",
+                             completion_tokens=self.lc.received)
+        return action
+
+    def _on_client_gone(self, _ev: ClientGone) -> Action:
+        return self.lc.on_client_gone()
+
+    def _on_shutdown(self, _ev: Shutdown) -> Action:
+        action = self.lc.on_shutdown()
+        self.req.log.warning("request_ended_by_shutdown", tokens_sent=self.answer.sent)
+        return action
+
+    def _on_bus_down(self, ev: BusDown) -> Action:
+        action = self.lc.on_bus_unavailable(ev.outage_s)
+        self.d.metrics.bus_down.inc()
+        self.req.log.warning("request_ended_bus_unavailable", outage_s=round(ev.outage_s, 3), tokens_sent=self.answer.sent)
+        return action
+
+    def _on_node_lost(self, ev: NodeLost) -> Action | None:
+        if ev.attempt_id != self.lc.attempt_id:
+            return None
+        action = self.lc.on_node_dead(ev.node, self.time_left)
+        if isinstance(action, Ignore):
+            self.flight.lost = False  # it moved on meanwhile (e.g. the handoff node took over)
+        else:
+            self.d.metrics.node_lost.labels("resubmitted" if isinstance(action, Resubmit) else "failed").inc()
+        return action
+
+    def _on_interrupted(self, ev: Interrupted) -> Action | None:
+        if ev.attempt_id != self.lc.attempt_id:
+            return None
+        return self.lc.interrupted(ev.detail, self.time_left)
+
+    def _on_token(self, ev: TokenEvent) -> Action | None:
+        if self.reorder.hold(ev, self.lc.attempt_id, self.lc.received):
+            return None
+        return self.lc.on_token(ev, self.time_left)
+
+    def _on_done(self, ev: DoneEvent) -> Action | None:
+        if self.reorder.hold(ev, self.lc.attempt_id, self.lc.received):
+            return None
+        return self.lc.on_done(ev, self.time_left)
+
+    def _on_error(self, ev: ErrorEvent) -> Action:
+        return self.lc.on_error(ev)
+
+    _EVENTS: ClassVar[dict[type, Callable[..., Action | None]]] = {
+        TokenEvent: _on_token, DoneEvent: _on_done, ErrorEvent: _on_error, NodeLost: _on_node_lost,
+        Interrupted: _on_interrupted, BusDown: _on_bus_down, ClientGone: _on_client_gone, Shutdown: _on_shutdown}
+
+    # -- actions: what the lifecycle decided, carried out (an Outcome ends the request) ------------
+    async def _relay(self, action: Relay, _ev: Any) -> Outcome | None:
+        tok, m, timing = action.event, self.d.metrics, self.req.timing
+        t = self.clock.now_ms()
+        if self.first:
+            timing["first_token_unix_ms"] = t
+            m.ttft.observe(telemetry.seconds(t - self.req.received))
+        else:  # TBT per token: a k-token event spreads its gap over k tokens
+            gap = telemetry.seconds(t - self.last_token_ms) / max(1, tok.count)
+            for _ in range(max(1, tok.count)):
+                m.tbt.observe(gap)
+        self.last_token_ms = t
+        if not await self.answer.tokens(tok, self.first, self.queue.empty):
+            return await self._gone()
+        return None
+
+    async def _ignore(self, action: Ignore, ev: Any) -> None:
+        if action.reason in DROP_REASONS:
+            self.d.metrics.dropped.labels(action.reason).inc()
+            if action.reason == "foreign_node":
+                self.req.log.warning("foreign_node_event_dropped", node=getattr(ev, "node", None))
+            elif action.reason == "routed_elsewhere":
+                self.req.log.info("duplicate_routing_error_dropped", code=getattr(ev, "code", None),
+                                  source=getattr(ev, "source", None))
+
+    async def _resubmit(self, action: Resubmit, _ev: Any) -> Outcome | None:
+        if action.why.startswith("stream_interrupted"):
+            self.d.metrics.interrupted.labels("resubmitted").inc()
+        await self.d.bus.cancel(action.old_attempt_id, "resubmitted")  # frees what other nodes hold for it
+        self.req.log.warning("request_resubmitted", why=action.why, lost_attempt=action.old_attempt_id,
+                             attempt_id=action.new_attempt_id, discarded_tokens=len(self.answer.text_parts))
+        timing = self.req.timing
+        timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
+        self.answer.discard()
+        self.reorder.clear()
+        timing.pop("first_token_unix_ms", None)
+        if await self._submit(action.new_attempt_id) is None:
+            return None
+        timing["error"] = ErrorCode.ENQUEUE_FAILED
+        await self._refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
+        return error_response(ErrorCode.ENQUEUE_FAILED, f"request {self.req.rid} lost its node or stream "
+                                                        f"({action.why}) and could not be re-submitted (the message "
+                                                        f"bus is unavailable); retry"), 503
+
+    async def _fail(self, action: Fail, ev: Any) -> Outcome:
+        if action.code == ErrorCode.CLIENT_DISCONNECTED:
+            return await self._client_gone()
+        if action.code == ErrorCode.STREAM_INTERRUPTED:
+            self.d.metrics.interrupted.labels("failed").inc()
+        if action.cancel:
+            await self.d.bus.cancel(action.attempt_id, action.code)
+        log = self.req.log
+        if action.code in (ErrorCode.NODE_LOST, ErrorCode.STREAM_INTERRUPTED):
+            log.warning("request_lost", code=action.code, message=action.message, tokens_sent=self.answer.sent)
+        elif isinstance(ev, ErrorEvent):
+            log.warning("request_failed" if self.answer.resp is None else "request_failed_mid_stream", code=ev.code,
+                        message=ev.message, source=ev.source)
+        return await self._error_answer(action.status, action.code, action.message)
+
+    async def _complete(self, action: Complete, _ev: Any) -> Outcome:
+        timing = self.req.timing
+        timing["finish_reason"] = action.finish_reason
+        completion = self.lc.received
+        timing["finished_unix_ms"] = self.clock.now_ms()
+        timing["completion_tokens"] = completion
+        self.d.metrics.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - self.req.received))
+        if not self.req.parsed.stream:
+            self.lc.committed_to_client()
+        return await self.answer.complete(action.finish_reason, self.req.prompt_tokens, completion,
+                                          action.cached_tokens)
+
+    _ACTIONS: ClassVar[dict[type, Callable[..., Awaitable[Outcome | None]]]] = {
+        Relay: _relay, Ignore: _ignore, Resubmit: _resubmit, Fail: _fail, Complete: _complete}
+
+    # -- the client's answer when the request ends with an error ----------------------------------
+    async def _gone(self) -> Outcome:
+        """A write found the client gone."""
+        self.lc.on_client_gone()
+        return await self._client_gone()
+
+    async def _client_gone(self) -> Outcome:
+        """The client closed its connection: cancel on the nodes, record 499 and the tokens it got."""
+        timing, parsed = self.req.timing, self.req.parsed
+        timing["error"] = ErrorCode.CLIENT_DISCONNECTED
+        timing["completion_tokens"] = self.answer.sent
+        self.d.metrics.disconnects.labels(parsed.endpoint, str(parsed.stream).lower()).inc()
+        self.req.log.info("client_disconnected", tokens_sent=self.answer.sent, stream=parsed.stream)
+        await self.d.bus.cancel(self.flight.attempt_id, ErrorCode.CLIENT_DISCONNECTED)
+        return self.answer.gone()
+
+    async def _error_answer(self, status: int, code: ErrorCode, message: str) -> Outcome:
+        """Record the error, then answer it (a JSON body before the first token, else an SSE event)."""
+        timing = self.req.timing
+        timing["error"], timing["error_message"] = code, clip(message)
+        timing["completion_tokens"] = self.answer.delivered
+        return await self.answer.error(status, code, message)
