@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 
 import nats
 import nats.errors
+import structlog
 from nats.aio.client import Client
 
 from kairos.contracts.permissions import inbox_prefix
 from kairos.runtime.envconfig import ConfigError, read_secret_file
+
+_log = structlog.get_logger("kairos.runtime")
 
 
 class BusAuthError(ConfigError):
@@ -211,7 +214,7 @@ async def flush_barrier(nc: Client, timeout: float = 5.0) -> None:
 _CLOSE_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
 
 
-async def close(nc: Client | None, graceful: bool = True, log=None) -> None:
+async def close(nc: Client | None, graceful: bool = True, log=_log) -> None:
     """Flush what is buffered (``graceful``) and close; never hangs for long.
 
     A flush or close the connection's state makes fail (no server, a lost socket) is logged on
@@ -224,10 +227,8 @@ async def close(nc: Client | None, graceful: bool = True, log=None) -> None:
         try:
             await nc.flush(timeout=1)
         except _CLOSE_ERRORS as exc:
-            if log is not None:
-                log.info("nats_flush_failed", error=repr(exc))
+            log.info("nats_flush_failed", error=repr(exc))
     try:
         await nc.close()
     except _CLOSE_ERRORS as exc:
-        if log is not None:
-            log.info("nats_close_failed", error=repr(exc))
+        log.info("nats_close_failed", error=repr(exc))

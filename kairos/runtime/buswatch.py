@@ -11,8 +11,10 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
+import structlog
 from nats.aio.client import Client
 
+_log = structlog.get_logger("kairos.runtime")
 
 class BusWatch:
     """Follows one connection's ups and downs and re-establishes what a NATS restart loses.
@@ -112,7 +114,6 @@ class BusWatch:
             return True
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            if self.log is not None:
-                self.log.warning(what, error=repr(exc))
+        except Exception as exc:  # a hook that failed is retried (the re-declare) or not needed again: logged
+            (self.log if self.log is not None else _log).warning(what, error=repr(exc))
             return False

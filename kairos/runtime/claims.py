@@ -151,8 +151,8 @@ class ClaimQuorum:
                 except nats.js.errors.APIError as exc:
                     if getattr(exc, "err_code", None) == WRONG_LAST_SEQUENCE:
                         return  # no longer this revision: someone else's now
-                except Exception:
-                    pass
+                except (nats.errors.Error, asyncio.TimeoutError):
+                    pass  # the bucket's member does not answer (down, disconnected): tried again below
                 if i < tries - 1:
                     await asyncio.sleep(retry_s)
         await asyncio.gather(*(one(kv, r) for kv, r in zip(self.buckets, revisions) if r is not None))

@@ -157,7 +157,7 @@ async def check_lane_count(js: JetStreamContext, lanes: int) -> None:
         return
     try:
         await js.stream_info(S.request_stream(lanes))
-    except Exception:  # not found (as it should be), or no answer
+    except (nats.errors.Error, asyncio.TimeoutError):  # not found (as it should be), or no answer
         return
     raise ConfigError(f"the NATS deployment has request lane {lanes} ({S.request_stream(lanes)}) but this service "
                       f"is configured for {lanes} lane(s): every service needs the same KAIROS_NATS_LANES / "
