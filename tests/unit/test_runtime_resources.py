@@ -66,3 +66,58 @@ async def test_a_failed_background_task_is_logged_with_its_name_and_a_cancelled_
     blocker = bg.spawn(asyncio.Event().wait(), "waiter")
     await bg.cancel_all()
     assert blocker.cancelled() and len(log.lines) == 1
+
+
+async def test_drain_lets_the_tasks_that_end_in_time_finish_and_cancels_the_rest():
+    bg = BackgroundTasks(Log())
+    release = asyncio.Event()
+
+    async def quick():
+        await release.wait()
+        return "done"
+
+    finishing = bg.spawn(quick(), "quick")
+    stuck = bg.spawn(asyncio.Event().wait(), "stuck")
+    release.set()
+    await bg.drain(timeout_s=0.05)  # the stuck task is cancelled after 0.05 s, the quick one finished
+    assert finishing.result() == "done" and stuck.cancelled() and len(bg) == 0
+
+
+class _Service:
+    def __init__(self, fail_start: bool) -> None:
+        self.fail_start, self.calls = fail_start, []
+
+    async def start(self) -> None:
+        self.calls.append("start")
+        if self.fail_start:
+            raise ConnectionError("no NATS")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+
+@pytest.mark.parametrize("fail_start", [False, True])
+async def test_run_service_closes_the_service_after_serving_and_after_a_failed_start(fail_start):
+    from kairos.runtime.service import run_service
+
+    svc, stop = _Service(fail_start), asyncio.Event()
+    stop.set()
+    if fail_start:
+        with pytest.raises(ConnectionError):
+            await run_service(svc, stop)
+    else:
+        await run_service(svc, stop)
+    assert svc.calls == ["start", "close"]
+
+
+async def test_a_manual_clock_moves_only_when_slept_on_or_a_wait_times_out():
+    from kairos.runtime.clock import ManualClock
+
+    clock = ManualClock(now_ms=1000.0, monotonic=5.0)
+    await clock.sleep(0.25)
+    assert (clock.now_ms(), clock.monotonic()) == (1250.0, 5.25)
+    event = asyncio.Event()
+    assert await clock.wait_event(event, 2.0) is False and clock.monotonic() == 7.25
+    event.set()
+    assert await clock.wait_event(event, 2.0) is True and clock.monotonic() == 7.25
+    assert clock.slept == [0.25, 2.0]

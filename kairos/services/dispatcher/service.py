@@ -102,10 +102,12 @@ class Dispatcher:
 
     @property
     def policy(self) -> Policy:
+        """The routing policy (``KAIROS_POLICY``)."""
         return self.router.policy
 
     @property
     def params(self) -> PolicyParams:
+        """The policy parameters in use (α, β, τ, TTFT SLO; the chunk budget of the model's engine)."""
         return self.router.params
 
     @property

@@ -106,6 +106,7 @@ class RoutingState:
         self.recent_routed[ev.request_id] = (self.clock.monotonic(), ev)
 
     def forget_routed(self, request_id: str) -> None:
+        """Drop ``request_id``'s routed event (its job was refused or not answered: it is not there)."""
         self.recent_routed.pop(request_id, None)
 
     def provisional(self, req: InferenceRequest, node: str, decode_node: str) -> None:
@@ -162,6 +163,7 @@ class RoutingState:
             expires_unix_ms=now_unix_ms + PENDING_DEFLECTION_MS)
 
     def release_deflection(self, request_id: str) -> None:
+        """The node answered ``request_id``'s deflection job: the slot held here is given back."""
         self.pending_deflections.pop(request_id, None)
 
     def _reservations_and_pending(self, now_unix_ms: float) -> dict[str, Reservation]:
