@@ -28,12 +28,11 @@ that gap is no evidence (:meth:`Liveness.stalled`).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import ClusterView, NodeState, PrefillTiming, WireError, decode, now_ms
+from kairos.contracts.wire import ClusterView, NodeState, PrefillTiming, WireError, decode
 from kairos.core.cluster.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
 from kairos.core.vocabulary import KEEP
 from kairos.runtime.clock import Clock

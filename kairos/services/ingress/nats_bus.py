@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats.errors
