@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kairos.engines import BACKENDS
 from kairos.runtime.envconfig import MetricsServiceConfig, read_secret_file, require
 from kairos.core.model.latency import DEFAULT_PROFILE
 from kairos.contracts.subjects import check_token
@@ -17,7 +18,8 @@ class AgentConfig(MetricsServiceConfig):
     node_id: str  #: node name, a subject token (``prefill-0``, ``decode-1``)
     role: Literal["prefill", "decode"]
     profile: str = DEFAULT_PROFILE  #: latency profile (bundled name or artifact path) of the emulated engine
-    backend: Literal["emulated", "vllm"] = "emulated"  #: engine kind: the emulated model or a vLLM server
+    #: engine kind, a name of kairos.engines.BACKENDS: ``emulated`` (the engine model) or ``vllm`` (a vLLM server)
+    backend: str = "emulated"
     #: vllm: the node's vLLM OpenAI server (``http://127.0.0.1:8100``), started with the kairos.engines.vllm.plugin plugin
     engine_url: str | None = None
     #: vllm: the plugin's engine-state stream (ZMQ, ``ipc:///tmp/kairos-decode-0.sock`` or ``tcp://host:port``);
@@ -50,6 +52,7 @@ class AgentConfig(MetricsServiceConfig):
         except ValueError as exc:
             require(False, "node_id", str(exc))
         require(self.role in ("prefill", "decode"), "role", f"must be prefill or decode, got {self.role!r}")
+        require(self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         require(self.state_period_ms > 0, "state_period_ms", "must be > 0")
         require(self.max_deflections >= 1, "max_deflections", "must be >= 1")
         require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be > 0")
