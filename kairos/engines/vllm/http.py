@@ -14,6 +14,7 @@ in :mod:`kairos.engines.vllm.api`; what the answers mean for a request's life is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -61,21 +62,22 @@ class EngineClient:
         may still be loading); returns its id, or None once ``stop`` is set."""
         warned = False
         while not stop.is_set():
+            why = "no model listed yet"
             try:
                 async with self.session().get(f"{self.url}/v1/models") as resp:
                     if resp.status == 200:
                         data = (await resp.json()).get("data") or []
                         if data:
                             return data[0]["id"]
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
-                pass
+                    else:
+                        why = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as exc:  # still loading: asked again
+                why = repr(exc)
             if not warned:
-                log.info("waiting_for_engine", url=self.url)
+                log.info("waiting_for_engine", url=self.url, why=why)
                 warned = True
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):  # the poll period passed without a stop
                 await asyncio.wait_for(stop.wait(), READY_POLL_S)
-            except asyncio.TimeoutError:
-                pass
         return None
 
     async def healthy(self, timeout_s: float) -> bool:
