@@ -51,7 +51,6 @@ from kairos.services.node_agent.jobs import Jobs
 from kairos.services.node_agent.kv import KvReceiver, KvSender
 from kairos.services.node_agent.metrics import AgentMetrics
 from kairos.services.node_agent.outbox import RESEND_WINDOW_S
-from kairos.services.node_agent.request import NodeRequest
 from kairos.services.node_agent.slots import DeflectionSlots
 from kairos.services.node_agent.steps import StepRecords
 
@@ -64,6 +63,13 @@ def ground_truth(cfg: AgentConfig, model: LatencyModel) -> GroundTruth | None:
     if cfg.truth_profile is None and cfg.truth_scale == 1.0:
         return None
     return GroundTruth(load_profile(cfg.truth_profile) if cfg.truth_profile else model, scale=cfg.truth_scale)
+
+
+def _forward(path: str, doc: str) -> property:
+    """An attribute of the agent that is ``path`` (``part.attribute``) of one of its parts."""
+    part, name = path.split(".")
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
 class NodeAgent:
@@ -110,60 +116,16 @@ class NodeAgent:
             self.res.push(name, step)  # closed last first: bus watch, drain, …, telemetry
 
     # -- what the node's parts share, as attributes of the agent (tests, kairos profile) ----------------
-    @property
-    def nc(self) -> Any:
-        return self.ctx.nc
-
-    @nc.setter
-    def nc(self, nc: Any) -> None:
-        self.ctx.nc = nc
-
-    @property
-    def claims(self) -> Claims | None:
-        return self.ctx.claims
-
-    @claims.setter
-    def claims(self, claims: Claims | None) -> None:
-        self.ctx.claims = claims
-
-    @property
-    def accepting(self) -> bool:
-        """False once the node drains (or a test makes it refuse work)."""
-        return self.ctx.accepting
-
-    @accepting.setter
-    def accepting(self, value: bool) -> None:
-        self.ctx.accepting = value
-
-    @property
-    def origin(self) -> OriginGuard:
-        return self.ctx.origin
-
-    @property
-    def reqs(self) -> dict[str, NodeRequest]:
-        """The requests this node holds, by bus request id."""
-        return self.ctx.reqs
-
-    @property
-    def cancelled(self) -> Any:
-        return self.ctx.cancelled
-
-    @property
-    def deflecting(self) -> dict[str, str]:
-        """Request id -> the reservation key of the deflection slot it holds."""
-        return self.slots.held
-
-    @property
-    def max_concurrent_deflections(self) -> int:
-        return self.slots.max_concurrent
-
-    @property
-    def deflect_overlaps(self) -> int:
-        return self.slots.overlaps
-
-    @property
-    def jobs_received(self) -> list[str]:
-        return self.jobs.received
+    nc = _forward("ctx.nc", "the NATS connection (None until started)")
+    claims = _forward("ctx.claims", "the execution claims (None until the claim buckets are named)")
+    accepting = _forward("ctx.accepting", "False once the node drains (or a test makes it refuse work)")
+    reqs = _forward("ctx.reqs", "the requests this node holds, by bus request id")
+    cancelled = _forward("ctx.cancelled", "request ids cancelled recently")
+    origin = _forward("ctx.origin", "the forged-message guard")
+    deflecting = _forward("slots.held", "request id -> the reservation key of the deflection slot it holds")
+    max_concurrent_deflections = _forward("slots.max_concurrent", "the most deflections accepted at once")
+    deflect_overlaps = _forward("slots.overlaps", "deflect jobs refused: every slot was taken")
+    jobs_received = _forward("jobs.received", "request ids of every job received")
 
     # -- start / close ------------------------------------------------------------------------------
     async def start(self) -> None:
