@@ -10,7 +10,7 @@ each live run the simulator runs the same workload and policy (``kairos sim``). 
 writes as one JSON line per policy after a provenance line, the live and simulated P95 TTFT, TBT
 violations (% of decode steps / inter-token gaps above τ) and failures, and the ratios
 ``kairos ÷ pd`` of P95 TTFT measured live and predicted by the simulator, from the same run.
-The README block ``vllm-ab`` is rendered from the file (``python -m tools.docgen``).
+The docs/results.md block ``vllm-ab`` is rendered from the file (``python -m tools.docgen``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 Each run is a fresh demo (its own stack, the same seeded workload). A run whose requests did not
 all complete is kept (it is a result, the table says so); a run that wrote no report fails this
 script. ``python -m tools.docgen record vllm-demo --rows-from out/vllm-demo-runs.json -- python
-bench/vllm_demo_runs.py`` makes ``bench/results/vllm-demo.jsonl``, which the README block
+bench/vllm_demo_runs.py`` makes ``bench/results/vllm-demo.jsonl``, which the docs/results.md block
 ``vllm-demo`` renders.
 """
 

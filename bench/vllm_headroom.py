@@ -13,7 +13,7 @@ with that model as both the policy's plan and the engines' truth: planning that 
 times, so no step breaks the TBT SLO by mis-prediction. Beside it the same at the profile's own step
 times, for each β (Eq. 5's TBT safety factor) asked. The ``kairos ÷ pd`` P95 TTFT ratio of the first
 is the gain the testbed allows a TBT-safe plan; the live A/B's ratio with its TBT violations is what
-planning on the profile got. The README/docs block ``vllm-headroom`` is rendered from the file.
+planning on the profile got. The docs/results.md block ``vllm-headroom`` is rendered from the file.
 """
 
 from __future__ import annotations

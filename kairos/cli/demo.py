@@ -49,7 +49,7 @@ def simulate_same(workload: str, rps: float | None, duration: float, seed: int, 
     return run_one(wl, policy, model, params, cfg, rps=rps, label="simulated")
 
 
-#: live/sim ratio band the demo states and flags (README "Fidelity": ±15 % on TTFT P50 and P95)
+#: live/sim ratio band the demo states and flags (docs/results.md "Fidelity": ±15 % on TTFT P50 and P95)
 FIDELITY_TOLERANCE = 0.15
 #: the TBT-violation rows (percent of decode steps or gaps) are flagged when live and simulator differ
 #: by more than this many percentage points (the issue's bound on real engines: ≤ 1 % of decode steps)

@@ -9,7 +9,7 @@ is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (d
 agents, ingress, aggregator, NATS — in-flight requests end with an explicit error). A child that
 dies unexpectedly is reported with its last log lines; the rest keeps serving (a dead dispatcher's
 requests are redelivered to the others, a dead node's streams end with ``node_lost`` or are
-re-submitted: README "Reliability") unless nothing can serve any more — the ingress died, or no
+re-submitted: docs/reliability.md) unless nothing can serve any more — the ingress died, or no
 dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
 :data:`MAX_SINGLETON_RESTARTS` times; before that it is restarted on the same port and store) — then
 everything is stopped. The state aggregator, the other singleton, is restarted too (as often), and so

@@ -10,7 +10,7 @@ and the node agents' logs (executions per request id). Targets: 0 lost, 0 duplic
 text, 0 streams cut, p99 TTFT of the requests started during a failover within 2 s of the steady
 state's. ``KAIROS_CLUSTER_RESULTS=PATH``: the measured figures are written there as one JSON
 object (``python -m tools.docgen record nats-cluster-failover --rows-from PATH -- env
-KAIROS_CLUSTER_RESULTS=PATH pytest …``; README "Reliability", docs/bus.md).
+KAIROS_CLUSTER_RESULTS=PATH pytest …``; docs/reliability.md, docs/bus.md).
 """
 
 from __future__ import annotations

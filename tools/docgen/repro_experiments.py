@@ -195,7 +195,7 @@ def robustness(duration: float, seed: int, params: PolicyParams) -> tuple[str, l
         for spec, beta in (("pd", 1.0), ("kairos", 1.0), ("kairos+", 1.0), ("kairos", 0.9), ("kairos+", 0.9)):
             pp = msgspec.structs.replace(params, beta=beta)
             r = run_one(wl, parse_policy(spec), model, pp,
-                        SimConfig(noise=noise, seed=seed, tbt_guard=spec == "kairos+"), rps=4)
+                        SimConfig(noise=noise, seed=seed, tbt_guard=parse_policy(spec).traits.node_guard), rps=4)
             rows.append({"noise": noise, "beta": beta, **r})
             over = r["deflected_step_violations"]["over_limit"]
             lines.append(f"| {noise} | {spec} | {beta} | {num(r['ttft_ms']['p95'] / 1000, 2)} | "
@@ -230,7 +230,7 @@ def model_error(duration: float, seed: int, params: PolicyParams) -> tuple[str, 
     for label, kw in model_error_scenarios(duration):
         for spec in MODEL_ERROR_POLICIES:
             r = run_one(wl, parse_policy(spec), model, params,
-                        SimConfig(seed=seed, tbt_guard=spec == "kairos+", **kw), rps=4, label=spec)
+                        SimConfig(seed=seed, tbt_guard=parse_policy(spec).traits.node_guard, **kw), rps=4, label=spec)
             rows.append({"scenario": label, **r})
             p95 = r["ttft_ms"]["p95"]
             if not kw:
@@ -320,7 +320,7 @@ def conversation_rows(trace: str, u: float, rps: float, duration: float, seed: i
     wl = parse_workload(trace, rps, duration, seed)
     rows = []
     for spec in CONV_POLICIES:
-        r = run_one(wl, parse_policy(spec), model, params, SimConfig(tbt_guard=spec == "kairos+"), rps=rps)
+        r = run_one(wl, parse_policy(spec), model, params, SimConfig(tbt_guard=parse_policy(spec).traits.node_guard), rps=rps)
         rows.append(r)
         lines.append(f"| {trace} | {100 * u:.0f} % | {rps:g} | {spec} | {r['deflections']} | "
                      f"{num(r['ttft_ms']['p95'] / 1000, 2)} | {num(r['ttft_ms']['p99'] / 1000, 2)} | "

@@ -16,11 +16,13 @@ from typing import Any
 import msgspec
 
 from kairos.cli.bench.client import DEFAULT_REQUEST_TIMEOUT_S, BenchResult
+from kairos.core.policy.registry import DEFAULT_PARAMS
 from kairos.core.workload.serving_metrics import format_serving, format_table, serving_metrics, summarize
 
 
 def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], label: str = "live",
-                 tbt_slo_ms: float = 70.0, ttft_slo_ms: float = 4000.0, max_concurrency: int | None = None,
+                 tbt_slo_ms: float = DEFAULT_PARAMS.tbt_slo_ms, ttft_slo_ms: float = DEFAULT_PARAMS.ttft_slo_ms,
+                 max_concurrency: int | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, goodput_slo_ms: dict[str, float] | None = None,
                  save_records: bool = False) -> dict[str, Any]:
     """The JSON report: :func:`kairos.core.workload.serving_metrics.summarize`'s keys (ms; throughput over the bench's
