@@ -252,7 +252,7 @@ def vllm_testbed_options(model_dir: str, **overrides: Any) -> UpOptions:
     ingress port; ``overrides`` (policy, port, …) win.
 
     Raises:
-        kairos.core.model.latency.ProfileError: the profile cannot be loaded.
+        kairos.core.model.latency.LatencyProfileError: the profile cannot be loaded.
     """
     profile = overrides.pop("profile", None) or VLLM_DEFAULTS["profile"]
     base = {"engine": "vllm", "model_dir": model_dir, "profile": profile, "served_model": VLLM_DEFAULTS["served_model"],

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import click
 
-from kairos.core.model.latency import LatencyModel, ProfileError, load_profile
+from kairos.core.model.latency import LatencyModel, LatencyProfileError, load_profile
 from kairos.core.policy import DEFAULT_PARAMS, Policy, PolicyError, PolicyParams, parse_policies, parse_policy
 from kairos.core.policy.registry import SHARED_PARAMS, policy_help
 from kairos.core.workload.workloads import WorkloadSizeError, check_workload_size
@@ -62,7 +62,7 @@ def load_model_or_exit(profile: str, option: str = "--profile") -> LatencyModel:
     """Load a profile by name or path, or exit 2 with the reason (naming ``option``)."""
     try:
         return load_profile(profile)
-    except ProfileError as exc:
+    except LatencyProfileError as exc:
         raise click.BadParameter(str(exc), param_hint=option) from None
 
 

@@ -313,7 +313,7 @@ def load_average_since(before: tuple[float, float, float]) -> dict:
 
 async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
                    info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
-    from kairos.services.profiler.service import ProfileError, Profiler, fit_run, publish_model
+    from kairos.services.profiler.service import ProfileRunError, Profiler, fit_run, publish_model
     from kairos.runtime.bus import close
     from kairos.runtime.envconfig import ServiceConfig, from_env
 
@@ -335,10 +335,10 @@ async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
         try:
             run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
                                  progress=say, max_model_len=base.engine.max_model_len).run(replay)
-        except ProfileError as exc:
+        except ProfileRunError as exc:
             if opts.records_out and exc.partial is not None and exc.partial.events:
                 _write_records(opts.records_out, exc.partial.events)
-                raise ProfileError(f"{exc} (the {len(exc.partial.events)} step records collected until then are in "
+                raise ProfileRunError(f"{exc} (the {len(exc.partial.events)} step records collected until then are in "
                                    f"{opts.records_out})") from exc
             raise
         run.extra["load_average"] = load_average_since(load_before)
@@ -376,7 +376,7 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
 
     Raises:
         FitRefused: held-out MAPE above ``max_mape`` (nothing written or published).
-        kairos.services.profiler.service.ProfileError: the node did not run the profiler's work.
+        kairos.services.profiler.service.ProfileRunError: the node did not run the profiler's work.
         RuntimeError: the bundled nats-server did not start.
     """
     base = load_profile(opts.base_profile)

@@ -201,12 +201,12 @@ async def test_the_profiler_receives_the_record_of_every_step_the_engine_ran(nat
 
 
 async def test_a_profile_fails_soon_with_what_it_collected_when_the_node_stops_heartbeating(nats_url):
-    """The node's agent crashes mid-grid: the run ends with a ProfileError naming the silence within
+    """The node's agent crashes mid-grid: the run ends with a ProfileRunError naming the silence within
     a few heartbeat-loss periods — not after the per-step timeouts of the phase it was in (minutes)
     — and carries the step records collected until then."""
     from kairos.services.node_agent.agent import NodeAgent
     from kairos.services.node_agent.config import AgentConfig
-    from kairos.services.profiler.service import ProfileError, Profiler
+    from kairos.services.profiler.service import ProfileRunError, Profiler
     from kairos.core.model.profiling import ProfileGrid
 
     agent = NodeAgent(AgentConfig(node_id="decode-9", role="decode", nats_url=nats_url, metrics_port=-1,
@@ -219,7 +219,7 @@ async def test_a_profile_fails_soon_with_what_it_collected_when_the_node_stops_h
         run = asyncio.ensure_future(prof.run())
         await wait_until(lambda: len(prof.result.events) >= 3, 30, "the first steps recorded")
         await agent.close(drain=False)  # crash: no goodbye, no more heartbeats
-        with pytest.raises(ProfileError, match="sent no heartbeat") as err:
+        with pytest.raises(ProfileRunError, match="sent no heartbeat") as err:
             await asyncio.wait_for(run, 20)
         assert err.value.partial is prof.result and len(err.value.partial.events) >= 3
     finally:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kairos.core.model.fitting import StepRecord, fit_latency_model, mape, report_mape
-from kairos.core.model.latency import LatencyModel, ProfileError, load_profile
+from kairos.core.model.latency import LatencyModel, LatencyProfileError, load_profile
 
 TRUE = load_profile()
 
@@ -83,12 +83,12 @@ def test_invalid_artifacts_are_rejected(tmp_path, mutate, match):
     mutate(doc)
     p = tmp_path / "bad.json"
     p.write_text(json.dumps(doc))
-    with pytest.raises(ProfileError, match=match):
+    with pytest.raises(LatencyProfileError, match=match):
         load_profile(p)
 
 
 def test_unknown_profile_name_lists_bundled():
-    with pytest.raises(ProfileError, match="a100-dsv2lite"):
+    with pytest.raises(LatencyProfileError, match="a100-dsv2lite"):
         load_profile("no-such-profile")
 
 
@@ -106,7 +106,7 @@ def test_kv_transfer_formula():
     link = TRUE.link("rdma")
     # 10,000 tokens · 31,104 B / 25 GB/s = 12.4416 ms + setup
     assert TRUE.kv_transfer_ms(10_000, "rdma") == pytest.approx(link.setup_ms + 12.4416)
-    with pytest.raises(ProfileError, match="unknown link"):
+    with pytest.raises(LatencyProfileError, match="unknown link"):
         TRUE.kv_transfer_ms(1, "pigeon")
 
 

@@ -13,7 +13,7 @@ import msgspec
 from kairos.cli.options import (load_model_or_exit, make_params, policy_option, policy_params_options,
                                 workload_options, workload_size_or_exit, writable_file)
 from kairos.core.cluster.snapshot import SnapshotError, parse_snapshot
-from kairos.core.model.latency import DEFAULT_PROFILE, ProfileError
+from kairos.core.model.latency import DEFAULT_PROFILE, LatencyProfileError
 from kairos.core.policy import DEFAULT_POLICY, Policy
 from kairos.core.policy.registry import node_guard_policies
 
@@ -102,7 +102,7 @@ def sim(workload, rps, duration, policies: list[Policy], n_prefill, n_decode, pr
     drift_node, drift_scale, drift_at_s = parse_drift(drift, n_prefill, n_decode)
     try:
         model.link(link)
-    except ProfileError as exc:
+    except LatencyProfileError as exc:
         raise click.BadParameter(str(exc), param_hint="--link") from None
     pp = make_params(**params)
     try:

@@ -95,7 +95,7 @@ def profile(**kw) -> None:
     """Profile a decode node over the bus, fit the latency model, write and publish the artifact."""
     from kairos.cli.bench import BenchError
     from kairos.cli.profile import ProfileOptions, ProfileOptionsError, run_profile
-    from kairos.services.profiler.service import ProfileError
+    from kairos.services.profiler.service import ProfileRunError
     from kairos.runtime.bus import BusAuthError
     from kairos.runtime.envconfig import ConfigError
     from kairos.core.model.fitting import FitRefused
@@ -134,7 +134,7 @@ def profile(**kw) -> None:
         click.echo(f"kairos profile: {exc}; no artifact written{' or published' if opts.publish else ''} "
                    f"(--max-mape sets the limit; single CPU steps are noisy: docs/calibration.md)", err=True)
         sys.exit(1)
-    except (ProfileError, RuntimeError, OSError, BenchError) as exc:  # BenchError: --testbed's replay
+    except (ProfileRunError, RuntimeError, OSError, BenchError) as exc:  # BenchError: --testbed's replay
         click.echo(f"kairos profile: {exc}", err=True)
         sys.exit(1)
     except (ConfigError, BusAuthError) as exc:  # KAIROS_NATS_* credentials of the environment

@@ -58,7 +58,7 @@ PROFILES_DIR = Path(__file__).resolve().parents[1] / "data" / "profiles"
 DEFAULT_PROFILE = "a100-dsv2lite"
 
 
-class ProfileError(ValueError):
+class LatencyProfileError(ValueError):
     """A latency-profile artifact is missing, malformed or uses an unsupported feature set."""
 
 
@@ -172,11 +172,11 @@ class LatencyModel:
         """The named KV-transfer link setting (default: the profile's ``default_link``).
 
         Raises:
-            ProfileError: unknown link name.
+            LatencyProfileError: unknown link name.
         """
         key = name or self.default_link
         if key not in self.links:
-            raise ProfileError(f"unknown link {key!r}; profile {self.name!r} has {sorted(self.links)}")
+            raise LatencyProfileError(f"unknown link {key!r}; profile {self.name!r} has {sorted(self.links)}")
         return self.links[key]
 
     def kv_transfer_ms(self, tokens: Any, link: str | None = None) -> Any:
@@ -212,28 +212,30 @@ class LatencyModel:
         """Build a model from an artifact dict.
 
         Raises:
-            ProfileError: wrong schema version, missing section, feature-set mismatch or a
+            LatencyProfileError: wrong schema version, missing section, feature-set mismatch or a
                 negative coefficient (the policy's search needs monotone models).
         """
         try:
             if doc.get("schema_version") != SCHEMA_VERSION:
-                raise ProfileError(f"schema_version {doc.get('schema_version')!r} unsupported (want {SCHEMA_VERSION})")
+                raise LatencyProfileError(f"schema_version {doc.get('schema_version')!r} unsupported "
+                                          f"(want {SCHEMA_VERSION})")
             for key, feats in (("prefill", PREFILL_FEATURES), ("decode", DECODE_FEATURES),
                                ("mixed_delta", MIXED_DELTA_FEATURES)):
                 got = tuple(doc[key]["features"])
                 if got != feats:
-                    raise ProfileError(f"{key}.features is {list(got)}, this build supports {list(feats)}")
+                    raise LatencyProfileError(f"{key}.features is {list(got)}, this build supports {list(feats)}")
                 coef = [float(x) for x in doc[key]["coef"]]
                 if len(coef) != len(feats) or any(x < 0 or not math.isfinite(x) for x in coef):
-                    raise ProfileError(f"{key}.coef must be {len(feats)} finite non-negative numbers, got {coef}")
+                    raise LatencyProfileError(f"{key}.coef must be {len(feats)} finite non-negative numbers, "
+                                              f"got {coef}")
             kv = doc["kv_transfer"]
             links = {k: LinkModel(float(v["bandwidth_gb_s"]), float(v["setup_ms"]), v.get("description", ""))
                      for k, v in kv["links"].items()}
             if kv["default_link"] not in links:
-                raise ProfileError(f"kv_transfer.default_link {kv['default_link']!r} not in links")
+                raise LatencyProfileError(f"kv_transfer.default_link {kv['default_link']!r} not in links")
             for k, v in links.items():
                 if v.bandwidth_gb_s <= 0:
-                    raise ProfileError(f"kv_transfer.links.{k}.bandwidth_gb_s must be > 0")
+                    raise LatencyProfileError(f"kv_transfer.links.{k}.bandwidth_gb_s must be > 0")
             return cls(
                 name=str(doc["name"]),
                 version=str(doc["version"]),
@@ -251,9 +253,9 @@ class LatencyModel:
                       "mixed": doc["mixed_delta"].get("mape_heldout")},
             )
         except KeyError as exc:
-            raise ProfileError(f"profile is missing field {exc.args[0]!r}") from None
+            raise LatencyProfileError(f"profile is missing field {exc.args[0]!r}") from None
         except TypeError as exc:
-            raise ProfileError(f"profile has a field of the wrong type: {exc}") from None
+            raise LatencyProfileError(f"profile has a field of the wrong type: {exc}") from None
 
     @property
     def artifact_version(self) -> str:
@@ -269,7 +271,7 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModel:
     """Load a bundled profile by name (``a100-dsv2lite``) or an artifact from a JSON file path.
 
     Raises:
-        ProfileError: no such profile/file, invalid JSON or invalid content.
+        LatencyProfileError: no such profile/file, invalid JSON or invalid content.
     """
     p = Path(name_or_path)
     candidates = [p] if (p.suffix == ".json" or p.exists()) else [PROFILES_DIR / f"{name_or_path}.json"]
@@ -278,9 +280,10 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModel:
             try:
                 return LatencyModel.from_dict(json.loads(c.read_text()))
             except json.JSONDecodeError as exc:
-                raise ProfileError(f"{c}: invalid JSON: {exc}") from None
+                raise LatencyProfileError(f"{c}: invalid JSON: {exc}") from None
     bundled = sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
-    raise ProfileError(f"no profile {str(name_or_path)!r}: not a file and not one of the bundled profiles {bundled}")
+    raise LatencyProfileError(f"no profile {str(name_or_path)!r}: not a file and not one of the bundled profiles "
+                              f"{bundled}")
 
 
 # ---------------------------------------------------------------------------------------------

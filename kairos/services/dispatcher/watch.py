@@ -179,7 +179,7 @@ class ClusterWatch:
                 continue
             try:
                 model = LatencyModel.from_dict(json.loads(e.value))
-            except ValueError as exc:  # not JSON, or not a valid artifact (ProfileError is a ValueError)
+            except ValueError as exc:  # not JSON, or not a valid artifact (LatencyProfileError is a ValueError)
                 self.log.warning("bad_model_artifact", key=e.key, revision=e.revision, error=str(exc))
                 continue
             old = self._model().artifact_version

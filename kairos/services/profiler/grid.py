@@ -14,7 +14,7 @@ import asyncio
 from typing import TYPE_CHECKING, Sequence
 
 from kairos.core.workload.workloads import WorkloadRequest
-from kairos.services.profiler.results import ProfileError
+from kairos.services.profiler.results import ProfileRunError
 
 if TYPE_CHECKING:
     from kairos.services.profiler.service import Profiler
@@ -24,12 +24,12 @@ async def run_grid(prof: Profiler, replay: Sequence[WorkloadRequest]) -> None:
     """The body of :meth:`Profiler.run`: the grid's phases, the replay, the final idle heartbeat.
 
     Raises:
-        ProfileError: the node is not a decode node, or refused, lost or never ran the work.
+        ProfileRunError: the node is not a decode node, or refused, lost or never ran the work.
     """
     g = prof.grid
     await prof.until(lambda: prof.state is not None, 10.0, "sent no heartbeat")
     if prof.state.role != "decode":
-        raise ProfileError(f"node {prof.node} is a {prof.state.role} node; profile a decode node "
+        raise ProfileRunError(f"node {prof.node} is a {prof.state.role} node; profile a decode node "
                            "(its engine runs prefill-only, decode-only and mixed steps)")
     await prof.drain([])
     prof.result.extra["idle_free_kv_tokens"] = prof.state.free_kv_tokens  # the node's KV capacity, measured
@@ -110,7 +110,7 @@ async def replay_trace(prof: Profiler, workload: Sequence[WorkloadRequest],
         if deflecting is not None:
             try:
                 await deflecting
-            except ProfileError:
+            except ProfileRunError:
                 counts["refused"] += 1
     finally:
         if deflecting is not None and not deflecting.done():

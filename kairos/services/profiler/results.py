@@ -2,7 +2,7 @@
 
 :class:`ProfileRun` holds the node's step records (every one a fitting sample,
 :func:`kairos.core.model.profiling.step_records`), the replay's counts and provenance;
-:class:`ProfileError` says which of the profiler's requests the node refused, lost or never ran,
+:class:`ProfileRunError` says which of the profiler's requests the node refused, lost or never ran,
 and carries the partial run. Filled by :class:`kairos.services.profiler.service.Profiler`.
 """
 
@@ -16,7 +16,7 @@ from kairos.core.model.fitting import StepRecord
 from kairos.core.model.profiling import step_records
 
 
-class ProfileError(RuntimeError):
+class ProfileRunError(RuntimeError):
     """The node did not take the profiler's work (refused, silent or lost it): the message says which.
     ``partial`` holds what the run collected until then (its step records), if anything."""
 

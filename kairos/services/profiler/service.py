@@ -48,7 +48,7 @@ from kairos.contracts.wire import (Cancel, ErrorEvent, InferenceRequest, Job, Jo
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.resources import Resources
 from kairos.services.profiler.grid import replay_trace, run_grid
-from kairos.services.profiler.results import ProfileError, ProfileRun
+from kairos.services.profiler.results import ProfileRunError, ProfileRun
 
 _log = structlog.get_logger("kairos.profiler")
 
@@ -86,7 +86,7 @@ class Profiler:
             a real engine mid-run.
         seed: seed of the random prompt token ids.
         progress: called with one line per grid point (None: silent).
-        heartbeat_loss_s: the run fails (ProfileError) once the node has sent no heartbeat for this
+        heartbeat_loss_s: the run fails (ProfileRunError) once the node has sent no heartbeat for this
             long, and at least 10 of its heartbeat periods (seconds).
         clock: the clocks of its timeouts and request times (:data:`kairos.runtime.clock.SYSTEM_CLOCK`).
     """
@@ -135,7 +135,7 @@ class Profiler:
         self._changed.set()
 
     async def _watch_heartbeats(self) -> None:
-        """Raise ProfileError once the node has been silent for ``heartbeat_loss_s`` (at least 10
+        """Raise ProfileRunError once the node has been silent for ``heartbeat_loss_s`` (at least 10
         heartbeat periods) after its first heartbeat: its agent died, or this profiler lost NATS."""
         while True:
             limit = self.heartbeat_loss_s
@@ -144,9 +144,9 @@ class Profiler:
             age = None if self._state_rx is None else self.clock.monotonic() - self._state_rx
             if age is not None and age > limit:
                 if not self.nc.is_connected:
-                    raise ProfileError(f"lost the connection to NATS ({age:.0f} s without a heartbeat of node "
+                    raise ProfileRunError(f"lost the connection to NATS ({age:.0f} s without a heartbeat of node "
                                        f"{self.node})")
-                raise ProfileError(f"node {self.node} sent no heartbeat for {age:.0f} s: its agent stopped or lost "
+                raise ProfileRunError(f"node {self.node} sent no heartbeat for {age:.0f} s: its agent stopped or lost "
                                    "NATS")
             await self.clock.sleep(min(1.0, limit / 5))
 
@@ -163,12 +163,12 @@ class Profiler:
             fut.set_result(ev)  # first token, done or error: the prefill is over either way
 
     async def until(self, pred: Callable[[], bool], timeout_s: float, what: str) -> None:
-        """Wait (on bus events, no polling sleeps) until ``pred()``; ProfileError after ``timeout_s``."""
+        """Wait (on bus events, no polling sleeps) until ``pred()``; ProfileRunError after ``timeout_s``."""
         deadline = self.clock.monotonic() + timeout_s
         while not pred():
             left = deadline - self.clock.monotonic()
             if left <= 0:
-                raise ProfileError(f"node {self.node}: {what} (no progress for {timeout_s:g} s)")
+                raise ProfileRunError(f"node {self.node}: {what} (no progress for {timeout_s:g} s)")
             self._changed.clear()
             await self.clock.wait_event(self._changed, left)
 
@@ -194,7 +194,7 @@ class Profiler:
                 continue
             rid, why = await self.handoff(ctx, out, i)
             if rid is None:
-                raise ProfileError(f"node {self.node} refused a background decode: {why}")
+                raise ProfileRunError(f"node {self.node} refused a background decode: {why}")
             rids.append(rid)
         n0 = len(self.result.events)
         dwell = self.grid.decode_dwell_steps
@@ -229,15 +229,15 @@ class Profiler:
                       decision_batch_size=batch, dispatcher_id=f"profiler-{self.tag}")
             ack = await self._ask(S.jobs_subject(self.node), job, JobAck)
             if not ack.accepted:
-                raise ProfileError(f"node {self.node} refused a profiling job: {ack.reason}")
+                raise ProfileRunError(f"node {self.node} refused a profiling job: {ack.reason}")
             self._live.add(rid)
             timeout = self.step_timeout_s * (self.grid.chunk_steps + 1)
             try:
                 ev = await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
-                raise ProfileError(f"node {self.node}: chunked prefill {rid} not done in {timeout:g} s") from None
+                raise ProfileRunError(f"node {self.node}: chunked prefill {rid} not done in {timeout:g} s") from None
             if isinstance(ev, ErrorEvent):
-                raise ProfileError(f"node {self.node} failed {rid}: {ev.code} {ev.message}")
+                raise ProfileRunError(f"node {self.node} failed {rid}: {ev.code} {ev.message}")
             return rid
         finally:
             self._outs.pop(rid, None)
@@ -247,9 +247,9 @@ class Profiler:
         try:
             return await request_typed(self.nc, subject, msg, reply_type, timeout=5.0)
         except nats.errors.NoRespondersError:
-            raise ProfileError(f"no node agent answers on {subject} (is node {self.node} up?)") from None
+            raise ProfileRunError(f"no node agent answers on {subject} (is node {self.node} up?)") from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            raise ProfileError(f"node {self.node} did not answer on {subject} within 5 s") from None
+            raise ProfileRunError(f"node {self.node} did not answer on {subject} within 5 s") from None
 
     async def drain(self, rids: list[str]) -> None:
         """Cancel ``rids`` and wait for a heartbeat sent afterwards that shows an idle node."""
@@ -286,7 +286,7 @@ class Profiler:
         started is cancelled even on failure.
 
         Raises:
-            ProfileError: the node refused, lost or never ran the profiler's work.
+            ProfileRunError: the node refused, lost or never ran the profiler's work.
         """
         # the node's claims need a claim bucket and its records the requests bucket, which an agent may
         # not create (docs/security.md); a running deployment's control plane has declared its own
@@ -308,10 +308,10 @@ class Profiler:
             tasks = (asyncio.ensure_future(run_grid(self, replay)), asyncio.ensure_future(self._watch_heartbeats()))
             res.push("grid and heartbeat watchdog", lambda: _cancel(tasks))
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            # the grid's outcome, or the watchdog's ProfileError (the node went silent; the grid is
+            # the grid's outcome, or the watchdog's ProfileRunError (the node went silent; the grid is
             # cancelled at close)
             next(t for t in tasks if t.done()).result()
-        except ProfileError as exc:
+        except ProfileRunError as exc:
             exc.partial = self.result
             raise
         finally:
@@ -361,4 +361,4 @@ async def publish_model(nc, model: LatencyModel, current: bool = True) -> dict[s
     return out
 
 
-__all__ = ["Profiler", "ProfileRun", "ProfileError", "fit_run", "publish_model", "FitRefused", "fit_summary"]
+__all__ = ["Profiler", "ProfileRun", "ProfileRunError", "fit_run", "publish_model", "FitRefused", "fit_summary"]
