@@ -28,7 +28,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import AGENT_PREFIX, PROFILER, agent_user
 from kairos.contracts.wire import KvAck, KvDone, KvHandoff, WireError, decode, encode
-from kairos.core.vocabulary import RequestPhase
+from kairos.core.vocabulary import KEEP, RequestPhase
 from kairos.runtime import telemetry
 from kairos.runtime.messaging import publish, request_typed
 from kairos.services.node_agent.context import NodeContext
@@ -211,7 +211,7 @@ class KvReceiver:
         if not ctx.origin.check(msg, "kv_handoff", proven, h.src_node, request_id=rid):
             return "forged"
         claim = await ctx.claims.holder(rid) if ctx.claims is not None else None
-        if claim is None or claim.node != h.src_node or claim.kind != "keep":
+        if claim is None or claim.node != h.src_node or claim.kind != KEEP:
             ctx.origin.counter.labels("kv_handoff").inc()
             ctx.log.warning("forged_message_refused", kind="kv_handoff", reason="not_the_holder", subject=msg.subject,
                             sender=proven, request_id=rid, claimed_by=claim.node if claim else None)

@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind
 
 from kairos.contracts import subjects as S
 from kairos.contracts.wire import Job, KvHandoff
+from kairos.core.vocabulary import DEFLECT
 from kairos.runtime import telemetry
 from kairos.services.node_agent.request import NodeRequest, Span
 
@@ -71,12 +72,12 @@ def job_span(tracer: Any, job: Job, node: str, role: str, headers: Mapping[str, 
              "kairos.attempt": job.attempt, "kairos.dispatcher_id": job.dispatcher_id,
              telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_DESTINATION: S.jobs_subject(node),
              telemetry.MESSAGING_OPERATION_TYPE: "process"}
-    if job.kind == "deflect":
+    if job.kind == DEFLECT:
         attrs["kairos.chunk_schedule"] = list(job.chunk_schedule)
         attrs["kairos.predicted_step_ms"] = list(job.predicted_step_ms)
     else:
         attrs["kairos.decode_candidates"] = list(job.decode_candidates)
-    name = "node.prefill" if job.kind == "keep" else "node.deflected_prefill"
+    name = "node.deflected_prefill" if job.kind == DEFLECT else "node.prefill"
     return tracer.start_span(name, context=telemetry.extract_context(headers), kind=SpanKind.CONSUMER, attributes=attrs)
 
 
