@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import (DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff,
-                                   OutEvent, PrefillTiming, TokenEvent)
+from kairos.contracts.wire import (DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff, OutEvent, TokenEvent)
+from kairos.contracts.records import DecodeTiming, PrefillTiming
 from kairos.core.vocabulary import RequestPhase, RequestRole, job_role
 
 P = RequestPhase
@@ -127,6 +127,9 @@ class Ignored:
 Action = Union[Publish, WriteRecord, ReleaseSlot, FreeEngine, HandOff, PullKv, EndSpan, StartSpan, Ignored]
 #: every span of a request, in the order a failure ends them
 ALL_SPANS = (Span.MAIN, Span.HANDOFF, Span.DECODE)
+#: the phases in which a role's tokens are sent (vLLM streams a remote decode's first token before
+#: the agent's pull returns; a deflection's first token ends its prefill)
+TOKEN_PHASES = {RequestRole.REMOTE_DECODE: (P.AWAITING_KV, P.DECODING), RequestRole.DEFLECT: (P.DEFLECTED_PREFILL, P.DECODING)}
 
 
 @dataclass(frozen=True)
@@ -275,9 +278,7 @@ class NodeRequest:
     def tokens_out(self, first_index: int, count: int, text: str, now_ms: float) -> list[Action]:
         """``count`` tokens from index ``first_index`` came out of the engine: send them. The first
         token of a deflected prefill ends it: slot released, the decode span starts."""
-        ok = {RequestRole.REMOTE_DECODE: (P.AWAITING_KV, P.DECODING),
-              RequestRole.DEFLECT: (P.DEFLECTED_PREFILL, P.DECODING)}.get(self.role, ())
-        if self.phase not in ok:
+        if self.phase not in TOKEN_PHASES.get(self.role, ()):
             return self._ignored("tokens")
         out: list[Action] = []
         if first_index == 0 and self.first_token_ms is None:
