@@ -101,7 +101,7 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
 # dispatcher -> node agent (request-reply on kairos.jobs.<node>)
 # --------------------------------------------------------------------------------------------
 
-class _PathKindField:
+class PathKindField:
     """Mixin of the structs with a ``kind`` path field: a v1 ``"prefill"`` is read as ``"keep"``."""
 
     def __post_init__(self) -> None:
@@ -109,7 +109,7 @@ class _PathKindField:
             msgspec.structs.force_setattr(self, "kind", k)
 
 
-class Job(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
+class Job(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """A routed request for one node: keep-path prefill on a prefill node, or a deflection."""
 
     v: int = SCHEMA_VERSION
@@ -134,7 +134,7 @@ class Job(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     claim_buckets: NonNeg = 0
 
 
-class Claim(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
+class Claim(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """Value of :func:`kairos.contracts.subjects.claim_key` (``claim.<digest of the bus request id>``) in the
     ``kairos_requests`` bucket: the one node that executes this attempt. Created atomically (KV
     ``create``) by the node agent before its engine gets the request; a second node finds it and
@@ -257,7 +257,7 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     cache_full: bool = False
 
 
-class RoutedEvent(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
+class RoutedEvent(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """A job a node accepted; the aggregator adds it to the view until the node's state shows it."""
 
     v: int = SCHEMA_VERSION
@@ -451,78 +451,6 @@ class Resend(msgspec.Struct, frozen=True, kw_only=True):
     v: int = SCHEMA_VERSION
     window_s: Annotated[float, msgspec.Meta(gt=0)]
     sent_unix_ms: float
-
-
-# --------------------------------------------------------------------------------------------
-# request records (KV bucket kairos_requests): GET /v1/requests/{id}
-# --------------------------------------------------------------------------------------------
-
-class DecisionRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """``<rid>.decision``: what the dispatcher decided and why (written after the node accepted)."""
-
-    v: int = SCHEMA_VERSION
-    request_id: str
-    dispatcher_id: str
-    decision: Decision  #: the policy's decision (policy, kind, node, chunk schedule, estimates, reason)
-    node: str  #: node that accepted the job (may differ from decision.node after a re-route)
-    decode_node: str
-    attempts: NonNeg  #: jobs sent, including refused ones
-    excluded_nodes: dict[str, str] = {}  #: node -> why it was excluded while routing this request
-    reservation_conflicts: list[str] = []  #: decode nodes whose reservation another request held
-    state_age_ms: float | None = None  #: age of the cluster view the policy saw
-    view_seq: NonNeg = 0
-    decided_unix_ms: float
-    decide_ms: float  #: policy evaluation time, ms (all attempts)
-    routing_ms: float  #: dequeue -> node accepted, ms
-
-
-class PrefillTiming(msgspec.Struct, frozen=True, kw_only=True):
-    """``<rid>.prefill``: keep-path prefill on a prefill node (node clock)."""
-
-    v: int = SCHEMA_VERSION
-    node: str
-    received_unix_ms: float
-    prefill_start_unix_ms: float | None = None  #: first step that computed this prompt
-    prefill_done_unix_ms: float | None = None
-    handoff_node: str | None = None  #: decode node that accepted the KV
-    error: str | None = None
-
-
-class DecodeTiming(_PathKindField, msgspec.Struct, frozen=True, kw_only=True):
-    """``<rid>.decode``: decode node side (keep: handoff + decode; deflect: chunked prefill + decode)."""
-
-    v: int = SCHEMA_VERSION
-    node: str
-    kind: WirePathKind  #: a PathKind once decoded (``keep`` / ``deflect``)
-    received_unix_ms: float  #: handoff (keep) or job (deflect) received
-    kv_allocated_unix_ms: float | None = None  #: keep: blocks allocated, transfer may start
-    kv_arrived_unix_ms: float | None = None  #: keep: transfer done
-    prefill_start_unix_ms: float | None = None  #: deflect: first chunk started
-    prefill_done_unix_ms: float | None = None  #: deflect: last chunk done
-    first_token_unix_ms: float | None = None
-    finished_unix_ms: float | None = None
-    completion_tokens: NonNeg = 0
-    chunk_predicted_ms: list[float] = []  #: deflect: policy prediction per chunk step
-    chunk_actual_ms: list[float] = []  #: deflect: measured wall time per chunk step
-    chunk_sizes: list[int] = []  #: deflect: χ actually run per step
-    error: str | None = None
-
-
-class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
-    """``<rid>.ingress``: what the client saw."""
-
-    v: int = SCHEMA_VERSION
-    received_unix_ms: float
-    first_token_unix_ms: float | None = None
-    finished_unix_ms: float | None = None
-    status: int = 200
-    prompt_tokens: NonNeg = 0
-    completion_tokens: NonNeg = 0  #: tokens delivered to the client (a disconnected client: those sent before)
-    error: str | None = None
-    error_message: str | None = None  #: the message of the error the client got (its ``error.message``)
-    #: bus request ids of the re-submissions after a node was lost (``<id>-r1``, …); the decision,
-    #: prefill and decode records of the attempt that served the request are under the last one
-    resubmitted_as: list[str] = []
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from kairos.contracts import subjects as S
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.streams import BucketLayoutError, ensure_buckets
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import Claim, InferenceRequest, Job, KvDone, PrefillTiming, decode, encode, now_ms
+from kairos.contracts.wire import Claim, InferenceRequest, Job, KvDone, decode, encode, now_ms
+from kairos.contracts.records import PrefillTiming
 from tests.integration.conftest import ADMIN_USER, get_record, reset_bus, secure_server, stack, wait_until
 from tests.integration.test_bus_origin import forged_count
 from tests.integration.test_bus_security import _close, as_role

@@ -10,8 +10,8 @@ import copy
 import pytest
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import (DecodeTiming, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff,
-                                   PrefillTiming, TokenEvent)
+from kairos.contracts.wire import DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff, TokenEvent
+from kairos.contracts.records import DecodeTiming, PrefillTiming
 from kairos.core.vocabulary import RequestPhase as P
 from kairos.core.vocabulary import RequestRole
 from kairos.services.node_agent.request import (ALL_SPANS, EndSpan, FreeEngine, HandOff, Ignored, NodeRequest, Publish,

@@ -4,6 +4,7 @@ the lifecycle all say ``keep``/``deflect``; wire schema v1's ``prefill`` is stil
 import msgspec
 import pytest
 
+from kairos.contracts import records as R
 from kairos.contracts import wire as W
 from kairos.core.policy.base import Decision, DecisionKind
 from kairos.core.vocabulary import DEFLECT, KEEP, PATHS, PathKind, path_kind
@@ -19,7 +20,7 @@ def test_a_v1_keep_path_named_prefill_decodes_as_keep_and_is_written_back_as_kee
 
 @pytest.mark.parametrize("cls,fields", [
     (W.Claim, dict(node="n", claimed_unix_ms=1.0)),
-    (W.DecodeTiming, dict(node="n", received_unix_ms=1.0)),
+    (R.DecodeTiming, dict(node="n", received_unix_ms=1.0)),
 ])
 def test_every_path_field_reads_both_paths_and_refuses_others_naming_the_field(cls, fields):
     for kind in PATHS:

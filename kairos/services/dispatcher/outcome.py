@@ -3,7 +3,7 @@
 * **accepted** — the node took the job: a :class:`~kairos.contracts.wire.RoutedEvent` on
   ``kairos.route.decided`` (the aggregator folds it into the view, the ingress and the other replicas
   see it), the decision's ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing"), the metrics,
-  and the :class:`~kairos.contracts.wire.DecisionRecord` in the requests bucket (written
+  and the :class:`~kairos.contracts.records.DecisionRecord` in the requests bucket (written
   unacknowledged: the routing event, the record and the work-queue ack leave in one socket write);
 * **claimed elsewhere** — an earlier delivery's job holds the request's claim on another node: its
   routing event is published again (the earlier replica may have died before sending it);
@@ -24,7 +24,8 @@ from opentelemetry.trace import Status, StatusCode
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER
-from kairos.contracts.wire import Claim, DecisionRecord, ErrorEvent, InferenceRequest, JobAck, RoutedEvent, encode
+from kairos.contracts.wire import Claim, ErrorEvent, InferenceRequest, JobAck, RoutedEvent, encode
+from kairos.contracts.records import DecisionRecord
 from kairos.core.cluster.routing import predicted_ttft_ms
 from kairos.core.policy import Decision
 from kairos.runtime import telemetry

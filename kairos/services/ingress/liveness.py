@@ -32,7 +32,8 @@ from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import ClusterView, NodeState, PrefillTiming, WireError, decode
+from kairos.contracts.wire import ClusterView, NodeState, WireError, decode
+from kairos.contracts.records import PrefillTiming
 from kairos.core.cluster.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
 from kairos.core.vocabulary import KEEP
 from kairos.runtime.clock import Clock

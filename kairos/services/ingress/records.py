@@ -32,7 +32,8 @@ from typing import Any
 import msgspec
 
 from kairos.contracts import subjects as S
-from kairos.contracts.wire import DecisionRecord, DecodeTiming, IngressTiming, PrefillTiming, encode
+from kairos.contracts.wire import encode
+from kairos.contracts.records import DecisionRecord, DecodeTiming, IngressTiming, PrefillTiming
 from kairos.core.vocabulary import DEFLECT, KEEP
 from kairos.services.ingress.metrics import IngressMetrics
 from kairos.services.ingress.ports import IngressBus
