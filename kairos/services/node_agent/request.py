@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import (DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff, OutEvent, TokenEvent)
 from kairos.contracts.records import DecodeTiming, PrefillTiming
+from kairos.contracts.wire import DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff, OutEvent, TokenEvent
 from kairos.core.vocabulary import RequestPhase, RequestRole, job_role
 
 P = RequestPhase
