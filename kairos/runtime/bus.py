@@ -3,8 +3,9 @@
 Every service and one-shot command connects through :func:`connect_service` (a
 :class:`kairos.runtime.envconfig.ServiceConfig`'s URL list, user/password and TLS files) or
 :func:`connect`, which reconnects forever: a restarted nats-server, or another member of a NATS
-cluster, is picked up again (docs/bus.md "Surviving a NATS restart"). :func:`stream_replicas` is the
-replica count every stream and bucket is declared with, derived from the same URL list.
+cluster, is picked up again (docs/bus.md "Surviving a NATS restart"); a one-shot command bounds its
+first connection with :func:`connect_within`. :func:`stream_replicas` is the replica count every
+stream and bucket is declared with, derived from the same URL list.
 
 The rest of the bus helpers, by concern: :mod:`kairos.runtime.streams` (stream, consumer and KV
 bucket declarations), :mod:`kairos.runtime.messaging` (typed publish and request-reply, KV writes
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from dataclasses import dataclass, field
 
 import nats
@@ -188,6 +190,34 @@ async def connect(url: str, name: str, log=None, auth: BusAuth | None = None,
                               error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
                               connect_timeout=5, drain_timeout=2, ping_interval=PING_INTERVAL_S,
                               max_outstanding_pings=MAX_OUTSTANDING_PINGS, **creds)
+
+
+async def connect_within(url: str, timeout_s: float, cfg=None, *, name: str) -> Client:
+    """A client of ``url`` (:func:`connect`; with ``cfg``, a
+    :class:`kairos.runtime.envconfig.ServiceConfig`: its credentials and TLS, :func:`connect_service`)
+    for a one-shot command, named ``name``. :func:`connect` retries forever (services may start
+    before NATS); this gives up after ``timeout_s`` seconds, or at once when the server refused the
+    login (retrying cannot fix credentials).
+
+    Raises:
+        RuntimeError: no connection (with the server's reason when it gave one:
+            :func:`connect_error_hint`).
+        BusAuthError: ``cfg``'s password file is unusable.
+    """
+    errors: list[Exception] = []
+    login = connect(url, name, errors=errors) if cfg is None else connect_service(cfg, name, errors=errors)
+    task = asyncio.ensure_future(login)
+    deadline = time.monotonic() + timeout_s
+    while not task.done() and time.monotonic() < deadline and not any(is_auth_error(e) for e in errors):
+        await asyncio.wait({task}, timeout=min(0.1, max(deadline - time.monotonic(), 0.0)))
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        hint = connect_error_hint(errors)
+        raise RuntimeError(f"cannot connect to NATS at {url}"
+                           + ("" if any(is_auth_error(e) for e in errors) else
+                              f" within {timeout_s:g} s") + (f": {hint}" if hint else ""))
+    return task.result()
 
 
 async def flush_barrier(nc: Client, timeout: float = 5.0) -> None:

@@ -154,7 +154,7 @@ def test_the_committed_cpu_tiny_vllm_artifact_is_a_measurement_within_its_thresh
 def test_the_committed_cpu_testbed_vllm_artifact_is_a_measurement_of_the_testbed_model():
     """cpu-testbed-vllm (what `kairos up/demo --engine vllm` use) is fitted by `kairos profile --vllm`
     on the testbed model; engine facts measured (KV capacity) or derived from its architecture (KV
-    bytes per token, kairos.cli.profile.measured_engine_facts), MAPEs under its recorded threshold."""
+    bytes per token, kairos.engines.vllm.facts.measured_engine_facts), MAPEs under its recorded threshold."""
     m = load_profile("cpu-testbed-vllm")
     meta, fit = m.metadata, m.metadata["fit"]
     assert meta["provenance"] == "kairos profile" and meta["command"].startswith("kairos profile --vllm")

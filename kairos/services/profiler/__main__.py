@@ -1,7 +1,8 @@
-"""``python -m kairos.services.profiler``: the same as ``kairos profile`` (options on the command line;
-the command alone, kairos/cli/commands/profile.py, not the whole ``kairos`` CLI)."""
+"""``python -m kairos.services.profiler``: profile one decode node of a running cluster
+(:mod:`kairos.services.profiler.command`; ``--help`` lists its options). The self-contained modes
+(``--emulated``, ``--vllm``, ``--testbed``) are ``kairos profile``'s."""
 
-from kairos.cli.commands.profile import main
+from kairos.services.profiler.command import main
 
 if __name__ == "__main__":
-    main(prog_name="python -m kairos.services.profiler")
+    main()
