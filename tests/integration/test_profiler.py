@@ -8,12 +8,16 @@
   dispatchers decide with (and record); an invalid one is ignored.
 * Corrections: step records on ``kairos.steps.<node>`` whose actual time is 1.3 × the prediction
   reach every dispatcher's view as that node's correction.
+* ``python -m kairos.services.profiler`` (the service's own command) profiles a node of a running
+  cluster, writes and publishes the artifact.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 
 import nats
 import numpy as np
@@ -288,3 +292,43 @@ async def test_the_testbed_profile_records_every_step_of_every_node_while_the_re
     assert result == "replayed" and idle == {}
     key = lambda e: (e.node, e.step)  # noqa: E731
     assert sorted(got, key=key) == sorted(sent, key=key)
+
+
+async def test_python_m_kairos_services_profiler_profiles_a_node_of_a_running_cluster(nats_url, tmp_path):
+    """The service's own command (no CLI) on a running node: the grid run, the fit written where
+    ``--out`` says with the provenance of that command line, the raw records beside it, the
+    artifact published to ``kairos_models`` under its name and ``latency.current``. Truth: the
+    node's own step records, the KV bucket as read back."""
+    from kairos.services.node_agent.agent import NodeAgent
+    from kairos.services.node_agent.config import AgentConfig
+
+    agent = NodeAgent(AgentConfig(node_id="decode-4", role="decode", nats_url=nats_url, metrics_port=-1,
+                                  state_period_ms=50.0), model=fast_model())
+    await agent.start()
+    out, records = tmp_path / "svc.json", tmp_path / "steps.jsonl"
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kairos.services.profiler", "--nats-url", nats_url, "--node", "decode-4",
+            "--grid", "quick", "--name", "svc-profiled", "--version", "s1", "--out", str(out), "--records",
+            str(records), "--max-mape", "1000", "--engine", "emulated (test)",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")})  # no login: an open server
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 180)
+    finally:
+        await agent.close()
+    assert proc.returncode == 0, stderr.decode()
+    fitted = load_profile(out)
+    meta = fitted.metadata
+    assert (fitted.name, fitted.version, meta["engine"], meta["node"], meta["grid"]["name"]) == \
+        ("svc-profiled", "s1", "emulated (test)", "decode-4", "quick")
+    assert meta["command"].startswith("python -m kairos.services.profiler --nats-url")
+    assert meta["steps_recorded"] == len(records.read_text().splitlines()) > 0
+    text = stdout.decode()
+    assert f"wrote {out}" in text and "published KV kairos_models/latency.current" in text
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(S.MODELS_BUCKET)
+        for key in (S.model_key("svc-profiled"), S.CURRENT_MODEL_KEY):
+            assert json.loads((await kv.get(key)).value) == json.loads(out.read_text()), key
+    finally:
+        await nc.close()
