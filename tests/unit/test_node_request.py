@@ -15,7 +15,7 @@ from kairos.contracts.records import DecodeTiming, PrefillTiming
 from kairos.core.vocabulary import RequestPhase as P
 from kairos.core.vocabulary import RequestRole
 from kairos.services.node_agent.request import (ALL_SPANS, EndSpan, FreeEngine, HandOff, Ignored, NodeRequest, Publish,
-                                                PullKv, ReleaseSlot, Span, StartSpan, WriteRecord)
+                                                PullKv, ReleaseSlot, Span, StartDecode, WriteRecord)
 
 T0 = 1_000_000.0  #: wall-clock ms of the first event in each test
 
@@ -114,7 +114,7 @@ def test_a_remote_decode_pulls_its_kv_then_decodes_and_finishes_with_the_prefill
     r.prefill_chunk_ran(T0 + 2, cached_before=63)  # its last prompt token after the pull: no prefill of this node
     assert (r.prefill_start_ms, r.cached_tokens) == (None, 16)
     assert r.kv_arrived(T0 + 5, transfer_ms=4.0) == [EndSpan(Span.MAIN, attrs={"kairos.kv_transfer_ms": 4.0}),
-                                                     StartSpan(Span.DECODE)]
+                                                     StartDecode()]
     assert (r.phase, r.kv_arrived_ms) == (P.DECODING, T0 + 5)
     for i, t in enumerate((T0 + 6, T0 + 9, T0 + 10)):
         assert published(r.tokens_out(i, 1, f"w{i}", t)) == [TokenEvent(request_id="r1", first_index=i, count=1,
@@ -147,7 +147,7 @@ def test_a_deflection_records_its_chunks_releases_its_slot_at_the_first_token_an
     assert r.deflected_chunk_ran(0, 32, engine_predicted_ms=9.0, actual_ms=10.5) == 11.0  # the job's Eq. 5 value
     assert r.deflected_chunk_ran(1, 32, engine_predicted_ms=9.5, actual_ms=12.0) == 9.5  # past the job's list: the engine's
     acts = r.tokens_out(0, 1, "x", T0 + 20)
-    assert acts[:3] == [EndSpan(Span.MAIN, attrs={"kairos.chunks_run": 2}), ReleaseSlot(), StartSpan(Span.DECODE)]
+    assert acts[:3] == [EndSpan(Span.MAIN, attrs={"kairos.chunks_run": 2}), ReleaseSlot(), StartDecode()]
     assert kinds(acts[3:]) == [Publish] and (r.phase, r.prefill_done_ms, r.first_token_ms) == (P.DECODING, T0 + 20,
                                                                                               T0 + 20)
     assert kinds(r.tokens_out(1, 2, "y z", T0 + 25)) == [Publish] and r.tokens == 3  # no second slot release

@@ -22,7 +22,7 @@ from kairos.runtime.messaging import kv_put_nowait
 from kairos.services.node_agent.context import NodeContext
 from kairos.services.node_agent.outbox import Outbox
 from kairos.services.node_agent.request import (Action, EndSpan, FreeEngine, HandOff, Ignored, NodeRequest, Publish,
-                                                PullKv, ReleaseSlot, Span, StartSpan, WriteRecord)
+                                                PullKv, ReleaseSlot, Span, StartDecode, WriteRecord)
 from kairos.services.node_agent.slots import DeflectionSlots
 from kairos.services.node_agent.tracing import decode_span, decode_summary, spans_of
 
@@ -94,7 +94,7 @@ class Effects:
             elif isinstance(a, EndSpan):
                 attrs = decode_summary(r) if a.span is Span.DECODE and a.status is None else a.attrs
                 spans.end(a.span, a.status, attrs)
-            elif isinstance(a, StartSpan):
+            elif isinstance(a, StartDecode):
                 spans.decode = decode_span(self.ctx.tracer, r, spans.main)
             elif isinstance(a, ReleaseSlot):
                 self.slots.release(r.rid)

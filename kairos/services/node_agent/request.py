@@ -111,10 +111,8 @@ class EndSpan:
 
 
 @dataclass(frozen=True)
-class StartSpan:
-    """Start ``span`` (a child of the main span)."""
-
-    span: Span
+class StartDecode:
+    """Start the decode span (a child of the main span): the request decodes from now on."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ class Ignored:
     reason: str
 
 
-Action = Union[Publish, WriteRecord, ReleaseSlot, FreeEngine, HandOff, PullKv, EndSpan, StartSpan, Ignored]
+Action = Union[Publish, WriteRecord, ReleaseSlot, FreeEngine, HandOff, PullKv, EndSpan, StartDecode, Ignored]
 #: every span of a request, in the order a failure ends them
 ALL_SPANS = (Span.MAIN, Span.HANDOFF, Span.DECODE)
 #: the phases in which a role's tokens are sent (vLLM streams a remote decode's first token before
@@ -272,7 +270,7 @@ class NodeRequest:
         if self.role is not RequestRole.REMOTE_DECODE or self.phase is not P.AWAITING_KV:
             return self._ignored("kv_arrived")
         self.phase, self.kv_arrived_ms = P.DECODING, now_ms
-        return [EndSpan(Span.MAIN, attrs={"kairos.kv_transfer_ms": transfer_ms}), StartSpan(Span.DECODE)]
+        return [EndSpan(Span.MAIN, attrs={"kairos.kv_transfer_ms": transfer_ms}), StartDecode()]
 
     # -- decode side (remote decode and deflect) ----------------------------------------------------
     def tokens_out(self, first_index: int, count: int, text: str, now_ms: float) -> list[Action]:
@@ -286,7 +284,7 @@ class NodeRequest:
             if self.phase is P.DEFLECTED_PREFILL:
                 self.phase, self.prefill_done_ms = P.DECODING, now_ms
                 out += [EndSpan(Span.MAIN, attrs={"kairos.chunks_run": len(self.chunks)}), ReleaseSlot(),
-                        StartSpan(Span.DECODE)]
+                        StartDecode()]
         self.tokens += count
         if self.last_token_ms is not None:
             self.tbt_max_ms = max(self.tbt_max_ms, now_ms - self.last_token_ms)

@@ -4,7 +4,7 @@ A request on a node has up to three spans (:class:`~.request.Span`): the *main* 
 to its first stage's end (``node.prefill``, ``node.deflected_prefill`` or ``node.kv_transfer``, a
 child of the dispatcher's or the prefill node's span through the message headers), the prefill
 node's ``node.kv_handoff`` and the decode side's ``node.decode``. The state machine says when one
-ends or starts (``EndSpan``/``StartSpan`` actions); this module holds the handles and builds them.
+ends or starts (``EndSpan``/``StartDecode`` actions); this module holds the handles and builds them.
 Attribute names: docs/observability.md.
 """
 
