@@ -7,13 +7,13 @@ from :mod:`kairos.contracts.subjects`.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import Header
 
-from kairos.contracts.wire import decode, encode
+from kairos.contracts.wire import WireError, decode, encode
 
 T = TypeVar("T")
 
@@ -29,6 +29,17 @@ async def request_typed(nc: Client, subject: str, msg: msgspec.Struct, reply_typ
     """
     reply = await nc.request(subject, encode(msg), timeout=timeout, headers=headers)
     return decode(reply.data, reply_type)
+
+
+def decoded(data: bytes, typ: type[T], log: Any, event: str, level: str = "warning", **fields: Any) -> T | None:
+    """``decode(data, typ)``, or None after logging ``event`` (at ``level``, with the decoder's message
+    naming the field and ``fields``): a subscription callback drops a malformed message instead of
+    raising into nats-py's error callback."""
+    try:
+        return decode(data, typ)
+    except WireError as exc:
+        getattr(log, level)(event, error=str(exc), **fields)
+        return None
 
 
 async def publish(nc: Client, subject: str, msg: msgspec.Struct, headers: dict[str, str] | None = None) -> None:

@@ -31,7 +31,8 @@ from nats.aio.client import Client
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import Cancel, NodeState, RoutedEvent, WireError, decode
+from kairos.contracts.wire import Cancel, NodeState, RoutedEvent, WireError
+from kairos.runtime.messaging import decoded
 from kairos.core.model.latency import LatencyModel
 from kairos.runtime.bus import stream_replicas
 from kairos.runtime.lanes import declare_each, ensure_claim_buckets, ensure_lane
@@ -124,10 +125,8 @@ class ClusterWatch:
         return subs
 
     async def _on_routed(self, msg) -> None:
-        try:
-            ev = decode(msg.data, RoutedEvent)
-        except WireError as exc:  # the aggregator logs every malformed routing event: once is enough
-            self.log.debug("bad_routed", error=str(exc))
+        # the aggregator logs every malformed routing event at warning level: once is enough
+        if (ev := decoded(msg.data, RoutedEvent, self.log, "bad_routed", "debug")) is None:
             return
         self.state.remember_routed(ev)  # the node's acknowledged event replaces a provisional one
 
@@ -141,18 +140,13 @@ class ClusterWatch:
             self.log.warning("bad_view", error=str(exc))
 
     async def _on_cancel(self, msg) -> None:
-        try:
-            c = decode(msg.data, Cancel)
-        except WireError as exc:
-            self.log.warning("bad_cancel", error=str(exc))
+        if (c := decoded(msg.data, Cancel, self.log, "bad_cancel")) is None:
             return
         self.state.cancelled.add(c.request_id)
 
     async def _on_state(self, msg) -> None:
-        try:
-            st = decode(msg.data, NodeState)
-        except WireError as exc:  # the aggregator logs every malformed heartbeat: once is enough
-            self.log.debug("bad_state", error=str(exc))
+        # the aggregator logs every malformed heartbeat at warning level: once is enough
+        if (st := decoded(msg.data, NodeState, self.log, "bad_state", "debug")) is None:
             return
         if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
             return  # one node's prefix-cache events are never another's (kairos/contracts/origin.py)

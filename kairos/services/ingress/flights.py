@@ -31,6 +31,7 @@ from kairos.core.cluster.heartbeat import Liveness
 from kairos.core.vocabulary import PathKind
 from kairos.runtime.clock import Clock
 from kairos.runtime.lanes import LanePicker
+from kairos.runtime.messaging import decoded
 from kairos.services.ingress.lifecycle import RequestLifecycle
 from kairos.services.ingress.senders import Senders
 
@@ -172,10 +173,7 @@ class Flights:
         f = self._by_attempt.get(where[0]) if where is not None else None
         if f is None:
             return
-        try:
-            ev = decode(msg.data, OutEvent)  # type: ignore[arg-type]
-        except WireError as exc:
-            self.log.warning("bad_out_event", subject=msg.subject, error=str(exc))
+        if (ev := decoded(msg.data, OutEvent, self.log, "bad_out_event", subject=msg.subject)) is None:  # type: ignore[arg-type]
             return
         if not self.origin.check(msg, "out_event", where[1], None, request_id=where[0]):
             return  # a JetStream delivery (kairos/contracts/origin.py)

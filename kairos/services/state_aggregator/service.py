@@ -25,7 +25,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
-from kairos.contracts.wire import ClusterView, NodeState, RoutedEvent, WireError, decode, decode_step_records, encode
+from kairos.contracts.wire import ClusterView, NodeState, RoutedEvent, WireError, decode_step_records, encode
 from kairos.core.cluster.heartbeat import REJECT_REASONS
 from kairos.core.model.correction import CorrectionEstimator
 from kairos.runtime import telemetry
@@ -33,7 +33,7 @@ from kairos.runtime.bus import flush_barrier, stream_replicas
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.lanes import consumer_infos, lane_count
-from kairos.runtime.messaging import kv_put_nowait
+from kairos.runtime.messaging import decoded, kv_put_nowait
 from kairos.runtime.resources import BackgroundTasks, Resources
 from kairos.runtime.service import run_service, start_metrics_and_connect
 from kairos.runtime.streams import ensure_buckets
@@ -152,10 +152,7 @@ class StateAggregator:
         await self.res.aclose()
 
     async def _on_state(self, msg) -> None:
-        try:
-            st = decode(msg.data, NodeState)
-        except WireError as exc:
-            self.log.warning("bad_state", error=str(exc))
+        if (st := decoded(msg.data, NodeState, self.log, "bad_state")) is None:
             return
         if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):
             return  # a heartbeat is its sender's, never another node's (kairos/contracts/origin.py)
@@ -188,10 +185,7 @@ class StateAggregator:
             self.m_step_time.labels(rec.node, "predicted").inc(rec.predicted_ms / 1000.0)
 
     async def _on_routed(self, msg) -> None:
-        try:
-            ev = decode(msg.data, RoutedEvent)
-        except WireError as exc:
-            self.log.warning("bad_routed", error=str(exc))
+        if (ev := decoded(msg.data, RoutedEvent, self.log, "bad_routed")) is None:
             return
         self.m_routed.inc()
         self.builder.on_routed(ev, self._mono_ms())
