@@ -143,3 +143,13 @@ async def run_service(svc: Any, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await svc.close()
+
+
+def forward(path: str, doc: str) -> property:
+    """A service attribute that is ``path`` (``part.attribute``) of one of its parts: the composition
+    root (a service's class) keeps the names tests and tools read while the state lives in its parts.
+    Reading and assigning both go to the part."""
+    part, name = path.split(".")
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
+

@@ -20,11 +20,16 @@ def req(i: int, tokens: int) -> SimRequest:
     return r
 
 
+def queued(key: tuple[int, int], *tokens: int) -> tuple[KvLinks, list[SimRequest]]:
+    """Links with one request of each size in ``tokens`` queued on ``key``, in that order."""
+    links, reqs = KvLinks(LINK, 1000.0), [req(i, n) for i, n in enumerate(tokens)]
+    for r in reqs:
+        links.enqueue(key, r)
+    return links, reqs
+
+
 def test_a_link_runs_one_transfer_at_a_time_in_fifo_order():
-    links = KvLinks(LINK, 1000.0)
-    a, b = req(0, 4000), req(1, 1000)
-    links.enqueue((0, 1), a)
-    links.enqueue((0, 1), b)
+    links, (a, b) = queued((0, 1), 4000, 1000)
     assert links.start((0, 1)) is a
     assert links.start((0, 1)) is None  # busy until its transfer ends
     assert links.transfer_ms(a) == pytest.approx(6.0)
@@ -53,10 +58,7 @@ def test_backlog_counts_the_queued_transfers_of_one_prefill_node_only():
 
 
 def test_only_a_transfer_that_has_not_started_can_be_unqueued():
-    links = KvLinks(LINK, 1000.0)
-    a, b = req(0, 10), req(1, 10)
-    links.enqueue((0, 0), a)
-    links.enqueue((0, 0), b)
+    links, (a, b) = queued((0, 0), 10, 10)
     assert links.start((0, 0)) is a
     assert not links.unqueue((0, 0), a)
     assert links.unqueue((0, 0), b) and not links.unqueue((0, 0), b)

@@ -27,17 +27,16 @@ import asyncio
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
-from kairos.contracts.wire import ClusterView, Reservation
 from kairos.core.cluster.prefix_index import PrefixIndex
 from kairos.core.model.latency import LatencyModel, load_profile
-from kairos.core.policy import Policy, PolicyParams, parse_policy
+from kairos.core.policy import parse_policy
 from kairos.runtime import telemetry
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.lanes import check_lane_count, lane_count
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.runtime.resources import Resources
-from kairos.runtime.service import run_service, start_metrics_and_connect
+from kairos.runtime.service import forward, run_service, start_metrics_and_connect
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.jobs import JobLink
 from kairos.services.dispatcher.metrics import DispatcherMetrics
@@ -95,35 +94,12 @@ class Dispatcher:
                                  ack_wait_s=cfg.ack_wait_s, log=self.log, clock=clock, stop=self._stop)
 
     # -- what the replica knows (read by tests and tools) -----------------------------------------------
-    @property
-    def model(self) -> LatencyModel:
-        """The latency model decisions use now (a hot reload replaces it)."""
-        return self.router.model
-
-    @property
-    def policy(self) -> Policy:
-        """The routing policy (``KAIROS_POLICY``)."""
-        return self.router.policy
-
-    @property
-    def params(self) -> PolicyParams:
-        """The policy parameters in use (α, β, τ, TTFT SLO; the chunk budget of the model's engine)."""
-        return self.router.params
-
-    @property
-    def view(self) -> ClusterView | None:
-        """The newest cluster view heard."""
-        return self.state.view
-
-    @property
-    def reservations(self) -> dict[str, Reservation]:
-        """The watched deflection reservations, by key."""
-        return self.state.reservations
-
-    @property
-    def routed(self) -> int:
-        """Requests this replica routed."""
-        return self.outcomes.routed
+    model = forward("router.model", "the latency model decisions use now (a hot reload replaces it)")
+    policy = forward("router.policy", "the routing policy (``KAIROS_POLICY``)")
+    params = forward("router.params", "the policy parameters in use (α, β, τ, TTFT SLO; the chunk budget of the model's engine)")
+    view = forward("state.view", "the newest cluster view heard (a ClusterView, or None)")
+    reservations = forward("state.reservations", "the watched deflection reservations (Reservation), by key")
+    routed = forward("outcomes.routed", "requests this replica routed")
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
