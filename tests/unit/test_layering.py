@@ -45,6 +45,10 @@ ANY = "*"
 PLUGIN = "kairos.engines.vllm.plugin"
 #: the packages Python executes before the plugin's own modules when vLLM imports it
 PLUGIN_PARENTS = ("kairos", "kairos.engines", "kairos.engines.vllm")
+#: modules outside the plugin that run in the vLLM virtualenv (tests/vllm/inproc, ``python -m
+#: kairos.engines.vllm.tiny_model`` under the vLLM python), which has vLLM's dependencies and not ours
+VLLM_VENV_MODULES = ("kairos.engines.vllm.subscriber", "kairos.engines.vllm.tiny_model")
+VLLM_VENV_PACKAGES = ("msgspec", "zmq", "torch", "transformers", "tokenizers")
 #: the services' pure state machines (the node agent's one once it exists)
 STATE_MACHINES = ("kairos.services.ingress.lifecycle", "kairos.services.node_agent.request")
 
@@ -85,6 +89,8 @@ RULES = (
          (PLUGIN,), ("kairos", *NETWORK), allowed=(PLUGIN,)),
     Rule("packages above the vLLM plugin: only the plugin and the standard library at module level",
          PLUGIN_PARENTS, (ANY,), allowed=(PLUGIN, *sorted(sys.stdlib_module_names)), exact=True, top_level_only=True),
+    Rule("modules the vLLM virtualenv imports: the plugin, vLLM's dependencies and the standard library only",
+         VLLM_VENV_MODULES, (ANY,), allowed=(PLUGIN, *VLLM_VENV_PACKAGES, *sorted(sys.stdlib_module_names)), exact=True),
     Rule("kairos never imports tools (not installed)", ("kairos",), ("tools",)),
     Rule("pure state machines: no network, no runtime", STATE_MACHINES, (*NETWORK, "kairos.runtime"), exact=True),
 )
@@ -327,6 +333,7 @@ vLLM plugin     | kairos/engines/vllm/plugin/bad.py      | from kairos.core.poli
 vLLM plugin     | kairos/engines/vllm/plugin/bad.py      | def f():;>import aiohttp.web                   | aiohttp.web
 packages above  | kairos/engines/__init__.py             | from kairos.engines.emulated import EmulatedBackend | kairos.engines.emulated
 packages above  | kairos/__init__.py                     | import msgspec                                 | msgspec
+modules the vLLM | kairos/engines/vllm/subscriber.py     | import structlog                               | structlog
 kairos never    | kairos/cli/bad.py                      | def f():;>from tools.docgen import fmt         | tools.docgen.fmt
 pure state      | kairos/services/ingress/lifecycle.py   | from kairos.runtime.bus import Bus             | kairos.runtime.bus
 pure state      | kairos/services/node_agent/request.py  | import nats.js                                 | nats.js

@@ -349,7 +349,8 @@ class VllmBackend(EngineBackend):
             if snap.step_record is not None:
                 await events.on_step(step_output(snap.step_record, self._reqs, started, self.model))
         try:
-            await follow(sub, stop, on_snapshot, self._engine_lost)
+            await follow(sub, stop, on_snapshot, self._engine_lost,
+                         lambda why: log.warning("bad_engine_state", error=why))
         finally:
             self._ready_task.cancel()
             await asyncio.gather(self._ready_task, return_exceptions=True)

@@ -18,15 +18,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import msgspec
-import structlog
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kairos.engines.vllm.plugin.protocol import EngineSnapshot, decode
-
-log = structlog.get_logger("kairos.node_agent.vllm")
-
 
 class EngineStateError(ValueError):
     """A message on the stream is not a valid :class:`EngineSnapshot` (the text names the field)."""
@@ -107,11 +103,13 @@ class EngineStateSubscriber:
 
 
 async def follow(sub: EngineStateSubscriber, stop: asyncio.Event,
-                 on_snapshot: Callable[[EngineSnapshot], Awaitable[None]], on_lost: Callable[[str], None]) -> None:
+                 on_snapshot: Callable[[EngineSnapshot], Awaitable[None]], on_lost: Callable[[str], None],
+                 on_bad: Callable[[str], None]) -> None:
     """Follow ``sub`` until ``stop`` is set: every snapshot is awaited in ``on_snapshot`` (in
     publication order), the connection closing calls ``on_lost(why)`` at once (the engine process
-    died; ZMQ reconnects by itself), a message that does not decode is logged and skipped. Closes
-    nothing: the caller owns ``sub``."""
+    died; ZMQ reconnects by itself), a message that does not decode is passed to ``on_bad(why)``
+    (the caller logs it) and skipped. Closes nothing: the caller owns ``sub``. No logging library
+    here: this module is imported in the vLLM virtualenv too (tests/vllm/inproc)."""
     stop_wait = asyncio.ensure_future(stop.wait())
     recv, gone = asyncio.ensure_future(sub.recv()), asyncio.ensure_future(sub.disconnected())
     try:
@@ -128,7 +126,7 @@ async def follow(sub: EngineStateSubscriber, stop: asyncio.Event,
             try:
                 snap = recv.result()
             except EngineStateError as exc:  # a bad message; keep listening
-                log.warning("bad_engine_state", error=str(exc))
+                on_bad(str(exc))
                 snap = None
             recv = asyncio.ensure_future(sub.recv())
             if snap is not None:
