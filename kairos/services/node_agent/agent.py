@@ -40,7 +40,7 @@ from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.lanes import claim_buckets, lane_count
 from kairos.runtime.resources import BackgroundTasks, Resources
-from kairos.runtime.service import start_metrics_and_connect
+from kairos.runtime.service import forward, start_metrics_and_connect
 from kairos.services.node_agent.acceptance import Claims
 from kairos.services.node_agent.config import AgentConfig
 from kairos.services.node_agent.context import NodeContext
@@ -62,13 +62,6 @@ def ground_truth(cfg: AgentConfig, model: LatencyModel) -> GroundTruth | None:
     if cfg.truth_profile is None and cfg.truth_scale == 1.0:
         return None
     return GroundTruth(load_profile(cfg.truth_profile) if cfg.truth_profile else model, scale=cfg.truth_scale)
-
-
-def _forward(path: str, doc: str) -> property:
-    """An attribute of the agent that is ``path`` (``part.attribute``) of one of its parts."""
-    part, name = path.split(".")
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
 class NodeAgent:
@@ -115,16 +108,16 @@ class NodeAgent:
             self.res.push(name, step)  # closed last first: bus watch, drain, …, telemetry
 
     # -- what the node's parts share, as attributes of the agent (tests, kairos profile) ----------------
-    nc = _forward("ctx.nc", "the NATS connection (None until started)")
-    claims = _forward("ctx.claims", "the execution claims (None until the claim buckets are named)")
-    accepting = _forward("ctx.accepting", "False once the node drains (or a test makes it refuse work)")
-    reqs = _forward("ctx.reqs", "the requests this node holds, by bus request id")
-    cancelled = _forward("ctx.cancelled", "request ids cancelled recently")
-    origin = _forward("ctx.origin", "the forged-message guard")
-    deflecting = _forward("slots.held", "request id -> the reservation key of the deflection slot it holds")
-    max_concurrent_deflections = _forward("slots.max_concurrent", "the most deflections accepted at once")
-    deflect_overlaps = _forward("slots.overlaps", "deflect jobs refused: every slot was taken")
-    jobs_received = _forward("jobs.received", "request ids of every job received")
+    nc = forward("ctx.nc", "the NATS connection (None until started)")
+    claims = forward("ctx.claims", "the execution claims (None until the claim buckets are named)")
+    accepting = forward("ctx.accepting", "False once the node drains (or a test makes it refuse work)")
+    reqs = forward("ctx.reqs", "the requests this node holds, by bus request id")
+    cancelled = forward("ctx.cancelled", "request ids cancelled recently")
+    origin = forward("ctx.origin", "the forged-message guard")
+    deflecting = forward("slots.held", "request id -> the reservation key of the deflection slot it holds")
+    max_concurrent_deflections = forward("slots.max_concurrent", "the most deflections accepted at once")
+    deflect_overlaps = forward("slots.overlaps", "deflect jobs refused: every slot was taken")
+    jobs_received = forward("jobs.received", "request ids of every job received")
 
     # -- start / close ------------------------------------------------------------------------------
     async def start(self) -> None:
