@@ -160,7 +160,7 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
                          stale_after_ms=opts.stale_after_ms
                          or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
-    # the policy's traits (kairos+, ARCHITECTURE §4: several deflections per decode node, projected by
+    # the policy's traits (kairos+, docs/policies.md: several deflections per decode node, projected by
     # the policy, and the node-side guard that shrinks a chunk when decodes joined after the decision)
     traits = policy_spec(opts.policy)
     slots = opts.max_deflections_per_node or traits.deflection_slots

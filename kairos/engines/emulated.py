@@ -2,7 +2,7 @@
 
 :class:`EmulatedBackend` is :class:`kairos.core.engine.Engine` with a wall clock — ``plan_step()``,
 sleep for the step's duration, ``commit_step()`` — where the simulator runs the same model with a
-virtual clock (STYLE "one model, two clocks"). Its request events come out of each committed
+virtual clock (one model, two clocks: docs/architecture.md). Its request events come out of each committed
 step; its KV transfers are emulated link times (one transfer per link at a time). It is also the
 smallest complete implementation of the :class:`~kairos.engines.base.EngineBackend` contract:
 read it first when adding a backend (kairos/engines/README.md).

@@ -17,7 +17,7 @@ Model of the cluster:
   (FIFO), each taking ``setup + tokens·bytes/bandwidth`` of the profile's link. A transfer starts
   only once the decode node has allocated KV blocks for the request (decode-side admission, FIFO),
   so the KV-transfer component includes both the link queue and the wait for decode memory —
-  what CALIBRATION.md §C says the paper's transfer times contain.
+  what docs/calibration.md says the paper's transfer times contain.
 * **TTFT components** (ms): prefill queue = first prefill chunk start − arrival; prefill exec =
   prefill end − first chunk start; KV transfer = KV arrived − prefill end; decode queue = first
   token − KV arrived. For a deflected request the "prefill" runs on the decode node and the last two

@@ -1,4 +1,4 @@
-"""The default profile against each statement of CALIBRATION.md section A (paper §3.2, Fig. 1,
+"""The default profile against each calibration statement of the paper (§3.2, Fig. 1,
 Tables 1 and 3). docs/calibration.md lists which statements it meets."""
 
 import itertools

@@ -1,4 +1,4 @@
-"""Continuous-batching engine model (ARCHITECTURE §6 "emulated"; STYLE "one model, two clocks").
+"""Continuous-batching engine model (one model, two clocks: docs/architecture.md).
 
 A pure, clock-free state machine in the manner of vLLM's V1 scheduler, driven by a
 :class:`~kairos.core.model.latency.LatencyModel`: :meth:`Engine.plan_step` says what the next step contains

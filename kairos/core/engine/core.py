@@ -1,8 +1,8 @@
-"""The continuous-batching engine model: a clock-free step planner (ARCHITECTURE §6).
+"""The continuous-batching engine model: a clock-free step planner (docs/architecture.md).
 
 Where it is used: the simulator advances one :class:`Engine` per node in virtual time, the node
 agent's emulated backend in real time (``await asyncio.sleep(plan.duration_ms / 1e3)``). Both run
-the same loop, so the same arrivals give the same step plans (STYLE "one model, two clocks")::
+the same loop, so the same arrivals give the same step plans (one model, two clocks: docs/architecture.md)::
 
     plan = engine.plan_step()          # None: nothing runnable until an external event
     for rid in engine.poll_allocated():

@@ -201,7 +201,7 @@ POLICIES: dict[str, PolicySpec] = {s.name: s for s in (
     PolicySpec("kairos+", fixed(decide_kairos),
                "`kairos` + KV-transfer-aware TTFT_pf + projected decode state (several deflections per node) + "
                "learned model correction (`model_correction`, below) + cache-aware Eq. 1–6 (`prefix_aware`, below)",
-               "§7 future work, ARCHITECTURE §4",
+               "§7 future work; docs/policies.md",
                overrides={"kv_transfer_aware": True, "project_decode_state": True, "model_correction": True,
                           "prefix_aware": True},
                params=_KAIROS_PARAMS, deflection_slots=KAIROS_PLUS_SLOTS, node_guard=True),

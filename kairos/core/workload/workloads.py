@@ -1,4 +1,4 @@
-"""Workloads: requests with arrival times and token lengths (paper §3, Table 1; CALIBRATION.md §B).
+"""Workloads: requests with arrival times and token lengths (paper §3, Table 1; docs/calibration.md).
 
 A workload is a ``list[WorkloadRequest]`` sorted by ``arrival_s`` (seconds from the workload
 start). Where it comes from: :func:`generate` (the paper's five synthetic workloads), the loaders
@@ -59,7 +59,7 @@ DEFAULT_MAX_MODEL_LEN = 32768  #: context window in tokens (§3: DeepSeek-V2-Lit
 MOONCAKE_BUCKET_MS = 3000.0  #: the Mooncake trace's timestamps are rounded to ~3 s buckets
 MOONCAKE_BLOCK_TOKENS = 512  #: tokens per ``hash_ids`` block of the Mooncake trace (its README)
 
-# Paper §3 overall percentiles (tokens) and the log-normal σ fitted to them (CALIBRATION.md §B).
+# Paper §3 overall percentiles (tokens) and the log-normal σ fitted to them (docs/calibration.md).
 PROMPT_P25, PROMPT_P50, PROMPT_P90 = 2071, 3569, 10336
 OUTPUT_P25, OUTPUT_P50, OUTPUT_P90 = 21, 50, 163
 PROMPT_SIGMA = 0.83

@@ -2,7 +2,7 @@
 
 * **accepted** — the node took the job: a :class:`~kairos.contracts.wire.RoutedEvent` on
   ``kairos.route.decided`` (the aggregator folds it into the view, the ingress and the other replicas
-  see it), the decision's ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing"), the metrics,
+  see it), the decision's ``kairos.*`` span attributes (docs/observability.md, "Tracing"), the metrics,
   and the :class:`~kairos.contracts.records.DecisionRecord` in the requests bucket (written
   unacknowledged: the routing event, the record and the work-queue ack leave in one socket write);
 * **claimed elsewhere** — an earlier delivery's job holds the request's claim on another node: its
@@ -118,7 +118,7 @@ class Outcomes:
 
 def set_decision_attributes(span: Any, d: Decision, state_age_ms: float | None, attempts: int,
                             excluded: dict[str, str], conflicts: list[str]) -> None:
-    """The decision as ``kairos.*`` span attributes (ARCHITECTURE §2 "Tracing").
+    """The decision as ``kairos.*`` span attributes (docs/observability.md, "Tracing").
 
     Per-node maps are flattened (span attributes are scalars or homogeneous lists):
     ``kairos.ttft_decode_est_ms.<node>`` for every decode node with an estimate and

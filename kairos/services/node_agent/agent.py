@@ -14,7 +14,7 @@ The parts, one concern each, sharing one :class:`~.context.NodeContext`:
 * :mod:`.effects` — the engine's request events, cancels and failures, and carrying out the actions;
 * :mod:`.steps` — step records and metrics; :mod:`.heartbeat` — heartbeats; :mod:`.tracing` — spans.
 
-Paths (ARCHITECTURE §2): keep — the prefill node prefills and hands the KV to the first decode
+Paths (docs/architecture.md): keep — the prefill node prefills and hands the KV to the first decode
 candidate that accepts, which pulls it and decodes; deflect — the decode node runs the chunked
 prefill (one span event per chunk: χ, predicted ms, actual ms), releases its deflection slot at
 the first token, decodes.

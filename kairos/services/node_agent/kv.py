@@ -1,4 +1,4 @@
-"""The keep path's KV handoff, both sides (ARCHITECTURE §2).
+"""The keep path's KV handoff, both sides (docs/architecture.md).
 
 * **Prefill node** (:class:`KvSender`): prefill done → offer the KV to the job's decode candidates in
   order (``KvHandoff`` request-reply on ``kairos.kv.<decode node>.agent-<this node>``) until one
