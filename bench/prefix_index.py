@@ -28,7 +28,7 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
 
-    from kairos.core.engine.prefix import PrefixCache
+    from kairos.core.engine_model.prefix import PrefixCache
     from kairos.core.model.latency import load_profile
     from kairos.core.cluster.prefix_index import PrefixIndex
     from kairos.core.workload.workloads import BUNDLED_TRACES, MOONCAKE_BLOCK_TOKENS, TRACES_DIR, load_mooncake_jsonl

@@ -58,7 +58,7 @@ ENGINE_DEFAULTS = (("grid", NodeProfileOptions.grid, "cpu-testbed"),
                    ("base_profile", DEFAULT_PROFILE, "cpu-testbed-vllm"),
                    ("served_model", NodeProfileOptions.served_model, "kairos-vllm"))
 #: the provenance's engine label of ``--emulated``
-EMULATED_ENGINE_LABEL = "emulated (kairos kairos.core.engine)"
+EMULATED_ENGINE_LABEL = "emulated (kairos kairos.core.engine_model)"
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     vLLM's ``CompletionRequest`` names, vllm/entrypoints/openai/protocol.py); the emulated engine
     honours the ones that shape its deterministic output (``seed``, ``stop``, ``stop_token_ids``,
     ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``; see
-    :mod:`kairos.core.engine.text`). The ingress validated the values (ranges, token ids against the
+    :mod:`kairos.core.engine_model.text`). The ingress validated the values (ranges, token ids against the
     vocabulary) before building this.
     """
 
@@ -248,7 +248,7 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     running: NonNeg = 0
     kv_backlog_ms: float = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
     accepting: bool = True  #: False while draining
-    #: prefix-cache events (kairos/core/engine/prefix.py, kairos/core/cluster/prefix_index.py ``on_heartbeat``): the cache's
+    #: prefix-cache events (kairos/core/engine_model/prefix.py, kairos/core/cluster/prefix_index.py ``on_heartbeat``): the cache's
     #: block size in tokens (0: the engine reports no cache), the block hashes stored and removed
     #: since the previous heartbeat (net), or with ``cache_full`` the whole cache in ``cache_stored``
     cache_block_tokens: NonNeg = 0

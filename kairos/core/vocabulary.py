@@ -14,7 +14,7 @@ producers and claims already stored in a bucket).
 
 Where a request is *on one node* is :class:`RequestPhase`, and what that node does for it is
 :class:`RequestRole` (its part of the path): one vocabulary for the engine model
-(:mod:`kairos.core.engine`), both engine backends (:mod:`kairos.engines`) and the node agent's request
+(:mod:`kairos.core.engine_model`), both engine backends (:mod:`kairos.engines`) and the node agent's request
 lifecycle (:mod:`kairos.services.node_agent.request`)::
 
     role           phases on the node (each component uses the ones it can see)

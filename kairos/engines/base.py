@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import InferenceRequest
-from kairos.core.engine import EngineState, GroundTruth
+from kairos.core.engine_model import EngineState, GroundTruth
 from kairos.core.model.latency import LatencyModel
 from kairos.core.vocabulary import RequestPhase
 

@@ -1,6 +1,6 @@
 """The emulated engine backend: the engine model driven in real time (also the sample backend).
 
-:class:`EmulatedBackend` is :class:`kairos.core.engine.Engine` with a wall clock — ``plan_step()``,
+:class:`EmulatedBackend` is :class:`kairos.core.engine_model.Engine` with a wall clock — ``plan_step()``,
 sleep for the step's duration, ``commit_step()`` — where the simulator runs the same model with a
 virtual clock (one model, two clocks: docs/architecture.md). Its request events come out of each committed
 step; its KV transfers are emulated link times (one transfer per link at a time). It is also the
@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from kairos.contracts.wire import CACHE_SYNC_MAX_HASHES, InferenceRequest
-from kairos.core.engine import Engine, EngineConfig, EngineState, GroundTruth
-from kairos.core.engine.text import EmulatedCompletion, emulated_completion
+from kairos.core.engine_model import Engine, EngineConfig, EngineState, GroundTruth
+from kairos.core.engine_model.text import EmulatedCompletion, emulated_completion
 from kairos.core.model.latency import LatencyModel
 from kairos.core.vocabulary import RequestPhase
 from kairos.engines.base import EngineBackend, EngineEvents, StepOutput
@@ -29,16 +29,16 @@ TIMER_RESOLUTION_S = 0.001
 def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
     """The emulated engine's output of ``req``: its length (given to the engine model as the output
     tokens), per-token text and finish reason, honouring the request's sampling parameters
-    (:mod:`kairos.core.engine.text`; a request without ``max_tokens`` ends with the emulated EOS)."""
+    (:mod:`kairos.core.engine_model.text`; a request without ``max_tokens`` ends with the emulated EOS)."""
     return emulated_completion(req.sampling, req.max_tokens, req.prompt_text, req.prompt_token_ids,
                                natural_end=not req.max_tokens_explicit)
 
 
 class EmulatedBackend(EngineBackend):
-    """:class:`kairos.core.engine.Engine` advanced in real time (``asyncio.sleep(duration)``).
+    """:class:`kairos.core.engine_model.Engine` advanced in real time (``asyncio.sleep(duration)``).
 
     ``model`` is what the node believes (``StepOutput.predicted_ms``, the guard); ``truth`` (a
-    :class:`~kairos.core.engine.GroundTruth`, e.g. another artifact or a scale) is how long its steps
+    :class:`~kairos.core.engine_model.GroundTruth`, e.g. another artifact or a scale) is how long its steps
     really take — None: exactly the model. ``kairos profile`` recovers the truth, not the model.
     """
 
@@ -103,7 +103,7 @@ class EmulatedBackend(EngineBackend):
         self._wake.set()
 
     def add_deflected(self, req: InferenceRequest, chunk_schedule: list[int], decision_batch_size: int = 0) -> None:
-        # the engine model applies χ_i − B with the B of each step itself (kairos/core/engine/core.py)
+        # the engine model applies χ_i − B with the B of each step itself (kairos/core/engine_model/core.py)
         out = emulated_output(req)
         self.engine.add_deflected(req.request_id, req.prompt_tokens, out.n_tokens, chunk_schedule,
                                   self._hashes.pop(req.request_id, ()))

@@ -37,7 +37,7 @@ class SimConfig:
             with ``deflection_slots`` per decode node; False: deflections queue on any node.
         deflection_slots: deflections per decode node under the rule; 0: the policy's live
             default (:func:`kairos.core.cluster.routing.deflection_slots`).
-        prefix_caching: engines keep prefix caches (kairos/core/engine/prefix.py); requests with block
+        prefix_caching: engines keep prefix caches (kairos/core/engine_model/prefix.py); requests with block
             hashes (the Mooncake trace) hit them. The dispatcher's prefix index is refreshed with
             the view (every Δh) from the engines' cache events.
         prefix_block_tokens: tokens per hashed block of the workload's ``block_hashes`` (the

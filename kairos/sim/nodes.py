@@ -3,8 +3,8 @@
 Inputs: :class:`~kairos.sim.config.SimConfig` (node counts, truth, bias, drift, noise, seed,
 the node-side guard, prefix caching), the policy's latency model and its parameters, and the
 simulator's virtual clock (ms; a drift starts at a virtual time). Outputs: :class:`SimNodes`, the
-:class:`~kairos.core.engine.Engine` of every node, each planning with the policy's model and
-advancing by its own :class:`~kairos.core.engine.GroundTruth` (None: the exact-model run, where the
+:class:`~kairos.core.engine_model.Engine` of every node, each planning with the policy's model and
+advancing by its own :class:`~kairos.core.engine_model.GroundTruth` (None: the exact-model run, where the
 prediction is the truth) and the seeded multiplicative log-normal noise shared by all nodes.
 """
 
@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from kairos.core.engine import Engine, EngineConfig, GroundTruth
+from kairos.core.engine_model import Engine, EngineConfig, GroundTruth
 from kairos.core.model.latency import LatencyModel
 from kairos.core.policy import PolicyParams
 from kairos.sim.config import SimConfig

@@ -1,7 +1,7 @@
 """Discrete-event P/D cluster simulator (paper §3.3–3.4, §6), in virtual time.
 
 Where things come from: arrivals from ``kairos.core.workload.workloads``; every node is the engine model of
-``kairos.core.engine`` (the same one the emulated node agent runs in real time); decisions come from
+``kairos.core.engine_model`` (the same one the emulated node agent runs in real time); decisions come from
 ``kairos.core.policy`` (the dispatcher's code). Where they go: one :class:`kairos.core.workload.serving_metrics.RequestRecord`
 per request plus the decode nodes' step latencies, summarized by ``kairos.core.workload.serving_metrics.summarize``.
 
@@ -37,7 +37,7 @@ Model of the cluster:
   decoding, then the source drops it and the target resumes at the next token (its KV transfer
   is not part of TTFT). Steps of prefill nodes with decodes in them count as decode steps.
 * **Ground truth.** The engines plan with the policy's model (their predictions, the node-side
-  guard) but advance the clock by their own :class:`~kairos.core.engine.GroundTruth`: ``truth``
+  guard) but advance the clock by their own :class:`~kairos.core.engine_model.GroundTruth`: ``truth``
   (another artifact: an error of form), ``truth_scale`` (a bias), ``drift`` (one node slower from
   a given time on) and ``noise`` (multiplicative log-normal σ on every step). With none of them
   the truth *is* the policy's model — the exact-model run the model-error report compares with.
@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from kairos.core.engine import StepPlan
+from kairos.core.engine_model import StepPlan
 from kairos.core.model.latency import LatencyModel
 from kairos.core.policy import Policy, PolicyParams
 from kairos.core.workload.workloads import WorkloadRequest

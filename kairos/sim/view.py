@@ -1,6 +1,6 @@
 """The simulated dispatcher: its view of the cluster and its routing decisions (paper §5.3).
 
-Inputs: the nodes' :class:`~kairos.core.engine.EngineState` (refreshed every Δh =
+Inputs: the nodes' :class:`~kairos.core.engine_model.EngineState` (refreshed every Δh =
 ``heartbeat_ms``, or read exactly when Δh = 0, the paper's "Oracle"), the engines' prefix-cache
 events, every step's (predicted, actual) ms for the model correction, the links' queued transfer
 work, and what this dispatcher routed itself since the last refresh. Outputs: the
@@ -24,7 +24,7 @@ from __future__ import annotations
 from kairos.core.cluster.prefix_index import PrefixIndex
 from kairos.core.cluster.routing import deflection_slots, keep_instead
 from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
-from kairos.core.engine import StepPlan
+from kairos.core.engine_model import StepPlan
 from kairos.core.model.correction import IDENTITY, CorrectionEstimator, StepCorrection
 from kairos.core.model.latency import LatencyModel
 from kairos.core.policy import Policy, PolicyParams

@@ -39,7 +39,7 @@ import pytest
 
 from kairos.cli.up import Child, UpOptions, free_port, nats_server_binary, plan, wait_listening
 from kairos.contracts import permissions as P
-from kairos.core.engine.text import emulated_completion
+from kairos.core.engine_model.text import emulated_completion
 from kairos.contracts.wire import SamplingParams
 from tests.integration.conftest import wait_until
 
@@ -72,7 +72,7 @@ def make_prompt(prompt_len: int) -> list[int]:
 
 def expected_text(prompt: list[int], max_tokens: int) -> str:
     """The emulated engine's complete output for ``prompt`` and ``max_tokens`` (default sampling;
-    the same function the node agents use, kairos/core/engine/text.py)."""
+    the same function the node agents use, kairos/core/engine_model/text.py)."""
     return emulated_completion(SamplingParams(), max_tokens, None, prompt).full_text()
 
 

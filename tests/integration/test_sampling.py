@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from kairos.core.engine.text import NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, emulated_completion
+from kairos.core.engine_model.text import NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, emulated_completion
 from kairos.contracts.wire import SamplingParams
 from tests.integration.conftest import stack
 

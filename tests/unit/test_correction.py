@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from kairos.cli.main import main
 from kairos.core.model.correction import IDENTITY, CorrectionEstimator, StepCorrection
-from kairos.core.engine import GroundTruth
+from kairos.core.engine_model import GroundTruth
 from kairos.core.policy import PolicyParams
 from kairos.core.policy import parse_policy
 from kairos.core.policy.estimates import decode_schedule

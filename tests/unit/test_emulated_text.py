@@ -1,4 +1,4 @@
-"""The emulated engine's deterministic output and vLLM's stop rules (kairos/core/engine/text.py).
+"""The emulated engine's deterministic output and vLLM's stop rules (kairos/core/engine_model/text.py).
 
 The truth each test checks against is the *unconstrained* output of the same request (no stop
 conditions), computed independently of the stop logic: a stop rule must cut that sequence exactly
@@ -7,7 +7,7 @@ where vLLM's rules say.
 
 import pytest
 
-from kairos.core.engine.text import (EOS_TOKEN_ID, NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, EmulatedCompletion,
+from kairos.core.engine_model.text import (EOS_TOKEN_ID, NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, EmulatedCompletion,
                                   emulated_completion, natural_length, sequence_key, token_text)
 from kairos.contracts.wire import SamplingParams as SP
 

@@ -1,4 +1,4 @@
-"""Unit tests of the continuous-batching engine model (kairos/core/engine)."""
+"""Unit tests of the continuous-batching engine model (kairos/core/engine_model)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kairos.core.engine import Engine
+from kairos.core.engine_model import Engine
 
-from kairos.core.engine import EngineConfig
+from kairos.core.engine_model import EngineConfig
 
-from kairos.core.engine import EngineError
+from kairos.core.engine_model import EngineError
 
-from kairos.core.engine import EngineState
+from kairos.core.engine_model import EngineState
 
-from kairos.core.engine import StepPlan
+from kairos.core.engine_model import StepPlan
 
-from kairos.core.engine import StepResult
-from kairos.core.engine.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
+from kairos.core.engine_model import StepResult
+from kairos.core.engine_model.batching import blocks_needed, chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
 from kairos.core.model.latency import EngineLimits, LatencyModel, load_profile
 from kairos.core.cluster.snapshot import InFlightDeflection
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kairos.engines.emulated import EmulatedBackend
-from kairos.core.engine import GroundTruth
+from kairos.core.engine_model import GroundTruth
 from kairos.contracts.wire import InferenceRequest
 from tests.factories import tiny_model
 

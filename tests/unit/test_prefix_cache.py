@@ -1,4 +1,4 @@
-"""Prefix caches: the engine's block-hash cache (kairos/core/engine/prefix.py), its use by the engine
+"""Prefix caches: the engine's block-hash cache (kairos/core/engine_model/prefix.py), its use by the engine
 model, the view's prefix index (kairos/core/cluster/prefix_index.py) and the Mooncake trace's hashes."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kairos.core.engine import Engine
+from kairos.core.engine_model import Engine
 
-from kairos.core.engine import EngineConfig
-from kairos.core.engine.prefix import PrefixCache
+from kairos.core.engine_model import EngineConfig
+from kairos.core.engine_model.prefix import PrefixCache
 from kairos.core.model.latency import load_profile
 from kairos.core.cluster.prefix_index import PrefixIndex
 from kairos.core.workload.workloads import BUNDLED_TRACES, MOONCAKE_BLOCK_TOKENS, TRACES_DIR, load_mooncake_jsonl

@@ -7,11 +7,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kairos.core.engine import Engine
+from kairos.core.engine_model import Engine
 
-from kairos.core.engine import EngineConfig
+from kairos.core.engine_model import EngineConfig
 
-from kairos.core.engine import EngineError
+from kairos.core.engine_model import EngineError
 from kairos.core.model.latency import load_profile
 from kairos.core.policy import PolicyError
 from kairos.core.policy import PolicyParams

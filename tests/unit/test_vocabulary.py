@@ -40,8 +40,8 @@ def test_the_decision_and_the_wire_share_the_path_names():
 
 
 def test_one_phase_and_role_vocabulary_for_the_engine_model_the_backends_and_the_agent():
-    from kairos.core.engine import Engine, EngineConfig
-    from kairos.core.engine import request as engine_request
+    from kairos.core.engine_model import Engine, EngineConfig
+    from kairos.core.engine_model import request as engine_request
     from kairos.core.vocabulary import RequestPhase, RequestRole, job_role
     from tests.factories import tiny_model
 

@@ -1,7 +1,7 @@
 """Per-node prefix index of the cluster view: "how many leading tokens of request r does node n hold".
 
 Where its input comes from: each engine's prefix-cache events (``stored``/``removed`` block hashes,
-:meth:`kairos.core.engine.Engine.drain_cache_events`; vLLM's ``--kv-events-config`` ``BlockStored`` /
+:meth:`kairos.core.engine_model.Engine.drain_cache_events`; vLLM's ``--kv-events-config`` ``BlockStored`` /
 ``BlockRemoved`` for a real engine). The simulator applies them at every view refresh; live, the
 state aggregator applies those the agents attach to their heartbeats. Where its output goes: the
 snapshot's ``cached_prefix_tokens`` per node (kairos/core/cluster/snapshot.py), read by the cache-aware policies.
@@ -95,7 +95,7 @@ class PrefixIndex:
         ``BlockRemoved`` per block (``vllm/v1/core/block_pool.py``), so the removal of one copy
         must not drop the hash (issue 16: a match of 7 blocks fell to 2). The emulated engine holds
         one block per hash and reports each hash's 0↔1 transitions
-        (:meth:`kairos.core.engine.prefix.PrefixCache.drain_events`). The arithmetic commutes, so the
+        (:meth:`kairos.core.engine_model.prefix.PrefixCache.drain_events`). The arithmetic commutes, so the
         order of the events does not matter; a removal of a hash the node does not hold (events
         from before a reset) is ignored. Not idempotent: a heartbeat's events are applied once
         (:meth:`on_heartbeat` checks ``seq``).

@@ -3,7 +3,7 @@
 Where the numbers come from: a versioned JSON artifact (``kairos/core/data/profiles/*.json``) that is either a
 calibration to the paper's published figures (the default ``a100-dsv2lite``) or the output of
 :func:`kairos.core.model.fitting.fit_latency_model` over recorded engine steps (``kairos profile``).
-Where they go: the policies (``kairos/core/policy``), the engine model (``kairos/core/engine``) and
+Where they go: the policies (``kairos/core/policy``), the engine model (``kairos/core/engine_model``) and
 the simulator. This module holds the model, its versioned artifact (``to_dict`` / ``from_dict`` /
 :func:`load_profile`) and the readers of a fitted artifact's fit report (:func:`tbt_safety_beta`,
 :func:`step_noise_sigma`); fitting lives in :mod:`kairos.core.model.fitting`.

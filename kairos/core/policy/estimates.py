@@ -313,7 +313,7 @@ def fixed_chunk_steps(model: LatencyModel, batch_size: int, kv_tokens: int, prom
     starting after ``cached_tokens`` c prefix-cached prompt tokens.
 
     When χ ≤ B the decodes alone fill the budget; we still schedule one prompt token per step so
-    that the schedule is finite (the engine model does the same, see kairos/core/engine).
+    that the schedule is finite (the engine model does the same, see kairos/core/engine_model).
     """
     p = max(chunk_tokens - batch_size, 1)
     todo, c = prompt_tokens - cached_tokens, cached_tokens

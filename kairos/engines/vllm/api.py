@@ -93,7 +93,7 @@ def engine_prefill_chunks(chunk_schedule: list[int], decision_batch_size: int) -
     """Prompt tokens per prefill step for vLLM from the dispatcher's chunk schedule.
 
     The policy's χ_i is the step's whole token count, including the B decode tokens of the step
-    (docs/policies.md "χ counts the decodes"; :mod:`kairos.core.engine.core`: a step with χ_i carries
+    (docs/policies.md "χ counts the decodes"; :mod:`kairos.core.engine_model.core`: a step with χ_i carries
     χ_i − B prompt tokens). The scheduler plugin caps prompt tokens only, so p_i = χ_i − B with B the
     decode batch the decision assumed (``Job.decision_batch_size``); at least 1 token per step.
 

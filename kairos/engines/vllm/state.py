@@ -3,7 +3,7 @@
 The ``kairos.engines.vllm.plugin`` plugin publishes an ``EngineSnapshot`` per step and when idle (contract A,
 kairos/engines/vllm/plugin/protocol.py); :class:`kairos.engines.vllm.backend.VllmBackend` keeps the last
 one beside its own record of each request it sent the server (:class:`_VReq`). From those two,
-:func:`engine_state` gives the heartbeat's :class:`~kairos.core.engine.EngineState` (what the dispatcher
+:func:`engine_state` gives the heartbeat's :class:`~kairos.core.engine_model.EngineState` (what the dispatcher
 routes on) and :func:`step_output` turns a snapshot's ``StepRecord`` into the agent's
 :class:`~kairos.engines.base.StepOutput` (its step records and the model correction).
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from kairos.contracts.wire import InferenceRequest
 from kairos.core.cluster.snapshot import InFlightDeflection
-from kairos.core.engine import EngineState
+from kairos.core.engine_model import EngineState
 from kairos.core.model.latency import LatencyModel
 from kairos.core.vocabulary import RequestPhase, RequestRole
 from kairos.engines.base import StepOutput

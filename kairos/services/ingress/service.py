@@ -37,7 +37,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
 from kairos.contracts.wire import ClusterView, Resend
 from kairos.core.cluster.heartbeat import Liveness
-from kairos.core.engine.text import EMULATED_VOCAB_SIZE
+from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
 from kairos.core.model.latency import load_profile
 from kairos.runtime import telemetry
 from kairos.runtime.bus import close as bus_close

@@ -28,7 +28,7 @@ from typing import Any
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
 from kairos.contracts.wire import Cancel, Resend, WireError, decode
-from kairos.core.engine import GroundTruth
+from kairos.core.engine_model import GroundTruth
 from kairos.core.model.correction import CorrectionEstimator
 from kairos.core.model.latency import LatencyModel, load_profile
 from kairos.engines import make_backend

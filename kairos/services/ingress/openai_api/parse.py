@@ -16,7 +16,7 @@ from typing import Any
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import SamplingParams
-from kairos.core.engine.text import EMULATED_VOCAB_SIZE
+from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
 from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest, parameters
 from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, count_prompt_tokens, render_chat,
                                                        resolve_max_tokens)

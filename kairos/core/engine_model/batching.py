@@ -1,6 +1,6 @@
 """Small pure functions of the engine model: KV blocks, chunk-schedule honouring, the TBT guard.
 
-Used by :class:`kairos.core.engine.core.Engine` on every step; free of engine state so that the
+Used by :class:`kairos.core.engine_model.core.Engine` on every step; free of engine state so that the
 policies and tests can evaluate exactly what the engine will do. Tokens and ms throughout.
 """
 

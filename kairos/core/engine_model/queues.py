@@ -1,11 +1,11 @@
 """Where each request of one engine is: the per-phase queues, FIFO admission, arrivals, removal.
 
-Inputs: the requests :class:`~kairos.core.engine.core.Engine` is given (id, kind, token counts,
-χ schedule, prefix hashes; checked and turned into :class:`~kairos.core.engine.request.Req`
+Inputs: the requests :class:`~kairos.core.engine_model.core.Engine` is given (id, kind, token counts,
+χ schedule, prefix hashes; checked and turned into :class:`~kairos.core.engine_model.request.Req`
 records here), the node's limits
-(:class:`~kairos.core.engine.types.EngineConfig`) and its :class:`~kairos.core.engine.kv.KvBlocks`.
-Outputs: the queues the step planner reads (:mod:`kairos.core.engine.step`), the remote decodes
-that got blocks (for their KV transfers), the :class:`~kairos.core.engine.types.EngineState`
+(:class:`~kairos.core.engine_model.types.EngineConfig`) and its :class:`~kairos.core.engine_model.kv.KvBlocks`.
+Outputs: the queues the step planner reads (:mod:`kairos.core.engine_model.step`), the remote decodes
+that got blocks (for their KV transfers), the :class:`~kairos.core.engine_model.types.EngineState`
 snapshot and the invariant check.
 
 Every request the engine holds is in exactly one index, keyed by its phase::
@@ -23,11 +23,11 @@ from __future__ import annotations
 from collections import deque
 
 from kairos.core.cluster.snapshot import InFlightDeflection
-from kairos.core.engine.batching import blocks_needed
-from kairos.core.engine.kv import KvBlocks
-from kairos.core.engine.request import (AWAIT_KV, DECODING, DEFLECT, DEFLECTING, GONE, PREFILL, PREFILLING, READY,
+from kairos.core.engine_model.batching import blocks_needed
+from kairos.core.engine_model.kv import KvBlocks
+from kairos.core.engine_model.request import (AWAIT_KV, DECODING, DEFLECT, DEFLECTING, GONE, PREFILL, PREFILLING, READY,
                                         REMOTE, WAITING, Req, as_count)
-from kairos.core.engine.types import EngineConfig, EngineError, EngineState
+from kairos.core.engine_model.types import EngineConfig, EngineError, EngineState
 from kairos.core.vocabulary import RequestRole
 
 
@@ -94,7 +94,7 @@ class PhaseQueues:
         self.waiting.append(r)
 
     def admit(self) -> list[str]:
-        """FIFO admission (see :meth:`kairos.core.engine.core.Engine.admit`); returns the remote
+        """FIFO admission (see :meth:`kairos.core.engine_model.core.Engine.admit`); returns the remote
         decodes that got blocks, in allocation order, and logs them for ``poll_allocated``."""
         cap = self.config.max_num_seqs
         running = len(self.prefilling) + len(self.deflect) + len(self.decoding)  # hot path: no property
@@ -180,7 +180,7 @@ class PhaseQueues:
     @property
     def idle(self) -> bool:
         """True iff nothing is running and admission alone would make nothing runnable (see
-        :attr:`kairos.core.engine.core.Engine.idle`). Does not mutate."""
+        :attr:`kairos.core.engine_model.core.Engine.idle`). Does not mutate."""
         if self.decoding or self.prefilling or self.deflect or self.ready:
             return False
         free = self.kv.free  # running == 0 here, so only blocks gate admission

@@ -1,6 +1,6 @@
 """Values the engine model exchanges with its driver: config, step plan, step result, state.
 
-Where they come from: :class:`~kairos.core.engine.core.Engine` builds :class:`StepPlan` in
+Where they come from: :class:`~kairos.core.engine_model.core.Engine` builds :class:`StepPlan` in
 ``plan_step()``, :class:`StepResult` in ``commit_step()`` and :class:`EngineState` in ``state()``.
 Where they go: the simulator (virtual clock) and the node agent's emulated backend (wall clock)
 advance time by ``StepPlan.duration_ms`` and act on the result (stream tokens, start KV handoffs);
@@ -49,7 +49,7 @@ class EngineConfig:
         block_size: tokens per KV block (vLLM ``--block-size``).
         prefix_block_tokens: tokens per hashed block of the prefix cache (the granularity of the
             requests' ``block_hashes``); 0 = ``block_size``. The Mooncake trace hashes 512-token
-            blocks. See :mod:`kairos.core.engine.prefix`.
+            blocks. See :mod:`kairos.core.engine_model.prefix`.
         prefix_caching: keep a prefix cache (vLLM ``--enable-prefix-caching``, on by default in
             V1). Requests without block hashes never hit, so it only matters for those with.
     """

@@ -1,6 +1,6 @@
 """Prefix cache of an engine: KV blocks keyed by a hash chain, LRU eviction, incremental events.
 
-Where it is used: every :class:`kairos.core.engine.Engine` (simulator and emulated node agent alike)
+Where it is used: every :class:`kairos.core.engine_model.Engine` (simulator and emulated node agent alike)
 owns one :class:`PrefixCache`; requests carry their block hashes (``block_hashes``: one per
 ``block_tokens``-token run of the prompt, each hash covering the whole prefix up to its block, so
 a hash equal on two nodes means the same leading tokens — vLLM ``hash_block_tokens`` /

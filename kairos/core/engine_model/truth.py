@@ -4,7 +4,7 @@ Where it is used: the simulator gives every node one :class:`GroundTruth` (``kai
 --truth-profile/--truth-scale/--drift``); the emulated node agent can run one too
 (``KAIROS_TRUTH_PROFILE``/``KAIROS_TRUTH_SCALE``), so that ``kairos profile`` has something to
 recover that is not the model the node reports predictions with. The engine model
-(:class:`kairos.core.engine.Engine`) plans a step with its *belief* (``model``: predictions, the
+(:class:`kairos.core.engine_model.Engine`) plans a step with its *belief* (``model``: predictions, the
 node-side guard) and advances the clock by the *truth* (this class), plus the optional per-step
 noise. Without a truth the two coincide, and "0 TBT violations" would be true by construction.
 

@@ -1,14 +1,14 @@
 """One engine step: what it contains and how long it takes (plan), and what it did (commit).
 
-Inputs: the admitted requests in :class:`~kairos.core.engine.queues.PhaseQueues`, the node's
+Inputs: the admitted requests in :class:`~kairos.core.engine_model.queues.PhaseQueues`, the node's
 token budget, the step-latency model (``model.step_ms(B, K, Σn, c)``, ms), the optional ground
 truth and step noise, and the kairos+ TBT guard (ms). Outputs: a
-:class:`~kairos.core.engine.types.StepPlan` plus the request references it was built from
+:class:`~kairos.core.engine_model.types.StepPlan` plus the request references it was built from
 (:func:`plan_step`), and after the caller advanced its clock a
-:class:`~kairos.core.engine.types.StepResult` (:func:`commit_step`), whose requests have moved
-on in the queues. :class:`~kairos.core.engine.core.Engine` calls both; the semantics (vLLM's
+:class:`~kairos.core.engine_model.types.StepResult` (:func:`commit_step`), whose requests have moved
+on in the queues. :class:`~kairos.core.engine_model.core.Engine` calls both; the semantics (vLLM's
 "running decodes first, then prefill work in the budget left", the chunk schedule χ_i − B of
-paper §5.4) are described in :mod:`kairos.core.engine.core`.
+paper §5.4) are described in :mod:`kairos.core.engine_model.core`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kairos.core.engine.batching import chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
-from kairos.core.engine.queues import PhaseQueues
-from kairos.core.engine.request import DECODING, DEFLECTING, HELD, PREFILLING, Req
-from kairos.core.engine.truth import GroundTruth
-from kairos.core.engine.types import EngineError, StepPlan, StepResult
+from kairos.core.engine_model.batching import chunk_size_at, deflected_chunk_tokens, guard_chunk_tokens
+from kairos.core.engine_model.queues import PhaseQueues
+from kairos.core.engine_model.request import DECODING, DEFLECTING, HELD, PREFILLING, Req
+from kairos.core.engine_model.truth import GroundTruth
+from kairos.core.engine_model.types import EngineError, StepPlan, StepResult
 from kairos.core.model.latency import LatencyModel
 
 #: what a plan was built from, for its commit: the running decodes and the ``(request, prompt

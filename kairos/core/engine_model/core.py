@@ -40,22 +40,22 @@ gets the rest of the token budget. What this model emulates and where it simplif
   prompt tokens, at least 1 (χ counts the B decode tokens, §3.2).
 
 :class:`Engine` is the API and its argument checks; the work is done by three collaborators:
-:class:`~kairos.core.engine.queues.PhaseQueues` (where each request is, FIFO admission, removal),
-:class:`~kairos.core.engine.kv.KvBlocks` (KV blocks and the prefix cache) and
-:mod:`kairos.core.engine.step` (composing and committing one step).
+:class:`~kairos.core.engine_model.queues.PhaseQueues` (where each request is, FIFO admission, removal),
+:class:`~kairos.core.engine_model.kv.KvBlocks` (KV blocks and the prefix cache) and
+:mod:`kairos.core.engine_model.step` (composing and committing one step).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from kairos.core.engine import step
-from kairos.core.engine.kv import KvBlocks
-from kairos.core.engine.prefix import PrefixCache
-from kairos.core.engine.queues import PhaseQueues
-from kairos.core.engine.request import AWAIT_KV, DEFLECT, HELD, PREFILL, REMOTE, Req, as_count
-from kairos.core.engine.truth import GroundTruth
-from kairos.core.engine.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
+from kairos.core.engine_model import step
+from kairos.core.engine_model.kv import KvBlocks
+from kairos.core.engine_model.prefix import PrefixCache
+from kairos.core.engine_model.queues import PhaseQueues
+from kairos.core.engine_model.request import AWAIT_KV, DEFLECT, HELD, PREFILL, REMOTE, Req, as_count
+from kairos.core.engine_model.truth import GroundTruth
+from kairos.core.engine_model.types import EngineConfig, EngineError, EngineState, StepPlan, StepResult
 from kairos.core.model.latency import LatencyModel
 from kairos.core.vocabulary import RequestPhase
 
@@ -72,7 +72,7 @@ class Engine:
             decision are not known to it): when set, a deflected chunk is shrunk so that the
             predicted step (current B and K) stays ≤ this many ms; still ≥ 1 token. Settable (the
             simulator tightens it with the node's learned correction).
-        truth: the node's real step times (:class:`kairos.core.engine.truth.GroundTruth`), independent
+        truth: the node's real step times (:class:`kairos.core.engine_model.truth.GroundTruth`), independent
             of ``model``; None: the step takes what ``model`` predicts. ``step_noise`` then applies
             to the true time.
     """

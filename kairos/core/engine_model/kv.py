@@ -1,12 +1,12 @@
 """KV-block and prefix-cache bookkeeping of one engine: reserve at admission, free on leave.
 
-Inputs: the :class:`~kairos.core.engine.request.Req` records that
-:class:`~kairos.core.engine.queues.PhaseQueues` admits, computes and drops (their ``blocks``,
+Inputs: the :class:`~kairos.core.engine_model.request.Req` records that
+:class:`~kairos.core.engine_model.queues.PhaseQueues` admits, computes and drops (their ``blocks``,
 ``hashes`` and ``kind``). Outputs: the free / used block counts that gate admission and feed
 ``EngineState.free_kv_tokens`` / ``used_kv_tokens``, and on each request its prefix hit
 (``Req.hit``, ``Req.computed``) and the cache hashes it pins (``Req.pinned``).
 
-Whole-request reservation (no preemption, see :mod:`kairos.core.engine.core`): a request takes all
+Whole-request reservation (no preemption, see :mod:`kairos.core.engine_model.core`): a request takes all
 its blocks when admitted and gives them back when it finishes, is released or aborted. Cached
 blocks that no request pins are evictable and are evicted down to the free capacity (vLLM's free
 block queue holds cached blocks until they are reused). Block counts are KV blocks of
@@ -15,9 +15,9 @@ block queue holds cached blocks until they are reused). Block counts are KV bloc
 
 from __future__ import annotations
 
-from kairos.core.engine.prefix import PrefixCache
-from kairos.core.engine.request import REMOTE, Req
-from kairos.core.engine.types import EngineConfig
+from kairos.core.engine_model.prefix import PrefixCache
+from kairos.core.engine_model.request import REMOTE, Req
+from kairos.core.engine_model.types import EngineConfig
 
 
 class KvBlocks:
@@ -26,7 +26,7 @@ class KvBlocks:
     Attributes:
         total: KV blocks of the node (``config.total_blocks``).
         free: blocks no admitted request reserves.
-        cache: the node's :class:`~kairos.core.engine.prefix.PrefixCache`, or None.
+        cache: the node's :class:`~kairos.core.engine_model.prefix.PrefixCache`, or None.
     """
 
     __slots__ = ("block_size", "total", "free", "cache")

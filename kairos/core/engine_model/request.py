@@ -1,11 +1,11 @@
-"""Mutable per-request state of the engine model; never leaves :class:`kairos.core.engine.core.Engine`."""
+"""Mutable per-request state of the engine model; never leaves :class:`kairos.core.engine_model.core.Engine`."""
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
 
-from kairos.core.engine.types import EngineError
+from kairos.core.engine_model.types import EngineError
 from kairos.core.vocabulary import RequestPhase, RequestRole
 
 # request kinds: the node's part of the path (kairos.core.vocabulary.RequestRole)
