@@ -84,6 +84,6 @@ def error_type_for(status: int) -> str:
 
 #: aiohttp's protocol-level errors (no handler ran): status -> code
 PROTOCOL_CODES: dict[int, ErrorCode] = {
-    400: ErrorCode.BAD_REQUEST, 408: ErrorCode.REQUEST_TIMEOUT, 413: ErrorCode.REQUEST_TOO_LARGE, 414: ErrorCode.URI_TOO_LONG,
-    431: ErrorCode.HEADERS_TOO_LARGE, 500: ErrorCode.INTERNAL_ERROR, 504: ErrorCode.TIMEOUT,
+    400: ErrorCode.BAD_REQUEST, 408: ErrorCode.REQUEST_TIMEOUT, 413: ErrorCode.REQUEST_TOO_LARGE,
+    500: ErrorCode.INTERNAL_ERROR, 504: ErrorCode.TIMEOUT,
 }

@@ -8,10 +8,12 @@ optional ``| None``), and :func:`main_config` exits non-zero naming the offendin
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import types
 import typing
+import urllib.parse
 from typing import Any, Literal, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -20,6 +22,12 @@ ENV_PREFIX = "KAIROS_"
 
 class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the variable."""
+
+
+#: URL schemes nats-py connects with (nats/aio/client.py: plain, TLS, WebSocket)
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+#: structlog/logging level names a service accepts (KAIROS_LOG_LEVEL, any case)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def env_name(field: str) -> str:
@@ -52,7 +60,10 @@ def _convert(raw: str, typ: Any, var: str) -> Any:
         if typ is int:
             return int(raw)
         if typ is float:
-            return float(raw)
+            value = float(raw)
+            if not math.isfinite(value):  # inf/nan pass float() but no duration, rate or factor is infinite
+                raise ValueError("must be a finite number")
+            return value
         if typ is str:
             return raw
     except ValueError as exc:
@@ -186,6 +197,11 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         check_nats_auth(self)
         require(any(u.strip() for u in self.nats_url.split(",")), "nats_url", "needs at least one server URL")
+        for url in (u.strip() for u in self.nats_url.split(",") if u.strip()):
+            parts = urllib.parse.urlsplit(url if "://" in url else "nats://" + url)
+            require(parts.scheme in NATS_SCHEMES and bool(parts.hostname) and "://" in url, "nats_url",
+                    f"{url!r} is not a NATS server URL (scheme://host:port, scheme one of {', '.join(NATS_SCHEMES)})")
+        require(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         require(0 <= self.nats_replicas <= 5, "nats_replicas", "must be 0 (one per server URL) .. 5")
         require(0 <= self.nats_lanes <= 5, "nats_lanes", "must be 0 (one per NATS member) .. 5")
 

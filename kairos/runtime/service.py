@@ -12,8 +12,11 @@ stop.wait()``, then a draining ``close()``):
 * a **second** signal during the drain cancels the drain too (exit 128 + signal number).
 
 A bad ``KAIROS_*`` value exits 2 before any of this (``kairos.runtime.envconfig.main_config``); a
-:class:`~kairos.runtime.envconfig.ConfigError` raised during startup (an unreadable password or API key
-file) exits 2 too, with its message on stderr.
+:class:`~kairos.runtime.envconfig.ConfigError` or
+:class:`~kairos.core.model.latency.LatencyProfileError` raised during startup (an unreadable password
+or API key file, a tokenizer that does not load, no such ``KAIROS_PROFILE``) exits 2 too, and an
+``OSError`` during startup (the HTTP port in use, a host that is not this machine's) exits 1: each
+with one line on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import signal
 import sys
 from typing import Any, Awaitable, Callable
 
+from kairos.core.model.latency import LatencyProfileError
 from kairos.runtime.envconfig import ConfigError
 from kairos.runtime.resources import Resources
 
@@ -64,9 +68,15 @@ async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
         await task
-    except ConfigError as exc:  # found at startup (e.g. an unreadable password or API key file)
-        print(f"bad configuration: {exc}", file=sys.stderr)
+    except (ConfigError, LatencyProfileError) as exc:  # found at startup (an unreadable password or API
+        print(f"bad configuration: {exc}", file=sys.stderr)  # key file, no such KAIROS_PROFILE, …)
         raise SystemExit(2) from None
+    except OSError as exc:
+        if stop.serving:
+            raise
+        # still starting: a port in use, a host that is not an address of this machine (no traceback)
+        print(f"cannot start: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     except asyncio.CancelledError:
         if not got or not task.cancelled():
             raise  # cancelled from outside, not by a signal

@@ -353,3 +353,20 @@ async def test_a_malformed_header_leaves_its_bytes_out_of_the_log(small_nats, ca
     for r in logged:
         text = r.getMessage() + (logging.Formatter().formatException(r.exc_info) if r.exc_info else "")
         assert "s3cr3t" not in text and r.levelno < logging.ERROR, (r.levelname, text[:500])
+
+
+async def test_a_client_that_hangs_up_mid_body_is_a_disconnect_not_an_ingress_error(small_nats):
+    """Headers promise 100 bytes, 8 arrive, the client closes: recorded as a 499 client disconnect
+    (a new user's trial saw an ``unhandled_error`` with a traceback and an error id instead)."""
+    async with running(small_nats) as ing:
+        requests = ing.m.requests
+        reader, writer = await asyncio.open_connection("127.0.0.1", ing.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\"")
+        await writer.drain()
+        writer.close()
+        deadline = time.monotonic() + 10
+        while requests.labels("completions", "499")._value.get() == 0:  # bounded poll of what the server saw
+            assert time.monotonic() < deadline, "the hang-up was not recorded as a 499 disconnect"
+            await asyncio.sleep(0.02)
+        assert requests.labels("completions", "500")._value.get() == 0

@@ -144,6 +144,13 @@ class Completions:
         except orjson.JSONDecodeError as exc:
             self.m.requests.labels(endpoint, "400").inc()
             return error_response(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}")
+        except ConnectionResetError:  # the client hung up before its body was complete: nobody reads an answer
+            self.m.requests.labels(endpoint, "499").inc()
+            self.m.disconnects.labels(endpoint, "false").inc()
+            self.log.info("client_disconnected_during_body", endpoint=endpoint, client=request.remote)
+            out = error_response(ErrorCode.CLIENT_DISCONNECTED, "client closed the connection before the body ended")
+            out.force_close()
+            return out
 
     def _validate(self, body: Any, endpoint: Endpoint) -> tuple[ParsedRequest, int, bool]:
         """Module docstring, 3. Raises: ApiError."""

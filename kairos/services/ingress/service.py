@@ -45,6 +45,7 @@ from kairos.runtime.bus import connect_service, stream_replicas
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.claims import ClaimQuorum
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
+from kairos.runtime.envconfig import ConfigError
 from kairos.runtime.messaging import publish
 from kairos.runtime.lanes import (LanePicker, check_lane_count, claim_buckets, consumer_infos, declare_each,
                                   ensure_claim_buckets, ensure_lane, lane_count)
@@ -86,10 +87,13 @@ class Ingress:
         self.cfg, self.clock = cfg, clock
         self.model = load_profile(cfg.profile)
         self.max_model_len = self.model.engine.max_model_len
-        self.counter, self.vocab_size = (load_tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
-                                         else (None, EMULATED_VOCAB_SIZE))
-        self.chat_template = (load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
-                              if cfg.tokenizer_path else None)
+        try:
+            self.counter, self.vocab_size = (load_tokenizer(cfg.tokenizer_path) if cfg.tokenizer_path
+                                             else (None, EMULATED_VOCAB_SIZE))
+            self.chat_template = (load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
+                                  if cfg.tokenizer_path else None)
+        except ValueError as exc:  # the tokenizer or the chat template beside it cannot be loaded
+            raise ConfigError(f"KAIROS_TOKENIZER_PATH: {exc}") from None
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log
         self.res = Resources(self.log)

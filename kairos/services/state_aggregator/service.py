@@ -243,8 +243,12 @@ class StateAggregator:
         self._labelled = present
         for n in stale - self._stale:
             self.log.warning("node_stale", node=n)
-        for n in self._stale - stale:
-            self.log.info("node_fresh", node=n)
+        in_view = {n for n, _ in present}
+        for n in self._stale - stale:  # fresh again, or gone from the view (forgotten after forget_after_ms)
+            if n in in_view:
+                self.log.info("node_fresh", node=n)
+            else:
+                self.log.warning("node_forgotten", node=n)
         self._stale = stale
 
 
