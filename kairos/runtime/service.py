@@ -163,3 +163,9 @@ def forward(path: str, doc: str) -> property:
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
+
+def forward_all(part: str, *names: str) -> tuple[property, ...]:
+    """:func:`forward` for several attributes of one part kept under their own names, in order:
+    ``view, reservations = forward_all("state", "view", "reservations")``."""
+    return tuple(forward(f"{part}.{name}", f"``{part}.{name}``") for name in names)
+

@@ -36,7 +36,7 @@ from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.lanes import check_lane_count, lane_count
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.runtime.resources import Resources
-from kairos.runtime.service import forward, run_service, start_metrics_and_connect
+from kairos.runtime.service import forward, forward_all, run_service, start_metrics_and_connect
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.jobs import JobLink
 from kairos.services.dispatcher.metrics import DispatcherMetrics
@@ -94,11 +94,11 @@ class Dispatcher:
                                  ack_wait_s=cfg.ack_wait_s, log=self.log, clock=clock, stop=self._stop)
 
     # -- what the replica knows (read by tests and tools) -----------------------------------------------
-    model = forward("router.model", "the latency model decisions use now (a hot reload replaces it)")
-    policy = forward("router.policy", "the routing policy (``KAIROS_POLICY``)")
-    params = forward("router.params", "the policy parameters in use (α, β, τ, TTFT SLO; the chunk budget of the model's engine)")
-    view = forward("state.view", "the newest cluster view heard (a ClusterView, or None)")
-    reservations = forward("state.reservations", "the watched deflection reservations (Reservation), by key")
+    # the latency model decisions use now (a hot reload replaces it), the routing policy and its
+    # parameters (α, β, τ, TTFT SLO); the newest cluster view heard and the watched deflection
+    # reservations by key; the requests this replica routed
+    model, policy, params = forward_all("router", "model", "policy", "params")
+    view, reservations = forward_all("state", "view", "reservations")
     routed = forward("outcomes.routed", "requests this replica routed")
 
     # -- lifecycle ---------------------------------------------------------------------------------------

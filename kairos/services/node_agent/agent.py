@@ -40,7 +40,7 @@ from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.lanes import claim_buckets, lane_count
 from kairos.runtime.resources import BackgroundTasks, Resources
-from kairos.runtime.service import forward, start_metrics_and_connect
+from kairos.runtime.service import forward, forward_all, start_metrics_and_connect
 from kairos.services.node_agent.acceptance import Claims
 from kairos.services.node_agent.config import AgentConfig
 from kairos.services.node_agent.context import NodeContext
@@ -108,12 +108,11 @@ class NodeAgent:
             self.res.push(name, step)  # closed last first: bus watch, drain, …, telemetry
 
     # -- what the node's parts share, as attributes of the agent (tests, kairos profile) ----------------
-    nc = forward("ctx.nc", "the NATS connection (None until started)")
-    claims = forward("ctx.claims", "the execution claims (None until the claim buckets are named)")
-    accepting = forward("ctx.accepting", "False once the node drains (or a test makes it refuse work)")
-    reqs = forward("ctx.reqs", "the requests this node holds, by bus request id")
-    cancelled = forward("ctx.cancelled", "request ids cancelled recently")
-    origin = forward("ctx.origin", "the forged-message guard")
+    # the NATS connection (None until started), the execution claims (None until the claim buckets
+    # are named), False once the node drains (or a test makes it refuse work), the requests this node
+    # holds by bus request id, the request ids cancelled recently, the forged-message guard
+    nc, claims, accepting, reqs, cancelled, origin = forward_all("ctx", "nc", "claims", "accepting", "reqs",
+                                                                 "cancelled", "origin")
     deflecting = forward("slots.held", "request id -> the reservation key of the deflection slot it holds")
     max_concurrent_deflections = forward("slots.max_concurrent", "the most deflections accepted at once")
     deflect_overlaps = forward("slots.overlaps", "deflect jobs refused: every slot was taken")
