@@ -7,6 +7,7 @@ closed-form runs, the cached sweeps or the inlined model the policy uses for spe
 from __future__ import annotations
 
 import math
+import zlib
 
 import msgspec
 import pytest
@@ -39,6 +40,14 @@ def ref_prefill_ttft(model, ell, c, queue, chi_p):
     return wait + exec_ms
 
 
+def receiver(snap, key):
+    """The keep path's KV receiver as docs/policies.md states it: the smallest ``key``, exact ties
+    to the tied node (in listed order) at CRC-32 of the request id modulo their number."""
+    best = min(key(d) for d in snap.decode_nodes)
+    ties = [d for d in snap.decode_nodes if key(d) == best]
+    return ties[zlib.crc32(snap.request.id.encode()) % len(ties)]
+
+
 def reference(snap, model, params):
     """The kairos/kairos+ decision by the letter: (kind, node, decode node, reason, schedule,
     steps, ttft_pf, {node: ttft_dec or None}, kv_ms, near-tie margins)."""
@@ -49,9 +58,9 @@ def reference(snap, model, params):
         return min(n.cached_prefix_tokens, ell - 1) if aware else 0
 
     if aware:
-        recv = min(snap.decode_nodes, key=lambda d: (-d.cached_prefix_tokens, d.kv_tokens, d.batch_size, d.waiting))
+        recv = receiver(snap, lambda d: (-d.cached_prefix_tokens, d.kv_tokens, d.batch_size, d.waiting))
     else:
-        recv = min(snap.decode_nodes, key=lambda d: (d.kv_tokens, d.batch_size, d.waiting))
+        recv = receiver(snap, lambda d: (d.kv_tokens, d.batch_size, d.waiting))
     kv_ms = model.kv_transfer_ms(ell - hit(recv), params.link)
     pf = []
     for pn in snap.prefill_nodes:
@@ -186,7 +195,7 @@ def test_kairos_without_the_switch_ignores_caches(snap, params):
 def test_dynamo_rule_uses_the_uncached_prompt_on_the_decode_worker(snap):
     d = DYNAMO.decide(snap, MODEL, PolicyParams())
     ell = snap.request.prompt_tokens
-    target = min(snap.decode_nodes, key=lambda x: (-x.cached_prefix_tokens, x.kv_tokens, x.batch_size, x.waiting))
+    target = receiver(snap, lambda x: (-x.cached_prefix_tokens, x.kv_tokens, x.batch_size, x.waiting))
     hit = min(target.cached_prefix_tokens, ell - 1)
     assume(hit > 0)  # without any cached prefix it is the cache-blind rule (test_policies_static.py)
     queue_full = min(sum(1 for t in p.queue_prompt_tokens if t > 0) for p in snap.prefill_nodes) >= 2

@@ -4,10 +4,12 @@ keep path's KV receiver and the static policies' deflection target."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kairos.core.policy import PolicyParams
-from kairos.core.policy.common import best_prefill, deflect_target, keep_receiver, least_loaded_decode, request_hit
+from kairos.core.policy.common import (best_prefill, deflect_target, keep_receiver, least_loaded_decode, request_hit,
+                                      tie_index)
 from kairos.core.cluster.snapshot import ClusterSnapshot, DecodeNodeView, InFlightDeflection, PrefillNodeView, RequestView
 from tests.factories import tiny_model
 
@@ -63,17 +65,36 @@ DECODE = [DecodeNodeView(id="d0", batch_size=4, kv_tokens=900, cached_prefix_tok
           DecodeNodeView(id="d4", batch_size=3, kv_tokens=500, waiting=1, cached_prefix_tokens=100)]
 
 
-def test_least_loaded_decode_orders_by_kv_then_batch_then_waiting_then_listing():
-    # KV 500 beats 900; among the 500s batch 3 beats 9; waiting 1 beats 2; d3 is listed before d4
-    assert least_loaded_decode(snap(decode=DECODE)) == "d3"
+def test_least_loaded_decode_orders_by_kv_then_batch_then_waiting_then_request_hash():
+    # KV 500 beats 900; among the 500s batch 3 beats 9; waiting 1 beats 2; d3 and d4 tie exactly:
+    # the request id's hash picks one ("r" → index 1 of 2)
+    assert tie_index("r", 2) == 1
+    assert least_loaded_decode(snap(decode=DECODE)) == "d4"
+    assert least_loaded_decode(snap(decode=DECODE[:4])) == "d3"
     assert least_loaded_decode(snap(decode=DECODE[:3])) == "d2"
     assert least_loaded_decode(snap(decode=DECODE[:2])) == "d1"
 
 
+def test_tied_decode_nodes_are_spread_over_requests_and_the_choice_is_stable():
+    # four equally loaded nodes (a burst between two views): the choice depends only on the request
+    # id, so every replica (and the simulator) makes the same one, and different requests spread
+    same = [DecodeNodeView(id=f"d{i}", batch_size=2, kv_tokens=100) for i in range(4)]
+    picks = []
+    for i in range(64):
+        s = msgspec.structs.replace(snap(decode=same), request=RequestView(id=f"req-{i}", prompt_tokens=250))
+        picks.append(least_loaded_decode(s))
+        assert least_loaded_decode(s) == picks[-1] == f"d{tie_index(f'req-{i}', 4)}"
+    assert min(picks.count(f"d{i}") for i in range(4)) >= 8
+    # a less loaded node still wins outright, whatever the id
+    light = [*same[:3], DecodeNodeView(id="d3", batch_size=1, kv_tokens=100)]
+    assert all(least_loaded_decode(msgspec.structs.replace(snap(decode=light), request=RequestView(id=f"q{i}", prompt_tokens=250)))
+               == "d3" for i in range(16))
+
+
 def test_keep_receiver_prefers_the_longest_prefix_only_when_prefix_aware():
     s = snap(decode=DECODE)
-    # blind: the least-loaded node, no tokens held
-    assert keep_receiver(s, False) == ("d3", 0)
+    # blind: the least-loaded node (d3 and d4 tie, the request's hash picks d4), no tokens held
+    assert keep_receiver(s, False) == ("d4", 0)
     # aware: d0 and d4 hold 100 tokens; d4 is the less loaded of the two
     assert keep_receiver(s, True) == ("d4", 100)
     # the held prefix is capped as the engines compute it: ℓ = 80 → 79

@@ -93,5 +93,27 @@ def test_fold_recent_adds_only_jobs_the_view_does_not_have_yet():
               routed("d", "decode-0", 650.0, kind="deflect")]  # reservations carry deflections
     out = fold_recent(view, events)
     assert out.nodes[0].queue_prompt_tokens == [700, 2000] and out.nodes[0].pending_ids == ["seen", "new"]
-    assert out.nodes[1:] == view.nodes[1:]
+    # the decode node they named cannot show them before their prefill ends: every keep job its
+    # prefill node has not reported yet ("seen" and "new", not "old") adds its prompt and one to the batch
+    d0 = view.nodes[1]
+    assert out.nodes[1] == msgspec.structs.replace(d0, kv_tokens=d0.kv_tokens + 3000, batch_size=d0.batch_size + 2)
+    assert out.nodes[2:] == view.nodes[2:]
     assert fold_recent(view, []) is view and fold_recent(None, events) is None
+
+
+def test_fold_recent_spreads_a_burst_over_equally_loaded_decode_nodes():
+    from kairos.contracts.wire import RoutedEvent
+    from kairos.core.cluster.routing import build_snapshot, fold_recent
+    from kairos.core.policy.common import least_loaded_decode
+
+    # one replica routes a burst between two views, remembering each keep job it sends (its
+    # provisional event): each choice sees the earlier ones on their decode nodes
+    nodes = [node("prefill-0", "prefill"), *(node(f"decode-{i}", "decode") for i in range(4))]
+    view = msgspec.structs.replace(VIEW, nodes=nodes)
+    recent, picks = [], []
+    for i in range(8):
+        snap = build_snapshot(request(f"burst-{i}"), fold_recent(view, recent), {}, {}, 1000.0)
+        picks.append(least_loaded_decode(snap))
+        recent.append(RoutedEvent(request_id=f"burst-{i}", kind="keep", node="prefill-0", decode_node=picks[-1],
+                                  prompt_tokens=100, output_tokens=5, node_accepted_unix_ms=float("inf")))
+    assert sorted(picks.count(f"decode-{i}") for i in range(4)) == [2, 2, 2, 2], picks

@@ -88,6 +88,12 @@ def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> Clus
     the job (same node clock) or when the view lists its request id as pending; anything else is
     appended to that prefill node's queue here — what the simulator's dispatcher does with
     ``routed_since``. Deflections need no folding: the reservations carry them.
+
+    The decode node an event named cannot show the request before its prefill ends, and neither
+    the aggregator nor the prefill node's queue tells it: every keep event whose prefill node has
+    not yet reported it (the first test above) adds its prompt tokens to that decode node's
+    ``kv_tokens`` and one to its ``batch_size``, so the keep path's decode choice
+    (:func:`kairos.core.policy.common.least_loaded_decode`) spreads a burst too.
     """
     if view is None:
         return None
@@ -97,18 +103,27 @@ def fold_recent(view: ClusterView | None, recent: Iterable[RoutedEvent]) -> Clus
             extra.setdefault(ev.node, []).append(ev)
     if not extra:
         return view
+    sent = {n.node: n.state_sent_unix_ms for n in view.nodes}
+    to_decode: dict[str, tuple[int, int]] = {}
+    for node, evs in extra.items():
+        since = sent.get(node, float("-inf"))
+        for ev in evs:
+            if ev.node_accepted_unix_ms > since and ev.decode_node:
+                kv, b = to_decode.get(ev.decode_node, (0, 0))
+                to_decode[ev.decode_node] = (kv + ev.prompt_tokens, b + 1)
     nodes = []
     for n in view.nodes:
         mine = extra.get(n.node)
-        if not mine:
-            nodes.append(n)
-            continue
-        pending = set(n.pending_ids)  # a set: folding is O(events + pending) per node, not their product
-        evs = [ev for ev in mine if ev.node_accepted_unix_ms > n.state_sent_unix_ms and ev.request_id not in pending]
-        if evs:
-            n = msgspec.structs.replace(n, queue_prompt_tokens=[*n.queue_prompt_tokens, *(e.prompt_tokens for e in evs)],
-                                        pending_routed=n.pending_routed + len(evs),
-                                        pending_ids=[*n.pending_ids, *(e.request_id for e in evs)])
+        if mine:
+            pending = set(n.pending_ids)  # a set: folding is O(events + pending) per node, not their product
+            evs = [ev for ev in mine if ev.node_accepted_unix_ms > n.state_sent_unix_ms and ev.request_id not in pending]
+            if evs:
+                n = msgspec.structs.replace(n, queue_prompt_tokens=[*n.queue_prompt_tokens, *(e.prompt_tokens for e in evs)],
+                                            pending_routed=n.pending_routed + len(evs),
+                                            pending_ids=[*n.pending_ids, *(e.request_id for e in evs)])
+        handed = to_decode.get(n.node)
+        if handed and n.role == "decode":
+            n = msgspec.structs.replace(n, kv_tokens=n.kv_tokens + handed[0], batch_size=n.batch_size + handed[1])
         nodes.append(n)
     return msgspec.structs.replace(view, nodes=nodes)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import zlib
 from operator import attrgetter
+from typing import Callable, Sequence, TypeVar
 
 from kairos.core.model.latency import LatencyModel
 from kairos.core.policy.base import PolicyParams
@@ -55,22 +57,40 @@ def keep_receiver(snap: ClusterSnapshot, prefix_aware: bool) -> tuple[str, int]:
 
     Prefix-aware (kairos+, dynamo): the node holding the longest cached prefix of the request
     (fewest blocks to transfer, session affinity as Dynamo's KV router), ties by
-    :func:`least_loaded_decode`'s order; else the least-loaded node (hit 0).
+    :func:`least_loaded_decode`'s order and tie-break; else the least-loaded node (hit 0).
     """
     if not prefix_aware:
         return least_loaded_decode(snap), 0
     ell = snap.request.prompt_tokens
-    dn = min(snap.decode_nodes, key=lambda d: (-d.cached_prefix_tokens, d.kv_tokens, d.batch_size, d.waiting))
+    dn = min_spread(snap.decode_nodes, lambda d: (-d.cached_prefix_tokens, d.kv_tokens, d.batch_size, d.waiting),
+                    snap.request.id)
     return dn.id, request_hit(dn, ell)
 
 
 _LOAD = attrgetter("kv_tokens", "batch_size", "waiting")  # C-level key: O(nodes) per keep decision
 
+_N = TypeVar("_N")
+
+
+def tie_index(request_id: str, ties: int) -> int:
+    """Which of ``ties`` equally good nodes (in listed order) ``request_id`` takes: a stable hash
+    of the id (CRC-32, the same in every replica and the simulator) modulo ``ties``."""
+    return zlib.crc32(request_id.encode()) % ties if ties > 1 else 0
+
+
+def min_spread(nodes: Sequence[_N], key: Callable[[_N], object], request_id: str) -> _N:
+    """The node with the smallest ``key``; exact ties are broken by :func:`tie_index` of the
+    request, so replicas deciding within the same few ms on the same state spread a burst."""
+    best = min(map(key, nodes))  # type: ignore[type-var]
+    ties = [n for n in nodes if key(n) == best]
+    return ties[tie_index(request_id, len(ties))]
+
 
 def least_loaded_decode(snap: ClusterSnapshot) -> str:
     """Decode node that receives the KV of a keep-path request: fewest cached KV tokens, then
-    smallest batch, then fewest waiting admissions; ties go to the node listed first."""
-    return min(snap.decode_nodes, key=_LOAD).id
+    smallest batch, then fewest waiting admissions; exact ties go to the tied node picked by a
+    hash of the request id (:func:`tie_index`), so simultaneous decisions on the same state spread."""
+    return min_spread(snap.decode_nodes, _LOAD, snap.request.id).id
 
 
 def deflect_target(snap: ClusterSnapshot) -> str:
