@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-vllm vllm-venv bench docs decide clean compose-smoke mutation
+.PHONY: run test test-vllm vllm-venv bench docs decide clean compose-smoke mutation k8s-check
 
 # vLLM tier: vLLM for CPU in its own cached virtualenv (never in .venv, never in images: GPL-3.0 build).
 # The version must equal kairos.engines.vllm.plugin.VLLM_VERSION (the scheduler plugin's pin, checked at import).
@@ -71,6 +71,17 @@ mutation: $(STAMP)
 	$(BIN)/python -m tools.docgen record mutation --rows-from out/mutation.json -- \
 	  $(BIN)/python bench/mutation.py --json out/mutation.json
 	$(BIN)/python bench/mutation.py --no-run --check
+
+## Kubernetes manifests (deploy/k8s): render every overlay with kubectl kustomize, validate each object
+## against the schemas (kubernetes-validate), and run checkov, which is not in .venv (its install takes
+## minutes): its own cached virtualenv. make test runs the same tests without checkov.
+CHECKOV_VERSION := 3.3.30
+CHECKOV_VENV ?= $(HOME)/.cache/kairos/checkov-$(CHECKOV_VERSION)
+k8s-check: $(STAMP)
+	@command -v kubectl >/dev/null || { echo "k8s-check needs kubectl (Debian: apt-get install kubectl)" >&2; exit 1; }
+	@if [ ! -x "$(CHECKOV_VENV)/bin/checkov" ]; then \
+	  $(PY) -m venv "$(CHECKOV_VENV)" && "$(CHECKOV_VENV)/bin/pip" install -q "checkov==$(CHECKOV_VERSION)"; fi
+	KAIROS_CHECKOV="$(CHECKOV_VENV)/bin/checkov" $(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/unit/test_k8s_manifests.py
 
 ## docker-compose.yml run for real (Debian's docker.io + Compose 1.29, a debootstrapped base image, no
 ## registry, host networking only); needs root on a machine without Docker. ops/compose-smoke/smoke.py;
