@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from tools.docgen import bus_blocks, cli_blocks, ops_blocks, profile_blocks, sim_blocks, summary_blocks, vllm_blocks
+from tools.docgen import bus_blocks, cli_blocks, fleet_blocks, ops_blocks, profile_blocks, sim_blocks, summary_blocks, vllm_blocks
 from tools.docgen.error_codes import error_codes
 from tools.docgen.policy_table import policy_table
 from tools.docgen.results import Load
@@ -58,6 +58,7 @@ BLOCKS: dict[str, Block] = {
     "control-plane-traced": Block(partial(bus_blocks.control_plane, name="control-plane-traced"), "docs/results.md"),
     "control-plane-compare": Block(bus_blocks.control_plane_compare, "docs/results.md"),
     "bus-floor": Block(bus_blocks.bus_floor, "docs/results.md"),
+    "fleet": Block(fleet_blocks.fleet, "docs/results.md"),
     "fidelity": Block(cli_blocks.fidelity, "docs/results.md"),
     "vllm-demo": Block(vllm_blocks.vllm_demo, "docs/results.md"),
     "vllm-ab": Block(vllm_blocks.vllm_ab, "docs/results.md"),

@@ -1,0 +1,39 @@
+"""Block of ``bench/fleet.py`` (docs/results.md, "Control plane at fleet scale"): the real aggregator,
+dispatchers and ingress under the bus traffic of 2P2D … 32P256D node agents at a fixed rate. The costs,
+their growth and the targets come from the benchmark itself (``COSTS``, ``growth_table``, ``targets``)."""
+
+from __future__ import annotations
+
+from tools.docgen.fmt import MISSING, num, one_run
+from tools.docgen.results import Load, bench_module
+
+
+def _g(x: float | None) -> str:
+    return MISSING if x is None else f"{x:g}"
+
+
+def fleet(load: Load) -> str:
+    """One column per size, one row per cost, its growth first size → last; the targets at the last size."""
+    fl = bench_module("fleet")
+    r = load("fleet")
+    rows = r.rows
+    g = fl.growth_table(rows)
+    sizes = [row["size"] for row in rows]
+    lines = [f"Rows of {one_run(r)}; {num(rows[0]['offered_rps'])} req/s for {num(rows[0]['duration_s'])} s per "
+             "size (decision and view-age percentiles interpolated in the dispatchers' histogram buckets):", "",
+             "| cost | " + " | ".join(sizes) + f" | growth {sizes[0]} → {sizes[-1]} |",
+             "|---|" + "---|" * (len(sizes) + 1)]
+    for k, f in fl.COSTS.items():
+        lines.append(f"| {k} | " + " | ".join(_g(f(row)) for row in rows) + f" | ×{_g(g[k])} |")
+    lines.append("| failed requests | " + " | ".join(num(row["failed"]) for row in rows) + " | |")
+    lines.append("| decisions on a view older than 3 heartbeats | "
+                 + " | ".join(num(row["state_age_ms"]["over_3_periods"]) for row in rows) + " | |")
+    fastest = max((k for k in g if g[k] is not None), key=lambda k: g[k])
+    met = fl.targets(rows[-1])
+    last = rows[-1]
+    lines += ["", f"Fastest-growing cost: {fastest} (×{_g(g[fastest])}). Targets at {last['size']} "
+              f"(added p50 ≤ {_g(fl.TARGET_P50_MS)} ms: {'met' if met['added_p50'] else 'missed'}; "
+              f"p99 ≤ {_g(fl.TARGET_P99_MS)} ms: {'met' if met['added_p99'] else 'missed'}; no decision on a view "
+              f"older than {fl.STALE_PERIODS} heartbeat periods: {'met' if met['view_age'] else 'missed'}; "
+              f"0 failed: {'met' if met['no_failures'] else 'missed'})."]
+    return "\n".join(lines)
