@@ -30,6 +30,7 @@ from kairos.core.workload.workloads import WorkloadRequest, load_plain_csv
 # prompt lengths that select a behaviour of the fake server
 PL_400, PL_CLOSE, PL_STREAM_ERR, PL_MULTI, PL_SLOW, PL_HOLD_A, PL_HOLD_B, PL_STALL = 13, 17, 19, 20, 30, 40, 41, 50
 PL_EMPTY_FIRST, PL_NO_USAGE = 60, 61  # an empty chunk at once, then the first text SLOW_FIRST_S later; no usage
+PL_BATCH = 70  # all the token events in one write (they reach the client in one read)
 DEFLECTED_PL = {PL_MULTI, PL_SLOW}
 SLOW_FIRST_S = 0.15
 MODEL = "fake-model"
@@ -143,6 +144,9 @@ class FakeOpenAI:
             for k in range(0, n_out, 2):
                 toks = [f"t{k}", f"t{k + 1}"][:n_out - k]
                 await send(self._chunk(rid, "".join(toks), logprobs={"tokens": toks}))
+        elif n_prompt == PL_BATCH:
+            await resp.write("".join(f"data: {json.dumps(self._chunk(rid, f't{k} '))}\n\n"
+                                     for k in range(n_out)).encode())
         else:
             for k in range(n_out):
                 await send(self._chunk(rid, f"t{k} "))
@@ -157,7 +161,8 @@ class FakeOpenAI:
         if n_prompt != PL_NO_USAGE:
             await send({"id": rid, "object": "text_completion", "model": MODEL, "choices": [],
                         "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                  "total_tokens": n_prompt + n_out}})
+                                  "total_tokens": n_prompt + n_out,
+                                  "prompt_tokens_details": {"cached_tokens": n_prompt // 2}}})
         leave()  # before [DONE]: a client bounded to one request cannot send the next one earlier
         await send("[DONE]")
         await resp.write_eof()
@@ -612,3 +617,85 @@ async def test_a_401_says_an_api_key_is_needed():
     with serve(Locked()) as url:
         with pytest.raises(BenchError, match="requires an API key .* --api-key"):
             await run_bench(BenchConfig(url=url, progress=False, model=MODEL), _wl((0.0, 10, 1)))
+
+
+# --- issue 20: seeded prompts, cached tokens, one ITL per SSE event ------------------------------------
+
+def test_prompts_depend_on_the_seed_unless_reused():
+    a, b = prompt_token_ids(7, 40, seed=1), prompt_token_ids(7, 40, seed=2)
+    assert a == prompt_token_ids(7, 40, seed=1)  # same seed: same prompt (reproducible)
+    assert len(a) == 40 and all(1 <= t <= 1000 for t in a + b)
+    assert a[0] != b[0] and sum(x == y for x, y in zip(a, b)) < 10  # another seed: another prompt from the start
+    assert len({tuple(prompt_token_ids(i, 3, seed=5)[:2]) for i in range(5000)}) == 5000  # no shared prefixes
+    assert prompt_token_ids(7, 40) == [(7 + k) % 1000 + 1 if k != 1 else 1 for k in range(40)]  # index-only
+    req = WorkloadRequest("x", 0.0, 7, 9)
+    assert request_body(req, 3, "m", seed=4)["prompt"] == prompt_token_ids(3, 7, seed=4)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_cli_prompts_follow_seed_and_reuse_prompts_keeps_them(tmp_path, reuse):
+    csv = write_csv(tmp_path / "wl.csv", [(0.0, 24, 2), (0.01, 24, 2)])
+    prompts = []
+    for seed in (1, 2, 1):
+        fake = FakeOpenAI()
+        with serve(fake) as url:
+            res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{csv}", "--duration", "10",
+                                            "--seed", str(seed), "--no-progress",
+                                            *(["--reuse-prompts"] if reuse else [])])
+        assert res.exit_code == 0, res.output
+        prompts.append([b["prompt"] for b in fake.bodies])
+    assert prompts[0] == prompts[2]  # same seed, same prompts
+    assert prompts[0][0] != prompts[0][1]  # two requests never share a prompt
+    if reuse:
+        assert prompts[0] == prompts[1] == [prompt_token_ids(0, 24), prompt_token_ids(1, 24)]
+    else:
+        assert all(p != q for p, q in zip(prompts[0], prompts[1]))
+
+
+def test_cached_tokens_are_those_the_server_reports():
+    s = StreamState()
+    s.on_data(json.dumps({"id": "c", "choices": [{"text": "a", "finish_reason": None}], "usage": None}), 1.0)
+    assert s.cached_tokens is None
+    s.on_data(json.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 1,
+                                                               "prompt_tokens_details": {"cached_tokens": 32}}}), 1.1)
+    assert s.cached_tokens == 32
+    req = WorkloadRequest("r", 0.0, 40, 1)
+    assert make_record(req, 0.5, s.chunks, cached_tokens=s.cached_tokens).cached_tokens == 32
+    assert make_record(req, 0.5, s.chunks).cached_tokens is None
+    n = StreamState()
+    n.on_data(json.dumps({"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens_details": None}}), 1.0)
+    assert n.cached_tokens is None  # absent: null, not 0
+
+
+def test_save_records_writes_the_reported_cached_tokens(tmp_path):
+    csv = write_csv(tmp_path / "wl.csv", [(0.0, 10, 2), (0.01, PL_NO_USAGE, 2)])
+    out = tmp_path / "b.json"
+    with serve(FakeOpenAI()) as url:
+        res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{csv}", "--duration", "10",
+                                        "--json", str(out), "--save-records", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert [r["cached_tokens"] for r in json.loads(out.read_text())["records"]] == [5, None]
+
+
+def test_events_read_together_are_one_itl_each():
+    from kairos.core.workload.serving_metrics import serving_metrics
+    s = StreamState()
+    for text, t in (("a", 1.0), ("b", 1.2), ("c", 1.2), ("d", 1.2)):  # b, c, d came in one read
+        s.on_data(json.dumps({"choices": [{"text": text, "finish_reason": None}]}), t)
+    s.on_data(json.dumps({"choices": [{"text": "ef", "logprobs": {"tokens": ["e", "f"]}}]}), 1.5)
+    rec = make_record(WorkloadRequest("r", 0.0, 5, 6), 0.5, s.chunks)
+    m = serving_metrics([rec], duration_s=2.0)
+    assert [t for t, _ in s.chunks] == sorted({t for t, _ in s.chunks})  # one distinct arrival per event
+    # 4 gaps for 5 events (vLLM appends one ITL per chunk); e and f, one event, are one arrival
+    assert m["mean_itl_ms"] == pytest.approx(500.0 / 4)
+    assert rec.output_tokens == 6 and rec.token_times_s[-1] == rec.token_times_s[-2] == 1.5
+
+
+async def test_replay_gives_one_itl_per_event_even_when_a_read_carries_several():
+    from kairos.core.workload.serving_metrics import serving_metrics
+    with serve(FakeOpenAI()) as url:
+        res = await run_bench(BenchConfig(url=url, progress=False), [WorkloadRequest("a", 0.0, PL_BATCH, 6)])
+    rec = res.records[0]
+    assert rec.output_tokens == 6 and len(set(rec.token_times_s)) == 6
+    assert len(np.unique(rec.token_times_s)) - 1 == 5  # serving_metrics' ITL sample count
+    assert serving_metrics(res.records, duration_s=res.duration_s)["mean_itl_ms"] is not None

@@ -9,13 +9,19 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
   ``--max-concurrency``) bounds the requests in flight; a request waiting for a slot is sent
   late, and, as in vLLM, its TTFT is measured from the moment it is actually sent.
 * **Request.** ``POST {url}/v1/completions`` with ``prompt`` = a list of ``prompt_tokens`` token
-  ids (exact prompt length, no tokenizer needed; see :func:`prompt_token_ids`), ``max_tokens`` =
+  ids (exact prompt length, no tokenizer needed; drawn from ``--seed`` so that a run with another
+  seed does not hit the prefix cache an earlier run filled, or index-only with ``--reuse-prompts``;
+  see :func:`prompt_token_ids`), ``max_tokens`` =
   ``output_tokens``, ``stream: true``, ``ignore_eos: true`` (vLLM extension, like vLLM's
   ``--ignore-eos``) and ``stream_options: {"include_usage": true}``.
-* **Timing.** Every SSE event is stamped with ``time.perf_counter()`` when the bytes carrying it
-  are read, converted to seconds since the bench start. TTFT (ms) = first content chunk − send
-  time; the token times feed :func:`kairos.core.workload.serving_metrics.summarize`, the same code the simulator uses,
-  so TBT (ms) is the gap between consecutive tokens as the client sees them.
+* **Timing.** Every SSE event is stamped with its own ``time.perf_counter()`` when it is parsed,
+  converted to seconds since the bench start, as vLLM's client stamps each message: events that
+  arrived in one read are separate arrivals (an event stamped no later than the previous one is
+  moved one float after it, see :class:`StreamState`). TTFT (ms) = first content chunk − send
+  time; ITL is one gap per content event, as ``vllm bench serve`` 0.32 appends one ITL per chunk
+  (the tokens of one event are one arrival, one gap). The token times feed
+  :func:`kairos.core.workload.serving_metrics.summarize`, the same code the simulator uses, so TBT (ms) is the
+  gap between consecutive tokens as the client sees them (0 ms inside one event).
 * **Tokens per chunk.** A chunk carries ``usage.completion_tokens`` growth if the server streams
   cumulative usage (vLLM ``continuous_usage_stats``), else ``len(logprobs.tokens)`` if present,
   else one token — vLLM's client counts every chunk with choices as one token too. Unlike vLLM,
@@ -27,6 +33,8 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
   whose client takes TTFT at the first chunk with ``choices`` even if its text is empty: a server
   that sends an empty chunk at once would get a TTFT of a few ms. ``output_tokens`` is the final ``usage`` count when the server reports one (as vLLM does),
   else the tokens counted; the run warns when the server sent no usage at all.
+  ``cached_tokens`` (``--save-records``) is the final usage's
+  ``prompt_tokens_details.cached_tokens`` (OpenAI's and vLLM's field), null when not reported.
 * **Figures** are :func:`kairos.core.workload.serving_metrics.serving_metrics` (``vllm bench serve``'s names and
   definitions: throughputs, mean/median/P99 TTFT, TPOT, ITL, E2EL, goodput) beside the paper's
   metrics (:func:`kairos.core.workload.serving_metrics.summarize`), and the offered vs achieved request rate.

@@ -98,6 +98,9 @@ class BenchConfig:
     #: count); False skips it (``deflections`` is then None): bench/control_plane.py measures the
     #: CPU of serving alone and reads the records itself afterwards
     lookup_records: bool = True
+    #: seed of the prompts (:func:`~kairos.cli.bench.stream.prompt_token_ids`): ``kairos bench`` passes
+    #: ``--seed``; None → prompts that depend on the request index only (``--reuse-prompts``)
+    prompt_seed: int | None = None
 
 
 @dataclass
@@ -166,9 +169,13 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
 
 
 async def send_one(session, url: str, index: int, req: WorkloadRequest, model: str, t0: float,
-                   timeout_s: float) -> Outcome:
-    """Send one streaming request and record its chunk arrivals (never raises)."""
-    body = request_body(req, index, model)
+                   timeout_s: float, prompt_seed: int | None = None) -> Outcome:
+    """Send one streaming request and record its chunk arrivals (never raises).
+
+    Each SSE event is stamped when it is parsed, like ``vllm bench serve``'s client (one
+    ``perf_counter()`` per message), so events that came in one read are separate arrivals.
+    """
+    body = request_body(req, index, model, prompt_seed)
     state = StreamState()
     parser = SSEParser()
     error: str | None = None
@@ -187,9 +194,8 @@ async def send_one(session, url: str, index: int, req: WorkloadRequest, model: s
                     error = f"HTTP {resp.status}: {msg}"
                 else:
                     async for data in resp.content.iter_any():
-                        t = time.perf_counter() - t0
                         for ev in parser.feed(data):
-                            state.on_data(ev, t)
+                            state.on_data(ev, time.perf_counter() - t0)
                     t = time.perf_counter() - t0
                     for ev in parser.close():
                         state.on_data(ev, t)
@@ -265,10 +271,10 @@ async def run_bench(cfg: BenchConfig,
         async def task(i: int, r: WorkloadRequest) -> Outcome:
             nonlocal n_failed
             if sem is None:
-                out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s)
+                out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed)
             else:
                 async with sem:
-                    out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s)
+                    out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed)
             n_failed += out.error is not None
             bar.update(n_failed)
             return out
@@ -304,7 +310,8 @@ async def run_bench(cfg: BenchConfig,
             deflections = None if delta is None else int(round(delta))
 
     records = [make_record(o.req, o.sent_s, o.state.chunks, output_tokens=o.state.usage_completion_tokens,
-                           error=o.error, record=decisions.get(o.server_id or ""))
+                           error=o.error, record=decisions.get(o.server_id or ""),
+                           cached_tokens=o.state.cached_tokens)
                for o in outcomes]
     return BenchResult(records=records, outcomes=outcomes, model=model, sent=len(outcomes), duration_s=duration_s,
                        send_span_s=send_span_s, deflections=deflections, deflections_source=source)

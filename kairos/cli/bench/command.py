@@ -44,9 +44,12 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
               model: str | None, max_concurrency: int | None, request_timeout: float, max_model_len: int | None,
               label: str, json_path: str | None, save_records: bool, progress: bool, tbt_slo_ms: float,
               ttft_slo_ms: float, goodput: Sequence[str] = (),
-              progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None) -> dict[str, Any]:
+              progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None,
+              reuse_prompts: bool = False) -> dict[str, Any]:
     """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
-    metrics table (stdout) and a summary (stderr), write JSON.
+    metrics table (stdout) and a summary (stderr), write JSON. The prompts depend on ``seed``
+    (another seed, other prompts: no prefix-cache hits left by an earlier run) unless
+    ``reuse_prompts``, which sends the index-only prompts of every run.
 
     Raises:
         BenchError: any usage error (the CLI exits 2).
@@ -82,8 +85,10 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
 
     workload_fn(None)  # workload errors before touching the network
     cfg = BenchConfig(url=url, model=model, max_concurrency=max_concurrency, request_timeout_s=request_timeout,
-                      progress=progress, progress_interval_s=progress_interval_s, api_key=api_key)
-    wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "seed": seed}
+                      progress=progress, progress_interval_s=progress_interval_s, api_key=api_key,
+                      prompt_seed=None if reuse_prompts else seed)
+    wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "seed": seed,
+                               "reuse_prompts": reuse_prompts}
     result = asyncio.run(run_bench(cfg, workload_fn))
     wl = next(iter(cache.values()))
     span = wl[-1].arrival_s - wl[0].arrival_s

@@ -1,10 +1,11 @@
 """One request's wire in ``kairos bench``: the body sent, the SSE stream read back, the record made of it.
 
 Inputs: a :class:`~kairos.core.workload.workloads.WorkloadRequest` (prompt and output lengths in
-tokens), then the raw bytes of its ``text/event-stream`` response with the time each read arrived
-(seconds since the bench start). Outputs: the ``POST /v1/completions`` JSON body
-(:func:`request_body`), the events' ``data`` (:class:`SSEParser`), what the stream delivered
-(:class:`StreamState`: content chunks as ``(time_s, tokens)``, usage, server id, errors) and the
+tokens), then the raw bytes of its ``text/event-stream`` response with the time each event was
+parsed (seconds since the bench start; one time per event, as vLLM's client stamps them).
+Outputs: the ``POST /v1/completions`` JSON body (:func:`request_body`), the events' ``data``
+(:class:`SSEParser`), what the stream delivered (:class:`StreamState`: content chunks as
+``(time_s, tokens)``, usage and cached tokens, server id, errors) and the
 :class:`~kairos.core.workload.serving_metrics.RequestRecord` of the request (:func:`make_record`:
 TTFT in ms, token times in s, the server's TTFT components in ms). Pure: no I/O, times are passed
 in. The token rules are those of :mod:`kairos.cli.bench` (vLLM's ``vllm bench serve`` client).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,23 +24,37 @@ from kairos.core.workload.serving_metrics import RequestRecord
 from kairos.core.workload.workloads import WorkloadRequest
 
 
-def prompt_token_ids(index: int, n: int) -> list[int]:
+def prompt_token_ids(index: int, n: int, seed: int | None = None) -> list[int]:
     """Deterministic prompt of exactly ``n`` token ids in ``[1, 1000]`` for the ``index``-th request.
 
-    Range-based: id k is ``(index + k) % 1000 + 1``; the second id is overwritten with
-    ``(index // 1000) % 1000 + 1`` so that two requests (index < 10⁶) never share a prefix and a
-    prefix cache cannot reuse one request's KV for another (vLLM's random dataset offsets its
-    token ids per request for the same reason).
+    The first two ids make the prompt unique within a run: id 0 is ``(index + o) % 1000 + 1`` and
+    id 1 is ``(index // 1000) % 1000 + 1``, so two requests (index < 10⁶) never share a prefix and
+    a prefix cache cannot reuse one request's KV for another (vLLM's random dataset offsets its
+    token ids per request for the same reason). With a ``seed`` (``kairos bench --seed``), ``o`` is
+    drawn from the seed and ids 2… are random draws from ``(seed, index)``, so a run with another
+    seed sends other prompts from the first token on and cannot hit the prefix cache the previous
+    run filled; the same seed gives the same prompts. ``seed=None`` (``--reuse-prompts``): the
+    prompts depend on the index only (``o = 0``, id k ≥ 2 is ``(index + k) % 1000 + 1``), the same
+    in every run, so a rerun on the same stack reuses the prefix cache on purpose.
     """
-    ids = [(index + k) % 1000 + 1 for k in range(n)]
+    if seed is None:
+        ids = [(index + k) % 1000 + 1 for k in range(n)]
+    else:
+        import numpy as np
+
+        s = seed % 2**64  # SeedSequence takes non-negative entropy; negative seeds map to distinct ones
+        offset = int(np.random.default_rng([s, 2**32]).integers(1000))  # index < 2**32: a distinct stream
+        ids = np.random.default_rng([s, index]).integers(1, 1001, n).tolist()
+        if n:
+            ids[0] = (index + offset) % 1000 + 1
     if n > 1:
         ids[1] = (index // 1000) % 1000 + 1
     return ids
 
 
-def request_body(req: WorkloadRequest, index: int, model: str) -> dict[str, Any]:
-    """The JSON body of ``POST /v1/completions`` for one workload request."""
-    return {"model": model, "prompt": prompt_token_ids(index, req.prompt_tokens), "max_tokens": req.output_tokens,
+def request_body(req: WorkloadRequest, index: int, model: str, seed: int | None = None) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/completions`` for one workload request (prompt: :func:`prompt_token_ids`)."""
+    return {"model": model, "prompt": prompt_token_ids(index, req.prompt_tokens, seed), "max_tokens": req.output_tokens,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
@@ -114,11 +130,17 @@ def int_or_none(v: Any) -> int | None:
 class StreamState:
     """What one streamed response has delivered so far (pure: times are passed in).
 
-    ``chunks`` holds ``(time_s, tokens)`` for every content chunk (seconds since the bench start).
+    ``chunks`` holds ``(time_s, tokens)`` for every content chunk (seconds since the bench start),
+    one entry per SSE event, with strictly increasing times: an event stamped no later than the
+    previous one (events parsed from one read, a coarse clock) is moved to the next float after it,
+    so each event stays one arrival and one ITL, as in ``vllm bench serve``.
     """
 
     chunks: list[tuple[float, int]] = field(default_factory=list)
     usage_completion_tokens: int | None = None  #: last ``usage.completion_tokens`` seen
+    #: last ``usage.prompt_tokens_details.cached_tokens`` seen (prompt tokens served from the prefix
+    #: cache, as OpenAI and vLLM report it); None when the server reports none
+    cached_tokens: int | None = None
     server_id: str | None = None  #: the response ``id`` (request id assigned by the server)
     done: bool = False  #: ``data: [DONE]`` seen
     error: str | None = None  #: first error (an ``error`` object or malformed data)
@@ -146,6 +168,10 @@ class StreamState:
         ct = int_or_none(usage.get("completion_tokens")) if isinstance(usage, dict) else None
         if ct is not None:
             self.usage_completion_tokens = ct
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+        if cached is not None:
+            self.cached_tokens = cached
         choices = obj.get("choices")
         if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
             return
@@ -153,6 +179,8 @@ class StreamState:
         if ct is not None:
             self._cumulative = max(self._cumulative, ct)
         if n > 0:
+            if self.chunks and t_s <= self.chunks[-1][0]:
+                t_s = math.nextafter(self.chunks[-1][0], math.inf)
             self.chunks.append((t_s, n))
 
 
@@ -179,7 +207,7 @@ def chunk_tokens(choice: dict[str, Any], usage_completion_tokens: int | None, co
 
 def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[float, int]], *,
                 output_tokens: int | None = None, error: str | None = None,
-                record: dict[str, Any] | None = None) -> RequestRecord:
+                record: dict[str, Any] | None = None, cached_tokens: int | None = None) -> RequestRecord:
     """Turn one request's recorded chunk arrivals into a :class:`RequestRecord`.
 
     Args:
@@ -192,6 +220,7 @@ def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[floa
         record: the server's decision record (``GET /v1/requests/{id}``) if found: ``deflected``
             is ``decision == "deflect"`` and the TTFT components (ms) come from its ``measured``
             object (server-side timestamps), so the live run has a P95 breakdown like the simulator.
+        cached_tokens: the server's ``usage.prompt_tokens_details.cached_tokens``; None if not reported.
 
     Returns:
         ``token_times_s`` with each chunk's time repeated once per token; ``ttft_ms`` =
@@ -213,4 +242,4 @@ def make_record(req: WorkloadRequest, sent_s: float, chunks: Sequence[tuple[floa
         ttft_ms=(times[0] - sent_s) * 1000.0 if times else None, token_times_s=times,
         deflected=record.get("decision") == "deflect", error=error,
         prefill_queue_ms=comp("prefill_queue_ms"), prefill_exec_ms=comp("prefill_exec_ms"),
-        kv_transfer_ms=comp("kv_transfer_ms"), decode_queue_ms=comp("decode_queue_ms"))
+        kv_transfer_ms=comp("kv_transfer_ms"), decode_queue_ms=comp("decode_queue_ms"), cached_tokens=cached_tokens)

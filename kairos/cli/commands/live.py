@@ -17,6 +17,8 @@ from kairos.core.policy import DEFAULT_PARAMS
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
 @workload_options(60.0)
 @click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--reuse-prompts", is_flag=True,
+              help="Send the same prompts whatever --seed (index-only; a rerun hits the prefix cache on purpose).")
 @click.option("--model", default=None, help="Model name (default: the first id of GET /v1/models).")
 @click.option("--max-concurrency", type=click.IntRange(1), default=None, help="Max requests in flight (default: none).")
 @click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=300.0, show_default=True,
