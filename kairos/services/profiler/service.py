@@ -34,7 +34,7 @@ import structlog
 
 from kairos.contracts import subjects as S
 from kairos.runtime.bus import flush_barrier
-from kairos.runtime.messaging import publish, request_typed
+from kairos.runtime.messaging import decoded, publish, request_typed
 from kairos.runtime.streams import ensure_buckets, ensure_models_bucket
 from kairos.runtime.lanes import ensure_claims_bucket
 from kairos.contracts.permissions import PROFILER, kv_stream
@@ -44,7 +44,7 @@ from kairos.core.model.profiling import (ProfileGrid, default_version, fit_summa
                                          step_records, warmup_steps)
 from kairos.core.workload.workloads import WorkloadRequest
 from kairos.contracts.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
-                                   OutEvent, HandoffEvent, SamplingParams, WireError, decode, decode_step_records)
+                                   OutEvent, HandoffEvent, SamplingParams, WireError, decode_step_records)
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.resources import Resources
 from kairos.services.profiler.grid import replay_trace, run_grid
@@ -126,11 +126,9 @@ class Profiler:
         self._changed.set()
 
     async def _on_state(self, msg) -> None:
-        try:
-            self.state = decode(msg.data, NodeState)
-        except WireError as exc:
-            _log.warning("bad_state", node=self.node, error=str(exc))
+        if (state := decoded(msg.data, NodeState, _log, "bad_state", node=self.node)) is None:
             return
+        self.state = state
         self._state_rx = self.clock.monotonic()
         self._changed.set()
 
@@ -151,10 +149,8 @@ class Profiler:
             await self.clock.sleep(min(1.0, limit / 5))
 
     async def _on_out(self, msg) -> None:
-        try:
-            ev = decode(msg.data, OutEvent)
-        except WireError as exc:  # the request's end then shows as its timeout
-            _log.warning("bad_out_event", node=self.node, error=str(exc))
+        # a bad one: the request's end then shows as its timeout
+        if (ev := decoded(msg.data, OutEvent, _log, "bad_out_event", node=self.node)) is None:  # type: ignore[arg-type]
             return
         if isinstance(ev, HandoffEvent):  # a keep job's prefill node naming its decode node: not an end
             return
