@@ -324,9 +324,11 @@ async def test_profile_round_trip_fits_the_engines_own_step_times(cluster, engin
 # ---- the CPU testbed (issue: the slow prefill path on vLLM-CPU) ---------------------------------
 # Independent truth: the kernel's own CPU accounting (/proc) and wall clocks, not the plugin's code.
 
-#: an idle engine may use at most this share of one core (stock vLLM + NIXL: ~0.93 per engine,
-#: NIXL's UCX progress thread polling with a zero timeout; bench/vllm_pd_rate.py)
-IDLE_CORE_SHARE_MAX = 0.05
+#: an idle engine may use at most this share of one core. The fault this guards against is stock
+#: vLLM + NIXL at ~0.93 per engine (NIXL's UCX progress thread polling with a zero timeout;
+#: bench/vllm_pd_rate.py); a fixed idle engine measures 0.01-0.05, the upper end on a loaded CI
+#: machine (a 0.05 bound failed there at 0.053), so the bound sits well between the two.
+IDLE_CORE_SHARE_MAX = 0.25
 
 
 def test_idle_engines_leave_their_cores_idle(engines):
