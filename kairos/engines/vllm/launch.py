@@ -45,6 +45,9 @@ AUTH_MIDDLEWARE = "kairos.engines.vllm.plugin.auth.RequireApiKey"
 #: NIXL's UCX progress thread waits up to this long between polls (µs) on a quiet-idle server
 #: (:mod:`kairos.engines.vllm.plugin.general`; NIXL's own 0 spins a core): an idle agent then takes ≈ 3 % of a core
 NIXL_PROGRESS_DELAY_US = 1000
+#: the directory that holds the ``kairos`` package this process imported (the checkout): every process Kairos
+#: runs under the shared vLLM virtualenv gets it first on ``PYTHONPATH`` (:meth:`VllmServer.env`); nothing
+#: in that virtualenv names a checkout (the Makefile's ``vllm-venv`` target writes no ``.pth``)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -141,7 +144,9 @@ class VllmServer:
         return args + list(self.extra_args)
 
     def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """The server's environment: ``base`` (default: this process's) plus the engine settings."""
+        """The server's environment: ``base`` (default: this process's) plus the engine settings, with
+        ``PYTHONPATH`` = :data:`REPO_ROOT` (this checkout, where the engine imports the scheduler plugin
+        from), the plugin entry-point directory, then ``base``'s own ``PYTHONPATH``."""
         env = dict(os.environ if base is None else base)
         path = env.get("PYTHONPATH")
         env.update({"VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
