@@ -40,6 +40,9 @@ from kairos.services.ingress.ports import IngressBus
 
 #: key of the (decision kind, predicted TTFT ms) pair in a request's timing dict (not part of its record)
 PREDICTED = "predicted_ttft"
+#: keys of a request's timing dict that are not part of its record: the answer's finish reason and
+#: ``usage.prompt_tokens_details.cached_tokens`` (the relay sets both on completion), the prediction
+NOT_RECORDED = ("finish_reason", "cached_tokens", PREDICTED)
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -137,9 +140,12 @@ async def lookup(rid: str, bus: IngressBus) -> dict[str, Any] | None:
 async def write_ingress_record(bus: IngressBus, rid: str, timing: dict[str, Any], metrics: IngressMetrics,
                                log: Any) -> None:
     """Store ``<rid>.ingress`` from the request's ``timing`` dict (``received_unix_ms``, ``status``, …:
-    the fields of :class:`IngressTiming`, plus ``finish_reason`` and :data:`PREDICTED`, left out), and
-    observe predicted vs measured TTFT of a request that succeeded. A failed write is logged."""
-    rec = msgspec.convert({k: v for k, v in timing.items() if k not in ("finish_reason", PREDICTED)}, IngressTiming)
+    the fields of :class:`IngressTiming`, plus :data:`NOT_RECORDED`, left out), observe the ended
+    request in the vLLM-named families (:meth:`~.metrics.VllmRequestMetrics.finished`: success by
+    finished_reason, e2e, token counts, prefix-cache hits) and predicted vs measured TTFT of a
+    request that succeeded. A failed write is logged."""
+    metrics.vllm.finished(timing)  # before the first await: observed as the request ends
+    rec = msgspec.convert({k: v for k, v in timing.items() if k not in NOT_RECORDED}, IngressTiming)
     if timing.get("status") == 200 and rec.first_token_unix_ms is not None and timing.get(PREDICTED) is not None:
         metrics.observe_prediction(*timing[PREDICTED], rec.first_token_unix_ms - rec.received_unix_ms)
     try:

@@ -277,6 +277,8 @@ class RequestRelay:
             gap = telemetry.seconds(t - self.last_token_ms) / max(1, tok.count)
             for _ in range(max(1, tok.count)):
                 m.tbt.observe(gap)
+        since = self.req.received if self.first else self.last_token_ms  # a TTFT, else an inter-token latency
+        m.vllm.tokens(self.first, t - since, tok.count, self.req.prompt_tokens)
         self.last_token_ms = t
         if not await self.answer.tokens(tok, self.first, self.queue.empty):
             return await self._gone()
@@ -327,7 +329,7 @@ class RequestRelay:
 
     async def _complete(self, action: Complete, _ev: Any) -> Outcome:
         timing = self.req.timing
-        timing["finish_reason"] = action.finish_reason
+        timing["finish_reason"], timing["cached_tokens"] = action.finish_reason, action.cached_tokens
         completion = self.lc.received
         timing["finished_unix_ms"] = self.clock.now_ms()
         timing["completion_tokens"] = completion

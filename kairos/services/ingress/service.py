@@ -99,7 +99,8 @@ class Ingress:
         self.res = Resources(self.log)
         self.res.push("telemetry", self.tel.shutdown)  # closed last
         self.bg = BackgroundTasks(self.log)
-        self.m = IngressMetrics(self.tel.registry)
+        self.m = IngressMetrics(self.tel.registry, model_name=cfg.served_model, engine=cfg.replica_id,
+                                max_model_len=self.max_model_len, flights=lambda: self.flights.values())
         self.origin = OriginGuard(forged_counter("ingress", self.tel.registry), self.log)
         self.liveness = Liveness(timeout_ms=cfg.liveness_timeout_s * 1000.0)
         self.lanes = LanePicker(lane_count(cfg))  #: request lanes, one per NATS member (kairos/runtime/lanes.py)
