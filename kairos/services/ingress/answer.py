@@ -59,7 +59,7 @@ class ClientAnswer:
             return False
         if first and parsed.endpoint == "chat":  # the role alone first, as OpenAI and vLLM send it
             self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, "", None, first=True)))
-        self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, None)))
+        self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, None, echo=first)))
         self.unsent_tokens += tok.count
         if flush():
             ok = await sse_write(self.resp, b"".join(self.unsent))

@@ -32,6 +32,7 @@ from kairos.services.ingress.completions import Completions
 from kairos.services.ingress.config import IngressConfig
 from kairos.services.ingress.http import (REQUEST_ID, STREAM_STARTED, add_retry_after, api_key_middleware,
                                           error_response, http_error)
+from kairos.services.ingress.ignored_params import add_ignored_params_header
 from kairos.services.ingress.metrics import IngressMetrics
 from kairos.services.ingress.openai_api.responses import models_response
 from kairos.services.ingress.ports import IngressBus
@@ -69,6 +70,7 @@ class IngressApp:
             middlewares.append(api_key_middleware(self.api_keys, self.rejected))
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=middlewares)
         app.on_response_prepare.append(add_retry_after)
+        app.on_response_prepare.append(add_ignored_params_header)  # X-Kairos-Ignored-Params
         app.router.add_post("/v1/completions", self.completions.completions)
         app.router.add_post("/v1/chat/completions", self.completions.chat)
         app.router.add_get("/v1/models", self.models)

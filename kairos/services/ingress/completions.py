@@ -35,6 +35,7 @@ from kairos.engines.vllm.api import unsafe_seed
 from kairos.runtime import telemetry as T
 from kairos.services.ingress.http import (READABLE_ENCODINGS, REQUEST_ID, api_error_response, clip, error_response,
                                           http_error)
+from kairos.services.ingress.ignored_params import IGNORED_PARAMS
 from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest
 from kairos.services.ingress.openai_api.parse import prepare_request
 from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
@@ -174,6 +175,7 @@ class Completions:
             return api_error_response(exc)
         rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
         request[REQUEST_ID] = rid
+        request[IGNORED_PARAMS] = parsed.ignored  # X-Kairos-Ignored-Params (ignored_params.py)
         self.m.inflight.inc()
         timing: dict = {"received_unix_ms": received, "prompt_tokens": prompt_tokens}
         # HTTP server span: continues the client's trace if it sent a W3C traceparent

@@ -2,8 +2,10 @@
 
 :data:`PARAMETERS` lists every parameter of ``POST /v1/completions`` and ``POST /v1/chat/completions``
 and whether it is honoured (validated as vLLM 0.32's OpenAI server does, carried on the bus in
-:class:`~kairos.contracts.wire.SamplingParams`), accepted (metadata) or refused with a 400 naming it;
-any other parameter is a 400 too (:mod:`.parse`). The README's parameter table is
+:class:`~kairos.contracts.wire.SamplingParams`), accepted (no effect, as in vLLM), ignored (no effect
+although OpenAI would act on it; named in the ``X-Kairos-Ignored-Params`` response header) or refused
+with a 400 naming it (a value vLLM 0.32 accepts is refused only with the reason in ``how``); any other
+parameter is a 400 too (:mod:`.parse`). The README's parameter table is
 :func:`parameter_table_markdown` (``python -m kairos.services.ingress.openai_api`` prints it).
 :class:`ParsedRequest` is what validation returns and the ingress turns into an
 :class:`~kairos.contracts.wire.InferenceRequest`.
@@ -32,9 +34,17 @@ class ParsedRequest:
     include_usage: bool  #: stream_options.include_usage
     sampling: SamplingParams = SamplingParams()
     max_tokens_explicit: bool = True  #: the client set max_tokens (else it is the endpoint's default)
+    #: parameters accepted and not acted on (support ``ignored``, or ``reasoning_effort`` without the
+    #: model's chat template), named to the client in ``X-Kairos-Ignored-Params``
+    ignored: tuple[str, ...] = ()
+    #: completions ``echo``: the prompt text prepended to the output (token-id prompts: decoded)
+    echo_text: str | None = None
+    #: completions ``echo`` with ``max_tokens: 0``: the answer is the prompt only (vLLM generates one
+    #: token and leaves it out: ``echo_without_generation``, vllm/entrypoints/openai/completion/protocol.py)
+    echo_only: bool = False
 
 
-Support = Literal["honoured", "refused", "accepted"]
+Support = Literal["honoured", "refused", "accepted", "ignored"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,11 @@ class Param:
     ``support``: ``honoured`` — validated, carried on the bus (:class:`~kairos.contracts.wire.SamplingParams`
     or :class:`~kairos.contracts.wire.InferenceRequest`) and applied by the engine (vLLM, and the emulated
     engine as ``how`` says); ``refused`` — any value other than ``allowed`` is a 400 naming it;
-    ``accepted`` — validated, not used for generation (metadata). ``example``: a valid non-default
-    value; ``bad``: a value that is refused (both used by the tests that tie this table to the code).
+    ``accepted`` — validated, not used for generation, as in vLLM (metadata); ``ignored`` — validated,
+    not acted on although OpenAI's API would act on it: a value other than ``noop`` is named in the
+    response header ``X-Kairos-Ignored-Params`` (comma-separated, table order). ``example``: a valid
+    non-default value; ``bad``: a value that is refused (both used by the tests that tie this table to
+    the code).
     """
 
     name: str
@@ -55,6 +68,7 @@ class Param:
     example: Any = None
     bad: Any = None
     allowed: tuple = (None,)
+    noop: tuple = (None,)
 
 
 #: Every request parameter Kairos knows. A parameter not listed here is a 400 ``unknown_parameter``.
@@ -62,11 +76,13 @@ PARAMETERS: tuple[Param, ...] = (
     Param("model", "both", "honoured", "must be the served model (404 otherwise)", example=None),
     Param("prompt", "completions", "honoured", "a string or token ids (< vocabulary size); one prompt per request",
           example=[1, 2, 3], bad=[[1], [2]]),
-    Param("messages", "chat", "honoured", "roles system/developer/user/assistant/tool, text content; assistant "
+    Param("messages", "chat", "honoured", "text content; roles system/developer/user/assistant/tool, and any other "
+          "non-empty role, which is passed to the chat template as vLLM does (its custom roles); assistant "
           "`tool_calls` and tool results are rendered into the prompt and counted",
           example=[{"role": "user", "content": "hi"}], bad=[]),
     Param("max_tokens", "both", "honoured", "output limit (→ `finish_reason: length`); prompt + max_tokens ≤ "
-          "max_model_len. Default: 16 (completions), the remaining context (chat)", example=5, bad=0),
+          "max_model_len; ≥ 1, completions with `echo: true` ≥ 0 (as vLLM). Default: 16 (completions), the "
+          "remaining context (chat)", example=5, bad=0),
     Param("max_completion_tokens", "chat", "honoured", "as `max_tokens` (takes precedence)", example=5, bad=0),
     Param("stream", "both", "honoured", "SSE chunks; a JSON boolean", example=True, bad="true"),
     Param("stream_options", "both", "honoured", "only with `stream: true`; `include_usage` (JSON boolean) adds the "
@@ -81,8 +97,9 @@ PARAMETERS: tuple[Param, ...] = (
     Param("seed", "both", "honoured", "64-bit integer; emulated: the output is a function of (seed, index), "
           "without a seed of the prompt; vLLM-CPU engines (`kairos up --engine vllm`): only with temperature 0, "
           "else 400 (it would kill the engine)", example=42, bad="7"),
-    Param("stop", "both", "honoured", "string or list of non-empty strings; text is cut before the match "
-          "(`finish_reason: stop`)", example=["\n"], bad=[""]),
+    Param("stop", "both", "honoured", "string or list of at most 4 non-empty strings (OpenAI's limit; vLLM's "
+          "`VLLM_MAX_STOP_STRINGS`, default 4); text is cut before the match (`finish_reason: stop`)",
+          example=["\n"], bad=["a", "b", "c", "d", "e"]),
     Param("stop_token_ids", "both", "honoured", "token ids < vocabulary size; `finish_reason: stop`",
           example=[7], bad=[10**12]),
     Param("min_tokens", "both", "honoured", "≤ max_tokens; EOS, stop ids and stop strings do not end the output "
@@ -99,7 +116,10 @@ PARAMETERS: tuple[Param, ...] = (
     Param("skip_special_tokens", "both", "honoured", "JSON boolean; emulated: EOS shows as `</s>` when false",
           example=False, bad="no"),
     Param("user", "both", "accepted", "a string; not used for generation", example="u", bad=1),
-    Param("echo", "completions", "refused", "only false", example=False, bad=True, allowed=(None, False)),
+    Param("echo", "completions", "honoured", "JSON boolean; the prompt is prepended to the text (a token-id prompt "
+          "decoded by the tokenizer, else by the emulated vocabulary), in the first chunk when streaming; usage "
+          "unchanged. With `max_tokens: 0` the text is the prompt alone (vLLM generates one token it does not "
+          "show: `completion_tokens` 1, `finish_reason: length`)", example=True, bad="yes"),
     Param("logprobs", "both", "refused", "not carried back from the engine: only null (chat: false)", bad=1,
           allowed=(None, False)),
     Param("top_logprobs", "chat", "refused", "only null or 0", bad=2, allowed=(None, 0)),
@@ -107,22 +127,32 @@ PARAMETERS: tuple[Param, ...] = (
     Param("suffix", "completions", "refused", "only null", bad="x"),
     Param("response_format", "both", "refused", "only `{\"type\": \"text\"}` (no structured output)",
           example={"type": "text"}, bad={"type": "json_object"}, allowed=(None, {"type": "text"})),
-    Param("tools", "chat", "refused", "no tool-call parsing on Kairos' path: only null or []", example=[],
-          bad=[{"type": "function", "function": {"name": "f"}}], allowed=(None, [])),
-    Param("tool_choice", "chat", "refused", "only null or \"none\"", example="none", bad="auto",
+    Param("tools", "chat", "honoured", "function tools (`{type: function, function: {name, description?, "
+          "parameters?}}`) only with `tool_choice: \"none\"`: rendered into the prompt by the chat template and "
+          "counted, no tool calls parsed out — what vLLM does with `tool_choice: \"none\"`. Without it vLLM "
+          "defaults to `auto`, which needs a tool-call parser Kairos' path does not have: 400", example=[],
+          bad=[{"type": "function", "function": {"name": "f"}}]),
+    Param("tool_choice", "chat", "refused", "only null or \"none\" (`auto`, `required` and named tools need "
+          "tool-call parsing of the output, which Kairos' path does not do)", example="none", bad="auto",
           allowed=(None, "none")),
-    Param("parallel_tool_calls", "chat", "refused", "only null (no tools)", bad=True),
+    Param("parallel_tool_calls", "chat", "accepted", "JSON boolean; no effect, as in vLLM, since no tool calls "
+          "are parsed", example=False, bad="no"),
     Param("functions", "chat", "refused", "only null (deprecated tools)", bad=[{"name": "f"}]),
     Param("function_call", "chat", "refused", "only null or \"none\"", bad="auto", allowed=(None, "none")),
     Param("modalities", "chat", "refused", "only [\"text\"]", example=["text"], bad=["audio"],
           allowed=(None, ["text"])),
     Param("audio", "chat", "refused", "only null", bad={"voice": "x"}),
     Param("prediction", "chat", "refused", "only null", bad={"type": "content", "content": "x"}),
-    Param("store", "chat", "refused", "only null or false", example=False, bad=True, allowed=(None, False)),
-    Param("metadata", "chat", "refused", "only null (stored completions)", bad={"k": "v"}),
+    Param("store", "chat", "ignored", "JSON boolean; Kairos stores no completions (vLLM ignores it too): `true` is "
+          "named in `X-Kairos-Ignored-Params`", example=True, bad="yes", noop=(None, False)),
+    Param("metadata", "chat", "ignored", "object of string values (OpenAI's type), for stored completions: "
+          "named in `X-Kairos-Ignored-Params` (vLLM ignores it)", example={"k": "v"}, bad={"k": 1}, noop=(None, {})),
     Param("service_tier", "chat", "refused", "only null, \"auto\" or \"default\"", example="auto", bad="flex",
           allowed=(None, "auto", "default")),
-    Param("reasoning_effort", "chat", "refused", "only null", bad="low"),
+    Param("reasoning_effort", "chat", "honoured", "none/minimal/low/medium/high/xhigh/max (vLLM's values); "
+          "passed to the model's chat template as `reasoning_effort` and `enable_thinking` (≠ none), as vLLM "
+          "does; with the fixed template (no `--tokenizer`) nothing uses it: named in "
+          "`X-Kairos-Ignored-Params`", example="low", bad="extreme"),
     Param("web_search_options", "chat", "refused", "only null", bad={}),
     Param("use_beam_search", "both", "refused", "only false (vLLM extension)", example=False, bad=True,
           allowed=(None, False)),

@@ -12,14 +12,15 @@ strictness and the refusals of :data:`~.params.PARAMETERS`; every refusal is an
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import SamplingParams
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
-from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest, parameters
-from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, count_prompt_tokens, render_chat,
-                                                       resolve_max_tokens)
+from kairos.services.ingress.openai_api.params import PARAMETERS, Endpoint, ParsedRequest, parameters
+from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, count_prompt_tokens, decode_prompt,
+                                                       render_chat, resolve_max_tokens)
 from kairos.services.ingress.openai_api.responses import ApiError
 
 
@@ -31,8 +32,16 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 #: The fields a chat message may carry (OpenAI's message objects); anything else is refused.
 CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
-#: Chat roles accepted in ``messages[].role``.
+#: The chat roles OpenAI defines. Any other non-empty role is accepted too and passed to the chat
+#: template, as vLLM 0.32 does (``CustomChatCompletionMessageParam``, vllm/renderers/chat_utils.py).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: Most stop strings a request may have: OpenAI's documented limit, and vLLM 0.32's
+#: ``StopParam`` (``Field(max_length=envs.VLLM_MAX_STOP_STRINGS)``, default 4, vllm/envs.py).
+MAX_STOP_STRINGS = 4
+
+#: ``reasoning_effort`` values (vLLM 0.32 ``ChatCompletionRequest.reasoning_effort``).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -159,6 +168,9 @@ def _sampling(body: dict, vocab_size: int) -> SamplingParams:
                            f"'stop' must be a string or a list of strings, got {_show(stop)}", param="stop")
         if any(not x for x in stop):
             raise ApiError(ErrorCode.INVALID_VALUE, "'stop' cannot contain an empty string", param="stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ApiError(ErrorCode.INVALID_VALUE, f"'stop' has {len(stop)} strings; at most {MAX_STOP_STRINGS} "
+                                                    "are allowed", param="stop")
         stop = stop or None
     stop_ids = body.get("stop_token_ids")
     top_k = _int_field(body, "top_k", None, -1)
@@ -233,9 +245,8 @@ def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(ErrorCode.INVALID_TYPE,
                            f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
-        if m["role"] not in CHAT_ROLES:
-            raise ApiError(ErrorCode.INVALID_VALUE,
-                           f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}",
+        if not m["role"]:  # any other role goes to the template (CHAT_ROLES)
+            raise ApiError(ErrorCode.INVALID_VALUE, f"messages[{i}].role must not be empty",
                            param=f"messages[{i}].role")
         unknown = sorted(set(m) - CHAT_MESSAGE_FIELDS)
         if unknown:
@@ -268,6 +279,63 @@ def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
                 msg[key] = m[key]
         norm.append(msg)
     return norm
+
+
+def _tools(body: dict) -> list[dict[str, Any]] | None:
+    """``tools`` (function tools) for the chat template; only with ``tool_choice: "none"`` (vLLM
+    defaults ``tool_choice`` to ``auto`` when tools are given, which needs a tool-call parser)."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'tools' must be a list of function tools, got {_show(tools)}",
+                       param="tools")
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("parameters", {}), dict)):
+            raise ApiError(ErrorCode.INVALID_TYPE, f"tools[{j}] must be {{\"type\": \"function\", \"function\": "
+                                                   f"{{\"name\": string, \"parameters\": object}}}}", param="tools")
+    if body.get("tool_choice") != "none":
+        raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
+                       "'tools' are supported only with \"tool_choice\": \"none\" (rendered into the prompt, no "
+                       "tool calls parsed): Kairos does not parse tool calls out of the output, and without "
+                       "tool_choice the default is \"auto\"", param="tools")
+    return tools
+
+
+def _chat_options(body: dict, model_template: bool) -> tuple[list[dict[str, Any]] | None, dict[str, Any], list[str]]:
+    """(tools, chat template keyword arguments, names ignored) of a chat request: ``tools`` and
+    ``reasoning_effort`` go to the template (vLLM: ``build_chat_params``, which also sets
+    ``enable_thinking``); ``store``, ``metadata``, ``parallel_tool_calls`` are validated only."""
+    _bool_field(body, "store")
+    _bool_field(body, "parallel_tool_calls")
+    meta = body.get("metadata")
+    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'metadata' must be an object of string values, got {_show(meta)}",
+                       param="metadata")
+    kwargs: dict[str, Any] = {}
+    ignored: list[str] = []
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(ErrorCode.INVALID_VALUE, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
+                                                    f"got {_show(effort)}", param="reasoning_effort")
+        if model_template:
+            kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        else:
+            ignored.append("reasoning_effort")
+    return _tools(body), kwargs, ignored
+
+
+def _ignored(endpoint: Endpoint, body: dict, extra: list[str]) -> tuple[str, ...]:
+    """The names for ``X-Kairos-Ignored-Params``: ``ignored`` parameters set to something but their
+    no-op values, and ``extra``, in :data:`~.params.PARAMETERS` order."""
+    names = set(extra)
+    for name, p in parameters(endpoint).items():
+        if p.support == "ignored" and name in body and not any(_same(body[name], v) for v in p.noop):
+            names.add(name)
+    return tuple(p.name for p in PARAMETERS if p.name in names)
 
 
 def _completion_prompt(prompt: Any, vocab_size: int, nested: bool = False) -> tuple[str | None, list[int] | None]:
@@ -357,23 +425,35 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
 
     text: str | None = None
     ids: list[int] | None = None
+    extra_ignored: list[str] = []
+    echo_only = False
     if endpoint == "completions":
         explicit = body.get("max_tokens") is not None
-        max_tokens = _int_field(body, "max_tokens", default_max_tokens, 1)
+        echo = bool(_bool_field(body, "echo"))
+        max_tokens = _int_field(body, "max_tokens", default_max_tokens, 0 if echo else 1)
+        if echo and max_tokens == 0:  # vLLM: echo_without_generation runs one token, shows none
+            echo_only, max_tokens = True, 1
         text, ids = _completion_prompt(body.get("prompt"), vocab_size)
     else:
         mct = _int_field(body, "max_completion_tokens", None, 1)
         mt = _int_field(body, "max_tokens", None, 1)
         max_tokens = mct if mct is not None else mt
         explicit = max_tokens is not None
-        text = (chat_template or render_chat)(_chat_messages(body.get("messages")))
+        tools, kwargs, extra_ignored = _chat_options(body, chat_template is not None)
+        messages = _chat_messages(body.get("messages"))
+        if chat_template is None:
+            text = render_chat(messages, tools)
+        else:  # a one-argument template callable still works when nothing else is passed
+            text = chat_template(messages, **({"tools": tools} if tools else {}), **kwargs)
     if max_tokens is not None and sampling.min_tokens is not None and sampling.min_tokens > max_tokens:
         raise ApiError(ErrorCode.INVALID_VALUE,
                        f"'min_tokens' must be <= max_tokens ({max_tokens}), got {sampling.min_tokens}",
                        param="min_tokens")
     return ParsedRequest(endpoint=endpoint, model=model, prompt_text=text, prompt_token_ids=ids,
                          max_tokens=max_tokens, stream=stream, include_usage=include_usage, sampling=sampling,
-                         max_tokens_explicit=explicit)
+                         max_tokens_explicit=explicit, ignored=_ignored(endpoint, body, extra_ignored),
+                         echo_text=text if endpoint == "completions" and body.get("echo") else None,
+                         echo_only=echo_only)
 
 
 def prepare_request(endpoint: Endpoint, body: Any, served_models: list[str], counter: TokenCounter | None,
@@ -386,5 +466,7 @@ def prepare_request(endpoint: Endpoint, body: Any, served_models: list[str], cou
         ApiError: as those functions.
     """
     parsed = parse_request(endpoint, body, served_models, default_max_tokens, vocab_size, chat_template)
+    if body.get("echo") and parsed.echo_text is None and parsed.prompt_token_ids is not None:
+        parsed = replace(parsed, echo_text=decode_prompt(parsed.prompt_token_ids, counter))
     prompt_tokens, exact = count_prompt_tokens(parsed, counter)
     return resolve_max_tokens(parsed, prompt_tokens, max_model_len), prompt_tokens, exact

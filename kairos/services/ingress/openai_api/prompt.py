@@ -16,8 +16,9 @@ with this fixed template::
     <|{role}|>\\n{content}\\n   (per message)   then   <|assistant|>\\n
 
 An assistant message's ``tool_calls`` add one line each, ``<tool_call>{"name": …, "arguments":
-…}</tool_call>\\n``, after its content, so their arguments are counted (``tools`` themselves are
-refused: Kairos' path does not parse tool calls out of the output).
+…}</tool_call>\\n``, after its content, so their arguments are counted. A request's ``tools``
+(accepted with ``tool_choice: "none"`` only: Kairos' path does not parse tool calls out of the
+output) come first, as ``<|tools|>\\n{JSON list}\\n``; a model's template gets them as ``tools``.
 
 Then the context check: prompt + ``max_tokens`` must fit ``max_model_len`` (:func:`check_context`),
 and a chat request without ``max_tokens`` gets the remaining context (:func:`resolve_max_tokens`).
@@ -36,8 +37,10 @@ from kairos.services.ingress.openai_api.responses import ApiError
 
 #: ``counter(text, add_special_tokens=False) -> tokens`` (see :func:`load_tokenizer`)
 TokenCounter = Callable[..., int]
-#: Renders validated chat messages (dicts with role, content, optional tool_calls…) into prompt text.
-ChatTemplate = Callable[[list[dict[str, Any]]], str]
+#: ``template(messages, tools=None, **kwargs) -> prompt text``: renders validated chat messages (dicts
+#: with role, content, optional tool_calls…), the request's ``tools`` and template keyword arguments
+#: (``reasoning_effort``, ``enable_thinking``) into prompt text.
+ChatTemplate = Callable[..., str]
 
 
 def estimate_tokens(text: str) -> int:
@@ -60,10 +63,38 @@ def load_tokenizer(path: str) -> tuple[TokenCounter, int]:
         tok = Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises plain Exception subclasses
         raise ValueError(f"cannot load tokenizer {path!r}: {exc}") from None
-    def count(text: str, add_special_tokens: bool = False) -> int:
-        return max(1, len(tok.encode(text, add_special_tokens=add_special_tokens).ids))
+    return _Tokenizer(tok), tok.get_vocab_size(True)
 
-    return count, tok.get_vocab_size(True)
+
+class _Tokenizer:
+    """A loaded tokenizer as a :data:`TokenCounter` (called: the token count, at least 1) that also
+    encodes and decodes."""
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> int:
+        return max(1, len(self.encode(text, add_special_tokens)))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The token ids of ``text`` (with the post-processor's special tokens when ``add_special_tokens``)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens kept (as vLLM's ``_detokenize_prompt``,
+        vllm/renderers/base.py: ``tokenizer.decode(prompt_token_ids)``, whose default keeps them)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def decode_prompt(ids: list[int], counter: TokenCounter | None) -> str:
+    """The text of a token-id prompt (for ``echo``): decoded by the configured tokenizer, else by the
+    emulated vocabulary (kairos/core/engine_model/text.py ``token_text``, special tokens kept)."""
+    decode = getattr(counter, "decode", None)
+    if decode is not None:
+        return decode(ids)
+    from kairos.core.engine_model.text import token_text
+
+    return "".join(token_text(t, skip_special_tokens=False) for t in ids)
 
 
 def tokenizer_counter(path: str) -> TokenCounter:
@@ -84,7 +115,8 @@ def load_chat_template(model_dir: str) -> ChatTemplate | None:
     Rendered as Hugging Face ``transformers`` renders chat templates (``_compile_jinja_template``:
     jinja2 ``ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)``, ``tojson``,
     ``raise_exception``, ``strftime_now``) with ``messages``, ``add_generation_prompt=True``,
-    ``tools=None`` and the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``…);
+    the request's ``tools`` (None without), its template keyword arguments (``reasoning_effort``,
+    ``enable_thinking``) and the special tokens of ``tokenizer_config.json`` (``bos_token``…);
     assistant ``tool_calls`` arguments are parsed from their JSON strings into objects first, as
     vLLM's chat preprocessing does, so templates can ``tojson`` them.
 
@@ -134,7 +166,7 @@ def load_chat_template(model_dir: str) -> ChatTemplate | None:
     special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in cfg.items()
                if k.endswith("_token") and isinstance(v, (str, dict))}
 
-    def render(messages: list[dict[str, Any]]) -> str:
+    def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
         msgs = []
         for m in messages:
             m = dict(m)
@@ -149,8 +181,8 @@ def load_chat_template(model_dir: str) -> ChatTemplate | None:
                 m["tool_calls"] = calls
             msgs.append(m)
         try:
-            return template.render(messages=msgs, add_generation_prompt=True, tools=None, documents=None,
-                                   **special)
+            return template.render(**{**special, **kwargs, "messages": msgs, "add_generation_prompt": True,
+                                      "tools": tools, "documents": None})
         except jinja2.TemplateError as exc:
             raise ApiError(ErrorCode.INVALID_VALUE,
                            f"the model's chat template rejected the messages: {exc}", param="messages") from None
@@ -161,9 +193,9 @@ def load_chat_template(model_dir: str) -> ChatTemplate | None:
     return render
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """The module docstring's fixed chat template (tool calls included)."""
-    parts = []
+def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """The module docstring's fixed chat template (tools and tool calls included)."""
+    parts = [f"<|tools|>\n{json.dumps(tools, ensure_ascii=False)}\n"] if tools else []
     for m in messages:
         parts.append(f"<|{m['role']}|>\n{m['content']}\n")
         for c in m.get("tool_calls") or ():

@@ -47,8 +47,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def full_response(req: ParsedRequest, rid: str, created: int, text: str, finish_reason: str,
                   prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """Non-streaming response body."""
+    """Non-streaming response body (completions with ``echo``: the prompt, then the output unless
+    ``max_tokens`` was 0, as vLLM's ``request_output_to_completion_response``)."""
     if req.endpoint == "completions":
+        text = echoed(req, text, True)
         choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
@@ -59,11 +61,20 @@ def full_response(req: ParsedRequest, rid: str, created: int, text: str, finish_
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
+def echoed(req: ParsedRequest, text: str | None, first: bool) -> str:
+    """A completion's text (or the first streamed delta: ``first``) with the ``echo`` prompt before it
+    (vLLM's ``completion_stream_generator``: the prompt in the first delta, with ``max_tokens: 0`` the
+    prompt alone)."""
+    text = "" if text is None or req.echo_only else text
+    return (req.echo_text or "") + text if first else text
+
+
 def stream_chunk(req: ParsedRequest, rid: str, created: int, text: str | None, finish_reason: str | None,
-                 first: bool = False) -> dict[str, Any]:
-    """One SSE chunk with a text delta (or only the finish reason)."""
+                 first: bool = False, echo: bool = False) -> dict[str, Any]:
+    """One SSE chunk with a text delta (or only the finish reason). ``first`` (chat): the role;
+    ``echo`` (completions): the first delta, which carries the ``echo`` prompt."""
     if req.endpoint == "completions":
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "text": echoed(req, text, echo), "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {}
