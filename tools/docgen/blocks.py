@@ -58,7 +58,7 @@ BLOCKS: dict[str, Block] = {
     "control-plane-traced": Block(partial(bus_blocks.control_plane, name="control-plane-traced"), "docs/results.md"),
     "control-plane-compare": Block(bus_blocks.control_plane_compare, "docs/results.md"),
     "bus-floor": Block(bus_blocks.bus_floor, "docs/results.md"),
-    "fleet": Block(fleet_blocks.fleet, "docs/results.md"),
+    "fleet": Block(fleet_blocks.fleet, "docs/results.md", "README.md"),
     "fidelity": Block(cli_blocks.fidelity, "docs/results.md"),
     "vllm-demo": Block(vllm_blocks.vllm_demo, "docs/results.md"),
     "vllm-ab": Block(vllm_blocks.vllm_ab, "docs/results.md"),

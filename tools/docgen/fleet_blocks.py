@@ -25,6 +25,10 @@ def fleet(load: Load) -> str:
              "|---|" + "---|" * (len(sizes) + 1)]
     for k, f in fl.COSTS.items():
         lines.append(f"| {k} | " + " | ".join(_g(f(row)) for row in rows) + f" | ×{_g(g[k])} |")
+    lines.append("| CPU of all its processes, % of one core | " + " | ".join(
+        _g(round(sum(v for v in row["cpu_pct"].values() if v is not None), 1)) for row in rows) + " | |")
+    lines.append("| CPU pressure: share of the run some process waited for a core, % | "
+                 + " | ".join(_g(row.get("cpu_pressure_pct")) for row in rows) + " | |")
     lines.append("| failed requests | " + " | ".join(num(row["failed"]) for row in rows) + " | |")
     lines.append("| decisions on a view older than 3 heartbeats | "
                  + " | ".join(num(row["state_age_ms"]["over_3_periods"]) for row in rows) + " | |")
