@@ -66,6 +66,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    #: structured output, OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema":
+    #: {...}}`` as the ingress validated it: vLLM backends pass it to the engine that decodes
+    #: (``CompletionRequest.response_format`` → ``structured_outputs``); the emulated engine never gets
+    #: one (the ingress of emulated engines refuses it). Optional (omitted when unset): schema 2 readers
+    #: that predate it ignore it.
+    response_format: dict[str, Any] | None = None
 
 
 def sampling_body(sp: SamplingParams) -> dict:

@@ -67,3 +67,6 @@ async def test_ignored_parameters_are_named_in_a_header(nats_url, policy):
         assert status == 200 and "X-Kairos-Ignored-Params" not in headers, out
         status, _, err = await post(st, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]})
         assert status == 400 and err["error"]["param"] == "stop", err
+        # structured output needs vLLM engines: this stack's are emulated, and the ingress knows it
+        status, _, err = await post(st, {"prompt": "x", "response_format": {"type": "json_object"}})
+        assert status == 400 and err["error"]["param"] == "response_format", err

@@ -67,7 +67,7 @@ def test_unknown_parameters_are_refused(endpoint):
 
 
 @pytest.mark.parametrize("name,value", [("temperature", 0.7), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                        ("response_format", {"type": "json_object"})])
+                                        ("response_format", {"type": "structural_tag"})])
 def test_issue_examples_are_not_accepted_silently(name, value):
     ep = "chat"
     if name == "temperature":

@@ -9,8 +9,10 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from kairos.contracts.wire import sampling_body
 from kairos.core.engine_model.text import token_text
 from kairos.services.ingress import openai_api as oa
+from kairos.services.ingress.openai_api.parse import engine_refusal
 
 MODELS = ["m"]
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
@@ -130,3 +132,31 @@ def test_echo_of_token_ids_decodes_them(tmp_path):
                                      counter, 4096, vocab_size=vocab)
     assert p.echo_text == tok.decode([1, 3, 4], skip_special_tokens=False) and (n, exact) == (3, True)
     assert counter("hi there") == 2 and counter.encode("hi there") == [3, 4]
+
+
+# -- response_format -----------------------------------------------------------------------------
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "yn", "schema": {"type": "string", "enum": ["yes", "no"]}}}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_response_format_is_carried_to_the_engine_on_vllm_and_refused_on_emulated(endpoint):
+    base = COMP if endpoint == "completions" else CHAT
+    for rf in ({"type": "json_object"}, SCHEMA):
+        p = oa.parse_request(endpoint, {**base, "response_format": rf}, MODELS)
+        assert p.sampling.response_format == rf
+        assert sampling_body(p.sampling)["response_format"] == rf  # what the vLLM backend merges into its body
+        assert engine_refusal(p, "vllm") is None and engine_refusal(p, "vllm-cpu") is None
+        e = engine_refusal(p, "emulated")
+        assert e is not None and e.param == "response_format" and e.status == 400
+    text = oa.parse_request(endpoint, {**base, "response_format": {"type": "text"}}, MODELS)
+    assert text.sampling.response_format is None and engine_refusal(text, "emulated") is None
+
+
+@pytest.mark.parametrize("rf,param", [({"type": "structural_tag"}, "response_format"), ("json", "response_format"),
+                                      ({"type": "json_schema"}, "response_format.json_schema"),
+                                      ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema"),
+                                      ({"type": "json_object", "json_schema": {"name": "x"}}, "response_format.json_schema"),
+                                      ({"type": "json_object", "x": 1}, "response_format")])
+def test_malformed_response_format(rf, param):
+    assert reject("completions", {**COMP, "response_format": rf}).param == param

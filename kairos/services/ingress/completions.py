@@ -37,7 +37,7 @@ from kairos.services.ingress.http import (READABLE_ENCODINGS, REQUEST_ID, api_er
                                           http_error)
 from kairos.services.ingress.ignored_params import IGNORED_PARAMS
 from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest
-from kairos.services.ingress.openai_api.parse import prepare_request
+from kairos.services.ingress.openai_api.parse import engine_refusal, prepare_request
 from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
 from kairos.services.ingress.openai_api.responses import ApiError
 from kairos.services.ingress.records import write_ingress_record
@@ -161,6 +161,8 @@ class Completions:
         check_bus_payload(parsed, prompt_tokens, exact, endpoint, self.d.bus.max_payload, self.cfg.prefix_block_tokens)
         if self.cfg.engine_kind == "vllm-cpu" and (why := unsafe_seed(parsed.sampling)) is not None:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, why, param="seed")  # before any engine sees it
+        if (refusal := engine_refusal(parsed, self.cfg.engine_kind)) is not None:  # response_format on emulated
+            raise refusal
         return parsed, prompt_tokens, exact
 
     async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:

@@ -18,7 +18,7 @@ The names below are re-exported so callers write ``from kairos.services.ingress 
 from kairos.services.ingress.openai_api.params import (PARAMETERS, Endpoint, Param, ParsedRequest, Support,
                                                        parameter_table_markdown, parameters)
 from kairos.services.ingress.openai_api.parse import (CHAT_MESSAGE_FIELDS, CHAT_ROLES, MAX_INT_FIELD, SEED_MAX,
-                                                      SEED_MIN, parse_request, prepare_request)
+                                                      SEED_MIN, engine_refusal, parse_request, prepare_request)
 from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, check_context, count_prompt_tokens,
                                                        estimate_tokens, load_chat_template, load_tokenizer,
                                                        render_chat, resolve_max_tokens, tokenizer_counter)
@@ -27,7 +27,8 @@ from kairos.services.ingress.openai_api.responses import (ApiError, error_body, 
 
 __all__ = [
     "PARAMETERS", "Endpoint", "Param", "ParsedRequest", "Support", "parameter_table_markdown", "parameters",
-    "CHAT_MESSAGE_FIELDS", "CHAT_ROLES", "MAX_INT_FIELD", "SEED_MAX", "SEED_MIN", "parse_request", "prepare_request",
+    "CHAT_MESSAGE_FIELDS", "CHAT_ROLES", "MAX_INT_FIELD", "SEED_MAX", "SEED_MIN", "engine_refusal", "parse_request",
+    "prepare_request",
     "ChatTemplate", "TokenCounter", "check_context", "count_prompt_tokens", "estimate_tokens", "load_chat_template",
     "load_tokenizer", "render_chat", "resolve_max_tokens", "tokenizer_counter",
     "ApiError", "error_body", "full_response", "models_response", "stream_chunk", "usage", "usage_chunk",

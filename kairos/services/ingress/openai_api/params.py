@@ -125,8 +125,11 @@ PARAMETERS: tuple[Param, ...] = (
     Param("top_logprobs", "chat", "refused", "only null or 0", bad=2, allowed=(None, 0)),
     Param("best_of", "completions", "refused", "only 1", example=1, bad=2, allowed=(None, 1)),
     Param("suffix", "completions", "refused", "only null", bad="x"),
-    Param("response_format", "both", "refused", "only `{\"type\": \"text\"}` (no structured output)",
-          example={"type": "text"}, bad={"type": "json_object"}, allowed=(None, {"type": "text"})),
+    Param("response_format", "both", "honoured", "`text`, `json_object` or `json_schema` (`{name, schema, "
+          "strict}`); vLLM engines: passed to the engine that decodes (the keep path's decode node, the deflect "
+          "path's node), which constrains its output (vLLM's structured outputs); emulated engines: 400 (the ingress "
+          "knows its engine kind; emulated text cannot follow a format). vLLM's `structural_tag`: 400 (not carried)",
+          example={"type": "json_object"}, bad={"type": "structural_tag"}),
     Param("tools", "chat", "honoured", "function tools (`{type: function, function: {name, description?, "
           "parameters?}}`) only with `tool_choice: \"none\"`: rendered into the prompt by the chat template and "
           "counted, no tool calls parsed out — what vLLM does with `tool_choice: \"none\"`. Without it vLLM "

@@ -198,7 +198,46 @@ def _sampling(body: dict, vocab_size: int) -> SamplingParams:
         repetition_penalty=None if rep is None else float(rep),
         include_stop_str_in_output=_bool_field(body, "include_stop_str_in_output"),
         skip_special_tokens=_bool_field(body, "skip_special_tokens"),
+        response_format=_response_format(body.get("response_format")),
     )
+
+
+def _response_format(v: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` (vLLM 0.32 ``ResponseFormat``): ``text`` (None: no constraint),
+    ``json_object``, or ``json_schema`` with ``json_schema: {name, schema?, description?, strict?}``."""
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(ErrorCode.INVALID_VALUE if isinstance(v, dict) else ErrorCode.INVALID_TYPE,
+                       "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"} "
+                       f"(vLLM's structural tags are not carried), got {_show(v)}", param="response_format")
+    unknown = set(v) - {"type", "json_schema"}
+    if unknown:
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'response_format' has unknown field(s) {sorted(unknown)}",
+                       param="response_format")
+    if kind == "json_schema":
+        js = v.get("json_schema")
+        if (not isinstance(js, dict) or not isinstance(js.get("name"), str)
+                or not isinstance(js.get("schema", {}), dict) or not isinstance(js.get("strict", False), (bool, type(None)))):
+            raise ApiError(ErrorCode.INVALID_TYPE, "'response_format.json_schema' must be {\"name\": string, "
+                                                   "\"schema\": object, \"strict\": boolean}",
+                           param="response_format.json_schema")
+    elif "json_schema" in v:
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'response_format.json_schema' needs \"type\": \"json_schema\"",
+                       param="response_format.json_schema")
+    return None if kind == "text" else v
+
+
+def engine_refusal(parsed: ParsedRequest, engine_kind: str) -> ApiError | None:
+    """What the ingress of ``engine_kind`` engines (``IngressConfig.engine_kind``) refuses that
+    validation accepted: ``response_format`` needs an engine that constrains its decoding (vLLM);
+    the emulated engine's text is a fixed word sequence (kairos/core/engine_model/text.py)."""
+    if parsed.sampling.response_format is not None and engine_kind == "emulated":
+        return ApiError(ErrorCode.UNSUPPORTED_VALUE, "'response_format' (structured output) needs vLLM engines; this "
+                                                     "deployment serves the emulated engine, whose text cannot follow "
+                                                     "a format", param="response_format")
+    return None
 
 
 def _chat_content(content: Any, i: int) -> str:
