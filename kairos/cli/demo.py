@@ -154,6 +154,15 @@ def bench_live(sup: Supervisor, *, workload: str, rps: float | None, duration: f
     return {**report, "engine_tbt_violation_rate": sampler.engine_tbt_violation_rate}, scales
 
 
+def replay_banner(workload: str, duration_s: float, url: str) -> str:
+    """The line ``kairos demo`` prints before its replay: the workload's window is when requests are
+    *sent*; the run lasts until the last response, so it says that requests still streaming at the
+    window's end are waited for, and where the progress names them (:mod:`kairos.cli.bench.progress`)."""
+    return (f"\nReplaying {workload} against {url}: the requests arriving in {duration_s:g} s, each sent at its "
+            f"arrival time, then the wait for those still streaming (a long output can take a minute more; "
+            f"the progress lines name them) ...")
+
+
 def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: float, seed: int,
              json_path: str | None, progress: bool) -> int:
     """Up → bench → compare → down. Returns the exit code (0 when every request completed)."""
@@ -168,7 +177,7 @@ def run_demo(opts: UpOptions, *, workload: str, rps: float | None, duration: flo
         sup.msg(f"starting {opts.prefill}P{opts.decode}D with policy {opts.policy} ...")
         sup.up()
         print(sup.table(), flush=True)
-        print(f"\nReplaying {workload} ({duration:g} s) against http://{opts.host}:{opts.port} ...", flush=True)
+        print(replay_banner(workload, duration, f"http://{opts.host}:{opts.port}"), flush=True)
         report, scales = bench_live(sup, workload=workload, rps=rps, duration=duration, seed=seed,
                                     json_path=json_path, progress=progress)
         sim_row = simulate_same(workload, rps, duration, seed, opts)
@@ -287,5 +296,5 @@ def demo_command(**o) -> None:
                       json_path=o["json_path"], progress=progress_default(o["progress"])))
 
 
-__all__ = ["run_demo", "bench_live", "demo_command", "handoff_note", "progress_default", "side_by_side",
+__all__ = ["run_demo", "bench_live", "demo_command", "handoff_note", "progress_default", "replay_banner", "side_by_side",
            "simulate_same", "vllm_testbed_options"]

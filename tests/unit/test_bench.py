@@ -580,12 +580,13 @@ def test_cli_prints_the_vllm_result_block_and_warns_without_usage(tmp_path):
     fake = FakeOpenAI()
     with serve(fake) as url:
         res = CliRunner().invoke(main, ["bench", "--url", url, "--workload", f"trace:{csv}", "--no-progress",
-                                        "--goodput", "ttft:5000", "--goodput", "e2el:9000"])
+                                        "--goodput", "ttft:5000", "--goodput", "e2el:9000",
+                                        "--percentile-metrics", "ttft,tpot,itl,e2el"])
     assert res.exit_code == 0, res.output
     for label in ("Successful requests:", "Failed requests:", "Benchmark duration (s):", "Request throughput (req/s):",
-                  "Request goodput (req/s):", "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Request goodput (req/s):", "Output token throughput (tok/s):", "Total token throughput (tok/s):",
                   "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):", "Mean E2EL (ms):",
-                  "Request rate offered (req/s):", "Request send rate achieved (req/s):"):
+                  "Request rate configured (RPS):", "Peak concurrent requests:", "How to read the rates"):
         assert label in res.stdout, label
     assert "run " in res.stdout and "policy" not in res.stdout  # the row is a run, not a policy
     assert "warning" not in res.stderr  # one response carried usage

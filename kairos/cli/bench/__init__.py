@@ -36,10 +36,17 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
   ``cached_tokens`` (``--save-records``) is the final usage's
   ``prompt_tokens_details.cached_tokens`` (OpenAI's and vLLM's field), null when not reported.
 * **Figures** are :func:`kairos.core.workload.serving_metrics.serving_metrics` (``vllm bench serve``'s names and
-  definitions: throughputs, mean/median/P99 TTFT, TPOT, ITL, E2EL, goodput) beside the paper's
-  metrics (:func:`kairos.core.workload.serving_metrics.summarize`), and the offered vs achieved request rate.
+  definitions: throughputs, mean/median/P99 TTFT, TPOT, ITL, E2EL, goodput) with vLLM's peak output
+  throughput and peak concurrency (:func:`~kairos.cli.bench.vllm_block.peak_figures`), printed as
+  ``vllm bench serve`` prints them — the same labels, order, section headers and number formats,
+  ``--percentile-metrics`` and ``--metric-percentiles`` as vLLM's
+  (:func:`~kairos.cli.bench.vllm_block.result_block`) — then how to read the rates (offered vs
+  sent, the drain after the last send: :func:`~kairos.cli.bench.report.rates_note`), then the
+  paper's metrics (:func:`kairos.core.workload.serving_metrics.summarize`).
 * **Progress**: a tqdm bar when stderr is a terminal, else one line every ``progress_interval_s``
-  (so a redirected run, e.g. under ``make run``, still shows it is alive).
+  (so a redirected run, e.g. under ``make run``, still shows it is alive), also while no request
+  finishes; once every request is sent, the line names those still streaming with their output
+  tokens so far ÷ requested and the time left at their own rate.
 * **Failures** are counted, never fatal: an HTTP status ≠ 200, an ``error`` object in the stream,
   a stream that ends without ``data: [DONE]``, a connection error, or no answer within
   ``request_timeout_s`` (seconds, whole request). Only usage errors (bad URL, server unreachable
@@ -54,7 +61,8 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
 The package, one concern a module: :mod:`~kairos.cli.bench.stream` (one request's body, SSE
 stream and record; pure), :mod:`~kairos.cli.bench.client` (the HTTP replay and the deflection
 count), :mod:`~kairos.cli.bench.progress` (the progress bar or lines),
-:mod:`~kairos.cli.bench.report` (the JSON report and the printed block) and
+:mod:`~kairos.cli.bench.vllm_block` (``vllm bench serve``'s result block and figures),
+:mod:`~kairos.cli.bench.report` (the JSON report and what is printed) and
 :mod:`~kairos.cli.bench.command` (:func:`bench_cli`, what the ``kairos bench`` command runs). The
 names below are re-exported here, where the CLI, ``kairos demo``, the benches and the tests import
 them. Pure pieces (no I/O, unit-tested): :class:`SSEParser`, :class:`StreamState`,

@@ -31,6 +31,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
 LOOKUP_CONCURRENCY = 16  #: parallel GET /v1/requests/{id} after the run
 LOOKUP_TIMEOUT_S = 10.0  #: per lookup / metrics scrape / model probe, seconds
+PROGRESS_TICK_S = 1.0  #: period of the progress reporter's tick (bar refresh; a line every interval), seconds
 #: Prometheus sample names whose ``decision="deflect"`` series count deflections (summed)
 DEFLECT_COUNTERS: tuple[str, ...] = ("kairos_decisions_total", "kairos_dispatcher_decisions_total")
 
@@ -113,6 +114,9 @@ class Outcome:
     state: StreamState
     error: str | None
     server_id: str | None
+    #: seconds since the bench start at which the request was due and began waiting for a
+    #: ``max_concurrency`` slot (None: not recorded); sent_s − queued_s is vLLM's client queue time
+    queued_s: float | None = None
 
 
 @dataclass
@@ -169,14 +173,16 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
 
 
 async def send_one(session, url: str, index: int, req: WorkloadRequest, model: str, t0: float,
-                   timeout_s: float, prompt_seed: int | None = None) -> Outcome:
+                   timeout_s: float, prompt_seed: int | None = None, state: StreamState | None = None) -> Outcome:
     """Send one streaming request and record its chunk arrivals (never raises).
 
     Each SSE event is stamped when it is parsed, like ``vllm bench serve``'s client (one
     ``perf_counter()`` per message), so events that came in one read are separate arrivals.
+    ``state``: the :class:`StreamState` to fill (the progress reporter reads its chunks while the
+    request streams); None: a new one.
     """
     body = request_body(req, index, model, prompt_seed)
-    state = StreamState()
+    state = StreamState() if state is None else state
     parser = SSEParser()
     error: str | None = None
     header_id: str | None = None
@@ -265,22 +271,35 @@ async def run_bench(cfg: BenchConfig,
             raise BenchError("the workload has no requests")
         metrics_before = await scrape_metrics(session, url)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        bar = ProgressReporter(len(reqs), enabled=cfg.progress, interval_s=cfg.progress_interval_s)
         n_failed = 0
 
         async def task(i: int, r: WorkloadRequest) -> Outcome:
             nonlocal n_failed
+            queued_s = time.perf_counter() - t0
+            state = StreamState()
             if sem is None:
-                out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed)
+                bar.started(i, r.output_tokens, state.chunks)
+                out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed, state)
             else:
                 async with sem:
-                    out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed)
+                    bar.started(i, r.output_tokens, state.chunks)
+                    out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed,
+                                         state)
+            out.queued_s = queued_s
             n_failed += out.error is not None
-            bar.update(n_failed)
+            bar.update(n_failed, i)
             return out
 
+        async def ticker() -> None:  # the progress moves on while no request finishes (long ones draining)
+            while True:
+                await asyncio.sleep(PROGRESS_TICK_S)
+                bar.tick()
+
         t0 = time.perf_counter()
+        bar = ProgressReporter(len(reqs), enabled=cfg.progress, interval_s=cfg.progress_interval_s,
+                               clock=time.perf_counter)
         tasks = []
+        ticking = asyncio.create_task(ticker()) if cfg.progress else None
         try:
             for i, r in enumerate(reqs):
                 delay = r.arrival_s - (time.perf_counter() - t0)
@@ -290,7 +309,7 @@ async def run_bench(cfg: BenchConfig,
             outcomes = list(await asyncio.gather(*tasks))
             send_span_s = max(o.sent_s for o in outcomes) - min(o.sent_s for o in outcomes)
         finally:
-            for t in tasks:
+            for t in [*tasks, *([ticking] if ticking else [])]:
                 t.cancel()
             bar.close()
         duration_s = time.perf_counter() - t0

@@ -18,6 +18,7 @@ from typing import Any
 from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_bench
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S
 from kairos.cli.bench.report import build_report, format_report
+from kairos.cli.bench.vllm_block import DEFAULT_PERCENTILE_METRICS, parse_metric_percentiles, parse_percentile_metrics
 from kairos.core.workload.workloads import DEFAULT_MAX_MODEL_LEN, WorkloadRequest
 
 
@@ -45,11 +46,14 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
               label: str, json_path: str | None, save_records: bool, progress: bool, tbt_slo_ms: float,
               ttft_slo_ms: float, goodput: Sequence[str] = (),
               progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None,
-              reuse_prompts: bool = False) -> dict[str, Any]:
+              reuse_prompts: bool = False, percentile_metrics: str | None = None,
+              metric_percentiles: str = "99") -> dict[str, Any]:
     """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
     metrics table (stdout) and a summary (stderr), write JSON. The prompts depend on ``seed``
     (another seed, other prompts: no prefix-cache hits left by an earlier run) unless
-    ``reuse_prompts``, which sends the index-only prompts of every run.
+    ``reuse_prompts``, which sends the index-only prompts of every run. ``percentile_metrics`` and
+    ``metric_percentiles``: ``vllm bench serve``'s options of the same names (which metrics get a
+    section, which percentiles; default ``ttft,tpot,itl`` and ``99`` as vLLM's).
 
     Raises:
         BenchError: any usage error (the CLI exits 2).
@@ -67,6 +71,11 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     if save_records and not json_path:
         raise BenchError("--save-records needs --json PATH")
     slos = parse_goodput(goodput) if goodput else None
+    try:
+        stems = parse_percentile_metrics(percentile_metrics) if percentile_metrics else DEFAULT_PERCENTILE_METRICS
+        pcts = parse_metric_percentiles(metric_percentiles)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
 
     def make_workload(n: int) -> list[WorkloadRequest]:
         try:
@@ -95,7 +104,8 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     wl_info.update(requests=len(wl), offered_rps=round((len(wl) - 1) / span, 3) if span > 0 else None)
     report = build_report(result, url=url, workload=wl_info, label=label, tbt_slo_ms=tbt_slo_ms,
                           ttft_slo_ms=ttft_slo_ms, max_concurrency=max_concurrency,
-                          request_timeout_s=request_timeout, goodput_slo_ms=slos, save_records=save_records)
+                          request_timeout_s=request_timeout, goodput_slo_ms=slos, save_records=save_records,
+                          percentile_metrics=stems, metric_percentiles=pcts)
     click.echo(format_report(report))
     if report["usage_reported"] == 0 and report["completed"]:
         click.echo("kairos bench: warning: the server sent no usage; output tokens are counted as one per chunk "

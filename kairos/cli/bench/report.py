@@ -1,50 +1,79 @@
-"""``kairos bench``'s results: the JSON report of a run and the text block it prints.
+"""``kairos bench``'s results: the JSON report of a run and the text it prints.
 
 Inputs: a :class:`~kairos.cli.bench.client.BenchResult` (records, outcomes, durations in s,
 deflections), the run's options and SLOs (ms). Outputs: the report dict of :func:`build_report`
 (:func:`kairos.core.workload.serving_metrics.summarize`'s keys, the same code the simulator uses,
 plus ``vllm bench serve``'s serving metrics, offered vs achieved rate, errors, optionally the
 records), written as ``--json``; and :func:`format_report`, what ``kairos bench`` prints on stdout
-(also used by the doc generator to render a saved report).
+(also used by the doc generator to render a saved report): ``vllm bench serve``'s result block
+(:mod:`kairos.cli.bench.vllm_block`, the same labels in the same order), then how to read the rates
+(:func:`rates_note`), then the paper's metrics.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from kairos.cli.bench.client import DEFAULT_REQUEST_TIMEOUT_S, BenchResult
+from kairos.cli.bench.vllm_block import (DEFAULT_METRIC_PERCENTILES, DEFAULT_PERCENTILE_METRICS, peak_figures,
+                                         queue_figures, result_block)
 from kairos.core.policy.registry import DEFAULT_PARAMS
-from kairos.core.workload.serving_metrics import format_serving, format_table, serving_metrics, summarize
+from kairos.core.workload.serving_metrics import format_table, serving_metrics, summarize
 
 
 def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], label: str = "live",
                  tbt_slo_ms: float = DEFAULT_PARAMS.tbt_slo_ms, ttft_slo_ms: float = DEFAULT_PARAMS.ttft_slo_ms,
                  max_concurrency: int | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, goodput_slo_ms: dict[str, float] | None = None,
-                 save_records: bool = False) -> dict[str, Any]:
+                 save_records: bool = False, percentile_metrics: Sequence[str] = DEFAULT_PERCENTILE_METRICS,
+                 metric_percentiles: Sequence[float] = DEFAULT_METRIC_PERCENTILES) -> dict[str, Any]:
     """The JSON report: :func:`kairos.core.workload.serving_metrics.summarize`'s keys (ms; throughput over the bench's
     wall ``duration_s``) with ``deflections`` replaced by the measured count (None = unknown),
     plus ``label``, ``url``, ``model``, ``workload``, ``sent``, ``duration_s`` (s),
     ``deflections_source``, ``max_concurrency``, ``request_timeout_s``, ``tbt_slo_ms``,
     ``ttft_slo_ms``, ``errors`` ({message: count}), ``serving`` (:func:`kairos.core.workload.serving_metrics.serving_metrics`,
-    ``vllm bench serve``'s keys; goodput under ``goodput_slo_ms``, default TTFT ≤ ``ttft_slo_ms``
-    and TPOT ≤ ``tbt_slo_ms``), ``offered_rps`` (the workload's rate), ``achieved_rps`` (requests
-    actually sent per second: (sent − 1) / first-to-last send span), ``usage_reported`` (responses
-    that carried ``usage``) and, if ``save_records``, ``records``."""
+    ``vllm bench serve``'s keys, with its ``max_output_tokens_per_s`` and ``max_concurrent_requests``
+    (:func:`kairos.cli.bench.vllm_block.peak_figures`) and, under ``max_concurrency``, its
+    client-queue figures; goodput under ``goodput_slo_ms``, default TTFT ≤ ``ttft_slo_ms``
+    and TPOT ≤ ``tbt_slo_ms``), ``request_rate`` (what vLLM prints as the configured rate: the
+    workload's ``rps``, else its offered rate), ``offered_rps`` (the workload's arrivals: (n − 1) ÷
+    their span), ``achieved_rps`` (requests
+    actually sent per second: (sent − 1) / first-to-last send span), ``send_window_s`` (first to
+    last send, s), ``drain_s`` (last send to the end of the run, s: the requests still streaming),
+    ``last_to_finish`` (the request whose last token came last: ``index``, ``output_tokens``,
+    ``e2el_s``; None without a completed request), ``percentile_metrics``, ``metric_percentiles``,
+    ``usage_reported`` (responses that carried ``usage``) and, if ``save_records``, ``records``."""
     summary = summarize(result.records, tbt_slo_ms=tbt_slo_ms, ttft_slo_ms=ttft_slo_ms,
                         duration_s=result.duration_s)
     summary["deflections"] = result.deflections
     errors = Counter(r.error for r in result.records if r.error is not None)
     slos = goodput_slo_ms if goodput_slo_ms is not None else {"ttft": ttft_slo_ms, "tpot": tbt_slo_ms}
+    rate = workload.get("rps") if workload.get("rps") is not None else workload.get("offered_rps")
+    serving = {**serving_metrics(result.records, duration_s=result.duration_s, goodput_slo_ms=slos,
+                                 percentiles=tuple(metric_percentiles)),
+               **peak_figures(result.records)}
+    if max_concurrency is not None:
+        serving.update(queue_figures(result.records, [o.queued_s if o.queued_s is not None else o.sent_s
+                                                      for o in result.outcomes],
+                                     request_rate=rate, percentiles=tuple(metric_percentiles)))
+    sends = [o.sent_s for o in result.outcomes]
+    done = [(i, r) for i, r in enumerate(result.records) if not r.failed and r.token_times_s]
+    last = max(done, key=lambda ir: ir[1].token_times_s[-1], default=None)
     report: dict[str, Any] = {
         "label": label, "url": url, "model": result.model, "workload": workload,
         "sent": result.sent, "duration_s": round(result.duration_s, 6), **summary,
-        "serving": serving_metrics(result.records, duration_s=result.duration_s, goodput_slo_ms=slos),
-        "goodput_slo_ms": slos, "offered_rps": workload.get("offered_rps"),
+        "serving": serving, "goodput_slo_ms": slos, "request_rate": rate, "offered_rps": workload.get("offered_rps"),
         "achieved_rps": round((result.sent - 1) / result.send_span_s, 3) if result.send_span_s > 0 else None,
+        "send_window_s": round(result.send_span_s, 6),
+        "drain_s": round(result.duration_s - max(sends), 6) if sends else None,
+        "last_to_finish": None if last is None else {
+            "index": result.outcomes[last[0]].index, "output_tokens": last[1].output_tokens,
+            "e2el_s": round(last[1].token_times_s[-1] - last[1].arrival_s, 6)},
+        "percentile_metrics": list(percentile_metrics), "metric_percentiles": list(metric_percentiles),
         "usage_reported": sum(o.state.usage_completion_tokens is not None for o in result.outcomes),
         "deflections_source": result.deflections_source,
         "max_concurrency": max_concurrency, "request_timeout_s": request_timeout_s,
@@ -58,14 +87,67 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
     return report
 
 
+def _num(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def rates_note(report: dict[str, Any]) -> str:
+    """How to read the block's rates, for someone new to it (printed after the block; a saved report
+    without this version's fields prints what it has). Says: the rate the workload offered and the
+    rate the requests were actually sent at, over which window; why the run lasted longer than
+    that window (the drain: requests still streaming after the last send, naming the one that
+    finished last and its output tokens); and that ``Request throughput (req/s)`` is completed ÷
+    the whole run, drain included, so it reads below the offered rate when long requests drain.
+    Lines wrap at 100 columns."""
+    import textwrap
+
+    paras = []
+    offered, achieved, sent = report.get("offered_rps"), report.get("achieved_rps"), report.get("sent", 0)
+    window = report.get("send_window_s")
+    offer = (f"the workload offered {offered:.2f}\u00a0req/s (its arrival times)" if offered is not None
+             else "the workload has no rate (one request)")
+    sent_at = (f"{sent} requests sent over {_num(window)}\u00a0s at {achieved:.2f}\u00a0req/s"
+               if window is not None and achieved is not None else f"{sent} requests sent")
+    paras.append(f"Offered vs sent: {offer}; {sent_at}.")
+    if (report.get("max_concurrency") is not None and offered and achieved is not None
+            and achieved < 0.95 * offered):
+        paras[-1] += f" --max-concurrency {report['max_concurrency']} held requests back: they were sent late."
+    m = report.get("serving") or {}
+    duration = m.get("duration", report.get("duration_s"))
+    drain, last = report.get("drain_s"), report.get("last_to_finish")
+    if drain is not None and duration is not None:
+        text = (f"Drain: the run went on {_num(drain)}\u00a0s after the last send, for the requests still streaming "
+                f"(benchmark duration {_num(duration, 2)}\u00a0s)")
+        if last is not None:
+            text += (f"; the last to finish, request #{last['index']}, streamed {last['output_tokens']:,} output "
+                     f"tokens in {_num(last['e2el_s'])}\u00a0s")
+        paras.append(text + ".")
+    if m.get("request_throughput") is not None and duration:
+        text = (f"Request throughput (req/s) = {m['completed']} completed ÷ {_num(duration, 2)}\u00a0s = "
+                f"{m['request_throughput']:.2f}, the whole run, drain included")
+        if offered and m["request_throughput"] < 0.95 * offered:
+            causes = [f"{m['failed']} failed" if m.get("failed") else "", "the drain" if drain else ""]
+            text += ": below the offered rate" + (f" because of {' and '.join(c for c in causes if c)}"
+                                                  if any(causes) else "")
+        paras.append(text + ".")
+    lines = ["How to read the rates (kairos bench):"]
+    for para in paras:
+        lines += [line.replace("\u00a0", " ")  # a number and its unit stay on one line
+                  for line in textwrap.wrap(para, width=100, initial_indent="  ", subsequent_indent="    ")]
+    return "\n".join(lines) + "\n"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """What ``kairos bench`` prints on stdout for a :func:`build_report` report: ``vllm bench serve``'s
-    result block (:func:`kairos.core.workload.serving_metrics.format_serving`), then the paper's metrics
+    result block (:func:`kairos.cli.bench.vllm_block.result_block`: its labels, order and number
+    formats), :func:`rates_note`, then the paper's metrics
     (:func:`kairos.core.workload.serving_metrics.format_table`) in one row labelled ``report["label"]``. Also renders a
     saved ``--json`` report (``tools.docgen.docgen``)."""
-    serving = format_serving(report["serving"], extra=[
-        ("Maximum request concurrency:", report.get("max_concurrency")),
-        ("Request rate offered (req/s):", report["offered_rps"]),
-        ("Request send rate achieved (req/s):", report["achieved_rps"])])
+    rate = report.get("request_rate")
+    if rate is None and "request_rate" not in report:  # a report saved before the field: the workload's rps
+        rate = (report.get("workload") or {}).get("rps")
+    block = result_block(report["serving"], request_rate=rate, max_concurrency=report.get("max_concurrency"),
+                         percentile_metrics=report.get("percentile_metrics") or DEFAULT_PERCENTILE_METRICS,
+                         percentiles=report.get("metric_percentiles") or DEFAULT_METRIC_PERCENTILES)
     table = format_table([{**report, "policy": report["label"], "rps": report["achieved_rps"]}], name_column="run")
-    return f"{serving}\n{table}"
+    return f"{block}\n{rates_note(report)}\n{table}"

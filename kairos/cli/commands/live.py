@@ -40,6 +40,11 @@ from kairos.core.policy import DEFAULT_PARAMS
                    "Default: ttft:<--ttft-slo-ms> tpot:<--tbt-slo-ms>.")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
               help="Sent as Authorization: Bearer KEY (an ingress started with API keys).")
+@click.option("--percentile-metrics", default=None, metavar="LIST",
+              help="As in `vllm bench serve`: metrics given a section (ttft,tpot,itl,e2el,client_queue_time,"
+                   "e2el_including_client_queue). Default: ttft,tpot,itl.")
+@click.option("--metric-percentiles", default="99", show_default=True, metavar="LIST",
+              help="As in `vllm bench serve`: percentiles of each section, comma-separated.")
 def bench(**opts) -> None:
     """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
     from kairos.cli.bench import BenchError, bench_cli
