@@ -21,94 +21,24 @@ from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
 from kairos.services.ingress.openai_api.params import PARAMETERS, Endpoint, ParsedRequest, parameters
 from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, count_prompt_tokens, decode_prompt,
                                                        render_chat, resolve_max_tokens)
+from kairos.services.ingress.openai_api.chat import chat_messages, chat_options
+from kairos.services.ingress.openai_api.fields import bool_field, int_field, is_number, number_field, same, show
 from kairos.services.ingress.openai_api.responses import ApiError
 
 
-#: Largest integer accepted in an integer field (int32, as the engines use); above it: out of range.
-MAX_INT_FIELD = 2**31 - 1
 #: ``seed`` range (vLLM: ``Field(ge=-2**63, le=2**63 - 1)``, vllm/entrypoints/openai/completion/protocol.py).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-
-#: The fields a chat message may carry (OpenAI's message objects); anything else is refused.
-CHAT_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
-
-#: The chat roles OpenAI defines. Any other non-empty role is accepted too and passed to the chat
-#: template, as vLLM 0.32 does (``CustomChatCompletionMessageParam``, vllm/renderers/chat_utils.py).
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 #: Most stop strings a request may have: OpenAI's documented limit, and vLLM 0.32's
 #: ``StopParam`` (``Field(max_length=envs.VLLM_MAX_STOP_STRINGS)``, default 4, vllm/envs.py).
 MAX_STOP_STRINGS = 4
-
-#: ``reasoning_effort`` values (vLLM 0.32 ``ChatCompletionRequest.reasoning_effort``).
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-
-
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality that tells booleans from numbers (``0 != False``, ``1 != True``)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int_field(body: dict, name: str, default: int | None, lo: int, hi: int = MAX_INT_FIELD) -> int | None:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if _is_number(v) and (v > hi or v < min(lo, -MAX_INT_FIELD - 1)):  # also 1e26 (a JSON float)
-        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' is out of range: {v:g} is above the maximum {hi}"
-                       if v > 0 else f"'{name}' is out of range: {v:g}", param=name)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be an integer, got {_show(v)}", param=name)
-    if v < lo:
-        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' must be >= {lo}, got {v}", param=name)
-    return v
-
-
-def _show(v: Any) -> str:
-    """A JSON value for an error message: its type and (short) value."""
-    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(v), "null" if v is None else type(v).__name__)
-    text = repr(v)
-    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def _bool_field(obj: dict, name: str, param: str | None = None) -> bool | None:
-    """An optional JSON boolean (``"false"``, ``"no"``, ``1`` are 400s, as in OpenAI's API)."""
-    v = obj.get(name)
-    if v is None or isinstance(v, bool):
-        return v
-    param = param or name
-    raise ApiError(ErrorCode.INVALID_TYPE,
-                   f"'{param}' must be a JSON boolean (true or false), got {_show(v)}", param=param)
-
-
-def _number_field(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
-    """An optional number in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``); null means the default."""
-    v = body.get(name)
-    if v is None:
-        return None
-    rng = f"between {lo:g} and {hi:g} ({'(' if lo_open else '['}{lo:g}, {hi:g}])"
-    if not _is_number(v) or not math.isfinite(v):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be a number {rng}, got {_show(v)}", param=name)
-    if not (lo < v if lo_open else lo <= v) or not v <= hi:
-        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' must be {rng}, got {v:g}", param=name)
-    return float(v)
 
 
 def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
     """A list of token ids in ``[0, vocab_size)`` (vLLM: ``_validate_stop_token_ids``)."""
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise ApiError(ErrorCode.INVALID_TYPE,
-                       f"'{name}' must be a list of integer token ids, got {_show(v)}", param=name)
+                       f"'{name}' must be a list of integer token ids, got {show(v)}", param=name)
     bad = [t for t in v if not 0 <= t < vocab_size]
     if bad:
         raise ApiError(ErrorCode.INVALID_VALUE,
@@ -120,7 +50,7 @@ def _token_ids(v: Any, name: str, vocab_size: int) -> list[int]:
 def _logit_bias(v: Any, vocab_size: int) -> dict[str, float]:
     """``{token id: bias}`` (vLLM: keys ``int()``-convertible, ids in the vocabulary, bias clamped)."""
     if not isinstance(v, dict):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'logit_bias' must be an object of token id -> bias, got {_show(v)}",
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'logit_bias' must be an object of token id -> bias, got {show(v)}",
                        param="logit_bias")
     out: dict[str, float] = {}
     for k, b in v.items():
@@ -133,8 +63,8 @@ def _logit_bias(v: Any, vocab_size: int) -> dict[str, float]:
             raise ApiError(ErrorCode.INVALID_VALUE,
                            f"'logit_bias' token id {tid} is out of vocabulary (size {vocab_size})",
                            param="logit_bias")
-        if not _is_number(b) or not math.isfinite(b):
-            raise ApiError(ErrorCode.INVALID_TYPE, f"'logit_bias' value of {k!r} must be a number, got {_show(b)}",
+        if not is_number(b) or not math.isfinite(b):
+            raise ApiError(ErrorCode.INVALID_TYPE, f"'logit_bias' value of {k!r} must be a number, got {show(b)}",
                            param="logit_bias")
         out[str(tid)] = min(100.0, max(-100.0, float(b)))
     return out
@@ -151,9 +81,9 @@ def _check_known(endpoint: Endpoint, body: dict) -> None:
                     if name in parameters(other) else "")
             raise ApiError(ErrorCode.UNKNOWN_PARAMETER,
                            f"Unrecognized request argument supplied: {name}{hint}", param=name)
-        if p.support == "refused" and not any(_same(value, a) for a in p.allowed):
+        if p.support == "refused" and not any(same(value, a) for a in p.allowed):
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
-                           f"'{name}' is not supported by Kairos: {p.how}; got {_show(value)}", param=name)
+                           f"'{name}' is not supported by Kairos: {p.how}; got {show(value)}", param=name)
 
 
 def _sampling(body: dict, vocab_size: int) -> SamplingParams:
@@ -165,7 +95,7 @@ def _sampling(body: dict, vocab_size: int) -> SamplingParams:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
             raise ApiError(ErrorCode.INVALID_TYPE,
-                           f"'stop' must be a string or a list of strings, got {_show(stop)}", param="stop")
+                           f"'stop' must be a string or a list of strings, got {show(stop)}", param="stop")
         if any(not x for x in stop):
             raise ApiError(ErrorCode.INVALID_VALUE, "'stop' cannot contain an empty string", param="stop")
         if len(stop) > MAX_STOP_STRINGS:
@@ -173,31 +103,31 @@ def _sampling(body: dict, vocab_size: int) -> SamplingParams:
                                                     "are allowed", param="stop")
         stop = stop or None
     stop_ids = body.get("stop_token_ids")
-    top_k = _int_field(body, "top_k", None, -1)
+    top_k = int_field(body, "top_k", None, -1)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'user' must be a string, got {_show(user)}", param="user")
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'user' must be a string, got {show(user)}", param="user")
     rep = body.get("repetition_penalty")
-    if rep is not None and (not _is_number(rep) or not math.isfinite(rep) or rep <= 0):
-        raise ApiError(ErrorCode.INVALID_TYPE if not _is_number(rep) else ErrorCode.INVALID_VALUE,
-                       f"'repetition_penalty' must be a finite number > 0, got {_show(rep)}",
+    if rep is not None and (not is_number(rep) or not math.isfinite(rep) or rep <= 0):
+        raise ApiError(ErrorCode.INVALID_TYPE if not is_number(rep) else ErrorCode.INVALID_VALUE,
+                       f"'repetition_penalty' must be a finite number > 0, got {show(rep)}",
                        param="repetition_penalty")
     return SamplingParams(
-        temperature=_number_field(body, "temperature", 0.0, 2.0),
-        top_p=_number_field(body, "top_p", 0.0, 1.0, lo_open=True),
+        temperature=number_field(body, "temperature", 0.0, 2.0),
+        top_p=number_field(body, "top_p", 0.0, 1.0, lo_open=True),
         top_k=top_k,
-        min_p=_number_field(body, "min_p", 0.0, 1.0),
-        seed=_int_field(body, "seed", None, SEED_MIN, SEED_MAX),
+        min_p=number_field(body, "min_p", 0.0, 1.0),
+        seed=int_field(body, "seed", None, SEED_MIN, SEED_MAX),
         stop=stop,
         stop_token_ids=None if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", vocab_size) or None,
-        min_tokens=_int_field(body, "min_tokens", None, 0),
-        ignore_eos=_bool_field(body, "ignore_eos"),
+        min_tokens=int_field(body, "min_tokens", None, 0),
+        ignore_eos=bool_field(body, "ignore_eos"),
         logit_bias=None if body.get("logit_bias") is None else _logit_bias(body["logit_bias"], vocab_size) or None,
-        presence_penalty=_number_field(body, "presence_penalty", -2.0, 2.0),
-        frequency_penalty=_number_field(body, "frequency_penalty", -2.0, 2.0),
+        presence_penalty=number_field(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=number_field(body, "frequency_penalty", -2.0, 2.0),
         repetition_penalty=None if rep is None else float(rep),
-        include_stop_str_in_output=_bool_field(body, "include_stop_str_in_output"),
-        skip_special_tokens=_bool_field(body, "skip_special_tokens"),
+        include_stop_str_in_output=bool_field(body, "include_stop_str_in_output"),
+        skip_special_tokens=bool_field(body, "skip_special_tokens"),
         response_format=_response_format(body.get("response_format")),
     )
 
@@ -211,7 +141,7 @@ def _response_format(v: Any) -> dict[str, Any] | None:
     if kind not in ("text", "json_object", "json_schema"):
         raise ApiError(ErrorCode.INVALID_VALUE if isinstance(v, dict) else ErrorCode.INVALID_TYPE,
                        "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"} "
-                       f"(vLLM's structural tags are not carried), got {_show(v)}", param="response_format")
+                       f"(vLLM's structural tags are not carried), got {show(v)}", param="response_format")
     unknown = set(v) - {"type", "json_schema"}
     if unknown:
         raise ApiError(ErrorCode.INVALID_VALUE, f"'response_format' has unknown field(s) {sorted(unknown)}",
@@ -224,7 +154,7 @@ def _response_format(v: Any) -> dict[str, Any] | None:
                                                    "\"schema\": object, \"strict\": boolean}",
                            param="response_format.json_schema")
     elif "json_schema" in v:
-        raise ApiError(ErrorCode.INVALID_VALUE, f"'response_format.json_schema' needs \"type\": \"json_schema\"",
+        raise ApiError(ErrorCode.INVALID_VALUE, "'response_format.json_schema' needs \"type\": \"json_schema\"",
                        param="response_format.json_schema")
     return None if kind == "text" else v
 
@@ -240,139 +170,12 @@ def engine_refusal(parsed: ParsedRequest, engine_kind: str) -> ApiError | None:
     return None
 
 
-def _chat_content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(ErrorCode.INVALID_VALUE, f"messages[{i}].content[{j}]: only text parts are supported",
-                               param=f"messages[{i}].content")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ApiError(ErrorCode.INVALID_TYPE, f"messages[{i}].content must be a string or a list of text parts",
-                   param=f"messages[{i}].content")
-
-
-def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` history: ``[{id, type: "function", function: {name, arguments}}]``."""
-    param = f"messages[{i}].tool_calls"
-    if not isinstance(calls, list):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"{param} must be a list, got {_show(calls)}", param=param)
-    out = []
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("arguments", ""), str) or c.get("type", "function") != "function"):
-            raise ApiError(ErrorCode.INVALID_TYPE,
-                           f"{param}[{j}] must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\": "
-                           f"string, \"arguments\": string}}}}", param=param)
-        out.append({"id": str(c.get("id", "")), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
-    return out
-
-
-def _chat_messages(msgs: Any) -> list[dict[str, Any]]:
-    """Validated, normalized chat messages (``role``, ``content`` text, optional ``tool_calls`` /
-    ``tool_call_id`` / ``name``), as a chat template takes them."""
-    if not isinstance(msgs, list) or not msgs:
-        raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER if msgs is None else ErrorCode.INVALID_TYPE,
-                       "'messages' must be a non-empty list", param="messages")
-    norm = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(ErrorCode.INVALID_TYPE,
-                           f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
-        if not m["role"]:  # any other role goes to the template (CHAT_ROLES)
-            raise ApiError(ErrorCode.INVALID_VALUE, f"messages[{i}].role must not be empty",
-                           param=f"messages[{i}].role")
-        unknown = sorted(set(m) - CHAT_MESSAGE_FIELDS)
-        if unknown:
-            raise ApiError(ErrorCode.INVALID_VALUE,
-                           f"messages[{i}] has unsupported field(s) {', '.join(map(repr, unknown))} (supported: "
-                           f"{', '.join(sorted(CHAT_MESSAGE_FIELDS))})", param=f"messages[{i}].{unknown[0]}")
-        content = m.get("content")
-        if content is None:
-            if m["role"] != "assistant" or m.get("tool_calls") is None:  # only a tool-calling turn may omit it
-                raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER,
-                               f"messages[{i}].content is required for role {m['role']!r}",
-                               param=f"messages[{i}].content")
-            content = ""
-        if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
-            raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER,
-                           f"messages[{i}]: a tool message needs 'tool_call_id' (the id of the call it answers)",
-                           param=f"messages[{i}].tool_call_id")
-        msg: dict[str, Any] = {"role": m["role"], "content": _chat_content(content, i)}
-        if m.get("tool_calls") is not None:
-            if m["role"] != "assistant":
-                raise ApiError(ErrorCode.INVALID_VALUE,
-                               f"messages[{i}].tool_calls is only allowed on assistant messages",
-                               param=f"messages[{i}].tool_calls")
-            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
-        for key in ("tool_call_id", "name"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise ApiError(ErrorCode.INVALID_TYPE,
-                                   f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
-                msg[key] = m[key]
-        norm.append(msg)
-    return norm
-
-
-def _tools(body: dict) -> list[dict[str, Any]] | None:
-    """``tools`` (function tools) for the chat template; only with ``tool_choice: "none"`` (vLLM
-    defaults ``tool_choice`` to ``auto`` when tools are given, which needs a tool-call parser)."""
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'tools' must be a list of function tools, got {_show(tools)}",
-                       param="tools")
-    for j, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if (not isinstance(fn, dict) or t.get("type", "function") != "function" or not isinstance(fn.get("name"), str)
-                or not isinstance(fn.get("parameters", {}), dict)):
-            raise ApiError(ErrorCode.INVALID_TYPE, f"tools[{j}] must be {{\"type\": \"function\", \"function\": "
-                                                   f"{{\"name\": string, \"parameters\": object}}}}", param="tools")
-    if body.get("tool_choice") != "none":
-        raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
-                       "'tools' are supported only with \"tool_choice\": \"none\" (rendered into the prompt, no "
-                       "tool calls parsed): Kairos does not parse tool calls out of the output, and without "
-                       "tool_choice the default is \"auto\"", param="tools")
-    return tools
-
-
-def _chat_options(body: dict, model_template: bool) -> tuple[list[dict[str, Any]] | None, dict[str, Any], list[str]]:
-    """(tools, chat template keyword arguments, names ignored) of a chat request: ``tools`` and
-    ``reasoning_effort`` go to the template (vLLM: ``build_chat_params``, which also sets
-    ``enable_thinking``); ``store``, ``metadata``, ``parallel_tool_calls`` are validated only."""
-    _bool_field(body, "store")
-    _bool_field(body, "parallel_tool_calls")
-    meta = body.get("metadata")
-    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'metadata' must be an object of string values, got {_show(meta)}",
-                       param="metadata")
-    kwargs: dict[str, Any] = {}
-    ignored: list[str] = []
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in REASONING_EFFORTS:
-            raise ApiError(ErrorCode.INVALID_VALUE, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, "
-                                                    f"got {_show(effort)}", param="reasoning_effort")
-        if model_template:
-            kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
-        else:
-            ignored.append("reasoning_effort")
-    return _tools(body), kwargs, ignored
-
-
 def _ignored(endpoint: Endpoint, body: dict, extra: list[str]) -> tuple[str, ...]:
     """The names for ``X-Kairos-Ignored-Params``: ``ignored`` parameters set to something but their
     no-op values, and ``extra``, in :data:`~.params.PARAMETERS` order."""
     names = set(extra)
     for name, p in parameters(endpoint).items():
-        if p.support == "ignored" and name in body and not any(_same(body[name], v) for v in p.noop):
+        if p.support == "ignored" and name in body and not any(same(body[name], v) for v in p.noop):
             names.add(name)
     return tuple(p.name for p in PARAMETERS if p.name in names)
 
@@ -388,15 +191,15 @@ def _completion_prompt(prompt: Any, vocab_size: int, nested: bool = False) -> tu
                        "'prompt' is required: a string or a list of token ids", param="prompt")
     if not isinstance(prompt, list):
         raise ApiError(ErrorCode.INVALID_TYPE,
-                       f"'prompt' must be a non-empty string or a list of token ids, got {_show(prompt)}",
+                       f"'prompt' must be a non-empty string or a list of token ids, got {show(prompt)}",
                        param="prompt")
     if not prompt:
         raise ApiError(ErrorCode.INVALID_VALUE, "'prompt' must not be empty", param="prompt")
-    if all(_is_number(t) for t in prompt):
+    if all(is_number(t) for t in prompt):
         bad = next((i for i, t in enumerate(prompt) if not isinstance(t, int)), None)
         if bad is not None:
             raise ApiError(ErrorCode.INVALID_TYPE,
-                           f"'prompt' token ids must be integers; prompt[{bad}] is {_show(prompt[bad])}",
+                           f"'prompt' token ids must be integers; prompt[{bad}] is {show(prompt[bad])}",
                            param="prompt")
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -410,10 +213,10 @@ def _completion_prompt(prompt: Any, vocab_size: int, nested: bool = False) -> tu
         raise ApiError(ErrorCode.UNSUPPORTED_VALUE,
                        f"batched prompts ({len(prompt)} prompts) are not supported; send one prompt per "
                        "request", param="prompt")
-    bad = next(i for i, t in enumerate(prompt) if not _is_number(t))
+    bad = next(i for i, t in enumerate(prompt) if not is_number(t))
     raise ApiError(ErrorCode.INVALID_TYPE,
                    f"'prompt' must be a string or a list of integer token ids; prompt[{bad}] is "
-                   f"{_show(prompt[bad])}", param="prompt")
+                   f"{show(prompt[bad])}", param="prompt")
 
 
 def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], default_max_tokens: int = 16,
@@ -439,10 +242,10 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,
                        f"The model `{model}` does not exist. Served: {', '.join(served_models)}", param="model")
     _check_known(endpoint, body)
-    n = _int_field(body, "n", 1, 1)
+    n = int_field(body, "n", 1, 1)
     if n != 1:
         raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "only n=1 is supported", param="n")
-    stream = _bool_field(body, "stream") or False
+    stream = bool_field(body, "stream") or False
     so = body.get("stream_options")
     include_usage = False
     if so is not None:
@@ -455,8 +258,8 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
         if unknown:
             raise ApiError(ErrorCode.UNKNOWN_PARAMETER,
                            f"Unrecognized stream_options field: {sorted(unknown)[0]}", param="stream_options")
-        include_usage = bool(_bool_field(so, "include_usage", "stream_options.include_usage"))
-        if _bool_field(so, "continuous_usage_stats", "stream_options.continuous_usage_stats"):
+        include_usage = bool(bool_field(so, "include_usage", "stream_options.include_usage"))
+        if bool_field(so, "continuous_usage_stats", "stream_options.continuous_usage_stats"):
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
                            "'stream_options.continuous_usage_stats' is not supported by Kairos",
                            param="stream_options")
@@ -468,18 +271,18 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
     echo_only = False
     if endpoint == "completions":
         explicit = body.get("max_tokens") is not None
-        echo = bool(_bool_field(body, "echo"))
-        max_tokens = _int_field(body, "max_tokens", default_max_tokens, 0 if echo else 1)
+        echo = bool(bool_field(body, "echo"))
+        max_tokens = int_field(body, "max_tokens", default_max_tokens, 0 if echo else 1)
         if echo and max_tokens == 0:  # vLLM: echo_without_generation runs one token, shows none
             echo_only, max_tokens = True, 1
         text, ids = _completion_prompt(body.get("prompt"), vocab_size)
     else:
-        mct = _int_field(body, "max_completion_tokens", None, 1)
-        mt = _int_field(body, "max_tokens", None, 1)
+        mct = int_field(body, "max_completion_tokens", None, 1)
+        mt = int_field(body, "max_tokens", None, 1)
         max_tokens = mct if mct is not None else mt
         explicit = max_tokens is not None
-        tools, kwargs, extra_ignored = _chat_options(body, chat_template is not None)
-        messages = _chat_messages(body.get("messages"))
+        tools, kwargs, extra_ignored = chat_options(body, chat_template is not None)
+        messages = chat_messages(body.get("messages"))
         if chat_template is None:
             text = render_chat(messages, tools)
         else:  # a one-argument template callable still works when nothing else is passed

@@ -1,0 +1,74 @@
+"""Typed JSON field readers of the OpenAI request validation (no I/O): each returns the value or
+raises an :class:`~.responses.ApiError` naming the parameter, as vLLM 0.32's pydantic models do
+(``vllm/entrypoints/openai/protocol.py``), with JSON-boolean strictness (``0`` is not ``false``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kairos.contracts.errors import ErrorCode
+from kairos.services.ingress.openai_api.responses import ApiError
+
+#: Largest integer accepted in an integer field (int32, as the engines use); above it: out of range.
+MAX_INT_FIELD = 2**31 - 1
+
+
+def same(a: Any, b: Any) -> bool:
+    """JSON equality that tells booleans from numbers (``0 != False``, ``1 != True``)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def int_field(body: dict, name: str, default: int | None, lo: int, hi: int = MAX_INT_FIELD) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if is_number(v) and (v > hi or v < min(lo, -MAX_INT_FIELD - 1)):  # also 1e26 (a JSON float)
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' is out of range: {v:g} is above the maximum {hi}"
+                       if v > 0 else f"'{name}' is out of range: {v:g}", param=name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be an integer, got {show(v)}", param=name)
+    if v < lo:
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' must be >= {lo}, got {v}", param=name)
+    return v
+
+
+def show(v: Any) -> str:
+    """A JSON value for an error message: its type and (short) value."""
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(v), "null" if v is None else type(v).__name__)
+    text = repr(v)
+    return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def bool_field(obj: dict, name: str, param: str | None = None) -> bool | None:
+    """An optional JSON boolean (``"false"``, ``"no"``, ``1`` are 400s, as in OpenAI's API)."""
+    v = obj.get(name)
+    if v is None or isinstance(v, bool):
+        return v
+    param = param or name
+    raise ApiError(ErrorCode.INVALID_TYPE,
+                   f"'{param}' must be a JSON boolean (true or false), got {show(v)}", param=param)
+
+
+def number_field(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    """An optional number in ``[lo, hi]`` (``(lo, hi]`` when ``lo_open``); null means the default."""
+    v = body.get(name)
+    if v is None:
+        return None
+    rng = f"between {lo:g} and {hi:g} ({'(' if lo_open else '['}{lo:g}, {hi:g}])"
+    if not is_number(v) or not math.isfinite(v):
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be a number {rng}, got {show(v)}", param=name)
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' must be {rng}, got {v:g}", param=name)
+    return float(v)
