@@ -84,3 +84,5 @@ class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
     #: bus request ids of the re-submissions after a node was lost (``<id>-r1``, …); the decision,
     #: prefill and decode records of the attempt that served the request are under the last one
     resubmitted_as: list[str] = []
+    #: the client's ``X-Request-Id`` (kairos/services/ingress/request_ids.py), None when it sent none
+    client_request_id: str | None = None

@@ -399,6 +399,11 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     text: str  #: their text (emulated engines produce placeholder words)
     node: str
     sent_unix_ms: float
+    #: set on the request's last token event when the engine knew the request ended with it (as
+    #: vLLM's last stream delta carries its ``finish_reason``): the ingress puts it on that token's
+    #: SSE chunk, as vLLM's server does, instead of an extra chunk; the :class:`DoneEvent` still
+    #: follows with the counts. None: more may follow, or the engine did not say.
+    finish_reason: Literal["length", "stop", "abort"] | None = None
 
 
 class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):

@@ -71,9 +71,12 @@ class EngineEvents(Protocol):
     * ``on_allocated(rids)``: remote decodes whose KV blocks were allocated (the agent starts their
       transfer: :meth:`EngineBackend.pull_kv`).
     * ``on_prefill_done(rid)``: keep path, prefill node: the prompt is computed, its KV held here.
-    * ``on_tokens(rid, first_index, count, text)``: ``count`` output tokens from index
+    * ``on_tokens(rid, first_index, count, text, finish_reason)``: ``count`` output tokens from index
       ``first_index`` (0 = the first token: TTFT ends) with their text; indexes of one request
-      arrive in order, without gaps.
+      arrive in order, without gaps. ``finish_reason`` (``stop``/``length``/``abort``) when these
+      are the request's last tokens and the engine knows it already (vLLM's last delta carries
+      it), else None; ``on_finished`` follows either way. A backend that sets it lets the client's
+      stream end as vLLM's does: the finish reason on the last token's chunk.
     * ``on_finished(rid, finish_reason, cached_tokens)``: last token emitted (``stop``/``length``/
       ``abort``); ``cached_tokens`` prompt tokens were served from the prefix cache. Nothing of
       ``rid`` follows.
@@ -87,7 +90,8 @@ class EngineEvents(Protocol):
 
     async def on_prefill_done(self, rid: str) -> None: ...
 
-    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None: ...
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
+                        finish_reason: str | None = None) -> None: ...
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None: ...
 

@@ -176,9 +176,11 @@ class EmulatedBackend(EngineBackend):
                     first_tokens=res.first_tokens, prefill_done=res.prefill_done, finished=res.finished))
                 for rid in res.prefill_done:
                     await events.on_prefill_done(rid)
+                ending = set(res.finished)  # a finished request's last token is in this step's tokens
                 for rid, idx in res.tokens:
                     out = self._outputs.get(rid)
-                    await events.on_tokens(rid, idx, 1, out.text(idx) if out is not None else "")
+                    last = (out.finish_reason if out is not None else "length") if rid in ending else None
+                    await events.on_tokens(rid, idx, 1, out.text(idx) if out is not None else "", last)
                 for rid in res.finished:
                     out = self._outputs.pop(rid, None)
                     await events.on_finished(rid, out.finish_reason if out is not None else "length", 0)

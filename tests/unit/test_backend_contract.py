@@ -62,6 +62,7 @@ class Events:
         self.calls: list[tuple] = []
         self.steps: list[StepOutput] = []
         self.states: dict[tuple[str, int], tuple[int, int]] = {}  #: (rid, token index) -> (B, K) then
+        self.finish: dict[tuple[str, int], str | None] = {}  #: (rid, token index) -> the finish reason it came with
         self.backend: EngineBackend | None = None
         self.changed = asyncio.Condition()
 
@@ -81,9 +82,11 @@ class Events:
     async def on_prefill_done(self, rid: str) -> None:
         await self._add("prefill_done", rid)
 
-    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
+                        finish_reason: str | None = None) -> None:
         st = self.backend.state()
         self.states[(rid, first_index)] = (st.batch_size, st.kv_tokens)
+        self.finish[(rid, first_index)] = finish_reason
         await self._add("tokens", rid, first_index, count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
@@ -150,12 +153,14 @@ class StandInEngine:
         await resp.prepare(self.http_request)
         if "kairos_prefill_chunks" in body["vllm_xargs"]:  # a deflected prefill: one chunk, the whole prompt
             await self.step(0, 0, prompt, chunks=[DeflectedChunk(rid, 0, prompt, 0)])
-        for i in range(body["max_tokens"]):
+        n = body["max_tokens"]
+        for i in range(n):  # vLLM 0.32: the last token's delta carries the finish reason
             await self.step(1, prompt + i + 1)
-            await resp.write(sse({"choices": [{"text": f" t{i}", "token_ids": [7], "finish_reason": None}]}))
-        await self.publish()  # idle again before the finish
-        await resp.write(sse({"choices": [{"text": "", "token_ids": [], "finish_reason": "length"}]},
-                             {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": body["max_tokens"]}})
+            if i == n - 1:
+                await self.publish()  # idle again before the finish
+            await resp.write(sse({"choices": [{"text": f" t{i}", "token_ids": [7],
+                                               "finish_reason": "length" if i == n - 1 else None}]}))
+        await resp.write(sse({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n}})
                          + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -284,6 +289,7 @@ async def test_a_remote_decode_is_allocated_pulled_and_decodes_its_tokens_in_ord
     calls = [c for c in harness.events.of("k1") if c[0] != "allocated"]
     assert [c[0] for c in calls] == ["tokens"] * OUT + ["finished"]
     assert [c[2] for c in calls[:-1]] == list(range(OUT)) and d.phase("k1") is None
+    assert [harness.events.finish[("k1", i)] for i in range(OUT)] == [None] * (OUT - 1) + ["length"]
     assert allocated.count("k1") + sum(c == ("allocated", "k1") for c in harness.events.calls) == 1
 
 
@@ -294,6 +300,8 @@ async def test_a_deflection_reports_its_chunks_then_its_tokens_and_the_state_sho
     ev = harness.events
     calls = ev.of("f1")
     assert calls == [("tokens", "f1", i, 1) for i in range(OUT)] + [("finished", "f1", "length")]
+    # the last token comes with the finish reason (the client's last chunk carries it, as vLLM's)
+    assert [ev.finish[("f1", i)] for i in range(OUT)] == [None] * (OUT - 1) + ["length"]
     first_token = ev.calls.index(("tokens", "f1", 0, 1))
     chunked = [s for s in ev.steps if s.deflected_chunk is not None and s.deflected_chunk[0] == "f1"]
     assert chunked and all(s.deflected_chunk[2] == CHI for s in chunked)  # χ of the schedule

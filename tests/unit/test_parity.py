@@ -86,7 +86,7 @@ class Recorder:
     async def on_prefill_done(self, rid) -> None:
         self.events.append(("prefill_done", rid))
 
-    async def on_tokens(self, rid, first_index, count, text) -> None:
+    async def on_tokens(self, rid, first_index, count, text, finish_reason=None) -> None:
         self.events.append(("tokens", rid, first_index, count))
 
     async def on_finished(self, rid, finish_reason, cached_tokens) -> None:

@@ -115,7 +115,8 @@ class Events:
     async def on_prefill_done(self, rid: str) -> None:
         await self._add("prefill_done", rid)
 
-    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
+                        finish_reason: str | None = None) -> None:
         await self._add("tokens", rid, first_index, count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:

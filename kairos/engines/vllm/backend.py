@@ -58,6 +58,13 @@ log = structlog.get_logger("kairos.node_agent.vllm")
 #: times a keep-path decode that failed before its first token is sent again (see VllmBackend._serve);
 #: never after a 4xx: the engine refused the request itself
 REMOTE_DECODE_RETRIES = 2
+#: the finish reasons a request ends with on the wire (another of vLLM's, e.g. ``error``, is sent as ``stop``)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def wire_finish(reason: str | None) -> str | None:
+    """vLLM's ``finish_reason`` as the wire carries it (:data:`FINISH_REASONS`; None stays None)."""
+    return reason if reason is None or reason in FINISH_REASONS else "stop"
 
 
 class VllmBackend(EngineBackend):
@@ -286,7 +293,7 @@ class VllmBackend(EngineBackend):
                         r.kv_ready.set_result(True)
                     if r.phase is RequestPhase.DEFLECTED_PREFILL:
                         r.phase = RequestPhase.DECODING
-                await self._events.on_tokens(rid, index, d.token_count, d.text)
+                await self._events.on_tokens(rid, index, d.token_count, d.text, wire_finish(d.finish_reason))
                 index += d.token_count
                 r.tokens_out = index
         if self._reqs.get(rid) is not r:
@@ -296,7 +303,7 @@ class VllmBackend(EngineBackend):
             r.kv_ready.set_result(index > 0)
         if finish is None:
             raise EngineApiError("the engine's stream ended without a finish_reason")
-        await self._events.on_finished(rid, finish if finish in ("stop", "length", "abort") else "stop",
+        await self._events.on_finished(rid, wire_finish(finish),
                                        cached_tokens(usage))
 
     # -- driver ---------------------------------------------------------------------------------

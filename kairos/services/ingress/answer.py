@@ -3,7 +3,8 @@
 The relay (:mod:`.relay`) decides; :class:`ClientAnswer` writes. A streaming request's HTTP headers
 go out only with its first token (so an error before it still gets a proper 4xx/5xx status), each
 burst of chunks in one write, and the end — the last chunks, ``data: [DONE]`` and the
-chunked-encoding end — in one more; chat streams send the role alone first, as OpenAI and vLLM do.
+chunked-encoding end — in one more; chat streams send the role alone first, as OpenAI and vLLM do,
+and the finish reason rides on the last token's chunk, as vLLM's does (:meth:`ClientAnswer.complete`).
 An error after the first token is an SSE error event. A non-streaming request's text is kept
 until its end. Bodies are OpenAI's (:mod:`.openai_api.responses`).
 """
@@ -32,13 +33,16 @@ class ClientAnswer:
     Args:
         request: the client's HTTP request (the stream is prepared on it).
         parsed: its validated body (endpoint, stream, include_usage, model).
-        rid, created, trace_id: the id the client sees, its ``created`` (unix s), its trace id.
+        rid, created: the ``id`` the client sees (:class:`~.request_ids.RequestIds` ``response``), its
+            ``created`` (unix s).
+        headers: the response headers naming the request (``X-Request-Id``, ``X-Kairos-Request-Id``,
+            ``X-Trace-Id``).
         on_commit: called when the stream opens (something reached the client: no re-submission).
     """
 
-    def __init__(self, request: web.Request, parsed: ParsedRequest, rid: str, created: int, trace_id: str | None,
+    def __init__(self, request: web.Request, parsed: ParsedRequest, rid: str, created: int, headers: dict[str, str],
                  on_commit: Callable[[], None]) -> None:
-        self.request, self.parsed, self.rid, self.created, self.trace_id = request, parsed, rid, created, trace_id
+        self.request, self.parsed, self.rid, self.created, self.headers = request, parsed, rid, created, headers
         self.on_commit = on_commit
         self.resp: web.StreamResponse | None = None  #: the SSE stream, once opened
         self.sent = 0  #: tokens delivered to the client (streaming)
@@ -46,11 +50,17 @@ class ClientAnswer:
         #: already waiting (one socket write per burst; never held back while the queue is empty)
         self.unsent: list[bytes] = []
         self.unsent_tokens = 0
+        #: a chunk with the finish reason was relayed (the token event said it was the last)
+        self.finish_relayed = False
+        #: (text, echo) of the last token chunk while it is the last of :attr:`unsent`, so the end can
+        #: still put the finish reason on it
+        self.last_unsent: tuple[str, bool] | None = None
         self.text_parts: list[str] = []  #: the answer so far (non-streaming)
 
     async def tokens(self, tok: TokenEvent, first: bool, flush: Callable[[], bool]) -> bool:
         """Relay ``tok`` (``first``: the attempt's first; ``flush()``: no further event waits, so write
-        the burst now). False when the client is gone."""
+        the burst now) as one chunk, with its ``finish_reason`` when it is the last. False when the
+        client is gone."""
         parsed = self.parsed
         if not parsed.stream:
             self.text_parts.append(tok.text)
@@ -59,11 +69,15 @@ class ClientAnswer:
             return False
         if first and parsed.endpoint == "chat":  # the role alone first, as OpenAI and vLLM send it
             self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, "", None, first=True)))
-        self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, None, echo=first)))
+        self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, tok.finish_reason,
+                                                  echo=first)))
+        self.finish_relayed = tok.finish_reason is not None
+        self.last_unsent = None if self.finish_relayed else (tok.text, first)
         self.unsent_tokens += tok.count
         if flush():
             ok = await sse_write(self.resp, b"".join(self.unsent))
             self.unsent.clear()
+            self.last_unsent = None
             if not ok:
                 return False
             self.sent += self.unsent_tokens
@@ -72,9 +86,7 @@ class ClientAnswer:
 
     async def _open_stream(self) -> bool:
         """Send the SSE headers (with the first token's chunk); False if the client is gone."""
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": self.rid}
-        if self.trace_id:
-            headers["X-Trace-Id"] = self.trace_id
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self.headers}
         self.resp = SseResponse(headers=headers)
         self.request[STREAM_STARTED] = True
         self.on_commit()
@@ -97,19 +109,30 @@ class ClientAnswer:
 
     async def complete(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
                        cached_tokens: int) -> Outcome:
-        """The final chunk (and usage) of the stream, or the full response body."""
+        """The end of the stream, or the full response body.
+
+        The stream ends as vLLM's (``completion_stream_generator`` / ``chat_completion_stream_generator``
+        in ``vllm/entrypoints/openai/``): the finish reason on the last token's chunk, then the usage
+        chunk (``stream_options.include_usage``), then ``data: [DONE]``. The last token event
+        normally says it is the last (``TokenEvent.finish_reason``: both backends set it); if it did
+        not, the finish reason goes onto its chunk when that is still unwritten, else into one more
+        chunk without text (what vLLM sends when its last output has no token)."""
         parsed, rid, created = self.parsed, self.rid, self.created
         if not parsed.stream:
             body = full_response(parsed, rid, created, "".join(self.text_parts), finish_reason, prompt_tokens,
                                  completion_tokens, cached_tokens)
-            out = web.Response(body=orjson.dumps(body), content_type="application/json")
-            out.headers["X-Request-Id"] = rid
-            return out, 200
+            return web.Response(body=orjson.dumps(body), content_type="application/json", headers=self.headers), 200
         assert self.resp is not None
-        last = stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "", finish_reason)
-        usage = ([usage_chunk(parsed, rid, created, prompt_tokens, completion_tokens, cached_tokens)]
-                 if parsed.include_usage else [])
-        await sse_done(self.resp, last, *usage, before=b"".join(self.unsent))
+        last: list[dict] = []
+        if self.last_unsent is not None:  # the last token's chunk is not written yet: it carries the finish
+            self.unsent.pop()
+            text, echo = self.last_unsent
+            last.append(stream_chunk(parsed, rid, created, text, finish_reason, echo=echo))
+        elif not self.finish_relayed:
+            last.append(stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "", finish_reason))
+        if parsed.include_usage:
+            last.append(usage_chunk(parsed, rid, created, prompt_tokens, completion_tokens, cached_tokens))
+        await sse_done(self.resp, *last, before=b"".join(self.unsent))
         return self.resp, 200
 
     async def error(self, status: int, code: ErrorCode, message: str) -> Outcome:

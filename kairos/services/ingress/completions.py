@@ -21,7 +21,6 @@ Per request, in order (each refusal an OpenAI-shaped error with its :class:`Erro
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
 import orjson
@@ -42,6 +41,10 @@ from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
 from kairos.services.ingress.openai_api.responses import ApiError
 from kairos.services.ingress.records import write_ingress_record
 from kairos.services.ingress.relay import Admitted, RelayDeps, RequestRelay, bus_request
+from kairos.services.ingress.request_ids import KAIROS_ID_HEADER, RequestIds, client_request_id
+
+#: the span attribute carrying the client's ``X-Request-Id`` (:mod:`.request_ids`)
+CLIENT_ID_ATTRIBUTE = "kairos.client_request_id"
 
 #: bytes reserved for the NATS headers of a request (traceparent, tracestate, Nats-Msg-Id)
 BUS_HEADER_ALLOWANCE = 1024
@@ -171,15 +174,17 @@ class Completions:
         if isinstance(body, web.Response):
             return body
         try:
+            client_id = client_request_id(request.headers)
             parsed, prompt_tokens, exact = self._validate(body, endpoint)
         except ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return api_error_response(exc)
-        rid = ("cmpl-" if endpoint == "completions" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        ids = RequestIds.new(endpoint, client_id)
+        rid = ids.internal
         request[REQUEST_ID] = rid
         request[IGNORED_PARAMS] = parsed.ignored  # X-Kairos-Ignored-Params (ignored_params.py)
         self.m.inflight.inc()
-        timing: dict = {"received_unix_ms": received, "prompt_tokens": prompt_tokens}
+        timing: dict = {"received_unix_ms": received, "prompt_tokens": prompt_tokens, "client_request_id": client_id}
         # HTTP server span: continues the client's trace if it sent a W3C traceparent
         with self.tracer.start_as_current_span(
                 "ingress.request", context=T.extract_context(request.headers), kind=SpanKind.SERVER,
@@ -189,22 +194,24 @@ class Completions:
                     "client.address": request.remote or "", "user_agent.original": request.headers.get("User-Agent", ""),
                     T.GEN_AI_OPERATION_NAME: "text_completion" if endpoint == "completions" else "chat",
                     T.GEN_AI_REQUEST_MODEL: parsed.model, T.GEN_AI_REQUEST_MAX_TOKENS: parsed.max_tokens,
-                    T.GEN_AI_REQUEST_STREAM: parsed.stream, T.GEN_AI_RESPONSE_ID: rid,
-                    T.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens, "kairos.prompt_tokens_exact": exact}) as span:
+                    T.GEN_AI_REQUEST_STREAM: parsed.stream, T.GEN_AI_RESPONSE_ID: ids.response,
+                    T.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens, "kairos.prompt_tokens_exact": exact,
+                    **({CLIENT_ID_ATTRIBUTE: client_id} if client_id else {})}) as span:
             trace_id = T.trace_id_of(span)
-            log = self.log.bind(request_id=rid, **T.trace_fields(span))
+            log = self.log.bind(request_id=rid, **({"client_request_id": client_id} if client_id else {}),
+                                **T.trace_fields(span))
             status = 500
             resp: web.StreamResponse | None = None
+            admitted = Admitted(request, parsed, ids, int(received / 1000), prompt_tokens, exact, received, timing,
+                                log, trace_id)
             try:
-                admitted = Admitted(request, parsed, rid, int(received / 1000), prompt_tokens, exact, received,
-                                    timing, log, trace_id)
                 resp, status = await RequestRelay(self.d, admitted).run()
                 return resp
             finally:
-                self._finished(span, resp, status, endpoint, parsed, rid, trace_id, timing, log)
+                self._finished(span, resp, status, endpoint, parsed, admitted.headers(), timing, log)
 
     def _finished(self, span: Any, resp: web.StreamResponse | None, status: int, endpoint: Endpoint,
-                  parsed: ParsedRequest, rid: str, trace_id: str | None, timing: dict, log: Any) -> None:
+                  parsed: ParsedRequest, id_headers: dict[str, str], timing: dict, log: Any) -> None:
         """The request ended with ``status``: its span's attributes, metrics, log line and record."""
         received = timing["received_unix_ms"]
         span.set_attribute("http.response.status_code", status)
@@ -221,9 +228,7 @@ class Completions:
             span.set_attribute("error.type", str(timing.get("error") or status))
             span.set_status(Status(StatusCode.ERROR, str(timing.get("error"))))
         if resp is not None and not resp.prepared:  # error answers too: GET /v1/requests/<id> explains them
-            resp.headers["X-Request-Id"] = rid
-            if trace_id:
-                resp.headers["X-Trace-Id"] = trace_id
+            resp.headers.update(id_headers)
         self.m.inflight.dec()
         self.m.requests.labels(endpoint, str(status)).inc()
         timing["status"] = status
@@ -234,4 +239,5 @@ class Completions:
                  completion_tokens=timing.get("completion_tokens"), error=timing.get("error"),
                  ttft_ms=None if first is None else round(first - received, 3),
                  e2e_ms=round((done or now) - received, 3))
+        rid = id_headers[KAIROS_ID_HEADER]
         self.d.bg.spawn(write_ingress_record(self.d.bus, rid, timing, self.m, log=self.log), "write_ingress_record")

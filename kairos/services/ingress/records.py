@@ -82,6 +82,7 @@ def request_record(rid: str, decision: DecisionRecord | None, prefill: PrefillTi
     other = round(ttft - sum(known), 3) if ttft is not None and len(known) == 4 else None
     out: dict[str, Any] = {
         "id": rid,
+        "client_request_id": ingress.client_request_id if ingress is not None else None,
         "policy": d.policy if d else None,
         "decision": d.decision if d else None,
         "reason": d.reason if d else None,

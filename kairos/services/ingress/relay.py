@@ -48,6 +48,7 @@ from kairos.services.ingress.openai_api.params import ParsedRequest
 from kairos.services.ingress.ports import IngressBus, OutSubscription
 from kairos.services.ingress.records import PREDICTED
 from kairos.services.ingress.reorder import Reorder
+from kairos.services.ingress.request_ids import RequestIds
 
 
 def bus_request(parsed: ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
@@ -78,14 +79,14 @@ class RelayDeps:
 
 @dataclass
 class Admitted:
-    """One admitted request: the client's HTTP request, its validated body, the id the client sees
-    (``rid``, also the first attempt's bus id), ``created`` (unix s), its prompt tokens (``exact``:
-    counted by a tokenizer), when it was received (unix ms), its timing dict (the ingress record,
-    filled as it goes), its bound logger and trace id."""
+    """One admitted request: the client's HTTP request, its validated body, its ids (``ids.internal``
+    is ``rid``, the first attempt's bus id; ``ids.response`` the ``id`` the client sees), ``created``
+    (unix s), its prompt tokens (``exact``: counted by a tokenizer), when it was received (unix ms),
+    its timing dict (the ingress record, filled as it goes), its bound logger and trace id."""
 
     request: web.Request
     parsed: ParsedRequest
-    rid: str
+    ids: RequestIds
     created: int
     prompt_tokens: int
     exact: bool
@@ -93,6 +94,18 @@ class Admitted:
     timing: dict
     log: Any
     trace_id: str | None = None
+
+    @property
+    def rid(self) -> str:
+        """Kairos' id of the request (unique; the first attempt's bus id, its records' key)."""
+        return self.ids.internal
+
+    def headers(self) -> dict[str, str]:
+        """The response headers naming the request (:meth:`RequestIds.headers`, ``X-Trace-Id``)."""
+        out = self.ids.headers()
+        if self.trace_id:
+            out["X-Trace-Id"] = self.trace_id
+        return out
 
 
 class RequestRelay:
@@ -103,7 +116,7 @@ class RequestRelay:
         self.lc = RequestLifecycle(rid=req.rid, max_resubmits=self.cfg.max_resubmits)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.flight = Flight(lc=self.lc, queue=self.queue, request=req.request)
-        self.answer = ClientAnswer(req.request, req.parsed, req.rid, req.created, req.trace_id,
+        self.answer = ClientAnswer(req.request, req.parsed, req.ids.response, req.created, req.headers(),
                                    self.lc.committed_to_client)
         self.deadline = req.received + self.cfg.request_timeout_s * 1000.0  #: unix ms
         self.hashes = request_block_hashes(req.parsed.prompt_token_ids, req.parsed.prompt_text,

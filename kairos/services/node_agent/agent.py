@@ -241,8 +241,9 @@ class NodeAgent:
     async def on_prefill_done(self, rid: str) -> None:
         await self.effects.on_prefill_done(rid)
 
-    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
-        await self.effects.on_tokens(rid, first_index, count, text)
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
+                        finish_reason: str | None = None) -> None:
+        await self.effects.on_tokens(rid, first_index, count, text, finish_reason)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
         await self.effects.on_finished(rid, finish_reason, cached_tokens)

@@ -49,10 +49,12 @@ class Effects:
         if (r := self.ctx.reqs.get(rid)) is not None:
             await self.run(r, r.prefill_done(self.ctx.clock.now_ms()))
 
-    async def on_tokens(self, rid: str, first_index: int, count: int, text: str) -> None:
-        """Stream tokens to the client; the first one ends a deflection's prefill (slot released)."""
+    async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
+                        finish_reason: str | None = None) -> None:
+        """Stream tokens to the client (``finish_reason``: they are the last, as the engine knew);
+        the first one ends a deflection's prefill (slot released)."""
         if (r := self.ctx.reqs.get(rid)) is not None:
-            await self.run(r, r.tokens_out(first_index, count, text, self.ctx.clock.now_ms()))
+            await self.run(r, r.tokens_out(first_index, count, text, self.ctx.clock.now_ms(), finish_reason))
             self.ctx.metrics.tokens.labels(self.ctx.node).inc(count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
