@@ -5,6 +5,9 @@
 ``POST /v1/chat/completions``  the same, chat
 ``GET /v1/models``             the served model (with vLLM's ``max_model_len``)
 ``GET /v1/requests/{id}``      the request's records merged (:func:`~.records.lookup`)
+``POST /tokenize``             vLLM's: the prompt's tokens (:class:`~.tokenize.Tokenization`)
+``POST /detokenize``           vLLM's: the text of token ids
+``GET /version``               vLLM's: ``{"version"}`` (Kairos')
 ``GET /health``                readiness (:class:`~.readiness.Readiness`)
 ``GET /metrics``               Prometheus
 =============================  =====================================================================
@@ -13,7 +16,7 @@ Every HTTP error is an OpenAI-shaped JSON body with an :class:`~kairos.contracts
 (the middleware here; aiohttp's own protocol-level errors in :mod:`.http`): aiohttp's 404/405/413
 included, a body declared larger than the limit refused before it is read, and an unexpected
 exception a 500 naming an error id found in the log, never the exception. With API keys configured,
-every path but ``/health`` and ``/metrics`` needs one (:func:`~.http.api_key_middleware`).
+every path but ``/health``, ``/metrics`` and ``/version`` needs one (:func:`~.http.api_key_middleware`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kairos.services.ingress.openai_api.responses import models_response
 from kairos.services.ingress.ports import IngressBus
 from kairos.services.ingress.readiness import Readiness
 from kairos.services.ingress.records import lookup
+from kairos.services.ingress.tokenize import Tokenization
 
 #: the completion endpoints by path (their 413s before the handler are counted as the handler counts its own)
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -49,6 +53,7 @@ class IngressApp:
     Args:
         cfg: the ingress's configuration (body limit, served model).
         completions, readiness: the completion endpoints and ``/health``.
+        tokenization: ``/tokenize``, ``/detokenize`` and ``/version``.
         bus: where the records of ``GET /v1/requests/{id}`` are read.
         metrics, registry: the ingress's metrics and their Prometheus registry.
         api_keys: accepted API keys (empty: the API is open).
@@ -58,8 +63,9 @@ class IngressApp:
 
     def __init__(self, cfg: IngressConfig, completions: Completions, readiness: Readiness, bus: IngressBus,
                  metrics: IngressMetrics, registry: Any, api_keys: frozenset[str], max_model_len: int,
-                 log: Any) -> None:
+                 log: Any, tokenization: Tokenization) -> None:
         self.cfg, self.completions, self.readiness, self.bus = cfg, completions, readiness, bus
+        self.tokenization = tokenization
         self.m, self.registry, self.api_keys, self.max_model_len, self.log = (metrics, registry, api_keys,
                                                                               max_model_len, log)
 
@@ -75,6 +81,9 @@ class IngressApp:
         app.router.add_post("/v1/chat/completions", self.completions.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/requests/{rid}", self.request_info)
+        app.router.add_post("/tokenize", self.tokenization.tokenize)
+        app.router.add_post("/detokenize", self.tokenization.detokenize)
+        app.router.add_get("/version", self.tokenization.version)
         app.router.add_get("/health", self.readiness.health)
         app.router.add_get("/metrics", self.metrics)
         return app

@@ -64,6 +64,7 @@ from kairos.services.ingress.openai_api.prompt import load_chat_template, load_t
 from kairos.services.ingress.ports import IngressBus
 from kairos.services.ingress.readiness import Readiness
 from kairos.services.ingress.relay import RelayDeps
+from kairos.services.ingress.tokenize import Tokenization
 from kairos.services.node_agent.outbox import RESEND_WINDOW_S
 
 #: how long (s) close() lets background tasks (timing records, tombstones) finish before cancelling them
@@ -92,6 +93,8 @@ class Ingress:
                                              else (None, EMULATED_VOCAB_SIZE))
             self.chat_template = (load_chat_template(os.path.dirname(os.path.abspath(cfg.tokenizer_path)))
                                   if cfg.tokenizer_path else None)
+            self.tokenization = Tokenization(cfg.served_model, self.max_model_len, cfg.tokenizer_path,
+                                             self.chat_template, cfg.body_timeout_s)
         except ValueError as exc:  # the tokenizer or the chat template beside it cannot be loaded
             raise ConfigError(f"KAIROS_TOKENIZER_PATH: {exc}") from None
         self.tel = telemetry.setup("ingress", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
@@ -164,7 +167,7 @@ class Ingress:
             self.log.warning("api_open", message="no API key configured (KAIROS_API_KEYS / KAIROS_API_KEY_FILE / "
                                                  "kairos up --api-key): every client may use the API")
         app = IngressApp(self.cfg, self.completions, self.readiness, self.bus, self.m, self.tel.registry,
-                         self.api_keys, self.max_model_len, self.log).build()
+                         self.api_keys, self.max_model_len, self.log, self.tokenization).build()
         runner = HardenedRunner(app, access_log=None, header_timeout_s=self.cfg.header_timeout_s,
                                 keepalive_timeout=self.cfg.keepalive_timeout_s, on_slow_client=self.m.slow_clients.inc)
         await runner.setup()
