@@ -377,12 +377,11 @@ async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, strea
                         if "error" in ev:
                             out.error = ev["error"]
                             continue
-                        for ch in ev.get("choices", []):
-                            if ch.get("finish_reason") is None:  # one chunk per token; the last carries the reason
-                                if out.ttft_s is None:
-                                    out.ttft_s = time.monotonic() - t0
-                                parts.append(ch.get("text") or "")
-                                out.tokens += 1
+                        for ch in ev.get("choices", []):  # one chunk per token, the last with the finish reason
+                            if out.ttft_s is None:
+                                out.ttft_s = time.monotonic() - t0
+                            parts.append(ch.get("text") or "")
+                            out.tokens += 1
                     out.text = "".join(parts)
                 else:
                     data = await r.json(content_type=None)
