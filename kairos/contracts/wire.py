@@ -66,12 +66,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     repetition_penalty: float | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    #: structured output, OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema":
-    #: {...}}`` as the ingress validated it: vLLM backends pass it to the engine that decodes
-    #: (``CompletionRequest.response_format`` → ``structured_outputs``); the emulated engine never gets
-    #: one (the ingress of emulated engines refuses it). Optional (omitted when unset): schema 2 readers
-    #: that predate it ignore it.
+    #: structured output (``{"type": "json_object" | "json_schema", ...}``) for vLLM's engine that decodes;
+    #: ``logprobs``: top logprobs per output token (vLLM ``CompletionRequest.logprobs``, 0-20), answered in
+    #: :attr:`TokenEvent.logprobs`. Emulated ingresses refuse both. Optional (omitted when unset).
     response_format: dict[str, Any] | None = None
+    logprobs: int | None = None
 
 
 def sampling_body(sp: SamplingParams) -> dict:
@@ -389,6 +388,14 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
 # node agent -> ingress (kairos.out.<request_id>.<sender user>)
 # --------------------------------------------------------------------------------------------
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A token's text, logprob, the step's top ``[text, logprob]`` (sampled first): vLLM completions'."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]] = []
+
+
 class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     """Tokens generated for the request in one engine step (usually one)."""
 
@@ -399,11 +406,10 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     text: str  #: their text (emulated engines produce placeholder words)
     node: str
     sent_unix_ms: float
-    #: set on the request's last token event when the engine knew the request ended with it (as
-    #: vLLM's last stream delta carries its ``finish_reason``): the ingress puts it on that token's
-    #: SSE chunk, as vLLM's server does, instead of an extra chunk; the :class:`DoneEvent` still
-    #: follows with the counts. None: more may follow, or the engine did not say.
+    #: on the last token event when the engine knew it (vLLM's last delta's ``finish_reason``): the
+    #: ingress puts it on that token's chunk, as vLLM's server; the :class:`DoneEvent` still follows.
     finish_reason: Literal["length", "stop", "abort"] | None = None
+    logprobs: list[TokenLogprob] | None = None  #: one per token when asked for (optional)
 
 
 class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):

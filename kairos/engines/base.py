@@ -76,7 +76,9 @@ class EngineEvents(Protocol):
       arrive in order, without gaps. ``finish_reason`` (``stop``/``length``/``abort``) when these
       are the request's last tokens and the engine knows it already (vLLM's last delta carries
       it), else None; ``on_finished`` follows either way. A backend that sets it lets the client's
-      stream end as vLLM's does: the finish reason on the last token's chunk.
+      stream end as vLLM's does: the finish reason on the last token's chunk. ``logprobs``: one
+      :class:`~kairos.contracts.wire.TokenLogprob` per token when the request asked for them
+      (``SamplingParams.logprobs``) and the engine gives them (vLLM), else None.
     * ``on_finished(rid, finish_reason, cached_tokens)``: last token emitted (``stop``/``length``/
       ``abort``); ``cached_tokens`` prompt tokens were served from the prefix cache. Nothing of
       ``rid`` follows.
@@ -91,7 +93,7 @@ class EngineEvents(Protocol):
     async def on_prefill_done(self, rid: str) -> None: ...
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None) -> None: ...
+                        finish_reason: str | None = None, logprobs: list | None = None) -> None: ...
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None: ...
 

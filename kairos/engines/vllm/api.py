@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kairos.contracts.wire import InferenceRequest, SamplingParams, sampling_body
+from kairos.contracts.wire import InferenceRequest, SamplingParams, TokenLogprob, sampling_body
 
 
 class EngineApiError(ValueError):
@@ -190,12 +190,32 @@ class StreamDelta:
         finish_reason: ``stop`` / ``length`` / ``abort`` on the request's last delta, else None.
         usage: the final usage object (``prompt_tokens``, ``completion_tokens``,
             ``prompt_tokens_details.cached_tokens``) on the usage-only chunk, else None.
+        logprobs: the delta's tokens with their logprobs when the request asked for them
+            (:func:`delta_logprobs`), else None.
     """
 
     text: str = ""
     token_count: int = 0
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def delta_logprobs(lp: Any) -> list[TokenLogprob] | None:
+    """A streamed completion choice's ``logprobs`` (vLLM 0.32 ``CompletionLogProbs``: parallel lists
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` — each a ``{token text: logprob}`` dict in the
+    engine's order, the sampled token first — and ``text_offset``, which the ingress recomputes) as
+    one :class:`TokenLogprob` per token; None when absent or malformed."""
+    if not isinstance(lp, dict) or not isinstance(lp.get("tokens"), list):
+        return None
+    tokens, values, tops = lp["tokens"], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
+    out = []
+    for i, tok in enumerate(tokens):
+        v = values[i] if i < len(values) else None
+        top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
+        out.append(TokenLogprob(str(tok), None if v is None else float(v),
+                                [(str(k), float(x)) for k, x in top.items()]))
+    return out
 
 
 def parse_sse_line(line: str) -> StreamDelta | None:
@@ -230,7 +250,8 @@ def parse_sse_line(line: str) -> StreamDelta | None:
     text = c.get("text") or ""
     ids = c.get("token_ids")
     count = len(ids) if isinstance(ids, list) else (1 if text else 0)
-    return StreamDelta(text=text, token_count=count, finish_reason=c.get("finish_reason"), usage=obj.get("usage"))
+    return StreamDelta(text=text, token_count=count, finish_reason=c.get("finish_reason"), usage=obj.get("usage"),
+                       logprobs=delta_logprobs(c.get("logprobs")))
 
 
 def cached_tokens(usage: dict[str, Any] | None) -> int:

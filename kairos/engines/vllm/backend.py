@@ -293,7 +293,8 @@ class VllmBackend(EngineBackend):
                         r.kv_ready.set_result(True)
                     if r.phase is RequestPhase.DEFLECTED_PREFILL:
                         r.phase = RequestPhase.DECODING
-                await self._events.on_tokens(rid, index, d.token_count, d.text, wire_finish(d.finish_reason))
+                lp = {} if d.logprobs is None else {"logprobs": d.logprobs}  # only asked-for logprobs
+                await self._events.on_tokens(rid, index, d.token_count, d.text, wire_finish(d.finish_reason), **lp)
                 index += d.token_count
                 r.tokens_out = index
         if self._reqs.get(rid) is not r:

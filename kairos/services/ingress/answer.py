@@ -20,7 +20,8 @@ from kairos.contracts.errors import ErrorCode, error_type_for
 from kairos.contracts.wire import TokenEvent
 from kairos.services.ingress.http import STREAM_STARTED, clip, error_response
 from kairos.services.ingress.openai_api.params import ParsedRequest
-from kairos.services.ingress.openai_api.responses import error_body, full_response, stream_chunk, usage_chunk
+from kairos.services.ingress.openai_api.responses import (choice_logprobs, error_body, full_response, stream_chunk,
+                                                          usage_chunk)
 from kairos.services.ingress.sse import GONE, SseResponse, sse_done, sse_event, sse_write
 
 #: what a relay returns: the response sent (or to send) and its HTTP status (499: the client left)
@@ -52,10 +53,12 @@ class ClientAnswer:
         self.unsent_tokens = 0
         #: a chunk with the finish reason was relayed (the token event said it was the last)
         self.finish_relayed = False
-        #: (text, echo) of the last token chunk while it is the last of :attr:`unsent`, so the end can
-        #: still put the finish reason on it
-        self.last_unsent: tuple[str, bool] | None = None
+        #: (text, echo, logprobs) of the last token chunk while it is the last of :attr:`unsent`, so
+        #: the end can still put the finish reason on it
+        self.last_unsent: tuple[str, bool, dict | None] | None = None
         self.text_parts: list[str] = []  #: the answer so far (non-streaming)
+        self.logprobs: list = []  #: the tokens' logprobs so far (non-streaming, when asked for)
+        self.text_offset = 0  #: completions stream: where the next chunk's first token starts (``text_offset``)
 
     async def tokens(self, tok: TokenEvent, first: bool, flush: Callable[[], bool]) -> bool:
         """Relay ``tok`` (``first``: the attempt's first; ``flush()``: no further event waits, so write
@@ -64,15 +67,19 @@ class ClientAnswer:
         parsed = self.parsed
         if not parsed.stream:
             self.text_parts.append(tok.text)
+            self.logprobs.extend(tok.logprobs or ())
             return True
         if self.resp is None and not await self._open_stream():
             return False
         if first and parsed.endpoint == "chat":  # the role alone first, as OpenAI and vLLM send it
             self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, "", None, first=True)))
+        lp = choice_logprobs(parsed, tok.logprobs, self.text_offset)
+        if lp is not None and tok.logprobs:  # vLLM: next_text_offsets = last offset + len(last token)
+            self.text_offset += sum(len(e.token) for e in tok.logprobs)
         self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, tok.finish_reason,
-                                                  echo=first)))
+                                                  echo=first, logprobs=lp)))
         self.finish_relayed = tok.finish_reason is not None
-        self.last_unsent = None if self.finish_relayed else (tok.text, first)
+        self.last_unsent = None if self.finish_relayed else (tok.text, first, lp)
         self.unsent_tokens += tok.count
         if flush():
             ok = await sse_write(self.resp, b"".join(self.unsent))
@@ -100,6 +107,7 @@ class ClientAnswer:
         """Forget the text kept so far (the attempt was given up); returns how many token events it had."""
         n = len(self.text_parts)
         self.text_parts.clear()
+        self.logprobs.clear()
         return n
 
     @property
@@ -120,14 +128,14 @@ class ClientAnswer:
         parsed, rid, created = self.parsed, self.rid, self.created
         if not parsed.stream:
             body = full_response(parsed, rid, created, "".join(self.text_parts), finish_reason, prompt_tokens,
-                                 completion_tokens, cached_tokens)
+                                 completion_tokens, cached_tokens, self.logprobs)
             return web.Response(body=orjson.dumps(body), content_type="application/json", headers=self.headers), 200
         assert self.resp is not None
         last: list[dict] = []
         if self.last_unsent is not None:  # the last token's chunk is not written yet: it carries the finish
             self.unsent.pop()
-            text, echo = self.last_unsent
-            last.append(stream_chunk(parsed, rid, created, text, finish_reason, echo=echo))
+            text, echo, lp = self.last_unsent
+            last.append(stream_chunk(parsed, rid, created, text, finish_reason, echo=echo, logprobs=lp))
         elif not self.finish_relayed:
             last.append(stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "", finish_reason))
         if parsed.include_usage:

@@ -242,8 +242,8 @@ class NodeAgent:
         await self.effects.on_prefill_done(rid)
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None) -> None:
-        await self.effects.on_tokens(rid, first_index, count, text, finish_reason)
+                        finish_reason: str | None = None, logprobs: list | None = None) -> None:
+        await self.effects.on_tokens(rid, first_index, count, text, finish_reason, logprobs)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
         await self.effects.on_finished(rid, finish_reason, cached_tokens)

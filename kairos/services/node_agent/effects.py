@@ -50,11 +50,12 @@ class Effects:
             await self.run(r, r.prefill_done(self.ctx.clock.now_ms()))
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None) -> None:
-        """Stream tokens to the client (``finish_reason``: they are the last, as the engine knew);
-        the first one ends a deflection's prefill (slot released)."""
+                        finish_reason: str | None = None, logprobs: list | None = None) -> None:
+        """Stream tokens to the client (``finish_reason``: they are the last, as the engine knew;
+        ``logprobs``: theirs, when asked for); the first one ends a deflection's prefill (slot released)."""
         if (r := self.ctx.reqs.get(rid)) is not None:
-            await self.run(r, r.tokens_out(first_index, count, text, self.ctx.clock.now_ms(), finish_reason))
+            await self.run(r, r.tokens_out(first_index, count, text, self.ctx.clock.now_ms(), finish_reason,
+                                           logprobs))
             self.ctx.metrics.tokens.labels(self.ctx.node).inc(count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:

@@ -274,7 +274,7 @@ class NodeRequest:
 
     # -- decode side (remote decode and deflect) ----------------------------------------------------
     def tokens_out(self, first_index: int, count: int, text: str, now_ms: float,
-                   finish_reason: str | None = None) -> list[Action]:
+                   finish_reason: str | None = None, logprobs: list | None = None) -> list[Action]:
         """``count`` tokens from index ``first_index`` came out of the engine: send them (with
         ``finish_reason`` when the engine said they are the last: the client's last chunk carries it).
         The first token of a deflected prefill ends it: slot released, the decode span starts."""
@@ -292,7 +292,8 @@ class NodeRequest:
             self.tbt_max_ms = max(self.tbt_max_ms, now_ms - self.last_token_ms)
         self.last_token_ms = now_ms
         out.append(Publish(TokenEvent(request_id=self.rid, first_index=first_index, count=count, text=text,
-                                      node=self.node, sent_unix_ms=now_ms, finish_reason=finish_reason)))
+                                      node=self.node, sent_unix_ms=now_ms, finish_reason=finish_reason,
+                                      logprobs=logprobs)))
         return out
 
     def finished(self, finish_reason: str, engine_cached_tokens: int, now_ms: float) -> list[Action]:

@@ -42,6 +42,16 @@ class ParsedRequest:
     #: completions ``echo`` with ``max_tokens: 0``: the answer is the prompt only (vLLM generates one
     #: token and leaves it out: ``echo_without_generation``, vllm/entrypoints/openai/completion/protocol.py)
     echo_only: bool = False
+    #: choices per prompt (``n``); > 1 is fanned out at the ingress (kairos/services/ingress/fanout.py)
+    n: int = 1
+    #: completions with a batched ``prompt``: the prompts after the first (whose text or ids are
+    #: ``prompt_text``/``prompt_token_ids``), each ``(text, None)`` or ``(None, token ids)``
+    more_prompts: tuple[tuple[str | None, list[int] | None], ...] = ()
+
+    @property
+    def fanout(self) -> int:
+        """Sub-requests this request becomes (prompts × ``n``); 1: served as one request."""
+        return (1 + len(self.more_prompts)) * self.n
 
 
 Support = Literal["honoured", "refused", "accepted", "ignored"]
@@ -74,8 +84,9 @@ class Param:
 #: Every request parameter Kairos knows. A parameter not listed here is a 400 ``unknown_parameter``.
 PARAMETERS: tuple[Param, ...] = (
     Param("model", "both", "honoured", "must be the served model (404 otherwise)", example=None),
-    Param("prompt", "completions", "honoured", "a string or token ids (< vocabulary size); one prompt per request",
-          example=[1, 2, 3], bad=[[1], [2]]),
+    Param("prompt", "completions", "honoured", "a string or token ids (< vocabulary size), or a batch: a list of "
+          "strings or of token-id lists, each prompt its own routed request(s) (`choices[i].index` = prompt × n + "
+          "j, as vLLM's); prompts × n ≤ 64", example=[1, 2, 3], bad=[[1], [-2]]),
     Param("messages", "chat", "honoured", "text content; roles system/developer/user/assistant/tool, and any other "
           "non-empty role, which is passed to the chat template as vLLM does (its custom roles); assistant "
           "`tool_calls` and tool results are rendered into the prompt and counted",
@@ -88,7 +99,11 @@ PARAMETERS: tuple[Param, ...] = (
     Param("stream_options", "both", "honoured", "only with `stream: true`; `include_usage` (JSON boolean) adds the "
           "usage chunk; `continuous_usage_stats: true` is refused", example={"include_usage": True},
           bad={"include_usage": "false"}),
-    Param("n", "both", "honoured", "1 only (400 otherwise)", example=1, bad=2),
+    Param("n", "both", "honoured", "1-64 choices per prompt, each its own routed request (own internal id, own "
+          "record; the shared prompt meets the prefix cache), merged into one answer: usage's `prompt_tokens` once "
+          "per prompt, `completion_tokens` summed (vLLM's sums); streams interleave the choices' chunks with their "
+          "`index`. With a `seed`, choice j samples with seed + j (vLLM's parallel sampling). `temperature: 0` "
+          "with n > 1: 400 (vLLM's greedy rule)", example=2, bad=0),
     Param("temperature", "both", "honoured", "[0, 2]; vLLM samples with it; emulated: 0 makes the output depend "
           "on the prompt only", example=0.5, bad=3),
     Param("top_p", "both", "honoured", "(0, 1]; passed to vLLM (no effect on emulated text)", example=0.9, bad=0),
@@ -120,9 +135,15 @@ PARAMETERS: tuple[Param, ...] = (
           "decoded by the tokenizer, else by the emulated vocabulary), in the first chunk when streaming; usage "
           "unchanged. With `max_tokens: 0` the text is the prompt alone (vLLM generates one token it does not "
           "show: `completion_tokens` 1, `finish_reason: length`)", example=True, bad="yes"),
-    Param("logprobs", "both", "refused", "not carried back from the engine: only null (chat: false)", bad=1,
-          allowed=(None, False)),
-    Param("top_logprobs", "chat", "refused", "only null or 0", bad=2, allowed=(None, 0)),
+    Param("logprobs", "both", "honoured", "completions: integer 0-20 (vLLM's default `max_logprobs`), not with "
+          "`echo` (prompt logprobs are not carried); chat: JSON boolean. vLLM engines: passed to the engine that "
+          "decodes (on the keep path the decode node emits every token the client gets, the first included), "
+          "its per-token logprobs carried back on the token events; the choices' `logprobs` as vLLM's "
+          "(completions `{text_offset, token_logprobs, tokens, top_logprobs}`, chat `{content: [{token, logprob, "
+          "bytes, top_logprobs}]}`), per chunk when streaming. Emulated engines: 400 (no probabilities)",
+          example=None, bad="x"),
+    Param("top_logprobs", "chat", "honoured", "integer 0-20, > 0 only with `logprobs: true` (as vLLM); the first "
+          "`top_logprobs` of the engine's most likely tokens per token", example=0, bad=21),
     Param("best_of", "completions", "refused", "only 1", example=1, bad=2, allowed=(None, 1)),
     Param("suffix", "completions", "refused", "only null", bad="x"),
     Param("response_format", "both", "honoured", "`text`, `json_object` or `json_schema` (`{name, schema, "

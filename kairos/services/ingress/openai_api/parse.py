@@ -15,6 +15,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import msgspec
+
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import SamplingParams
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
@@ -132,6 +134,35 @@ def _sampling(body: dict, vocab_size: int) -> SamplingParams:
     )
 
 
+#: most sub-requests one request fans out into (prompts x ``n``; vLLM's ``VLLM_MAX_N_SEQUENCES`` is
+#: 16384, which on Kairos would be as many routed requests)
+MAX_FANOUT = 64
+
+#: most logprobs per token (vLLM's ``ModelConfig.max_logprobs`` default, ``--max-logprobs``)
+MAX_LOGPROBS = 20
+
+
+def _logprobs(endpoint: Endpoint, body: dict) -> int | None:
+    """How many top logprobs per output token the client wants (None: no logprobs). Completions:
+    ``logprobs`` an integer in [0, 20]; chat: ``logprobs: true`` with ``top_logprobs`` in [0, 20]
+    (``top_logprobs`` > 0 needs ``logprobs: true``, as vLLM's ``ChatCompletionRequest.check_logprobs``).
+    vLLM's -1 (the whole vocabulary) is above its default ``max_logprobs`` of 20, so refused here too."""
+    if endpoint == "chat":
+        on = bool_field(body, "logprobs")
+        top = int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+        if top and not on:
+            raise ApiError(ErrorCode.INVALID_VALUE, "when using `top_logprobs`, `logprobs` must be set to true.",
+                           param="top_logprobs")
+        return (top or 0) if on else None
+    v = body.get("logprobs")
+    if isinstance(v, bool):
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'logprobs' must be an integer, got {show(v)}", param="logprobs")
+    if body.get("echo") is True and v is not None:  # vLLM answers it with the prompt's logprobs, not carried
+        raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "'logprobs' with 'echo' would need the prompt's logprobs, which "
+                                                    "Kairos does not carry", param="logprobs")
+    return int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
+
+
 def _response_format(v: Any) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` (vLLM 0.32 ``ResponseFormat``): ``text`` (None: no constraint),
     ``json_object``, or ``json_schema`` with ``json_schema: {name, schema?, description?, strict?}``."""
@@ -167,6 +198,10 @@ def engine_refusal(parsed: ParsedRequest, engine_kind: str) -> ApiError | None:
         return ApiError(ErrorCode.UNSUPPORTED_VALUE, "'response_format' (structured output) needs vLLM engines; this "
                                                      "deployment serves the emulated engine, whose text cannot follow "
                                                      "a format", param="response_format")
+    if parsed.sampling.logprobs is not None and engine_kind == "emulated":
+        return ApiError(ErrorCode.UNSUPPORTED_VALUE, "'logprobs' needs vLLM engines; this deployment serves the "
+                                                     "emulated engine, whose text has no token probabilities",
+                        param="logprobs")
     return None
 
 
@@ -207,16 +242,19 @@ def _completion_prompt(prompt: Any, vocab_size: int, nested: bool = False) -> tu
                            f"'prompt' token id {prompt[bad]} (prompt[{bad}]) is out of vocabulary: ids must be "
                            f">= 0 and < {vocab_size}", param="prompt")
         return None, list(prompt)
-    if not nested and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
-        if len(prompt) == 1:
-            return _completion_prompt(prompt[0], vocab_size, nested=True)  # a batch of one
-        raise ApiError(ErrorCode.UNSUPPORTED_VALUE,
-                       f"batched prompts ({len(prompt)} prompts) are not supported; send one prompt per "
-                       "request", param="prompt")
     bad = next(i for i, t in enumerate(prompt) if not is_number(t))
     raise ApiError(ErrorCode.INVALID_TYPE,
                    f"'prompt' must be a string or a list of integer token ids; prompt[{bad}] is "
                    f"{show(prompt[bad])}", param="prompt")
+
+
+def _completion_prompts(prompt: Any, vocab_size: int) -> list[tuple[str | None, list[int] | None]]:
+    """``prompt`` of /v1/completions: one prompt, or a batch (a list of strings or a list of token-id
+    lists, as vLLM's ``CompletionRequest.prompt``), each ``(text, None)`` or ``(None, token ids)``."""
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(isinstance(p, list) for p in prompt)):
+        return [_completion_prompt(p, vocab_size, nested=True) for p in prompt]
+    return [_completion_prompt(prompt, vocab_size)]
 
 
 def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], default_max_tokens: int = 16,
@@ -243,8 +281,9 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
                        f"The model `{model}` does not exist. Served: {', '.join(served_models)}", param="model")
     _check_known(endpoint, body)
     n = int_field(body, "n", 1, 1)
-    if n != 1:
-        raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "only n=1 is supported", param="n")
+    if n > MAX_FANOUT:
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'n' must be at most {MAX_FANOUT} (Kairos' limit on the "
+                                                f"sub-requests of one request), got {n}", param="n")
     stream = bool_field(body, "stream") or False
     so = body.get("stream_options")
     include_usage = False
@@ -263,7 +302,9 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
                            "'stream_options.continuous_usage_stats' is not supported by Kairos",
                            param="stream_options")
-    sampling = _sampling(body, vocab_size)
+    sampling = msgspec.structs.replace(_sampling(body, vocab_size), logprobs=_logprobs(endpoint, body))
+    if n > 1 and sampling.temperature is not None and sampling.temperature < 1e-5:  # vLLM: _verify_greedy_sampling
+        raise ApiError(ErrorCode.INVALID_VALUE, f"n must be 1 when using greedy sampling, got {n}.", param="n")
 
     text: str | None = None
     ids: list[int] | None = None
@@ -275,7 +316,11 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
         max_tokens = int_field(body, "max_tokens", default_max_tokens, 0 if echo else 1)
         if echo and max_tokens == 0:  # vLLM: echo_without_generation runs one token, shows none
             echo_only, max_tokens = True, 1
-        text, ids = _completion_prompt(body.get("prompt"), vocab_size)
+        prompts = _completion_prompts(body.get("prompt"), vocab_size)
+        (text, ids), more = prompts[0], tuple(prompts[1:])
+        if len(prompts) * n > MAX_FANOUT:
+            raise ApiError(ErrorCode.INVALID_VALUE, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} "
+                                                    f"sub-requests; at most {MAX_FANOUT} are allowed", param="prompt")
     else:
         mct = int_field(body, "max_completion_tokens", None, 1)
         mt = int_field(body, "max_tokens", None, 1)
@@ -295,7 +340,7 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
                          max_tokens=max_tokens, stream=stream, include_usage=include_usage, sampling=sampling,
                          max_tokens_explicit=explicit, ignored=_ignored(endpoint, body, extra_ignored),
                          echo_text=text if endpoint == "completions" and body.get("echo") else None,
-                         echo_only=echo_only)
+                         echo_only=echo_only, n=n, more_prompts=more if endpoint == "completions" else ())
 
 
 def prepare_request(endpoint: Endpoint, body: Any, served_models: list[str], counter: TokenCounter | None,

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from kairos.contracts.errors import ErrorCode, error_type_for
+from kairos.contracts.wire import TokenLogprob
 from kairos.services.ingress.openai_api.params import ParsedRequest
 
 
@@ -45,16 +46,54 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+def choice_logprobs(req: ParsedRequest, entries: list[TokenLogprob] | None,
+                    text_offset: int = 0) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` object for ``entries`` (one per token, :class:`TokenLogprob`), or None
+    when the request did not ask for them (``SamplingParams.logprobs`` None).
+
+    Completions: vLLM 0.32's ``CompletionLogProbs`` (``_create_completion_logprobs``,
+    vllm/entrypoints/openai/completion/serving.py): ``text_offset`` (from ``text_offset``: 0, or in a
+    stream where the previous chunk's tokens ended), ``token_logprobs``, ``tokens``, ``top_logprobs``
+    (``{token: logprob}``, the sampled token and the ``logprobs`` most likely, as the engine gave them).
+    Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``
+    (``_create_chat_logprobs``, vllm/entrypoints/openai/chat_completion/serving.py), ``top_logprobs``
+    the first ``top_logprobs`` entries of the engine's list, as vLLM's ``_get_top_logprobs`` takes
+    them; logprobs below -9999 are -9999 there already. Entries are what vLLM's completions API
+    returned to the node (token texts as keys), so two top tokens with the same text show once."""
+    k = req.sampling.logprobs
+    if k is None:
+        return None
+    entries = entries or []
+    if req.endpoint == "completions":
+        offsets, at = [], text_offset
+        for e in entries:
+            offsets.append(at)
+            at += len(e.token)
+        return {"text_offset": offsets, "token_logprobs": [e.logprob for e in entries],
+                "tokens": [e.token for e in entries], "top_logprobs": [dict(e.top) for e in entries]}
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in e.top[:k]]}
+                        for e in entries]}
+
+
+def _bytes(token: str) -> list[int]:
+    """vLLM's ``bytes`` of a token: ``list(token.encode("utf-8", errors="replace"))``."""
+    return list(token.encode("utf-8", errors="replace"))
+
+
 def full_response(req: ParsedRequest, rid: str, created: int, text: str, finish_reason: str,
-                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                  logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
     """Non-streaming response body (completions with ``echo``: the prompt, then the output unless
-    ``max_tokens`` was 0, as vLLM's ``request_output_to_completion_response``)."""
+    ``max_tokens`` was 0, as vLLM's ``request_output_to_completion_response``); ``logprobs``: the
+    tokens' (:func:`choice_logprobs`)."""
+    lp = choice_logprobs(req, logprobs)
     if req.endpoint == "completions":
         text = echoed(req, text, True)
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
@@ -70,11 +109,13 @@ def echoed(req: ParsedRequest, text: str | None, first: bool) -> str:
 
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, text: str | None, finish_reason: str | None,
-                 first: bool = False, echo: bool = False) -> dict[str, Any]:
+                 first: bool = False, echo: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk with a text delta (or only the finish reason). ``first`` (chat): the role;
-    ``echo`` (completions): the first delta, which carries the ``echo`` prompt."""
+    ``echo`` (completions): the first delta, which carries the ``echo`` prompt; ``logprobs``: the
+    delta's tokens' (:func:`choice_logprobs`)."""
     if req.endpoint == "completions":
-        choice: dict[str, Any] = {"index": 0, "text": echoed(req, text, echo), "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "text": echoed(req, text, echo), "logprobs": logprobs,
+                                  "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {}
@@ -82,7 +123,7 @@ def stream_chunk(req: ParsedRequest, rid: str, created: int, text: str | None, f
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
