@@ -34,6 +34,7 @@ from kairos.engines.vllm.api import unsafe_seed
 from kairos.runtime import telemetry as T
 from kairos.services.ingress.http import (READABLE_ENCODINGS, REQUEST_ID, api_error_response, clip, error_response,
                                           http_error)
+from kairos.services.ingress.fanout import FANOUT_HEADER, FanOut, Sub, expand, run_all
 from kairos.services.ingress.ignored_params import IGNORED_PARAMS
 from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest
 from kairos.services.ingress.openai_api.parse import engine_refusal, prepare_request
@@ -176,9 +177,13 @@ class Completions:
         try:
             client_id = client_request_id(request.headers)
             parsed, prompt_tokens, exact = self._validate(body, endpoint)
+            subs = (expand(parsed, prompt_tokens, exact, self.counter, self.max_model_len)
+                    if parsed.fanout > 1 else None)
         except ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return api_error_response(exc)
+        if subs is not None:
+            return await self._serve_fanout(request, endpoint, subs, client_id, received)
         ids = RequestIds.new(endpoint, client_id)
         rid = ids.internal
         request[REQUEST_ID] = rid
@@ -210,8 +215,47 @@ class Completions:
             finally:
                 self._finished(span, resp, status, endpoint, parsed, admitted.headers(), timing, log)
 
+    async def _serve_fanout(self, request: web.Request, endpoint: Endpoint, subs: list[Sub], client_id: str | None,
+                            received: float) -> web.StreamResponse:
+        """``n`` > 1 or a batched prompt (:mod:`.fanout`): one relay per sub-request under one server
+        span, one merged answer; each sub-request's record and log line, the HTTP request counted once."""
+        first = RequestIds.new(endpoint, client_id)
+        ids = [first] + [RequestIds(RequestIds.new(endpoint, None).internal, first.response, client_id)
+                         for _ in subs[1:]]
+        request[REQUEST_ID] = first.internal
+        request[IGNORED_PARAMS] = subs[0].parsed.ignored
+        headers = {**first.headers(), FANOUT_HEADER: ",".join(i.internal for i in ids)}
+        fan = FanOut(request, subs[0].parsed, first.response, int(received / 1000), headers, subs)
+        with self.tracer.start_as_current_span(
+                "ingress.request", context=T.extract_context(request.headers), kind=SpanKind.SERVER,
+                start_time=int(received * 1e6), attributes={
+                    T.REQUEST_ID: first.internal, "http.route": request.path, "kairos.fanout": len(subs),
+                    T.GEN_AI_REQUEST_MODEL: subs[0].parsed.model, T.GEN_AI_RESPONSE_ID: first.response}) as span:
+            relays, admitted = {}, []
+            for s, sid in zip(subs, ids):
+                self.m.inflight.inc()
+                timing = {"received_unix_ms": received, "prompt_tokens": s.prompt_tokens, "client_request_id": client_id}
+                log = self.log.bind(request_id=sid.internal, choice_index=s.index, **T.trace_fields(span))
+                a = Admitted(request, s.parsed, sid, int(received / 1000), s.prompt_tokens, s.exact, received, timing,
+                             log, T.trace_id_of(span))
+                admitted.append(a)
+                relays[s.index] = RequestRelay(self.d, a, answer=fan.answer(s.index))
+            resp, status = fan.failed or (error_response(ErrorCode.INTERNAL_ERROR, "fan-out did not run"), 500)
+            try:
+                resp, status = await run_all(fan, relays)
+                return resp
+            finally:
+                for s, a in reversed(list(zip(subs, admitted))):  # the first's ids stay in the headers
+                    own = fan.statuses.get(s.index, status)  # its relay's: 499 if it was stopped
+                    self._finished(span, resp, own, endpoint, a.parsed, a.headers(), a.timing, a.log, count=False)
+                if not resp.prepared:
+                    resp.headers[FANOUT_HEADER] = headers[FANOUT_HEADER]
+                span.set_attribute("http.response.status_code", status)
+                self.m.requests.labels(endpoint, str(status)).inc()
+
     def _finished(self, span: Any, resp: web.StreamResponse | None, status: int, endpoint: Endpoint,
-                  parsed: ParsedRequest, id_headers: dict[str, str], timing: dict, log: Any) -> None:
+                  parsed: ParsedRequest, id_headers: dict[str, str], timing: dict, log: Any,
+                  count: bool = True) -> None:
         """The request ended with ``status``: its span's attributes, metrics, log line and record."""
         received = timing["received_unix_ms"]
         span.set_attribute("http.response.status_code", status)
@@ -230,7 +274,8 @@ class Completions:
         if resp is not None and not resp.prepared:  # error answers too: GET /v1/requests/<id> explains them
             resp.headers.update(id_headers)
         self.m.inflight.dec()
-        self.m.requests.labels(endpoint, str(status)).inc()
+        if count:  # a fan-out's sub-requests: the HTTP request is counted once (fanout.py)
+            self.m.requests.labels(endpoint, str(status)).inc()
         timing["status"] = status
         now = self.d.clock.now_ms()
         timing.setdefault("finished_unix_ms", now)  # an error answer finishes the request too

@@ -109,15 +109,18 @@ class Admitted:
 
 
 class RequestRelay:
-    """Serves one admitted request until it completes or ends with an explicit error (module docstring)."""
+    """Serves one admitted request until it completes or ends with an explicit error (module docstring).
+    ``answer``: what it answers through, made from its commit callback (a sub-request of a fanned-out
+    request: :mod:`.fanout`); None: the client's :class:`~.answer.ClientAnswer`."""
 
-    def __init__(self, deps: RelayDeps, req: Admitted) -> None:
+    def __init__(self, deps: RelayDeps, req: Admitted, answer: Callable[[Callable[[], None]], Any] | None = None) -> None:
         self.d, self.req, self.cfg, self.clock = deps, req, deps.cfg, deps.clock
         self.lc = RequestLifecycle(rid=req.rid, max_resubmits=self.cfg.max_resubmits)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.flight = Flight(lc=self.lc, queue=self.queue, request=req.request)
-        self.answer = ClientAnswer(req.request, req.parsed, req.ids.response, req.created, req.headers(),
-                                   self.lc.committed_to_client)
+        self.answer = (answer(self.lc.committed_to_client) if answer is not None else
+                       ClientAnswer(req.request, req.parsed, req.ids.response, req.created, req.headers(),
+                                    self.lc.committed_to_client))
         self.deadline = req.received + self.cfg.request_timeout_s * 1000.0  #: unix ms
         self.hashes = request_block_hashes(req.parsed.prompt_token_ids, req.parsed.prompt_text,
                                            self.cfg.prefix_block_tokens)

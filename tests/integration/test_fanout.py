@@ -1,0 +1,94 @@
+"""Issue 20: ``n`` > 1 and batched completions prompts fanned out at the ingress (kairos/services/ingress/fanout.py)
+through the real stack (ingress → NATS → dispatcher → emulated agents), keep and deflect paths:
+one choice per (prompt, j) with vLLM's index (prompt × n + j), usage as vLLM sums it, streams that
+interleave the choices' chunks with their index and end with one usage chunk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.conftest import stack
+
+pytestmark = pytest.mark.integration
+
+MODEL = "kairos-emulated"
+
+
+async def post(st, body: dict, chat: bool = False):
+    """(status, headers, body or the stream's chunks)."""
+    url = st.base + ("/v1/chat/completions" if chat else "/v1/completions")
+    async with st.http.post(url, json={"model": MODEL, **body}) as r:
+        if r.content_type == "text/event-stream":
+            events = [line.strip()[6:].decode() async for line in r.content if line.strip().startswith(b"data: ")]
+            assert events[-1] == "[DONE]"
+            return r.status, r.headers, [json.loads(e) for e in events[:-1]]
+        return r.status, r.headers, await r.json()
+
+
+def streamed(chunks: list[dict], chat: bool) -> dict[int, tuple[str, str | None]]:
+    """Per choice index: (text, finish_reason) from a stream's chunks."""
+    out: dict[int, list] = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            t = ch["delta"].get("content") if chat else ch["text"]
+            cur = out.setdefault(ch["index"], ["", None])
+            cur[0] += t or ""
+            if ch["finish_reason"] is not None:
+                assert cur[1] is None, "two finish reasons for one choice"
+                cur[1] = ch["finish_reason"]
+    return {i: (t, f) for i, (t, f) in out.items()}
+
+
+@pytest.mark.parametrize("policy", ["pd", "sl:100000"])  # keep path, deflect path
+async def test_n_and_batched_prompts(nats_url, policy):
+    async with stack(nats_url, policy=policy) as st:
+        # n=3 with a seed: choice j samples with seed + j (emulated text: a function of (seed, index))
+        status, headers, out = await post(st, {"prompt": "alpha beta", "max_tokens": 4, "n": 3, "seed": 5})
+        assert status == 200, out
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert len({c["text"] for c in out["choices"]}) == 3  # three seeds, three texts
+        assert len(headers["X-Kairos-Sub-Request-Ids"].split(",")) == 3
+        one = (await post(st, {"prompt": "alpha beta", "max_tokens": 4, "seed": 6}))[2]
+        assert out["choices"][1]["text"] == one["choices"][0]["text"]  # choice 1 is seed 5 + 1
+        pt = one["usage"]["prompt_tokens"]
+        assert out["usage"]["prompt_tokens"] == pt and out["usage"]["completion_tokens"] == 12  # prompt once
+        # 2 prompts x n=2: index = prompt * n + j; prompt tokens once per prompt
+        body = {"prompt": ["alpha beta", "gamma delta epsilon zeta"], "max_tokens": 3, "n": 2, "seed": 1}
+        status, _, out = await post(st, body)
+        assert status == 200, out
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+        second = (await post(st, {"prompt": "gamma delta epsilon zeta", "max_tokens": 3, "seed": 2}))[2]
+        assert out["usage"]["prompt_tokens"] == pt + second["usage"]["prompt_tokens"]
+        assert out["usage"]["completion_tokens"] == 12
+        assert out["choices"][3]["text"] == second["choices"][0]["text"]
+        status, _, ids = await post(st, {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 2})  # token-id lists
+        assert status == 200 and len(ids["choices"]) == 2 and ids["usage"]["prompt_tokens"] == 5, ids
+        # the same streamed: the choices' texts and finish reasons, one usage chunk at the end
+        status, _, chunks = await post(st, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200, chunks
+        assert streamed(chunks[:-1], False) == {c["index"]: (c["text"], c["finish_reason"]) for c in out["choices"]}
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+        assert all(c.get("usage") is None for c in chunks[:-1])
+        # chat: n=2, a role chunk per choice
+        msgs = [{"role": "user", "content": "hi"}]
+        status, _, chat = await post(st, {"messages": msgs, "max_tokens": 3, "n": 2, "seed": 9}, chat=True)
+        assert status == 200 and [c["index"] for c in chat["choices"]] == [0, 1], chat
+        status, _, chunks = await post(st, {"messages": msgs, "max_tokens": 3, "n": 2, "seed": 9, "stream": True},
+                                       chat=True)
+        assert status == 200, chunks
+        roles = [ch["index"] for c in chunks for ch in c["choices"] if ch["delta"].get("role") == "assistant"]
+        assert sorted(roles) == [0, 1]
+        assert streamed(chunks, True) == {c["index"]: (c["message"]["content"], c["finish_reason"])
+                                          for c in chat["choices"]}
+
+
+async def test_fanout_limits_and_greedy_rule(nats_url):
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
+        status, _, out = await post(st, {"prompt": "a", "n": 65})
+        assert status == 400 and out["error"]["param"] == "n", out
+        status, _, out = await post(st, {"prompt": ["a"] * 17, "n": 4})
+        assert status == 400 and out["error"]["param"] == "prompt", out
+        status, _, out = await post(st, {"prompt": "a", "n": 2, "temperature": 0})  # vLLM: greedy needs n=1
+        assert status == 400 and out["error"]["param"] == "n", out
