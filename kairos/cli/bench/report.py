@@ -42,7 +42,8 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
     and TPOT ≤ ``tbt_slo_ms``), ``request_rate`` (what vLLM prints as the configured rate: the
     workload's ``rps``, else its offered rate), ``offered_rps`` (the workload's arrivals: (n − 1) ÷
     their span), ``achieved_rps`` (requests
-    actually sent per second: (sent − 1) / first-to-last send span), ``send_window_s`` (first to
+    actually sent per second: (sent − 1) / first-to-last send span), ``first_send_s`` (the run's
+    start to the first send, s: the workload's first arrival), ``send_window_s`` (first to
     last send, s), ``drain_s`` (last send to the end of the run, s: the requests still streaming),
     ``last_to_finish`` (the request whose last token came last: ``index``, ``output_tokens``,
     ``e2el_s``; None without a completed request), ``percentile_metrics``, ``metric_percentiles``,
@@ -68,6 +69,7 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
         "sent": result.sent, "duration_s": round(result.duration_s, 6), **summary,
         "serving": serving, "goodput_slo_ms": slos, "request_rate": rate, "offered_rps": workload.get("offered_rps"),
         "achieved_rps": round((result.sent - 1) / result.send_span_s, 3) if result.send_span_s > 0 else None,
+        "first_send_s": round(min(sends), 6) if sends else None,
         "send_window_s": round(result.send_span_s, 6),
         "drain_s": round(result.duration_s - max(sends), 6) if sends else None,
         "last_to_finish": None if last is None else {
@@ -94,19 +96,21 @@ def _num(x: float, digits: int = 1) -> str:
 def rates_note(report: dict[str, Any]) -> str:
     """How to read the block's rates, for someone new to it (printed after the block; a saved report
     without this version's fields prints what it has). Says: the rate the workload offered and the
-    rate the requests were actually sent at, over which window; why the run lasted longer than
-    that window (the drain: requests still streaming after the last send, naming the one that
-    finished last and its output tokens); and that ``Request throughput (req/s)`` is completed ÷
-    the whole run, drain included, so it reads below the offered rate when long requests drain.
-    Lines wrap at 100 columns."""
+    rate the requests were actually sent at, over which window; what the benchmark duration is made
+    of (the wait for the first arrival, the sending, the drain: requests still streaming after the
+    last send, naming the one that finished last and its output tokens); and that ``Request
+    throughput (req/s)`` is completed ÷ that whole duration, so it reads below the offered rate when
+    the run waited for a late first arrival or for long requests to drain (or requests failed).
+    Lines wrap at 100 columns; a number and its unit stay on one line."""
     import textwrap
 
+    nb = "\u00a0"  # joins a number and its unit while wrapping
     paras = []
     offered, achieved, sent = report.get("offered_rps"), report.get("achieved_rps"), report.get("sent", 0)
     window = report.get("send_window_s")
-    offer = (f"the workload offered {offered:.2f}\u00a0req/s (its arrival times)" if offered is not None
+    offer = (f"the workload offered {offered:.2f}{nb}req/s (its arrival times)" if offered is not None
              else "the workload has no rate (one request)")
-    sent_at = (f"{sent} requests sent over {_num(window)}\u00a0s at {achieved:.2f}\u00a0req/s"
+    sent_at = (f"{sent} requests sent over {_num(window)}{nb}s at {achieved:.2f}{nb}req/s"
                if window is not None and achieved is not None else f"{sent} requests sent")
     paras.append(f"Offered vs sent: {offer}; {sent_at}.")
     if (report.get("max_concurrency") is not None and offered and achieved is not None
@@ -114,27 +118,33 @@ def rates_note(report: dict[str, Any]) -> str:
         paras[-1] += f" --max-concurrency {report['max_concurrency']} held requests back: they were sent late."
     m = report.get("serving") or {}
     duration = m.get("duration", report.get("duration_s"))
-    drain, last = report.get("drain_s"), report.get("last_to_finish")
-    if drain is not None and duration is not None:
-        text = (f"Drain: the run went on {_num(drain)}\u00a0s after the last send, for the requests still streaming "
-                f"(benchmark duration {_num(duration, 2)}\u00a0s)")
+    lead, drain, last = report.get("first_send_s"), report.get("drain_s"), report.get("last_to_finish")
+    if None not in (lead, window, drain, duration):
+        text = (f"Benchmark duration {_num(duration, 2)}{nb}s = {_num(lead)}{nb}s to the first arrival + "
+                f"{_num(window)}{nb}s of sending + {_num(drain)}{nb}s of drain (the requests still streaming "
+                f"after the last send")
         if last is not None:
             text += (f"; the last to finish, request #{last['index']}, streamed {last['output_tokens']:,} output "
-                     f"tokens in {_num(last['e2el_s'])}\u00a0s")
-        paras.append(text + ".")
+                     f"tokens in {_num(last['e2el_s'])}{nb}s")
+        paras.append(text + ").")
     if m.get("request_throughput") is not None and duration:
-        text = (f"Request throughput (req/s) = {m['completed']} completed ÷ {_num(duration, 2)}\u00a0s = "
-                f"{m['request_throughput']:.2f}, the whole run, drain included")
+        text = (f"Request throughput (req/s) = {m['completed']} completed ÷ {_num(duration, 2)}{nb}s = "
+                f"{m['request_throughput']:.2f}, over the whole duration")
         if offered and m["request_throughput"] < 0.95 * offered:
-            causes = [f"{m['failed']} failed" if m.get("failed") else "", "the drain" if drain else ""]
-            text += ": below the offered rate" + (f" because of {' and '.join(c for c in causes if c)}"
-                                                  if any(causes) else "")
+            causes = [c for c, on in ((f"{m['failed']} failed", bool(m.get("failed"))),
+                                      ("the wait for the first arrival", lead is not None and lead > 0.05 * duration),
+                                      ("the drain", drain is not None and drain > 0.05 * duration)) if on]
+            text += ": below the offered rate" + (f" because of {_and(causes)}" if causes else "")
         paras.append(text + ".")
     lines = ["How to read the rates (kairos bench):"]
     for para in paras:
-        lines += [line.replace("\u00a0", " ")  # a number and its unit stay on one line
+        lines += [line.replace(nb, " ")
                   for line in textwrap.wrap(para, width=100, initial_indent="  ", subsequent_indent="    ")]
     return "\n".join(lines) + "\n"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def format_report(report: dict[str, Any]) -> str:
