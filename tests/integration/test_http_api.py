@@ -25,7 +25,7 @@ async def test_models_health_metrics_and_errors(nats_url):
             ({"model": "nope", "prompt": "x"}, 404, "model_not_found"),
             ({"model": "kairos-emulated"}, 400, "missing_required_parameter"),
             ({"model": "kairos-emulated", "prompt": "x", "max_tokens": 0}, 400, "invalid_value"),
-            ({"model": "kairos-emulated", "prompt": "x", "n": 2}, 400, "unsupported_value"),
+            ({"model": "kairos-emulated", "prompt": "x", "logprobs": 1}, 400, "unsupported_value"),  # emulated engines
             ({"model": "kairos-emulated", "prompt": [1, 2], "max_tokens": 10 ** 6}, 400, "context_length_exceeded"),
         ]
         for body, want_status, want_code in cases:

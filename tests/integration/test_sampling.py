@@ -111,7 +111,8 @@ async def test_chat_without_max_tokens_ends_naturally_or_fills_the_context(nats_
      True, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, True,
      "response_format"),
-    ({"prompt": "x", "n": 2}, False, "n"),
+    ({"prompt": "x", "n": 65}, False, "n"),
+    ({"prompt": "x", "n": 2, "temperature": 0}, False, "n"),
 ])
 async def test_refusals_name_the_parameter(nats_url, body, chat, param):
     async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:

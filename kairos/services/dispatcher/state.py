@@ -31,7 +31,7 @@ from kairos.core.cluster.prefix_index import PrefixIndex
 from kairos.core.cluster.recent import RecentIds
 from kairos.core.cluster.routing import fold_recent, live_reservations
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
-from kairos.services.state_aggregator.view import newer
+from kairos.services.state_aggregator.view import decode_if_newer
 
 #: routed events kept for folding into the view (the aggregator folds them within one Δh)
 RECENT_ROUTED_S = 5.0
@@ -73,8 +73,8 @@ class RoutingState:
         Raises:
             WireError: ``data`` is not a :class:`ClusterView`.
         """
-        view = decode(data, ClusterView)
-        if not newer(view, self.view):  # each view comes twice (subject and bucket)
+        view = decode_if_newer(data, self.view)  # each view comes twice (subject and bucket)
+        if view is None:
             return
         self.view = view
         self._prune_routed(view)

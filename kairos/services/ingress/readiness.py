@@ -21,11 +21,11 @@ import orjson
 from aiohttp import web
 
 from kairos.contracts import subjects as S
-from kairos.contracts.wire import ClusterView, WireError, decode
+from kairos.contracts.wire import ClusterView, WireError
 from kairos.core.cluster.routing import routable
 from kairos.runtime.clock import Clock
 from kairos.services.ingress.config import IngressConfig
-from kairos.services.state_aggregator.view import newer
+from kairos.services.state_aggregator.view import decode_if_newer
 
 
 class Readiness:
@@ -67,10 +67,10 @@ class Readiness:
 
     def take_view(self, data: bytes) -> None:
         try:
-            view = decode(data, ClusterView)
+            view = decode_if_newer(data, self.view)  # each view comes twice (subject and bucket)
         except WireError:
             return
-        if not newer(view, self.view):  # each view comes twice (subject and bucket)
+        if view is None:
             return
         self.view, self.view_rx = view, self.clock.monotonic()
         try:

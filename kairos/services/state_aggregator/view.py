@@ -27,7 +27,7 @@ import msgspec
 
 from kairos.core.model.correction import StepCorrection
 from kairos.core.cluster.heartbeat import HeartbeatGuard
-from kairos.contracts.wire import ClusterView, InFlight, NodeState, NodeView, RoutedEvent
+from kairos.contracts.wire import ClusterView, InFlight, NodeState, NodeView, RoutedEvent, decode
 
 
 @dataclass
@@ -116,6 +116,30 @@ def newer(view: ClusterView, than: ClusterView | None) -> bool:
     """Is ``view`` newer than ``than`` (None: no view yet)? By the aggregator's build time, then
     its ``seq`` (a view arrives twice: on ``kairos.view`` and from the ``kairos_view`` bucket)."""
     return than is None or (view.built_unix_ms, view.seq) > (than.built_unix_ms, than.seq)
+
+
+class _ViewStamp(msgspec.Struct):
+    """A view's ordering fields alone: decoding them skips the ``nodes`` array (a quarter of a full
+    decode at 288 nodes; ``bench/fleet.py``)."""
+
+    seq: int
+    built_unix_ms: float
+
+
+def decode_if_newer(data: bytes, than: ClusterView | None) -> ClusterView | None:
+    """The :class:`ClusterView` in ``data`` if it is :func:`newer` than ``than``, else None — and then
+    without decoding its nodes. Every reader gets each view twice (``kairos.view`` and the
+    ``kairos_view`` bucket's watch), so half the copies are dropped at the cost of their stamp.
+
+    Raises:
+        WireError: ``data`` is not a view (a stamp that decodes is checked in full before use).
+    """
+    if than is not None:
+        stamp = decode(data, _ViewStamp)
+        if (stamp.built_unix_ms, stamp.seq) <= (than.built_unix_ms, than.seq):
+            return None
+    view = decode(data, ClusterView)
+    return view if newer(view, than) else None
 
 
 def fold_pending(st: NodeState, pending: list[RoutedEvent], age_ms: float, stale: bool) -> NodeView:
