@@ -12,7 +12,11 @@ Per request, in order (each refusal an OpenAI-shaped error with its :class:`Erro
    JSON (400);
 3. **validation** (:mod:`.openai_api`): parameters, prompt tokens counted, context length; the
    request must fit one NATS message (400 ``prompt_too_large``); a ``seed`` a vLLM-CPU engine would
-   die of is refused up front;
+   die of is refused up front. A body of :data:`OFFLOAD_BODY_BYTES` or more is validated in a worker
+   thread (``asyncio.to_thread``, as vLLM's server tokenizes off its event loop): rendering a chat
+   template and tokenizing a long prompt take seconds (3.6 MB: 1.7 s), during which every stream of
+   this replica would otherwise stop; the tokenizer releases the GIL meanwhile
+   (:func:`~.openai_api.prompt.encode_ids`);
 4. **the relay** (:class:`~.relay.RequestRelay`) under an HTTP server span (which continues the
    client's W3C trace), then the ``request_finished`` log line and the ingress record
    (``<id>.ingress``, :func:`~.records.write_ingress_record`).
@@ -49,6 +53,10 @@ CLIENT_ID_ATTRIBUTE = "kairos.client_request_id"
 
 #: bytes reserved for the NATS headers of a request (traceparent, tracestate, Nats-Msg-Id)
 BUS_HEADER_ALLOWANCE = 1024
+
+#: a request body this large or larger is validated (its chat rendered, its prompt tokenized) in a worker
+#: thread, off the event loop; smaller ones in the loop (a thread hop costs more than their validation)
+OFFLOAD_BODY_BYTES = 64 * 1024
 
 
 def check_bus_payload(parsed: ParsedRequest, prompt_tokens: int, exact: bool, endpoint: str, limit: int,
@@ -114,8 +122,8 @@ class Completions:
         finally:
             self.admitted -= 1
 
-    async def _read(self, request: web.Request, endpoint: Endpoint) -> Any | web.Response:
-        """The body as JSON (module docstring, 2), or the error answer."""
+    async def _read(self, request: web.Request, endpoint: Endpoint) -> tuple[Any, int] | web.Response:
+        """The body as JSON and its size in bytes (module docstring, 2), or the error answer."""
         encodings = request.headers.getall("Content-Encoding", [])
         if any(e.strip().lower() not in READABLE_ENCODINGS for e in encodings) or len(encodings) > 1:
             # aiohttp decodes exactly one gzip or deflate; anything else would be read as it is
@@ -128,7 +136,7 @@ class Completions:
         try:
             async with asyncio.timeout(self.cfg.body_timeout_s):  # no task per request (wait_for makes one)
                 raw = await request.read()
-            return orjson.loads(raw)
+            return orjson.loads(raw), len(raw)
         except web.HTTPRequestEntityTooLarge as exc:
             self.m.requests.labels(endpoint, "413").inc()
             return http_error(request, exc, self.cfg.max_body_bytes)
@@ -169,16 +177,24 @@ class Completions:
             raise refusal
         return parsed, prompt_tokens, exact
 
+    def _prepare(self, body: Any, endpoint: Endpoint) -> tuple[ParsedRequest, int, bool, list[Sub] | None]:
+        """:meth:`_validate`, then the fan-out's sub-requests (None: one request). Raises: ApiError."""
+        parsed, prompt_tokens, exact = self._validate(body, endpoint)
+        subs = expand(parsed, prompt_tokens, exact, self.counter, self.max_model_len) if parsed.fanout > 1 else None
+        return parsed, prompt_tokens, exact, subs
+
     async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         received = self.d.clock.now_ms()
-        body = await self._read(request, endpoint)
-        if isinstance(body, web.Response):
-            return body
+        read = await self._read(request, endpoint)
+        if isinstance(read, web.Response):
+            return read
+        body, size = read
         try:
             client_id = client_request_id(request.headers)
-            parsed, prompt_tokens, exact = self._validate(body, endpoint)
-            subs = (expand(parsed, prompt_tokens, exact, self.counter, self.max_model_len)
-                    if parsed.fanout > 1 else None)
+            if size >= OFFLOAD_BODY_BYTES:  # off the event loop (module docstring, 3)
+                parsed, prompt_tokens, exact, subs = await asyncio.to_thread(self._prepare, body, endpoint)
+            else:
+                parsed, prompt_tokens, exact, subs = self._prepare(body, endpoint)
         except ApiError as exc:
             self.m.requests.labels(endpoint, str(exc.status)).inc()
             return api_error_response(exc)

@@ -33,7 +33,11 @@ class IngressConfig(ServiceConfig):
     dispatcher_active_window_s: float = 5.0
     #: how often in-flight requests are checked for a client that closed its connection
     disconnect_poll_s: float = 0.2
-    max_body_bytes: int = 64 * 1024 * 1024  #: larger request bodies get 413
+    #: larger request bodies (counted after gzip/deflate decoding) get 413 ``request_too_large`` naming
+    #: this limit, before validation. 16 MiB: far above what can be routed (a prompt must fit one NATS
+    #: message, 1 MiB by default; a JSON body of token ids is ~3x its bus size), small enough that no
+    #: body makes the ingress parse and tokenize tens of MB (a 30 MB prompt tokenized for 27 s)
+    max_body_bytes: int = 16 * 1024 * 1024
     #: a node silent (no heartbeat, no token) this long is dead: its in-flight requests are moved or ended
     liveness_timeout_s: float = 3.0
     #: after a NATS reconnect, a routed request with no event for this long lost its stream: moved or ended

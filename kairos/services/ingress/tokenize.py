@@ -47,7 +47,7 @@ from kairos.contracts.errors import ErrorCode
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE, token_text
 from kairos.services.ingress.http import api_error_response
 from kairos.services.ingress.openai_api.parse import parse_request
-from kairos.services.ingress.openai_api.prompt import ChatTemplate
+from kairos.services.ingress.openai_api.prompt import ChatTemplate, encode_ids
 from kairos.services.ingress.openai_api.responses import ApiError
 
 #: the response header of ``/tokenize`` saying whether the tokens are the model's (``exact``) or the estimate's
@@ -133,7 +133,8 @@ class ModelTokenizer:
         self.vocab_size = self._tok.get_vocab_size(True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The ids of ``text`` (:func:`~.openai_api.prompt.encode_ids`: the GIL released meanwhile)."""
+        return encode_ids(self._tok, text, add_special_tokens)
 
     def check(self, ids: list[int]) -> int | None:
         return next((t for t in ids if t >= self.vocab_size), None)
@@ -249,7 +250,8 @@ class Tokenization:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
-            ids, strs = self.tokens_of(await _body(request, self.body_timeout_s))
+            # in a worker thread: a long prompt takes seconds to tokenize (completions.py, OFFLOAD_BODY_BYTES)
+            ids, strs = await asyncio.to_thread(self.tokens_of, await _body(request, self.body_timeout_s))
         except ApiError as exc:
             return _refused(exc)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
