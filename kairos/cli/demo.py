@@ -158,8 +158,8 @@ def replay_banner(workload: str, duration_s: float, url: str) -> str:
     """The line ``kairos demo`` prints before its replay: the workload's window is when requests are
     *sent*; the run lasts until the last response, so it says that requests still streaming at the
     window's end are waited for, and where the progress names them (:mod:`kairos.cli.bench.progress`)."""
-    return (f"\nReplaying {workload} against {url}: the requests arriving in {duration_s:g} s, each sent at its "
-            f"arrival time, then the wait for those still streaming (a long output can take a minute more; "
+    return (f"\nReplaying {workload} against {url}:\n  the requests arriving in {duration_s:g} s, each sent at its "
+            f"arrival time,\n  then the wait for those still streaming (a long output can take a minute more; "
             f"the progress lines name them) ...")
 
 
