@@ -4,6 +4,7 @@ raises an :class:`~.responses.ApiError` naming the parameter, as vLLM 0.32's pyd
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -44,10 +45,14 @@ def int_field(body: dict, name: str, default: int | None, lo: int, hi: int = MAX
 
 
 def show(v: Any) -> str:
-    """A JSON value for an error message: its type and (short) value."""
+    """A JSON value for an error message: its JSON type and its (short) JSON text, as the client sent
+    it (``boolean true``, ``object {"type": "content"}``, ``string "3"``), cut to 40 characters."""
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
         type(v), "null" if v is None else type(v).__name__)
-    text = repr(v)
+    try:
+        text = json.dumps(v, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # not JSON (a value a caller built, NaN): Python's text
+        text = repr(v)
     return f"{kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
