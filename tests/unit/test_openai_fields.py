@@ -36,3 +36,17 @@ def test_an_error_message_shows_json_not_a_python_repr():
     assert e.param == "echo" and 'got object {"type": "content"}' in e.message, e.message
     e = refused({"max_tokens": True})
     assert e.param == "max_tokens" and e.code == "invalid_type" and "got boolean true" in e.message, e.message
+
+
+@pytest.mark.parametrize("value,expected", [(3.0, 3), (1e2, 100), (3.0000000000000001, 3)])
+def test_integral_numbers_are_integers(value, expected):
+    out = parse({"max_tokens": value, "n": 2.0, "seed": 7.0, "top_k": 5.0, "min_tokens": 1.0})
+    assert out.max_tokens == expected and type(out.max_tokens) is int
+    assert out.n == 2 and out.sampling.seed == 7 and out.sampling.top_k == 5 and out.sampling.min_tokens == 1
+    assert type(out.n) is int and type(out.sampling.seed) is int
+
+
+@pytest.mark.parametrize("value", [3.5, True, "3", float("inf")])
+def test_fractions_booleans_and_strings_stay_refused(value):
+    e = refused({"max_tokens": value})
+    assert e.param == "max_tokens" and e.code in ("invalid_type", "invalid_value"), e.message

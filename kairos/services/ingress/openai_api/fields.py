@@ -31,12 +31,24 @@ def is_number(v: Any) -> bool:
 
 
 def int_field(body: dict, name: str, default: int | None, lo: int, hi: int = MAX_INT_FIELD) -> int | None:
+    """An optional integer in ``[lo, hi]``; null means ``default``.
+
+    An integral JSON number (``3.0``, ``1e2``) is that integer, as vLLM 0.32's pydantic (2.14, lax
+    mode) reads ``int`` fields (``int_from_float``); one with a fraction (``3.5``) is a 400
+    ``invalid_type``, and so are booleans and strings, which pydantic would coerce (``true`` → 1,
+    ``"3"`` → 3) but OpenAI's API refuses (JSON-boolean strictness, module docstring).
+
+    Raises:
+        ApiError: 400 ``invalid_type`` / ``invalid_value`` (out of range, below ``lo``) naming ``name``.
+    """
     v = body.get(name, default)
     if v is None:
         return default
     if is_number(v) and (v > hi or v < min(lo, -MAX_INT_FIELD - 1)):  # also 1e26 (a JSON float)
         raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' is out of range: {v:g} is above the maximum {hi}"
                        if v > 0 else f"'{name}' is out of range: {v:g}", param=name)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be an integer, got {show(v)}", param=name)
     if v < lo:
