@@ -227,42 +227,6 @@ def serving_metrics(records: Sequence[RequestRecord], *, duration_s: float,
     return out
 
 
-def format_serving(m: dict[str, Any], *, title: str = "Serving Benchmark Result",
-                   extra: Sequence[tuple[str, Any]] = ()) -> str:
-    """Render :func:`serving_metrics` the way ``vllm bench serve`` prints it (same labels), with
-    ``extra`` (label, value) lines after the throughputs. Values that are None print as ``-``."""
-    def line(label: str, value: Any) -> str:
-        if value is None:
-            text = "-"
-        elif isinstance(value, float):
-            text = f"{value:.2f}"
-        else:
-            text = str(value)
-        return f"{label:<40} {text:<10}".rstrip()
-
-    rows = [f"{' ' + title + ' ':=^50}",
-            line("Successful requests:", m["completed"]), line("Failed requests:", m["failed"]),
-            *(line(a, b) for a, b in extra),
-            line("Benchmark duration (s):", m["duration"]), line("Total input tokens:", m["total_input_tokens"]),
-            line("Total generated tokens:", m["total_output_tokens"]),
-            line("Request throughput (req/s):", m["request_throughput"])]
-    if m.get("request_goodput") is not None:
-        rows.append(line("Request goodput (req/s):", m["request_goodput"]))
-    rows += [line("Output token throughput (tok/s):", m["output_throughput"]),
-             line("Total Token throughput (tok/s):", m["total_token_throughput"])]
-    heads = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-             "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-    for stem, name in SERVE_LATENCIES:
-        rows.append(f"{heads[stem]:-^50}")
-        rows.append(line(f"Mean {name} (ms):", m[f"mean_{stem}_ms"]))
-        rows.append(line(f"Median {name} (ms):", m[f"median_{stem}_ms"]))
-        for key in m:
-            if key.startswith("p") and key.endswith(f"_{stem}_ms"):
-                rows.append(line(f"P{key[1:-len(stem) - 4]} {name} (ms):", m[key]))
-    rows.append("=" * 50)
-    return "\n".join(rows) + "\n"
-
-
 def _fmt(value: Any, spec: str, scale: float | None = None) -> str:
     if value is None:
         return "-"
