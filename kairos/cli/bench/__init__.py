@@ -25,7 +25,7 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
 * **Tokens per chunk.** A chunk carries ``usage.completion_tokens`` growth if the server streams
   cumulative usage (vLLM ``continuous_usage_stats``), else ``len(logprobs.tokens)`` if present,
   else one token — vLLM's client counts every chunk with choices as one token too. Unlike vLLM,
-  a pure finish marker (empty text *and* a ``finish_reason``, as the Kairos ingress sends) is
+  a pure finish marker (empty text *and* a ``finish_reason``, as vLLM sends when its last output has no token) is
   not a token. A chunk of k tokens records k equal times (gaps of 0 ms), see
   :class:`~kairos.core.workload.serving_metrics.RequestRecord`. A chunk without generated text (an empty first chunk, a
   role-only chat delta) carries no token unless its cumulative usage or logprobs say it does (a
