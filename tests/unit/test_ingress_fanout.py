@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import TokenEvent
@@ -14,6 +15,7 @@ from kairos.services.ingress.fanout import FanOut, expand, run_all
 from kairos.services.ingress.flights import ClientGone
 from kairos.services.ingress.http import error_response
 from kairos.services.ingress.openai_api.parse import prepare_request
+from kairos.services.ingress.openai_api.responses import ApiError
 
 
 def fanned(**kw):
@@ -29,6 +31,18 @@ def test_expand_indexes_seeds_and_prompts_as_vllm():
     assert [s.parsed.prompt_text for s in subs] == ["aaaa"] * 3 + ["bbbbbbbb"] * 3
     assert [s.prompt_tokens for s in subs] == [1] * 3 + [2] * 3
     assert all(s.parsed.n == 1 and s.parsed.more_prompts == () for s in subs)
+
+
+def test_a_seed_whose_last_choice_overflows_int64_is_refused():
+    """Choice j samples with seed + j (vLLM's parallel sampling); vLLM's HTTP server, which Kairos'
+    vLLM engines are, takes seeds up to 2**63 - 1 only: the last choice's seed must fit."""
+    top = 2**63 - 1
+    assert [s.parsed.sampling.seed for s in fanned(prompt="a", n=3, seed=top - 2)[1]] == [top - 2, top - 1, top]
+    with pytest.raises(ApiError) as ei:
+        fanned(prompt="a", n=3, seed=top - 1)
+    assert ei.value.status == 400 and ei.value.param == "seed" and ei.value.code == ErrorCode.INVALID_VALUE
+    assert str(top) in ei.value.message and "seed + j" in ei.value.message
+    assert fanned(prompt="a", n=2, seed=-(2**63))[1][1].parsed.sampling.seed == -(2**63) + 1  # the low end is fine
 
 
 class FakeRelay:

@@ -42,8 +42,10 @@ from kairos.services.ingress.answer import Outcome
 from kairos.services.ingress.flights import ClientGone
 from kairos.services.ingress.http import STREAM_STARTED, clip, error_response
 from kairos.services.ingress.openai_api.params import ParsedRequest
+from kairos.services.ingress.openai_api.parse import SEED_MAX
 from kairos.services.ingress.openai_api.prompt import (TokenCounter, count_prompt_tokens, decode_prompt,
                                                        resolve_max_tokens)
+from kairos.services.ingress.openai_api.responses import ApiError
 from kairos.services.ingress.openai_api.responses import (choice_logprobs, error_body, full_response, stream_chunk,
                                                           usage, usage_chunk)
 from kairos.services.ingress.sse import GONE, SseResponse, sse_done, sse_event, sse_write
@@ -73,6 +75,14 @@ def expand(parsed: ParsedRequest, prompt_tokens: int, exact: bool, counter: Toke
     Raises:
         ApiError: a later prompt of the batch does not fit the context (400 naming ``prompt``).
     """
+    seed = parsed.sampling.seed
+    if seed is not None and seed + parsed.n - 1 > SEED_MAX:
+        # vLLM (v1/engine/parallel_sampling.py) seeds choice j with seed + j, unbounded, which its own
+        # engine's torch generator takes up to 2**64 - 1; but Kairos carries the seed to vLLM's HTTP
+        # server, whose `seed` is at most 2**63 - 1 (a 400 there, mid-request), and wrapping would give
+        # a choice another's seed: refused up front
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'seed' + n - 1 must be at most {SEED_MAX} (choice j is sampled "
+                                                f"with seed + j); got seed {seed} with n {parsed.n}", param="seed")
     prompts = [(parsed.prompt_text, parsed.prompt_token_ids), *parsed.more_prompts]
     one = replace(parsed, n=1, more_prompts=())
     out: list[Sub] = []
