@@ -102,7 +102,8 @@ PARAMETERS: tuple[Param, ...] = (
     Param("n", "both", "honoured", "1-64 choices per prompt, each its own routed request (own internal id, own "
           "record; the shared prompt meets the prefix cache), merged into one answer: usage's `prompt_tokens` once "
           "per prompt, `completion_tokens` summed (vLLM's sums); streams interleave the choices' chunks with their "
-          "`index`. With a `seed`, choice j samples with seed + j (vLLM's parallel sampling). `temperature: 0` "
+          "`index`. With a `seed`, choice j samples with seed + j (vLLM's parallel sampling; seed + n − 1 above "
+          "2^63 − 1: 400 naming `seed`). `temperature: 0` "
           "with n > 1: 400 (vLLM's greedy rule)", example=2, bad=0),
     Param("temperature", "both", "honoured", "[0, 2]; vLLM samples with it; emulated: 0 makes the output depend "
           "on the prompt only", example=0.5, bad=3),
