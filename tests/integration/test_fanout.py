@@ -5,6 +5,7 @@ interleave the choices' chunks with their index and end with one usage chunk."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -92,3 +93,35 @@ async def test_fanout_limits_and_greedy_rule(nats_url):
         assert status == 400 and out["error"]["param"] == "prompt", out
         status, _, out = await post(st, {"prompt": "a", "n": 2, "temperature": 0})  # vLLM: greedy needs n=1
         assert status == 400 and out["error"]["param"] == "n", out
+
+
+async def test_a_sub_request_failing_mid_stream_ends_the_stream_and_stops_its_siblings(nats_url):
+    """A real fault after the stream opened: the decode node of choice 0 crashes (no drain, no goodbye).
+    Choice 0 fails with ``node_lost`` (its tokens already reached the client: not resubmitted); the
+    stream ends with an SSE error event and ``[DONE]``; choice 1, streaming on the other decode node,
+    is stopped as a client that left (cancelled there: no node holds it; 499 in its record)."""
+    from tests.integration.conftest import get_record, wait_until
+    from tests.integration.test_ingress_robustness import holder, read_sse
+
+    async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0,
+                     request_timeout_s=60.0) as st:
+        body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "n": 2, "seed": 3,
+                "stream": True}
+        async with st.http.post(st.base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            subs = r.headers["X-Kairos-Sub-Request-Ids"].split(",")
+            head = await read_sse(r, 4)
+            nodes = [await wait_until(lambda s=s: holder(st, s, "decode"), 5, f"the decode node of {s}") for s in subs]
+            assert nodes[0] != nodes[1], f"both choices on {nodes[0]}: the fault would not leave a sibling to stop"
+            await st.kill_agent(nodes[0])
+            rest = await asyncio.wait_for(read_sse(r), 20)
+            # the client is still connected: choice 1 is stopped by the failure, not by a client that left
+            await wait_until(lambda: holder(st, subs[1], "decode") is None, 5, "choice 1 cancelled on its node")
+        assert rest[-1] == "[DONE]"
+        err = json.loads(rest[-2])["error"]
+        assert err["code"] == "node_lost" and nodes[0] in err["message"], err
+        assert any(json.loads(e).get("choices") for e in head), "the stream had opened with tokens"
+        failed = await get_record(st, subs[0], lambda x: x["records"]["ingress"] is not None)
+        stopped = await get_record(st, subs[1], lambda x: x["records"]["ingress"] is not None)
+        assert failed["records"]["ingress"]["status"] == 503 and failed["records"]["ingress"]["error"] == "node_lost"
+        assert stopped["records"]["ingress"]["status"] == 499, stopped["records"]["ingress"]
