@@ -7,6 +7,7 @@ No mocking of the bus; waits are on conditions with deadlines, never fixed sleep
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import sys
@@ -252,6 +253,18 @@ async def get_record(st: Stack, rid: str, need: Callable[[dict], bool] = lambda 
         if time.monotonic() > deadline:
             raise AssertionError(f"record of {rid} never satisfied the condition: {last}")
         await asyncio.sleep(0.02)
+
+
+async def post_openai(st: Stack, body: dict, chat: bool = False, model: str = "kairos-emulated"):
+    """POST an OpenAI request (``model`` added) to the stack's ingress: (status, headers, the JSON body
+    or, for a stream, its chunks decoded — the closing ``[DONE]`` checked and dropped)."""
+    url = st.base + ("/v1/chat/completions" if chat else "/v1/completions")
+    async with st.http.post(url, json={"model": model, **body}) as r:
+        if r.content_type == "text/event-stream":
+            events = [line.strip()[6:].decode() async for line in r.content if line.strip().startswith(b"data: ")]
+            assert events[-1] == "[DONE]"
+            return r.status, r.headers, [json.loads(e) for e in events[:-1]]
+        return r.status, r.headers, await r.json()
 
 
 def components_known(rec: dict) -> bool:

@@ -4,28 +4,12 @@ paths: completions ``echo`` (also with ``max_tokens: 0`` and streaming) and the
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kairos.core.engine_model.text import token_text
-from tests.integration.conftest import stack
+from tests.integration.conftest import post_openai as post, stack
 
 pytestmark = pytest.mark.integration
-
-MODEL = "kairos-emulated"
-
-
-async def post(st, body: dict, chat: bool = False):
-    """(status, headers, body or the stream's chunks)."""
-    url = st.base + ("/v1/chat/completions" if chat else "/v1/completions")
-    async with st.http.post(url, json={"model": MODEL, **body}) as r:
-        if r.content_type == "text/event-stream":
-            events = [line.strip()[6:].decode() async for line in r.content if line.strip().startswith(b"data: ")]
-            assert events[-1] == "[DONE]"
-            return r.status, r.headers, [json.loads(e) for e in events[:-1]]
-        return r.status, r.headers, await r.json()
-
 
 @pytest.mark.parametrize("policy", ["pd", "sl:100000"])  # keep path, deflect path
 async def test_echo(nats_url, policy):

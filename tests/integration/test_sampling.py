@@ -13,7 +13,7 @@ import pytest
 
 from kairos.core.engine_model.text import NATURAL_LENGTH_MAX, NATURAL_LENGTH_MIN, emulated_completion
 from kairos.contracts.wire import SamplingParams
-from tests.integration.conftest import stack
+from tests.integration.conftest import post_openai, stack
 
 pytestmark = pytest.mark.integration
 
@@ -21,13 +21,10 @@ MODEL = "kairos-emulated"
 
 
 async def post(st, body: dict, chat: bool = False):
-    url = st.base + ("/v1/chat/completions" if chat else "/v1/completions")
-    async with st.http.post(url, json={"model": MODEL, **body}) as r:
-        if r.content_type == "text/event-stream":
-            events = [line.strip()[6:].decode() async for line in r.content if line.strip().startswith(b"data: ")]
-            assert events[-1] == "[DONE]"
-            return r.status, [json.loads(e) for e in events[:-1]]
-        return r.status, await r.json()
+    """(status, the JSON body or the stream's chunks)."""
+    status, _, out = await post_openai(st, body, chat, MODEL)
+    return status, out
+
 
 
 @pytest.mark.parametrize("policy", ["pd", "sl:100000"])  # keep path, deflect path
