@@ -11,6 +11,7 @@ from tests.integration.conftest import post_openai as post, stack
 
 pytestmark = pytest.mark.integration
 
+
 @pytest.mark.parametrize("policy", ["pd", "sl:100000"])  # keep path, deflect path
 async def test_echo(nats_url, policy):
     async with stack(nats_url, policy=policy) as st:
