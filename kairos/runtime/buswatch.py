@@ -23,8 +23,9 @@ class BusWatch:
     may have lost streams/buckets (empty store) and JetStream watchers (ordered push consumers) may
     be left on a consumer that no longer exists. After every reconnect ``on_reconnect()`` (the
     service's re-declare + restart-watchers coroutine) is retried every ``retry_s`` until it
-    succeeds; ``on_connected()`` runs once per reconnect before that (what needs core NATS only:
-    it must not wait for JetStream); ``on_disconnect()`` runs when the connection drops. The connection is polled every
+    succeeds, and run again when another reconnect came meanwhile; ``on_connected()`` runs at once
+    on every reconnect, also one during a re-declare under way (what needs core NATS only: it must
+    not wait for JetStream); ``on_disconnect()`` runs when the connection drops. The connection is polled every
     ``poll_s`` (no private nats-py callbacks; the stats counter ``reconnects`` tells a reconnect).
 
     Attributes:
@@ -53,15 +54,19 @@ class BusWatch:
         self.outage_s: float | None = None
         self._seen = nc.stats.get("reconnects", 0)
         self._task: asyncio.Task | None = None
+        self._resume_task: asyncio.Task | None = None  #: the re-declare loop after a reconnect (:meth:`_resume`)
+        self._generation = 0  #: reconnects seen by the watch loop
+        self._resumed = 0  #: of them, those a finished re-declare covered
 
     def start(self) -> "BusWatch":
         self._task = asyncio.create_task(self._run())
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._resume_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _run(self) -> None:
         while not self.nc.is_closed:
@@ -73,30 +78,46 @@ class BusWatch:
                         await self._safe(self.on_disconnect, "bus_disconnect_hook_failed")
                 continue
             n = self.nc.stats.get("reconnects", 0)
-            if n == self._seen and self.disconnected_since is None and not self.resuming:
+            idle = self._resume_task is None or self._resume_task.done()
+            if n == self._seen and self.disconnected_since is None and not (self.resuming and idle):
                 continue
             self._seen = n
+            self._generation += 1
             self.reconnected_at = time.monotonic()
             # connected again: the outage is over, even while JetStream is still electing leaders
-            # (a cluster member died) and the re-declare below keeps failing; core NATS (tokens,
-            # jobs, heartbeats) flows already
+            # (a cluster member died) and the re-declare keeps failing; core NATS (tokens, jobs,
+            # heartbeats) flows already
             # (None: the reconnect came within one poll, the loss was never seen)
             self.outage_s = None if self.disconnected_since is None else self.reconnected_at - self.disconnected_since
             self.disconnected_since = None
             self.resuming = True
-            if self.on_connected is not None:  # once per reconnect, before the re-declare (core NATS only)
+            if self.on_connected is not None:  # once per reconnect, at once (core NATS only)
                 await self._safe(self.on_connected, "bus_connected_hook_failed")
+            if idle:
+                self._resume_task = asyncio.create_task(self._resume())
+            # else: the re-declare under way runs once more when its attempt ends (_resume); this loop
+            # goes on watching, so a reconnect during a slow re-declare (a JetStream call waiting out
+            # its timeout while a cluster elects leaders) still gets its on_connected at once
+
+    async def _resume(self) -> None:
+        """Re-declare until JetStream answers, and again after every reconnect that came meanwhile
+        (the server now connected may lack what the earlier attempt declared elsewhere)."""
+        while True:
+            generation = self._generation
             while self.nc.is_connected:  # re-declare until JetStream answers (it may still be recovering)
                 if await self._safe(self.on_reconnect, "bus_resume_failed"):
                     break
                 await asyncio.sleep(self.retry_s)
             else:
-                continue  # dropped again meanwhile: the next round starts over
-            self.resuming = False
-            self.reconnects += 1
-            if self.log is not None:
-                self.log.info("bus_resumed", outage_s=None if self.outage_s is None else round(self.outage_s, 3),
-                              redeclare_s=round(time.monotonic() - self.reconnected_at, 3))
+                return  # dropped again meanwhile: the watch loop starts over at the next reconnect
+            if generation == self._generation:
+                break
+        self.resuming = False
+        self.reconnects += self._generation - self._resumed
+        self._resumed = self._generation
+        if self.log is not None:
+            self.log.info("bus_resumed", outage_s=None if self.outage_s is None else round(self.outage_s, 3),
+                          redeclare_s=round(time.monotonic() - (self.reconnected_at or 0.0), 3))
 
     def settling(self, window_s: float) -> bool:
         """True while disconnected or within ``window_s`` of the last reconnect or of this
