@@ -20,10 +20,27 @@ def accept(body: dict, endpoint: oa.Endpoint = "completions") -> oa.ParsedReques
     return oa.parse_request(endpoint, {"model": "m", **body}, MODELS)
 
 
-@pytest.mark.parametrize("prompt", [[1.5, 2], [[1.5, 2]], [1, 2.0]])
-def test_float_token_ids_say_token_ids_must_be_integers(prompt):
+@pytest.mark.parametrize("prompt,where", [([1.5, 2], "prompt[0]"), ([[3, 1.5]], "prompt[0][1]"), ([2.0, 2.5], "prompt[1]")])
+def test_fractional_token_ids_say_token_ids_must_be_integers_and_where(prompt, where):
     e = reject({"prompt": prompt})
     assert e.param == "prompt" and e.code == "invalid_type" and "token ids must be integers" in e.message
+    assert f"{where} is number" in e.message, e.message
+
+
+def test_integral_float_token_ids_are_those_integers():  # as int fields (fields.int_field), vLLM's lax pydantic
+    assert accept({"prompt": [1, 2.0, 3e0]}).prompt_token_ids == [1, 2, 3]
+    assert accept({"prompt": [[1.0], [2]]}).prompt_token_ids == [1]
+
+
+def test_an_empty_prompt_of_a_batch_is_named():
+    e = reject({"prompt": ["a", ""]})
+    assert e.param == "prompt" and "'prompt[1]' must not be empty" in e.message
+
+
+def test_an_out_of_range_integer_is_shown_as_sent():
+    e = reject({"prompt": "x", "seed": 2**63})
+    assert e.param == "seed" and f"{2**63} is above the maximum {2**63 - 1}" in e.message
+    assert f"{-(2**63) - 1} is below the minimum" in reject({"prompt": "x", "seed": -(2**63) - 1}).message
 
 
 def test_batched_prompts_are_accepted_as_a_batch():  # issue 20: fanned out at the ingress (fanout.py)

@@ -45,8 +45,10 @@ def int_field(body: dict, name: str, default: int | None, lo: int, hi: int = MAX
     if v is None:
         return default
     if is_number(v) and (v > hi or v < min(lo, -MAX_INT_FIELD - 1)):  # also 1e26 (a JSON float)
-        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' is out of range: {v:g} is above the maximum {hi}"
-                       if v > 0 else f"'{name}' is out of range: {v:g}", param=name)
+        sent = json.dumps(v)  # as the client wrote it (a big integer exactly, not 9.22337e+18)
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'{name}' is out of range: {sent} is above the maximum {hi}"
+                       if v > 0 else f"'{name}' is out of range: {sent} is below the minimum {min(lo, -MAX_INT_FIELD - 1)}",
+                       param=name)
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):

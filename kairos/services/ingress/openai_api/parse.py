@@ -215,36 +215,44 @@ def _ignored(endpoint: Endpoint, body: dict, extra: list[str]) -> tuple[str, ...
     return tuple(p.name for p in PARAMETERS if p.name in names)
 
 
-def _completion_prompt(prompt: Any, vocab_size: int, nested: bool = False) -> tuple[str | None, list[int] | None]:
-    """``prompt`` of /v1/completions: (text, None) or (None, token ids)."""
+def _integral(t: Any) -> Any:
+    """An integral JSON number as that integer (``1.0`` → 1, as :func:`~.fields.int_field`); else ``t``."""
+    return int(t) if isinstance(t, float) and math.isfinite(t) and t.is_integer() else t
+
+
+def _completion_prompt(prompt: Any, vocab_size: int, path: str = "prompt") -> tuple[str | None, list[int] | None]:
+    """``prompt`` of /v1/completions: (text, None) or (None, token ids). ``path``: where it is in the
+    body (``prompt``, or ``prompt[i]`` in a batch), named in every message."""
+    nested = path != "prompt"
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError(ErrorCode.INVALID_VALUE, "'prompt' must not be empty", param="prompt")
+            raise ApiError(ErrorCode.INVALID_VALUE, f"'{path}' must not be empty", param="prompt")
         return prompt, None
     if prompt is None and not nested:
         raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER,
                        "'prompt' is required: a string or a list of token ids", param="prompt")
     if not isinstance(prompt, list):
         raise ApiError(ErrorCode.INVALID_TYPE,
-                       f"'prompt' must be a non-empty string or a list of token ids, got {show(prompt)}",
+                       f"'{path}' must be a non-empty string or a list of token ids, got {show(prompt)}",
                        param="prompt")
     if not prompt:
-        raise ApiError(ErrorCode.INVALID_VALUE, "'prompt' must not be empty", param="prompt")
+        raise ApiError(ErrorCode.INVALID_VALUE, f"'{path}' must not be empty", param="prompt")
     if all(is_number(t) for t in prompt):
-        bad = next((i for i, t in enumerate(prompt) if not isinstance(t, int)), None)
+        ids = [_integral(t) for t in prompt]
+        bad = next((i for i, t in enumerate(ids) if not isinstance(t, int)), None)
         if bad is not None:
             raise ApiError(ErrorCode.INVALID_TYPE,
-                           f"'prompt' token ids must be integers; prompt[{bad}] is {show(prompt[bad])}",
+                           f"'{path}' token ids must be integers; {path}[{bad}] is {show(prompt[bad])}",
                            param="prompt")
-        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab_size), None)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ApiError(ErrorCode.INVALID_VALUE,
-                           f"'prompt' token id {prompt[bad]} (prompt[{bad}]) is out of vocabulary: ids must be "
+                           f"'{path}' token id {ids[bad]} ({path}[{bad}]) is out of vocabulary: ids must be "
                            f">= 0 and < {vocab_size}", param="prompt")
-        return None, list(prompt)
+        return None, ids
     bad = next(i for i, t in enumerate(prompt) if not is_number(t))
     raise ApiError(ErrorCode.INVALID_TYPE,
-                   f"'prompt' must be a string or a list of integer token ids; prompt[{bad}] is "
+                   f"'{path}' must be a string or a list of integer token ids; {path}[{bad}] is "
                    f"{show(prompt[bad])}", param="prompt")
 
 
@@ -253,7 +261,7 @@ def _completion_prompts(prompt: Any, vocab_size: int) -> list[tuple[str | None, 
     lists, as vLLM's ``CompletionRequest.prompt``), each ``(text, None)`` or ``(None, token ids)``."""
     if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
                                                 or all(isinstance(p, list) for p in prompt)):
-        return [_completion_prompt(p, vocab_size, nested=True) for p in prompt]
+        return [_completion_prompt(p, vocab_size, f"prompt[{i}]") for i, p in enumerate(prompt)]
     return [_completion_prompt(prompt, vocab_size)]
 
 
