@@ -19,7 +19,8 @@ checked against :data:`RULES`:
 
 Then the module import graph of ``kairos`` and ``tools`` (function-level imports included, a
 ``from pkg import name`` an edge to ``pkg``'s ``__init__`` unless ``name`` is a submodule) must have
-no cycle (strongly connected components, Tarjan), and no module may exceed
+no cycle (strongly connected components, Tarjan), and no Python file of :data:`SIZE_TREES` (the
+product, its tests, benchmarks, tools and ops scripts; none inside a ``.venv``) may exceed
 :data:`MAX_MODULE_LINES` lines nor a class :data:`MAX_CLASS_LINES` (``end_lineno - lineno + 1``):
 issue 18's size targets. Each checker is proven to fail on a small synthetic tree.
 """
@@ -34,8 +35,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the trees whose modules are checked (relative to the root)
+#: the trees whose imports are checked against the layers and for cycles (relative to the root)
 TREES = ("kairos", "tools")
+#: the trees whose Python files the size targets cover (relative to the root)
+SIZE_TREES = ("kairos", "tools", "tests", "bench", "ops")
+#: a folder of this name is a virtualenv, not ours: the size walk skips it
+VENV = ".venv"
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
 
@@ -129,6 +134,12 @@ def modules(root: Path, trees: tuple[str, ...] = TREES) -> dict[str, Path]:
             parts = path.relative_to(root).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
+
+
+def python_files(root: Path, trees: tuple[str, ...] = SIZE_TREES) -> list[Path]:
+    """Every ``.py`` file under ``root/<tree>`` for each tree, sorted, none under a :data:`VENV` folder."""
+    return [path for tree in trees for path in sorted((root / tree).rglob("*.py"))
+            if VENV not in path.relative_to(root).parts]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -256,11 +267,12 @@ def import_cycles(root: Path = ROOT) -> list[str]:
     return out
 
 
-def oversized(root: Path = ROOT, max_module: int = MAX_MODULE_LINES, max_class: int = MAX_CLASS_LINES) -> list[str]:
-    """``file: N lines`` for every module over ``max_module`` lines, ``file:line: class C: N lines``
-    for every class over ``max_class``."""
+def oversized(root: Path = ROOT, max_module: int = MAX_MODULE_LINES, max_class: int = MAX_CLASS_LINES,
+              trees: tuple[str, ...] = SIZE_TREES) -> list[str]:
+    """``file: N lines`` for every module of :func:`python_files` over ``max_module`` lines,
+    ``file:line: class C: N lines`` for every class over ``max_class``."""
     out = []
-    for path in modules(root).values():
+    for path in python_files(root, trees):
         text = path.read_text()
         rel = path.relative_to(root)
         n = len(text.splitlines())
@@ -300,6 +312,10 @@ def test_the_checker_sees_the_real_tree():
     targets = {(i.source, i.target) for i in all_imports(ROOT)}
     assert ("kairos.runtime.bus", "nats") in targets
     assert any(s.startswith(PLUGIN) and t == "vllm" for s, t in targets)
+    sized = {str(p.relative_to(ROOT)) for p in python_files(ROOT)}  # the size walk reads every tree, too
+    for path in ("kairos/core/policy/kairos.py", "tools/docgen/docgen.py", "tests/unit/test_layering.py",
+                 "bench/mutation.py", "ops/docker/healthcheck.py"):
+        assert path in sized
 
 
 # ---------------------------------------------------------------- every rule can fail
@@ -410,9 +426,14 @@ def test_type_checking_imports_make_no_cycle(tmp_path):
 def test_sizes_over_the_targets_are_named(tmp_path):
     cls = "class Big:\n" + "    x = 1\n" * 300 + "\n"
     root = _tree(tmp_path, {"kairos/core/big.py": "\n" * 501, "kairos/core/cls.py": "# c\n" + cls,
-                            "tools/ok.py": "class Small:\n" + "    x = 1\n" * 298})
-    assert sorted(oversized(root)) == ["kairos/core/big.py: module of 501 lines (limit 500)",
-                                       "kairos/core/cls.py:2: class Big of 301 lines (limit 300)"]
+                            "tools/ok.py": "class Small:\n" + "    x = 1\n" * 298,
+                            "tests/unit/test_big.py": "\n" * 502, "bench/cls.py": cls, "ops/docker/ok.py": "\n" * 500,
+                            "tests/.venv/lib/site.py": "\n" * 900, "bench/.venv/big.py": cls,  # virtualenvs: not ours
+                            "docs/big.py": "\n" * 900})  # not a tree of SIZE_TREES
+    assert sorted(oversized(root)) == ["bench/cls.py:1: class Big of 301 lines (limit 300)",
+                                       "kairos/core/big.py: module of 501 lines (limit 500)",
+                                       "kairos/core/cls.py:2: class Big of 301 lines (limit 300)",
+                                       "tests/unit/test_big.py: module of 502 lines (limit 500)"]
 
 
 if __name__ == "__main__":  # print every finding on the real tree
