@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kairos.contracts.wire import InferenceRequest, Job
 from kairos.engines.vllm.launch import VllmServer, launch_servers, make_tiny_model, stop_servers
 from kairos.cli.up import free_port
 from kairos.core.model.latency import load_profile
@@ -54,6 +55,17 @@ def post(srv: VllmServer, body: dict) -> dict:
                                  headers={"Content-Type": "application/json", **srv.auth_headers()})
     with urllib.request.urlopen(req, timeout=STARTUP_TIMEOUT_S) as r:
         return json.loads(r.read())
+
+
+def keep_or_deflect_job(kind: str, req: InferenceRequest) -> Job:
+    """The job a dispatcher sends for ``req`` on the keep path (``kind="keep"``: prefill-0 prefills,
+    its KV goes to decode-0) or the deflect path (``"deflect"``: decode-0 prefills the whole prompt in
+    one chunk, decided with no decodes running there, then decodes)."""
+    assert kind in ("keep", "deflect"), kind
+    if kind == "keep":
+        return Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-0"])
+    return Job(kind="deflect", request=req, node="decode-0", decode_candidates=["decode-0"],
+               chunk_schedule=[req.prompt_tokens], decision_batch_size=0)
 
 
 @pytest.fixture(scope="module")

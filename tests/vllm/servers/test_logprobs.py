@@ -13,6 +13,7 @@ from msgspec.structs import replace
 
 from kairos.contracts.wire import Job, OutEvent, SamplingParams, TokenEvent, decode
 from kairos.contracts import subjects as S
+from tests.vllm.servers.conftest import keep_or_deflect_job
 from tests.vllm.servers.test_pd_servers import Client, cluster, idle_kv, prompt_ids, request  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200),
@@ -46,9 +47,7 @@ async def test_logprobs_come_back_per_token_from_the_decoding_engine(cluster, en
     ids = prompt_ids(300, seed=11)
     req = replace(request(f"lp-{kind}", ids, 8), sampling=SamplingParams(temperature=0.0, logprobs=K,
                                                                           ignore_eos=True))
-    job = (Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-0"]) if kind == "keep" else
-           Job(kind="deflect", request=req, node="decode-0", decode_candidates=["decode-0"],
-               chunk_schedule=[300], decision_batch_size=0))
+    job = keep_or_deflect_job(kind, req)
     c = LogprobClient()
     await c.start(nc, job)
     done = await c.wait()

@@ -12,8 +12,8 @@ from msgspec.structs import replace
 
 import pytest
 
-from kairos.contracts.wire import Job, SamplingParams
-from tests.vllm.servers.conftest import post
+from kairos.contracts.wire import SamplingParams
+from tests.vllm.servers.conftest import keep_or_deflect_job, post
 from tests.vllm.servers.test_pd_servers import Client, cluster, idle_kv, prompt_ids, request  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200),
@@ -29,9 +29,7 @@ async def test_response_format_constrains_the_decoding_engine(cluster, engines, 
     await idle_kv(engines)
     ids = prompt_ids(300, seed=7)
     req = replace(request(f"rf-{kind}", ids, 12), sampling=SamplingParams(temperature=0.0, response_format=SCHEMA))
-    job = (Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-0"]) if kind == "keep" else
-           Job(kind="deflect", request=req, node="decode-0", decode_candidates=["decode-0"],
-               chunk_schedule=[300], decision_batch_size=0))
+    job = keep_or_deflect_job(kind, req)
     c = Client()
     await c.start(nc, job)
     done = await c.wait()
