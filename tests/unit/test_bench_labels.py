@@ -2,15 +2,19 @@
 number formats, with vLLM's peak output throughput and peak concurrency (issue 20).
 
 The reference is vLLM 0.32's source, copied here as a fixture (this tier must not read the vLLM
-virtualenv): :data:`VLLM_BLOCK` is every line ``benchmark()`` in ``vllm/benchmarks/serve.py`` can
+virtualenv): :data:`SERVE_PY_BLOCK` is every line ``benchmark()`` in ``vllm/benchmarks/serve.py`` can
 print between the ``Serving Benchmark Result`` line and the closing ``=`` line, in order, with
-the condition under which vLLM prints it; :func:`vllm_peaks` is ``calculate_metrics``' loop for
+the condition under which vLLM prints it, a metric section with ``process_one_metric``'s arguments
+(independent of the product's own table, ``PERCENTILE_METRICS`` in kairos/cli/bench/vllm_block.py,
+whose labels the tests here check); :func:`vllm_peaks` is ``calculate_metrics``' loop for
 the two peak figures, verbatim but for the names. The vLLM tier
 (tests/vllm/servers/test_bench_parity.py) checks this fixture against the installed source and
 compares the two tools' live outputs line by line.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -22,14 +26,24 @@ from kairos.cli.bench.vllm_block import block_labels, peak_figures, result_block
 from kairos.core.workload.serving_metrics import RequestRecord
 from kairos.core.workload.workloads import WorkloadRequest
 
+
+class Metric(NamedTuple):
+    """A ``process_one_metric(stem, name, header)`` call of serve.py: the section of ``--percentile-metrics``
+    stem ``stem``, its header line and its ``Mean/Median/P<p> <name> (ms):`` labels."""
+
+    stem: str
+    name: str
+    header: str
+
+
 #: vLLM 0.32 ``vllm/benchmarks/serve.py`` ``benchmark()``, lines 1181-1246 (the summary) and
-#: ``process_one_metric`` calls, lines 1396-1411: (label or section header, condition). Conditions:
+#: ``process_one_metric`` calls, lines 1396-1411: (label, section header or :class:`Metric`; condition). Conditions:
 #: ``max_concurrency`` (``--max-concurrency`` given), ``finite_rate`` (``--request-rate`` not inf),
 #: ``tokenizer`` (vLLM has a tokenizer: always so for generation), ``goodput`` (``--goodput``
 #: given), ``embedding``/``audio``/``probe`` (never for Kairos: pooling models, RTFx > 0, probe
-#: requests); a section ``metric:<stem>`` is printed when the stem is in ``--percentile-metrics``
+#: requests); a :class:`Metric` section is printed when its stem is in ``--percentile-metrics``
 #: (and, for the queue ones, under ``max_concurrency``, the last also with ``finite_rate``).
-VLLM_BLOCK: tuple[tuple[str, str | None], ...] = (
+SERVE_PY_BLOCK: tuple[tuple[str | Metric, str | None], ...] = (
     ("Serving Benchmark Result", None),
     ("Successful requests:", None),
     ("Failed requests:", None),
@@ -52,22 +66,21 @@ VLLM_BLOCK: tuple[tuple[str, str | None], ...] = (
     ("Median probe E2EL (ms):", "probe"),
     ("P99 probe E2EL (ms):", "probe"),
     ("Max probe E2EL (ms):", "probe"),
-    ("metric:ttft", "tokenizer"),
-    ("metric:tpot", "tokenizer"),
-    ("metric:itl", "tokenizer"),
-    ("metric:e2el", None),
-    ("metric:client_queue_time", "max_concurrency"),
-    ("metric:e2el_including_client_queue", "max_concurrency+finite_rate"),
+    (Metric("ttft", "TTFT", "Time to First Token"), "tokenizer"),
+    (Metric("tpot", "TPOT", "Time per Output Token (excl. 1st token)"), "tokenizer"),
+    (Metric("itl", "ITL", "Inter-token Latency"), "tokenizer"),
+    (Metric("e2el", "E2EL", "End-to-end Latency"), None),
+    (Metric("client_queue_time", "Client Queue Time", "Client-side Queueing"), "max_concurrency"),
+    (Metric("e2el_including_client_queue", "E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency"),
+     "max_concurrency+finite_rate"),
 )
-#: ``process_one_metric(stem, name, header)`` arguments, serve.py lines 1396-1411
+#: :data:`SERVE_PY_BLOCK` as (label, condition), a metric section as ``metric:<stem>``; with
+#: :data:`VLLM_METRICS` (stem → (name, header)), what the vLLM tier (tests/vllm/servers/test_bench_parity.py)
+#: compares with the installed serve.py
+VLLM_BLOCK: tuple[tuple[str, str | None], ...] = tuple(
+    (f"metric:{row.stem}" if isinstance(row, Metric) else row, cond) for row, cond in SERVE_PY_BLOCK)
 VLLM_METRICS: dict[str, tuple[str, str]] = {
-    "ttft": ("TTFT", "Time to First Token"),
-    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-    "itl": ("ITL", "Inter-token Latency"),
-    "e2el": ("E2EL", "End-to-end Latency"),
-    "client_queue_time": ("Client Queue Time", "Client-side Queueing"),
-    "e2el_including_client_queue": ("E2EL incl. Client Queue", "Queue-inclusive End-to-end Latency"),
-}
+    row.stem: (row.name, row.header) for row, _ in SERVE_PY_BLOCK if isinstance(row, Metric)}
 #: printed with ``"{:<40} {:<10}"`` (counts); every other value line is ``"{:<40} {:<10.2f}"`` (Kairos: the
 #: same, without the trailing padding)
 VLLM_INT_LABELS = {"Successful requests:", "Failed requests:", "Maximum request concurrency:", "Total input tokens:",
@@ -80,18 +93,16 @@ def vllm_labels(*, max_concurrency: bool, finite_rate: bool, goodput: bool, metr
     on = {"tokenizer", *(["max_concurrency"] if max_concurrency else []), *(["finite_rate"] if finite_rate else []),
           *(["goodput"] if goodput else [])}
     out = []
-    for label, cond in VLLM_BLOCK:
+    for row, cond in SERVE_PY_BLOCK:
         if cond is not None and not all(c in on for c in cond.split("+")):
             continue
-        if not label.startswith("metric:"):
-            out.append(label)
+        if not isinstance(row, Metric):
+            out.append(row)
             continue
-        stem = label.removeprefix("metric:")
-        if stem not in metrics:
+        if row.stem not in metrics:
             continue
-        name, header = VLLM_METRICS[stem]
-        out += [header, f"Mean {name} (ms):", f"Median {name} (ms):"]
-        out += [f"P{str(int(p)) if int(p) == p else str(p)} {name} (ms):" for p in percentiles]
+        out += [row.header, f"Mean {row.name} (ms):", f"Median {row.name} (ms):"]
+        out += [f"P{str(int(p)) if int(p) == p else str(p)} {row.name} (ms):" for p in percentiles]
     return out
 
 
