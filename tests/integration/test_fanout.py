@@ -88,7 +88,8 @@ async def test_a_sub_request_failing_mid_stream_ends_the_stream_and_stops_its_si
     """A real fault after the stream opened: the decode node of choice 0 crashes (no drain, no goodbye).
     Choice 0 fails with ``node_lost`` (its tokens already reached the client: not resubmitted); the
     stream ends with an SSE error event and ``[DONE]``; choice 1, streaming on the other decode node,
-    is stopped as a client that left (cancelled there: no node holds it; 499 in its record)."""
+    is stopped with the cause ``sibling_failed`` (cancelled there: no node holds it; 424 and that code in its
+    record, not 499 ``client_disconnected``: the client is still there)."""
     from tests.integration.conftest import get_record, wait_until
     from tests.integration.test_ingress_robustness import holder, read_sse
 
@@ -113,4 +114,5 @@ async def test_a_sub_request_failing_mid_stream_ends_the_stream_and_stops_its_si
         failed = await get_record(st, subs[0], lambda x: x["records"]["ingress"] is not None)
         stopped = await get_record(st, subs[1], lambda x: x["records"]["ingress"] is not None)
         assert failed["records"]["ingress"]["status"] == 503 and failed["records"]["ingress"]["error"] == "node_lost"
-        assert stopped["records"]["ingress"]["status"] == 499, stopped["records"]["ingress"]
+        assert stopped["records"]["ingress"]["status"] == 424, stopped["records"]["ingress"]  # not 499: nobody left
+        assert stopped["records"]["ingress"]["error"] == "sibling_failed", stopped["records"]["ingress"]

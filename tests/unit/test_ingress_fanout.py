@@ -1,6 +1,7 @@
 """The fan-out of ``n`` > 1 / batched prompts (kairos/services/ingress/fanout.py): sub-requests as
 vLLM indexes them, and every fanned-out request ends with a completion or an explicit error — one
-failing sub-request fails the request and stops its siblings (cancelled as a client that left)."""
+failing sub-request fails the request and stops its siblings (``sibling_failed``: the client did not
+leave)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import orjson
 import pytest
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import TokenEvent
-from kairos.services.ingress.fanout import FanOut, expand, run_all
-from kairos.services.ingress.flights import ClientGone
+from kairos.contracts.permissions import agent_user
+from kairos.contracts.wire import ErrorEvent, TokenEvent
+from kairos.runtime.clock import ManualClock
+from kairos.services.ingress.fanout import STOP_SOURCE, FanOut, expand, run_all
 from kairos.services.ingress.http import error_response
+from kairos.services.ingress.lifecycle import RequestLifecycle
 from kairos.services.ingress.openai_api.parse import prepare_request
 from kairos.services.ingress.openai_api.responses import ApiError
+from tests.unit.test_ingress_relay import WAIT_S, post, stack  # noqa: F401  (stack: fixture)
 
 
 def fanned(**kw):
@@ -46,10 +50,12 @@ def test_a_seed_whose_last_choice_overflows_int64_is_refused():
 
 
 class FakeRelay:
-    """A relay whose sub-request either completes, fails, or waits until it is stopped."""
+    """A relay whose sub-request either completes, fails, or waits until it is stopped (then ends
+    with the stop's error, as :class:`~kairos.services.ingress.relay.RequestRelay` does)."""
 
-    def __init__(self, answer, behaviour: str) -> None:
+    def __init__(self, answer, behaviour: str, rid: str) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.lc, self.clock = RequestLifecycle(rid=rid), ManualClock()
         self.answer = answer(lambda: None)
         self.behaviour = behaviour
         self.stopped = False
@@ -65,15 +71,16 @@ class FakeRelay:
             return await a.error(502, ErrorCode.ENGINE_ERROR, "engine died")
         if self.behaviour == "enqueue_failed":
             return error_response(ErrorCode.ENQUEUE_FAILED, "could not enqueue", status=503), 503
-        assert isinstance(await self.queue.get(), ClientGone)  # waits until stopped
-        self.stopped = True
-        return a.gone()
+        stop = await self.queue.get()  # waits until stopped
+        assert isinstance(stop, ErrorEvent) and stop.request_id == self.lc.attempt_id, stop
+        self.stopped = stop
+        return await a.error(stop.status, stop.code, stop.message)
 
 
 async def outcome(behaviours: list[str]):
     parsed, subs = fanned(prompt="aaaa", n=len(behaviours))
     fan = FanOut(None, parsed, "cmpl-x", 0, {}, subs)  # type: ignore[arg-type]  (non-streaming: no HTTP writes)
-    relays = {s.index: FakeRelay(fan.answer(s.index), b) for s, b in zip(subs, behaviours)}
+    relays = {s.index: FakeRelay(fan.answer(s.index), b, f"sub-{s.index}") for s, b in zip(subs, behaviours)}
     resp, status = await run_all(fan, relays)
     return resp, status, relays, fan
 
@@ -88,11 +95,64 @@ async def test_all_complete_merges_choices_and_usage():
 async def test_a_failing_sub_request_fails_the_request_and_stops_the_others():
     resp, status, relays, fan = await outcome(["wait", "fail", "wait"])
     assert status == 502 and orjson.loads(resp.body)["error"]["code"] == "engine_error"
-    assert relays[0].stopped and relays[2].stopped
-    assert fan.statuses == {0: 499, 1: 502, 2: 499}
+    for i in (0, 2):
+        assert relays[i].stopped.code == ErrorCode.SIBLING_FAILED and relays[i].stopped.source == STOP_SOURCE
+        assert relays[i].stopped.message == "choice 1 of request cmpl-x failed (engine_error): this choice was cancelled"
+    assert fan.statuses == {0: 424, 1: 502, 2: 424}  # each its own: the siblings' is not the client's 499
 
 
 async def test_an_error_answered_by_the_relay_itself_fails_the_request():
     resp, status, relays, _ = await outcome(["enqueue_failed", "wait"])
     assert status == 503 and orjson.loads(resp.body)["error"]["code"] == "enqueue_failed"
     assert relays[1].stopped
+
+
+async def test_siblings_stopped_by_a_failing_choice_are_recorded_as_such_not_as_a_client_that_left(stack):
+    """Through the real relays (the fake bus of test_ingress_relay): choice 1 of an ``n`` = 2 request
+    fails on its node; choice 0 is cancelled on its node with the truthful cause ``sibling_failed``
+    (not ``client_disconnected``: the client is still there and gets choice 1's error), and its
+    record, ``GET /v1/requests/<id>``, the disconnect counter and ``kairos:request_success`` say so."""
+    st = stack
+    answer = post(st, max_tokens=4, n=2, seed=1)
+    subs = sorted([(await st.bus.published()).request_id for _ in range(2)])
+    for i, sid in enumerate(subs):
+        await st.routed(sid, f"decode-{i}")
+    await st.out(agent_user("decode-1"), ErrorEvent(request_id=subs[1], status=502, code=ErrorCode.ENGINE_ERROR,
+                                                    message="engine died", source="node_agent:decode-1",
+                                                    sent_unix_ms=st.clock.now_ms()))
+    status, headers, body = await asyncio.wait_for(answer, WAIT_S)
+    assert status == 502 and orjson.loads(body)["error"]["code"] == "engine_error", body
+    headers_ids = headers["X-Kairos-Sub-Request-Ids"].split(",")  # in choice order
+    assert sorted(headers_ids) == subs
+    failed, stopped = subs[1], subs[0]
+    assert sorted(st.bus.cancels) == sorted([(failed, "engine_error"), (stopped, "sibling_failed")])
+    rec = await st.record(stopped)
+    assert rec.status == ErrorCode.SIBLING_FAILED.status and rec.error == "sibling_failed", rec
+    assert str(headers_ids.index(failed)) in (rec.error_message or ""), rec  # names the choice that failed
+    assert (await st.record(failed)).error == "engine_error"
+    async with st.http.get(f"{st.base}/v1/requests/{stopped}") as r:
+        ingress = (await r.json())["records"]["ingress"]
+    assert ingress["status"] == ErrorCode.SIBLING_FAILED.status and ingress["error"] == "sibling_failed", ingress
+    assert st.ing.m.disconnects.labels("completions", "false")._value.get() == 0  # nobody disconnected
+    success = st.ing.m.vllm.success
+    assert success["abort"]._value.get() == 1 and success["error"]._value.get() == 1  # vLLM: an aborted sequence
+
+
+async def test_a_siblings_late_token_is_dropped_and_a_resubmitted_sibling_is_stopped_again():
+    """Between a failure and a sibling reading its stop: a token of the sibling is dropped (not taken
+    for a client that left, which would record 499), and a sibling re-submitted meanwhile (its node
+    lost: the first stop names its old attempt) is stopped again under its new attempt."""
+    parsed, subs = fanned(prompt="aaaa", n=2)
+    fan = FanOut(None, parsed, "cmpl-x", 0, {}, subs)  # type: ignore[arg-type]  (non-streaming: no HTTP writes)
+    stops: list[int] = []
+    fan.stop = stops.append
+    sibling, failing = fan.answer(0)(lambda: None), fan.answer(1)(lambda: None)
+    await failing.error(502, ErrorCode.ENGINE_ERROR, "engine died")
+    assert stops == [0] and fan.failed_by == (1, "engine_error")
+    tok = TokenEvent(request_id="r", first_index=0, count=1, text="x", node="n", sent_unix_ms=0.0)
+    assert await sibling.tokens(tok, True, lambda: True) is True
+    assert fan.choices[0].text == []
+    sibling.discard()  # the relay re-submits it
+    assert stops == [0, 0]
+    failing.discard()  # (the failed one never is; were it, it is not stopped)
+    assert stops == [0, 0]

@@ -19,11 +19,17 @@ the client gets, as vLLM's server does:
 
 Every accepted request ends with a completion or an explicit error: a sub-request that fails ends
 the whole request with its error (a JSON error body before the stream opened, else an SSE error
-event and ``[DONE]``), and its siblings are told to stop as a client that left would (cancelled on
-the nodes, 499 in their records: nobody reads their answer). A client that disconnects reaches every
-sub-request (the liveness watcher sees each flight's HTTP request close). Metrics: every sub-request
-is in flight and observed by the ``kairos:*`` families (TTFT, ITL, tokens, success) as the sequence
-it is; ``kairos_ingress_requests_total`` counts the HTTP request once.
+event and ``[DONE]``), and its siblings still running are stopped with the truthful cause: an
+:class:`~kairos.contracts.wire.ErrorEvent` ``sibling_failed`` (:func:`stop_event`) put on each one's
+relay queue, which its lifecycle ends like any error — cancelled on the nodes with that reason,
+``sibling_failed`` and its status (424) in its record, log line and span, ``abort`` in
+``kairos:request_success`` (vLLM's label for a sequence aborted before its end); nobody reads their
+answer, and the client, still there, is not counted as gone. A sibling's token that arrives before
+its stop is read is dropped; one re-submitted meanwhile (node lost) is stopped again under its new
+attempt id (:meth:`SubAnswer.discard`). A client that disconnects reaches every sub-request (the
+liveness watcher sees each flight's HTTP request close: 499 ``client_disconnected``). Metrics: every
+sub-request is in flight and observed by the ``kairos:*`` families (TTFT, ITL, tokens, success) as
+the sequence it is; ``kairos_ingress_requests_total`` counts the HTTP request once.
 """
 
 from __future__ import annotations
@@ -37,9 +43,8 @@ import orjson
 from aiohttp import web
 
 from kairos.contracts.errors import ErrorCode, error_type_for
-from kairos.contracts.wire import TokenEvent
+from kairos.contracts.wire import ErrorEvent, TokenEvent
 from kairos.services.ingress.answer import Outcome
-from kairos.services.ingress.flights import ClientGone
 from kairos.services.ingress.http import STREAM_STARTED, clip, error_response
 from kairos.services.ingress.openai_api.params import ParsedRequest
 from kairos.services.ingress.openai_api.parse import SEED_MAX
@@ -53,6 +58,17 @@ from kairos.services.ingress.sse import GONE, SseResponse, sse_done, sse_event, 
 
 #: the response header listing every sub-request's internal id (``GET /v1/requests/<id>`` explains each)
 FANOUT_HEADER = "X-Kairos-Sub-Request-Ids"
+#: the ``source`` of the error event that stops a sibling of a failed sub-request (:func:`stop_event`)
+STOP_SOURCE = "ingress:fanout"
+
+
+def stop_event(attempt_id: str, rid: str, failed_index: int, failed_code: str, now_ms: float) -> ErrorEvent:
+    """The error event that ends attempt ``attempt_id`` of a sibling of choice ``failed_index`` of
+    request ``rid`` (response id), which failed with ``failed_code``: ``sibling_failed``."""
+    code = ErrorCode.SIBLING_FAILED
+    return ErrorEvent(request_id=attempt_id, status=code.status, code=code, source=STOP_SOURCE, sent_unix_ms=now_ms,
+                      message=f"choice {failed_index} of request {rid} failed ({failed_code}): this choice was "
+                              f"cancelled")
 
 
 @dataclass(frozen=True)
@@ -129,9 +145,10 @@ class FanOut:
         self.resp: web.StreamResponse | None = None
         self.unsent: list[bytes] = []
         self.failed: Outcome | None = None  #: the error answer, once a sub-request failed
+        self.failed_by: tuple[int, str] | None = None  #: (choice index, code) of the sub-request that failed first
         self.gone = False  #: the client left (a write failed)
         self.statuses: dict[int, int] = {}  #: each sub-request's own status (its relay's outcome)
-        self.stop_others: Callable[[int], None] = lambda _i: None  #: set by :func:`run_all`
+        self.stop: Callable[[int], None] = lambda _i: None  #: stop choice i if it runs (set by :func:`run_all`)
 
     def answer(self, index: int) -> Callable[[Callable[[], None]], "SubAnswer"]:
         """The :class:`SubAnswer` factory of choice ``index`` (the relay passes its commit callback)."""
@@ -166,7 +183,8 @@ class FanOut:
     async def fail(self, index: int, status: int, code: ErrorCode | str, message: str,
                    resp: web.StreamResponse | None = None) -> Outcome:
         """Sub-request ``index`` ended with an error: the request's answer is that error (the first
-        one), and the other sub-requests are stopped."""
+        one), and the other sub-requests are stopped (``sibling_failed``). Returns the answer with
+        this sub-request's own ``status`` (its record's)."""
         if self.failed is None:
             if self.resp is None:
                 self.failed = (resp if resp is not None else error_response(code, message, status=status)), status
@@ -176,8 +194,11 @@ class FanOut:
                                    before=b"".join(self.unsent))
                 self.unsent.clear()
                 self.failed = self.resp, status
-            self.stop_others(index)
-        return self.failed
+            self.failed_by = index, str(code)
+            for i in self.choices:
+                if i != index:
+                    self.stop(i)
+        return self.failed[0], status
 
     # -- the end ----------------------------------------------------------------------------------
     def _usage(self) -> tuple[int, int, int]:
@@ -237,6 +258,10 @@ class SubAnswer:
         return self.sent if self.parsed.stream else 0
 
     def discard(self) -> int:
+        """The relay re-submits this sub-request (its partial output is forgotten); if the request
+        already failed, the new attempt is stopped too (the first stop names the old attempt)."""
+        if self.fan.failed is not None and self.fan.failed_by is not None and self.fan.failed_by[0] != self.c.sub.index:
+            self.fan.stop(self.c.sub.index)
         n = len(self.c.text)
         self.c.text.clear()
         self.c.logprobs.clear()
@@ -244,8 +269,10 @@ class SubAnswer:
 
     async def tokens(self, tok: TokenEvent, first: bool, flush: Callable[[], bool]) -> bool:
         fan, c = self.fan, self.c
-        if fan.failed is not None or fan.gone:
+        if fan.gone:
             return False
+        if fan.failed is not None:  # dropped: the stop queued for this choice ends it (sibling_failed), not as gone
+            return True
         if not self.parsed.stream:
             c.text.append(tok.text)
             c.logprobs.extend(tok.logprobs or ())
@@ -284,14 +311,15 @@ class SubAnswer:
 
 async def run_all(fan: FanOut, relays: dict[int, Any]) -> Outcome:
     """Run the sub-requests' relays (by choice index) to their ends; a failure stops the others
-    (:meth:`FanOut.fail`); the merged answer (:meth:`FanOut.finish`)."""
+    (:meth:`FanOut.fail`: :func:`stop_event` on each running one's queue, for its current attempt);
+    the merged answer (:meth:`FanOut.finish`)."""
     tasks = {i: asyncio.ensure_future(r.run()) for i, r in relays.items()}
 
-    def stop_others(failed: int) -> None:
-        for i, r in relays.items():
-            if i != failed and not tasks[i].done():
-                r.queue.put_nowait(ClientGone())  # cancelled on the nodes, as for a client that left
-    fan.stop_others = stop_others
+    def stop(i: int) -> None:
+        r = relays[i]
+        if not tasks[i].done() and fan.failed_by is not None:
+            r.queue.put_nowait(stop_event(r.lc.attempt_id, fan.rid, *fan.failed_by, r.clock.now_ms()))
+    fan.stop = stop
     pending = set(tasks.values())
     try:
         while pending:

@@ -20,6 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kairos.contracts.errors import ErrorCode
 from kairos.core.cluster.heartbeat import REJECT_REASONS
 from kairos.core.vocabulary import PathKind
 from kairos.runtime import telemetry
@@ -221,7 +222,8 @@ class VllmRequestMetrics:
         self.prompt_tokens_cached = counter("kairos:prompt_tokens_cached", "Number of cached prompt tokens "
                                             "(local + external; the answers' cached_tokens)")
         success = Counter("kairos:request_success", "Count of successfully processed requests (finished_reason: "
-                          "the answer's stop/length/abort; abort also for a client that left (499); error for an "
+                          "the answer's stop/length/abort; abort also for a client that left (499) and a choice stopped "
+                          "because another of its request failed (sibling_failed); error for an "
                           "accepted request answered with an error)", (*VLLM_LABELS, "finished_reason"), registry=reg)
         self.success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
         self.ttft = hist("kairos:time_to_first_token_seconds", "Histogram of time to first token in seconds "
@@ -258,11 +260,14 @@ class VllmRequestMetrics:
         ``finished_unix_ms``, ``status``, ``prompt_tokens``, ``completion_tokens``, and when there
         were ``first_token_unix_ms``, ``finish_reason``, ``cached_tokens``).
 
-        finished_reason: the answer's (status 200), ``abort`` for a client that left (499),
-        ``error`` for any other error answer. Per-request phase times need a first token; the
+        finished_reason: the answer's (status 200), ``abort`` for a client that left (499) and for a
+        choice of a fanned-out request stopped because another failed (``error`` ``sibling_failed``,
+        kairos/services/ingress/fanout.py: vLLM's label of a request aborted before its end), ``error``
+        for any other error answer. Per-request phase times need a first token; the
         prefix-cache counters need the answer's usage (status 200)."""
         status = timing.get("status", 200)
-        reason = timing.get("finish_reason") if status == 200 else ("abort" if status == 499 else "error")
+        aborted = status == 499 or timing.get("error") == ErrorCode.SIBLING_FAILED
+        reason = timing.get("finish_reason") if status == 200 else ("abort" if aborted else "error")
         self.success.get(reason, self.success["error"]).inc()
         received, done = timing["received_unix_ms"], timing.get("finished_unix_ms")
         if done is not None:
