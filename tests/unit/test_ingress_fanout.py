@@ -102,9 +102,12 @@ async def test_a_failing_sub_request_fails_the_request_and_stops_the_others():
 
 
 async def test_an_error_answered_by_the_relay_itself_fails_the_request():
-    resp, status, relays, _ = await outcome(["enqueue_failed", "wait"])
+    resp, status, relays, fan = await outcome(["enqueue_failed", "wait"])
     assert status == 503 and orjson.loads(resp.body)["error"]["code"] == "enqueue_failed"
-    assert relays[1].stopped
+    # the code the failure is known by (the stops' message, an SSE error event's code) is the answer's own,
+    # one of the catalogue (docs/errors.md)
+    assert fan.failed_by == (0, "enqueue_failed")
+    assert relays[1].stopped.message == "choice 0 of request cmpl-x failed (enqueue_failed): this choice was cancelled"
 
 
 async def test_siblings_stopped_by_a_failing_choice_are_recorded_as_such_not_as_a_client_that_left(stack):

@@ -45,7 +45,7 @@ from aiohttp import web
 from kairos.contracts.errors import ErrorCode, error_type_for
 from kairos.contracts.wire import ErrorEvent, TokenEvent
 from kairos.services.ingress.answer import Outcome
-from kairos.services.ingress.http import STREAM_STARTED, clip, error_response
+from kairos.services.ingress.http import STREAM_STARTED, clip, code_for_status, error_response
 from kairos.services.ingress.openai_api.params import ParsedRequest
 from kairos.services.ingress.openai_api.parse import SEED_MAX
 from kairos.services.ingress.openai_api.prompt import (TokenCounter, count_prompt_tokens, decode_prompt,
@@ -329,7 +329,7 @@ async def run_all(fan: FanOut, relays: dict[int, Any]) -> Outcome:
                 i = next(k for k, v in tasks.items() if v is t)
                 fan.statuses[i] = status
                 if status >= 400 and status != 499 and fan.failed is None:  # an error answered without
-                    await fan.fail(i, status, "sub_request_failed", _message(resp), resp)  # SubAnswer.error
+                    await fan.fail(i, status, *_error_of(resp, status), resp)  # SubAnswer.error
     finally:
         for t in tasks.values():
             if not t.done():
@@ -337,9 +337,12 @@ async def run_all(fan: FanOut, relays: dict[int, Any]) -> Outcome:
     return await fan.finish([t.result() for t in tasks.values()])
 
 
-def _message(resp: web.StreamResponse) -> str:
+def _error_of(resp: web.StreamResponse, status: int) -> tuple[str, str]:
+    """The code and message of an error answer a relay made itself (e.g. 503 ``enqueue_failed``):
+    its OpenAI error body's, else the catalogue's code for ``status`` and a generic message."""
     body = getattr(resp, "body", None)
     try:
-        return str(orjson.loads(body)["error"]["message"])  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001  (not an error body: a generic message)
-        return "a sub-request of this request failed"
+        err = orjson.loads(body)["error"]  # type: ignore[arg-type]
+        return str(ErrorCode(err["code"])), str(err["message"])
+    except Exception:  # noqa: BLE001  (not an error body of the catalogue)
+        return str(code_for_status(status)), "a sub-request of this request failed"
