@@ -397,7 +397,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
-    """Tokens generated for the request in one engine step (usually one)."""
+    """Tokens of one engine step (usually one); the last may carry the finish (docs/bus.md, Out events)."""
 
     v: int = SCHEMA_VERSION
     request_id: str
@@ -406,9 +406,8 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     text: str  #: their text (emulated engines produce placeholder words)
     node: str
     sent_unix_ms: float
-    #: on the last token event when the engine knew it (vLLM's last delta's ``finish_reason``): the
-    #: ingress puts it on that token's chunk, as vLLM's server; the :class:`DoneEvent` still follows.
-    finish_reason: Literal["length", "stop", "abort"] | None = None
+    finish_reason: Literal["length", "stop", "abort"] | None = None  #: last event, if the engine knew (vLLM's)
+    stop_reason: str | int | None = None  #: with it: the stop string / token id that ended it (vLLM's), else None
     logprobs: list[TokenLogprob] | None = None  #: one per token when asked for (optional)
 
 
@@ -422,6 +421,7 @@ class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):
     cached_tokens: NonNeg = 0  #: prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     node: str
     sent_unix_ms: float
+    stop_reason: str | int | None = None  #: the stop string / token id that ended it (vLLM's), else None
 
 
 class ErrorEvent(msgspec.Struct, frozen=True, kw_only=True, tag="error"):

@@ -78,9 +78,12 @@ class EngineEvents(Protocol):
       it), else None; ``on_finished`` follows either way. A backend that sets it lets the client's
       stream end as vLLM's does: the finish reason on the last token's chunk. ``logprobs``: one
       :class:`~kairos.contracts.wire.TokenLogprob` per token when the request asked for them
-      (``SamplingParams.logprobs``) and the engine gives them (vLLM), else None.
-    * ``on_finished(rid, finish_reason, cached_tokens)``: last token emitted (``stop``/``length``/
-      ``abort``); ``cached_tokens`` prompt tokens were served from the prefix cache. Nothing of
+      (``SamplingParams.logprobs``) and the engine gives them (vLLM), else None. ``stop_reason``: with
+      ``finish_reason``, the stop string or stop token id that ended the request (vLLM's
+      ``CompletionOutput.stop_reason``), else None (EOS, length, or not the last tokens).
+    * ``on_finished(rid, finish_reason, cached_tokens, stop_reason)``: last token emitted (``stop``/
+      ``length``/``abort``); ``cached_tokens`` prompt tokens were served from the prefix cache;
+      ``stop_reason`` as for ``on_tokens`` (None unless a stop string or id ended it). Nothing of
       ``rid`` follows.
     * ``on_failed(rid, status, code, message)``: the engine could not serve ``rid`` (``code`` from
       the error catalogue, ``status`` the HTTP status the client gets). Nothing of ``rid`` follows.
@@ -93,9 +96,11 @@ class EngineEvents(Protocol):
     async def on_prefill_done(self, rid: str) -> None: ...
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None, logprobs: list | None = None) -> None: ...
+                        finish_reason: str | None = None, logprobs: list | None = None,
+                        stop_reason: str | int | None = None) -> None: ...
 
-    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None: ...
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,
+                          stop_reason: str | int | None = None) -> None: ...
 
     async def on_failed(self, rid: str, status: int, code: ErrorCode, message: str) -> None: ...
 

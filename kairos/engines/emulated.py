@@ -136,7 +136,8 @@ class EmulatedBackend(EngineBackend):
 
     async def run(self, events: EngineEvents, stop: asyncio.Event) -> None:
         """Plan, wait until the step's end on the wall clock, commit, report the step and then its
-        request events (prefill done, tokens with the emulated text, finished with its finish reason).
+        request events (prefill done, tokens with the emulated text, finished with its finish reason and
+        the stop string / stop token id that ended it, as the last token's event has them too).
 
         Step ends are absolute deadlines: a busy engine's step i+1 starts at step i's planned end,
         not when the event loop got round to it, so scheduling overhead (~0.1–1 ms per step) does
@@ -180,10 +181,13 @@ class EmulatedBackend(EngineBackend):
                 for rid, idx in res.tokens:
                     out = self._outputs.get(rid)
                     last = (out.finish_reason if out is not None else "length") if rid in ending else None
-                    await events.on_tokens(rid, idx, 1, out.text(idx) if out is not None else "", last)
+                    why = out.stop_reason if out is not None and rid in ending else None
+                    await events.on_tokens(rid, idx, 1, out.text(idx) if out is not None else "", last,
+                                           stop_reason=why)
                 for rid in res.finished:
                     out = self._outputs.pop(rid, None)
-                    await events.on_finished(rid, out.finish_reason if out is not None else "length", 0)
+                    await events.on_finished(rid, out.finish_reason if out is not None else "length", 0,
+                                             stop_reason=out.stop_reason if out is not None else None)
         finally:
             stop_wait.cancel()
 

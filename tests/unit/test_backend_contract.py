@@ -9,6 +9,8 @@
 * deflect path: a step record names the deflected chunk (χ of the schedule) before the first token,
   tokens in order, one finish; steps reported in order;
 * the state snapshot: B ≥ 1 and K ≥ the prompt while the request decodes, B back to 0 after;
+* a stop token id ends the request: its token the last, with ``finish_reason`` ``stop`` and the id as
+  ``stop_reason`` on that token and on the finish (vLLM's ``stop_reason``);
 * abort of a request in flight: True, the phase gone, nothing of it reported after; unknown: False;
 * a duplicate id is refused with a ValueError.
 
@@ -35,10 +37,11 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kairos.contracts.wire import InferenceRequest
+from kairos.contracts.wire import InferenceRequest, SamplingParams
 from kairos.core.vocabulary import RequestPhase
 from kairos.engines import BACKENDS, backend_class, make_backend
 from kairos.engines.base import EngineBackend, StepOutput
+from kairos.engines.emulated import emulated_output
 from kairos.engines.vllm.plugin.protocol import DeflectedChunk, EngineSnapshot, PrefillChunk, StepRecord, encode
 from kairos.services.node_agent.config import AgentConfig
 from tests.factories import tiny_model
@@ -50,9 +53,10 @@ MODEL = tiny_model(prefill_intercept_ms=0.5, prefill_coef=(0.001, 0.0), decode_i
 PROMPT, OUT, CHI = 40, 5, 16
 
 
-def request(rid: str, prompt: int = PROMPT, out: int = OUT) -> InferenceRequest:
+def request(rid: str, prompt: int = PROMPT, out: int = OUT, sampling: SamplingParams | None = None) -> InferenceRequest:
     return InferenceRequest(request_id=rid, model="m", prompt_tokens=prompt, max_tokens=out,
-                            prompt_token_ids=list(range(3, 3 + prompt)), created_unix_ms=0.0, deadline_unix_ms=1e15)
+                            prompt_token_ids=list(range(3, 3 + prompt)), created_unix_ms=0.0, deadline_unix_ms=1e15,
+                            sampling=sampling or SamplingParams())
 
 
 class Events:
@@ -63,6 +67,8 @@ class Events:
         self.steps: list[StepOutput] = []
         self.states: dict[tuple[str, int], tuple[int, int]] = {}  #: (rid, token index) -> (B, K) then
         self.finish: dict[tuple[str, int], str | None] = {}  #: (rid, token index) -> the finish reason it came with
+        self.stop: dict[tuple[str, int], str | int | None] = {}  #: (rid, token index) -> its stop_reason
+        self.finished_stop: dict[str, str | int | None] = {}  #: rid -> the stop_reason its finish came with
         self.backend: EngineBackend | None = None
         self.changed = asyncio.Condition()
 
@@ -83,13 +89,16 @@ class Events:
         await self._add("prefill_done", rid)
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None) -> None:
+                        finish_reason: str | None = None, stop_reason: str | int | None = None) -> None:
         st = self.backend.state()
         self.states[(rid, first_index)] = (st.batch_size, st.kv_tokens)
         self.finish[(rid, first_index)] = finish_reason
+        self.stop[(rid, first_index)] = stop_reason
         await self._add("tokens", rid, first_index, count)
 
-    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,
+                          stop_reason: str | int | None = None) -> None:
+        self.finished_stop[rid] = stop_reason
         await self._add("finished", rid, finish_reason)
 
     async def on_failed(self, rid: str, status: int, code: Any, message: str) -> None:
@@ -106,7 +115,11 @@ class Events:
 # -- the stand-in vLLM engine ------------------------------------------------------------------------
 class StandInEngine:
     """A vLLM server (HTTP) and its plugin's state stream (ZMQ PUB) in one: each request it serves
-    runs as steps, each step published (and read by ``backend``) before what it produced is answered."""
+    runs as steps, each step published (and read by ``backend``) before what it produced is answered.
+    Output token i has id ``TOKEN0 + i``; a ``stop_token_ids`` id ends the output as vLLM's
+    ``check_stop`` does (``finish_reason`` ``stop``, the id as ``stop_reason``)."""
+
+    TOKEN0 = 100
 
     def __init__(self, addr: str) -> None:
         self.http = StandIn()
@@ -153,13 +166,19 @@ class StandInEngine:
         await resp.prepare(self.http_request)
         if "kairos_prefill_chunks" in body["vllm_xargs"]:  # a deflected prefill: one chunk, the whole prompt
             await self.step(0, 0, prompt, chunks=[DeflectedChunk(rid, 0, prompt, 0)])
-        n = body["max_tokens"]
-        for i in range(n):  # vLLM 0.32: the last token's delta carries the finish reason
+        n, stop_ids = body["max_tokens"], body.get("stop_token_ids") or []
+        for i in range(n):  # vLLM 0.32: the last token's delta carries the finish reason (and stop_reason)
+            tid = self.TOKEN0 + i
+            last = i == n - 1 or tid in stop_ids
             await self.step(1, prompt + i + 1)
-            if i == n - 1:
+            if last:
                 await self.publish()  # idle again before the finish
-            await resp.write(sse({"choices": [{"text": f" t{i}", "token_ids": [7],
-                                               "finish_reason": "length" if i == n - 1 else None}]}))
+            finish = ("stop" if tid in stop_ids else "length") if last else None
+            await resp.write(sse({"choices": [{"text": f" t{i}", "token_ids": [tid], "finish_reason": finish,
+                                               "stop_reason": tid if tid in stop_ids else None}]}))
+            if last:
+                n = i + 1
+                break
         await resp.write(sse({"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": n}})
                          + b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -221,6 +240,10 @@ class Harness:
         """Make the engine keep ``rid`` in flight until the test ends (a long prompt / a server that waits)."""
         if self.engine is not None:
             self.engine.hang.add(rid)
+
+    def token_id(self, req: InferenceRequest, i: int) -> int:
+        """The id of output token ``i`` of ``req`` on this backend's engine."""
+        return self.engine.TOKEN0 + i if self.engine is not None else emulated_output(req).token_id(i)
 
     async def close(self) -> None:
         for stop, task in self.runs:
@@ -312,6 +335,24 @@ async def test_a_deflection_reports_its_chunks_then_its_tokens_and_the_state_sho
         b, k = ev.states[("f1", i)]
         assert b >= 1 and k >= PROMPT, (i, b, k)
     await until(lambda: d.state().batch_size == 0, "B back to 0 once it finished")
+
+
+async def test_a_stop_token_id_ends_the_request_and_is_its_stop_reason(harness):
+    d = await harness.start("decode")
+    ids = [harness.token_id(request("s1"), i) for i in range(OUT)]
+    target = ids[2]
+    last = ids.index(target)  # its first occurrence ends the output
+    d.add_deflected(request("s1", sampling=SamplingParams(stop_token_ids=[target])), [CHI])
+    await harness.events.wait("finished", "s1", "stop")
+    ev = harness.events
+    assert [c for c in ev.of("s1") if c[0] == "tokens"] == [("tokens", "s1", i, 1) for i in range(last + 1)]
+    assert [ev.finish[("s1", i)] for i in range(last + 1)] == [None] * last + ["stop"]
+    assert [ev.stop[("s1", i)] for i in range(last + 1)] == [None] * last + [target]
+    assert ev.finished_stop["s1"] == target
+    # without a stop: no stop_reason (length)
+    d.add_deflected(request("s2"), [CHI])
+    await harness.events.wait("finished", "s2", "length")
+    assert ev.finished_stop["s2"] is None and all(ev.stop[("s2", i)] is None for i in range(OUT))
 
 
 async def test_an_aborted_request_is_gone_and_reports_nothing_more(harness):

@@ -192,6 +192,9 @@ class StreamDelta:
             ``prompt_tokens_details.cached_tokens``) on the usage-only chunk, else None.
         logprobs: the delta's tokens with their logprobs when the request asked for them
             (:func:`delta_logprobs`), else None.
+        stop_reason: the choice's ``stop_reason`` (vLLM 0.32 ``CompletionResponseStreamChoice``):
+            the stop string (str) or stop token id (int) that ended the request, on the delta with
+            the ``finish_reason``; else None (also for anything that is neither a str nor an int).
     """
 
     text: str = ""
@@ -199,6 +202,7 @@ class StreamDelta:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None
 
 
 def delta_logprobs(lp: Any) -> list[TokenLogprob] | None:
@@ -250,8 +254,10 @@ def parse_sse_line(line: str) -> StreamDelta | None:
     text = c.get("text") or ""
     ids = c.get("token_ids")
     count = len(ids) if isinstance(ids, list) else (1 if text else 0)
+    stop = c.get("stop_reason")
+    stop = stop if isinstance(stop, str) or (isinstance(stop, int) and not isinstance(stop, bool)) else None
     return StreamDelta(text=text, token_count=count, finish_reason=c.get("finish_reason"), usage=obj.get("usage"),
-                       logprobs=delta_logprobs(c.get("logprobs")))
+                       logprobs=delta_logprobs(c.get("logprobs")), stop_reason=stop)
 
 
 def cached_tokens(usage: dict[str, Any] | None) -> int:

@@ -280,12 +280,12 @@ class VllmBackend(EngineBackend):
         remote = r.kind is RequestRole.REMOTE_DECODE
         body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if remote else None,
                            prefill_chunks=r.engine_chunks or None)
-        index, finish, usage = 0, None, None
+        index, finish, usage, stop_reason = 0, None, None, None
         async for d in self.http.stream(body):
             if d.usage is not None:
                 usage = d.usage
             if d.finish_reason is not None:
-                finish = d.finish_reason
+                finish, stop_reason = d.finish_reason, d.stop_reason
             if d.token_count > 0 and self._reqs.get(rid) is r:
                 if index == 0:
                     r.remaining = 0
@@ -294,7 +294,8 @@ class VllmBackend(EngineBackend):
                     if r.phase is RequestPhase.DEFLECTED_PREFILL:
                         r.phase = RequestPhase.DECODING
                 lp = {} if d.logprobs is None else {"logprobs": d.logprobs}  # only asked-for logprobs
-                await self._events.on_tokens(rid, index, d.token_count, d.text, wire_finish(d.finish_reason), **lp)
+                await self._events.on_tokens(rid, index, d.token_count, d.text, wire_finish(d.finish_reason), **lp,
+                                             stop_reason=d.stop_reason if d.finish_reason is not None else None)
                 index += d.token_count
                 r.tokens_out = index
         if self._reqs.get(rid) is not r:
@@ -304,8 +305,7 @@ class VllmBackend(EngineBackend):
             r.kv_ready.set_result(index > 0)
         if finish is None:
             raise EngineApiError("the engine's stream ended without a finish_reason")
-        await self._events.on_finished(rid, wire_finish(finish),
-                                       cached_tokens(usage))
+        await self._events.on_finished(rid, wire_finish(finish), cached_tokens(usage), stop_reason=stop_reason)
 
     # -- driver ---------------------------------------------------------------------------------
     def _on_snapshot(self, snap: Any) -> list[tuple[str, int, int]]:

@@ -242,11 +242,13 @@ class NodeAgent:
         await self.effects.on_prefill_done(rid)
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None, logprobs: list | None = None) -> None:
-        await self.effects.on_tokens(rid, first_index, count, text, finish_reason, logprobs)
+                        finish_reason: str | None = None, logprobs: list | None = None,
+                        stop_reason: str | int | None = None) -> None:
+        await self.effects.on_tokens(rid, first_index, count, text, finish_reason, logprobs, stop_reason)
 
-    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
-        await self.effects.on_finished(rid, finish_reason, cached_tokens)
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,
+                          stop_reason: str | int | None = None) -> None:
+        await self.effects.on_finished(rid, finish_reason, cached_tokens, stop_reason)
 
     async def on_failed(self, rid: str, status: int, code: Any, message: str) -> None:
         await self.effects.on_failed(rid, status, code, message)

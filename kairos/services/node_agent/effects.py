@@ -50,18 +50,22 @@ class Effects:
             await self.run(r, r.prefill_done(self.ctx.clock.now_ms()))
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None, logprobs: list | None = None) -> None:
-        """Stream tokens to the client (``finish_reason``: they are the last, as the engine knew;
-        ``logprobs``: theirs, when asked for); the first one ends a deflection's prefill (slot released)."""
+                        finish_reason: str | None = None, logprobs: list | None = None,
+                        stop_reason: str | int | None = None) -> None:
+        """Stream tokens to the client (``finish_reason``: they are the last, as the engine knew, and
+        ``stop_reason`` the stop string / token id that ended it; ``logprobs``: theirs, when asked
+        for); the first one ends a deflection's prefill (slot released)."""
         if (r := self.ctx.reqs.get(rid)) is not None:
             await self.run(r, r.tokens_out(first_index, count, text, self.ctx.clock.now_ms(), finish_reason,
-                                           logprobs))
+                                           logprobs, stop_reason))
             self.ctx.metrics.tokens.labels(self.ctx.node).inc(count)
 
-    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int) -> None:
-        """Last token emitted: close the spans, tell the client, write the decode record."""
+    async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,
+                          stop_reason: str | int | None = None) -> None:
+        """Last token emitted: close the spans, tell the client (with the ``stop_reason``), write the
+        decode record."""
         if (r := self.ctx.reqs.get(rid)) is not None:
-            await self.run(r, r.finished(finish_reason, cached_tokens, self.ctx.clock.now_ms()))
+            await self.run(r, r.finished(finish_reason, cached_tokens, self.ctx.clock.now_ms(), stop_reason))
 
     async def on_failed(self, rid: str, status: int, code: ErrorCode, message: str) -> None:
         """The engine could not serve ``rid``: explicit error to the client (the engine's ``status``)."""

@@ -274,9 +274,11 @@ class NodeRequest:
 
     # -- decode side (remote decode and deflect) ----------------------------------------------------
     def tokens_out(self, first_index: int, count: int, text: str, now_ms: float,
-                   finish_reason: str | None = None, logprobs: list | None = None) -> list[Action]:
+                   finish_reason: str | None = None, logprobs: list | None = None,
+                   stop_reason: str | int | None = None) -> list[Action]:
         """``count`` tokens from index ``first_index`` came out of the engine: send them (with
-        ``finish_reason`` when the engine said they are the last: the client's last chunk carries it).
+        ``finish_reason`` when the engine said they are the last: the client's last chunk carries it,
+        and its ``stop_reason``).
         The first token of a deflected prefill ends it: slot released, the decode span starts."""
         if self.phase not in TOKEN_PHASES.get(self.role, ()):
             return self._ignored("tokens")
@@ -293,12 +295,14 @@ class NodeRequest:
         self.last_token_ms = now_ms
         out.append(Publish(TokenEvent(request_id=self.rid, first_index=first_index, count=count, text=text,
                                       node=self.node, sent_unix_ms=now_ms, finish_reason=finish_reason,
-                                      logprobs=logprobs)))
+                                      logprobs=logprobs, stop_reason=stop_reason)))
         return out
 
-    def finished(self, finish_reason: str, engine_cached_tokens: int, now_ms: float) -> list[Action]:
+    def finished(self, finish_reason: str, engine_cached_tokens: int, now_ms: float,
+                 stop_reason: str | int | None = None) -> list[Action]:
         """The engine emitted the last token: end the decode span first (the trace is complete when
-        the client has its answer), send ``done``, write the decode record. Cached tokens: on the
+        the client has its answer), send ``done`` (with the ``stop_reason`` the engine gave), write
+        the decode record. Cached tokens: on the
         keep path what the prefill node served (its handoff), else the larger of the engine's
         report and the prefix hit seen in the step records."""
         if self.role is RequestRole.PREFILL or self.phase not in (P.AWAITING_KV, P.DEFLECTED_PREFILL, P.DECODING):
@@ -311,7 +315,8 @@ class NodeRequest:
                                                                                        self.cached_tokens)
         return out + [EndSpan(Span.DECODE),
                       Publish(DoneEvent(request_id=self.rid, completion_tokens=self.tokens, node=self.node,
-                                        sent_unix_ms=now_ms, finish_reason=finish_reason, cached_tokens=cached)),
+                                        sent_unix_ms=now_ms, finish_reason=finish_reason, cached_tokens=cached,
+                                        stop_reason=stop_reason)),
                       WriteRecord("decode", self.decode_record(finished_ms=now_ms))]
 
     # -- endings ------------------------------------------------------------------------------------
