@@ -77,7 +77,7 @@ class ClientAnswer:
         if lp is not None and tok.logprobs:  # vLLM: next_text_offsets = last offset + len(last token)
             self.text_offset += sum(len(e.token) for e in tok.logprobs)
         self.unsent.append(sse_event(stream_chunk(parsed, self.rid, self.created, tok.text, tok.finish_reason,
-                                                  echo=first, logprobs=lp)))
+                                                  echo=first, logprobs=lp, stop_reason=tok.stop_reason)))
         self.finish_relayed = tok.finish_reason is not None
         self.last_unsent = None if self.finish_relayed else (tok.text, first, lp)
         self.unsent_tokens += tok.count
@@ -116,7 +116,7 @@ class ClientAnswer:
         return self.sent + self.unsent_tokens if self.parsed.stream else 0
 
     async def complete(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                       cached_tokens: int) -> Outcome:
+                       cached_tokens: int, stop_reason: str | int | None = None) -> Outcome:
         """The end of the stream, or the full response body.
 
         The stream ends as vLLM's (``completion_stream_generator`` / ``chat_completion_stream_generator``
@@ -124,20 +124,24 @@ class ClientAnswer:
         chunk (``stream_options.include_usage``), then ``data: [DONE]``. The last token event
         normally says it is the last (``TokenEvent.finish_reason``: both backends set it); if it did
         not, the finish reason goes onto its chunk when that is still unwritten, else into one more
-        chunk without text (what vLLM sends when its last output has no token)."""
+        chunk without text (what vLLM sends when its last output has no token). ``stop_reason`` (the
+        done event's: the stop string or token id that ended it) goes on the choice of the body, or on
+        the chunk this end writes with the finish reason (a marked token event carried its own)."""
         parsed, rid, created = self.parsed, self.rid, self.created
         if not parsed.stream:
             body = full_response(parsed, rid, created, "".join(self.text_parts), finish_reason, prompt_tokens,
-                                 completion_tokens, cached_tokens, self.logprobs)
+                                 completion_tokens, cached_tokens, self.logprobs, stop_reason)
             return web.Response(body=orjson.dumps(body), content_type="application/json", headers=self.headers), 200
         assert self.resp is not None
         last: list[dict] = []
         if self.last_unsent is not None:  # the last token's chunk is not written yet: it carries the finish
             self.unsent.pop()
             text, echo, lp = self.last_unsent
-            last.append(stream_chunk(parsed, rid, created, text, finish_reason, echo=echo, logprobs=lp))
+            last.append(stream_chunk(parsed, rid, created, text, finish_reason, echo=echo, logprobs=lp,
+                                     stop_reason=stop_reason))
         elif not self.finish_relayed:
-            last.append(stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "", finish_reason))
+            last.append(stream_chunk(parsed, rid, created, None if parsed.endpoint == "chat" else "", finish_reason,
+                                     stop_reason=stop_reason))
         if parsed.include_usage:
             last.append(usage_chunk(parsed, rid, created, prompt_tokens, completion_tokens, cached_tokens))
         await sse_done(self.resp, *last, before=b"".join(self.unsent))

@@ -127,6 +127,7 @@ class _Choice:
     text_offset: int = 0
     finish_relayed: bool = False
     end: tuple[str, int, int] | None = None  #: (finish_reason, completion_tokens, cached_tokens) once complete
+    stop_reason: str | int | None = None  #: the stop string / token id that ended it (DoneEvent), once complete
 
 
 class FanOut:
@@ -167,9 +168,9 @@ class FanOut:
         return not self.gone
 
     def chunk(self, c: _Choice, text: str | None, finish: str | None, first: bool = False, echo: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, stop_reason: str | int | None = None) -> dict:
         out = stream_chunk(c.sub.parsed, self.rid, self.created, text, finish, first=first, echo=echo,
-                           logprobs=logprobs)
+                           logprobs=logprobs, stop_reason=stop_reason)
         out["choices"][0]["index"] = c.sub.index
         return out
 
@@ -226,7 +227,7 @@ class FanOut:
             for c in ordered:
                 assert c.end is not None
                 one = full_response(c.sub.parsed, self.rid, self.created, "".join(c.text), c.end[0], 0, 0, 0,
-                                    c.logprobs)
+                                    c.logprobs, c.stop_reason)
                 one["choices"][0]["index"] = c.sub.index
                 body = body or one
                 if body is not one:
@@ -286,19 +287,20 @@ class SubAnswer:
         lp = choice_logprobs(self.parsed, tok.logprobs, c.text_offset)
         if lp is not None and tok.logprobs:
             c.text_offset += sum(len(e.token) for e in tok.logprobs)
-        fan.unsent.append(sse_event(fan.chunk(c, tok.text, tok.finish_reason, echo=first, logprobs=lp)))
+        fan.unsent.append(sse_event(fan.chunk(c, tok.text, tok.finish_reason, echo=first, logprobs=lp,
+                                              stop_reason=tok.stop_reason)))
         c.finish_relayed = tok.finish_reason is not None
         self.sent += tok.count
         return await fan.flush() if flush() else True
 
     async def complete(self, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-                       cached_tokens: int) -> Outcome:
+                       cached_tokens: int, stop_reason: str | int | None = None) -> Outcome:
         fan, c = self.fan, self.c
-        c.end = (finish_reason, completion_tokens, cached_tokens)
+        c.end, c.stop_reason = (finish_reason, completion_tokens, cached_tokens), stop_reason
         if self.parsed.stream and fan.failed is None:
             if not c.finish_relayed and await fan.open():  # as vLLM when the last output has no token
                 fan.unsent.append(sse_event(fan.chunk(c, None if self.parsed.endpoint == "chat" else "",
-                                                      finish_reason)))
+                                                      finish_reason, stop_reason=stop_reason)))
             await fan.flush()
         return fan.resp or web.Response(), 200  # type: ignore[return-value]
 

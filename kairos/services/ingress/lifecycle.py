@@ -89,6 +89,7 @@ class Complete:
     finish_reason: str
     completion_tokens: int
     cached_tokens: int = 0  #: prompt tokens served from the engine's prefix cache (DoneEvent)
+    stop_reason: str | int | None = None  #: the stop string / token id that ended it (DoneEvent)
 
 
 Action = Union[Relay, Ignore, Resubmit, Fail, Complete]
@@ -192,7 +193,7 @@ class RequestLifecycle:
         if ev.completion_tokens != self.received:
             return self.interrupted(f"done after {ev.completion_tokens} tokens, {self.received} arrived", time_left)
         self.phase = Phase.ENDED
-        return Complete(ev.finish_reason, self.received, ev.cached_tokens)
+        return Complete(ev.finish_reason, self.received, ev.cached_tokens, ev.stop_reason)
 
     def on_error(self, ev: ErrorEvent) -> Action:
         """An error event ends the request — except ``node_lost`` (a restarted agent reporting that

@@ -353,7 +353,7 @@ class RequestRelay:
         if not self.req.parsed.stream:
             self.lc.committed_to_client()
         return await self.answer.complete(action.finish_reason, self.req.prompt_tokens, completion,
-                                          action.cached_tokens)
+                                          action.cached_tokens, action.stop_reason)
 
     _ACTIONS: ClassVar[dict[type, Callable[..., Awaitable[Outcome | None]]]] = {
         Relay: _relay, Ignore: _ignore, Resubmit: _resubmit, Fail: _fail, Complete: _complete}

@@ -83,18 +83,21 @@ def _bytes(token: str) -> list[int]:
 
 def full_response(req: ParsedRequest, rid: str, created: int, text: str, finish_reason: str,
                   prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                  logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+                  logprobs: list[TokenLogprob] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
     """Non-streaming response body (completions with ``echo``: the prompt, then the output unless
     ``max_tokens`` was 0, as vLLM's ``request_output_to_completion_response``); ``logprobs``: the
-    tokens' (:func:`choice_logprobs`)."""
+    tokens' (:func:`choice_logprobs`). Every choice has vLLM's ``stop_reason`` (``CompletionResponseChoice``
+    / ``ChatCompletionResponseChoice``, dumped with its nulls): the stop string or stop token id that
+    ended it, else null."""
     lp = choice_logprobs(req, logprobs)
     if req.endpoint == "completions":
         text = echoed(req, text, True)
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                                  "stop_reason": stop_reason}
         obj = "text_completion"
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         obj = "chat.completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
@@ -109,13 +112,21 @@ def echoed(req: ParsedRequest, text: str | None, first: bool) -> str:
 
 
 def stream_chunk(req: ParsedRequest, rid: str, created: int, text: str | None, finish_reason: str | None,
-                 first: bool = False, echo: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                 first: bool = False, echo: bool = False, logprobs: dict[str, Any] | None = None,
+                 stop_reason: str | int | None = None) -> dict[str, Any]:
     """One SSE chunk with a text delta (or only the finish reason). ``first`` (chat): the role;
     ``echo`` (completions): the first delta, which carries the ``echo`` prompt; ``logprobs``: the
-    delta's tokens' (:func:`choice_logprobs`)."""
+    delta's tokens' (:func:`choice_logprobs`); ``stop_reason``: the stop string or stop token id
+    that ended the choice, for the chunk with the ``finish_reason``.
+
+    ``stop_reason`` is placed as vLLM 0.32's stream generators place it (chunks dumped with
+    ``exclude_unset=True``): completions set it on every chunk (``CompletionResponseStreamChoice(...,
+    stop_reason=output.stop_reason)``: null until the finishing chunk), chat only on the chunk with
+    the ``finish_reason`` (``ChatCompletionResponseStreamChoice``: absent from the others)."""
+    stop = stop_reason if finish_reason is not None else None
     if req.endpoint == "completions":
         choice: dict[str, Any] = {"index": 0, "text": echoed(req, text, echo), "logprobs": logprobs,
-                                  "finish_reason": finish_reason}
+                                  "finish_reason": finish_reason, "stop_reason": stop}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {}
@@ -124,6 +135,8 @@ def stream_chunk(req: ParsedRequest, rid: str, created: int, text: str | None, f
         if text is not None:
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop
         obj = "chat.completion.chunk"
     out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
     if req.include_usage:
