@@ -32,7 +32,7 @@ from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import ClusterView, NodeState, WireError, decode
+from kairos.contracts.wire import NodeState, WireError, decode
 from kairos.contracts.records import PrefillTiming
 from kairos.core.cluster.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
 from kairos.core.vocabulary import KEEP
@@ -43,6 +43,7 @@ from kairos.services.ingress.config import IngressConfig
 from kairos.services.ingress.flights import BusDown, ClientGone, Flight, Flights, Interrupted, NodeLost
 from kairos.services.ingress.lifecycle import Phase
 from kairos.services.ingress.metrics import IngressMetrics
+from kairos.services.ingress.readiness import ReadyView
 from kairos.services.ingress.ports import IngressBus
 
 #: the watcher woke this much (s) later than due: this process stalled, and the silence of the
@@ -89,7 +90,7 @@ class FlightWatch:
             return
         self.roles[st.node] = st.role
 
-    def on_view(self, view: ClusterView) -> None:
+    def on_view(self, view: ReadyView) -> None:
         """The view is for routing and /health only: a stale node or one missing from the view
         (e.g. a restarted aggregator's first views) is *not* dead for in-flight requests."""
         self.roles.update((n.node, n.role) for n in view.nodes)

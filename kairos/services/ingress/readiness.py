@@ -3,8 +3,10 @@
 Where data comes from: the state aggregator's :class:`~kairos.contracts.wire.ClusterView`, twice —
 on core NATS (``kairos.view``, as the aggregator built it) and from the view bucket's watch (which
 may lag seconds behind while a NATS cluster elects the bucket's leader); the newer one is kept
-(:func:`kairos.services.state_aggregator.view.newer`). And the dispatchers' consumers of the request
-lanes (JetStream consumer info). Where it goes: ``GET /health`` — 200 only when everything a request
+(:func:`kairos.services.state_aggregator.view.newer`), decoded into :class:`ReadyView` — the few fields
+read here, not every node's queues (a cost per node per view: 10 views/s of 288 nodes at fleet
+scale, ``bench/view_costs.py``). And the dispatchers' consumers of the request lanes (JetStream
+consumer info). Where it goes: ``GET /health`` — 200 only when everything a request
 needs is there (NATS connected, a fresh view with a routable prefill and decode node, a dispatcher
 consuming the request lanes), else 503 with every reason listed — and the view's node roles to the
 liveness watchers.
@@ -16,16 +18,42 @@ import asyncio
 import datetime
 from typing import Any, Awaitable, Callable
 
+import msgspec
 import nats.js.errors
 import orjson
 from aiohttp import web
 
 from kairos.contracts import subjects as S
-from kairos.contracts.wire import ClusterView, WireError
+from kairos.contracts.wire import ClusterView, NodeRole, NonNeg, WireError, decode
 from kairos.core.cluster.routing import routable
 from kairos.runtime.clock import Clock
 from kairos.services.ingress.config import IngressConfig
-from kairos.services.state_aggregator.view import decode_if_newer
+from kairos.services.state_aggregator.view import newer
+
+
+class ReadyNode(msgspec.Struct, frozen=True, kw_only=True):
+    """What the ingress reads of a :class:`~kairos.contracts.wire.NodeView`: its id and role (the
+    liveness watchers), and what :func:`~kairos.core.cluster.routing.routable` filters on. The
+    NodeView's other fields (queues, in-flight work, pending ids, corrections) are skipped by the
+    decoder, unread and unvalidated; the required ones here are NodeView's required ones."""
+
+    node: str
+    role: NodeRole
+    stale: bool  #: no heartbeat for the view's stale_after_ms: route nothing here
+    age_ms: float  #: time since the aggregator received the node's last heartbeat, at build time
+    accepting: bool = True  #: False while draining
+
+
+class ReadyView(msgspec.Struct, frozen=True, kw_only=True):
+    """What the ingress reads of a :class:`~kairos.contracts.wire.ClusterView` (the same names and
+    types): its stamp (``seq``, ``built_unix_ms``: the newer-view rule), ``stale_after_ms`` (the
+    /health staleness limit) and each node's :class:`ReadyNode`."""
+
+    seq: NonNeg
+    built_unix_ms: float  #: the aggregator's wall clock when it built the view, ms
+    period_ms: float  #: heartbeat period of the nodes, ms
+    stale_after_ms: float  #: a node silent this long is stale, ms
+    nodes: list[ReadyNode] = []
 
 
 class Readiness:
@@ -36,17 +64,20 @@ class Readiness:
         connected: whether NATS is connected now.
         consumer_infos: the dispatchers' consumer info of every request lane (an exception in place
             of a lane that did not answer; kairos/runtime/lanes.py ``consumer_infos``).
-        on_view: called with each newer view (the liveness watchers learn the nodes' roles).
+        on_view: called with each newer view, as a :class:`ReadyView` (the liveness watchers learn
+            the nodes' roles).
         clock, log: clocks and the service's logger.
     """
 
     def __init__(self, cfg: IngressConfig, connected: Callable[[], bool],
-                 consumer_infos: Callable[[], Awaitable[list]], on_view: Callable[[ClusterView], None],
+                 consumer_infos: Callable[[], Awaitable[list]], on_view: Callable[[ReadyView], None],
                  clock: Clock, log: Any) -> None:
         self.cfg, self.connected, self.consumer_infos, self.on_view = cfg, connected, consumer_infos, on_view
         self.clock, self.log = clock, log
-        self.view: ClusterView | None = None
+        self.ready: ReadyView | None = None  #: the newest view received (what /health reads of it)
         self.view_rx: float | None = None  #: monotonic s when the last view arrived
+        self._data: bytes | None = None  #: the newest view's body, for :attr:`view`
+        self._full: ClusterView | None = None  #: :attr:`view`, once decoded
         self._disp: dict | None = None  #: cached dispatcher-consumer check
         self._disp_at = 0.0
         self._disp_lock = asyncio.Lock()
@@ -66,22 +97,41 @@ class Readiness:
         self.take_view(msg.data)
 
     def take_view(self, data: bytes) -> None:
+        """Keep the view in ``data`` if it is :func:`~kairos.services.state_aggregator.view.newer` than
+        the one held; a body that is not a view is ignored. Each view comes twice (subject and bucket)
+        as the same bytes: the second copy is dropped on a byte comparison, before any decoding."""
+        if data == self._data:
+            return
         try:
-            view = decode_if_newer(data, self.view)  # each view comes twice (subject and bucket)
+            view = decode(data, ReadyView)
         except WireError:
             return
-        if view is None:
+        if not newer(view, self.ready):
             return
-        self.view, self.view_rx = view, self.clock.monotonic()
+        self.ready, self.view_rx = view, self.clock.monotonic()
+        self._data, self._full = data, None
         try:
             self.on_view(view)
         except Exception as exc:  # never let the watcher die (logged; the next view tries again)
             self.log.error("view_check_failed", error=repr(exc))
 
+    @property
+    def view(self) -> ClusterView | None:
+        """The newest view in full (every node's queues, pending ids, corrections), decoded on first
+        read and kept until a newer view arrives; nothing in the ingress's request path reads it.
+        None before the first view, or if its nodes are not all NodeViews (fields :class:`ReadyNode`
+        skips: the aggregator never writes such a view)."""
+        if self._full is None and self._data is not None:
+            try:
+                self._full = decode(self._data, ClusterView)
+            except WireError:
+                return None
+        return self._full
+
     def stale_after_ms(self) -> float:
         if self.cfg.view_stale_after_ms > 0:
             return self.cfg.view_stale_after_ms
-        return self.view.stale_after_ms if self.view is not None else 0.0
+        return self.ready.stale_after_ms if self.ready is not None else 0.0
 
     # -- /health -----------------------------------------------------------------------------------
     async def health(self, _req: web.Request) -> web.Response:
@@ -95,15 +145,15 @@ class Readiness:
             reasons.append({"code": "nats_disconnected", "message": "the ingress is not connected to NATS"})
         view_age = None if self.view_rx is None else round((self.clock.monotonic() - self.view_rx) * 1000.0, 1)
         limit = self.stale_after_ms()
-        if self.view is None:
+        if self.ready is None:
             reasons.append({"code": "no_cluster_view",
                             "message": "no cluster view received yet (is the state aggregator running?)"})
         elif view_age is not None and view_age > limit:
             reasons.append({"code": "cluster_view_stale",
                             "message": f"the cluster view is {view_age:.0f} ms old (stale after {limit:.0f} ms): "
                                        f"the state aggregator stopped publishing"})
-        pfs, dcs = routable(self.view)
-        if self.view is not None and (not pfs or not dcs):
+        pfs, dcs = routable(self.ready)  # type: ignore[arg-type]  # ReadyNode has every field routable reads
+        if self.ready is not None and (not pfs or not dcs):
             missing = " and ".join(r for r, ns in (("prefill", pfs), ("decode", dcs)) if not ns)
             reasons.append({"code": "no_routable_nodes", "message": f"no routable {missing} node in the cluster view"})
         disp = await self.dispatcher_check() if connected else {"consuming": False, "detail": "not connected"}

@@ -22,6 +22,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -112,7 +113,18 @@ class ViewBuilder:
                            period_ms=self.period_ms, stale_after_ms=float(self.stale_after_ms), nodes=nodes)
 
 
-def newer(view: ClusterView, than: ClusterView | None) -> bool:
+class Stamped(Protocol):
+    """What orders views: a :class:`ClusterView`, or a reader's partial decode of one (the ingress's
+    :class:`kairos.services.ingress.readiness.ReadyView`)."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def built_unix_ms(self) -> float: ...
+
+
+def newer(view: Stamped, than: Stamped | None) -> bool:
     """Is ``view`` newer than ``than`` (None: no view yet)? By the aggregator's build time, then
     its ``seq`` (a view arrives twice: on ``kairos.view`` and from the ``kairos_view`` bucket)."""
     return than is None or (view.built_unix_ms, view.seq) > (than.built_unix_ms, than.seq)
