@@ -20,6 +20,8 @@ each heartbeat, the view's build time) come from a :class:`kairos.runtime.clock.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -57,6 +59,20 @@ def decode_step_buckets(tbt_slo_ms: float | None) -> tuple[float, ...]:
 QUEUE_POLL_S = 1.0
 #: how long one poll waits for the lanes' consumer info (s)
 QUEUE_POLL_TIMEOUT_S = 0.5
+
+
+@dataclass(slots=True)
+class NodeGauges:
+    """One node's labelled children of the per-node gauges, kept across views: ``Gauge.labels()``
+    (label checks, a lock, a look-up: ~2 µs) runs once per (node, role), not per node per view,
+    and a child is set only when its value changed (``bench/view_costs.py``). Nothing else sets
+    these children, so the value last set is the one exposed."""
+
+    age: Any  #: child of ``kairos_aggregator_node_state_age_seconds``
+    stale: Any  #: child of ``kairos_aggregator_node_stale``
+    age_s: float | None = None  #: the age last set, s (None: not yet)
+    is_stale: bool | None = None  #: the staleness last set (None: not yet)
+    seen: int = 0  #: the last report (StateAggregator._reports) whose view listed the node
 
 
 class StateAggregator:
@@ -113,7 +129,9 @@ class StateAggregator:
         self.m_queue = Gauge("kairos_aggregator_request_queue_messages",
                              "Request work queue (JetStream consumer of the dispatchers): pending = not yet "
                              "delivered, ack_pending = delivered and not acknowledged", ("state",), registry=reg)
-        self._labelled: set[tuple[str, str]] = set()
+        self._node_gauges: dict[tuple[str, str], NodeGauges] = {}  #: (node, role) -> its gauge children
+        self._corr: dict[tuple[str, str], tuple[Any, float]] = {}  #: (node, factor) -> (child, value set)
+        self._reports = 0  #: views reported (:meth:`_report`)
         self._bg = BackgroundTasks(self.log)  #: queue-depth polls in flight
         self._queue_polled = float("-inf")
         self.view: ClusterView | None = None
@@ -197,9 +215,7 @@ class StateAggregator:
         while not self._stop.is_set():
             corrections = self.corrector.corrections(self._mono_ms())
             view = with_corrections(self.builder.build(self._mono_ms(), built_unix_ms=self.clock.now_ms()), corrections)
-            for node, c in corrections.items():
-                self.m_corr.labels(node, "bias").set(c.bias)
-                self.m_corr.labels(node, "safety").set(c.safety)
+            self._report_corrections(corrections)
             self.view = view
             self._report(view)
             try:  # core NATS at once, and the bucket unacknowledged: its leader may be electing (seconds)
@@ -223,28 +239,53 @@ class StateAggregator:
             self.m_queue.labels("pending").set(sum(i.num_pending or 0 for i in ok))
             self.m_queue.labels("ack_pending").set(sum(i.num_ack_pending or 0 for i in ok))
 
+    def _report_corrections(self, corrections: dict) -> None:
+        """Each node's correction factors into ``kairos_aggregator_node_step_correction`` (a child
+        stays once a node had one: its last value, as before), set when they changed."""
+        for node, c in corrections.items():
+            for factor, value in (("bias", c.bias), ("safety", c.safety)):
+                kid = self._corr.get((node, factor))
+                if kid is None or kid[1] != value:
+                    child = kid[0] if kid is not None else self.m_corr.labels(node, factor)
+                    child.set(value)
+                    self._corr[(node, factor)] = (child, value)
+
     def _report(self, view: ClusterView) -> None:
+        """The view's node gauges (counts by role and staleness; each node's heartbeat age and
+        staleness; a node that left the view leaves them), and a log line per node that turned
+        stale, fresh again, or was forgotten. Per node per view: a dict look-up and the gauge
+        children whose value changed (:class:`NodeGauges`)."""
         counts: dict[tuple[str, str], int] = {(r, s): 0 for r in ("prefill", "decode") for s in ("true", "false")}
         stale = set()
+        self._reports += 1
+        kids, seq = self._node_gauges, self._reports
         for n in view.nodes:
+            key = (n.node, n.role)
+            g = kids.get(key)
+            if g is None:
+                g = kids[key] = NodeGauges(self.m_age.labels(*key), self.m_stale.labels(*key))
+            g.seen = seq
+            age_s = telemetry.seconds(n.age_ms)
+            if age_s != g.age_s:
+                g.age.set(age_s)
+                g.age_s = age_s
+            if n.stale != g.is_stale:
+                g.stale.set(1 if n.stale else 0)
+                g.is_stale = n.stale
             counts[(n.role, "true" if n.stale else "false")] += 1
             if n.stale:
                 stale.add(n.node)
         for (r, s), c in counts.items():
             self.m_nodes.labels(r, s).set(c)
-        present = set()
-        for n in view.nodes:
-            present.add((n.node, n.role))
-            self.m_age.labels(n.node, n.role).set(telemetry.seconds(n.age_ms))
-            self.m_stale.labels(n.node, n.role).set(1 if n.stale else 0)
-        for gone in self._labelled - present:  # forgotten nodes leave the metrics too
-            self.m_age.remove(*gone)
-            self.m_stale.remove(*gone)
-        self._labelled = present
+        for key in [k for k, g in kids.items() if g.seen != seq]:  # forgotten nodes (or a node's former
+            del kids[key]  # role) leave the metrics too
+            self.m_age.remove(*key)
+            self.m_stale.remove(*key)
         for n in stale - self._stale:
             self.log.warning("node_stale", node=n)
-        in_view = {n for n, _ in present}
-        for n in self._stale - stale:  # fresh again, or gone from the view (forgotten after forget_after_ms)
+        back = self._stale - stale
+        in_view = {n for n, _ in kids} if back else set()
+        for n in back:  # fresh again, or gone from the view (forgotten after forget_after_ms)
             if n in in_view:
                 self.log.info("node_fresh", node=n)
             else:
