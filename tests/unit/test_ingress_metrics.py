@@ -148,6 +148,10 @@ async def test_a_streamed_request_is_waiting_then_running_and_its_timings_are_ex
     assert value(fams, "inter_token_latency_seconds", "_count") == 2
     assert value(fams, "inter_token_latency_seconds", "_sum") == pytest.approx(0.10)
     assert value(fams, "inter_token_latency_seconds", "_bucket", le="0.05") == 1  # 40 ms in, 60 ms out
+    reg = st.ing.tel.registry  # Kairos' own TTFT / TBT families observe the same gaps
+    assert reg.get_sample_value("kairos_ingress_ttft_seconds_sum") == pytest.approx(0.25)
+    assert reg.get_sample_value("kairos_ingress_tbt_seconds_count") == 2
+    assert reg.get_sample_value("kairos_ingress_tbt_seconds_sum") == pytest.approx(0.10)
     assert value(fams, "e2e_request_latency_seconds", "_sum") == pytest.approx(0.36)
     assert value(fams, "request_decode_time_seconds", "_sum") == pytest.approx(0.11)
     assert value(fams, "request_time_per_output_token_seconds", "_sum") == pytest.approx(0.055)

@@ -286,15 +286,15 @@ class RequestRelay:
     async def _relay(self, action: Relay, _ev: Any) -> Outcome | None:
         tok, m, timing = action.event, self.d.metrics, self.req.timing
         t = self.clock.now_ms()
+        gap_ms = t - (self.req.received if self.first else self.last_token_ms)  # a TTFT, else an inter-token gap
         if self.first:
             timing["first_token_unix_ms"] = t
-            m.ttft.observe(telemetry.seconds(t - self.req.received))
+            m.ttft.observe(telemetry.seconds(gap_ms))
         else:  # TBT per token: a k-token event spreads its gap over k tokens
-            gap = telemetry.seconds(t - self.last_token_ms) / max(1, tok.count)
+            per_token = telemetry.seconds(gap_ms) / max(1, tok.count)
             for _ in range(max(1, tok.count)):
-                m.tbt.observe(gap)
-        since = self.req.received if self.first else self.last_token_ms  # a TTFT, else an inter-token latency
-        m.vllm.tokens(self.first, t - since, tok.count, self.req.prompt_tokens)
+                m.tbt.observe(per_token)
+        m.vllm.tokens(self.first, gap_ms, tok.count, self.req.prompt_tokens)
         self.last_token_ms = t
         if not await self.answer.tokens(tok, self.first, self.queue.empty):
             return await self._gone()
