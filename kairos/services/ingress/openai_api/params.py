@@ -114,9 +114,11 @@ PARAMETERS: tuple[Param, ...] = (
           "without a seed of the prompt; vLLM-CPU engines (`kairos up --engine vllm`): only with temperature 0, "
           "else 400 (it would kill the engine)", example=42, bad="7"),
     Param("stop", "both", "honoured", "string or list of at most 4 non-empty strings (OpenAI's limit; vLLM's "
-          "`VLLM_MAX_STOP_STRINGS`, default 4); text is cut before the match (`finish_reason: stop`)",
+          "`VLLM_MAX_STOP_STRINGS`, default 4); text is cut before the match (`finish_reason: stop`, the "
+          "choice's `stop_reason`: the string that matched)",
           example=["\n"], bad=["a", "b", "c", "d", "e"]),
-    Param("stop_token_ids", "both", "honoured", "token ids < vocabulary size; `finish_reason: stop`",
+    Param("stop_token_ids", "both", "honoured", "token ids < vocabulary size; `finish_reason: stop`, the "
+          "choice's `stop_reason`: the id (an integer)",
           example=[7], bad=[10**12]),
     Param("min_tokens", "both", "honoured", "≤ max_tokens; EOS, stop ids and stop strings do not end the output "
           "before it", example=2, bad=-1),
