@@ -10,9 +10,12 @@ Per request, in order (each refusal an OpenAI-shaped error with its :class:`Erro
 2. **the body**: one identity, gzip or deflate ``Content-Encoding`` (else 415), read within
    ``body_timeout_s`` (408), decodable as its encoding says (400), at most ``max_body_bytes`` (413),
    JSON (400);
-3. **validation** (:mod:`.openai_api`): parameters, prompt tokens counted, context length; the
-   request must fit one NATS message (400 ``prompt_too_large``); a ``seed`` a vLLM-CPU engine would
-   die of is refused up front. A body of :data:`OFFLOAD_BODY_BYTES` or more is validated in a worker
+3. **validation** (:mod:`.openai_api`): parameters (a chat rendered into its prompt), prompt tokens
+   counted, context length; the request must fit one NATS message (400 ``prompt_too_large``) — a
+   prompt whose bytes alone are over that limit is refused before its tokens are counted
+   (:func:`check_bus_payload_uncounted`: the tokenizer's work on a prompt that cannot be routed is
+   spent for nothing, 1.7 s for 3.6 MB), so such a prompt gets ``prompt_too_large`` even where it is
+   also over the context length; a ``seed`` a vLLM-CPU engine would die of is refused up front. A body of :data:`OFFLOAD_BODY_BYTES` or more is validated in a worker
    thread (``asyncio.to_thread``, as vLLM's server tokenizes off its event loop): rendering a chat
    template and tokenizing a long prompt take seconds (3.6 MB: 1.7 s), during which every stream of
    this replica would otherwise stop; the tokenizer releases the GIL meanwhile
@@ -25,6 +28,7 @@ Per request, in order (each refusal an OpenAI-shaped error with its :class:`Erro
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -41,8 +45,9 @@ from kairos.services.ingress.http import (READABLE_ENCODINGS, REQUEST_ID, api_er
 from kairos.services.ingress.fanout import FANOUT_HEADER, FanOut, Sub, expand, run_all
 from kairos.services.ingress.ignored_params import IGNORED_PARAMS
 from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest
-from kairos.services.ingress.openai_api.parse import engine_refusal, prepare_request
-from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
+from kairos.services.ingress.openai_api.parse import engine_refusal, parse_request
+from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, count_prompt_tokens, decode_prompt,
+                                                       resolve_max_tokens)
 from kairos.services.ingress.openai_api.responses import ApiError
 from kairos.services.ingress.records import write_ingress_record
 from kairos.services.ingress.relay import Admitted, RelayDeps, RequestRelay, bus_request
@@ -59,6 +64,23 @@ BUS_HEADER_ALLOWANCE = 1024
 OFFLOAD_BODY_BYTES = 64 * 1024
 
 
+def bus_size(parsed: ParsedRequest, prompt_tokens: int, exact: bool, block_tokens: int) -> int:
+    """Bytes the request takes on the bus: its :class:`InferenceRequest` with the longest ids, with
+    its prefix-cache hashes of ``block_tokens`` tokens each, plus :data:`BUS_HEADER_ALLOWANCE`."""
+    bt = block_tokens
+    n_hashes = 0 if bt <= 0 else (len(parsed.prompt_token_ids) // bt if parsed.prompt_token_ids is not None
+                                  else len((parsed.prompt_text or "").encode()) // (4 * bt))
+    probe = bus_request(parsed, "x" * 48, prompt_tokens, exact, 0.0, 0.0, [2 ** 63 - 1] * n_hashes, bt)
+    return len(encode(probe)) + BUS_HEADER_ALLOWANCE
+
+
+def _too_large(endpoint: str, size: str, limit: int) -> ApiError:
+    field = "prompt" if endpoint == "completions" else "messages"
+    return ApiError(ErrorCode.PROMPT_TOO_LARGE, f"The {field} is too large to route: the request takes {size} "
+                                                f"bytes on the message bus, whose limit (NATS max_payload) is "
+                                                f"{limit} bytes. Shorten the {field}.", param=field)
+
+
 def check_bus_payload(parsed: ParsedRequest, prompt_tokens: int, exact: bool, endpoint: str, limit: int,
                       block_tokens: int) -> None:
     """The request must fit one NATS message (``limit``: the server's ``max_payload``, 1 MiB by
@@ -67,18 +89,22 @@ def check_bus_payload(parsed: ParsedRequest, prompt_tokens: int, exact: bool, en
     Raises:
         ApiError: 400 ``prompt_too_large`` naming both sizes.
     """
-    if not limit:
-        return
-    bt = block_tokens
-    n_hashes = 0 if bt <= 0 else (len(parsed.prompt_token_ids) // bt if parsed.prompt_token_ids is not None
-                                  else len((parsed.prompt_text or "").encode()) // (4 * bt))
-    probe = bus_request(parsed, "x" * 48, prompt_tokens, exact, 0.0, 0.0, [2 ** 63 - 1] * n_hashes, bt)
-    size = len(encode(probe)) + BUS_HEADER_ALLOWANCE
-    if size > limit:
-        field = "prompt" if endpoint == "completions" else "messages"
-        raise ApiError(ErrorCode.PROMPT_TOO_LARGE, f"The {field} is too large to route: the request takes {size} "
-                                                   f"bytes on the message bus, whose limit (NATS max_payload) is "
-                                                   f"{limit} bytes. Shorten the {field}.", param=field)
+    if limit and (size := bus_size(parsed, prompt_tokens, exact, block_tokens)) > limit:
+        raise _too_large(endpoint, str(size), limit)
+
+
+def check_bus_payload_uncounted(parsed: ParsedRequest, endpoint: str, limit: int, block_tokens: int) -> None:
+    """:func:`check_bus_payload` before the prompt's tokens are counted (no tokenizer work), on a
+    lower bound of the size: the request with 0 prompt tokens, ``exact`` and ``max_tokens`` 0 (the
+    count and the resolved ``max_tokens`` only add digits; the prompt, ids and hashes are already
+    what they will be). Only a request that cannot fit whatever its count is refused, with the same
+    error (the size as "at least").
+
+    Raises:
+        ApiError: 400 ``prompt_too_large`` naming both sizes.
+    """
+    if limit and (size := bus_size(replace(parsed, max_tokens=0), 0, True, block_tokens)) > limit:
+        raise _too_large(endpoint, f"at least {size}", limit)
 
 
 class Completions:
@@ -166,11 +192,17 @@ class Completions:
             return out
 
     def _validate(self, body: Any, endpoint: Endpoint) -> tuple[ParsedRequest, int, bool]:
-        """Module docstring, 3. Raises: ApiError."""
-        parsed, prompt_tokens, exact = prepare_request(
-            endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len,
-            self.cfg.default_max_tokens, self.vocab_size, self.chat_template)
-        check_bus_payload(parsed, prompt_tokens, exact, endpoint, self.d.bus.max_payload, self.cfg.prefix_block_tokens)
+        """Module docstring, 3 (:func:`~.openai_api.parse.prepare_request`'s steps, the bus limit's
+        lower bound checked before the count). Raises: ApiError."""
+        limit, bt = self.d.bus.max_payload, self.cfg.prefix_block_tokens
+        parsed = parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens, self.vocab_size,
+                               self.chat_template)
+        check_bus_payload_uncounted(parsed, endpoint, limit, bt)  # before the tokenizer's work
+        if body.get("echo") and parsed.echo_text is None and parsed.prompt_token_ids is not None:
+            parsed = replace(parsed, echo_text=decode_prompt(parsed.prompt_token_ids, self.counter))
+        prompt_tokens, exact = count_prompt_tokens(parsed, self.counter)
+        parsed = resolve_max_tokens(parsed, prompt_tokens, self.max_model_len)
+        check_bus_payload(parsed, prompt_tokens, exact, endpoint, limit, bt)
         if self.cfg.engine_kind == "vllm-cpu" and (why := unsafe_seed(parsed.sampling)) is not None:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, why, param="seed")  # before any engine sees it
         if (refusal := engine_refusal(parsed, self.cfg.engine_kind)) is not None:  # response_format on emulated
