@@ -12,7 +12,8 @@ request is deflected to the decode node); each request's path is read back from 
   which is also what the vLLM server itself echoes);
 * ``logprobs`` (completions int k; chat ``logprobs`` + ``top_logprobs``): one entry per returned
   token, each top list of 1..k+1 alternatives;
-* ``response_format`` json_schema ``enum: [yes, no]``: the output parses to one of them.
+* ``response_format`` json_schema ``enum: [yes, no]``: the output parses to one of them;
+* ``stop_reason``: the stop string or stop token id that ended a greedy choice, as vLLM gives it.
 
 Independent truths: the vLLM decode server asked directly (prompt token counts, its own echo), the
 tiny model's tokenizer (``tokenizer.json``). One stack per path (module-scoped); small
@@ -255,3 +256,30 @@ async def test_response_format_json_schema_yes_or_no(ctl):
         _, free = await ctl.call({**body, "max_tokens": 12, "temperature": 0.0}, chat=chat)
         text = free["choices"][0]["message"]["content"] if chat else free["choices"][0]["text"]
         assert text.replace(" ", "") not in ('"yes"', '"no"'), text
+
+
+async def test_stop_reason_is_the_stop_string_or_token_id_as_vllm_gives_it(ctl, engines, tokenizer):
+    """vLLM's per-choice ``stop_reason`` through Kairos (the engine's own, carried on the wire): a stop
+    string and a stop token id drawn from the greedy output, non-streamed and streamed, completions and
+    chat; the vLLM decode server asked the same completion directly gives the same ``stop_reason``."""
+    for chat in (False, True):
+        base = ({"messages": [{"role": "user", "content": TEXT}]} if chat else {"prompt": TEXT})
+        base = {**base, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+        _, free = await ctl.call(base, chat=chat)
+        text = free["choices"][0]["message"]["content"] if chat else free["choices"][0]["text"]
+        words = text.split()
+        assert len(words) >= 4 and free["choices"][0]["stop_reason"] is None, free  # length: none
+        target = tokenizer.token_to_id(words[2])
+        assert target is not None, words
+        for extra, want in (({"stop": ["never-in-the-vocabulary", words[3]]}, words[3]),
+                            ({"stop_token_ids": [target]}, target)):
+            headers, out = await ctl.call({**base, **extra}, chat=chat)
+            ch = out["choices"][0]
+            assert (ch["finish_reason"], ch["stop_reason"]) == ("stop", want), ch
+            await ctl.check_path(headers)
+            _, chunks = await ctl.call({**base, **extra, "stream": True}, chat=chat)
+            ends = [c for k in chunks for c in k["choices"] if c["finish_reason"] is not None]
+            assert [(c["finish_reason"], c["stop_reason"]) for c in ends] == [("stop", want)], chunks
+            if not chat:  # the vLLM server itself, the same request
+                theirs = (await direct(engines, {**base, **extra}))["choices"][0]
+                assert (theirs["finish_reason"], theirs["stop_reason"]) == ("stop", want), theirs
