@@ -64,3 +64,17 @@ async def test_a_prompt_under_the_bus_limit_is_still_counted_by_the_tokenizer(st
     assert req.prompt_tokens == 125 and req.prompt_tokens_exact
     assert spy.counted == [500]
     publish.cancel()
+
+
+async def test_every_prompt_of_a_batch_must_fit_the_bus(stack):
+    """Each prompt of a batched completions request is its own bus message (kairos/services/ingress/fanout.py):
+    a later prompt over the limit is refused as the first would be (not published, to fail at the bus as a
+    retryable 503 ``enqueue_failed``), before the tokenizer counts anything."""
+    st = stack
+    spy = spied(st)
+    huge = "word " * 20_000
+    status, out = await asyncio.wait_for(answer(st, "/v1/completions", {"prompt": ["hello", huge], "max_tokens": 4}),
+                                         WAIT_S)
+    assert status == 400 and out["error"]["code"] == "prompt_too_large" and out["error"]["param"] == "prompt", out
+    assert spy.counted == []
+    assert st.bus.enqueued.empty()

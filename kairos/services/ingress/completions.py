@@ -11,12 +11,13 @@ Per request, in order (each refusal an OpenAI-shaped error with its :class:`Erro
    ``body_timeout_s`` (408), decodable as its encoding says (400), at most ``max_body_bytes`` (413),
    JSON (400);
 3. **validation** (:mod:`.openai_api`): parameters (a chat rendered into its prompt), prompt tokens
-   counted, context length; the request must fit one NATS message (400 ``prompt_too_large``) — a
-   prompt whose bytes alone are over that limit is refused before its tokens are counted
-   (:func:`check_bus_payload_uncounted`: the tokenizer's work on a prompt that cannot be routed is
-   spent for nothing, 1.7 s for 3.6 MB), so such a prompt gets ``prompt_too_large`` even where it is
-   also over the context length; a ``seed`` a vLLM-CPU engine would die of is refused up front. A body of :data:`OFFLOAD_BODY_BYTES` or more is validated in a worker
-   thread (``asyncio.to_thread``, as vLLM's server tokenizes off its event loop): rendering a chat
+   counted, context length; the request (each sub-request of a fan-out: :mod:`.fanout`) must fit one
+   NATS message (400 ``prompt_too_large``) — a prompt whose bytes alone are over that limit is
+   refused before its tokens are counted (:func:`check_bus_payload_uncounted`: the tokenizer's work
+   on a prompt that cannot be routed is spent for nothing, 1.7 s for 3.6 MB), so such a prompt gets
+   ``prompt_too_large`` even where it is also over the context length; a ``seed`` a vLLM-CPU engine
+   would die of is refused up front. A body of :data:`OFFLOAD_BODY_BYTES` or more is validated in a
+   worker thread (``asyncio.to_thread``, as vLLM's server tokenizes off its event loop): rendering a chat
    template and tokenizing a long prompt take seconds (3.6 MB: 1.7 s), during which every stream of
    this replica would otherwise stop; the tokenizer releases the GIL meanwhile
    (:func:`~.openai_api.prompt.encode_ids`);
@@ -197,7 +198,9 @@ class Completions:
         limit, bt = self.d.bus.max_payload, self.cfg.prefix_block_tokens
         parsed = parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens, self.vocab_size,
                                self.chat_template)
-        check_bus_payload_uncounted(parsed, endpoint, limit, bt)  # before the tokenizer's work
+        for text, ids in ((parsed.prompt_text, parsed.prompt_token_ids), *parsed.more_prompts):  # before the
+            one = replace(parsed, prompt_text=text, prompt_token_ids=ids, more_prompts=())  # tokenizer's work
+            check_bus_payload_uncounted(one, endpoint, limit, bt)
         if body.get("echo") and parsed.echo_text is None and parsed.prompt_token_ids is not None:
             parsed = replace(parsed, echo_text=decode_prompt(parsed.prompt_token_ids, self.counter))
         prompt_tokens, exact = count_prompt_tokens(parsed, self.counter)
@@ -210,9 +213,15 @@ class Completions:
         return parsed, prompt_tokens, exact
 
     def _prepare(self, body: Any, endpoint: Endpoint) -> tuple[ParsedRequest, int, bool, list[Sub] | None]:
-        """:meth:`_validate`, then the fan-out's sub-requests (None: one request). Raises: ApiError."""
+        """:meth:`_validate`, then the fan-out's sub-requests (None: one request), each its own bus
+        message that must fit (a later prompt of a batch, a later choice's seed). Raises: ApiError."""
         parsed, prompt_tokens, exact = self._validate(body, endpoint)
-        subs = expand(parsed, prompt_tokens, exact, self.counter, self.max_model_len) if parsed.fanout > 1 else None
+        if parsed.fanout == 1:
+            return parsed, prompt_tokens, exact, None
+        subs = expand(parsed, prompt_tokens, exact, self.counter, self.max_model_len)
+        for s in subs[1:]:
+            check_bus_payload(s.parsed, s.prompt_tokens, s.exact, endpoint, self.d.bus.max_payload,
+                              self.cfg.prefix_block_tokens)
         return parsed, prompt_tokens, exact, subs
 
     async def _serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
