@@ -125,20 +125,24 @@ def make_params(alpha: float, beta: float, tbt_slo_ms: float, ttft_slo_ms: float
         raise click.UsageError(msg) from None
 
 
-def workload_options(default_duration_s: float):
+def workload_options(default_duration_s: float, vllm_names: bool = False):
     """The workload options `kairos sim` and `kairos bench` share (``kairos.core.workload.workloads.parse_workload``),
-    with the subcommand's default ``--duration`` (seconds)."""
-    return lambda fn: _workload_options(fn, default_duration_s)
+    with the subcommand's default ``--duration`` (seconds). ``vllm_names``: ``--rps`` also answers to
+    ``vllm bench serve``'s ``--request-rate`` (vllm/benchmarks/serve.py), so its command line's rate carries
+    over (``kairos bench``)."""
+    return lambda fn: _workload_options(fn, default_duration_s, vllm_names)
 
 
-def _workload_options(fn, default_duration_s: float):
+def _workload_options(fn, default_duration_s: float, vllm_names: bool):
+    rate_names = ("--rps", "--request-rate", "rps") if vllm_names else ("--rps",)
     opts = [
         click.option("--workload", default="bursty", show_default=True,
                      help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH; "
                           "a trace with ':busiest' replays its busiest --duration window."),
-        click.option("--rps", type=float, default=None,
+        click.option(*rate_names, type=float, default=None,
                      help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
-                          "workloads, the trace's own timing for traces."),
+                          "workloads, the trace's own timing for traces."
+                          + (" --request-rate is `vllm bench serve`'s name of it." if vllm_names else "")),
         click.option("--duration", type=float, default=default_duration_s, show_default=True,
                      help="Workload length, seconds."),
     ]

@@ -15,7 +15,7 @@ from kairos.core.policy import DEFAULT_PARAMS
 
 @click.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
-@workload_options(60.0)
+@workload_options(60.0, vllm_names=True)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--reuse-prompts", is_flag=True,
               help="Send the same prompts whatever --seed (index-only; a rerun hits the prefix cache on purpose).")
