@@ -62,7 +62,7 @@ from kairos.services.ingress.metrics import IngressMetrics
 from kairos.services.ingress.nats_bus import NatsIngressBus
 from kairos.services.ingress.openai_api.prompt import load_chat_template, load_tokenizer
 from kairos.services.ingress.ports import IngressBus
-from kairos.services.ingress.readiness import Readiness
+from kairos.services.ingress.readiness import Readiness, ReadyView
 from kairos.services.ingress.relay import RelayDeps
 from kairos.services.ingress.tokenize import Tokenization
 from kairos.services.node_agent.outbox import RESEND_WINDOW_S
@@ -200,7 +200,7 @@ class Ingress:
     async def _consumer_infos(self) -> list:
         return await consumer_infos(self.js, self.lanes.lanes, 1.0)
 
-    def _on_view(self, view: ClusterView) -> None:
+    def _on_view(self, view: ReadyView) -> None:
         if self.watch is not None:
             self.watch.on_view(view)
 
