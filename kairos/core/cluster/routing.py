@@ -25,7 +25,7 @@ Rules (docs/services.md has the same list):
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
 
 import msgspec
 
@@ -166,6 +166,189 @@ def build_snapshot(req: InferenceRequest, view: ClusterView | None, reserved: Ma
         prefill_nodes=prefill, decode_nodes=decode, state_age_ms=age)
 
 
+class SlotCounts(Protocol):
+    """Live reservations counted per decode node — what rule 3 (:func:`slot_taken`) reads — kept
+    up to date as they change (:class:`kairos.services.dispatcher.state.HeldReservations`)."""
+
+    def taken(self, node: str, request_id: str) -> int:
+        """Live reservations on ``node`` held by requests other than ``request_id``."""
+
+
+class SnapshotBuilder:
+    """``build_snapshot(req, fold_recent(view, recent), held, …)`` for every request routed on one
+    view, with what depends on the view, on the routed events and on the reservations worked out
+    when they change instead of per request (issue 19 §3).
+
+    * At construction (once per view, O(nodes)): the routable nodes, one
+      :class:`DecodeNodeView` / :class:`PrefillNodeView` per node, each node's
+      ``state_sent_unix_ms`` and pending ids, the oldest node age.
+    * :meth:`add_event` / :meth:`remove_event` (once per routed event heard, forgotten or aged
+      out, O(1)): :func:`fold_recent`'s two tests for that event, its prompt added to (taken from)
+      its prefill node's queue and its decode node's ``kv_tokens``/``batch_size``.
+    * :meth:`set_held` (once per change of a node's live reservations): rule 2 for that node.
+    * Per request (:meth:`build`): the nodes those changed get their view again (each once), the
+      list of views is copied, and only the nodes the request's own reservations, ``full`` and
+      its prefix hits name get a view of their own.
+
+    The result equals :func:`build_snapshot` of :func:`fold_recent` of the events added and not
+    removed, in the order they were last added, field for field (tests/unit/test_snapshot_builder.py
+    holds them to it). The snapshots share their node views and those views' lists with the builder
+    and with each other: node views are frozen, and nothing may mutate their lists (a policy is a
+    pure function of its snapshot). A view listing a node id twice (no aggregator writes one), or
+    ``max_deflections`` < 1 (every node full), is built by the straightforward functions instead.
+
+    Args:
+        view: the cluster view (None: nothing routable).
+        max_deflections: deflection slots per decode node (rule 2's cap).
+    """
+
+    __slots__ = ("view", "max_deflections", "_pf", "_dc", "_pf_at", "_dc_at", "_cur_pf", "_cur_dc", "_held",
+                 "_events", "_queued", "_handed", "_dirty_pf", "_dirty_dc", "_sent", "_pending", "_max_age", "_exact")
+
+    def __init__(self, view: ClusterView | None, max_deflections: int = 1) -> None:
+        self.view, self.max_deflections = view, max_deflections
+        pfs, dcs = routable(view)
+        self._pf, self._dc = pfs, dcs
+        self._pf_at = {n.node: i for i, n in enumerate(pfs)}
+        self._dc_at = {n.node: i for i, n in enumerate(dcs)}
+        #: each routable node's view with the events folded in and (decode) its reservations
+        self._cur_pf = [_prefill_view(n, n.queue_prompt_tokens, 0) for n in pfs]
+        self._cur_dc = [_decode_view(n, n.kv_tokens, n.batch_size, False, [], 0) for n in dcs]
+        self._held: dict[str, list[Reservation]] = {}  #: routable decode node -> its live reservations
+        self._events: dict[str, RoutedEvent] = {}  #: request id -> its routed event, in the order added
+        self._queued: dict[str, dict[str, int]] = {}  #: routable prefill node -> request id -> prompt folded in
+        self._handed: dict[str, tuple[int, int]] = {}  #: routable decode node -> (kv tokens, requests) folded in
+        self._dirty_pf: set[str] = set()  #: nodes whose view is out of date
+        self._dirty_dc: set[str] = set()
+        nodes = view.nodes if view is not None else []
+        self._sent = {n.node: n.state_sent_unix_ms for n in nodes}
+        self._exact = view is not None and len(self._sent) == len(nodes) and max_deflections >= 1
+        self._pending = {n.node: set(n.pending_ids) for n in pfs if n.pending_ids}
+        self._max_age = max((n.age_ms for n in (*pfs, *dcs)), default=0.0)
+
+    def add_event(self, ev: RoutedEvent) -> None:
+        """A routed event to fold in, replacing any earlier one of its request (it moves last, as in
+        :meth:`kairos.services.dispatcher.state.RoutingState.remember_routed`)."""
+        self.remove_event(ev.request_id)
+        self._events[ev.request_id] = ev
+        self._fold(ev, 1)
+
+    def remove_event(self, request_id: str) -> None:
+        """The routed event of ``request_id`` is not to be folded in any more (none: nothing)."""
+        ev = self._events.pop(request_id, None)
+        if ev is not None:
+            self._fold(ev, -1)
+
+    def _fold(self, ev: RoutedEvent, sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) what :func:`fold_recent` folds in for ``ev``."""
+        if ev.kind != "keep" or not ev.node_accepted_unix_ms > self._sent.get(ev.node, float("-inf")):
+            return
+        node, dn = ev.node, ev.decode_node
+        if dn and dn in self._dc_at:
+            kv, b = self._handed.get(dn, (0, 0))
+            kv, b = kv + sign * ev.prompt_tokens, b + sign
+            if b:
+                self._handed[dn] = (kv, b)
+            else:
+                del self._handed[dn]
+            self._dirty_dc.add(dn)
+        if node in self._pf_at and ev.request_id not in self._pending.get(node, ()):
+            queued = self._queued.setdefault(node, {})
+            if sign > 0:
+                queued[ev.request_id] = ev.prompt_tokens
+            else:
+                del queued[ev.request_id]
+                if not queued:
+                    del self._queued[node]
+            self._dirty_pf.add(node)
+
+    def set_held(self, node: str, reservations: list[Reservation]) -> None:
+        """``node``'s live reservations are now ``reservations`` (every request's, oldest first, as
+        :func:`held_by_node` orders them; [] when none)."""
+        if node not in self._dc_at:
+            return
+        if reservations:
+            self._held[node] = reservations
+        else:
+            self._held.pop(node, None)
+        self._dirty_dc.add(node)
+
+    def _decode_of(self, node: str, mine: list[Reservation], full: bool, hit: int) -> DecodeNodeView:
+        """Routable decode node ``node``'s view (rule 2, as :func:`build_snapshot`) with the folded events."""
+        n = self._dc[self._dc_at[node]]
+        kv, b = self._handed.get(node, (0, 0))
+        if full or len(mine) >= self.max_deflections:
+            in_flight, busy = [], True
+        else:
+            in_flight = [InFlightDeflection(prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens) for r in mine]
+            busy = bool(mine)
+        return _decode_view(n, n.kv_tokens + kv, n.batch_size + b, busy, in_flight, hit)
+
+    def _prefill_of(self, node: str, hit: int) -> PrefillNodeView:
+        """Routable prefill node ``node``'s view with the folded events."""
+        n = self._pf[self._pf_at[node]]
+        queued = self._queued.get(node)
+        return _prefill_view(n, [*n.queue_prompt_tokens, *queued.values()] if queued else n.queue_prompt_tokens, hit)
+
+    def build(self, req: InferenceRequest, own: Mapping[str, list[Reservation]], excluded: Mapping[str, str],
+              now_unix_ms: float, full: frozenset[str] | set[str] = frozenset(),
+              prefix_hits: Mapping[str, int] = {}) -> ClusterSnapshot | None:
+        """``build_snapshot(req, fold_recent(view, events), held, excluded, now_unix_ms,
+        max_deflections, full, prefix_hits)``, ``events`` the ones added and not removed and
+        ``held`` the live reservations given to :meth:`set_held`; ``own``: for each node where
+        ``req`` holds a reservation itself, that node's other reservations
+        (:func:`held_by_node` ``(held, req.request_id)`` of those nodes; {} for a request holding
+        none). O(nodes changed since the last call + nodes this request changes), plus a list
+        copy, and an O(nodes) pass when ``excluded`` is not empty."""
+        view = self.view
+        if not self._exact:
+            held = {f"{node}.{k}": r for node, rs in self._held.items() for k, r in enumerate(rs)}
+            return None if view is None else build_snapshot(
+                req, fold_recent(view, self._events.values()), held, excluded, now_unix_ms, self.max_deflections,
+                full, prefix_hits)
+        pf_at, dc_at, held = self._pf_at, self._dc_at, self._held
+        for node in self._dirty_pf:
+            self._cur_pf[pf_at[node]] = self._prefill_of(node, 0)
+        for node in self._dirty_dc:
+            self._cur_dc[dc_at[node]] = self._decode_of(node, held.get(node, []), False, 0)
+        self._dirty_pf.clear()
+        self._dirty_dc.clear()
+        prefill, decode = self._cur_pf.copy(), self._cur_dc.copy()
+        for node, hit in prefix_hits.items():
+            if node in pf_at:
+                prefill[pf_at[node]] = self._prefill_of(node, hit)
+        for node in {*own, *full, *prefix_hits}:
+            if node in dc_at:
+                decode[dc_at[node]] = self._decode_of(node, own[node] if node in own else held.get(node, []),
+                                                      node in full, prefix_hits.get(node, 0))
+        max_age = self._max_age
+        if excluded:
+            prefill = [v for v in prefill if v.id not in excluded]
+            decode = [v for v in decode if v.id not in excluded]
+            max_age = max((n.age_ms for n in (*self._pf, *self._dc) if n.node not in excluded), default=0.0)
+        if not prefill or not decode:
+            return None
+        return ClusterSnapshot(
+            request=RequestView(id=req.request_id, prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens),
+            prefill_nodes=prefill, decode_nodes=decode,
+            state_age_ms=max(0.0, now_unix_ms - view.built_unix_ms) + max_age)
+
+
+def _prefill_view(n: NodeView, queue: list[int], cached_prefix_tokens: int) -> PrefillNodeView:
+    """A routable prefill node as a snapshot shows it (its queue with anything folded in)."""
+    return PrefillNodeView(id=n.node, queue_prompt_tokens=list(queue), kv_backlog_ms=n.kv_backlog_ms,
+                           step_bias=n.correction.bias, cached_prefix_tokens=cached_prefix_tokens)
+
+
+def _decode_view(n: NodeView, kv_tokens: int, batch_size: int, busy: bool, in_flight: list[InFlightDeflection],
+                 cached_prefix_tokens: int) -> DecodeNodeView:
+    """A routable decode node as a snapshot shows it (rule 2; ``kv_tokens``/``batch_size`` with
+    the keep jobs folded in)."""
+    return DecodeNodeView(id=n.node, batch_size=batch_size, kv_tokens=kv_tokens, deflection_in_flight=busy,
+                          in_flight=in_flight, waiting=n.waiting, step_bias=n.correction.bias,
+                          step_safety=n.correction.safety, cached_prefix_tokens=cached_prefix_tokens)
+
+
 def keep_instead(decision: Decision, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams,
                  reason: str) -> Decision:
     """Turn a deflection the dispatcher cannot carry out into a keep (best TTFT_pf prefill node)."""
@@ -175,20 +358,23 @@ def keep_instead(decision: Decision, snap: ClusterSnapshot, model: LatencyModel,
                                    ttft_prefill_est_ms=ttft_pf, kv_transfer_est_ms=kv_ms)
 
 
-def slot_taken(decision: Decision, held: Mapping[str, Reservation], full: frozenset[str] | set[str],
+def slot_taken(decision: Decision, held: Mapping[str, Reservation] | SlotCounts, full: frozenset[str] | set[str],
                max_deflections: int) -> bool:
     """Rule 3: ``decision`` deflects onto a decode node that has no free slot — ``max_deflections``
-    reservations of other requests in ``held`` (live reservations, any key), or listed in ``full``
-    (a conflict or refusal this routing met)."""
+    reservations of other requests in ``held`` (live reservations, any key; or their
+    :class:`SlotCounts`), or listed in ``full`` (a conflict or refusal this routing met)."""
     if not decision.deflected:
         return False
     node = decision.node
-    taken = sum(1 for r in held.values() if r.decode_node == node and r.request_id != decision.request_id)
+    if isinstance(held, Mapping):
+        taken = sum(1 for r in held.values() if r.decode_node == node and r.request_id != decision.request_id)
+    else:
+        taken = held.taken(node, decision.request_id)
     return node in full or taken >= max_deflections
 
 
 def decide_within_slots(policy: Policy, snap: ClusterSnapshot, model: LatencyModel, params: PolicyParams,
-                        held: Mapping[str, Reservation], full: frozenset[str] | set[str],
+                        held: Mapping[str, Reservation] | SlotCounts, full: frozenset[str] | set[str],
                         max_deflections: int) -> Decision:
     """The dispatcher's decision for ``snap`` (from :func:`build_snapshot` with the same ``held``,
     ``full`` and ``max_deflections``): the policy's, with a deflection onto a node without a free slot

@@ -3,7 +3,9 @@
 Per try (the rules are in :mod:`kairos.core.cluster.routing`, the decision in :mod:`kairos.core.policy`):
 
 1. snapshot from the replica's :class:`~kairos.services.dispatcher.state.RoutingState` (view, routed
-   events, reservations and this replica's pending deflections) minus the nodes excluded so far;
+   events, reservations and this replica's pending deflections) minus the nodes excluded so far
+   (:meth:`~kairos.services.dispatcher.state.RoutingState.snapshot`: the per-view work is done once
+   per view, not per try);
 2. the policy decides; a deflection onto a decode node whose slots are all held becomes a keep
    (rule 3, :func:`kairos.core.cluster.routing.decide_within_slots`);
 3. the job goes to the node by request-reply (:class:`~kairos.services.dispatcher.jobs.JobLink`). A
@@ -35,7 +37,7 @@ import nats.errors
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import Claim, InferenceRequest, Job, JobAck
-from kairos.core.cluster.routing import build_snapshot, decide_within_slots, make_job, reservation_ttl_s
+from kairos.core.cluster.routing import decide_within_slots, make_job, reservation_ttl_s
 from kairos.core.cluster.snapshot import ClusterSnapshot
 from kairos.core.model.latency import LatencyModel
 from kairos.core.policy import Decision, Policy
@@ -166,8 +168,7 @@ class Router:
             log.info("request_cancelled_while_routing", attempts=at.attempts)
             return True
         now = self.clock.now_ms()
-        view, held = self.state.snapshot_inputs(now)
-        snap = build_snapshot(req, view, held, at.excluded, now, self.cfg.max_deflections_per_node, at.full, at.hits)
+        snap, held = self.state.snapshot(req, at.excluded, at.full, at.hits, self.cfg.max_deflections_per_node, now)
         if snap is None:
             return await self._no_node(at, msg, span)
         t0 = time.perf_counter()
