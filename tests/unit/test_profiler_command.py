@@ -122,3 +122,23 @@ def test_kairos_profiles_options_become_the_sessions():
         (False, VLLM_ENGINE_LABEL, True, "cpu-testbed", "kairos-vllm")
     assert ProfileOptions(vllm=True, engine="mine").node_options().engine == "mine"
     assert ProfileOptions().node_options().command.startswith("kairos ")  # this process's argv otherwise
+
+
+@pytest.mark.parametrize("env,args,url", [
+    ({"KAIROS_NATS_URL": "nats://from-env:4222"}, [], "nats://from-env:4222"),  # as every other service
+    ({"KAIROS_NATS_URL": "nats://from-env:4222"}, ["--nats-url", "nats://flag:4222"], "nats://flag:4222"),
+    ({"KAIROS_NATS_URL": ""}, [], "nats://127.0.0.1:4222"),  # unset: the default
+])
+def test_the_nats_url_defaults_to_kairos_nats_url(monkeypatch, tmp_path, env, args, url):
+    from click.testing import CliRunner
+
+    from kairos.services.profiler import session
+    from kairos.services.profiler.command import profile_running_node
+
+    async def connect(_opts, nats_url, _base):  # stands for the session: says where it would connect
+        raise RuntimeError(f"would connect to {nats_url}")
+
+    monkeypatch.setattr(session, "profile_node", connect)
+    res = CliRunner(env=env).invoke(profile_running_node, [*args, "--out", str(tmp_path / "x.json")])
+    assert res.exit_code == 1 and f"would connect to {url}\n" in res.output, (res.exit_code, res.output)
+    assert "[env var: KAIROS_NATS_URL]" in " ".join(CliRunner().invoke(profile_running_node, ["--help"]).output.split())

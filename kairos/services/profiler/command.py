@@ -26,11 +26,13 @@ PROG = "python -m kairos.services.profiler"
 #: NATS of a running cluster when ``--nats-url`` is not given
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
+#: the help of ``--nats-url`` (both commands)
+NATS_URL_HELP = f"NATS of a running cluster (default {DEFAULT_NATS_URL})."
+
 #: the running-cluster options, by parameter name: the same definition in both commands
 OPTIONS: dict[str, Callable] = {
     "node": click.option("--node", default="decode-0", show_default=True, help="Decode node to profile."),
-    "nats_url": click.option("--nats-url", default=None,
-                             help=f"NATS of a running cluster (default {DEFAULT_NATS_URL})."),
+    "nats_url": click.option("--nats-url", default=None, help=NATS_URL_HELP),
     "grid": click.option(
         "--grid", type=click.Choice(sorted(GRIDS)), default=None,
         help="quick (~15 s emulated; the default), the paper's §3.2 grid (minutes), cpu-testbed (the --vllm "
@@ -156,7 +158,11 @@ def run_or_exit(run: Callable[[], Any], *, prog: str, publish: bool, failures: t
 
 
 @click.command()
-@options("node", "nats_url", "grid", "name", "version_", "out", "records_out", "publish", "max_mape", "base_profile",
+@options("node")
+# the service's --nats-url defaults to KAIROS_NATS_URL, which every other service reads (kairos/runtime/envconfig.py);
+# kairos profile's does not: its --emulated/--vllm start their own NATS and refuse a --nats-url
+@click.option("--nats-url", default=None, envvar="KAIROS_NATS_URL", show_envvar=True, help=NATS_URL_HELP)
+@options("grid", "name", "version_", "out", "records_out", "publish", "max_mape", "base_profile",
          "engine", "served_model", "label", "background", "replay", "replay_duration_s", "replay_rps",
          "connect_timeout_s")
 def profile_running_node(nats_url: str | None, base_profile: str | None, out: str | None, version_: str | None,
