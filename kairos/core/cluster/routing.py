@@ -207,7 +207,19 @@ class SnapshotBuilder:
 
     def __init__(self, view: ClusterView | None, max_deflections: int = 1) -> None:
         self.view, self.max_deflections = view, max_deflections
-        pfs, dcs = routable(view)
+        pfs: list[NodeView] = []
+        dcs: list[NodeView] = []
+        self._sent: dict[str, float] = {}  #: node -> its state_sent_unix_ms (fold_recent's first test)
+        self._pending: dict[str, set[str]] = {}  #: routable prefill node -> its pending ids (the second)
+        for n in view.nodes if view is not None else ():  # routable()'s test, in one pass
+            self._sent[n.node] = n.state_sent_unix_ms
+            if not n.stale and n.accepting:
+                if n.role == "prefill":
+                    pfs.append(n)
+                    if n.pending_ids:
+                        self._pending[n.node] = set(n.pending_ids)
+                elif n.role == "decode":
+                    dcs.append(n)
         self._pf, self._dc = pfs, dcs
         self._pf_at = {n.node: i for i, n in enumerate(pfs)}
         self._dc_at = {n.node: i for i, n in enumerate(dcs)}
@@ -220,10 +232,7 @@ class SnapshotBuilder:
         self._handed: dict[str, tuple[int, int]] = {}  #: routable decode node -> (kv tokens, requests) folded in
         self._dirty_pf: set[str] = set()  #: nodes whose view is out of date
         self._dirty_dc: set[str] = set()
-        nodes = view.nodes if view is not None else []
-        self._sent = {n.node: n.state_sent_unix_ms for n in nodes}
-        self._exact = view is not None and len(self._sent) == len(nodes) and max_deflections >= 1
-        self._pending = {n.node: set(n.pending_ids) for n in pfs if n.pending_ids}
+        self._exact = view is not None and len(self._sent) == len(view.nodes) and max_deflections >= 1
         self._max_age = max((n.age_ms for n in (*pfs, *dcs)), default=0.0)
 
     def add_event(self, ev: RoutedEvent) -> None:
