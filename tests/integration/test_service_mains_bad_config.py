@@ -14,6 +14,9 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("module,env,field", [
     ("kairos.services.dispatcher", {"KAIROS_POLICY": "bogus"}, "KAIROS_POLICY"),
     ("kairos.services.dispatcher", {"KAIROS_ALPHA": "0.5"}, "KAIROS_ALPHA"),
+    # it becomes a token of the replica's NATS client name and of its records' and errors' source
+    ("kairos.services.dispatcher", {"KAIROS_REPLICA_ID": "dispatcher.0"}, "KAIROS_REPLICA_ID"),
+    ("kairos.services.dispatcher", {"KAIROS_REPLICA_ID": ""}, "KAIROS_REPLICA_ID"),
     ("kairos.services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "middle"}, "KAIROS_ROLE"),
     ("kairos.services.node_agent", {"KAIROS_ROLE": "decode"}, "KAIROS_NODE_ID"),
     ("kairos.services.ingress", {"KAIROS_PORT": "eighty"}, "KAIROS_PORT"),
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.integration
     ("kairos.services.node_agent", {"KAIROS_NODE_ID": "decode-0", "KAIROS_ROLE": "decode", "KAIROS_NATS_USER": "agent-decode-0",
                              "KAIROS_NATS_PASSWORD_FILE": "/nonexistent/pw"}, "KAIROS_NATS_PASSWORD_FILE"),
     ("kairos.services.ingress", {"KAIROS_API_KEY_FILE": "/nonexistent/keys"}, "KAIROS_API_KEY_FILE"),
-], ids=["policy", "alpha", "role", "missing-node-id", "port", "period", "user-without-password",
+], ids=["policy", "alpha", "replica-id", "empty-replica-id", "role", "missing-node-id", "port", "period", "user-without-password",
         "password-without-user", "unreadable-password-file", "unreadable-api-key-file"])
 def test_bad_config_exits_nonzero_naming_the_field(module, env, field):
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KAIROS_")}

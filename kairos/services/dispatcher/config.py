@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kairos.contracts.subjects import SubjectError, check_token
 from kairos.runtime.envconfig import MetricsServiceConfig, require
 from kairos.core.model.latency import DEFAULT_PROFILE
 from kairos.core.policy import DEFAULT_PARAMS, DEFAULT_POLICY, PolicyError, PolicyParams, parse_policy
@@ -15,7 +16,9 @@ from kairos.core.policy.registry import SHARED_PARAMS
 class DispatcherConfig(MetricsServiceConfig):
     """One dispatcher replica (any number share the work queue)."""
 
-    replica_id: str = f"dispatcher-{os.getpid()}"  #: shown in decision records and spans
+    #: shown in decision records and spans, and a token of the replica's NATS client name and of its records' and
+    #: error events' source (``dispatcher:<id>``): a subject token, as node ids (kairos.contracts.subjects.check_token)
+    replica_id: str = f"dispatcher-{os.getpid()}"
     #: a live policy of the policy table (kairos.core.policy.registry.POLICIES), e.g. ``kairos+``, ``sl:1024``
     policy: str = DEFAULT_POLICY
     profile: str = DEFAULT_PROFILE  #: latency profile (bundled name or artifact path)
@@ -44,6 +47,10 @@ class DispatcherConfig(MetricsServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        try:
+            check_token(self.replica_id, "replica id")
+        except SubjectError as exc:
+            require(False, "replica_id", str(exc))
         try:
             parse_policy(self.policy, live=True)
         except PolicyError as exc:
