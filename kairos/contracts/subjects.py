@@ -92,7 +92,7 @@ REQUESTS_BUCKET = "kairos_requests"
 MODELS_BUCKET = "kairos_models"
 CURRENT_MODEL_KEY = "latency.current"
 
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  #: the whole token (fullmatch: ``$`` would let a trailing "\n" by)
 
 
 class SubjectError(ValueError):
@@ -101,7 +101,7 @@ class SubjectError(ValueError):
 
 def check_token(token: str, what: str = "id") -> str:
     """Return ``token`` if it is a valid single subject token / KV key part, else raise."""
-    if not _TOKEN_RE.match(token):
+    if not _TOKEN_RE.fullmatch(token):
         shown = token if len(token) <= 140 else f"{token[:128]}… ({len(token)} characters)"
         raise SubjectError(f"{what} {shown!r} must match [A-Za-z0-9_-]{{1,128}} (it becomes a NATS subject token)")
     return token
