@@ -71,7 +71,8 @@ class World:
     def node(self, name: str) -> NodeView:
         r, now = self.rng, self.clock.now_ms()
         return NodeView(node=name, role="prefill" if name.startswith("prefill") else "decode",
-                        stale=r.random() < 0.1, accepting=r.random() > 0.1, age_ms=r.choice([0.0, 5.0, 40.0, r.random() * 99]),
+                        stale=r.random() < 0.1, accepting=r.random() > 0.1,
+                        age_ms=r.choice([0.0, 5.0, 40.0, r.random() * 99]),
                         batch_size=r.randint(0, 40), kv_tokens=r.randint(0, 60_000), waiting=r.randint(0, 2),
                         queue_prompt_tokens=[r.randint(0, 4000) for _ in range(r.randint(0, 3))],
                         kv_backlog_ms=r.random() * 10, state_sent_unix_ms=now - r.choice([0.0, 30.0, 80.0]),
