@@ -33,11 +33,14 @@ Every snapshot and decision of the two paths must be identical (compared by dige
 otherwise). Prints a table of mean µs per request per stage, the p50/p99 of their sum and the
 ratio of the before/after means, of the sums and of the inputs alone (``reservations`` + ``view`` +
 ``snapshot``: ``decide`` and ``upkeep`` run the same code in both paths, so their differences are
-the machine's noise). Not a test: figures vary by machine. The stages are timed in the
+the machine's noise), one line per cluster, policy and path; ``--json PATH`` also writes them as a
+JSON list, one row per policy and cluster (:func:`compare`; docs/results.md's ``snapshot-cost`` block
+is rendered from them). Not a test: figures vary by machine. The stages are timed in the
 thread's CPU time (``time.thread_time_ns``, about 1 µs a call), which leaves out the time the OS
 gives other processes: the machine is shared.
 
-    python bench/snapshot_cost.py [--requests 2000] [--policy kairos] [--clusters 2x2,8x64,32x256]
+    python bench/snapshot_cost.py [--requests 2000] [--policy kairos[,kairos+]] [--clusters 2x2,8x64,32x256]
+                                  [--json out/snapshot_cost.json]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import argparse
 import gc
 import hashlib
 import heapq
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -231,14 +235,51 @@ def row(label: str, us: np.ndarray) -> str:
     return f"| {label} | {cells} | {total.mean():.1f} | {p50:.1f} | {p99:.1f} |"
 
 
+INPUTS = ("reservations", "view", "snapshot")
+
+
+def summary(us: np.ndarray) -> dict:
+    """One path's figures for the ``--json`` rows (µs per request, one decimal): the mean of each
+    stage, of the inputs (:data:`INPUTS`) and of the sum, and the p50/p99 of the sum."""
+    total = us.sum(axis=1)
+    p50, p99 = np.percentile(total, [50, 99])
+    out = {k: round(float(us[:, i].mean()), 1) for i, k in enumerate(STAGES)}
+    out["inputs"] = round(float(us[:, [STAGES.index(k) for k in INPUTS]].sum(axis=1).mean()), 1)
+    return {**out, "total": round(float(total.mean()), 1), "p50": round(float(p50), 1), "p99": round(float(p99), 1)}
+
+
+def compare(policy: str, n_p: int, n_d: int, args, prompts: np.ndarray, model) -> dict:
+    """Route one cluster through both paths, check they agree, print the two table lines; the ``--json`` row."""
+    ctx = Ctx(parse_policy(policy), model, DispatcherConfig(policy=policy).params(model.engine.max_num_batched_tokens),
+              deflection_slots(policy) or 1)
+    label = f"{n_p}P{n_d}D ({n_p + n_d})"
+    before, want = run(oracle_path, n_p, n_d, args, ctx, prompts)
+    after, got = run(builder_path, n_p, n_d, args, ctx, prompts)
+    if got != want:
+        first = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+        raise SystemExit(f"{policy} {label}: request {first}'s snapshot or decision differs between the two paths")
+    b, a = summary(before), summary(after)
+    # ratios of the unrounded means
+    ratio = before.sum(axis=1).mean() / after.sum(axis=1).mean()
+    inputs = [STAGES.index(k) for k in INPUTS]
+    ratio_inputs = before[:, inputs].sum(axis=1).mean() / after[:, inputs].sum(axis=1).mean()
+    print(row(f"{label} | {policy} | before", before) + "  |  |", flush=True)
+    print(row(f"{label} | {policy} | after", after) + f" {ratio:.2f}× | {ratio_inputs:.2f}× |", flush=True)
+    return {"policy": policy, "cluster": f"{n_p}P{n_d}D", "prefill": n_p, "decode": n_d, "nodes": n_p + n_d,
+            "requests": args.requests, "before_us": b, "after_us": a,
+            "before_over_after": round(float(ratio), 2), "inputs_before_over_after": round(float(ratio_inputs), 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
-    ap.add_argument("--policy", default="kairos")
+    ap.add_argument("--policy", default="kairos", help="a policy, or several comma-separated (kairos,kairos+)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--clusters", default="2x2,8x64,32x256", help="comma-separated PxD cluster sizes")
     ap.add_argument("--rps-per-decode", type=float, default=2.0)
     ap.add_argument("--view-ms", type=float, default=100.0, help="a new cluster view every this many ms")
+    ap.add_argument("--json", help="also write the rows (one per policy and cluster: µs per request by stage "
+                                   "before and after, their ratios) to this file, a JSON list")
     args = ap.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core
@@ -247,28 +288,18 @@ def main() -> None:
     except ValueError:
         raise SystemExit(f"--clusters: expected PxD[,PxD...], got {args.clusters!r}") from None
     model = load_profile()
-    ctx = Ctx(parse_policy(args.policy), model,
-              DispatcherConfig(policy=args.policy).params(model.engine.max_num_batched_tokens),
-              deflection_slots(args.policy) or 1)
     prompts = np.array([r.prompt_tokens for r in generate("bursty", rps=50, duration_s=600, seed=args.seed)])
-    print(f"policy {args.policy}, {args.requests} requests per cluster, mean µs per request by stage; "
+    print(f"{args.requests} requests per cluster and policy, mean µs per request by stage; "
           f"p50/p99 of the sum; before/after: ratio of the means of the sums and of the inputs "
           f"(reservations + view + snapshot)")
-    print("| cluster (nodes) | path | " + " | ".join(STAGES)
+    print("| cluster (nodes) | policy | path | " + " | ".join(STAGES)
           + " | total | p50 | p99 | before/after | inputs before/after |")
-    print("|---" * (len(STAGES) + 7) + "|")
-    for n_p, n_d in clusters:
-        label = f"{n_p}P{n_d}D ({n_p + n_d})"
-        before, want = run(oracle_path, n_p, n_d, args, ctx, prompts)
-        after, got = run(builder_path, n_p, n_d, args, ctx, prompts)
-        if got != want:
-            first = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
-            raise SystemExit(f"{label}: request {first}'s snapshot or decision differs between the two paths")
-        print(row(f"{label} | before", before) + "  |  |", flush=True)
-        ratio = before.sum(axis=1).mean() / after.sum(axis=1).mean()
-        inputs = [STAGES.index(k) for k in ("reservations", "view", "snapshot")]
-        ratio_inputs = before[:, inputs].sum(axis=1).mean() / after[:, inputs].sum(axis=1).mean()
-        print(row(f"{label} | after", after) + f" {ratio:.2f}× | {ratio_inputs:.2f}× |", flush=True)
+    print("|---" * (len(STAGES) + 8) + "|")
+    rows = [compare(policy, n_p, n_d, args, prompts, model)
+            for policy in args.policy.split(",") for n_p, n_d in clusters]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=300, help="views per timed run")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per path (the median is printed)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--json", help="also write the rows to this file (a JSON list, one row per part)")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     views = [make_view(rng, seq, a.prefill, a.decode) for seq in range(1, a.views + 1)]
@@ -187,7 +187,8 @@ def main() -> None:
     for part, (old, new) in (("ingress take_view (2 copies)", ingress_paths(bodies)),
                              ("aggregator _report", aggregator_paths(views))):
         us = per_view_us(old, new, a.views, a.iterations, a.repeats)
-        row = {"part": part, "nodes": a.prefill + a.decode, "view_bytes": len(bodies[0]),
+        row = {"part": part, "cluster": f"{a.prefill}P{a.decode}D", "nodes": a.prefill + a.decode,
+               "view_bytes": len(bodies[0]), "iterations": a.iterations, "repeats": a.repeats,
                **{f"{k}_us": round(v, 1) for k, v in us.items()},
                "old_over_new_wall": round(us["old_wall"] / us["new_wall"], 2),
                "old_over_new_cpu": round(us["old_cpu"] / us["new_cpu"], 2)}
@@ -195,9 +196,9 @@ def main() -> None:
         print(f"{part:29s} {a.prefill}P{a.decode}D ({len(bodies[0]) / 1024:.0f} KiB), µs/view wall (cpu): "
               f"old {us['old_wall']:7.1f} ({us['old_cpu']:7.1f})  new {us['new_wall']:6.1f} ({us['new_cpu']:6.1f})  "
               f"old/new {row['old_over_new_wall']:5.2f}x ({row['old_over_new_cpu']:5.2f}x)", flush=True)
-    if a.json:
+    if a.json:  # a JSON list: what ``python -m tools.docgen record NAME --rows-from PATH`` reads
         with open(a.json, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
