@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from tools.docgen import bus_blocks, cli_blocks, fleet_blocks, ops_blocks, profile_blocks, sim_blocks, summary_blocks, vllm_blocks
+from tools.docgen import (bus_blocks, cli_blocks, fleet_blocks, ops_blocks, profile_blocks, scaling_blocks, sim_blocks,
+                          summary_blocks, vllm_blocks)
 from tools.docgen.error_codes import error_codes
 from tools.docgen.policy_table import policy_table
 from tools.docgen.results import Load
@@ -54,11 +55,13 @@ BLOCKS: dict[str, Block] = {
     "sim-mooncake": Block(sim_blocks.sim_mooncake, "docs/results.md"),
     "prefix-index": Block(sim_blocks.prefix_index, "docs/results.md"),
     "decision-cost": Block(sim_blocks.decision_cost, "docs/results.md"),
+    "snapshot-cost": Block(scaling_blocks.snapshot_cost, "docs/results.md"),
     "control-plane": Block(bus_blocks.control_plane, "docs/results.md"),
     "control-plane-traced": Block(partial(bus_blocks.control_plane, name="control-plane-traced"), "docs/results.md"),
     "control-plane-compare": Block(bus_blocks.control_plane_compare, "docs/results.md"),
     "bus-floor": Block(bus_blocks.bus_floor, "docs/results.md"),
     "fleet": Block(fleet_blocks.fleet, "docs/results.md", "README.md"),
+    "view-costs": Block(scaling_blocks.view_costs, "docs/results.md"),
     "fidelity": Block(cli_blocks.fidelity, "docs/results.md"),
     "vllm-demo": Block(vllm_blocks.vllm_demo, "docs/results.md"),
     "vllm-ab": Block(vllm_blocks.vllm_ab, "docs/results.md"),
