@@ -25,12 +25,16 @@ from tests.integration.conftest import stack
 pytestmark = pytest.mark.integration
 
 MODEL = "kairos-emulated"
-BIG = "hello " * 600_000  #: 3.6 MB, the reported body: over the context whatever it tokenizes to
+BIG = "hello " * 600_000  #: 3.6 MB, the reported body (``POST /tokenize``: no bus limit there)
+#: a completion prompt under the bus's 1 MiB message limit (a bigger one is refused before it is
+#: counted, test_ingress_bus_limit.py) and over the context whatever it tokenizes to: 420 kB
+BIG_PROMPT = "hello " * 70_000
+LONG_TEXT = 300_000  #: characters from which the gate holds a tokenization
 GATE_CHUNKS = 3  #: chunks the stream must deliver while the big prompt is being counted
 
 
 class Gate:
-    """Wraps a tokenizing callable: on a text longer than 1 MB it records its thread, waits (in that
+    """Wraps a tokenizing callable: on a text of :data:`LONG_TEXT` characters or more it records its thread, waits (in that
     thread) until the stream delivered :data:`GATE_CHUNKS` more chunks, then runs the real tokenizer
     and records how many chunks arrived meanwhile."""
 
@@ -43,7 +47,7 @@ class Gate:
         self.during_encode: int | None = None
 
     def __call__(self, text: str, *args, **kwargs):
-        if len(text) < 1_000_000:
+        if len(text) < LONG_TEXT:
             return self.real(text, *args, **kwargs)
         self.thread = threading.get_ident()
         self.at_start = self.chunks[0]
@@ -89,14 +93,14 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(nats_url, tmp_path)
     async with stack(nats_url, ingress_overrides={"tokenizer_path": str(tok)}) as st:
         loop_thread = threading.get_ident()
 
-        # POST /v1/completions: the reported 3.6 MB body, its count gated
+        # POST /v1/completions: a long prompt under the bus limit, its count gated
         chunks = [0]
         gate = Gate(st.ingress.completions.counter, chunks)
         st.ingress.completions.counter = gate
 
         async def complete():
             async with st.http.post(st.base + "/v1/completions",
-                                    json={"model": MODEL, "prompt": BIG, "max_tokens": 2}) as r:
+                                    json={"model": MODEL, "prompt": BIG_PROMPT, "max_tokens": 2}) as r:
                 return r.status, await r.json()
 
         status, out = await stream_while(st, gate, chunks, complete)
@@ -104,7 +108,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(nats_url, tmp_path)
         assert gate.thread is not None and gate.thread != loop_thread, "the prompt was counted on the event loop"
         assert gate.seen.is_set(), "the stream delivered no chunk while the prompt was being counted"
         assert gate.during_encode is not None and gate.during_encode >= GATE_CHUNKS, \
-            f"{gate.during_encode} chunks while the tokenizer encoded 3.6 MB: it held the GIL"
+            f"{gate.during_encode} chunks while the tokenizer encoded 420 kB: it held the GIL"
 
         # POST /tokenize: the same
         chunks = [0]
