@@ -8,6 +8,8 @@ work starts.
 
 from __future__ import annotations
 
+import functools
+import math
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -134,21 +136,62 @@ def workload_options(default_duration_s: float, vllm_names: bool = False):
 
 
 def _workload_options(fn, default_duration_s: float, vllm_names: bool):
-    rate_names = ("--rps", "--request-rate", "rps") if vllm_names else ("--rps",)
+    rate_help = ("Mean request rate (requests/s). Default: the paper's Table 1 rate for generated workloads, the "
+                 "trace's own timing for traces.")
     opts = [
         click.option("--workload", default="bursty", show_default=True,
                      help="bursty|lpld|lphd|hpld|hphd|azure-code|azure-conv|mooncake|trace:PATH; "
                           "a trace with ':busiest' replays its busiest --duration window."),
-        click.option(*rate_names, type=float, default=None,
-                     help="Mean request rate (requests/s). Default: the paper's Table 1 rate for generated "
-                          "workloads, the trace's own timing for traces."
-                          + (" --request-rate is `vllm bench serve`'s name of it." if vllm_names else "")),
-        click.option("--duration", type=float, default=default_duration_s, show_default=True,
-                     help="Workload length, seconds."),
+        click.option("--rps", type=float, default=None, help=rate_help),
     ]
+    if vllm_names:  # a second option (not a second name of --rps), so an error can name the one typed
+        opts.append(click.option("--request-rate", type=float, default=None,
+                                 help="`vllm bench serve`'s name of --rps (give one or the other). Its 'inf' "
+                                      "(send all at once) has no counterpart: requests are sent at the rate for "
+                                      "--duration."))
+        fn = _one_rate(fn)
+    opts.append(click.option("--duration", type=float, default=default_duration_s, show_default=True,
+                             help="Workload length, seconds."))
     for o in reversed(opts):
         fn = o(fn)
     return fn
+
+
+def _one_rate(fn: Callable) -> Callable:
+    """Wrap a command function taking ``rps`` so that it also takes ``--request-rate`` (parameter
+    ``request_rate``, popped before ``fn`` sees it): giving both is a usage error, and a rate out of
+    :func:`check_workload_size`'s bounds is one naming the option given (exit 2)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, request_rate: float | None = None, **kwargs: Any) -> Any:
+        rps = kwargs.get("rps")
+        if rps is not None and request_rate is not None:
+            raise click.UsageError(f"--rps {rps:g} and --request-rate {request_rate:g} are the same setting "
+                                   "(--request-rate is vllm bench serve's name of --rps): give one")
+        if request_rate is not None:
+            kwargs["rps"] = _checked_rate(request_rate, "--request-rate")
+        elif rps is not None:
+            _checked_rate(rps, "--rps")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _checked_rate(rate: float, option: str) -> float:
+    """``rate`` (requests/s) if :func:`check_workload_size` takes it, else a usage error naming ``option``;
+    ``inf`` (``vllm bench serve``'s default, all requests at once) is explained, not just refused."""
+    if math.isinf(rate) and rate > 0:
+        raise click.BadParameter(
+            "inf (vllm bench serve's 'send all requests at once') is not supported: kairos bench sends "
+            "requests at an open-loop mean rate for --duration seconds, about rate x "
+            "duration requests in all. For a burst, give a high rate over a short --duration (e.g. "
+            f"{option} 1000 --duration 1: about 1000 requests within a second) and cap the requests in "
+            "flight with --max-concurrency.", param_hint=option)
+    try:
+        check_workload_size(None, [rate])
+    except WorkloadSizeError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+    return rate
 
 
 def workload_size_or_exit(duration_s: float | None, rates: list[float | None]) -> None:
