@@ -45,13 +45,16 @@ async def test_a_prompt_over_the_bus_limit_is_refused_before_it_is_tokenized(sta
     st = stack
     spy = spied(st)
     huge = "word " * 20_000  # 100 kB
-    for path, body, param in [
-        ("/v1/completions", {"prompt": huge, "max_tokens": 4}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 4}, "messages"),
+    for path, body, param, subject in [
+        ("/v1/completions", {"prompt": huge, "max_tokens": 4}, "prompt", "The prompt is"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 4}, "messages",
+         "The messages are"),  # plural: not 'The messages is'
     ]:
         status, out = await asyncio.wait_for(answer(st, path, body), WAIT_S)
         err = out["error"]
         assert status == 400 and err["code"] == "prompt_too_large" and err["param"] == param, out
+        assert err["message"].startswith(f"{subject} too large to route: the request takes "), err
+        assert err["message"].endswith(f"Shorten the {param}."), err
         assert f"whose limit (NATS max_payload) is {LIMIT} bytes" in err["message"], err
         assert spy.counted == [], f"{path}: the tokenizer counted {spy.counted} characters of a prompt it refused"
 

@@ -76,8 +76,8 @@ def bus_size(parsed: ParsedRequest, prompt_tokens: int, exact: bool, block_token
 
 
 def _too_large(endpoint: str, size: str, limit: int) -> ApiError:
-    field = "prompt" if endpoint == "completions" else "messages"
-    return ApiError(ErrorCode.PROMPT_TOO_LARGE, f"The {field} is too large to route: the request takes {size} "
+    field, subject = ("prompt", "The prompt is") if endpoint == "completions" else ("messages", "The messages are")
+    return ApiError(ErrorCode.PROMPT_TOO_LARGE, f"{subject} too large to route: the request takes {size} "
                                                 f"bytes on the message bus, whose limit (NATS max_payload) is "
                                                 f"{limit} bytes. Shorten the {field}.", param=field)
 
