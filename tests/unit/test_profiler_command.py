@@ -142,3 +142,23 @@ def test_the_nats_url_defaults_to_kairos_nats_url(monkeypatch, tmp_path, env, ar
     res = CliRunner(env=env).invoke(profile_running_node, [*args, "--out", str(tmp_path / "x.json")])
     assert res.exit_code == 1 and f"would connect to {url}\n" in res.output, (res.exit_code, res.output)
     assert "[env var: KAIROS_NATS_URL]" in " ".join(CliRunner().invoke(profile_running_node, ["--help"]).output.split())
+
+
+@pytest.mark.parametrize("env,args,named", [
+    ({}, ["--nats-url", "bogus"], "--nats-url"),  # typed: the flag, not the variable the user never set
+    ({"KAIROS_NATS_URL": "nats://fine:4222"}, ["--nats-url", "bogus"], "--nats-url"),  # the flag wins, and is named
+    ({"KAIROS_NATS_URL": "bogus"}, [], "KAIROS_NATS_URL"),  # from the environment: the variable
+])
+def test_a_bad_nats_url_is_named_where_it_came_from(tmp_path, env, args, named):
+    """The URL check (kairos/runtime/envconfig.py) names ``KAIROS_NATS_URL``; the command names
+    ``--nats-url`` when the value came from the command line. Exit 2 before any connection."""
+    from click.testing import CliRunner
+
+    from kairos.services.profiler.command import profile_running_node
+
+    res = CliRunner(env=env).invoke(profile_running_node, [*args, "--node", "decode-0",
+                                                           "--out", str(tmp_path / "x.json")])
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert f"python -m kairos.services.profiler: {named}: 'bogus' is not a NATS server URL" in res.output, res.output
+    other = "KAIROS_NATS_URL" if named == "--nats-url" else "--nats-url"
+    assert other not in res.output and "cannot connect" not in res.output, res.output

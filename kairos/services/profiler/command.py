@@ -112,7 +112,8 @@ def artifact_folder_or_exit(out: Path) -> None:
 
 
 def run_or_exit(run: Callable[[], Any], *, prog: str, publish: bool, failures: tuple[type[Exception], ...] = (),
-                interrupted: str = "interrupted; nothing was written", longer: str = "a larger --grid") -> None:
+                interrupted: str = "interrupted; nothing was written", longer: str = "a larger --grid",
+                nats_url_option: str | None = None) -> None:
     """Run ``run()`` (a profiling run that writes its artifact) as a command: SIGTERM is taken as
     Ctrl-C (what ``run`` started is stopped on the way out), and a failure ends the process with one
     line ``<prog>: <reason>`` on stderr — no traceback:
@@ -124,7 +125,9 @@ def run_or_exit(run: Callable[[], Any], *, prog: str, publish: bool, failures: t
       be reached (RuntimeError), a file could not be written (OSError), one of ``failures``, or too
       few steps of a kind to fit (ValueError; ``longer`` says what records more);
     * exit 2: the environment's ``KAIROS_NATS_*`` settings are invalid
-      (:class:`~kairos.runtime.envconfig.ConfigError`, :class:`~kairos.runtime.bus.BusAuthError`).
+      (:class:`~kairos.runtime.envconfig.ConfigError`, :class:`~kairos.runtime.bus.BusAuthError`);
+      ``nats_url_option``: the NATS URL came from that command-line option, not ``KAIROS_NATS_URL``,
+      so an error about it names the option.
     """
     from kairos.core.model.fitting import FitRefused
     from kairos.runtime.bus import BusAuthError
@@ -148,13 +151,20 @@ def run_or_exit(run: Callable[[], Any], *, prog: str, publish: bool, failures: t
         click.echo(f"{prog}: {exc}", err=True)
         sys.exit(1)
     except (ConfigError, BusAuthError) as exc:
-        click.echo(f"{prog}: {exc}", err=True)
+        click.echo(f"{prog}: {_named(str(exc), nats_url_option)}", err=True)
         sys.exit(2)
     except ValueError as exc:
         click.echo(f"{prog}: {exc}; a longer run records more ({longer})", err=True)
         sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, old_term)
+
+
+def _named(message: str, nats_url_option: str | None) -> str:
+    """``message`` (a ConfigError's, which names ``KAIROS_NATS_URL`` for a bad URL, kairos/runtime/envconfig.py)
+    naming ``nats_url_option`` instead where the URL came from that option."""
+    env = "KAIROS_NATS_URL: "
+    return nats_url_option + ": " + message[len(env):] if nats_url_option and message.startswith(env) else message
 
 
 @click.command()
@@ -196,7 +206,8 @@ def profile_running_node(nats_url: str | None, base_profile: str | None, out: st
             raise
         write_artifact(model, out, revisions)
 
-    run_or_exit(run, prog=PROG, publish=opts.publish)
+    typed = click.get_current_context().get_parameter_source("nats_url") == click.core.ParameterSource.COMMANDLINE
+    run_or_exit(run, prog=PROG, publish=opts.publish, nats_url_option="--nats-url" if typed else None)
 
 
 def main(argv: list[str] | None = None) -> None:
