@@ -162,3 +162,16 @@ def test_a_bad_nats_url_is_named_where_it_came_from(tmp_path, env, args, named):
     assert f"python -m kairos.services.profiler: {named}: 'bogus' is not a NATS server URL" in res.output, res.output
     other = "KAIROS_NATS_URL" if named == "--nats-url" else "--nats-url"
     assert other not in res.output and "cannot connect" not in res.output, res.output
+
+
+def test_kairos_profile_names_its_nats_url_flag(tmp_path):
+    """``kairos profile --nats-url`` (no environment variable behind it) names the flag on a bad URL."""
+    from click.testing import CliRunner
+
+    from kairos.cli.main import main as cli
+
+    res = CliRunner(env={"KAIROS_NATS_URL": None}).invoke(cli, ["profile", "--nats-url", "bogus", "--node", "decode-0",
+                                                                "--out", str(tmp_path / "x.json")])
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert "kairos profile: --nats-url: 'bogus' is not a NATS server URL" in res.output, res.output
+    assert "KAIROS_NATS_URL" not in res.output, res.output

@@ -78,4 +78,4 @@ def profile(**kw) -> None:
     # BenchError: --testbed's replay; the servers it started are stopped on the way out of run_profile
     run_or_exit(lambda: run_profile(opts), prog="kairos profile", publish=opts.publish, failures=(BenchError,),
                 interrupted="interrupted; the servers it started are stopped, nothing was written",
-                longer="--testbed-duration, a larger --grid")
+                longer="--testbed-duration, a larger --grid", nats_url_option="--nats-url")
