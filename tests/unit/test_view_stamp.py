@@ -43,3 +43,22 @@ def test_a_newer_view_is_checked_in_full():
         decode_if_newer(b"not json", view(1, 1000.0))
     with pytest.raises(WireError):
         decode_if_newer(b'{"nodes": []}', None)
+
+
+def test_the_dispatchers_second_copy_is_dropped_on_its_bytes(monkeypatch):
+    """RoutingState.take_view: the bucket's copy of a view (the same bytes) is not even stamp-decoded;
+    a newer view is taken, and a view equal to an older one's bytes after a newer was taken is not."""
+    from kairos.runtime.clock import ManualClock
+    from kairos.services.dispatcher import state as state_mod
+
+    calls = []
+    real = state_mod.decode_if_newer
+    monkeypatch.setattr(state_mod, "decode_if_newer", lambda data, than: calls.append(data) or real(data, than))
+    st = state_mod.RoutingState(clock=ManualClock(now_ms=1000.0))
+    first, second = encode(view(1, 1000.0)), encode(view(2, 1100.0))
+    st.take_view(first)
+    st.take_view(first)  # the bucket's copy
+    assert calls == [first] and st.view == view(1, 1000.0)
+    st.take_view(second)
+    st.take_view(first)  # an older view, other bytes than the held one's: decoded as far as its stamp, dropped
+    assert calls == [first, second, first] and st.view == view(2, 1100.0)

@@ -190,18 +190,22 @@ class RoutingState:
         self.view_changed = asyncio.Event()  #: set by every newer view (a routing waiting for nodes)
         self.held = HeldReservations()  #: ``reservations`` and ``pending_deflections``, grouped by node
         self._builder = SnapshotBuilder(None)  #: the per-view part of the snapshots (of ``view``)
+        self._view_data: bytes | None = None  #: the bytes ``view`` was decoded from (its second copy is dropped)
 
     # -- the view -----------------------------------------------------------------------------------
     def take_view(self, data: bytes) -> None:
-        """A view's bytes (subject or bucket), kept when newer than the one held.
+        """A view's bytes (subject or bucket), kept when newer than the one held; the second copy of
+        a view (the same bytes) is dropped before any decoding.
 
         Raises:
             WireError: ``data`` is not a :class:`ClusterView`.
         """
-        view = decode_if_newer(data, self.view)  # each view comes twice (subject and bucket)
+        if data == self._view_data:  # each view comes twice (subject and bucket), as the same bytes
+            return
+        view = decode_if_newer(data, self.view)
         if view is None:
             return
-        self.view = view
+        self.view, self._view_data = view, data
         self._prune_routed(view)
         self.view_changed.set()
 
