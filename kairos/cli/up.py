@@ -11,7 +11,7 @@ dies unexpectedly is reported with its last log lines; the rest keeps serving (a
 requests are redelivered to the others, a dead node's streams end with ``node_lost`` or are
 re-submitted: docs/reliability.md) unless nothing can serve any more — the ingress died, or no
 dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
-:data:`MAX_SINGLETON_RESTARTS` times; before that it is restarted on the same port and store) — then
+:data:`MAX_SINGLETON_RESTARTS` times within :data:`RESTART_WINDOW_S`; before that it is restarted on the same port and store) — then
 everything is stopped. The state aggregator, the other singleton, is restarted too (as often), and so
 is a vLLM engine that dies (same command: port, engine-state socket; its agent refuses jobs meanwhile).
 Either way the exit code is then 1. Child output goes to per-service log files (JSON lines) in the
@@ -52,6 +52,33 @@ _get_json = get_json
 #: that died before it gives up (NATS: stops everything; the aggregator: the rest serves on the last
 #: view; an engine: its agent refuses jobs for good, the other nodes serve)
 MAX_SINGLETON_RESTARTS = 5
+#: … within this many seconds (a window, as systemd's StartLimitIntervalSec: a child that died five
+#: times over a day of serving is restarted again; five deaths in ten minutes is a crash loop)
+RESTART_WINDOW_S = 600.0
+
+
+class RestartBudget:
+    """At most ``limit`` restarts of one child within any ``window_s`` seconds (monotonic clock).
+
+    ``take(name, now)`` records a restart and returns its rank in the window (1..limit), or None
+    when the budget is spent (nothing recorded)."""
+
+    def __init__(self, limit: int = MAX_SINGLETON_RESTARTS, window_s: float = RESTART_WINDOW_S) -> None:
+        self.limit, self.window_s = limit, window_s
+        self._times: dict[str, list[float]] = {}
+
+    def take(self, name: str, now: float) -> int | None:
+        recent = [t for t in self._times.get(name, []) if now - t < self.window_s]
+        if len(recent) >= self.limit:
+            self._times[name] = recent
+            return None
+        recent.append(now)
+        self._times[name] = recent
+        return len(recent)
+
+    def used(self) -> bool:
+        """Whether any child was restarted at all."""
+        return any(self._times.values())
 
 
 class Supervisor:
@@ -188,13 +215,14 @@ class Supervisor:
         """Block until a signal or until nothing can serve any more (see the module docstring).
         Returns 0 after a signal with every child alive, else 1."""
         reported: set[str] = set()
-        restarts: dict[str, int] = {}  # child name -> restarts so far (the singletons: NATS, aggregator)
+        budget = RestartBudget()  # the singletons' restarts (NATS, aggregator, vLLM engines)
         while not self.stopping:
             for c in list(self.procs):
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
                     continue
                 nats, engine = c.kind.startswith("message bus"), c.kind.startswith("vllm")
-                if (nats or engine or c.kind == "aggregator") and restarts.get(c.name, 0) < MAX_SINGLETON_RESTARTS:
+                rank = budget.take(c.name, time.monotonic()) if (nats or engine or c.kind == "aggregator") else None
+                if rank is not None:
                     # a singleton the others cannot do without: the bundled nats-server again on the
                     # same port and file store (every service reconnects and re-declares by itself,
                     # docs/bus.md "Surviving a NATS restart"); the state aggregator again (stateless: it
@@ -203,7 +231,6 @@ class Supervisor:
                     # same command, so the same port, engine-state socket and NIXL ports; its agent
                     # refuses jobs from the moment the engine's state stream disconnects until the new
                     # server answers /v1/models (kairos/engines/vllm/backend.py)
-                    restarts[c.name] = restarts.get(c.name, 0) + 1
                     code, last_lines = c.proc.returncode, self._tail(c)  # the dead one's, before the new one logs
                     self.failed = True  # keep the logs
                     self.procs.remove(c)
@@ -214,8 +241,9 @@ class Supervisor:
                             kill_group(c.proc)
                         self._spawn(c)
                     what = "on the same port and store" if nats else "with the same configuration"
-                    self.msg(f"{c.name} exited unexpectedly with code {code}; restarted it {what} (restart "
-                             f"{restarts[c.name]} of at most {MAX_SINGLETON_RESTARTS})"
+                    self.msg(f"{c.name} exited unexpectedly with code {code}; restarted it {what}"
+                             f"{self._new_pid(c.name)} (restart {rank} of at most {MAX_SINGLETON_RESTARTS} in "
+                             f"{RESTART_WINDOW_S / 60:g} min)"
                              + (": the services reconnect by themselves" if nats else "")
                              + (": its agent refuses jobs until it answers again" if engine else "")
                              + f". Its last log lines ({c.log_path}):\n{last_lines}")
@@ -229,7 +257,12 @@ class Supervisor:
                 if fatal:
                     return 1
             time.sleep(0.2)
-        return 1 if reported or restarts else 0
+        return 1 if reported or budget.used() else 0
+
+    def _new_pid(self, name: str) -> str:
+        """`` as pid N``: the pid of the child now running under ``name`` (empty if none)."""
+        now = next((c for c in self.procs if c.name == name and c.proc is not None), None)
+        return f" as pid {now.proc.pid}" if now is not None else ""
 
     def _cannot_serve(self) -> str | None:
         """Why the stack cannot serve any request with the children alive now, or None."""

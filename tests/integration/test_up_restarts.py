@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,8 @@ def test_a_killed_state_aggregator_is_restarted_and_health_recovers(tmp_path, sp
     assert status == 200, out
     err = stop_after_a_death(proc, "the aggregator")
     assert "state_aggregator exited unexpectedly" in err and "restarted it with the same configuration" in err, err
+    assert re.search(r"restarted it with the same configuration as pid \d+ \(restart 1 of at most 5 in 10 min\)",
+                     err), err  # the new pid (the startup table shows the first one's)
 
 
 def standin_engines(tmp_path: Path) -> tuple[Path, dict[str, str]]:

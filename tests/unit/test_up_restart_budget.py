@@ -1,0 +1,40 @@
+"""kairos up's restart budget for its singletons (kairos/cli/up.py RestartBudget): at most
+MAX_SINGLETON_RESTARTS restarts of one child within RESTART_WINDOW_S, so a child that dies now and
+then over a long run keeps being restarted while a crash loop is given up on."""
+
+from __future__ import annotations
+
+from kairos.cli.up import MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S, RestartBudget
+
+
+def test_the_limit_holds_within_the_window():
+    b = RestartBudget(limit=3, window_s=600.0)
+    assert [b.take("agg", t) for t in (0.0, 10.0, 20.0)] == [1, 2, 3]
+    assert b.take("agg", 30.0) is None  # a fourth in ten minutes: a crash loop
+    assert b.take("agg", 599.0) is None
+    assert b.take("nats", 30.0) == 1  # per child
+
+
+def test_restarts_older_than_the_window_no_longer_count():
+    b = RestartBudget(limit=3, window_s=600.0)
+    for t in (0.0, 10.0, 20.0):
+        b.take("agg", t)
+    assert b.take("agg", 600.0) == 3  # the one at 0 s left the window: one slot again
+    assert b.take("agg", 605.0) is None
+    # a child dying every hour over a day is restarted every time (the old budget stopped at the 6th)
+    daily = RestartBudget()
+    assert all(daily.take("agg", h * 3600.0) == 1 for h in range(24))
+
+
+def test_a_refused_restart_is_not_recorded_and_used_says_whether_any_happened():
+    b = RestartBudget(limit=1, window_s=10.0)
+    assert not b.used()
+    assert b.take("agg", 0.0) == 1 and b.used()
+    assert b.take("agg", 5.0) is None
+    assert b.take("agg", 10.0) == 1  # the refused one at 5 s did not extend the window
+
+
+def test_the_defaults():
+    assert (MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S) == (5, 600.0)
+    b = RestartBudget()
+    assert [b.take("x", float(i)) for i in range(6)] == [1, 2, 3, 4, 5, None]
