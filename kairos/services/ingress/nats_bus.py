@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats.errors
@@ -37,6 +38,17 @@ LANE_PUBLISH_TIMEOUT_S = 1.0
 #: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
 #: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
 RECONNECT_WAIT_S = 2.0
+#: after a publish got no acknowledgement, the server must answer a PING within this long (s), else it
+#: is frozen or cut off (not a slow JetStream under load, which still answers pings at once) and the
+#: enqueue gives up while the connection is still open: the cancel and the tombstone claim of the
+#: attempt then follow its publish on the same connection, so the server stores them right after it
+#: whenever it resumes, before any node can claim it. Well below nats-py's ping-out
+#: (kairos/runtime/bus.py PING_INTERVAL_S × MAX_OUTSTANDING_PINGS, 6 s), after which the connection
+#: is dropped, the two would go out on a new connection, and a node could claim the stored request first
+UNRESPONSIVE_PONG_S = 1.0
+#: how long that PING's waiter stays in nats-py's queue (s): far past the ping-out, so the connection
+#: is gone (its waiters with it) before this could cancel one whose PONG is still to come
+PONG_LATE_S = 3600.0
 #: what a lane that does not take a publish raises (no stream: its member is down; no acknowledgement)
 LANE_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
                nats.js.errors.ServiceUnavailableError)
@@ -90,6 +102,8 @@ class NatsIngressBus:
         it starts over every 0.1 s until ``enqueue_timeout_s`` has passed; while the
         connection is down (nats-py reconnecting to another member) it waits for it, polling every
         50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
+        A publish that timed out on a server that does not answer a PING either
+        (:data:`UNRESPONSIVE_PONG_S`: frozen, not merely slow) raises at once, on the open connection.
         Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
         connection raises at once.
 
@@ -114,12 +128,28 @@ class NatsIngressBus:
                     await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),
                                           timeout=min(per_try, max(0.1, deadline - mono())))
                     return lane
-                except LANE_ERRORS:
+                except LANE_ERRORS as exc:
                     self.lanes.down(lane, mono())
                     if self.nc.is_closed or mono() + 0.1 >= deadline:
                         raise
+                    if isinstance(exc, nats.errors.TimeoutError) and not await self._answers_ping():
+                        raise
                     self.m.enqueue_retries.inc()
             await self.clock.sleep(0.1)
+
+    async def _answers_ping(self) -> bool:
+        """Whether the server answers a PING within :data:`UNRESPONSIVE_PONG_S`.
+
+        The PING's wait is not cut short: nats-py matches PONGs to its waiters in order, and one whose
+        waiter was cancelled (``flush(timeout=…)`` timing out) would break its read loop when the late
+        PONG comes (``set_result`` on a cancelled future). The flush waits on in the background
+        (:data:`PONG_LATE_S`) and only this check gives up on it."""
+        answered = asyncio.Event()
+        ping = asyncio.ensure_future(self.nc.flush(timeout=PONG_LATE_S))
+        ping.add_done_callback(lambda f: (f.cancelled() or f.exception(), answered.set()))  # outcome read here or never
+        if not await self.clock.wait_event(answered, UNRESPONSIVE_PONG_S):
+            return False
+        return ping.cancelled() or not isinstance(ping.exception(), nats.errors.TimeoutError)
 
     async def publish_on_lane(self, lane: int, body: bytes, headers: dict[str, str]) -> None:
         await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),

@@ -1,0 +1,90 @@
+"""NatsIngressBus.enqueue on a server that stops answering (kairos/services/ingress/nats_bus.py):
+after a publish times out, a server that answers no PING within UNRESPONSIVE_PONG_S is frozen or
+cut off, and the enqueue gives up at once — on the still-open connection, so the attempt's cancel
+and tombstone follow its publish there (docs/bus.md, at most once). A server that answers pings
+(a slow JetStream) is tried again until KAIROS_ENQUEUE_TIMEOUT_S. The PING's waiter is never
+cancelled (nats-py's read loop would break on its late PONG)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+import pytest
+
+from kairos.runtime.clock import ManualClock
+from kairos.runtime.lanes import LanePicker
+from kairos.services.ingress.nats_bus import UNRESPONSIVE_PONG_S, NatsIngressBus
+
+
+class FakeNc:
+    """A connected client whose PINGs are answered (``pong``) or never."""
+
+    is_connected, is_closed = True, False
+
+    def __init__(self, pong: bool) -> None:
+        self.pong = pong
+        self.pings: list[asyncio.Future] = []
+
+    async def flush(self, timeout: float) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self.pings.append(fut)
+        if self.pong:
+            fut.set_result(True)
+        await fut  # a frozen server: never answered (the test ends it)
+
+
+class FakeJs:
+    def __init__(self) -> None:
+        self.publishes = 0
+
+    async def publish(self, subject, body, headers=None, stream=None, timeout=None):
+        self.publishes += 1
+        raise nats.errors.TimeoutError  # no acknowledgement within the try's timeout
+
+
+class Retries:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self) -> None:
+        self.n += 1
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.enqueue_retries = Retries()
+
+
+def bus(pong: bool, clock: ManualClock) -> tuple[NatsIngressBus, FakeNc, FakeJs]:
+    nc, js = FakeNc(pong), FakeJs()
+    b = NatsIngressBus(nc, js, LanePicker(1), None, None, enqueue_timeout_s=15.0, metrics=Metrics(), clock=clock,
+                       log=None)
+    b.disconnected_since = lambda: None
+    return b, nc, js
+
+
+async def test_a_frozen_server_is_given_up_after_one_try_and_a_ping():
+    clock = ManualClock()
+    b, nc, js = bus(pong=False, clock=clock)
+    start = clock.monotonic()
+    with pytest.raises(nats.errors.TimeoutError):
+        await b.enqueue(b"{}", {"Nats-Msg-Id": "cmpl-1"})
+    assert js.publishes == 1 and len(nc.pings) == 1
+    assert clock.monotonic() - start == pytest.approx(UNRESPONSIVE_PONG_S)  # not the 15 s enqueue timeout
+    assert not nc.pings[0].cancelled()  # the waiter stays for its late PONG
+    nc.pings[0].set_result(True)  # the PONG after all: nothing breaks
+    await asyncio.sleep(0)
+
+
+async def test_a_server_that_answers_pings_is_tried_until_the_enqueue_timeout():
+    clock = ManualClock()
+    b, nc, js = bus(pong=True, clock=clock)
+    start = clock.monotonic()
+    with pytest.raises(nats.errors.TimeoutError):
+        await b.enqueue(b"{}", {"Nats-Msg-Id": "cmpl-1"})
+    assert clock.monotonic() - start >= 15.0 - 0.2  # retried every 0.1 s until the deadline
+    # a ping after each timed-out try but the last (the manual clock moves on by the ping's wait when
+    # its answer has not run yet at the first yield, so tries are fewer than 15 s / 0.1 s)
+    assert js.publishes >= 10 and len(nc.pings) == js.publishes - 1
+    assert b.m.enqueue_retries.n == js.publishes - 1
