@@ -46,9 +46,8 @@ from kairos.services.ingress.http import (READABLE_ENCODINGS, REQUEST_ID, api_er
 from kairos.services.ingress.fanout import FANOUT_HEADER, FanOut, Sub, expand, run_all
 from kairos.services.ingress.ignored_params import IGNORED_PARAMS
 from kairos.services.ingress.openai_api.params import Endpoint, ParsedRequest
-from kairos.services.ingress.openai_api.parse import engine_refusal, parse_request
-from kairos.services.ingress.openai_api.prompt import (ChatTemplate, TokenCounter, count_prompt_tokens, decode_prompt,
-                                                       resolve_max_tokens)
+from kairos.services.ingress.openai_api.parse import engine_refusal, prepare_request
+from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
 from kairos.services.ingress.openai_api.responses import ApiError
 from kairos.services.ingress.records import write_ingress_record
 from kairos.services.ingress.relay import Admitted, RelayDeps, RequestRelay, bus_request
@@ -193,18 +192,18 @@ class Completions:
             return out
 
     def _validate(self, body: Any, endpoint: Endpoint) -> tuple[ParsedRequest, int, bool]:
-        """Module docstring, 3 (:func:`~.openai_api.parse.prepare_request`'s steps, the bus limit's
-        lower bound checked before the count). Raises: ApiError."""
+        """Module docstring, 3 (:func:`~.openai_api.parse.prepare_request`, the bus limit's lower bound
+        checked before the count). Raises: ApiError."""
         limit, bt = self.d.bus.max_payload, self.cfg.prefix_block_tokens
-        parsed = parse_request(endpoint, body, [self.cfg.served_model], self.cfg.default_max_tokens, self.vocab_size,
-                               self.chat_template)
-        for text, ids in ((parsed.prompt_text, parsed.prompt_token_ids), *parsed.more_prompts):  # before the
-            one = replace(parsed, prompt_text=text, prompt_token_ids=ids, more_prompts=())  # tokenizer's work
-            check_bus_payload_uncounted(one, endpoint, limit, bt)
-        if body.get("echo") and parsed.echo_text is None and parsed.prompt_token_ids is not None:
-            parsed = replace(parsed, echo_text=decode_prompt(parsed.prompt_token_ids, self.counter))
-        prompt_tokens, exact = count_prompt_tokens(parsed, self.counter)
-        parsed = resolve_max_tokens(parsed, prompt_tokens, self.max_model_len)
+
+        def each_prompt_fits(parsed: ParsedRequest) -> None:  # before the tokenizer's work
+            for text, ids in ((parsed.prompt_text, parsed.prompt_token_ids), *parsed.more_prompts):
+                one = replace(parsed, prompt_text=text, prompt_token_ids=ids, more_prompts=())
+                check_bus_payload_uncounted(one, endpoint, limit, bt)
+
+        parsed, prompt_tokens, exact = prepare_request(
+            endpoint, body, [self.cfg.served_model], self.counter, self.max_model_len, self.cfg.default_max_tokens,
+            self.vocab_size, self.chat_template, before_count=each_prompt_fits)
         check_bus_payload(parsed, prompt_tokens, exact, endpoint, limit, bt)
         if self.cfg.engine_kind == "vllm-cpu" and (why := unsafe_seed(parsed.sampling)) is not None:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, why, param="seed")  # before any engine sees it

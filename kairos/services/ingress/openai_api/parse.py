@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -353,14 +353,19 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
 
 def prepare_request(endpoint: Endpoint, body: Any, served_models: list[str], counter: TokenCounter | None,
                     max_model_len: int, default_max_tokens: int = 16, vocab_size: int = EMULATED_VOCAB_SIZE,
-                    chat_template: ChatTemplate | None = None) -> tuple[ParsedRequest, int, bool]:
+                    chat_template: ChatTemplate | None = None,
+                    before_count: Callable[[ParsedRequest], None] | None = None) -> tuple[ParsedRequest, int, bool]:
     """Everything the ingress does before accepting a request: :func:`parse_request`,
     :func:`count_prompt_tokens`, :func:`resolve_max_tokens`. Returns (request, prompt tokens, exact?).
+    ``before_count`` sees the parsed request before its tokens are counted (the ingress's bus-size
+    check: a prompt that cannot be routed is refused without the tokenizer's work).
 
     Raises:
-        ApiError: as those functions.
+        ApiError: as those functions, or as ``before_count``.
     """
     parsed = parse_request(endpoint, body, served_models, default_max_tokens, vocab_size, chat_template)
+    if before_count is not None:
+        before_count(parsed)
     if body.get("echo") and parsed.echo_text is None and parsed.prompt_token_ids is not None:
         parsed = replace(parsed, echo_text=decode_prompt(parsed.prompt_token_ids, counter))
     prompt_tokens, exact = count_prompt_tokens(parsed, counter)
