@@ -19,7 +19,7 @@ import click
 from kairos.core.model.latency import LatencyModel, LatencyProfileError, load_profile
 from kairos.core.policy import DEFAULT_PARAMS, Policy, PolicyError, PolicyParams, parse_policies, parse_policy
 from kairos.core.policy.registry import SHARED_PARAMS, policy_help
-from kairos.core.workload.workloads import WorkloadSizeError, check_workload_size
+from kairos.core.workload.workloads import MAX_REQUESTS, WorkloadSizeError, check_workload_size
 
 
 def writable_file(ctx, param, value):
@@ -131,7 +131,8 @@ def workload_options(default_duration_s: float, vllm_names: bool = False):
     """The workload options `kairos sim` and `kairos bench` share (``kairos.core.workload.workloads.parse_workload``),
     with the subcommand's default ``--duration`` (seconds). ``vllm_names``: ``--rps`` also answers to
     ``vllm bench serve``'s ``--request-rate`` (vllm/benchmarks/serve.py), so its command line's rate carries
-    over (``kairos bench``)."""
+    over, and its ``--num-prompts N`` asks for the first N requests instead of ``--duration`` seconds of
+    them (``kairos bench``; :mod:`kairos.core.workload.counted`)."""
     return lambda fn: _workload_options(fn, default_duration_s, vllm_names)
 
 
@@ -149,6 +150,11 @@ def _workload_options(fn, default_duration_s: float, vllm_names: bool):
                                  help="`vllm bench serve`'s name of --rps (give one or the other). Its 'inf' "
                                       "(send all at once) has no counterpart: requests are sent at the rate for "
                                       "--duration."))
+        opts.append(click.option("--num-prompts", type=int, default=None, callback=_checked_count,
+                                 help="As in `vllm bench serve`: send exactly the first N requests of the workload "
+                                      f"(1 to {MAX_REQUESTS}), on its own schedule at the rate, instead of those "
+                                      "of --duration seconds (give one or the other). A generated workload is "
+                                      "made long enough to hold N; a trace with fewer than N is an error."))
         fn = _one_rate(fn)
     opts.append(click.option("--duration", type=float, default=default_duration_s, show_default=True,
                              help="Workload length, seconds."))
@@ -160,10 +166,12 @@ def _workload_options(fn, default_duration_s: float, vllm_names: bool):
 def _one_rate(fn: Callable) -> Callable:
     """Wrap a command function taking ``rps`` so that it also takes ``--request-rate`` (parameter
     ``request_rate``, popped before ``fn`` sees it): giving both is a usage error, and a rate out of
-    :func:`check_workload_size`'s bounds is one naming the option given (exit 2)."""
+    :func:`check_workload_size`'s bounds is one naming the option given (exit 2); ``--num-prompts``
+    with a ``--duration`` typed is one too (:func:`_count_or_duration`)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, request_rate: float | None = None, **kwargs: Any) -> Any:
+        _count_or_duration(kwargs)
         rps = kwargs.get("rps")
         if rps is not None and request_rate is not None:
             raise click.UsageError(f"--rps {rps:g} and --request-rate {request_rate:g} are the same setting "
@@ -175,6 +183,30 @@ def _one_rate(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _checked_count(ctx, param, value: int | None) -> int | None:
+    """Click callback of ``--num-prompts``: a count in :func:`check_workload_size`'s bounds, or exit 2 naming it."""
+    try:
+        check_workload_size(None, [], value)
+    except WorkloadSizeError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def _count_or_duration(kwargs: dict[str, Any]) -> None:
+    """``--num-prompts`` and a ``--duration`` given on the command line (or from the environment)
+    both set the workload's length: a usage error. With ``--num-prompts`` alone, ``duration``
+    becomes None (its default does not apply)."""
+    n = kwargs.get("num_prompts")
+    if n is None:
+        return
+    source = click.get_current_context().get_parameter_source("duration")
+    if source not in (None, click.core.ParameterSource.DEFAULT, click.core.ParameterSource.DEFAULT_MAP):
+        raise click.UsageError(f"--num-prompts {n} and --duration {kwargs['duration']:g} both set how much of the "
+                               "workload is sent (the first N requests, or those arriving within so many "
+                               "seconds): give one")
+    kwargs["duration"] = None
 
 
 def _checked_rate(rate: float, option: str) -> float:
@@ -203,4 +235,9 @@ def workload_size_or_exit(duration_s: float | None, rates: list[float | None]) -
     try:
         check_workload_size(duration_s, rates)
     except WorkloadSizeError as exc:
-        raise click.BadParameter(str(exc), param_hint=f"--{exc.param}") from None
+        raise click.BadParameter(str(exc), param_hint=size_option(exc.param)) from None
+
+
+def size_option(param: str) -> str:
+    """The ``kairos bench`` option of a :class:`WorkloadSizeError`'s ``param`` (``num_requests``: ``--num-prompts``)."""
+    return "--num-prompts" if param == "num_requests" else f"--{param}"

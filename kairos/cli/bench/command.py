@@ -47,9 +47,12 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
               ttft_slo_ms: float, goodput: Sequence[str] = (),
               progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None,
               reuse_prompts: bool = False, percentile_metrics: str | None = None,
-              metric_percentiles: str = "99") -> dict[str, Any]:
+              metric_percentiles: str = "99", num_prompts: int | None = None) -> dict[str, Any]:
     """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
-    metrics table (stdout) and a summary (stderr), write JSON. The prompts depend on ``seed``
+    metrics table (stdout) and a summary (stderr), write JSON. ``num_prompts``: send exactly the
+    first N requests of the workload (``vllm bench serve --num-prompts``;
+    :func:`kairos.core.workload.counted.first_requests`) instead of those of ``duration`` seconds
+    (give one: both is a usage error). The prompts depend on ``seed``
     (another seed, other prompts: no prefix-cache hits left by an earlier run) unless
     ``reuse_prompts``, which sends the index-only prompts of every run. ``percentile_metrics`` and
     ``metric_percentiles``: ``vllm bench serve``'s options of the same names (which metrics get a
@@ -60,14 +63,17 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     """
     import click
 
-    from kairos.core.workload.workloads import WorkloadError, parse_workload
+    from kairos.core.workload.counted import first_requests
+    from kairos.core.workload.workloads import WorkloadError, WorkloadSizeError, check_workload_size, parse_workload
 
     url = check_url(url)
-    from kairos.cli.options import workload_size_or_exit as check_workload_size
+    from kairos.cli.options import size_option
+    if num_prompts is not None and duration is not None:
+        raise BenchError(f"--num-prompts {num_prompts} and --duration {duration:g}: give one")
     try:
-        check_workload_size(duration, [rps])
-    except click.BadParameter as exc:
-        raise BenchError(f"{exc.param_hint}: {exc.message}") from None
+        check_workload_size(duration, [rps], num_prompts)
+    except WorkloadSizeError as exc:
+        raise BenchError(f"{size_option(exc.param)}: {exc}") from None
     if save_records and not json_path:
         raise BenchError("--save-records needs --json PATH")
     slos = parse_goodput(goodput) if goodput else None
@@ -79,7 +85,11 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
 
     def make_workload(n: int) -> list[WorkloadRequest]:
         try:
+            if num_prompts is not None:
+                return first_requests(workload, rps, num_prompts, seed, max_model_len=n)
             return parse_workload(workload, rps, duration, seed, max_model_len=n)
+        except WorkloadSizeError as exc:
+            raise BenchError(f"{size_option(exc.param)}: {exc}") from None
         except WorkloadError as exc:
             raise BenchError(f"--workload: {exc}") from None
 
@@ -96,8 +106,8 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     cfg = BenchConfig(url=url, model=model, max_concurrency=max_concurrency, request_timeout_s=request_timeout,
                       progress=progress, progress_interval_s=progress_interval_s, api_key=api_key,
                       prompt_seed=None if reuse_prompts else seed)
-    wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "seed": seed,
-                               "reuse_prompts": reuse_prompts}
+    wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "num_prompts": num_prompts,
+                               "seed": seed, "reuse_prompts": reuse_prompts}
     result = asyncio.run(run_bench(cfg, workload_fn))
     wl = next(iter(cache.values()))
     span = wl[-1].arrival_s - wl[0].arrival_s

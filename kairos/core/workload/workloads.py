@@ -91,28 +91,37 @@ class WorkloadError(ValueError):
 #: beyond them the request list alone would not fit in memory.
 MAX_WORKLOAD_S = 7 * 24 * 3600.0
 MAX_RPS = 100_000.0
+#: Most requests a workload asked for by count may hold (``kairos bench --num-prompts``): ~10 million
+#: request objects and their bench records already take GBs; the count's span (count ÷ rate) is
+#: further held to :data:`MAX_WORKLOAD_S` where the rate is known (:mod:`kairos.core.workload.counted`).
+MAX_REQUESTS = 10_000_000
 
 
 class WorkloadSizeError(WorkloadError):
-    """A workload length or rate out of bounds; ``param`` names it (``duration`` or ``rps``)."""
+    """A workload length, rate or count out of bounds; ``param`` names it (``duration``, ``rps`` or
+    ``num_requests``)."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
 
 
-def check_workload_size(duration_s: float | None, rates: Sequence[float | None]) -> None:
+def check_workload_size(duration_s: float | None, rates: Sequence[float | None],
+                        num_requests: int | None = None) -> None:
     """The workload length ``duration_s`` (s) and every rate in ``rates`` (requests/s) must be
-    finite, > 0 and within :data:`MAX_WORKLOAD_S` / :data:`MAX_RPS` (None: not given, the default).
+    finite, > 0 and within :data:`MAX_WORKLOAD_S` / :data:`MAX_RPS`, a request count
+    ``num_requests`` in [1, :data:`MAX_REQUESTS`] (None: not given, the default).
 
     Raises:
-        WorkloadSizeError: naming the parameter (``duration`` or ``rps``) and the bound.
+        WorkloadSizeError: naming the parameter (``duration``, ``rps`` or ``num_requests``) and the bound.
     """
     if duration_s is not None and not (math.isfinite(duration_s) and 0 < duration_s <= MAX_WORKLOAD_S):
         raise WorkloadSizeError("duration", f"must be > 0 and <= {MAX_WORKLOAD_S:g} s, got {duration_s:g}")
     for r in rates:
         if r is not None and not (math.isfinite(r) and 0 < r <= MAX_RPS):
             raise WorkloadSizeError("rps", f"must be > 0 and <= {MAX_RPS:g} requests/s, got {r:g}")
+    if num_requests is not None and not 1 <= num_requests <= MAX_REQUESTS:
+        raise WorkloadSizeError("num_requests", f"must be >= 1 and <= {MAX_REQUESTS} requests, got {num_requests}")
 
 
 class WorkloadRequest(msgspec.Struct, frozen=True):
