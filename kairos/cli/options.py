@@ -148,8 +148,8 @@ def _workload_options(fn, default_duration_s: float, vllm_names: bool):
     if vllm_names:  # a second option (not a second name of --rps), so an error can name the one typed
         opts.append(click.option("--request-rate", type=float, default=None,
                                  help="`vllm bench serve`'s name of --rps (give one or the other). Its 'inf' "
-                                      "(send all at once) has no counterpart: requests are sent at the rate for "
-                                      "--duration."))
+                                      "(send all at once) has no counterpart: requests are sent at the rate, for "
+                                      "--duration or --num-prompts."))
         opts.append(click.option("--num-prompts", type=int, default=None, callback=_checked_count,
                                  help="As in `vllm bench serve`: send exactly the first N requests of the workload "
                                       f"(1 to {MAX_REQUESTS}), on its own schedule at the rate, instead of those "
