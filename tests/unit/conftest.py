@@ -22,3 +22,19 @@ def _fresh_sweep_cache():
     miss a test whose sweeps were already cached."""
     _estimates._SWEEPS.clear()
     yield
+
+
+@pytest.fixture
+def captured(monkeypatch) -> dict:
+    """The options ``kairos bench`` hands to ``bench_cli``, which is replaced: nothing is run
+    (test_bench_vllm_options.py, test_bench_num_prompts.py)."""
+    from kairos.cli import bench as bench_pkg
+
+    got: dict = {}
+
+    def fake(**opts) -> dict:
+        got.update(opts)
+        return {"completed": 1}
+
+    monkeypatch.setattr(bench_pkg, "bench_cli", fake)
+    return got

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import bench as bench_pkg
 from kairos.cli.main import main
 from kairos.core.workload.counted import first_requests
 from kairos.core.workload.workloads import MAX_REQUESTS, MAX_WORKLOAD_S, parse_workload
@@ -89,20 +87,7 @@ def test_generated_arrivals_are_the_first_n_of_the_seeds_process():
     assert [r.arrival_s for r in long] == [r.arrival_s for r in parse_workload("bursty", 4.0, 2000.0, 3)[:2000]]
 
 
-# --- usage errors (nothing runs) ---------------------------------------------------------------------
-
-@pytest.fixture
-def captured(monkeypatch) -> dict[str, Any]:
-    """The options ``kairos bench`` hands to :func:`bench_cli` (replaced: nothing is run)."""
-    got: dict[str, Any] = {}
-
-    def fake(**opts: Any) -> dict[str, Any]:
-        got.update(opts)
-        return {"completed": 1}
-
-    monkeypatch.setattr(bench_pkg, "bench_cli", fake)
-    return got
-
+# --- usage errors (nothing runs: the `captured` fixture of tests/unit/conftest.py) ----------------------
 
 @pytest.mark.parametrize("value", ["0", "-3", str(MAX_REQUESTS + 1), "1.5", "many"])
 def test_a_bad_count_is_a_usage_error_naming_the_option(captured, value):

@@ -6,26 +6,10 @@ usage error."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from click.testing import CliRunner
 
-from kairos.cli import bench as bench_pkg
 from kairos.cli.main import main
-
-
-@pytest.fixture
-def captured(monkeypatch) -> dict[str, Any]:
-    """The options ``kairos bench`` hands to :func:`bench_cli` (which is replaced: nothing is run)."""
-    got: dict[str, Any] = {}
-
-    def fake(**opts: Any) -> dict[str, Any]:
-        got.update(opts)
-        return {"completed": 1}
-
-    monkeypatch.setattr(bench_pkg, "bench_cli", fake)
-    return got
 
 
 @pytest.mark.parametrize("spelling", ["--rps", "--request-rate"])
