@@ -104,6 +104,21 @@ def secure_server(d: Path, nodes: list[str]):
         yield f"nats://127.0.0.1:{port}", passwords
 
 
+async def poll_health(base: str, http: aiohttp.ClientSession, want_status: int, timeout: float,
+                      code: str | None = None) -> dict:
+    """GET /health until it answers ``want_status`` (and lists reason ``code``), else fail."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        async with http.get(base + "/health") as r:
+            last = (r.status, await r.json())
+        if last[0] == want_status and (code is None or code in [x["code"] for x in last[1]["reasons"]]):
+            return last[1]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/health never answered {want_status} {code or ''}: {last}")
+        await asyncio.sleep(0.05)
+
+
 async def wait_until(pred: Callable[[], Any], timeout: float, what: str = "condition", every: float = 0.01) -> Any:
     """Poll ``pred`` every ``every`` s until truthy (returns its value) or fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout

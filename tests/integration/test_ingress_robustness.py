@@ -19,26 +19,11 @@ from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.service import Dispatcher
 from kairos.services.ingress.config import IngressConfig
 from kairos.services.ingress.service import Ingress
-from tests.integration.conftest import fast_model, get_record, reset_bus, stack, wait_until
+from tests.integration.conftest import fast_model, get_record, poll_health, reset_bus, stack, wait_until
 
 pytestmark = pytest.mark.integration
 
 MODEL = "kairos-emulated"
-
-
-async def poll_health(base: str, http: aiohttp.ClientSession, want_status: int, timeout: float,
-                      code: str | None = None) -> dict:
-    """GET /health until it answers ``want_status`` (and lists reason ``code``), else fail."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        async with http.get(base + "/health") as r:
-            last = (r.status, await r.json())
-        if last[0] == want_status and (code is None or code in [x["code"] for x in last[1]["reasons"]]):
-            return last[1]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"/health never answered {want_status} {code or ''}: {last}")
-        await asyncio.sleep(0.05)
 
 
 async def read_sse(resp: aiohttp.ClientResponse, n: int | None = None) -> list[str]:

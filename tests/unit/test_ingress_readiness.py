@@ -210,3 +210,30 @@ def test_a_failing_on_view_is_logged_and_the_view_kept():
     r = Readiness(IngressConfig(), lambda: True, infos, boom, ManualClock(), log)
     r.take_view(encode(EDGE_VIEWS[2]))
     assert r.ready.seq == 3 and log.lines == [("view_check_failed", {"error": "RuntimeError('boom')"})]
+
+
+def test_a_dispatcher_between_two_pulls_still_counts_as_consuming():
+    """``num_waiting`` is 0 while a dispatcher renews its pull (longer on a loaded machine): a pull
+    seen waiting within ``dispatcher_active_window_s`` keeps /health's dispatcher check ok; one never
+    seen, or seen longer ago, does not (a dispatcher gone: 503 ``no_dispatcher``)."""
+    clock = ManualClock()
+    waiting = [0]
+
+    async def infos():
+        return [SimpleNamespace(num_waiting=waiting[0], delivered=None, num_pending=0, num_ack_pending=0)]
+
+    cfg = IngressConfig()
+    r = Readiness(cfg, lambda: True, infos, lambda _v: None, clock, Log())
+
+    def check() -> dict:
+        clock.advance(cfg.dispatcher_check_interval_s)  # past the cached answer
+        return asyncio.run(r.dispatcher_check())
+
+    assert not check()["consuming"]  # right after start, before any pull: not ready
+    waiting[0] = 1
+    assert check()["consuming"]
+    waiting[0] = 0  # between two pulls
+    out = check()
+    assert out["consuming"] and out["detail"].startswith("ok: a pull request was waiting"), out
+    clock.advance(cfg.dispatcher_active_window_s)  # no pull seen for longer than the window: gone
+    assert not check()["consuming"]

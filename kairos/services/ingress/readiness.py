@@ -80,6 +80,7 @@ class Readiness:
         self._full: ClusterView | None = None  #: :attr:`view`, once decoded
         self._disp: dict | None = None  #: cached dispatcher-consumer check
         self._disp_at = 0.0
+        self._waiting_seen: float | None = None  #: monotonic s when a dispatcher's pull request was last seen waiting
         self._disp_lock = asyncio.Lock()
 
     # -- the view ----------------------------------------------------------------------------------
@@ -172,7 +173,10 @@ class Readiness:
         Rule: the shared consumer has a pull request waiting (``num_waiting`` > 0; an idle
         dispatcher always has one outstanding) or delivered a message within
         ``dispatcher_active_window_s`` (a busy one). A zero ``num_waiting`` is re-read once after
-        100 ms, as a dispatcher renews its pull request every second.
+        100 ms, as a dispatcher renews its pull request every second; still zero, a pull request seen
+        waiting within ``dispatcher_active_window_s`` counts (a dispatcher between two pulls on a
+        loaded machine is consuming: without it /health flapped to 503 under load). The first one must
+        be seen: right after start, /health is 503 until a dispatcher pulls.
         """
         if (cached := self._cached()) is not None:
             return cached
@@ -183,7 +187,14 @@ class Readiness:
             if not out["consuming"] and out.get("num_waiting") == 0:
                 await self.clock.sleep(0.1)
                 out = await self._consumer_state()
-            self._disp, self._disp_at = out, self.clock.monotonic()
+            now = self.clock.monotonic()
+            if out.get("num_waiting"):
+                self._waiting_seen = now
+            elif out.get("num_waiting") == 0 and not out["consuming"] and self._waiting_seen is not None \
+                    and now - self._waiting_seen <= self.cfg.dispatcher_active_window_s:
+                out = {**out, "consuming": True,
+                       "detail": f"ok: a pull request was waiting {now - self._waiting_seen:.1f} s ago"}
+            self._disp, self._disp_at = out, now
             return out
 
     def _cached(self) -> dict | None:
