@@ -179,6 +179,7 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     import numpy as np
 
     from kairos.cli.bench import BenchConfig, run_bench
+    from kairos.runtime.service import run_on_event_loop
     from kairos.core.workload.serving_metrics import serving_metrics
     from kairos.core.workload.workloads import WorkloadRequest
 
@@ -188,8 +189,8 @@ def run_rate(url: str, rate: float, duration_s: float, prompt_tokens: int, outpu
     bus0 = bus_counters(monitor_url)
     stall0, wall0 = cpu_stall_us(), time.monotonic()
     cpu0 = cpu_by_kind(procs or {})
-    res = asyncio.run(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0,
-                                                   lookup_records=False), wl))
+    res = run_on_event_loop(run_bench(BenchConfig(url=url, progress=False, request_timeout_s=30.0,
+                                                  lookup_records=False), wl), "bench client")
     cpu1 = cpu_by_kind(procs or {})  # before any record lookup (not part of serving)
     bus1 = bus_counters(monitor_url)
     stall1, wall1 = cpu_stall_us(), time.monotonic()

@@ -15,12 +15,17 @@ p50/p99 interpolated in its buckets, and the mean) and view age per decision
 (``kairos_dispatcher_decision_state_age_seconds``: p50/p99, decisions on a view older than 3 heartbeat
 periods), their CPU per request, the aggregator's CPU (% of a core) and views/s
 (``kairos_aggregator_views_total``), nats-server messages in/out per second (``/varz``), the fleet's CPU,
-the ingress's added latency p50/p99 (as ``bench/control_plane.py``) and failed requests. It prints a table
-and the growth 2P2D → largest size of each cost. Not a test: figures depend on the machine.
+the ingress's added latency p50/p99 (as ``bench/control_plane.py``) and failed requests. Right before
+each size's stack starts it also measures the machine's floor at the same rate (``bus_floor_ms``:
+``bench/bus_floor.py``'s ``kairos`` variant, the bare NATS operations of one deflected request by three
+nats-py processes that do nothing else, on their own nats-server): the part of the added latency no
+service code can remove on these cores at that moment. It prints a table and the growth 2P2D →
+largest size of each cost. Not a test: figures depend on the machine.
 
 Usage::
 
-    python bench/fleet.py [--sizes 2x2,8x64,32x256] [--rate 100] [--duration 20] [--json out/fleet.json]
+    python bench/fleet.py [--sizes 2x2,8x64,32x256] [--rate 100] [--duration 20] [--floor-duration 10]
+                          [--json out/fleet.json]
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ TARGET_P99_MS = 25.0
 HEARTBEAT_MS = 100.0
 STALE_PERIODS = 3  #: no decision on a view older than this many heartbeat periods
 NODES_PER_PROCESS = 96
+#: processes of the harness (what stands in for the fleet's hosts and the users), not of the control plane
+HARNESS_KINDS = ("fleet", "client")
 
 
 # -- pure helpers ------------------------------------------------------------------------------------
@@ -171,7 +178,7 @@ def health(url: str) -> dict | None:
             return json.load(r)
     except urllib.error.HTTPError as exc:
         return json.loads(exc.read() or b"null")
-    except OSError as exc:
+    except OSError:
         return None
 
 
@@ -189,10 +196,36 @@ def wait_routable(url: str, want: int, procs: list[subprocess.Popen], timeout_s:
     raise RuntimeError(f"{want} nodes not routable after {timeout_s} s: /health {body}")
 
 
+def bus_floor(rate: float, duration_s: float) -> dict | None:
+    """The machine's floor now (module docstring): ``bench/bus_floor.py``'s ``kairos`` variant at
+    ``rate`` for ``duration_s`` on a nats-server of its own; ``{"p50", "p99"}`` ms, None when
+    ``duration_s`` is 0."""
+    if duration_s <= 0:
+        return None
+    from contextlib import ExitStack
+
+    import bus_floor as bf  # bench/bus_floor.py
+    from kairos.cli.up import start_bundled_nats
+
+    with ExitStack() as stack:
+        row = bf.run_variant(start_bundled_nats(stack, "kairos-fleet-floor-"), "kairos", [rate], duration_s)[0]
+    return row["latency_ms"]
+
+
+def cpu_split(cpu_pct: dict[str, float | None]) -> dict[str, float]:
+    """CPU % of one core of the harness (:data:`HARNESS_KINDS`) and of the control plane (the rest:
+    nats-server, aggregator, dispatchers, ingress)."""
+    harness = sum(v or 0.0 for k, v in cpu_pct.items() if k in HARNESS_KINDS)
+    plane = sum(v or 0.0 for k, v in cpu_pct.items() if k not in HARNESS_KINDS)
+    return {"harness": round(harness, 1), "control_plane": round(plane, 1)}
+
+
 def run_size(prefill: int, decode: int, args, prof: Path, engine_ms: float, tmp: Path) -> dict:
-    """One size: stack up, fleet up, warm-up, the measured run; its row."""
+    """One size: the machine's floor, stack up, fleet up, warm-up, the measured run; its row."""
     from kairos.cli.up import Supervisor, UpOptions, free_port
     from kairos.core.policy.registry import policy_spec
+
+    floor = bus_floor(args.rate, args.floor_duration)
 
     mport = free_port()
     opts = UpOptions(port=free_port(), profile=str(prof), prefill=0, decode=0, dispatchers=2, nats_auth=False,
@@ -253,7 +286,7 @@ def run_size(prefill: int, decode: int, args, prof: Path, engine_ms: float, tmp:
         "size": f"{prefill}P{decode}D", "prefill": prefill, "decode": decode, "nodes": prefill + decode,
         "fleet_processes": len(fleet), "offered_rps": args.rate, "duration_s": args.duration,
         "requests": row["requests"], "failed": row["failed"], "achieved_rps": row["achieved_rps"],
-        "added_ms": row["added_ms"], "client_added_ms": row["client_added_ms"],
+        "added_ms": row["added_ms"], "client_added_ms": row["client_added_ms"], "bus_floor_ms": floor,
         "decision_ms": {"p50": q(dec, 0.5), "p99": q(dec, 0.99), "mean": round(dsum / dn * 1000, 3) if dn else None,
                         "n": int(dn)},
         "state_age_ms": {"p50": q(age, 0.5), "p99": q(age, 0.99), "mean": round(asum / an * 1000, 1) if an else None,
@@ -265,6 +298,7 @@ def run_size(prefill: int, decode: int, args, prof: Path, engine_ms: float, tmp:
         "nats_msgs_per_s": {"in": round((bus1["server"][0] - bus0["server"][0]) / wall),
                             "out": round((bus1["server"][1] - bus0["server"][1]) / wall)},
         "cpu_pct": {k: round(100.0 * (cpu1[k] - cpu0[k]) / wall, 1) for k in cpu1},
+        "cpu_split_pct": cpu_split({k: round(100.0 * (cpu1[k] - cpu0[k]) / wall, 1) for k in cpu1}),
         "cpu_ms_per_request": cpu_req, "loadavg": row["loadavg"], "cpu_pressure_pct": row["cpu_pressure_pct"],
     }
 
@@ -300,6 +334,11 @@ def print_table(rows: list[dict]) -> None:
     g = growth_table(rows)
     for k, fn in COSTS.items():
         print(f"{k:24}" + "".join(f"{f(fn(r)):>12}" for r in rows) + f"{f(g[k]):>10}", file=sys.stderr)
+    for label, fn in (("bus floor p50 ms", lambda r: (r.get("bus_floor_ms") or {}).get("p50")),
+                      ("bus floor p99 ms", lambda r: (r.get("bus_floor_ms") or {}).get("p99")),
+                      ("harness CPU %", lambda r: r["cpu_split_pct"]["harness"]),
+                      ("control plane CPU %", lambda r: r["cpu_split_pct"]["control_plane"])):
+        print(f"{label:24}" + "".join(f"{f(fn(r)):>12}" for r in rows), file=sys.stderr)
     print(f"{'failed':24}" + "".join(f"{r['failed']:>12}" for r in rows), file=sys.stderr)
     print(f"{'decisions >3 periods':24}" + "".join(f"{r['state_age_ms']['over_3_periods']:>12}" for r in rows),
           file=sys.stderr)
@@ -314,6 +353,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=100.0)
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--floor-duration", type=float, default=10.0,
+                    help="Seconds of bench/bus_floor.py before each size (0: skip the floor).")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=4)
     ap.add_argument("--per-process", type=int, default=NODES_PER_PROCESS, help="Node agents per fleet process.")
@@ -326,7 +367,9 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.host_agents:
-        asyncio.run(host_agents(args.nats, args.profile, args.nodes.split(","), args.slots))
+        from kairos.runtime.service import run_on_event_loop  # uvloop, as a deployed agent (serve)
+
+        run_on_event_loop(host_agents(args.nats, args.profile, args.nodes.split(","), args.slots), "fleet")
         return
 
     from kairos.core.model.latency import load_profile

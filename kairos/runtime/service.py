@@ -90,20 +90,22 @@ async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
-def serve(run: Callable[..., Awaitable[Any]], config: Any, service: str) -> None:
-    """``python -m kairos.services.<name>``: :func:`run_main` on the event loop ``KAIROS_EVENT_LOOP``
-    names — ``auto`` (default): uvloop if installed (libuv's loop in C: the services spend most of
-    their CPU in the event loop and socket I/O, issue 12 item 5), else asyncio's; ``uvloop``
-    (required); ``asyncio`` (the standard library's selector loop).
+def run_on_event_loop(main: Awaitable[Any], service: str) -> Any:
+    """Run the coroutine ``main`` to completion on the event loop ``KAIROS_EVENT_LOOP`` names and
+    return its result — ``auto`` (default): uvloop if installed (libuv's loop in C: the services
+    spend most of their CPU in the event loop and socket I/O, issue 12 item 5), else asyncio's;
+    ``uvloop`` (required); ``asyncio`` (the standard library's selector loop). ``service`` names the
+    program in error messages.
 
     Raises:
-        SystemExit: 2 with a message naming the variable for an unknown value or a missing uvloop;
-            else as :func:`run_main`.
+        SystemExit: 2 with a message naming the variable for an unknown value or a missing uvloop
+            (``main`` is closed, never run); else whatever ``main`` raises.
     """
     choice = os.environ.get("KAIROS_EVENT_LOOP", "auto").strip().lower() or "auto"
     if choice not in EVENT_LOOPS:
         print(f"{service}: bad configuration: KAIROS_EVENT_LOOP: {choice!r} is not one of {', '.join(EVENT_LOOPS)}",
               file=sys.stderr)
+        main.close()
         raise SystemExit(2)
     if choice != "asyncio":
         try:
@@ -111,11 +113,22 @@ def serve(run: Callable[..., Awaitable[Any]], config: Any, service: str) -> None
         except ImportError:
             if choice == "uvloop":
                 print(f"{service}: bad configuration: KAIROS_EVENT_LOOP: uvloop is not installed", file=sys.stderr)
+                main.close()
                 raise SystemExit(2) from None
         else:
-            uvloop.run(run_main(run, config))
-            return
-    asyncio.run(run_main(run, config))
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+def serve(run: Callable[..., Awaitable[Any]], config: Any, service: str) -> None:
+    """``python -m kairos.services.<name>``: :func:`run_main` on the event loop ``KAIROS_EVENT_LOOP``
+    names (:func:`run_on_event_loop`).
+
+    Raises:
+        SystemExit: 2 with a message naming the variable for an unknown value or a missing uvloop;
+            else as :func:`run_main`.
+    """
+    run_on_event_loop(run_main(run, config), service)
 
 
 async def start_metrics_and_connect(svc: Any, client_name: str, res: Resources | None = None,

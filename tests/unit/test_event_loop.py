@@ -36,3 +36,31 @@ def test_unknown_event_loop_is_a_configuration_error(monkeypatch, capsys):
         _loop_class(monkeypatch, "trio")
     assert exc.value.code == 2
     assert "KAIROS_EVENT_LOOP" in capsys.readouterr().err
+
+
+def test_run_on_event_loop_returns_the_result_on_the_chosen_loop(monkeypatch):
+    from kairos.runtime.service import run_on_event_loop
+
+    async def loop_type() -> type:
+        return type(asyncio.get_running_loop())
+
+    monkeypatch.delenv("KAIROS_EVENT_LOOP", raising=False)
+    assert issubclass(run_on_event_loop(loop_type(), "test"), uvloop.Loop)
+    monkeypatch.setenv("KAIROS_EVENT_LOOP", "asyncio")
+    assert not issubclass(run_on_event_loop(loop_type(), "test"), uvloop.Loop)
+
+
+def test_a_refused_event_loop_closes_the_coroutine_unrun(monkeypatch, capsys):
+    from kairos.runtime.service import run_on_event_loop
+
+    ran: list[bool] = []
+
+    async def main() -> None:
+        ran.append(True)
+
+    coro = main()
+    monkeypatch.setenv("KAIROS_EVENT_LOOP", "trio")
+    with pytest.raises(SystemExit):
+        run_on_event_loop(coro, "kairos bench")
+    assert ran == [] and coro.cr_frame is None  # closed: no "never awaited" warning, nothing ran
+    assert "kairos bench: bad configuration: KAIROS_EVENT_LOOP" in capsys.readouterr().err

@@ -39,3 +39,13 @@ def test_count_above_counts_the_observations_past_the_bound():
 def test_growth_is_last_over_first_and_none_without_a_base():
     assert F.growth(2.0, 64.0) == 32.0
     assert F.growth(0.0, 5.0) is None and F.growth(None, 1.0) is None
+
+
+def test_cpu_split_puts_the_fleet_and_the_client_in_the_harness_and_the_rest_in_the_control_plane():
+    cpu = {"client": 20.0, "fleet": 60.5, "nats": 35.0, "aggregator": 17.5, "dispatcher": 30.0, "ingress": 28.0}
+    assert F.cpu_split(cpu) == {"harness": 80.5, "control_plane": 110.5}
+    assert F.cpu_split({"fleet": None, "nats": 1.0}) == {"harness": 0.0, "control_plane": 1.0}
+
+
+def test_no_floor_is_measured_for_a_zero_duration():
+    assert F.bus_floor(100.0, 0.0) is None

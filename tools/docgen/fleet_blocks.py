@@ -25,6 +25,15 @@ def fleet(load: Load) -> str:
              "|---|" + "---|" * (len(sizes) + 1)]
     for k, f in fl.COSTS.items():
         lines.append(f"| {k} | " + " | ".join(_g(f(row)) for row in rows) + f" | ×{_g(g[k])} |")
+    floors = [row.get("bus_floor_ms") for row in rows]
+    if all(floors):
+        for q in ("p50", "p99"):
+            lines.append(f"| bus floor {q} ms: the bare NATS operations of one request, same rate, just before | "
+                         + " | ".join(_g(fl_[q]) for fl_ in floors) + " | |")
+    if all("cpu_split_pct" in row for row in rows):
+        for part, label in (("harness", "harness CPU (fleet + client), % of one core"),
+                            ("control_plane", "control plane CPU (nats-server, aggregator, dispatchers, ingress), %")):
+            lines.append(f"| {label} | " + " | ".join(_g(row["cpu_split_pct"][part]) for row in rows) + " | |")
     lines.append("| CPU of all its processes, % of one core | " + " | ".join(
         _g(round(sum(v for v in row["cpu_pct"].values() if v is not None), 1)) for row in rows) + " | |")
     lines.append("| CPU pressure: share of the run some process waited for a core, % | "
@@ -40,4 +49,11 @@ def fleet(load: Load) -> str:
               f"p99 ≤ {_g(fl.TARGET_P99_MS)} ms: {'met' if met['added_p99'] else 'missed'}; no decision on a view "
               f"older than {fl.STALE_PERIODS} heartbeat periods: {'met' if met['view_age'] else 'missed'}; "
               f"0 failed: {'met' if met['no_failures'] else 'missed'})."]
+    if all(floors):
+        first = rows[0]
+        lines += ["", f"The bus floor on this machine at {num(first['offered_rps'])} req/s was "
+                  f"{_g(floors[0]['p50'])} ms at the median before {first['size']} "
+                  f"({_g(round(100.0 * floors[0]['p50'] / fl.TARGET_P50_MS))} % of the {_g(fl.TARGET_P50_MS)} ms "
+                  f"target) and {_g(floors[-1]['p50'])} ms before {last['size']}: that much of the added latency "
+                  "is NATS and the cores themselves, before any HTTP, policy, logging or engine work."]
     return "\n".join(lines)

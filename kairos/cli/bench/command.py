@@ -9,7 +9,6 @@ the paper's metrics table on stdout, a summary and warnings on stderr, the JSON 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_benc
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S
 from kairos.cli.bench.report import build_report, format_report
 from kairos.cli.bench.vllm_block import DEFAULT_PERCENTILE_METRICS, parse_metric_percentiles, parse_percentile_metrics
+from kairos.runtime.service import run_on_event_loop
 from kairos.core.workload.workloads import DEFAULT_MAX_MODEL_LEN, WorkloadRequest
 
 
@@ -108,7 +108,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
                       prompt_seed=None if reuse_prompts else seed)
     wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "num_prompts": num_prompts,
                                "seed": seed, "reuse_prompts": reuse_prompts}
-    result = asyncio.run(run_bench(cfg, workload_fn))
+    result = run_on_event_loop(run_bench(cfg, workload_fn), "kairos bench")  # uvloop as the services
     wl = next(iter(cache.values()))
     span = wl[-1].arrival_s - wl[0].arrival_s
     wl_info.update(requests=len(wl), offered_rps=round((len(wl) - 1) / span, 3) if span > 0 else None)
