@@ -30,6 +30,8 @@ run: $(STAMP)
 ## compose smoke run (docker-compose.yml run for real).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	@if command -v kubectl >/dev/null; then $(MAKE) k8s-check; \
+	  else echo "k8s-check skipped: no kubectl (Debian: apt-get install kubectl)"; fi
 	$(MAKE) test-vllm
 	$(MAKE) compose-smoke
 
@@ -83,7 +85,7 @@ mutation: $(STAMP)
 
 ## Kubernetes manifests (deploy/k8s): render every overlay with kubectl kustomize, validate each object
 ## against the schemas (kubernetes-validate), and run checkov, which is not in .venv (its install takes
-## minutes): its own cached virtualenv. make test runs the same tests without checkov.
+## a minute): its own cached virtualenv. make test runs it after the unit and integration tiers.
 CHECKOV_VERSION := 3.3.30
 CHECKOV_VENV ?= $(HOME)/.cache/kairos/checkov-$(CHECKOV_VERSION)
 k8s-check: $(STAMP)

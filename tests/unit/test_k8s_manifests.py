@@ -7,7 +7,7 @@ the Kubernetes schemas with ``kubernetes-validate``; every ``KAIROS_*`` variable
 reads (the helpers of test_deploy_files.py); the probes ask the ports the environment
 configures; node agents are StatefulSets whose pod name is the node id; the NATS members'
 configs are those of ops/nats with Kubernetes listeners. ``checkov`` runs in ``make k8s-check``
-(minutes to install: not in the default run).
+(its own virtualenv; `make test` runs it after the pytest tiers when kubectl is installed).
 
 Without ``kubectl`` (Debian's package, or the ``kubectl`` wheel) or ``kubernetes-validate`` the
 tests that need them skip, naming the missing tool.
@@ -403,7 +403,7 @@ def test_secrets_hold_placeholders_only():
 
 
 def test_checkov_finds_nothing_unexplained(tmp_path):
-    """checkov (make k8s-check installs it: minutes, so not in the default run): no failed check in
+    """checkov (installed by make k8s-check, which make test runs after the pytest tiers): no failed check in
     any overlay; every skip is annotated in the manifest with a reason."""
     import os
 
