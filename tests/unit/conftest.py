@@ -24,6 +24,40 @@ def _fresh_sweep_cache():
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _logging_as_a_fresh_process_has_it():
+    """Each pytest session starts with logging unconfigured, as in a fresh process. structlog is
+    configured once per process (``kairos.runtime.telemetry.setup_logging``) with the ``sys.stderr``
+    of that moment, which in a test is the session's capture file, and a module-level logger
+    (``structlog.get_logger`` in ``kairos/engines/vllm/backend.py`` and others) keeps the one it built
+    on first use. pytest closes that file when its session ends, so a second session in the same
+    process (mutmut's stats run, then its clean run, then a forked child per mutant: ``make
+    mutation``) had every log line raise ``ValueError: I/O operation on closed file`` in the service
+    that wrote it: the ingress and vLLM-backend tests failed there and only there. A no-op in the
+    first session of a process (nothing configured yet)."""
+    import logging
+    import sys
+
+    import structlog
+    from structlog._config import BoundLoggerLazyProxy
+
+    from kairos.runtime import telemetry
+
+    if telemetry._logging_configured:
+        structlog.reset_defaults()
+        telemetry._logging_configured = False
+        root = logging.getLogger()
+        for h in [h for h in root.handlers if getattr(h, "_kairos", False)]:
+            root.removeHandler(h)
+        root.setLevel(logging.WARNING)  # the standard library's default
+        for name, mod in list(sys.modules.items()):
+            if name.split(".")[0] == "kairos":
+                for obj in list(vars(mod).values()):
+                    if isinstance(obj, BoundLoggerLazyProxy):
+                        vars(obj).pop("bind", None)  # the logger it cached on first use (cache_logger_on_first_use)
+    yield
+
+
 @pytest.fixture
 def captured(monkeypatch) -> dict:
     """The options ``kairos bench`` hands to ``bench_cli``, which is replaced: nothing is run
