@@ -75,6 +75,15 @@ def test_least_loaded_decode_orders_by_kv_then_batch_then_waiting_then_request_h
     assert least_loaded_decode(snap(decode=DECODE[:2])) == "d1"
 
 
+def test_tie_index_without_a_tie_is_0_and_takes_no_hash():
+    # one node (no tie) or an empty list: index 0 for every id; with no node there is nothing to take
+    # a hash modulo (no ZeroDivisionError); a real tie: an index into it
+    for rid in ("r", "req-7", "", "ünïcode"):
+        assert tie_index(rid, 1) == 0
+        assert tie_index(rid, 0) == 0
+    assert sorted({tie_index(f"q{i}", 3) for i in range(64)}) == [0, 1, 2]
+
+
 def test_tied_decode_nodes_are_spread_over_requests_and_the_choice_is_stable():
     # four equally loaded nodes (a burst between two views): the choice depends only on the request
     # id, so every replica (and the simulator) makes the same one, and different requests spread
