@@ -220,3 +220,27 @@ def test_a_guard_that_would_remember_no_incarnation_is_refused(keep):
         HeartbeatGuard(keep_epochs=keep)
     assert str(e.value) == f"keep_epochs must be at least 1, got {keep}"
     assert HeartbeatGuard(keep_epochs=1).keep_epochs == 1  # one is enough (the current incarnation)
+
+
+def test_a_node_with_a_long_heartbeat_period_is_dead_only_after_three_of_its_periods():
+    # `kairos up --state-period-ms 5000`: 5 s of silence between two heartbeats is a live node (the
+    # ingress used to drop such nodes after its 3 s timeout and fail their requests with node_lost)
+    lv = Liveness(timeout_ms=3000)
+    lv.heard("slow", 0, E1, 5000.0)
+    lv.heard("fast", 0, E1, 100.0)
+    lv.heard("one-s", 0, E1, 1000.0)  # 3 periods = the timeout: the timeout stands
+    assert not lv.dead("slow", 14_999) and lv.dead("slow", 15_001)
+    assert not lv.dead("fast", 2_999) and lv.dead("fast", 3_001)  # 3 × 100 ms < 3 s: the timeout governs
+    assert not lv.dead("one-s", 2_999) and lv.dead("one-s", 3_001)
+    assert lv.dead_nodes(4_000) == {"fast", "one-s"}
+    lv.heard("slow", 15_000)  # a token (no period): the node keeps its period
+    assert not lv.dead("slow", 29_999) and lv.dead("slow", 30_001)
+    lv.heard("slow", 30_000, E1, 100.0)  # it restarted with a short period: the timeout governs again
+    assert not lv.dead("slow", 32_999) and lv.dead("slow", 33_001)
+
+
+def test_an_accepted_heartbeat_brings_its_period_into_liveness():
+    g, lv = HeartbeatGuard(), Liveness(timeout_ms=1000)
+    slow = msgspec.structs.replace(st(5), period_ms=2000.0)
+    assert accept_heartbeat(g, lv, slow, NOW, 0.0) is None
+    assert not lv.dead("decode-0", 5_999) and lv.dead("decode-0", 6_001)  # 3 × 2000 ms, not 1000 ms

@@ -126,11 +126,18 @@ class HeartbeatGuard:
         self._nodes.pop(node, None)
 
 
+#: heartbeat periods of silence after which :class:`Liveness` counts a node dead, where they are
+#: longer than its ``timeout_ms`` (the aggregator calls a node stale after 3 periods too)
+MISSED_PERIODS = 3
+
+
 @dataclass
 class Liveness:
     """When each node was last heard from (heartbeat or token), on the receiver's monotonic clock.
 
-    ``dead(node)`` is positive evidence of death: nothing from it for ``timeout_ms``. While the
+    ``dead(node)`` is positive evidence of death: nothing from it for ``timeout_ms``, or for
+    :data:`MISSED_PERIODS` of the node's own heartbeat period where that is longer (a node that
+    heartbeats every 5 s is silent for 5 s between two heartbeats, alive). While the
     receiver itself is cut off from the bus it hears nobody, so :meth:`pause` suspends the
     judgement and :meth:`resume` restarts every node's clock (silence during our own outage is
     not the node's). A node never heard of starts its clock when first asked about
@@ -143,14 +150,22 @@ class Liveness:
     timeout_ms: float = 3_000.0
     _heard: dict[str, float] = field(default_factory=dict)
     _epochs: dict[str, float] = field(default_factory=dict)
+    _limit_ms: dict[str, float] = field(default_factory=dict)  #: node -> its silence limit, when over timeout_ms
     _paused: bool = False
 
-    def heard(self, node: str, now_ms: float, epoch_unix_ms: float | None = None) -> None:
-        """A valid heartbeat (with its ``epoch_unix_ms``) or a token from ``node`` arrived at
-        ``now_ms`` (monotonic ms)."""
+    def heard(self, node: str, now_ms: float, epoch_unix_ms: float | None = None,
+              period_ms: float | None = None) -> None:
+        """A valid heartbeat (with its ``epoch_unix_ms`` and ``period_ms``, the node's heartbeat
+        period) or a token from ``node`` arrived at ``now_ms`` (monotonic ms)."""
         self._heard[node] = now_ms
         if epoch_unix_ms is not None:
             self._epochs[node] = epoch_unix_ms
+        if period_ms is not None:
+            limit = MISSED_PERIODS * period_ms
+            if limit > self.timeout_ms:
+                self._limit_ms[node] = limit
+            else:
+                self._limit_ms.pop(node, None)
 
     def epoch(self, node: str) -> float | None:
         """The incarnation of ``node`` last heard from (None before its first heartbeat). A
@@ -192,8 +207,10 @@ class Liveness:
         return {n for n in self._heard if self.dead(n, now_ms)}
 
     def dead(self, node: str, now_ms: float) -> bool:
-        """True when ``node`` has been silent for more than ``timeout_ms`` (never while paused)."""
-        return not self._paused and node in self._heard and now_ms - self._heard[node] > self.timeout_ms
+        """True when ``node`` has been silent for more than ``timeout_ms``, or :data:`MISSED_PERIODS`
+        of its heartbeat period where that is longer (never while paused)."""
+        return (not self._paused and node in self._heard
+                and now_ms - self._heard[node] > self._limit_ms.get(node, self.timeout_ms))
 
 
 def accept_heartbeat(guard: HeartbeatGuard, liveness: Liveness, st, now_unix_ms: float, rx_ms: float) -> str | None:
@@ -216,5 +233,5 @@ def accept_heartbeat(guard: HeartbeatGuard, liveness: Liveness, st, now_unix_ms:
     """
     why = guard.check(st.node, st.epoch_unix_ms, st.seq, st.sent_unix_ms, st.period_ms, now_unix_ms, rx_ms)
     if why is None:
-        liveness.heard(st.node, rx_ms, st.epoch_unix_ms)
+        liveness.heard(st.node, rx_ms, st.epoch_unix_ms, st.period_ms)
     return why

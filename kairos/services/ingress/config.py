@@ -38,7 +38,8 @@ class IngressConfig(ServiceConfig):
     #: message, 1 MiB by default; a JSON body of token ids is ~3x its bus size), small enough that no
     #: body makes the ingress parse and tokenize tens of MB (a 30 MB prompt tokenized for 27 s)
     max_body_bytes: int = 16 * 1024 * 1024
-    #: a node silent (no heartbeat, no token) this long is dead: its in-flight requests are moved or ended
+    #: a node silent (no heartbeat, no token) this long, or 3 of its heartbeat periods where that is longer,
+    #: is dead: its in-flight requests are moved or ended (kairos/core/cluster/heartbeat.py Liveness)
     liveness_timeout_s: float = 3.0
     #: after a NATS reconnect, a routed request with no event for this long lost its stream: moved or ended
     outage_grace_s: float = 3.0

@@ -10,8 +10,8 @@ the bus connection's state. Where it goes: verdicts queued to the relay of each 
 Every ``disconnect_poll_s`` (:meth:`FlightWatch.run`):
 
 * **clients**: a closed connection (aiohttp does not cancel the handler) → ClientGone;
-* **node lost**: a node silent — no heartbeat and no token — for ``liveness_timeout_s`` is dead
-  (positive evidence; routing staleness is not enough, the aggregator is not needed), and so is a
+* **node lost**: a node silent — no heartbeat and no token — for ``liveness_timeout_s``, or for 3
+  of its own heartbeat periods where that is longer, is dead (positive evidence; routing staleness is not enough, the aggregator is not needed), and so is a
   node with a newer incarnation than when the request started depending on it (restarted). On the
   keep path before the first token, a dead prefill or decode node is first checked against the
   prefill record (was the KV handed off, and to whom?): the decision's decode node alone does not
