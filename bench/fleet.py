@@ -1,5 +1,5 @@
-"""Control plane at fleet scale (issue 19, section 3): the real aggregator, 2 dispatchers and ingress on
-a real nats-server, with the bus traffic of N prefill + M decode node agents made by a few processes.
+"""Control plane at fleet scale: the real aggregator, 2 dispatchers and ingress on a real nats-server,
+under the bus traffic of N prefill + M decode node agents made by a few processes.
 
 Each fleet process hosts many real :class:`kairos.services.node_agent.agent.NodeAgent` objects on one
 event loop (no /metrics server each), with the near-zero emulated engine of ``bench/control_plane.py``
@@ -347,17 +347,50 @@ def print_table(rows: list[dict]) -> None:
     print(f"targets at {rows[-1]['size']}: {targets(rows[-1])}", file=sys.stderr)
 
 
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``"2x2,8x64"`` → ``[(2, 2), (8, 64)]`` (prefill, decode nodes). Raises argparse.ArgumentTypeError
+    for anything but a comma list of PxD with P, D ≥ 1."""
+    sizes = []
+    for part in (x.strip() for x in text.split(",")):
+        p, sep, d = part.lower().partition("x")
+        if not sep or not p.isdigit() or not d.isdigit() or int(p) < 1 or int(d) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a size PxD with P, D >= 1 (e.g. 2x2,8x64,32x256)")
+        sizes.append((int(p), int(d)))
+    return sizes
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number > 0")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+    return int(text)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="2x2,8x64,32x256", help="Comma list of PxD sizes.")
-    ap.add_argument("--rate", type=float, default=100.0)
-    ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--floor-duration", type=float, default=10.0,
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--sizes", type=parse_sizes, default="2x2,8x64,32x256",
+                    help="Comma list of PxD sizes (prefill x decode nodes).")
+    ap.add_argument("--rate", type=_positive, default=100.0, help="Offered requests per second (> 0).")
+    ap.add_argument("--duration", type=_positive, default=20.0, help="Seconds measured per size (> 0).")
+    ap.add_argument("--warmup", type=_non_negative, default=2.0, help="Seconds sent before each measured run.")
+    ap.add_argument("--floor-duration", type=_non_negative, default=10.0,
                     help="Seconds of bench/bus_floor.py before each size (0: skip the floor).")
-    ap.add_argument("--prompt-tokens", type=int, default=16)
-    ap.add_argument("--output-tokens", type=int, default=4)
-    ap.add_argument("--per-process", type=int, default=NODES_PER_PROCESS, help="Node agents per fleet process.")
+    ap.add_argument("--prompt-tokens", type=_count, default=16)
+    ap.add_argument("--output-tokens", type=_count, default=4)
+    ap.add_argument("--per-process", type=_count, default=NODES_PER_PROCESS, help="Node agents per fleet process.")
     ap.add_argument("--json", default=None, help="Also write the rows (a JSON list) here.")
     # a fleet process (started by this script)
     ap.add_argument("--host-agents", action="store_true", help=argparse.SUPPRESS)
@@ -379,8 +412,7 @@ def main() -> None:
         prof = cp.near_zero_profile(Path(tmp) / "near-zero.json")
         model = load_profile(prof)
         engine_ms = float(model.prefill_step_ms(args.prompt_tokens, 0) + model.decode_step_ms(1, args.prompt_tokens))
-        for size in args.sizes.split(","):
-            p, d = (int(x) for x in size.lower().split("x"))
+        for p, d in args.sizes:
             row = run_size(p, d, args, prof, engine_ms, Path(tmp))
             row["targets_met"] = targets(row)
             rows.append(row)

@@ -49,3 +49,12 @@ def test_cpu_split_puts_the_fleet_and_the_client_in_the_harness_and_the_rest_in_
 
 def test_no_floor_is_measured_for_a_zero_duration():
     assert F.bus_floor(100.0, 0.0) is None
+
+
+def test_sizes_parse_and_bad_ones_are_refused_with_the_form_expected():
+    import argparse
+
+    assert F.parse_sizes("2x2, 8X64,32x256") == [(2, 2), (8, 64), (32, 256)]
+    for bad in ("2x3x4", "abc", "0x2", "2x0", "2x", "-1x2", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not a size PxD"):
+            F.parse_sizes(bad)
