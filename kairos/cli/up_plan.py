@@ -234,7 +234,7 @@ def banner(opts: UpOptions, procs: list[Child], log_dir: Path, targets_path: Pat
                      f"kairos profile --nats-url {nats_url} --node decode-0 --no-publish  (the credentials go "
                      "away with the stack)")
     lines += [f"Try          curl -s {base}/v1/completions -H 'Content-Type: application/json' "
-              + ("-H 'Authorization: Bearer $KEY' " if keyed else "")
+              + ('-H "Authorization: Bearer $KEY" ' if keyed else "")  # double quotes: the shell expands $KEY
               + f"-d '{{\"model\": \"{o.served_model}\", \"prompt\": \"Hello\", \"max_tokens\": 8}}'",
               "Stop         Ctrl-C"]
     return "\n".join(lines)
