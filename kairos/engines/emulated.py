@@ -24,6 +24,10 @@ from kairos.engines.base import EngineBackend, EngineEvents, StepOutput
 #: the event loop's epoll wait rounds timeouts up to whole milliseconds (selectors.EpollSelector), so a
 #: 0.05 ms step slept with asyncio.sleep took ~1.1 ms; shorter waits yield to the loop instead
 TIMER_RESOLUTION_S = 0.001
+#: a step due to start more than this long ago (s) means the engine process did not run — a SIGSTOP,
+#: a starved host — rather than scheduling overhead: like a real engine it does not replay the lost
+#: time in a burst of back-to-back steps; its clock restarts at now
+MAX_CATCH_UP_S = 0.1
 
 
 def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
@@ -142,7 +146,11 @@ class EmulatedBackend(EngineBackend):
         Step ends are absolute deadlines: a busy engine's step i+1 starts at step i's planned end,
         not when the event loop got round to it, so scheduling overhead (~0.1–1 ms per step) does
         not accumulate into a slower engine than the latency model says (SimPy's
-        ``RealtimeEnvironment`` does the same). After an idle wait the clock restarts at now.
+        ``RealtimeEnvironment`` does the same). After an idle wait, or when the process did not run for
+        more than :data:`MAX_CATCH_UP_S` (stopped, starved), the clock restarts at now. Every step
+        yields to the event loop at least once, so a cancel that arrived meanwhile is read before the
+        next step (after a SIGCONT the node used to run its requests' missed seconds of tokens in a
+        burst before it read their cancels).
         """
         eng = self.engine
         stop_wait = asyncio.ensure_future(stop.wait())
@@ -161,11 +169,13 @@ class EmulatedBackend(EngineBackend):
                     wake.cancel()
                     continue
                 now = time.monotonic()
-                start = now if deadline is None else min(deadline, now)
+                start = now if deadline is None or now - deadline > MAX_CATCH_UP_S else min(deadline, now)
                 deadline = start + plan.duration_ms / 1000.0
                 started = time.time() * 1000.0 - (now - start) * 1000.0
                 if deadline - now >= TIMER_RESOLUTION_S:
                     await asyncio.sleep(deadline - now)
+                else:
+                    await asyncio.sleep(0)  # at least one turn of the loop per step (cancels, jobs)
                 while time.monotonic() < deadline:  # sub-ms rest: the loop's timers round up to 1 ms
                     await asyncio.sleep(0)
                 wall = (time.monotonic() - start) * 1000.0
