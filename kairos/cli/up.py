@@ -23,6 +23,7 @@ they are needed.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -57,6 +58,42 @@ MAX_SINGLETON_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 
 
+#: the supervisor's pid in its run directory: a directory whose supervisor is gone was abandoned
+OWNER_FILE = "supervisor.pid"
+
+
+def clear_run_dir(tmp: Path, log_dir: Path) -> Path | None:
+    """Remove a ``kairos up`` run directory ``tmp`` (its JetStream store, generated credentials, …)
+    except ``log_dir`` when that is inside it and holds a non-empty log. Returns ``log_dir`` if it
+    holds a non-empty log (kept), else None (then nothing of ``tmp`` is left)."""
+    logs = [p for p in log_dir.glob("*.log") if p.stat().st_size] if log_dir.is_dir() else []
+    inside = log_dir.is_relative_to(tmp)
+    for entry in list(tmp.iterdir()) if tmp.is_dir() else []:
+        if not (logs and inside and entry == log_dir):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    if not (logs and inside):
+        shutil.rmtree(tmp, ignore_errors=True)
+    return log_dir if logs else None
+
+
+def reap_abandoned(root: Path) -> list[tuple[Path, int]]:
+    """Clear (:func:`clear_run_dir`, logs kept) every ``kairos-up-*`` directory under ``root`` whose
+    supervisor (:data:`OWNER_FILE`) no longer runs: a ``kairos up`` killed with SIGKILL cannot remove
+    its generated NATS passwords and JetStream store itself. Directories without the file, of a
+    running supervisor or of another user's are left alone. Returns ``[(directory, its pid)]``."""
+    reaped = []
+    for d in sorted(root.glob("kairos-up-*")):
+        try:
+            pid = int((d / OWNER_FILE).read_text().strip())
+            os.kill(pid, 0)
+        except ProcessLookupError:  # the supervisor is gone
+            clear_run_dir(d, d / "logs")
+            reaped.append((d, pid))
+        except (OSError, ValueError):  # no owner file (older runs), not ours (PermissionError), unreadable
+            continue
+    return reaped
+
+
 class RestartBudget:
     """At most ``limit`` restarts of one child within any ``window_s`` seconds (monotonic clock).
 
@@ -89,7 +126,11 @@ class Supervisor:
         self.opts = opts
         self.out, self.err = out, err
         self.procs: list[Child] = []
+        for d, pid in reap_abandoned(Path(tempfile.gettempdir())):
+            print(f"kairos up: removed the credentials and JetStream store left in {d} by a kairos up that was "
+                  f"killed (pid {pid}); its logs are kept", file=err, flush=True)
         self.tmp = Path(tempfile.mkdtemp(prefix="kairos-up-"))
+        (self.tmp / OWNER_FILE).write_text(f"{os.getpid()}\n")
         self.log_dir = Path(opts.log_dir) if opts.log_dir else self.tmp / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.stopping = False
@@ -318,14 +359,7 @@ class Supervisor:
     def cleanup(self) -> Path | None:
         """After :meth:`down`: remove the temp dir except the logs in it. Returns the log dir if it
         holds a non-empty log (kept), else None (then nothing is left in the temp dir)."""
-        logs = [p for p in self.log_dir.glob("*.log") if p.stat().st_size] if self.log_dir.is_dir() else []
-        inside = self.log_dir.is_relative_to(self.tmp)
-        for entry in list(self.tmp.iterdir()) if self.tmp.is_dir() else []:
-            if not (logs and inside and entry == self.log_dir):
-                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
-        if not (logs and inside):
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        return self.log_dir if logs else None
+        return clear_run_dir(self.tmp, self.log_dir)
 
     def finish(self) -> None:
         """:meth:`down`, :meth:`cleanup` and the final lines on stderr (where the logs are)."""
