@@ -41,7 +41,13 @@ class BenchError(Exception):
 
 
 def check_url(url: str) -> str:
-    """The base URL without a trailing slash.
+    """The base URL without a trailing slash and without a trailing ``/v1`` path segment.
+
+    Requests go to ``{base}/v1/completions`` and ``{base}/v1/models`` (as ``vllm bench serve``'s
+    ``--base-url`` plus its ``--endpoint /v1/completions``), but an OpenAI client's base URL ends in
+    ``/v1``: given one, the bench would ask ``/v1/v1/…`` and get 404 on every request, so a path
+    ending in ``/v1`` or ``/v1/`` is dropped (:func:`v1_note` says so). Another path (a proxy
+    prefix) is kept.
 
     Raises:
         BenchError: not an ``http(s)://host[:port]`` URL.
@@ -54,7 +60,19 @@ def check_url(url: str) -> str:
         raise BenchError(f"bad --url {url!r}: {exc}") from None
     if u.scheme not in ("http", "https") or not u.host:
         raise BenchError(f"bad --url {url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    path = u.path.rstrip("/")
+    if path.endswith("/v1"):
+        u = u.with_path(path[:-len("/v1")] or "/")
     return str(u).rstrip("/")
+
+
+def v1_note(given: str, base: str) -> str | None:
+    """The one-line note ``kairos bench`` prints when :func:`check_url` dropped a trailing ``/v1``
+    from ``given`` (None when it did not)."""
+    if check_url(given) != base or not given.strip().rstrip("/").endswith("/v1"):
+        return None
+    return (f"note: --url {given.strip()} ends in /v1; using {base} (the bench adds /v1/completions and "
+            f"/v1/models itself)")
 
 
 def parse_deflect_counter(text: str) -> float | None:
@@ -163,7 +181,9 @@ async def probe(session, url: str, model: str | None) -> tuple[str, int | None]:
             cards = []
     if model is None:
         if not cards or not isinstance(cards[0].get("id"), str):
-            raise BenchError(f"{url}/v1/models gave no model (HTTP {status}); pass --model")
+            hint = (f"; is {url} the server's base URL (http://HOST:PORT, without /v1)? Else pass --model"
+                    if status == 404 else "; pass --model")
+            raise BenchError(f"{url}/v1/models gave no model (HTTP {status}){hint}")
         model = cards[0]["id"]
     ids = [c.get("id") for c in cards]
     if cards and model not in ids:

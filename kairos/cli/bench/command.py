@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_bench
+from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_bench, v1_note
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S
 from kairos.cli.bench.report import build_report, format_report
 from kairos.cli.bench.vllm_block import DEFAULT_PERCENTILE_METRICS, parse_metric_percentiles, parse_percentile_metrics
@@ -66,7 +66,7 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     from kairos.core.workload.counted import first_requests
     from kairos.core.workload.workloads import WorkloadError, WorkloadSizeError, check_workload_size, parse_workload
 
-    url = check_url(url)
+    given, url = url, check_url(url)
     from kairos.cli.options import size_option
     if num_prompts is not None and duration is not None:
         raise BenchError(f"--num-prompts {num_prompts} and --duration {duration:g}: give one")
@@ -103,6 +103,8 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
         return cache[n]
 
     workload_fn(None)  # workload errors before touching the network
+    if note := v1_note(given, url):
+        click.echo(f"kairos bench: {note}", err=True)
     cfg = BenchConfig(url=url, model=model, max_concurrency=max_concurrency, request_timeout_s=request_timeout,
                       progress=progress, progress_interval_s=progress_interval_s, api_key=api_key,
                       prompt_seed=None if reuse_prompts else seed)

@@ -14,7 +14,9 @@ from kairos.core.policy import DEFAULT_PARAMS
 
 
 @click.command()
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="Ingress base URL, as vllm bench serve's --base-url: requests go to URL/v1/completions. "
+                   "A trailing /v1 (an OpenAI client's base URL) is dropped, with a note.")
 @workload_options(60.0, vllm_names=True)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--reuse-prompts", is_flag=True,
