@@ -60,6 +60,16 @@ SETTLING_RETRY_S = 0.2
 RECONNECT_POLL_S = 0.05
 
 
+def no_live_nodes(view: Any) -> str:
+    """Why nothing is routable, for the 503's message: the roles without a live (fresh, accepting)
+    node in ``view`` (a :class:`~kairos.contracts.wire.ClusterView`; None: no view yet)."""
+    if view is None:
+        return "no cluster view yet (is the state aggregator running?)"
+    live = {n.role for n in view.nodes if not n.stale and n.accepting}
+    missing = [role for role in ("prefill", "decode") if role not in live]
+    return f"no live {' and '.join(missing)} node" if missing else "no routable node"
+
+
 @dataclass
 class RouteAttempt:
     """One request's routing across its tries (the loop state of :meth:`Router.route`).
@@ -235,7 +245,7 @@ class Router:
             at.waited_since = self.clock.monotonic()
         left = self.cfg.no_node_wait_s - (self.clock.monotonic() - at.waited_since)
         if left <= 0 or at.excluded:
-            why = "every node refused or did not answer" if at.excluded else "no live prefill and decode node"
+            why = "every node refused or did not answer" if at.excluded else no_live_nodes(self.state.view)
             await self.outcomes.error(at.req, ErrorCode.NO_AVAILABLE_NODE, f"{why} (excluded: {at.excluded})", span)
             return True
         self.state.view_changed.clear()
