@@ -50,7 +50,10 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
 * **Failures** are counted, never fatal: an HTTP status ≠ 200, an ``error`` object in the stream,
   a stream that ends without ``data: [DONE]``, a connection error, or no answer within
   ``request_timeout_s`` (seconds, whole request). Only usage errors (bad URL, server unreachable
-  at start, bad workload) raise :class:`BenchError`.
+  at start, bad workload) raise :class:`BenchError`. The summary groups the failures by the
+  error's code (the server's ``code``/``type``, else the exception class; a message often embeds
+  the request id), one line per group with its count and an example, the largest five, then how
+  many failures those lines leave out (:func:`~kairos.cli.bench.report.error_groups`).
 * **Deflections.** After the run, ``GET {url}/v1/requests/{id}`` (the id the ingress returned in
   the stream's ``id``, or the ``x-request-id`` header) for every request that got one, counting
   ``decision == "deflect"`` and setting ``RequestRecord.deflected``. If no record is found at all

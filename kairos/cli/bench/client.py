@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S, ProgressReporter
-from kairos.cli.bench.stream import SSEParser, StreamState, error_message, int_or_none, make_record, request_body
+from kairos.cli.bench.stream import (SSEParser, StreamState, error_code, error_message, int_or_none, make_record,
+                                     request_body)
 from kairos.core.workload.serving_metrics import RequestRecord
 from kairos.core.workload.workloads import WorkloadRequest
 
@@ -135,6 +136,11 @@ class Outcome:
     #: seconds since the bench start at which the request was due and began waiting for a
     #: ``max_concurrency`` slot (None: not recorded); sent_s − queued_s is vLLM's client queue time
     queued_s: float | None = None
+    #: the failure's group (None: no failure, or one found later by :func:`make_record`): the
+    #: server's error ``code`` / ``type`` (an HTTP error body or an ``error`` event), ``HTTP <status>``
+    #: for a body without one, the exception class for a client-side failure (``TimeoutError`` for
+    #: ``request_timeout_s``), ``incomplete_stream`` for a stream without ``data: [DONE]``
+    error_code: str | None = None
 
 
 @dataclass
@@ -205,6 +211,7 @@ async def send_one(session, url: str, index: int, req: WorkloadRequest, model: s
     state = StreamState() if state is None else state
     parser = SSEParser()
     error: str | None = None
+    code: str | None = None
     header_id: str | None = None
     sent_s = time.perf_counter() - t0
     try:
@@ -214,10 +221,11 @@ async def send_one(session, url: str, index: int, req: WorkloadRequest, model: s
                 if resp.status != 200:
                     text = await resp.text()
                     try:
-                        msg = error_message(json.loads(text).get("error") or text)
+                        err = json.loads(text).get("error") or text
+                        msg, code = error_message(err), error_code(err)
                     except (ValueError, AttributeError):
                         msg = text.strip()[:300] or (resp.reason or "")
-                    error = f"HTTP {resp.status}: {msg}"
+                    error, code = f"HTTP {resp.status}: {msg}", code or f"HTTP {resp.status}"
                 else:
                     async for data in resp.content.iter_any():
                         for ev in parser.feed(data):
@@ -226,12 +234,14 @@ async def send_one(session, url: str, index: int, req: WorkloadRequest, model: s
                     for ev in parser.close():
                         state.on_data(ev, t)
                     if state.error is None and not state.done:
-                        error = "stream ended before data: [DONE]"
+                        error, code = "stream ended before data: [DONE]", "incomplete_stream"
     except TimeoutError:
-        error = f"timeout after {timeout_s:g} s"
+        error, code = f"timeout after {timeout_s:g} s", "TimeoutError"
     except Exception as exc:  # aiohttp.ClientError, OSError, ...: the request failed, the run goes on
-        error = f"{type(exc).__name__}: {exc}".rstrip(": ")
-    return Outcome(index, req, sent_s, state, state.error or error, state.server_id or header_id)
+        error, code = f"{type(exc).__name__}: {exc}".rstrip(": "), type(exc).__name__
+    if state.error is not None:
+        error, code = state.error, state.error_code
+    return Outcome(index, req, sent_s, state, error, state.server_id or header_id, error_code=code)
 
 
 async def lookup_decisions(session, url: str, ids: Sequence[str]) -> dict[str, dict[str, Any]]:

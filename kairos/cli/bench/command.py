@@ -16,7 +16,7 @@ from typing import Any
 
 from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_bench, v1_note
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S
-from kairos.cli.bench.report import build_report, format_report
+from kairos.cli.bench.report import build_report, failure_lines, format_report
 from kairos.cli.bench.vllm_block import DEFAULT_PERCENTILE_METRICS, parse_metric_percentiles, parse_percentile_metrics
 from kairos.runtime.service import run_on_event_loop
 from kairos.core.workload.workloads import DEFAULT_MAX_MODEL_LEN, WorkloadRequest
@@ -125,8 +125,8 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     src = f" (from {report['deflections_source']})" if report["deflections_source"] else ""
     click.echo(f"sent {report['sent']}, completed {report['completed']}, failed {report['failed']} in "
                f"{report['duration_s']:.1f} s; deflections: {report['deflections']}{src}", err=True)
-    for msg, n in list(report["errors"].items())[:5]:
-        click.echo(f"  {n} x {msg}", err=True)
+    for line in failure_lines(report):
+        click.echo(line, err=True)
     if json_path:
         p = Path(json_path)
         p.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,8 @@ from kairos.cli.bench.vllm_block import (DEFAULT_METRIC_PERCENTILES, DEFAULT_PER
 from kairos.core.policy.registry import DEFAULT_PARAMS
 from kairos.core.workload.serving_metrics import format_table, serving_metrics, summarize
 
+ERROR_GROUPS_SHOWN = 5  #: failure groups printed under the summary (the rest are counted in one line)
+
 
 def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], label: str = "live",
                  tbt_slo_ms: float = DEFAULT_PARAMS.tbt_slo_ms, ttft_slo_ms: float = DEFAULT_PARAMS.ttft_slo_ms,
@@ -35,7 +37,7 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
     wall ``duration_s``) with ``deflections`` replaced by the measured count (None = unknown),
     plus ``label``, ``url``, ``model``, ``workload``, ``sent``, ``duration_s`` (s),
     ``deflections_source``, ``max_concurrency``, ``request_timeout_s``, ``tbt_slo_ms``,
-    ``ttft_slo_ms``, ``errors`` ({message: count}), ``serving`` (:func:`kairos.core.workload.serving_metrics.serving_metrics`,
+    ``ttft_slo_ms``, ``errors`` ({message: count}), ``error_groups`` (:func:`error_groups`), ``serving`` (:func:`kairos.core.workload.serving_metrics.serving_metrics`,
     ``vllm bench serve``'s keys, with its ``max_output_tokens_per_s`` and ``max_concurrent_requests``
     (:func:`kairos.cli.bench.vllm_block.peak_figures`) and, under ``max_concurrency``, its
     client-queue figures; goodput under ``goodput_slo_ms``, default TTFT ≤ ``ttft_slo_ms``
@@ -81,12 +83,58 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
         "max_concurrency": max_concurrency, "request_timeout_s": request_timeout_s,
         "tbt_slo_ms": tbt_slo_ms, "ttft_slo_ms": ttft_slo_ms,
         "errors": dict(errors.most_common()),
+        "error_groups": error_groups(result),
     }
     if save_records:
         report["records"] = [{**msgspec.to_builtins(r), "server_id": o.server_id,
                               "scheduled_s": o.req.arrival_s}
                              for r, o in zip(result.records, result.outcomes)]
     return report
+
+
+def error_groups(result: BenchResult) -> list[dict[str, Any]]:
+    """The failures grouped by cause, largest first (ties by code): ``[{"code", "count", "example"}]``.
+
+    A message often embeds the request id (``the ingress serving request cmpl-… is shutting down``),
+    so identical causes never share a message; the group is the
+    :attr:`~kairos.cli.bench.client.Outcome.error_code` instead (the server's error ``code`` /
+    ``type``, ``HTTP <status>``, the client-side exception class, ``incomplete_stream``), or
+    ``no_output_tokens`` for a stream that ended cleanly without a token. ``example`` is the first
+    failure's message of the group. The counts add up to the failed requests."""
+    groups: dict[str, dict[str, Any]] = {}
+    for rec, out in zip(result.records, result.outcomes):
+        if rec.error is None:
+            continue
+        code = out.error_code or (rec.error if out.error is not None else "no_output_tokens")
+        g = groups.setdefault(code, {"code": code, "count": 0, "example": rec.error})
+        g["count"] += 1
+    return sorted(groups.values(), key=lambda g: (-g["count"], g["code"]))
+
+
+def failure_lines(report: dict[str, Any], shown: int = ERROR_GROUPS_SHOWN, width: int = 200) -> list[str]:
+    """What ``kairos bench`` prints under its summary about the failures: one line per group of
+    :func:`error_groups` (``N x code: example``, the example cut at ``width`` characters), at most
+    ``shown``, then how many failures (of how many other groups) those lines leave out, so that the
+    counts printed add up to ``report["failed"]``. A saved report without ``error_groups`` groups its
+    ``errors`` by message."""
+    groups = report.get("error_groups")
+    if groups is None:
+        groups = [{"code": msg, "count": n, "example": None} for msg, n in (report.get("errors") or {}).items()]
+    lines = []
+    for g in groups[:shown]:
+        ex = g.get("example")
+        if ex and ex != g["code"]:
+            ex = ex.removeprefix(f"{g['code']}: ")  # HTTP 502: …, ClientPayloadError: …
+            ex = ex if len(ex) <= width else ex[:width - 1] + "…"
+            lines.append(f"  {g['count']} x {g['code']}: {ex}")
+        else:
+            lines.append(f"  {g['count']} x {g['code']}")
+    rest = groups[shown:]
+    if rest:
+        n = sum(g["count"] for g in rest)
+        lines.append(f"  … and {n} more failure{'s' if n != 1 else ''} of {len(rest)} other kind"
+                     f"{'s' if len(rest) != 1 else ''} (all in --json's error_groups)")
+    return lines
 
 
 def _num(x: float, digits: int = 1) -> str:

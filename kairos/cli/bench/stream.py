@@ -121,6 +121,17 @@ def error_message(err: Any) -> str:
     return str(err)
 
 
+def error_code(err: Any) -> str | None:
+    """The group of an OpenAI-style ``error`` object: its ``code``, else its ``type`` (vLLM and
+    OpenAI send both; a message may embed the request id, these do not); None if it has neither."""
+    if isinstance(err, dict):
+        for key in ("code", "type"):
+            v = err.get(key)
+            if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v):
+                return str(v)
+    return None
+
+
 def int_or_none(v: Any) -> int | None:
     """``v`` if it is an int (not a bool), else None."""
     return v if isinstance(v, int) and not isinstance(v, bool) else None
@@ -144,6 +155,8 @@ class StreamState:
     server_id: str | None = None  #: the response ``id`` (request id assigned by the server)
     done: bool = False  #: ``data: [DONE]`` seen
     error: str | None = None  #: first error (an ``error`` object or malformed data)
+    #: the first error's group: the ``error`` object's code (:func:`error_code`), ``malformed_sse``
+    error_code: str | None = None
     _cumulative: int = 0  #: tokens accounted for by per-chunk usage
 
     def on_data(self, data: str, t_s: float) -> None:
@@ -154,13 +167,12 @@ class StreamState:
         try:
             obj = json.loads(data)
         except ValueError:
-            self.error = self.error or f"malformed SSE data: {data[:200]!r}"
-            return
+            obj = None
         if not isinstance(obj, dict):
-            self.error = self.error or f"malformed SSE data: {data[:200]!r}"
+            self._fail(f"malformed SSE data: {data[:200]!r}", "malformed_sse")
             return
         if obj.get("error"):
-            self.error = self.error or error_message(obj["error"])
+            self._fail(error_message(obj["error"]), error_code(obj["error"]) or "stream_error")
             return
         if self.server_id is None and isinstance(obj.get("id"), str):
             self.server_id = obj["id"]
@@ -182,6 +194,11 @@ class StreamState:
             if self.chunks and t_s <= self.chunks[-1][0]:
                 t_s = math.nextafter(self.chunks[-1][0], math.inf)
             self.chunks.append((t_s, n))
+
+
+    def _fail(self, message: str, code: str) -> None:
+        if self.error is None:  # the first error wins
+            self.error, self.error_code = message, code
 
 
 def chunk_tokens(choice: dict[str, Any], usage_completion_tokens: int | None, counted_so_far: int) -> int:
