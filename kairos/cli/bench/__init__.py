@@ -54,6 +54,10 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
   error's code (the server's ``code``/``type``, else the exception class; a message often embeds
   the request id), one line per group with its count and an example, the largest five, then how
   many failures those lines leave out (:func:`~kairos.cli.bench.report.error_groups`).
+* **Interruption.** Under ``kairos bench``, Ctrl-C (SIGINT) or SIGTERM stops the run early
+  (:mod:`~kairos.cli.bench.interrupt`): no request is sent any more, those in flight are cancelled
+  (their connections closed) and left out of every figure, and the report of what finished is
+  printed and written with ``interrupted`` set; the command exits 130 or 143. A second Ctrl-C aborts.
 * **Deflections.** After the run, ``GET {url}/v1/requests/{id}`` (the id the ingress returned in
   the stream's ``id``, or the ``x-request-id`` header) for every request that got one, counting
   ``decision == "deflect"`` and setting ``RequestRecord.deflected``. If no record is found at all
@@ -63,7 +67,8 @@ Behaviour follows ``vllm bench serve`` (vLLM ``vllm/benchmarks/serve.py`` and
 
 The package, one concern a module: :mod:`~kairos.cli.bench.stream` (one request's body, SSE
 stream and record; pure), :mod:`~kairos.cli.bench.client` (the HTTP replay and the deflection
-count), :mod:`~kairos.cli.bench.progress` (the progress bar or lines),
+count), :mod:`~kairos.cli.bench.progress` (the progress bar or lines), :mod:`~kairos.cli.bench.interrupt`
+(stopping early on a signal),
 :mod:`~kairos.cli.bench.vllm_block` (``vllm bench serve``'s result block and figures),
 :mod:`~kairos.cli.bench.report` (the JSON report and what is printed) and
 :mod:`~kairos.cli.bench.command` (:func:`bench_cli`, what the ``kairos bench`` command runs). The

@@ -13,6 +13,7 @@ errors raise :class:`BenchError`. The rules followed are in :mod:`kairos.cli.ben
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kairos.cli.bench.interrupt import Interrupt
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S, ProgressReporter
 from kairos.cli.bench.stream import (SSEParser, StreamState, error_code, error_message, int_or_none, make_record,
                                      request_body)
@@ -141,6 +143,8 @@ class Outcome:
     #: for a body without one, the exception class for a client-side failure (``TimeoutError`` for
     #: ``request_timeout_s``), ``incomplete_stream`` for a stream without ``data: [DONE]``
     error_code: str | None = None
+    #: in flight when the run was interrupted, and cancelled (:func:`run_bench`'s ``interrupt``)
+    cancelled: bool = False
 
 
 @dataclass
@@ -155,6 +159,12 @@ class BenchResult:
     send_span_s: float  #: first → last request actually sent, seconds (achieved rate = (sent − 1) / span)
     deflections: int | None
     deflections_source: str | None  #: "requests" (GET /v1/requests/{id}), "metrics" or None
+    requests: int | None = None  #: requests in the workload (None: not recorded)
+    #: the signal that stopped the run early (``SIGINT``; :mod:`kairos.cli.bench.interrupt`), None if it ran out
+    interrupted: str | None = None
+    #: requests in flight when the run was interrupted, cancelled: counted in ``sent``, left out of
+    #: ``records`` and ``outcomes`` (neither completed nor failed)
+    cancelled: int = 0
 
 
 async def _get(session, url: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> tuple[int, str]:
@@ -277,13 +287,16 @@ async def scrape_metrics(session, url: str) -> str | None:
 
 async def run_bench(cfg: BenchConfig,
                     workload: Sequence[WorkloadRequest] | Callable[[int | None], Sequence[WorkloadRequest]],
-                    ) -> BenchResult:
+                    interrupt: Interrupt | None = None) -> BenchResult:
     """Probe the server, replay the workload open-loop, then collect deflections.
 
     Args:
         cfg: options; ``cfg.url`` is checked with :func:`check_url`.
         workload: the requests, or a function of the server's ``max_model_len`` (None if
             ``/v1/models`` does not report one) returning them.
+        interrupt: once requested (:mod:`kairos.cli.bench.interrupt`: SIGINT, SIGTERM), no request
+            is sent any more, those in flight are cancelled (their connections closed) and counted
+            in ``cancelled``, those not sent yet are left out; the result covers what finished.
 
     Raises:
         BenchError: bad URL, unreachable server, no model, empty workload.
@@ -291,6 +304,7 @@ async def run_bench(cfg: BenchConfig,
     import aiohttp
 
     url = check_url(cfg.url)
+    stop = interrupt.attach() if interrupt is not None else asyncio.Event()
     connector = aiohttp.TCPConnector(limit=cfg.max_concurrency or 0)
     auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
@@ -307,17 +321,22 @@ async def run_bench(cfg: BenchConfig,
             nonlocal n_failed
             queued_s = time.perf_counter() - t0
             state = StreamState()
-            if sem is None:
-                bar.started(i, r.output_tokens, state.chunks)
-                out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed, state)
-            else:
-                async with sem:
+            sent_s: float | None = None
+            try:
+                async with sem if sem is not None else contextlib.nullcontext():
+                    sent_s = time.perf_counter() - t0
                     bar.started(i, r.output_tokens, state.chunks)
                     out = await send_one(session, url, i, r, model, t0, cfg.request_timeout_s, cfg.prompt_seed,
                                          state)
+            except asyncio.CancelledError:
+                if not stop.is_set() or sent_s is None:
+                    raise  # cancelled from outside, or interrupted before it was sent: not counted
+                out = Outcome(i, r, sent_s, state, "cancelled: the run was interrupted", state.server_id,
+                              error_code="cancelled", cancelled=True)
             out.queued_s = queued_s
-            n_failed += out.error is not None
-            bar.update(n_failed, i)
+            if not out.cancelled:
+                n_failed += out.error is not None
+                bar.update(n_failed, i)
             return out
 
         async def ticker() -> None:  # the progress moves on while no request finishes (long ones draining)
@@ -328,16 +347,32 @@ async def run_bench(cfg: BenchConfig,
         t0 = time.perf_counter()
         bar = ProgressReporter(len(reqs), enabled=cfg.progress, interval_s=cfg.progress_interval_s,
                                clock=time.perf_counter)
-        tasks = []
+        tasks: list[asyncio.Task] = []
         ticking = asyncio.create_task(ticker()) if cfg.progress else None
         try:
             for i, r in enumerate(reqs):
                 delay = r.arrival_s - (time.perf_counter() - t0)
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                if delay > 0 and not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):  # the next arrival, or the interruption
+                            await stop.wait()
+                if stop.is_set():
+                    break
                 tasks.append(asyncio.create_task(task(i, r)))
-            outcomes = list(await asyncio.gather(*tasks))
-            send_span_s = max(o.sent_s for o in outcomes) - min(o.sent_s for o in outcomes)
+            if tasks and not stop.is_set():
+                stopped, finished = asyncio.create_task(stop.wait()), asyncio.create_task(asyncio.wait(tasks))
+                await asyncio.wait([stopped, finished], return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
+                finished.cancel()  # asyncio.wait leaves the requests running
+            for t in tasks:  # interrupted: the requests in flight are cancelled (connections closed)
+                t.cancel()
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            for g in got:
+                if isinstance(g, BaseException) and not isinstance(g, asyncio.CancelledError):
+                    raise g
+            sent = [g for g in got if isinstance(g, Outcome)]
+            outcomes = [o for o in sent if not o.cancelled]
+            send_span_s = max(o.sent_s for o in sent) - min(o.sent_s for o in sent) if sent else 0.0
         finally:
             for t in [*tasks, *([ticking] if ticking else [])]:
                 t.cancel()
@@ -362,5 +397,7 @@ async def run_bench(cfg: BenchConfig,
                            error=o.error, record=decisions.get(o.server_id or ""),
                            cached_tokens=o.state.cached_tokens)
                for o in outcomes]
-    return BenchResult(records=records, outcomes=outcomes, model=model, sent=len(outcomes), duration_s=duration_s,
-                       send_span_s=send_span_s, deflections=deflections, deflections_source=source)
+    return BenchResult(records=records, outcomes=outcomes, model=model, sent=len(sent), duration_s=duration_s,
+                       send_span_s=send_span_s, deflections=deflections, deflections_source=source,
+                       requests=len(reqs), interrupted=interrupt.name if interrupt is not None else None,
+                       cancelled=len(sent) - len(outcomes))

@@ -9,12 +9,14 @@ the paper's metrics table on stdout, a summary and warnings on stderr, the JSON 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kairos.cli.bench.client import BenchConfig, BenchError, check_url, run_bench, v1_note
+from kairos.cli.bench.interrupt import Interrupt, stop_on_signals
 from kairos.cli.bench.progress import DEFAULT_PROGRESS_INTERVAL_S
 from kairos.cli.bench.report import build_report, failure_lines, format_report
 from kairos.cli.bench.vllm_block import DEFAULT_PERCENTILE_METRICS, parse_metric_percentiles, parse_percentile_metrics
@@ -47,7 +49,8 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
               ttft_slo_ms: float, goodput: Sequence[str] = (),
               progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S, api_key: str | None = None,
               reuse_prompts: bool = False, percentile_metrics: str | None = None,
-              metric_percentiles: str = "99", num_prompts: int | None = None) -> dict[str, Any]:
+              metric_percentiles: str = "99", num_prompts: int | None = None,
+              handle_signals: bool = False) -> dict[str, Any]:
     """What ``kairos bench`` does: run, print ``vllm bench serve``'s result block and the paper's
     metrics table (stdout) and a summary (stderr), write JSON. ``num_prompts``: send exactly the
     first N requests of the workload (``vllm bench serve --num-prompts``;
@@ -56,7 +59,12 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
     (another seed, other prompts: no prefix-cache hits left by an earlier run) unless
     ``reuse_prompts``, which sends the index-only prompts of every run. ``percentile_metrics`` and
     ``metric_percentiles``: ``vllm bench serve``'s options of the same names (which metrics get a
-    section, which percentiles; default ``ttft,tpot,itl`` and ``99`` as vLLM's).
+    section, which percentiles; default ``ttft,tpot,itl`` and ``99`` as vLLM's). ``handle_signals``
+    (the ``kairos bench`` command): SIGINT and SIGTERM stop the run early
+    (:mod:`kairos.cli.bench.interrupt`): nothing more is sent, the requests in flight are cancelled,
+    and the report of what finished is printed and written, its ``interrupted`` set
+    (:func:`kairos.cli.bench.interrupt.exit_status` gives the exit status: 130, 143); else the
+    signals keep their handlers (``kairos demo`` has its own).
 
     Raises:
         BenchError: any usage error (the CLI exits 2).
@@ -110,7 +118,9 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
                       prompt_seed=None if reuse_prompts else seed)
     wl_info: dict[str, Any] = {"spec": workload, "rps": rps, "duration_s": duration, "num_prompts": num_prompts,
                                "seed": seed, "reuse_prompts": reuse_prompts}
-    result = run_on_event_loop(run_bench(cfg, workload_fn), "kairos bench")  # uvloop as the services
+    interrupt = Interrupt()
+    with stop_on_signals(interrupt) if handle_signals else contextlib.nullcontext():
+        result = run_on_event_loop(run_bench(cfg, workload_fn, interrupt), "kairos bench")  # uvloop as the services
     wl = next(iter(cache.values()))
     span = wl[-1].arrival_s - wl[0].arrival_s
     wl_info.update(requests=len(wl), offered_rps=round((len(wl) - 1) / span, 3) if span > 0 else None)
@@ -123,7 +133,9 @@ def bench_cli(*, url: str, workload: str, rps: float | None, duration: float | N
         click.echo("kairos bench: warning: the server sent no usage; output tokens are counted as one per chunk "
                    "with text, which undercounts when a chunk carries several tokens", err=True)
     src = f" (from {report['deflections_source']})" if report["deflections_source"] else ""
-    click.echo(f"sent {report['sent']}, completed {report['completed']}, failed {report['failed']} in "
+    cut = report["interrupted"]
+    cancelled = f", cancelled {cut['cancelled_in_flight']} in flight ({cut['signal']})" if cut else ""
+    click.echo(f"sent {report['sent']}, completed {report['completed']}, failed {report['failed']}{cancelled} in "
                f"{report['duration_s']:.1f} s; deflections: {report['deflections']}{src}", err=True)
     for line in failure_lines(report):
         click.echo(line, err=True)

@@ -49,7 +49,9 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
     last send, s), ``drain_s`` (last send to the end of the run, s: the requests still streaming),
     ``last_to_finish`` (the request whose last token came last: ``index``, ``output_tokens``,
     ``e2el_s``; None without a completed request), ``percentile_metrics``, ``metric_percentiles``,
-    ``usage_reported`` (responses that carried ``usage``) and, if ``save_records``, ``records``."""
+    ``usage_reported`` (responses that carried ``usage``), ``interrupted`` (None, or for a run stopped
+    by a signal: ``signal``, ``sent`` and ``requests`` (the workload's), ``cancelled_in_flight`` (sent,
+    cancelled, in no figure), ``after_s``) and, if ``save_records``, ``records``."""
     summary = summarize(result.records, tbt_slo_ms=tbt_slo_ms, ttft_slo_ms=ttft_slo_ms,
                         duration_s=result.duration_s)
     summary["deflections"] = result.deflections
@@ -84,6 +86,9 @@ def build_report(result: BenchResult, *, url: str, workload: dict[str, Any], lab
         "tbt_slo_ms": tbt_slo_ms, "ttft_slo_ms": ttft_slo_ms,
         "errors": dict(errors.most_common()),
         "error_groups": error_groups(result),
+        "interrupted": None if result.interrupted is None else {
+            "signal": result.interrupted, "sent": result.sent, "requests": result.requests,
+            "cancelled_in_flight": result.cancelled, "after_s": round(result.duration_s, 6)},
     }
     if save_records:
         report["records"] = [{**msgspec.to_builtins(r), "server_id": o.server_id,
@@ -199,7 +204,8 @@ def format_report(report: dict[str, Any]) -> str:
     """What ``kairos bench`` prints on stdout for a :func:`build_report` report: ``vllm bench serve``'s
     result block (:func:`kairos.cli.bench.vllm_block.result_block`: its labels, order and number
     formats), :func:`rates_note`, then the paper's metrics
-    (:func:`kairos.core.workload.serving_metrics.format_table`) in one row labelled ``report["label"]``. Also renders a
+    (:func:`kairos.core.workload.serving_metrics.format_table`) in one row labelled ``report["label"]``; an
+    interrupted run's output starts with :func:`interrupted_note`. Also renders a
     saved ``--json`` report (``tools.docgen.docgen``)."""
     rate = report.get("request_rate")
     if rate is None and "request_rate" not in report:  # a report saved before the field: the workload's rps
@@ -208,4 +214,20 @@ def format_report(report: dict[str, Any]) -> str:
                          percentile_metrics=report.get("percentile_metrics") or DEFAULT_PERCENTILE_METRICS,
                          percentiles=report.get("metric_percentiles") or DEFAULT_METRIC_PERCENTILES)
     table = format_table([{**report, "policy": report["label"], "rps": report["achieved_rps"]}], name_column="run")
-    return f"{block}\n{rates_note(report)}\n{table}"
+    head = f"{note}\n\n" if (note := interrupted_note(report)) else ""
+    return f"{head}{block}\n{rates_note(report)}\n{table}"
+
+
+def interrupted_note(report: dict[str, Any]) -> str | None:
+    """The line that marks an interrupted run's results (None for a run that ran out): which signal,
+    after how long, how many of the workload's requests had been sent, and that the figures cover
+    only those that finished (the cancelled ones in flight are in no figure)."""
+    info = report.get("interrupted")
+    if not info:
+        return None
+    of = f" of {info['requests']:,}" if info.get("requests") is not None else ""
+    n = info.get("cancelled_in_flight", 0)
+    return (f"INTERRUPTED ({info['signal']}) after {info['after_s']:,.1f} s: {info['sent']:,}{of} requests were sent; "
+            f"the figures below cover the {info['sent'] - n:,} that finished; "
+            + (f"the {n:,} still in flight {'was' if n == 1 else 'were'} cancelled and {'is' if n == 1 else 'are'} "
+               f"in no figure." if n else "none was in flight."))

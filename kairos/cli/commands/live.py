@@ -48,14 +48,21 @@ from kairos.core.policy import DEFAULT_PARAMS
 @click.option("--metric-percentiles", default="99", show_default=True, metavar="LIST",
               help="As in `vllm bench serve`: percentiles of each section, comma-separated.")
 def bench(**opts) -> None:
-    """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`)."""
+    """Replay a workload against a live ingress with streaming requests (like `vllm bench serve`).
+
+    Ctrl-C (SIGINT) or SIGTERM stops the run early: nothing more is sent, the requests in flight are
+    cancelled, the results of those that finished are printed (marked INTERRUPTED) and written to
+    --json, and the exit status is 130 (SIGINT) or 143 (SIGTERM). A second Ctrl-C aborts at once."""
     from kairos.cli.bench import BenchError, bench_cli
+    from kairos.cli.bench.interrupt import exit_status
 
     try:
-        report = bench_cli(**opts)
+        report = bench_cli(**opts, handle_signals=True)
     except BenchError as exc:
         click.echo(f"kairos bench: {exc}", err=True)
         sys.exit(2)
+    if (status := exit_status(report)) is not None:  # Ctrl-C / SIGTERM: what finished is reported, exit 130 / 143
+        sys.exit(status)
     if report["completed"] == 0:  # a run in which nothing completed measured nothing: not a success
         click.echo("kairos bench: no request completed (see the errors above)", err=True)
         sys.exit(1)
