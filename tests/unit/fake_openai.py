@@ -159,8 +159,10 @@ class FakeOpenAI:
 
 
 @contextmanager
-def serve(fake: FakeOpenAI):
-    """Run the fake on 127.0.0.1:<free port> in its own thread; yield its base URL."""
+def serve(fake: FakeOpenAI, handler_cancellation: bool = False):
+    """Run the fake on 127.0.0.1:<free port> in its own thread; yield its base URL. With
+    ``handler_cancellation`` aiohttp cancels a handler whose client disconnects (as the Kairos
+    ingress cancels a request)."""
     loop = asyncio.new_event_loop()
     ready = threading.Event()
     state: dict = {}
@@ -169,7 +171,8 @@ def serve(fake: FakeOpenAI):
         asyncio.set_event_loop(loop)
         fake.loop = loop
         fake.b_received, fake.release = asyncio.Event(), asyncio.Event()
-        runner = web.AppRunner(fake.app(), shutdown_timeout=1.0, access_log=None)
+        runner = web.AppRunner(fake.app(), shutdown_timeout=1.0, access_log=None,
+                               handler_cancellation=handler_cancellation)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         loop.run_until_complete(site.start())

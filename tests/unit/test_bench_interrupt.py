@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ from kairos.cli.bench import BenchConfig, run_bench
 from kairos.cli.bench.interrupt import Interrupt, exit_status
 from kairos.cli.main import main
 from kairos.core.workload.workloads import WorkloadRequest
-from tests.unit.fake_openai import FakeOpenAI, write_csv
+from tests.unit.fake_openai import FakeOpenAI, serve, write_csv
 
 PL_HOLD = 33  #: streams one token, signals the bench, then holds the stream open until the client leaves
 N_BEFORE, N_AFTER = 3, 6  #: requests that finish before the held one; requests never sent after it
@@ -68,35 +67,6 @@ class HoldingFake(FakeOpenAI):
         return resp
 
 
-@contextmanager
-def serve_cancelling(fake: FakeOpenAI):
-    """fake_openai.serve, with aiohttp's handler cancellation on (a handler is cancelled when its client
-    disconnects, as the Kairos ingress cancels a request)."""
-    loop = asyncio.new_event_loop()
-    ready, state = threading.Event(), {}
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(fake.app(), shutdown_timeout=1.0, access_log=None, handler_cancellation=True)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        state["port"] = site._server.sockets[0].getsockname()[1]
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    assert ready.wait(10), "fake server did not start"
-    try:
-        yield f"http://127.0.0.1:{state['port']}"
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        th.join(10)
-
-
 def _workload(tmp_path: Path) -> Path:
     rows = [(0.0, 10 + k, 3) for k in range(N_BEFORE)] + [(0.0, PL_HOLD, 50)] + \
            [(0.0, 20 + k, 3) for k in range(N_AFTER)]
@@ -128,7 +98,7 @@ def test_sigint_reports_what_finished_cancels_the_rest_and_exits_130(tmp_path, m
         fake = HoldingFake(signal.SIGINT)
         fake.pid_known.set()
         out = tmp_path / "b.json"
-        with serve_cancelling(fake) as url:
+        with serve(fake, handler_cancellation=True) as url:
             res = CliRunner().invoke(main, _args(url, _workload(tmp_path), out))
             assert fake.cancelled_on_server.wait(10), "the held request was not cancelled on the server"
         assert res.exit_code == 130, res.output
@@ -143,7 +113,7 @@ def test_sigterm_reports_what_finished_and_exits_143(tmp_path):
     fake = HoldingFake(signal.SIGTERM)
     out = tmp_path / "b.json"
     repo = Path(__file__).resolve().parents[2]
-    with serve_cancelling(fake) as url:
+    with serve(fake, handler_cancellation=True) as url:
         proc = subprocess.Popen([sys.executable, "-m", "kairos", *_args(url, _workload(tmp_path), out)], cwd=repo,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "PYTHONPATH": str(repo)})
@@ -167,7 +137,7 @@ async def test_open_loop_stops_waiting_for_the_next_arrival_and_cancels_the_requ
     fake.pid_known.set()
     reqs = [WorkloadRequest("a", 0.0, 10, 3), WorkloadRequest("long", 0.0, 11, 2_000), WorkloadRequest("held", 0.0,
             PL_HOLD, 50), WorkloadRequest("later", 1000.0, 12, 3)]
-    with serve_cancelling(fake) as url:
+    with serve(fake, handler_cancellation=True) as url:
         res = await asyncio.wait_for(run_bench(BenchConfig(url=url, progress=False), reqs, fake.interrupt), 60)
         assert fake.cancelled_on_server.wait(10)
     assert res.interrupted == "SIGINT" and res.requests == 4 and res.sent == 3
