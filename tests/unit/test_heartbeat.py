@@ -237,6 +237,10 @@ def test_a_node_with_a_long_heartbeat_period_is_dead_only_after_three_of_its_per
     assert not lv.dead("slow", 29_999) and lv.dead("slow", 30_001)
     lv.heard("slow", 30_000, E1, 100.0)  # it restarted with a short period: the timeout governs again
     assert not lv.dead("slow", 32_999) and lv.dead("slow", 33_001)
+    lv.heard("huge", 0, E1, 1e12)  # a period no agent can mean buys at most MAX_SILENCE_MS of silence
+    assert not lv.dead("huge", 59_999) and lv.dead("huge", 60_001)
+    lv.heard("odd", 0, E1, float("nan"))  # and an unreadable one changes nothing
+    assert not lv.dead("odd", 2_999) and lv.dead("odd", 3_001)
 
 
 def test_an_accepted_heartbeat_brings_its_period_into_liveness():

@@ -129,6 +129,9 @@ class HeartbeatGuard:
 #: heartbeat periods of silence after which :class:`Liveness` counts a node dead, where they are
 #: longer than its ``timeout_ms`` (the aggregator calls a node stale after 3 periods too)
 MISSED_PERIODS = 3
+#: the longest silence (ms) a node's heartbeat period can buy it: an agent configured with a huge
+#: period (or reporting one) still loses its requests to the liveness check within a minute
+MAX_SILENCE_MS = 60_000.0
 
 
 @dataclass
@@ -136,8 +139,9 @@ class Liveness:
     """When each node was last heard from (heartbeat or token), on the receiver's monotonic clock.
 
     ``dead(node)`` is positive evidence of death: nothing from it for ``timeout_ms``, or for
-    :data:`MISSED_PERIODS` of the node's own heartbeat period where that is longer (a node that
-    heartbeats every 5 s is silent for 5 s between two heartbeats, alive). While the
+    :data:`MISSED_PERIODS` of the node's own heartbeat period where that is longer, up to
+    :data:`MAX_SILENCE_MS` (a node that heartbeats every 5 s is silent for 5 s between two
+    heartbeats, alive). While the
     receiver itself is cut off from the bus it hears nobody, so :meth:`pause` suspends the
     judgement and :meth:`resume` restarts every node's clock (silence during our own outage is
     not the node's). A node never heard of starts its clock when first asked about
@@ -161,7 +165,7 @@ class Liveness:
         if epoch_unix_ms is not None:
             self._epochs[node] = epoch_unix_ms
         if period_ms is not None:
-            limit = MISSED_PERIODS * period_ms
+            limit = min(MISSED_PERIODS * period_ms, MAX_SILENCE_MS)
             if limit > self.timeout_ms:
                 self._limit_ms[node] = limit
             else:

@@ -246,7 +246,8 @@ class Router:
         left = self.cfg.no_node_wait_s - (self.clock.monotonic() - at.waited_since)
         if left <= 0 or at.excluded:
             why = "every node refused or did not answer" if at.excluded else no_live_nodes(self.state.view)
-            await self.outcomes.error(at.req, ErrorCode.NO_AVAILABLE_NODE, f"{why} (excluded: {at.excluded})", span)
+            excluded = f" (excluded: {at.excluded})" if at.excluded else ""
+            await self.outcomes.error(at.req, ErrorCode.NO_AVAILABLE_NODE, why + excluded, span)
             return True
         self.state.view_changed.clear()
         await self.clock.wait_event(self.state.view_changed, min(left, 1.0))

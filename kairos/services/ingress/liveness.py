@@ -11,11 +11,12 @@ Every ``disconnect_poll_s`` (:meth:`FlightWatch.run`):
 
 * **clients**: a closed connection (aiohttp does not cancel the handler) → ClientGone;
 * **node lost**: a node silent — no heartbeat and no token — for ``liveness_timeout_s``, or for 3
-  of its own heartbeat periods where that is longer, is dead (positive evidence; routing staleness is not enough, the aggregator is not needed), and so is a
-  node with a newer incarnation than when the request started depending on it (restarted). On the
-  keep path before the first token, a dead prefill or decode node is first checked against the
-  prefill record (was the KV handed off, and to whom?): the decision's decode node alone does not
-  count, the prefill agent tries the other candidates;
+  of its own heartbeat periods where that is longer (up to a minute), is dead (positive evidence;
+  routing staleness is not enough, the aggregator is not needed), and so is a node with a newer
+  incarnation than when the request started depending on it (restarted). On the keep path before
+  the first token, a dead prefill or decode node is first checked against the prefill record (was
+  the KV handed off, and to whom?): the decision's decode node alone does not count, the prefill
+  agent tries the other candidates;
 * **quiet streams**: after a reconnect, a routed request with no event for ``outage_grace_s`` lost
   its stream; a queued one whose execution claim exists (a node took it meanwhile) too;
 * **lanes**: a queued request whose request lane stalled (its NATS member died) is enqueued again on
