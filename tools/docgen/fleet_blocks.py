@@ -32,7 +32,7 @@ def fleet(load: Load) -> str:
                          + " | ".join(_g(fl_[q]) for fl_ in floors) + " | |")
     if all("cpu_split_pct" in row for row in rows):
         for part, label in (("harness", "harness CPU (fleet + client), % of one core"),
-                            ("control_plane", "control plane CPU (nats-server, aggregator, dispatchers, ingress), %")):
+                            ("control_plane", "control plane CPU (nats-server, aggregator, dispatchers, ingress), % of one core")):
             lines.append(f"| {label} | " + " | ".join(_g(row["cpu_split_pct"][part]) for row in rows) + " | |")
     lines.append("| CPU of all its processes, % of one core | " + " | ".join(
         _g(round(sum(v for v in row["cpu_pct"].values() if v is not None), 1)) for row in rows) + " | |")
