@@ -27,6 +27,14 @@ def test_a_trailing_v1_is_dropped(given, base):
     assert check_url(given) == base
 
 
+def test_the_note_is_printed_only_when_a_v1_path_was_dropped():
+    from kairos.cli.bench.client import v1_note
+
+    for given in ("http://v1", "http://v1:8000", "http://h:1/v10", "http://h:1/"):  # a host named v1 is no path
+        assert v1_note(given, check_url(given)) is None, given
+    assert "ends in /v1; using http://h:1 " in v1_note("http://h:1/v1/", "http://h:1")
+
+
 @pytest.mark.parametrize("suffix", ["/v1", "/v1/"])
 def test_bench_against_a_url_ending_in_v1_sends_to_v1_completions(tmp_path, suffix):
     out = tmp_path / "b.json"

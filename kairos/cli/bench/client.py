@@ -63,16 +63,22 @@ def check_url(url: str) -> str:
         raise BenchError(f"bad --url {url!r}: {exc}") from None
     if u.scheme not in ("http", "https") or not u.host:
         raise BenchError(f"bad --url {url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+    return str(_without_v1(u) or u).rstrip("/")
+
+
+def _without_v1(u: Any) -> Any:
+    """The ``yarl.URL`` ``u`` with the trailing ``/v1`` segment of its path dropped; None when its
+    path does not end in one (a host named ``v1`` is not a path)."""
     path = u.path.rstrip("/")
-    if path.endswith("/v1"):
-        u = u.with_path(path[:-len("/v1")] or "/")
-    return str(u).rstrip("/")
+    return u.with_path(path[:-len("/v1")] or "/") if path.endswith("/v1") else None
 
 
 def v1_note(given: str, base: str) -> str | None:
     """The one-line note ``kairos bench`` prints when :func:`check_url` dropped a trailing ``/v1``
-    from ``given`` (None when it did not)."""
-    if check_url(given) != base or not given.strip().rstrip("/").endswith("/v1"):
+    from ``given`` (a URL it accepted) to make ``base`` (None when it did not)."""
+    from yarl import URL
+
+    if _without_v1(URL(given.strip())) is None:
         return None
     return (f"note: --url {given.strip()} ends in /v1; using {base} (the bench adds /v1/completions and "
             f"/v1/models itself)")
