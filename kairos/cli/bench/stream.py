@@ -195,7 +195,6 @@ class StreamState:
                 t_s = math.nextafter(self.chunks[-1][0], math.inf)
             self.chunks.append((t_s, n))
 
-
     def _fail(self, message: str, code: str) -> None:
         if self.error is None:  # the first error wins
             self.error, self.error_code = message, code
