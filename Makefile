@@ -96,9 +96,12 @@ k8s-check: $(STAMP)
 
 ## docker-compose.yml run for real (Debian's docker.io + Compose 1.29, a debootstrapped base image, no
 ## registry, host networking only); needs root on a machine without Docker. ops/compose-smoke/smoke.py;
-## options: make compose-smoke ARGS="--duration 60".
+## options: make compose-smoke ARGS="--duration 60" (ARGS=--cold: both images removed first and built
+## again; KAIROS_COLD=1 in the environment adds it: the cold run of CI, docs/reliability.md). Then the compose tier's tests (pytest.mark.compose: docker-compose config of every file), which
+## need the docker-compose the smoke run installs.
 compose-smoke: $(STAMP)
-	$(BIN)/python ops/compose-smoke/smoke.py $(ARGS)
+	$(BIN)/python ops/compose-smoke/smoke.py $(ARGS) $(if $(filter 1,$(KAIROS_COLD)),--cold)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m compose tests/unit
 
 ## README/docs figures: rewrite every generated block from bench/results/*.jsonl (tools/docgen/docgen.py).
 docs: $(STAMP)

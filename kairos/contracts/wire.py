@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 import msgspec
 
+from kairos.core.cluster.snapshot import BatchSize, KvTokens, NonNegInt
 from kairos.core.model.correction import StepCorrection
 from kairos.core.policy.base import Decision
 from kairos.contracts.errors import ErrorCode
@@ -24,6 +25,8 @@ SCHEMA_VERSION = 2
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(ge=1)]
+#: a node's KV-transfer backlog, ms, as the policy input bounds it (PrefillNodeView.kv_backlog_ms)
+BacklogMs = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 
 
 def now_ms() -> float:
@@ -228,12 +231,17 @@ NodeRole = Literal["prefill", "decode"]
 class InFlight(msgspec.Struct, frozen=True):
     """A deflected prefill still running (mirrors :class:`kairos.core.cluster.snapshot.InFlightDeflection`)."""
 
-    prompt_tokens: NonNeg  #: prefill tokens not yet computed
-    output_tokens: NonNeg = 0
+    prompt_tokens: NonNegInt  #: prefill tokens not yet computed
+    output_tokens: NonNegInt = 0
 
 
 class NodeState(msgspec.Struct, frozen=True, kw_only=True):
-    """Heartbeat of one node agent: its engine state, every ``period_ms``."""
+    """Heartbeat of one node agent: its engine state, every ``period_ms``.
+
+    Token counts, batch sizes and the KV backlog carry the policy input's bounds
+    (:mod:`kairos.core.cluster.snapshot`): a heartbeat outside them is refused when it is decoded
+    (issue 32: a queue of 10^200 tokens made every prefill node's TTFT infinite and ``pd`` keep a
+    request on node ``''``)."""
 
     v: int = SCHEMA_VERSION
     node: str
@@ -243,15 +251,15 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     #: the agent's incarnation: its start time (wall clock ms); a restart is a newer epoch (kairos/core/cluster/heartbeat.py)
     epoch_unix_ms: float = 0.0
     period_ms: float  #: heartbeat period the agent uses
-    batch_size: NonNeg = 0  #: B_n, running decodes
-    kv_tokens: NonNeg = 0  #: K_n, cached KV tokens of those decodes
-    queue_prompt_tokens: list[NonNeg] = []  #: prefill tokens still to compute per queued request, FIFO
+    batch_size: BatchSize = 0  #: B_n, running decodes
+    kv_tokens: KvTokens = 0  #: K_n, cached KV tokens of those decodes
+    queue_prompt_tokens: list[NonNegInt] = []  #: prefill tokens still to compute per queued request, FIFO
     deflection_in_flight: bool = False
     in_flight: list[InFlight] = []
-    waiting: NonNeg = 0  #: requests waiting for admission
-    free_kv_tokens: NonNeg = 0
-    running: NonNeg = 0
-    kv_backlog_ms: float = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
+    waiting: BatchSize = 0  #: requests waiting for admission
+    free_kv_tokens: KvTokens = 0
+    running: BatchSize = 0
+    kv_backlog_ms: BacklogMs = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
     accepting: bool = True  #: False while draining
     #: prefix-cache events (kairos/core/engine_model/prefix.py, kairos/core/cluster/prefix_index.py ``on_heartbeat``): the cache's
     #: block size in tokens (0: the engine reports no cache), the block hashes stored and removed
@@ -345,13 +353,13 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     stale: bool  #: heartbeats stopped (no state for stale_after_ms): route nothing here
     age_ms: float  #: time since the aggregator received this node's last heartbeat, at build time
     accepting: bool = True
-    batch_size: NonNeg = 0
-    kv_tokens: NonNeg = 0
-    queue_prompt_tokens: list[NonNeg] = []
+    batch_size: BatchSize = 0
+    kv_tokens: KvTokens = 0
+    queue_prompt_tokens: list[NonNegInt] = []
     deflection_in_flight: bool = False
     in_flight: list[InFlight] = []
-    waiting: NonNeg = 0
-    kv_backlog_ms: float = 0.0
+    waiting: BatchSize = 0
+    kv_backlog_ms: BacklogMs = 0.0
     pending_routed: NonNeg = 0  #: routed jobs not yet visible in the node's state (already folded in)
     #: node clock time its last state was sent (RoutedEvent.node_accepted_unix_ms is comparable)
     state_sent_unix_ms: float = 0.0

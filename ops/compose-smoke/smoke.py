@@ -1,7 +1,7 @@
 """``make compose-smoke``: the real ``docker-compose.yml`` run for real, on a machine without an image
 registry, and torn down again.
 
-    python ops/compose-smoke/smoke.py [--duration S] [--remove-image] [--json PATH]
+    python ops/compose-smoke/smoke.py [--duration S] [--cold] [--remove-image] [--json PATH]
 
 Steps (each printed with its wall time):
 
@@ -10,6 +10,9 @@ Steps (each printed with its wall time):
 2. **dockerd.** If no daemon answers, one is started with ``ops/compose-smoke/daemon.json``
    (``"bridge": "none"``, no iptables: no bridge network exists, so no container can have one) and
    stopped at the end.
+   With ``--cold``, both images (below) are removed first, so the run takes the path of a machine
+   that never ran it: debootstrap, then a build without a layer cache (Docker's images are what
+   stays warm between cold runs of ``.ci/run``, docs/reliability.md "A cold run of CI").
 3. **A local base image** (no registry to pull ``python:3.11-slim`` from): ``debootstrap --variant=minbase``
    of Debian bookworm with python3, imported as ``kairos-smoke-base:bookworm``, with this machine's
    CA bundle so pip in the build reaches the package index. Kept between runs.
@@ -151,6 +154,23 @@ def ensure_base_image(workdir: Path) -> bool:
     tar.wait()
     shutil.rmtree(root, ignore_errors=True)
     return True
+
+
+def remove_images() -> list[str]:
+    """Remove :data:`IMAGE` and :data:`BASE_IMAGE` and the build cache (``--cold``); the ones that
+    existed. Raises StepFailed when one cannot be removed (a container of it still running)."""
+    removed = []
+    for image in (IMAGE, BASE_IMAGE):
+        if sh(["docker", "image", "inspect", image], check=False, capture=True).returncode != 0:
+            continue
+        r = sh(["docker", "image", "rm", "-f", image], check=False, capture=True)
+        if r.returncode != 0:
+            raise StepFailed(f"--cold: could not remove {image}: {r.stderr.strip()}")
+        removed.append(image)
+    sh(["docker", "image", "prune", "-f"], check=False, capture=True)  # the untagged build stages
+    sh(["docker", "builder", "prune", "-a", "-f"], check=False, capture=True)
+    print(f"   removed: {', '.join(removed) or 'nothing (no image was there)'}", flush=True)
+    return removed
 
 
 def build_image() -> None:
@@ -302,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "down. See docs/deploy.md, 'The smoke run'.")
     ap.add_argument("--duration", type=float, default=30.0,
                     help="bench length, s (default 30: ~150 requests; the run fails with fewer than 100)")
+    ap.add_argument("--cold", action="store_true",
+                    help="remove the base image and kairos:local first: debootstrap and a build without cache, as on a "
+                         "machine that never ran this")
     ap.add_argument("--remove-image", action="store_true",
                     help="remove kairos:local at the end (kept by default: it is the next build's cache)")
     ap.add_argument("--json", type=Path, help="write the bench report, the step times and the checks here")
@@ -320,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         with step("dockerd"):
             if not docker_up():
                 dockerd = start_dockerd(workdir)
+        if args.cold:
+            with step("cold: images removed"):
+                fresh["removed_images"] = remove_images()
         with step("base image"):
             fresh["built_base_image"] = ensure_base_image(workdir)
         with step("build"):

@@ -15,6 +15,7 @@ import time
 import aiohttp
 import pytest
 
+from kairos.services.dispatcher.pull import FETCH_TIMEOUT_S
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.service import Dispatcher
 from kairos.services.ingress.config import IngressConfig
@@ -224,15 +225,22 @@ async def test_health_503_when_the_cluster_view_is_stale(nats_url):
 
 
 async def test_health_503_when_no_dispatcher_consumes_requests(nats_url):
+    """/health says "consuming" for ``dispatcher_active_window_s`` after it last saw a dispatcher's pull
+    request waiting (a dispatcher between two pulls on a loaded machine), then 503 ``no_dispatcher``.
+    The wait for the 503 is that window plus the dispatcher's pull expiry (its last pull request may
+    wait on the server until then) and a margin: issue 32 — the test waited 5 s against the product's
+    5 s window, a race it lost on a quick machine ("a pull request was waiting 5.0 s ago")."""
+    window_s = 1.0
     async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd") as st:
-        st.ingress.readiness.cfg = dataclasses.replace(st.ingress.cfg, dispatcher_check_interval_s=0.2)
+        st.ingress.readiness.cfg = dataclasses.replace(st.ingress.cfg, dispatcher_check_interval_s=0.2,
+                                                       dispatcher_active_window_s=window_s)
         body = await poll_health(st.base, st.http, 200, 5)
         assert body["dispatchers"]["consuming"] and body["dispatchers"]["num_waiting"] >= 1
         gone = list(st.dispatchers)
         st.dispatchers.clear()
         for d in gone:
             await d.close()
-        body = await poll_health(st.base, st.http, 503, 5, "no_dispatcher")
+        body = await poll_health(st.base, st.http, 503, window_s + FETCH_TIMEOUT_S + 3.0, "no_dispatcher")
         assert body["dispatchers"]["num_waiting"] == 0
         d = Dispatcher(DispatcherConfig(replica_id="dispatcher-back", nats_url=nats_url, policy="pd", metrics_port=-1),
                        model=fast_model())

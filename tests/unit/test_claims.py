@@ -143,3 +143,18 @@ async def test_nothing_is_tried_once_the_deadline_has_come(clock):
     kv = FakeKV()
     assert await withdraw(ClaimQuorum(kv), "cmpl-1", "enqueue_failed", T0) == ("expired", None)  # now == deadline: too late
     assert kv.calls == []
+
+
+@pytest.mark.parametrize("error", [nats.js.errors.KeyWrongLastSequenceError(description="wrong last sequence: 3"),
+                                   nats.js.errors.KeyNotFoundError(), nats.js.errors.KeyDeletedError()])
+async def test_release_never_raises_on_an_api_error_that_carries_no_err_code(clock, error):
+    """``release`` is documented never to raise. nats-py's KV errors are ``APIError``s, and three of
+    them set no ``err_code`` attribute in their ``__init__`` (``nats/js/errors.py``): reading it
+    without a default would raise ``AttributeError`` out of the release. Such a bucket is tried again
+    (its answer names no revision to give up on), then left."""
+    kv = FakeKV()
+    assert not hasattr(error, "err_code")
+    rev = kv.put_raw(KEY, b"claim")
+    kv.faults["delete"] += [error, error, error]
+    await ClaimQuorum(kv).release(KEY, [rev])
+    assert kv.calls == [("delete", KEY)] * 3 and kv.value(KEY) == b"claim"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kairos.cli import natscluster as NC
 from kairos.cli.main import main
 from kairos.runtime.bus import server_urls, stream_replicas
 from kairos.runtime.envconfig import from_env
+from tests.compose_tier import compose_exe
 from tests.unit.test_deploy_files import COMPOSE, ROOT, config_class, env_of, kairos_services
 
 yaml = pytest.importorskip("yaml")
@@ -142,11 +142,10 @@ def test_every_container_uses_the_host_network(compose):
         assert "ports" not in svc and "networks" not in svc, f"{name}: ports/networks mean a bridge network"
 
 
+@pytest.mark.compose
 def test_docker_compose_accepts_the_file(tmp_path):
-    """Debian's docker-compose (1.29), when installed: `config -q` with the generated files present."""
-    exe = shutil.which("docker-compose")
-    if exe is None:
-        pytest.skip("docker-compose is not installed (the Debian package): the file was only parsed with PyYAML")
+    """Debian's docker-compose (1.29): `config -q` with the generated files present."""
+    exe = compose_exe()
     secrets = tmp_path / "ops" / "secrets"
     secrets.mkdir(parents=True)
     for name in re.findall(r"file: ops/secrets/(\S+)", COMPOSE.read_text()):

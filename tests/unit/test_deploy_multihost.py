@@ -15,7 +15,6 @@ import dataclasses
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from kairos.cli import natscluster as NC
 from kairos.contracts import permissions as P
 from kairos.runtime.bus import server_urls, stream_replicas
 from kairos.runtime.envconfig import env_name, from_env
+from tests.compose_tier import compose_exe
 from tests.unit.test_deploy_files import ROOT, config_class, env_of, kairos_module, kairos_services
 
 yaml = pytest.importorskip("yaml")
@@ -170,12 +170,11 @@ def test_required_host_variables_have_no_default():
                 yaml.safe_load(interpolate_with(text, {v: "1" for v in REQUIRED[path.name] if v != var}))
 
 
+@pytest.mark.compose
 def test_docker_compose_accepts_both_files(tmp_path):
-    """Debian's docker-compose (1.29), when installed: `config -q` of each file and profile, with
+    """Debian's docker-compose (1.29): `config -q` of each file and profile, with
     the secret files present; and it refuses the files without the required host variables."""
-    exe = shutil.which("docker-compose")
-    if exe is None:
-        pytest.skip("docker-compose is not installed (the Debian package): the files were only parsed with PyYAML")
+    exe = compose_exe()
     for path in (CONTROL_PLANE, GPU_HOST):
         for name in re.findall(r"/([^/\s]+)$", "\n".join(s["file"] for s in render(path)["secrets"].values()), re.M):
             (tmp_path / name).write_text("x\n")

@@ -248,3 +248,20 @@ def test_an_accepted_heartbeat_brings_its_period_into_liveness():
     slow = msgspec.structs.replace(st(5), period_ms=2000.0)
     assert accept_heartbeat(g, lv, slow, NOW, 0.0) is None
     assert not lv.dead("decode-0", 5_999) and lv.dead("decode-0", 6_001)  # 3 × 2000 ms, not 1000 ms
+
+
+@pytest.mark.parametrize("field, value", [
+    ("queue_prompt_tokens", [10 ** 200]), ("queue_prompt_tokens", [10 ** 9 + 1]), ("batch_size", 10 ** 7),
+    ("kv_tokens", 10 ** 13), ("kv_backlog_ms", 1e300), ("kv_backlog_ms", -1.0),
+    ("in_flight", [{"prompt_tokens": 10 ** 200, "output_tokens": 1}]),
+])
+def test_a_heartbeat_outside_the_policy_inputs_bounds_is_refused_when_decoded(field, value):
+    """The heartbeat carries the policy input's bounds (kairos/core/cluster/snapshot.py): a prefill queue
+    of 10^200 tokens, which ``msgspec`` decoded before, made every prefill node's TTFT infinite and
+    ``pd`` keep the request on node ''. Refused at the decode, like any bad message."""
+    from kairos.contracts.wire import WireError, decode
+
+    good = {"node": "prefill-0", "role": "prefill", "seq": 1, "sent_unix_ms": NOW, "period_ms": 100.0}
+    assert decode(msgspec.json.encode(good), NodeState).node == "prefill-0"
+    with pytest.raises(WireError, match=field):
+        decode(msgspec.json.encode({**good, field: value}), NodeState)

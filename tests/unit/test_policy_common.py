@@ -133,3 +133,14 @@ def test_the_kv_estimate_uses_the_link_the_params_name():
     # with the KV term on (kairos+), the link's time is in TTFT_pf too: 7.5 − 1.25 = 6.25 ms more
     fast_link = best_prefill(snap(), two, PolicyParams(), include_kv=True)[1]
     assert best_prefill(snap(), two, PolicyParams(link="slow"), include_kv=True)[1] == pytest.approx(fast_link + 6.25)
+
+
+def test_best_prefill_names_a_node_when_every_ttft_overflows():
+    """Queues of 10^200 tokens (a snapshot built in memory: the heartbeat and the JSON snapshot refuse
+    them) make every TTFT_pf infinite: the node listed first is chosen, never no node ('')."""
+    huge = [PrefillNodeView(id="p0", queue_prompt_tokens=[10 ** 200]),
+            PrefillNodeView(id="p1", queue_prompt_tokens=[10 ** 200])]
+    node, ttft, _ = best_prefill(snap(prefill=huge), M, PolicyParams())
+    assert (node, ttft) == ("p0", float("inf"))
+    node, ttft, _ = best_prefill(snap(prefill=[huge[0], PrefillNodeView(id="p1")]), M, PolicyParams())
+    assert node == "p1" and ttft < float("inf")

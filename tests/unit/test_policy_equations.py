@@ -6,6 +6,7 @@ import pytest
 from kairos.core.policy import PolicyParams
 
 from kairos.core.policy import parse_policy
+from kairos.core.model.latency import LatencyModel
 from kairos.core.policy.estimates import decode_schedule, expand_runs, prefill_exec_ms, prefill_queue_wait_ms
 from tests.factories import snapshot, tiny_model
 
@@ -407,3 +408,25 @@ def test_a_runs_length_is_the_last_step_within_the_limit_not_the_closed_form_gue
     ttft, runs = decode_schedule(m, 1, 0, safe_steps, (2,), limit)
     assert [(r.chi, r.steps) for r in runs] == [(2, safe_steps)]
     assert decode_schedule(m, 1, 0, safe_steps + 1, (2,), limit) is None  # no χ left after them
+
+
+
+@pytest.mark.parametrize("first_ms, decode_kv_coef, slope_per_cached, limit", [
+    # the decodes' KV coefficient at 1e-15 ms/token: step j takes 10.1 + 1e-15·j ms
+    (10.1, 1e-15, 0.0, 11.0),
+    # 1.4e-13 ms per step, the limit one ulp under a step 2.8·10^14 steps on: the closed form guesses one
+    # step too many and the downward guard corrects it (a guard that restarted from one step would not return)
+    (20.37, 0.0, 1.4210854715202004e-13, 60.36939713126835),
+])
+def test_a_run_that_grows_by_femtoseconds_per_step_is_sized_in_closed_form(first_ms, decode_kv_coef,
+                                                                          slope_per_cached, limit):
+    """A profile may set a coefficient to 1e-15 (``from_dict`` takes any finite non-negative number):
+    T then grows by femtoseconds per step and a run's length is ~10^14 steps. The closed form sizes
+    it at once and a prompt's schedule is that run's first ℓ steps; a guard loop that walked from a
+    guess far off (from 1, or from (limit + T1)/slope) would never return."""
+    m = LatencyModel.from_dict(tiny_model(decode_intercept_ms=first_ms - 0.1, decode_coef=(0.0, decode_kv_coef),
+                                          mixed_delta_coef=(0.1, 0.0, slope_per_cached, 0.0)).to_dict())
+    # B = 1, K = 0, χ = 2: p = 1; step j takes T(1, j, 1, j), within the limit for far more than 1000 steps
+    ttft, runs = decode_schedule(m, 1, 0, 1000, (2,), limit)
+    assert [(r.chi, r.steps, r.prefill_tokens) for r in runs] == [(2, 1000, 1)]
+    assert ttft == pytest.approx(sum(m.mixed_step_ms(1, j, 1, j) for j in range(1000)), rel=1e-12)

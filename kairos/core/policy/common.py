@@ -30,13 +30,15 @@ def best_prefill(snap: ClusterSnapshot, model: LatencyModel, params: PolicyParam
     computes only the tokens past its cached prefix (``cached_prefix_tokens``), and
     ``kv_tokens`` (the tokens the receiving decode node lacks; default ℓ) is what crosses the link.
     The third value is the request's own KV-transfer time (ms), reported by every policy.
+    When no node's TTFT_pf is finite (estimates that overflow), the node listed first is returned
+    with an infinite TTFT: never no node (issue 32: ``pd`` kept a request on node ``''``).
     """
     ell = snap.request.prompt_tokens
     chi_p = params.prefill_chunk_tokens
     exec_ms = prefill_exec_ms(model, ell, chi_p)
     kv_ms = float(model.kv_transfer_ms(ell if kv_tokens is None else kv_tokens, params.link))
     aware = params.prefix_aware
-    best_id, best_ms = "", float("inf")
+    best_id, best_ms = snap.prefill_nodes[0].id, float("inf")
     for pn in snap.prefill_nodes:
         if aware and pn.cached_prefix_tokens:
             t = prefill_queue_wait_ms(model, pn.queue_prompt_tokens, chi_p) + prefill_exec_ms(
