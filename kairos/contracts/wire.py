@@ -25,7 +25,6 @@ SCHEMA_VERSION = 2
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Pos = Annotated[int, msgspec.Meta(ge=1)]
-#: a node's KV-transfer backlog, ms, as the policy input bounds it (PrefillNodeView.kv_backlog_ms)
 BacklogMs = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
 
 
@@ -38,9 +37,7 @@ class WireError(ValueError):
     """A message body does not decode into its schema (the message names the field)."""
 
 
-# --------------------------------------------------------------------------------------------
-# ingress -> dispatchers (JetStream stream KAIROS_REQ, subject kairos.req.new)
-# --------------------------------------------------------------------------------------------
+# -- ingress -> dispatchers (JetStream stream KAIROS_REQ, subject kairos.req.new) --------------------
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Sampling parameters of one request, with the OpenAI / vLLM names (``None`` = engine default).
@@ -105,9 +102,7 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens_explicit: bool = True
 
 
-# --------------------------------------------------------------------------------------------
-# dispatcher -> node agent (request-reply on kairos.jobs.<node>)
-# --------------------------------------------------------------------------------------------
+# -- dispatcher -> node agent (request-reply on kairos.jobs.<node>) ----------------------------------
 
 class PathKindField:
     """Mixin of the structs with a ``kind`` path field: a v1 ``"prefill"`` is read as ``"keep"``."""
@@ -184,9 +179,7 @@ class JobAck(msgspec.Struct, frozen=True, kw_only=True):
     reservation_revision: int | None = None
 
 
-# --------------------------------------------------------------------------------------------
-# prefill agent <-> decode agent
-# --------------------------------------------------------------------------------------------
+# -- prefill agent <-> decode agent ------------------------------------------------------------------
 
 class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
     """Keep path: prefill finished on ``src_node``; the decode node should pull the KV and decode."""
@@ -221,9 +214,7 @@ class KvDone(msgspec.Struct, frozen=True, kw_only=True):
     transfer_ms: float = 0.0  #: emulated transfer time incl. waiting for the link, ms
 
 
-# --------------------------------------------------------------------------------------------
-# node agent -> aggregator (kairos.state.<node>), dispatcher -> aggregator (kairos.route.decided)
-# --------------------------------------------------------------------------------------------
+# -- node agent -> aggregator (kairos.state.<node>), dispatcher -> aggregator (kairos.route.decided) ---
 
 NodeRole = Literal["prefill", "decode"]
 
@@ -236,12 +227,8 @@ class InFlight(msgspec.Struct, frozen=True):
 
 
 class NodeState(msgspec.Struct, frozen=True, kw_only=True):
-    """Heartbeat of one node agent: its engine state, every ``period_ms``.
-
-    Token counts, batch sizes and the KV backlog carry the policy input's bounds
-    (:mod:`kairos.core.cluster.snapshot`): a heartbeat outside them is refused when it is decoded
-    (issue 32: a queue of 10^200 tokens made every prefill node's TTFT infinite and ``pd`` keep a
-    request on node ``''``)."""
+    """Heartbeat of one node agent: its engine state, every ``period_ms``. Counts carry the policy
+    input's bounds (:mod:`kairos.core.cluster.snapshot`; issue 32): outside them it is refused."""
 
     v: int = SCHEMA_VERSION
     node: str
@@ -392,9 +379,7 @@ class Reservation(msgspec.Struct, frozen=True, kw_only=True):
     expires_unix_ms: float  #: the bus deletes the key at this time even if nobody releases it
 
 
-# --------------------------------------------------------------------------------------------
-# node agent -> ingress (kairos.out.<request_id>.<sender user>)
-# --------------------------------------------------------------------------------------------
+# -- node agent -> ingress (kairos.out.<request_id>.<sender user>) -----------------------------------
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """A token's text, logprob, the step's top ``[text, logprob]`` (sampled first): vLLM completions'."""
@@ -478,9 +463,7 @@ class Resend(msgspec.Struct, frozen=True, kw_only=True):
     sent_unix_ms: float
 
 
-# --------------------------------------------------------------------------------------------
-# encoding helpers
-# --------------------------------------------------------------------------------------------
+# -- encoding helpers --------------------------------------------------------------------------------
 
 _encoder = msgspec.json.Encoder()
 T = TypeVar("T")

@@ -206,3 +206,82 @@ async def test_cluster_survives_each_server_killed(tmp_path):
         pytest.xfail(f"offered rate not reached: {json.dumps(row)}")
     assert not failed and not cut, row
     assert row["p99_ttft_failover_s"] <= row["p99_ttft_steady_s"] + 2.0, row
+
+
+def ingress_member(members: list[dict]) -> dict | None:
+    """The member the ingress is connected to (its ``/connz`` lists a connection of user ``ingress``)."""
+    for m in members:
+        body = _get(f"{m['monitor_url']}/connz?auth=true&limit=1024")
+        if body and any(c.get("authorized_user") == "ingress" for c in body.get("connections", [])):
+            return m
+    return None
+
+
+def _get(url: str) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+#: longer than the ingress's 3 s liveness timeout, shorter than nats-py's ping-out (6 s): the ingress keeps
+#: its connection to the frozen member all along
+FREEZE_S = 4.0
+
+
+async def test_a_frozen_member_refuses_and_cuts_nothing(tmp_path):
+    """The ingress's own member SIGSTOPped for 4 s under 20 streaming req/s, then SIGCONTed (issue 32).
+    Its connection looks fine to nats-py, but it hears nothing and its publishes get no answer. Before:
+    21 of 242 requests answered 503 ``enqueue_failed`` (a publish that timed out on a member answering no
+    PING gave up at once), then, with that fixed, 21 streams cut ``node_lost`` (hearing no heartbeat from
+    any node for 3 s, the ingress declared all four dead). With two members up, nothing may fail."""
+    logs, port = tmp_path / "logs", free_port()
+    logs.mkdir()
+    up = subprocess.Popen([sys.executable, "-m", "kairos", "up", "--nats-servers", "3", "--port", str(port),
+                           "--log-dir", str(logs), "--dispatchers", "2"], cwd=str(REPO),
+                          stdout=open(tmp_path / "up.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    results: list[asyncio.Task] = []
+    pid = None
+    try:
+        poll(lambda: up.poll() is not None or get_json(base + "/health")[0] == 200, 90, "the stack up")
+        assert up.poll() is None, (tmp_path / "up.out").read_text()[-3000:]
+        members = json.loads((logs / "nats-cluster.json").read_text())
+        poll(lambda: healthy(members), 30, "a healthy cluster")
+        member = poll(lambda: ingress_member(members), 10, "the ingress's member")
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            async def load() -> None:
+                t_next = time.monotonic()
+                while not stop.is_set():
+                    results.append(asyncio.create_task(request(http, base, MAX_TOKENS, stream=True,
+                                                               prompt_len=64, deadline_s=60)))
+                    t_next += 1.0 / RATE
+                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+            loader = asyncio.create_task(load())
+            await asyncio.sleep(3.0)  # load before the fault (what is measured, not a synchronisation)
+            pid = read_pid(member)
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(FREEZE_S)  # the fault's duration is the fault
+            os.kill(pid, signal.SIGCONT)
+            pid = None
+            await asyncio.sleep(6.0)  # load after it
+            stop.set()
+            await loader
+            outcomes = await asyncio.gather(*results)
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+    failed = [o for o in outcomes if not o.ok]
+    wrong = [o for o in outcomes if o.ok and o.text != expected_text(o.prompt, MAX_TOKENS)]
+    summary = {"sent": len(outcomes), "failed": len(failed), "wrong_text": len(wrong),
+               "error_codes": dict(Counter(code(o) for o in failed))}
+    print("frozen member:", json.dumps(summary))
+    assert len(outcomes) >= RATE * 10 and not failed and not wrong, summary

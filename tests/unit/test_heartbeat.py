@@ -136,19 +136,26 @@ def test_view_builder_uses_the_guard():
     assert [(n.node, n.batch_size, n.stale) for n in v.nodes] == [("decode-0", 2, False)]
 
 
+def witness(lv: Liveness, now: float) -> Liveness:
+    """``lv`` after hearing node ``w`` at ``now``: someone speaks, so the receiver is not deaf and a
+    silent node can be judged (Liveness.deaf)."""
+    lv.heard("w", now)
+    return lv
+
+
 def test_liveness_needs_silence_and_pauses_with_our_own_outage():
     lv = Liveness(timeout_ms=3000)
     lv.heard("a", 0)
-    assert not lv.dead("a", 2900) and lv.dead("a", 3100)
+    assert not witness(lv, 2900).dead("a", 2900) and witness(lv, 3100).dead("a", 3100)
     lv.heard("a", 3000)  # a token or heartbeat: alive again
-    assert not lv.dead("a", 5000)
+    assert not witness(lv, 5000).dead("a", 5000)
     lv.pause()
-    assert not lv.dead("a", 60_000)  # we were cut off: nobody is judged
+    assert not witness(lv, 60_000).dead("a", 60_000)  # we were cut off: nobody is judged
     lv.resume(60_000)
-    assert not lv.dead("a", 62_000) and lv.dead("a", 63_500)
+    assert not witness(lv, 62_000).dead("a", 62_000) and witness(lv, 63_500).dead("a", 63_500)
     assert lv.dead_nodes(63_500) == {"a"}
     lv.watch("b", 63_000)  # never heard of: gets the full timeout from now
-    assert not lv.dead("b", 65_000) and lv.dead("b", 66_500)
+    assert not witness(lv, 65_000).dead("b", 65_000) and witness(lv, 66_500).dead("b", 66_500)
     assert not lv.dead("unknown", 10 ** 9)
 
 
@@ -158,7 +165,7 @@ def test_liveness_does_not_count_the_receivers_own_stall_as_silence():
     lv.heard("b", 800)
     lv.stalled(2500)  # we did not run from ~200 to ~2700: what they sent then is still unread
     assert not lv.dead("a", 2700) and not lv.dead("b", 2700)
-    assert lv.dead("a", 3600) and not lv.dead("b", 3600)  # silence after the stall still counts
+    assert lv.dead("a", 3600) and not lv.dead("b", 3600)  # silence after the stall still counts (b speaks)
     lv.stalled(0)
     lv.stalled(-5)  # no stall: nothing moves
     assert lv.silent_ms("b", 3600) == 300
@@ -167,8 +174,8 @@ def test_liveness_does_not_count_the_receivers_own_stall_as_silence():
 def test_liveness_dead_only_after_more_than_the_timeout():
     lv = Liveness(timeout_ms=3000)
     lv.heard("a", 1000)
-    assert not lv.dead("a", 4000)  # silent exactly 3000 ms
-    assert lv.dead("a", 4000.5)
+    assert not witness(lv, 4000).dead("a", 4000)  # silent exactly 3000 ms
+    assert witness(lv, 4000.5).dead("a", 4000.5)
 
 
 def test_liveness_keeps_the_epoch_of_the_last_heartbeat_not_of_tokens():
@@ -202,7 +209,7 @@ def test_only_an_accepted_heartbeat_is_a_sign_of_life():
         assert accept_heartbeat(g, lv, hb, NOW, 300.0 + 100 * i) == why
     # none of them was heard: still last heard at 250, same incarnation, dead once 1000 ms have passed
     assert lv.silent_ms("decode-0", 1250) == 1000 and lv.epoch("decode-0") == E1
-    assert lv.dead("decode-0", 1251) and lv.dead_nodes(1251) == {"decode-0"}
+    assert witness(lv, 1251).dead("decode-0", 1251) and lv.dead_nodes(1251) == {"decode-0"}
     # the real next heartbeat (6 ≤ 5 + 5 + int(2 × 1000 / 100)) brings it back
     assert accept_heartbeat(g, lv, st(6), NOW, 1260.0) is None
     assert lv.silent_ms("decode-0", 1300) == 40 and not lv.dead("decode-0", 1300)
@@ -229,25 +236,27 @@ def test_a_node_with_a_long_heartbeat_period_is_dead_only_after_three_of_its_per
     lv.heard("slow", 0, E1, 5000.0)
     lv.heard("fast", 0, E1, 100.0)
     lv.heard("one-s", 0, E1, 1000.0)  # 3 periods = the timeout: the timeout stands
-    assert not lv.dead("slow", 14_999) and lv.dead("slow", 15_001)
+    w = witness  # another node heard at the time of each check: the receiver is not deaf
+    assert not w(lv, 14_999).dead("slow", 14_999) and w(lv, 15_001).dead("slow", 15_001)
     assert not lv.dead("fast", 2_999) and lv.dead("fast", 3_001)  # 3 × 100 ms < 3 s: the timeout governs
-    assert not lv.dead("one-s", 2_999) and lv.dead("one-s", 3_001)
+    assert not lv.dead("one-s", 2_999) and lv.dead("one-s", 3_001)  # ("slow" is within its 15 s meanwhile)
     assert lv.dead_nodes(4_000) == {"fast", "one-s"}
     lv.heard("slow", 15_000)  # a token (no period): the node keeps its period
-    assert not lv.dead("slow", 29_999) and lv.dead("slow", 30_001)
+    assert not w(lv, 29_999).dead("slow", 29_999) and w(lv, 30_001).dead("slow", 30_001)
     lv.heard("slow", 30_000, E1, 100.0)  # it restarted with a short period: the timeout governs again
-    assert not lv.dead("slow", 32_999) and lv.dead("slow", 33_001)
+    assert not w(lv, 32_999).dead("slow", 32_999) and w(lv, 33_001).dead("slow", 33_001)
     lv.heard("huge", 0, E1, 1e12)  # a period no agent can mean buys at most MAX_SILENCE_MS of silence
-    assert not lv.dead("huge", 59_999) and lv.dead("huge", 60_001)
+    assert not w(lv, 59_999).dead("huge", 59_999) and w(lv, 60_001).dead("huge", 60_001)
     lv.heard("odd", 0, E1, float("nan"))  # and an unreadable one changes nothing
-    assert not lv.dead("odd", 2_999) and lv.dead("odd", 3_001)
+    assert not w(lv, 2_999).dead("odd", 2_999) and w(lv, 3_001).dead("odd", 3_001)
 
 
 def test_an_accepted_heartbeat_brings_its_period_into_liveness():
     g, lv = HeartbeatGuard(), Liveness(timeout_ms=1000)
     slow = msgspec.structs.replace(st(5), period_ms=2000.0)
     assert accept_heartbeat(g, lv, slow, NOW, 0.0) is None
-    assert not lv.dead("decode-0", 5_999) and lv.dead("decode-0", 6_001)  # 3 × 2000 ms, not 1000 ms
+    assert not witness(lv, 5_999).dead("decode-0", 5_999)  # 3 × 2000 ms, not 1000 ms
+    assert witness(lv, 6_001).dead("decode-0", 6_001)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -265,3 +274,28 @@ def test_a_heartbeat_outside_the_policy_inputs_bounds_is_refused_when_decoded(fi
     assert decode(msgspec.json.encode(good), NodeState).node == "prefill-0"
     with pytest.raises(WireError, match=field):
         decode(msgspec.json.encode({**good, field: value}), NodeState)
+
+
+
+def test_when_every_node_is_silent_the_receiver_is_deaf_and_nobody_is_judged():
+    """Positive evidence of death is a node's silence while others speak. An ingress whose NATS member
+    was frozen for 3 s heard nobody (its connection looked fine) and declared all four nodes dead at
+    once, cutting 21 streams (issue 32). Silence of everyone is the receiver's; a node that stays
+    silent once the others are heard again is judged on its whole silence."""
+    lv = Liveness(timeout_ms=1000)
+    for n in ("p", "d0", "d1"):
+        lv.heard(n, 0)
+    assert not lv.deaf(900) and lv.deaf(1001)  # everyone silent beyond the limit: the receiver's fault
+    assert lv.dead_nodes(3000) == set() and not lv.dead("d0", 3000)
+    lv.heard("p", 3100)  # the receiver hears again: d1's heartbeats come too, d0's never
+    lv.heard("d1", 3120)
+    assert not lv.deaf(3200) and lv.dead("d0", 3200) and lv.dead_nodes(3200) == {"d0"}
+    # a node that died before the receiver went deaf is judged once others speak again
+    assert lv.dead_nodes(4150) == set()  # p (1050 ms) and d1 (1030 ms) silent too: deaf again
+    lv.heard("p", 4200)
+    assert lv.dead_nodes(4200) == {"d0", "d1"}
+    # a node only watched (never heard) is no witness: it cannot make the receiver look hearing
+    lone = Liveness(timeout_ms=1000)
+    lone.heard("a", 0)
+    lone.watch("b", 5000)
+    assert lone.deaf(5000) and not lone.dead("a", 5000) and not Liveness().deaf(10 ** 9)

@@ -147,6 +147,14 @@ class Liveness:
     not the node's). A node never heard of starts its clock when first asked about
     (:meth:`watch`): it gets the full timeout too.
 
+    **Silence of everyone is the receiver's.** A node is dead only while some other node that was
+    heard is within its own silence limit: when every node heard from is silent beyond its limit
+    (:meth:`deaf`), the receiver is the one cut off — its NATS member frozen or swamped, which its connection does not show —
+    and nobody is judged; once others are heard again, a node still silent is judged on its whole
+    silence. Issue 32: an ingress whose member was frozen for 3 s declared all four nodes dead at
+    once and cut 21 streams. The cost: a cluster whose every node dies at once is not detected here
+    (its requests end by their idle timeout, 504).
+
     Attributes:
         timeout_ms: silence after which a node counts as dead (ms; default 3 s = 30 heartbeats).
     """
@@ -156,12 +164,14 @@ class Liveness:
     _epochs: dict[str, float] = field(default_factory=dict)
     _limit_ms: dict[str, float] = field(default_factory=dict)  #: node -> its silence limit, when over timeout_ms
     _paused: bool = False
+    _spoke: set[str] = field(default_factory=set)  #: nodes heard from (not only watched)
 
     def heard(self, node: str, now_ms: float, epoch_unix_ms: float | None = None,
               period_ms: float | None = None) -> None:
         """A valid heartbeat (with its ``epoch_unix_ms`` and ``period_ms``, the node's heartbeat
         period) or a token from ``node`` arrived at ``now_ms`` (monotonic ms)."""
         self._heard[node] = now_ms
+        self._spoke.add(node)
         if epoch_unix_ms is not None:
             self._epochs[node] = epoch_unix_ms
         if period_ms is not None:
@@ -206,15 +216,26 @@ class Liveness:
         """How long ``node`` has been silent (0 for a node never heard of)."""
         return now_ms - self._heard.get(node, now_ms)
 
+    def deaf(self, now_ms: float) -> bool:
+        """Every node heard from is silent beyond its limit (at least one was heard): the receiver,
+        not the nodes, is cut off (class docstring)."""
+        return bool(self._spoke) and all(self._over(n, now_ms) for n in self._spoke)
+
+    def _over(self, node: str, now_ms: float) -> bool:
+        """``node`` (known) has been silent beyond its limit (``timeout_ms``, or its periods)."""
+        return now_ms - self._heard[node] > self._limit_ms.get(node, self.timeout_ms)
+
     def dead_nodes(self, now_ms: float) -> set[str]:
         """Every known node that :meth:`dead` says is dead."""
-        return {n for n in self._heard if self.dead(n, now_ms)}
+        if self._paused or self.deaf(now_ms):
+            return set()
+        return {n for n in self._heard if self._over(n, now_ms)}
 
     def dead(self, node: str, now_ms: float) -> bool:
         """True when ``node`` has been silent for more than ``timeout_ms``, or :data:`MISSED_PERIODS`
-        of its heartbeat period where that is longer (never while paused)."""
-        return (not self._paused and node in self._heard
-                and now_ms - self._heard[node] > self._limit_ms.get(node, self.timeout_ms))
+        of its heartbeat period where that is longer — never while paused, nor while the receiver
+        hears nobody at all (:meth:`deaf`)."""
+        return not self._paused and node in self._heard and self._over(node, now_ms) and not self.deaf(now_ms)
 
 
 def accept_heartbeat(guard: HeartbeatGuard, liveness: Liveness, st, now_unix_ms: float, rx_ms: float) -> str | None:

@@ -38,8 +38,8 @@ LANE_PUBLISH_TIMEOUT_S = 1.0
 #: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
 #: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
 RECONNECT_WAIT_S = 2.0
-#: after a publish got no acknowledgement, the server must answer a PING within this long (s), else it
-#: is frozen or cut off (not a slow JetStream under load, which still answers pings at once) and the
+#: after a publish got no acknowledgement, the one server (a single-member deployment) must answer a
+#: PING within this long (s), else it is frozen or cut off (not a slow JetStream under load, which still answers pings at once) and the
 #: enqueue gives up while the connection is still open: the cancel and the tombstone claim of the
 #: attempt then follow its publish on the same connection, so the server stores them right after it
 #: whenever it resumes, before any node can claim it. Well below nats-py's ping-out
@@ -102,8 +102,13 @@ class NatsIngressBus:
         it starts over every 0.1 s until ``enqueue_timeout_s`` has passed; while the
         connection is down (nats-py reconnecting to another member) it waits for it, polling every
         50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
-        A publish that timed out on a server that does not answer a PING either
-        (:data:`UNRESPONSIVE_PONG_S`: frozen, not merely slow) raises at once, on the open connection.
+        With a single server, a publish that timed out on a server that does not answer a PING
+        either (:data:`UNRESPONSIVE_PONG_S`: frozen, not merely slow) raises at once, on the open
+        connection. With several members it does not: the member may be frozen or swamped for a
+        moment (an unanswered PING is also what an ingress whose own event loop was starved sees),
+        and the request goes on to the next lane, and to another member once nats-py fails the
+        connection over (issue 32: a member frozen for 3 s, or a loaded machine, had requests
+        answered ``enqueue_failed`` while two members were up; 21 of 242 in the frozen case).
         Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
         connection raises at once.
 
@@ -132,8 +137,9 @@ class NatsIngressBus:
                     self.lanes.down(lane, mono())
                     if self.nc.is_closed or mono() + 0.1 >= deadline:
                         raise
-                    if isinstance(exc, nats.errors.TimeoutError) and not await self._answers_ping():
-                        raise
+                    if (self.lanes.lanes == 1 and isinstance(exc, nats.errors.TimeoutError)
+                            and not await self._answers_ping()):
+                        raise  # the one server is frozen: give up while the connection is open
                     self.m.enqueue_retries.inc()
             await self.clock.sleep(0.1)
 
