@@ -4,7 +4,7 @@ An error reaches a client as OpenAI's error body ``{"error": {"message", "type",
 (with an HTTP status before the first token, or as an SSE ``data: {"error": …}`` after it). The
 ``code`` is one :class:`ErrorCode`: the ingress's request validation and HTTP hardening use it
 directly, and the services that end a request on the bus (dispatcher, node agent) put it in
-:class:`kairos.contracts.wire.ErrorEvent` ``.code``. Each member carries its HTTP status and one line
+:class:`kairos.contracts.events.ErrorEvent` ``.code``. Each member carries its HTTP status and one line
 of documentation; ``docs/errors.md`` is generated from this table (``python -m tools.docgen``), so the
 catalogue cannot drift from the code.
 

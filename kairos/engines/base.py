@@ -77,7 +77,7 @@ class EngineEvents(Protocol):
       are the request's last tokens and the engine knows it already (vLLM's last delta carries
       it), else None; ``on_finished`` follows either way. A backend that sets it lets the client's
       stream end as vLLM's does: the finish reason on the last token's chunk. ``logprobs``: one
-      :class:`~kairos.contracts.wire.TokenLogprob` per token when the request asked for them
+      :class:`~kairos.contracts.events.TokenLogprob` per token when the request asked for them
       (``SamplingParams.logprobs``) and the engine gives them (vLLM), else None. ``stop_reason``: with
       ``finish_reason``, the stop string or stop token id that ended the request (vLLM's
       ``CompletionOutput.stop_reason``), else None (EOS, length, or not the last tokens).

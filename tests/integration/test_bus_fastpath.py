@@ -15,7 +15,8 @@ from kairos.runtime.messaging import kv_delete_nowait, kv_put_nowait
 from kairos.runtime.streams import ensure_buckets
 from kairos.services.ingress.sse import SseResponse
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import DoneEvent, RoutedEvent, StepRecordEvent, TokenEvent, WireError, decode_step_records, encode, now_ms
+from kairos.contracts.events import DoneEvent, TokenEvent
+from kairos.contracts.wire import decode_step_records, encode, now_ms, RoutedEvent, StepRecordEvent, WireError
 from kairos.cli.stepscale import parse_decode_steps, violation_rate
 from prometheus_client import generate_latest
 from tests.integration.conftest import reset_bus, stack, wait_until

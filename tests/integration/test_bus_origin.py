@@ -25,8 +25,9 @@ from kairos.runtime.bus import flush_barrier
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.service import Dispatcher
 from kairos.contracts.permissions import DISPATCHER, agent_user
-from kairos.contracts.wire import (DoneEvent, ErrorEvent, InferenceRequest, Job, KvAck, KvHandoff, NodeState, StepRecordEvent,
-                         TokenEvent, decode, encode, now_ms)
+from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
+from kairos.contracts.wire import (decode, encode, InferenceRequest, Job, KvAck, KvHandoff, NodeState, now_ms,
+                                   StepRecordEvent)
 from tests.integration.conftest import fast_model, secure_server, stack, wait_until
 from tests.integration.test_bus_security import _close, as_role
 

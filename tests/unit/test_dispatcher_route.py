@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER
-from kairos.contracts.wire import (ClusterView, ErrorEvent, InferenceRequest, Job, JobAck, NodeView, RoutedEvent, decode, encode)
+from kairos.contracts.events import ErrorEvent
+from kairos.contracts.wire import ClusterView, decode, encode, InferenceRequest, Job, JobAck, NodeView, RoutedEvent
 from kairos.contracts.records import DecisionRecord
 from kairos.core.model.latency import load_profile
 from kairos.core.policy import parse_policy

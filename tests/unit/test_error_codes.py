@@ -8,21 +8,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kairos.contracts import events as E
 from kairos.contracts import wire as W
 from kairos.contracts.errors import PROTOCOL_CODES, ErrorCode, error_type_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def event(code) -> W.ErrorEvent:
-    return W.ErrorEvent(request_id="r", status=503, code=code, message="m", source="s", sent_unix_ms=1.0)
+def event(code) -> E.ErrorEvent:
+    return E.ErrorEvent(request_id="r", status=503, code=code, message="m", source="s", sent_unix_ms=1.0)
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_every_code_round_trips_on_the_wire_as_its_plain_string(code):
     body = W.encode(event(code))
     assert f'"code":"{code.value}"'.encode() in body
-    back = W.decode(body, W.ErrorEvent)
+    back = W.decode(body, E.ErrorEvent)
     assert back.code is code and back.code.status == code.status
 
 
@@ -30,7 +31,7 @@ def test_an_unknown_code_is_refused_naming_the_field():
     body = msgspec.json.encode({"tag": "error", "request_id": "r", "status": 503, "code": "no_such_code",
                                 "message": "m", "source": "s", "sent_unix_ms": 1.0})
     with pytest.raises(W.WireError, match=r"\$\.code"):
-        W.decode(body, W.ErrorEvent)
+        W.decode(body, E.ErrorEvent)
 
 
 def test_statuses_types_and_retry_follow_openai():

@@ -12,7 +12,7 @@ import pytest
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import ErrorEvent, TokenEvent
+from kairos.contracts.events import ErrorEvent, TokenEvent
 from kairos.runtime.clock import ManualClock
 from kairos.services.ingress.fanout import STOP_SOURCE, FanOut, expand, run_all
 from kairos.services.ingress.http import error_response

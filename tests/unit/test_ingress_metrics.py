@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
 from kairos.runtime.telemetry import metric_names
 from kairos.services.ingress import metrics as M
 from kairos.services.ingress.config import IngressConfig

@@ -16,7 +16,7 @@ import asyncio
 import orjson
 
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import DoneEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, TokenEvent
 from tests.unit.test_ingress_relay import MODEL, WAIT_S, Stack, post, sse_payloads, stack  # noqa: F401  (fixture)
 
 

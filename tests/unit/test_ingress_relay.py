@@ -21,7 +21,8 @@ import pytest
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER, agent_user
-from kairos.contracts.wire import DoneEvent, ErrorEvent, InferenceRequest, RoutedEvent, TokenEvent, decode, encode
+from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
+from kairos.contracts.wire import decode, encode, InferenceRequest, RoutedEvent
 from kairos.contracts.records import IngressTiming
 from kairos.runtime.clock import ManualClock
 from kairos.services.ingress.config import IngressConfig

@@ -21,7 +21,8 @@ from kairos.services.node_agent.agent import NodeAgent
 from kairos.services.node_agent.config import AgentConfig
 from kairos.contracts import subjects as S
 from kairos.runtime import telemetry
-from kairos.contracts.wire import Claim, ErrorEvent, InferenceRequest, Job, JobAck, OutEvent, decode, encode, now_ms
+from kairos.contracts.events import ErrorEvent, OutEvent
+from kairos.contracts.wire import Claim, decode, encode, InferenceRequest, Job, JobAck, now_ms
 from tests.unit.fake_kv import FakeKV
 
 NOW = 1_700_000_000_000.0  #: the patched wall clock of every claim made here, ms

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kairos.services.ingress.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
-from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
 
 
 def tok(rid: str, i: int, node: str = "decode-0", count: int = 1) -> TokenEvent:

@@ -23,8 +23,9 @@ from kairos.contracts.errors import ErrorCode
 from kairos.contracts.origin import OriginGuard, forged_counter
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.records import PrefillTiming
-from kairos.contracts.wire import (Claim, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, KvAck, KvDone,
-                                   KvHandoff, OutEvent, Reservation, decode, encode)
+from kairos.contracts.events import ErrorEvent, HandoffEvent, OutEvent
+from kairos.contracts.wire import (Claim, decode, encode, InferenceRequest, Job, JobAck, KvAck, KvDone, KvHandoff,
+                                   Reservation)
 from kairos.core.vocabulary import RequestPhase
 from kairos.engines.emulated import EmulatedBackend
 from kairos.runtime.clock import ManualClock

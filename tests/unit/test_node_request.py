@@ -10,7 +10,8 @@ import copy
 import pytest
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff, TokenEvent
+from kairos.contracts.events import DoneEvent, ErrorEvent, HandoffEvent, TokenEvent
+from kairos.contracts.wire import InferenceRequest, Job, KvHandoff
 from kairos.contracts.records import DecodeTiming, PrefillTiming
 from kairos.core.vocabulary import RequestPhase as P
 from kairos.core.vocabulary import RequestRole

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kairos.contracts.wire import TokenEvent, TokenLogprob, decode, encode
+from kairos.contracts.events import TokenEvent, TokenLogprob
+from kairos.contracts.wire import decode, encode
 from kairos.engines.vllm.api import decode_body, parse_sse_line
 from kairos.contracts.wire import InferenceRequest
 from kairos.services.ingress.openai_api.parse import engine_refusal, prepare_request

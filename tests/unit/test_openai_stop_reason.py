@@ -25,7 +25,8 @@ import orjson
 import pytest
 
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import DoneEvent, OutEvent, TokenEvent, WireError, decode, encode
+from kairos.contracts.events import DoneEvent, OutEvent, TokenEvent
+from kairos.contracts.wire import decode, encode, WireError
 from kairos.services.ingress.openai_api.parse import prepare_request
 from kairos.services.ingress.openai_api.responses import full_response, stream_chunk
 from tests.unit.test_ingress_relay import MODEL, WAIT_S, Stack, sse_payloads, stack  # noqa: F401  (fixture)

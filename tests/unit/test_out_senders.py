@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kairos.services.ingress.senders import HOLD_MAX, Senders
 from kairos.contracts import subjects as S
-from kairos.contracts.wire import DoneEvent, ErrorEvent, HandoffEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, ErrorEvent, HandoffEvent, TokenEvent
 
 RID = "cmpl-1"
 

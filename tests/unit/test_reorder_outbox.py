@@ -7,7 +7,7 @@ import pytest
 
 from kairos.services.ingress.reorder import Reorder
 from kairos.services.node_agent.outbox import Outbox
-from kairos.contracts.wire import DoneEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, TokenEvent
 
 
 class Clock:

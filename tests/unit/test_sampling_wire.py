@@ -1,6 +1,7 @@
 """Contract C: SamplingParams travels on InferenceRequest; sampling_body() gives vLLM body fields."""
 
-from kairos.contracts.wire import DoneEvent, InferenceRequest, SamplingParams, decode, encode, sampling_body
+from kairos.contracts.events import DoneEvent
+from kairos.contracts.wire import decode, encode, InferenceRequest, sampling_body, SamplingParams
 
 
 def _req(**kw) -> InferenceRequest:

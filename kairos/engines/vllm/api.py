@@ -25,7 +25,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kairos.contracts.wire import InferenceRequest, SamplingParams, TokenLogprob, sampling_body
+from kairos.contracts.events import TokenLogprob
+from kairos.contracts.wire import InferenceRequest, sampling_body, SamplingParams
 
 
 class EngineApiError(ValueError):

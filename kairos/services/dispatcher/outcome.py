@@ -7,7 +7,7 @@
   unacknowledged: the routing event, the record and the work-queue ack leave in one socket write);
 * **claimed elsewhere** — an earlier delivery's job holds the request's claim on another node: its
   routing event is published again (the earlier replica may have died before sending it);
-* **error** — an :class:`~kairos.contracts.wire.ErrorEvent` to the request's out subject, its code one of
+* **error** — an :class:`~kairos.contracts.events.ErrorEvent` to the request's out subject, its code one of
   :class:`kairos.contracts.errors.ErrorCode` and its status the code's.
 
 The bus is two callables (``publish(subject, message)``, ``put_record(key, bytes)``), so a unit test
@@ -24,7 +24,8 @@ from opentelemetry.trace import Status, StatusCode
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER
-from kairos.contracts.wire import Claim, ErrorEvent, InferenceRequest, JobAck, RoutedEvent, encode
+from kairos.contracts.events import ErrorEvent
+from kairos.contracts.wire import Claim, encode, InferenceRequest, JobAck, RoutedEvent
 from kairos.contracts.records import DecisionRecord
 from kairos.core.cluster.routing import predicted_ttft_ms
 from kairos.core.policy import Decision

@@ -31,7 +31,8 @@ from nats.aio.client import Client
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import Cancel, NodeState, RoutedEvent, WireError
+from kairos.contracts.events import Cancel
+from kairos.contracts.wire import NodeState, RoutedEvent, WireError
 from kairos.runtime.messaging import decoded
 from kairos.core.model.latency import LatencyModel
 from kairos.runtime.bus import stream_replicas

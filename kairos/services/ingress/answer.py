@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from kairos.contracts.errors import ErrorCode, error_type_for
-from kairos.contracts.wire import TokenEvent
+from kairos.contracts.events import TokenEvent
 from kairos.services.ingress.http import STREAM_STARTED, clip, error_response
 from kairos.services.ingress.openai_api.params import ParsedRequest
 from kairos.services.ingress.openai_api.responses import (choice_logprobs, error_body, full_response, stream_chunk,

@@ -20,7 +20,7 @@ the client gets, as vLLM's server does:
 Every accepted request ends with a completion or an explicit error: a sub-request that fails ends
 the whole request with its error (a JSON error body before the stream opened, else an SSE error
 event and ``[DONE]``), and its siblings still running are stopped with the truthful cause: an
-:class:`~kairos.contracts.wire.ErrorEvent` ``sibling_failed`` (:func:`stop_event`) put on each one's
+:class:`~kairos.contracts.events.ErrorEvent` ``sibling_failed`` (:func:`stop_event`) put on each one's
 relay queue, which its lifecycle ends like any error — cancelled on the nodes with that reason,
 ``sibling_failed`` and its status (424) in its record, log line and span, ``abort`` in
 ``kairos:request_success`` (vLLM's label for a sequence aborted before its end); nobody reads their
@@ -43,7 +43,7 @@ import orjson
 from aiohttp import web
 
 from kairos.contracts.errors import ErrorCode, error_type_for
-from kairos.contracts.wire import ErrorEvent, TokenEvent
+from kairos.contracts.events import ErrorEvent, TokenEvent
 from kairos.services.ingress.answer import Outcome
 from kairos.services.ingress.http import STREAM_STARTED, clip, code_for_status, error_response
 from kairos.services.ingress.openai_api.params import ParsedRequest

@@ -26,7 +26,8 @@ from typing import Any, Iterator
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import ErrorEvent, HandoffEvent, OutEvent, RoutedEvent, TokenEvent, WireError, decode
+from kairos.contracts.events import ErrorEvent, HandoffEvent, OutEvent, TokenEvent
+from kairos.contracts.wire import decode, RoutedEvent, WireError
 from kairos.core.cluster.heartbeat import Liveness
 from kairos.core.vocabulary import PathKind
 from kairos.runtime.clock import Clock

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import DoneEvent, ErrorEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
 from kairos.core.vocabulary import KEEP, PathKind
 
 

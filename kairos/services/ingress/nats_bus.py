@@ -22,7 +22,8 @@ import nats.js.errors
 
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import Cancel, Claim, WireError, decode
+from kairos.contracts.events import Cancel
+from kairos.contracts.wire import Claim, decode, WireError
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
 from kairos.runtime.clock import Clock

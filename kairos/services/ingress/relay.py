@@ -33,7 +33,8 @@ from typing import Any, Awaitable, Callable, ClassVar
 from aiohttp import web
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import DoneEvent, ErrorEvent, InferenceRequest, TokenEvent, encode
+from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
+from kairos.contracts.wire import encode, InferenceRequest
 from kairos.core.cluster.prefix_index import request_block_hashes
 from kairos.runtime import telemetry
 from kairos.runtime.clock import Clock

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kairos.contracts.wire import DoneEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, TokenEvent
 
 #: how long (s) events ahead of a gap wait for it to be filled
 GAP_WAIT_S = 1.5

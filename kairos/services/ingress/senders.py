@@ -8,7 +8,7 @@ ingress accepts an attempt's events only from:
   dispatchers may publish), the node that accepted the job or holds its execution claim;
 * **on the keep path, the decode node the prefill node handed the KV to**: when a decode node has
   accepted the KV, the prefill node (proven as above) names it in a
-  :class:`~kairos.contracts.wire.HandoffEvent` on its own out subject (candidates that refused are never
+  :class:`~kairos.contracts.events.HandoffEvent` on its own out subject (candidates that refused are never
   named);
 * **a dispatcher** (user ``dispatcher``), for error events only (routing failures, e.g.
   ``no_available_node``).
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kairos.core.vocabulary import KEEP, PathKind
 from kairos.contracts.permissions import AGENT_PREFIX, DISPATCHER
-from kairos.contracts.wire import ErrorEvent, HandoffEvent, OutEvent
+from kairos.contracts.events import ErrorEvent, HandoffEvent, OutEvent
 
 #: out events held per attempt while their sender is not (yet) accepted; more are refused at once
 HOLD_MAX = 64

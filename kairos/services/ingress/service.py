@@ -35,7 +35,8 @@ from aiohttp import web
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
-from kairos.contracts.wire import ClusterView, Resend
+from kairos.contracts.events import Resend
+from kairos.contracts.wire import ClusterView
 from kairos.core.cluster.heartbeat import Liveness
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
 from kairos.core.model.latency import load_profile

@@ -27,7 +27,8 @@ from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
-from kairos.contracts.wire import Cancel, Resend, WireError, decode
+from kairos.contracts.events import Cancel, Resend
+from kairos.contracts.wire import decode, WireError
 from kairos.core.engine_model import GroundTruth
 from kairos.core.model.correction import CorrectionEstimator
 from kairos.core.model.latency import LatencyModel, load_profile

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import ErrorEvent, encode
+from kairos.contracts.events import ErrorEvent
+from kairos.contracts.wire import encode
 from kairos.core.vocabulary import RequestPhase
 from kairos.runtime.messaging import kv_put_nowait
 from kairos.services.node_agent.context import NodeContext

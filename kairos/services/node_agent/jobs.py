@@ -26,7 +26,8 @@ from typing import Any, Mapping
 
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import ErrorEvent, Job, JobAck, WireError, decode, encode
+from kairos.contracts.events import ErrorEvent
+from kairos.contracts.wire import decode, encode, Job, JobAck, WireError
 from kairos.core.cluster.recent import RecentIds
 from kairos.core.cluster.routing import job_refusal
 from kairos.core.vocabulary import DEFLECT, KEEP

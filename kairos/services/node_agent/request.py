@@ -49,7 +49,8 @@ from typing import Any, Mapping, Union
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.records import DecodeTiming, PrefillTiming
-from kairos.contracts.wire import DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, KvHandoff, OutEvent, TokenEvent
+from kairos.contracts.events import DoneEvent, ErrorEvent, HandoffEvent, OutEvent, TokenEvent
+from kairos.contracts.wire import InferenceRequest, Job, KvHandoff
 from kairos.core.vocabulary import RequestPhase, RequestRole, job_role
 
 P = RequestPhase

@@ -43,8 +43,9 @@ from kairos.core.model.latency import LatencyModel
 from kairos.core.model.profiling import (ProfileGrid, default_version, fit_summary, prefix_schedule, provenance,
                                          step_records, warmup_steps)
 from kairos.core.workload.workloads import WorkloadRequest
-from kairos.contracts.wire import (Cancel, ErrorEvent, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
-                                   OutEvent, HandoffEvent, SamplingParams, WireError, decode_step_records)
+from kairos.contracts.events import Cancel, ErrorEvent, HandoffEvent, OutEvent
+from kairos.contracts.wire import (decode_step_records, InferenceRequest, Job, JobAck, KvAck, KvHandoff, NodeState,
+                                   SamplingParams, WireError)
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.resources import Resources
 from kairos.services.profiler.grid import replay_trace, run_grid

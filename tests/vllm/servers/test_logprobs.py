@@ -1,7 +1,7 @@
 """Issue 20: ``logprobs`` reach the real vLLM engine that decodes and come back per token, on the
 keep path (the decode node, after the NIXL transfer: it emits every token the client gets, the
 first included — the prefill node's one token is discarded) and the deflect path, through the node
-agents' vLLM backend: one :class:`~kairos.contracts.wire.TokenLogprob` per output token, each with
+agents' vLLM backend: one :class:`~kairos.contracts.events.TokenLogprob` per output token, each with
 its logprob and the engine's ``logprobs + 1`` (sampled first, then the top ones) alternatives at most."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import os
 import pytest
 from msgspec.structs import replace
 
-from kairos.contracts.wire import Job, OutEvent, SamplingParams, TokenEvent, decode
+from kairos.contracts.events import OutEvent, TokenEvent
+from kairos.contracts.wire import decode, Job, SamplingParams
 from kairos.contracts import subjects as S
 from tests.vllm.servers.conftest import keep_or_deflect_job
 from tests.vllm.servers.test_pd_servers import Client, cluster, idle_kv, prompt_ids, request  # noqa: F401

@@ -26,7 +26,8 @@ from kairos.runtime.messaging import request_typed
 from kairos.runtime.streams import ensure_buckets
 from kairos.runtime.lanes import ensure_claim_buckets
 from kairos.core.model.latency import load_profile
-from kairos.contracts.wire import Cancel, DoneEvent, ErrorEvent, HandoffEvent, InferenceRequest, Job, JobAck, OutEvent, TokenEvent, decode, encode, now_ms
+from kairos.contracts.events import Cancel, DoneEvent, ErrorEvent, HandoffEvent, OutEvent, TokenEvent
+from kairos.contracts.wire import decode, encode, InferenceRequest, Job, JobAck, now_ms
 from tests.integration.conftest import wait_until
 from tests.vllm.servers.conftest import PROFILE, post
 

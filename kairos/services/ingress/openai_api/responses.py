@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from kairos.contracts.errors import ErrorCode, error_type_for
-from kairos.contracts.wire import TokenLogprob
+from kairos.contracts.events import TokenLogprob
 from kairos.services.ingress.openai_api.params import ParsedRequest
 
 
