@@ -35,6 +35,8 @@ class TokenEvent(msgspec.Struct, frozen=True, kw_only=True, tag="tokens"):
     finish_reason: Literal["length", "stop", "abort"] | None = None  #: last event, if the engine knew (vLLM's)
     stop_reason: str | int | None = None  #: with it: the stop string / token id that ended it (vLLM's), else None
     logprobs: list[TokenLogprob] | None = None  #: one per token when asked for (optional)
+    #: the tokens' ids, when the engine gives them (a migrated request continues from them: ``Resume``)
+    token_ids: list[NonNeg] | None = None
 
 
 class DoneEvent(msgspec.Struct, frozen=True, kw_only=True, tag="done"):

@@ -69,6 +69,16 @@ class DecodeTiming(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
 
 
+class AttemptTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """One attempt of a request (issue 33): its bus id, the node it ran on, the output tokens it
+    delivered, and why it was left (``node_lost:decode-1``, …; None: it served the end)."""
+
+    attempt_id: str
+    node: str | None = None
+    output_tokens: NonNeg = 0
+    moved: str | None = None
+
+
 class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
     """``<rid>.ingress``: what the client saw."""
 
@@ -86,3 +96,5 @@ class IngressTiming(msgspec.Struct, frozen=True, kw_only=True):
     resubmitted_as: list[str] = []
     #: the client's ``X-Request-Id`` (kairos/services/ingress/request_ids.py), None when it sent none
     client_request_id: str | None = None
+    #: every attempt, in order, when there was more than one (a re-submission or a migration)
+    attempts: list[AttemptTiming] = []

@@ -78,8 +78,21 @@ def sampling_body(sp: SamplingParams) -> dict:
     return {f: v for f in sp.__struct_fields__ if (v := getattr(sp, f)) is not None}
 
 
+class Resume(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a migrated request resumes (issue 33). Its node was lost after ``output_tokens`` of its
+    output reached the client; the new attempt keeps the original prompt and sampling, and the
+    engine continues with output token ``output_tokens`` — as if the original prompt were followed
+    by those tokens (Dynamo's migration, vLLM's ``prompt_token_ids`` + output ids)."""
+
+    output_tokens: Pos  #: output tokens the client has (the original's indices 0 .. n-1)
+    output_text: str  #: their text, as sent to the client
+    #: their token ids, when the engines that produced them gave ids (vLLM), else None
+    output_token_ids: list[NonNeg] | None = None
+
+
 class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """One client request, as the ingress accepted it."""
+    """One client request, as the ingress accepted it (or, with ``resume``, its continuation: then
+    ``prompt_tokens`` counts the output tokens already sent and ``max_tokens`` is what is left)."""
 
     v: int = SCHEMA_VERSION
     request_id: str  #: ingress-assigned id (``cmpl-…``/``chatcmpl-…``), also the out-subject token
@@ -100,6 +113,7 @@ class InferenceRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: False when the client set no max_tokens (``max_tokens`` is then the endpoint's default: 16 for
     #: completions, the remaining context for chat); the emulated engine ends such requests with EOS
     max_tokens_explicit: bool = True
+    resume: Resume | None = None  #: a migrated request's continuation point (None: from the start)
 
 
 # -- dispatcher -> node agent (request-reply on kairos.jobs.<node>) ----------------------------------

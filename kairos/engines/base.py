@@ -81,6 +81,8 @@ class EngineEvents(Protocol):
       (``SamplingParams.logprobs``) and the engine gives them (vLLM), else None. ``stop_reason``: with
       ``finish_reason``, the stop string or stop token id that ended the request (vLLM's
       ``CompletionOutput.stop_reason``), else None (EOS, length, or not the last tokens).
+      ``token_ids``: the ``count`` tokens' ids when the engine gives them (a migrated request
+      resumes from them, ``InferenceRequest.resume``), else None.
     * ``on_finished(rid, finish_reason, cached_tokens, stop_reason)``: last token emitted (``stop``/
       ``length``/``abort``); ``cached_tokens`` prompt tokens were served from the prefix cache;
       ``stop_reason`` as for ``on_tokens`` (None unless a stop string or id ended it). Nothing of
@@ -97,7 +99,7 @@ class EngineEvents(Protocol):
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
                         finish_reason: str | None = None, logprobs: list | None = None,
-                        stop_reason: str | int | None = None) -> None: ...
+                        stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> None: ...
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,
                           stop_reason: str | int | None = None) -> None: ...

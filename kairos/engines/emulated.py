@@ -16,7 +16,7 @@ from typing import Any
 
 from kairos.contracts.wire import CACHE_SYNC_MAX_HASHES, InferenceRequest
 from kairos.core.engine_model import Engine, EngineConfig, EngineState, GroundTruth
-from kairos.core.engine_model.text import EmulatedCompletion, emulated_completion
+from kairos.core.engine_model.text import EmulatedCompletion, ResumedCompletion, emulated_completion
 from kairos.core.model.latency import LatencyModel
 from kairos.core.vocabulary import RequestPhase
 from kairos.engines.base import EngineBackend, EngineEvents, StepOutput
@@ -30,12 +30,18 @@ TIMER_RESOLUTION_S = 0.001
 MAX_CATCH_UP_S = 0.1
 
 
-def emulated_output(req: InferenceRequest) -> EmulatedCompletion:
+def emulated_output(req: InferenceRequest) -> EmulatedCompletion | ResumedCompletion:
     """The emulated engine's output of ``req``: its length (given to the engine model as the output
     tokens), per-token text and finish reason, honouring the request's sampling parameters
-    (:mod:`kairos.core.engine_model.text`; a request without ``max_tokens`` ends with the emulated EOS)."""
-    return emulated_completion(req.sampling, req.max_tokens, req.prompt_text, req.prompt_token_ids,
+    (:mod:`kairos.core.engine_model.text`; a request without ``max_tokens`` ends with the emulated EOS).
+    A migrated request (``req.resume``) gets the original's output after the tokens already sent.
+
+    Raises:
+        ValueError: the request resumes where the original output had ended (the engine refuses it)."""
+    done = req.resume.output_tokens if req.resume is not None else 0
+    full = emulated_completion(req.sampling, req.max_tokens + done, req.prompt_text, req.prompt_token_ids,
                                natural_end=not req.max_tokens_explicit)
+    return ResumedCompletion(full, done) if done else full
 
 
 class EmulatedBackend(EngineBackend):
@@ -54,7 +60,7 @@ class EmulatedBackend(EngineBackend):
                              truth=truth)
         self._wake = asyncio.Event()
         self._links: dict[str, asyncio.Lock] = {}  # src node -> the link's single transfer slot
-        self._outputs: dict[str, EmulatedCompletion] = {}  # decode side: the text each request generates
+        self._outputs: dict[str, EmulatedCompletion | ResumedCompletion] = {}  # decode side: each request's output
         self._hashes: dict[str, list[int]] = {}  # req id -> block hashes for its add_* call
 
     def set_tbt_guard_ms(self, ms: float | None) -> None:
@@ -193,7 +199,7 @@ class EmulatedBackend(EngineBackend):
                     last = (out.finish_reason if out is not None else "length") if rid in ending else None
                     why = out.stop_reason if out is not None and rid in ending else None
                     await events.on_tokens(rid, idx, 1, out.text(idx) if out is not None else "", last,
-                                           stop_reason=why)
+                                           stop_reason=why, token_ids=[out.token_id(idx)] if out is not None else None)
                 for rid in res.finished:
                     out = self._outputs.pop(rid, None)
                     await events.on_finished(rid, out.finish_reason if out is not None else "length", 0,

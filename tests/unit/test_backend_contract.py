@@ -89,7 +89,8 @@ class Events:
         await self._add("prefill_done", rid)
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None, stop_reason: str | int | None = None) -> None:
+                        finish_reason: str | None = None, stop_reason: str | int | None = None,
+                        token_ids: list[int] | None = None) -> None:
         st = self.backend.state()
         self.states[(rid, first_index)] = (st.batch_size, st.kv_tokens)
         self.finish[(rid, first_index)] = finish_reason

@@ -137,3 +137,23 @@ def test_bad_arguments_raise():
         EmulatedCompletion(SP(), 0, 1)
     with pytest.raises(ValueError):
         token_text(-1)
+
+
+@pytest.mark.parametrize("offset", [1, 5, 11, 12, 13])
+def test_a_resumed_request_continues_the_original_output_exactly(offset):
+    """Issue 33: a migrated request resumes after ``offset`` tokens with what the original would have
+    produced there — the same ids and texts, the same end — also when a stop string straddles the
+    boundary (its cut was planned on the whole text): the prefix plus the rest is the original."""
+    from kairos.core.engine_model.text import ResumedCompletion
+
+    ids, texts = free(n=40)
+    stop = texts[12] + texts[13]  # spans tokens 12 and 13: the match completes at token 13
+    full = emulated_completion(SP(seed=7, stop=[stop.strip()]), 40, "hello", None)
+    assert full.finish_reason == "stop" and full.n_tokens == 14
+    rest = ResumedCompletion(full, offset)
+    assert rest.n_tokens == 14 - offset and (rest.finish_reason, rest.stop_reason) == ("stop", stop.strip())
+    assert "".join(full.text(i) for i in range(offset)) + "".join(rest.text(i) for i in range(rest.n_tokens)) \
+        == full.full_text()
+    assert [rest.token_id(i) for i in range(rest.n_tokens)] == ids[offset:14]
+    with pytest.raises(ValueError, match="cannot resume after 14 output tokens: the output has 14"):
+        ResumedCompletion(full, 14)  # the original ended there

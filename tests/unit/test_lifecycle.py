@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kairos.services.ingress.lifecycle import Complete, Fail, Ignore, Phase, Relay, RequestLifecycle, Resubmit
+from kairos.services.ingress.lifecycle import (Attempt, Complete, Fail, Ignore, Migrate, Phase, Relay, RequestLifecycle,
+                                               Resubmit)
 from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
 
 
@@ -76,8 +77,8 @@ def test_node_death_resubmits_until_committed_or_used_up():
     assert out.attempt_id == "r-r2" and out.cancel
 
 
-def test_committed_stream_cannot_move():
-    lc = RequestLifecycle("r")
+def test_committed_stream_cannot_move_with_migration_off():
+    lc = RequestLifecycle("r", max_migrations=0)
     lc.on_token(tok("r", 0), True)
     lc.committed_to_client()
     out = lc.on_node_dead("decode-0", True)
@@ -172,7 +173,7 @@ def test_failure_messages_say_what_happened():
     assert lc.on_node_dead("decode-0", False) == Fail(
         503, "node_lost", "node decode-0 serving request r was lost (no heartbeat and no token; it may have crashed) "
         "and the request cannot be moved: no time left", "r")
-    lc = RequestLifecycle("r")
+    lc = RequestLifecycle("r", max_migrations=0)
     lc.committed_to_client()
     assert lc.on_error(err("r", "node_lost", "restarted")) == Fail(
         503, "node_lost", "restarted: output was already sent to the client", "r")
@@ -191,3 +192,84 @@ def test_failure_messages_say_what_happened():
     assert RequestLifecycle("a").on_client_gone() == Fail(499, "client_disconnected", "client closed the connection",
                                                           "a")
     assert all(f.cancel for f in (RequestLifecycle("a").on_client_gone(), RequestLifecycle("a").on_timeout(True)))
+
+
+
+def streamed(lc: RequestLifecycle, node: str, n: int, first: int = 0) -> None:
+    """``n`` tokens of ``lc``'s current attempt from ``node`` relayed and sent to the client."""
+    for i in range(first, first + n):
+        assert isinstance(lc.on_token(tok(lc.attempt_id, i, node), True), Relay)
+    lc.committed_to_client()
+
+
+def test_a_committed_stream_migrates_after_the_tokens_sent_and_counts_every_attempt():
+    """Issue 33: the node of a streaming request dies after 3 tokens reached the client: the request
+    continues as r-m1, resuming after them (their text), and its usage counts both attempts."""
+    lc = RequestLifecycle("r", max_tokens=10)
+    lc.on_routed("r", "deflect", "decode-0")
+    streamed(lc, "decode-0", 3)
+    out = lc.on_node_dead("decode-0", True)
+    assert out == Migrate("r", "r-m1", "node_lost:decode-0", 3, " t0 t1 t2", None)
+    assert (lc.phase, lc.delivered, lc.received, lc.token_node) == (Phase.QUEUED, 3, 0, None)
+    assert lc.on_token(tok("r", 3, "decode-0"), True) == Ignore("old_attempt")  # the old node's late tokens
+    lc.on_routed("r-m1", "keep", "prefill-0")
+    lc.on_handoff("r-m1", "decode-1")
+    assert lc.depends_on() == "decode-1"
+    assert isinstance(lc.on_token(tok("r-m1", 0, "decode-1"), True), Relay)  # the new attempt counts from 0
+    streamed(lc, "decode-1", 6, first=1)
+    assert lc.on_done(done("r-m1", 7, "decode-1"), True) == Complete("length", 10)
+    assert lc.attempts == [Attempt("r", "decode-0", 3, "node_lost:decode-0")]
+    assert lc.attempt_record() == Attempt("r-m1", "decode-1", 7)
+
+
+def test_migration_carries_token_ids_only_when_every_event_had_them():
+    lc = RequestLifecycle("r", max_tokens=8)
+    for i in range(2):
+        lc.on_token(TokenEvent(request_id="r", first_index=i, count=1, text=f" w{i}", node="d", sent_unix_ms=0.0,
+                               token_ids=[100 + i]), True)
+    lc.committed_to_client()
+    assert lc.on_node_dead("d", True).output_token_ids == [100, 101]
+    lc.on_token(TokenEvent(request_id="r-m1", first_index=0, count=1, text=" w2", node="e", sent_unix_ms=0.0), True)
+    assert lc.on_node_dead("e", True) == Migrate("r-m1", "r-m2", "node_lost:e", 3, " w0 w1 w2", None)
+
+
+def test_drained_or_failed_nodes_migrate_and_a_dispatchers_error_does_not():
+    lc = RequestLifecycle("r", max_tokens=5)
+    streamed(lc, "decode-0", 1)
+    assert isinstance(lc.on_error(err("r", "node_shutdown", source="node_agent:decode-0")), Migrate)
+    streamed(lc, "decode-1", 1)
+    assert isinstance(lc.on_error(err("r-m1", "engine_error", source="node_agent:decode-1")), Migrate)
+    assert lc.phase is Phase.QUEUED  # r-m2, not routed: a dispatcher finding no node ends it
+    assert isinstance(lc.on_error(err("r-m2", "no_available_node", source="dispatcher:d0")), Fail)
+    # before any output an engine failure ends the request (the backend retried already)
+    fresh = RequestLifecycle("x")
+    assert isinstance(fresh.on_error(err("x", "engine_error", source="node_agent:decode-0")), Fail)
+
+
+def test_the_migration_limit_ends_the_request_naming_its_attempts():
+    lc = RequestLifecycle("r", max_migrations=2, max_tokens=50)
+    streamed(lc, "decode-0", 1)
+    assert isinstance(lc.on_node_dead("decode-0", True), Migrate)
+    streamed(lc, "decode-1", 1)
+    assert isinstance(lc.on_node_dead("decode-1", True), Migrate)
+    streamed(lc, "decode-0", 1)
+    out = lc.on_node_dead("decode-0", True)
+    assert isinstance(out, Fail) and out.code == "migration_limit" and out.status == 503, out
+    assert "already moved 2 time(s) (attempts: r, r-m1, r-m2)" in out.message and lc.ended
+
+
+def test_a_lost_done_after_the_last_token_completes_instead_of_migrating():
+    """The last token event carried the finish reason; the node died before its done: complete."""
+    lc = RequestLifecycle("r", max_tokens=9)
+    lc.on_token(TokenEvent(request_id="r", first_index=0, count=2, text=" a b", node="d", sent_unix_ms=0.0,
+                           finish_reason="stop", stop_reason="c"), True)
+    lc.committed_to_client()
+    assert lc.on_node_dead("d", True) == Complete("stop", 2, 0, "c") and lc.ended
+    # all of max_tokens delivered, no finish reason seen: complete with length
+    lc = RequestLifecycle("r", max_tokens=2)
+    streamed(lc, "d", 2)
+    assert lc.on_node_dead("d", True) == Complete("length", 2)
+    # no time left: an error, as before
+    lc = RequestLifecycle("r", max_tokens=9)
+    streamed(lc, "d", 1)
+    assert isinstance(lc.on_node_dead("d", False), Fail)

@@ -86,7 +86,8 @@ class Recorder:
     async def on_prefill_done(self, rid) -> None:
         self.events.append(("prefill_done", rid))
 
-    async def on_tokens(self, rid, first_index, count, text, finish_reason=None, stop_reason=None) -> None:
+    async def on_tokens(self, rid, first_index, count, text, finish_reason=None, stop_reason=None,
+                        token_ids=None) -> None:
         self.events.append(("tokens", rid, first_index, count))
 
     async def on_finished(self, rid, finish_reason, cached_tokens, stop_reason=None) -> None:

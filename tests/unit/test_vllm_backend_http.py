@@ -116,7 +116,8 @@ class Events:
         await self._add("prefill_done", rid)
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
-                        finish_reason: str | None = None, stop_reason: str | int | None = None) -> None:
+                        finish_reason: str | None = None, stop_reason: str | int | None = None,
+                        token_ids: list[int] | None = None) -> None:
         await self._add("tokens", rid, first_index, count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,

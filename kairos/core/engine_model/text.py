@@ -211,6 +211,31 @@ class EmulatedCompletion:
         return None
 
 
+class ResumedCompletion:
+    """The rest of an :class:`EmulatedCompletion` after its first ``offset`` tokens: what the emulated
+    engine generates for a migrated request (issue 33, ``InferenceRequest.resume``) — the tokens the
+    original would have produced at those positions, so a stream continued on another node is the
+    uninterrupted one (its stop strings included: they were planned on the whole text).
+
+    Raises:
+        ValueError: ``offset`` is not inside the output (0 < offset < ``full.n_tokens``): the
+            original ended there already.
+    """
+
+    def __init__(self, full: EmulatedCompletion, offset: int) -> None:
+        if not 0 < offset < full.n_tokens:
+            raise ValueError(f"cannot resume after {offset} output tokens: the output has {full.n_tokens}")
+        self.full, self.offset = full, offset
+        self.n_tokens = full.n_tokens - offset
+        self.finish_reason, self.stop_reason = full.finish_reason, full.stop_reason
+
+    def token_id(self, i: int) -> int:
+        return self.full.token_id(self.offset + i)
+
+    def text(self, i: int) -> str:
+        return self.full.text(self.offset + i)
+
+
 def emulated_completion(sampling: SamplingParams, max_tokens: int, prompt_text: str | None,
                         prompt_token_ids: list[int] | None, natural_end: bool = False,
                         vocab_size: int = EMULATED_VOCAB_SIZE) -> EmulatedCompletion:

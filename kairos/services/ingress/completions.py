@@ -50,7 +50,8 @@ from kairos.services.ingress.openai_api.parse import engine_refusal, prepare_req
 from kairos.services.ingress.openai_api.prompt import ChatTemplate, TokenCounter
 from kairos.services.ingress.openai_api.responses import ApiError
 from kairos.services.ingress.records import write_ingress_record
-from kairos.services.ingress.relay import Admitted, RelayDeps, RequestRelay, bus_request
+from kairos.services.ingress.attempts import bus_request
+from kairos.services.ingress.relay import Admitted, RelayDeps, RequestRelay
 from kairos.services.ingress.request_ids import KAIROS_ID_HEADER, RequestIds, client_request_id
 
 #: the span attribute carrying the client's ``X-Request-Id`` (:mod:`.request_ids`)

@@ -25,6 +25,9 @@ class IngressConfig(ServiceConfig):
     replica_id: str = "ingress-0"
     #: re-submissions of a request whose node was lost before any token reached the client
     max_resubmits: int = 2
+    #: migrations of a request whose node was lost after tokens reached the client (issue 33): it
+    #: continues on another node from the tokens sent; then 503 ``migration_limit`` naming the attempts
+    max_migrations: int = 3
     #: /health: cluster view older than this (ingress receive clock) is stale; 0: the view's own stale_after_ms
     view_stale_after_ms: float = 0.0
     #: /health: refresh the dispatcher consumer check at most this often
@@ -86,6 +89,7 @@ class IngressConfig(ServiceConfig):
         require(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         require(self.idle_timeout_s > 0, "idle_timeout_s", "must be > 0")
         require(0 <= self.max_resubmits <= 10, "max_resubmits", "must be 0..10")
+        require(0 <= self.max_migrations <= 10, "max_migrations", "must be 0..10")
         require(self.view_stale_after_ms >= 0, "view_stale_after_ms", "must be >= 0")
         require(self.dispatcher_check_interval_s > 0, "dispatcher_check_interval_s", "must be > 0")
         require(self.dispatcher_active_window_s > 0, "dispatcher_active_window_s", "must be > 0")

@@ -24,9 +24,16 @@ Rules:
   re-submissions left (``max_resubmits``) and time left. Re-submission is triggered by *positive
   evidence* that the attempt cannot finish: its node is dead (liveness, not routing staleness),
   or its stream was interrupted.
+* **When it migrates** (issue 33). Once output reached the client, the same evidence (a dead,
+  drained or failed node, an interrupted stream) continues the request as a new attempt
+  (``<id>-m<n>``) that resumes after the ``delivered`` tokens: the original prompt, the tokens the
+  client has (:class:`~kairos.contracts.wire.Resume`), the rest of ``max_tokens``. The client sees one
+  stream; ``completion_tokens`` counts every attempt's tokens. At most ``max_migrations`` times, then
+  an explicit error naming the attempts. A token event that carried the finish reason was the last:
+  if only its ``done`` was lost, the request completes instead.
 * **When it must end.** ``done`` → completion; an error event, a node death or interruption that
-  cannot be re-submitted, a timeout, the client leaving, the bus unavailable for too long, or the
-  ingress shutting down → an explicit error. After ENDED every event is ignored.
+  cannot be re-submitted or migrated, a timeout, the client leaving, the bus unavailable for too
+  long, or the ingress shutting down → an explicit error. After ENDED every event is ignored.
 """
 
 from __future__ import annotations
@@ -71,6 +78,40 @@ class Resubmit:
 
 
 @dataclass(frozen=True)
+class Migrate:
+    """Cancel ``old_attempt_id`` on the nodes and continue the request as ``new_attempt_id``, resuming
+    after the ``output_tokens`` the client has (their ``output_text``, and ``output_token_ids`` when
+    every engine gave ids)."""
+
+    old_attempt_id: str
+    new_attempt_id: str
+    why: str  #: ``<code>:<detail>``, e.g. ``node_lost:decode-1`` (its code is the metric's reason)
+    output_tokens: int
+    output_text: str
+    output_token_ids: list[int] | None
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a request, for its record: its bus id, the node it ran on (its tokens' node,
+    else the node its job went to), the output tokens it delivered, and why it was left (None: it
+    served the end, or the request ended with it)."""
+
+    attempt_id: str
+    node: str | None
+    output_tokens: int
+    moved: str | None = None
+
+
+#: error codes from a node agent that say the node cannot finish the attempt while another could:
+#: handled as a lost node (re-submitted, or migrated once output reached the client)
+MOVABLE_CODES = frozenset({ErrorCode.NODE_LOST, ErrorCode.NODE_SHUTDOWN})
+#: and those that do only once output reached the client: an engine that failed mid-stream (before
+#: its first token the backend has retried already, and the client gets the error)
+MIGRATABLE_CODES = MOVABLE_CODES | {ErrorCode.ENGINE_ERROR}
+
+
+@dataclass(frozen=True)
 class Fail:
     """End with an explicit error (HTTP status / SSE error event); ``cancel``: tell the nodes to stop
     ``attempt_id`` too."""
@@ -92,7 +133,7 @@ class Complete:
     stop_reason: str | int | None = None  #: the stop string / token id that ended it (DoneEvent)
 
 
-Action = Union[Relay, Ignore, Resubmit, Fail, Complete]
+Action = Union[Relay, Ignore, Resubmit, Migrate, Fail, Complete]
 
 
 @dataclass
@@ -101,11 +142,16 @@ class RequestLifecycle:
 
     Args:
         rid: the id the client sees; also the first attempt's bus id.
-        max_resubmits: re-submissions allowed after a lost node / interrupted stream.
+        max_resubmits: re-submissions allowed after a lost node / interrupted stream, before output
+            reached the client.
+        max_migrations: migrations allowed once it did (``KAIROS_MAX_MIGRATIONS``).
+        max_tokens: the request's output limit (a migration asks for what is left; None: unknown).
     """
 
     rid: str
     max_resubmits: int = 2
+    max_migrations: int = 3
+    max_tokens: int | None = None
     phase: Phase = Phase.QUEUED
     attempt_id: str = ""
     resubmits: int = 0
@@ -114,8 +160,15 @@ class RequestLifecycle:
     handoff_node: str | None = None  #: keep path: decode node that took the KV
     token_node: str | None = None  #: node the followed attempt's tokens come from
     received: int = 0  #: tokens of the current attempt accepted so far (= next expected index)
-    committed: bool = False  #: something reached the client: no re-submission any more
+    committed: bool = False  #: something reached the client: no re-submission any more (a migration)
     dropped: dict[str, int] = field(default_factory=dict)  #: ignored events by reason
+    migrations: int = 0
+    delivered: int = 0  #: output tokens of the earlier attempts of this stream (the client has them)
+    texts: list[str] = field(default_factory=list)  #: text of every token event relayed, in order
+    ids: list[int] | None = field(default_factory=list)  #: their ids (None once an event came without)
+    finish_seen: str | None = None  #: a relayed token event of this attempt carried the finish reason
+    stop_seen: str | int | None = None  #: and its stop reason
+    attempts: list[Attempt] = field(default_factory=list)  #: the attempts left so far, for the record
 
     def __post_init__(self) -> None:
         if not self.attempt_id:
@@ -125,6 +178,15 @@ class RequestLifecycle:
     @property
     def ended(self) -> bool:
         return self.phase is Phase.ENDED
+
+    @property
+    def total(self) -> int:
+        """Output tokens of the request so far: every attempt's (the ``completion_tokens``)."""
+        return self.delivered + self.received
+
+    def attempt_record(self, moved: str | None = None) -> Attempt:
+        """The current attempt as the record lists it (``moved``: why it was left)."""
+        return Attempt(self.attempt_id, self.token_node or self.handoff_node or self.node, self.received, moved)
 
     def depends_on(self) -> str | None:
         """The node whose death ends this attempt: the token node once streaming; a deflection's
@@ -140,6 +202,9 @@ class RequestLifecycle:
 
     def can_resubmit(self, time_left: bool) -> bool:
         return not self.committed and self.resubmits < self.max_resubmits and time_left and not self.ended
+
+    def can_migrate(self, time_left: bool) -> bool:
+        return self.committed and self.migrations < self.max_migrations and time_left and not self.ended
 
     # -- events ----------------------------------------------------------------------------------
     def on_routed(self, attempt_id: str, kind: PathKind, node: str) -> Action:
@@ -185,6 +250,11 @@ class RequestLifecycle:
         self.token_node = ev.node
         self.phase = Phase.STREAMING
         self.received += ev.count
+        self.texts.append(ev.text)
+        if self.ids is not None:
+            self.ids = self.ids + list(ev.token_ids) if ev.token_ids and len(ev.token_ids) == ev.count else None
+        if ev.finish_reason is not None:
+            self.finish_seen, self.stop_seen = ev.finish_reason, ev.stop_reason
         return Relay(ev)
 
     def on_done(self, ev: DoneEvent, time_left: bool) -> Action:
@@ -193,19 +263,21 @@ class RequestLifecycle:
         if ev.completion_tokens != self.received:
             return self.interrupted(f"done after {ev.completion_tokens} tokens, {self.received} arrived", time_left)
         self.phase = Phase.ENDED
-        return Complete(ev.finish_reason, self.received, ev.cached_tokens, ev.stop_reason)
+        return Complete(ev.finish_reason, self.total, ev.cached_tokens, ev.stop_reason)
 
-    def on_error(self, ev: ErrorEvent) -> Action:
-        """An error event ends the request — except ``node_lost`` (a restarted agent reporting that
-        its previous incarnation held this attempt), which is handled like a dead node, and a
-        dispatcher's routing failure once a node has accepted the attempt (dropped: it concerns a
-        duplicate copy of the request)."""
+    def on_error(self, ev: ErrorEvent, time_left: bool = True) -> Action:
+        """An error event ends the request — except a node agent's :data:`MOVABLE_CODES` (a restarted
+        agent reporting that its previous incarnation held this attempt, a drained node) and, once
+        output reached the client, :data:`MIGRATABLE_CODES` (an engine that failed), handled like a
+        dead node, and a dispatcher's routing failure once a node has
+        accepted the attempt (dropped: it concerns a duplicate copy of the request)."""
         if ev.request_id != self.attempt_id:
             return self._drop("old_attempt")
         if self.ended:
             return self._drop("ended")
-        if ev.code == ErrorCode.NODE_LOST:  # (a str in a struct built in Python, an ErrorCode when decoded)
-            return self._lost(f"node_lost:{ev.source}", True, ErrorCode.NODE_LOST, ev.message)
+        if ev.source.startswith("node_agent:") and ev.code in (MIGRATABLE_CODES if self.committed else MOVABLE_CODES):
+            # (a str in a struct built in Python, an ErrorCode when decoded: both hash alike)
+            return self._lost(f"{ErrorCode(ev.code).value}:{ev.source}", time_left, ErrorCode(ev.code), ev.message)
         if ev.source.startswith("dispatcher:") and self.phase in (Phase.ROUTED, Phase.STREAMING):
             # a node accepted this attempt (or holds its claim): a dispatcher that failed to route a
             # duplicate copy of it (a redelivery, the copy left on a request lane it moved from,
@@ -250,15 +322,44 @@ class RequestLifecycle:
     def _lost(self, why: str, time_left: bool, code: ErrorCode, message: str) -> Action:
         if self.can_resubmit(time_left):
             old = self.attempt_id
+            self.attempts.append(self.attempt_record(why))
             self.resubmits += 1
-            self.attempt_id = f"{self.rid}-r{self.resubmits}"
-            self.phase, self.kind, self.node, self.handoff_node, self.token_node = Phase.QUEUED, None, None, None, None
+            self._next_attempt(f"{self.rid}-r{self.resubmits}")
             self.received = 0
+            self.texts, self.ids = [], []  # nothing reached the client: the next attempt starts over
             return Resubmit(old, self.attempt_id, why)
+        if self.can_migrate(time_left):
+            if self.finish_seen is not None:  # its last token is here: only the ``done`` was lost
+                self.phase = Phase.ENDED
+                return Complete(self.finish_seen, self.total, 0, self.stop_seen)
+            if self.max_tokens is not None and self.total >= self.max_tokens:
+                self.phase = Phase.ENDED
+                return Complete("length", self.total)
+            return self._migrate(why)
+        if self.committed and 0 < self.max_migrations <= self.migrations and time_left:
+            tried = ", ".join(a.attempt_id for a in [*self.attempts, self.attempt_record()])
+            return self._end(ErrorCode.MIGRATION_LIMIT, f"{message}; request {self.rid} already moved "
+                                                         f"{self.migrations} time(s) (attempts: {tried})")
         reason = ("output was already sent to the client" if self.committed else
                   f"re-submitted {self.resubmits} time(s) already" if self.resubmits >= self.max_resubmits else
                   "no time left")
         return self._end(code, f"{message}: {reason}")
+
+    def _migrate(self, why: str) -> Migrate:
+        """Continue after the tokens the client has, as a new attempt (module docstring)."""
+        old = self.attempt_id
+        self.attempts.append(self.attempt_record(why))
+        self.migrations += 1
+        self.delivered += self.received
+        self.received = 0
+        self._next_attempt(f"{self.rid}-m{self.migrations}")
+        return Migrate(old, self.attempt_id, why, self.delivered, "".join(self.texts),
+                       list(self.ids) if self.ids is not None else None)
+
+    def _next_attempt(self, attempt_id: str) -> None:
+        self.attempt_id = attempt_id
+        self.phase, self.kind, self.node, self.handoff_node, self.token_node = Phase.QUEUED, None, None, None, None
+        self.finish_seen = self.stop_seen = None
 
     def _end(self, code: ErrorCode, message: str, status: int | None = None) -> Fail:
         """End with ``code`` (HTTP ``status``: the code's unless an error event carried its own)."""

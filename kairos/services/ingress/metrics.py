@@ -25,6 +25,8 @@ from kairos.core.cluster.heartbeat import REJECT_REASONS
 from kairos.core.vocabulary import PathKind
 from kairos.runtime import telemetry
 
+#: reasons of ``kairos:request_migrations_total`` (the lifecycle's ``Migrate.why`` codes)
+MIGRATION_REASONS = ("node_lost", "node_shutdown", "engine_error", "stream_interrupted")
 #: reasons of ``kairos_ingress_dropped_events_total`` (kairos.services.ingress.lifecycle's drops worth counting)
 DROP_REASONS = ("old_attempt", "foreign_node", "duplicate", "routed_elsewhere")
 
@@ -87,7 +89,12 @@ class IngressMetrics:
         self.lane_moves = Counter("kairos_ingress_lane_moves_total",
                                   "Queued requests enqueued again on another request lane (theirs stalled: its "
                                   "NATS member died)", registry=reg)
-        for outcome in ("resubmitted", "failed"):
+        #: issue 33: requests continued on another node once output had reached the client (Dynamo's
+        #: migration), by the code of why their node was left
+        migrations = Counter("kairos:request_migrations", "Requests continued on another node after output "
+                             "reached the client, by why their node was left", (*VLLM_LABELS, "reason"), registry=reg)
+        self.migrations = {r: migrations.labels(model_name, engine, r) for r in MIGRATION_REASONS}
+        for outcome in ("resubmitted", "migrated", "failed"):
             self.node_lost.labels(outcome)
             self.interrupted.labels(outcome)
         for r in DROP_REASONS:

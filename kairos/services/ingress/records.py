@@ -104,6 +104,8 @@ def request_record(rid: str, decision: DecisionRecord | None, prefill: PrefillTi
                     "state_age_ms": decision.state_age_ms, "view_seq": decision.view_seq,
                     "decide_ms": decision.decide_ms, "routing_ms": decision.routing_ms,
                     "model_version": d.model_version if d else None} if decision else None,
+        # every attempt when there was more than one: its node, its tokens, why it moved (issue 33)
+        "attempts": msgspec.to_builtins(ingress.attempts) if ingress is not None else [],
         "records": {k: (msgspec.to_builtins(v) if v is not None else None)
                     for k, v in (("prefill", prefill), ("decode", dec), ("ingress", ingress))},
     }

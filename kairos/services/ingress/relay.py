@@ -16,6 +16,9 @@ decides — and the :data:`~.lifecycle.Action` it returns is carried out here, d
 * ``Ignore`` — dropped (counted by reason in ``kairos_ingress_dropped_events_total``);
 * ``Resubmit`` — the old attempt cancelled on the nodes, its partial output forgotten, the request
   published again as ``<id>-r<n>``;
+* ``Migrate`` — tokens had reached the client: the old attempt cancelled, the request continued on
+  another node as ``<id>-m<n>`` after the tokens sent (``InferenceRequest.resume``), the stream kept
+  open (issue 33);
 * ``Fail`` — the nodes told to stop, the client an OpenAI error body with the code's status (or an
   SSE error event mid-stream); a client that left gets nothing (499 in the record);
 * ``Complete`` — the final chunk / the full response with usage.
@@ -27,6 +30,7 @@ Everything it sends goes through :class:`~.ports.IngressBus` and its time comes 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, ClassVar
 
@@ -34,35 +38,24 @@ from aiohttp import web
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
-from kairos.contracts.wire import encode, InferenceRequest
+from kairos.contracts.wire import Resume
 from kairos.core.cluster.prefix_index import request_block_hashes
 from kairos.runtime import telemetry
 from kairos.runtime.clock import Clock
 from kairos.runtime.resources import BackgroundTasks
 from kairos.services.ingress.config import IngressConfig
 from kairos.services.ingress.answer import ClientAnswer, Outcome
+from kairos.services.ingress.attempts import AttemptPublisher
 from kairos.services.ingress.flights import BusDown, ClientGone, Flight, Flights, Interrupted, NodeLost, Shutdown
 from kairos.services.ingress.http import clip, error_response
-from kairos.services.ingress.lifecycle import Action, Complete, Fail, Ignore, Relay, RequestLifecycle, Resubmit
+from kairos.services.ingress.lifecycle import (Action, Complete, Fail, Ignore, Migrate, Relay, RequestLifecycle,
+                                               Resubmit)
 from kairos.services.ingress.metrics import DROP_REASONS, IngressMetrics
 from kairos.services.ingress.openai_api.params import ParsedRequest
-from kairos.services.ingress.ports import IngressBus, OutSubscription
+from kairos.services.ingress.ports import IngressBus
 from kairos.services.ingress.records import PREDICTED
 from kairos.services.ingress.reorder import Reorder
 from kairos.services.ingress.request_ids import RequestIds
-
-
-def bus_request(parsed: ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
-                deadline_unix_ms: float, block_hashes: list[int] | None = None,
-                block_tokens: int = 0) -> InferenceRequest:
-    """The :class:`InferenceRequest` the ingress publishes for one attempt of ``parsed``, with the
-    prompt's prefix-cache ``block_hashes`` of ``block_tokens`` tokens each (kairos/core/cluster/prefix_index.py)."""
-    return InferenceRequest(request_id=request_id, model=parsed.model, prompt_tokens=prompt_tokens,
-                            max_tokens=parsed.max_tokens, prompt_tokens_exact=exact, prompt_text=parsed.prompt_text,
-                            prompt_token_ids=parsed.prompt_token_ids, created_unix_ms=created_unix_ms,
-                            deadline_unix_ms=deadline_unix_ms, sampling=parsed.sampling,
-                            max_tokens_explicit=parsed.max_tokens_explicit, block_hashes=block_hashes or [],
-                            block_hash_tokens=block_tokens if block_hashes else 0)
 
 
 @dataclass(frozen=True)
@@ -116,17 +109,17 @@ class RequestRelay:
 
     def __init__(self, deps: RelayDeps, req: Admitted, answer: Callable[[Callable[[], None]], Any] | None = None) -> None:
         self.d, self.req, self.cfg, self.clock = deps, req, deps.cfg, deps.clock
-        self.lc = RequestLifecycle(rid=req.rid, max_resubmits=self.cfg.max_resubmits)
+        self.lc = RequestLifecycle(rid=req.rid, max_resubmits=self.cfg.max_resubmits,
+                                   max_migrations=self.cfg.max_migrations, max_tokens=req.parsed.max_tokens)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.flight = Flight(lc=self.lc, queue=self.queue, request=req.request)
         self.answer = (answer(self.lc.committed_to_client) if answer is not None else
                        ClientAnswer(req.request, req.parsed, req.ids.response, req.created, req.headers(),
                                     self.lc.committed_to_client))
         self.deadline = req.received + self.cfg.request_timeout_s * 1000.0  #: unix ms
-        self.hashes = request_block_hashes(req.parsed.prompt_token_ids, req.parsed.prompt_text,
-                                           self.cfg.prefix_block_tokens)
-        self.sub: OutSubscription | None = None
-        self.published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
+        self.attempts = AttemptPublisher(deps, req, self.flight, self.deadline,
+                                         request_block_hashes(req.parsed.prompt_token_ids, req.parsed.prompt_text,
+                                                              self.cfg.prefix_block_tokens))
         self.reorder = Reorder(clock=self.clock.monotonic)  # events ahead of a gap wait a moment (reorder.py)
         self.last_token_ms = 0.0
         self.first = True  #: no token of the current attempt accepted before the event being handled
@@ -141,7 +134,7 @@ class RequestRelay:
             while True:
                 ev = await self._next_event()
                 self.time_left = self.deadline > self.clock.now_ms()
-                self.first = self.lc.received == 0
+                self.first = self.lc.total == 0  # the request's first token (not a migrated attempt's)
                 action = self._on_timeout() if ev is None else self._EVENTS[type(ev)](self, ev)
                 if action is None:
                     continue
@@ -151,35 +144,8 @@ class RequestRelay:
         finally:
             await self._leave()
 
-    async def _submit(self, attempt_id: str) -> Exception | None:
-        """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a per-request
-        one), then publish it onto a request lane. No flush in between: NATS processes one
-        connection's SUB before its later PUB, so no token can be missed. The error if it failed."""
-        d, f, req = self.d, self.flight, self.req
-        d.flights.bind(f, attempt_id)
-        old = self.sub
-        try:
-            if not self.cfg.out_wildcard:
-                self.sub = await d.bus.subscribe_out(attempt_id, d.flights.on_out)
-                if old is not None:
-                    await old.unsubscribe()
-            ireq = bus_request(req.parsed, attempt_id, req.prompt_tokens, req.exact, req.received, self.deadline,
-                               self.hashes, self.cfg.prefix_block_tokens)
-            # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
-            headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
-            self.published.add(attempt_id)
-            body = encode(ireq)
-            lane = await d.bus.enqueue(body, headers)
-            if f.attempt_id == attempt_id:
-                f.lane, f.enqueued, f.enqueued_at = lane, (attempt_id, body, headers), self.clock.monotonic()
-                f.lanes_used.add(lane)
-        except Exception as exc:  # logged; the caller answers 503 enqueue_failed
-            req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
-            return exc
-        return None
-
     async def _submit_first(self) -> Outcome | None:
-        if await self._submit(self.req.rid) is None:
+        if await self.attempts.submit(self.req.rid) is None:
             return None
         timing = self.req.timing
         timing["error"] = ErrorCode.ENQUEUE_FAILED
@@ -187,19 +153,9 @@ class RequestRelay:
         # a publish that timed out may still be stored (the server was slow, not gone): the
         # cancel and the attempt's tombstone claim follow it on this connection, so no node
         # runs it (kairos/runtime/claims.py), and the client's retry is the only execution
-        await self._refused(self.req.rid, ErrorCode.ENQUEUE_FAILED)
+        await self.attempts.refused(self.req.rid, ErrorCode.ENQUEUE_FAILED)
         return error_response(ErrorCode.ENQUEUE_FAILED, "could not enqueue the request (the message bus is "
                                                         "unavailable); retry"), 503
-
-    async def _refused(self, attempt_id: str, code: ErrorCode) -> None:
-        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it: cancel
-        it and, if its publish was issued (it may be stored although it failed), create its
-        tombstone claim in the background (retried until the bus answers, at most until the
-        request's deadline), which every node's claim finds — in whatever order the nodes get the
-        request and the cancel."""
-        await self.d.bus.cancel(attempt_id, code)
-        if attempt_id in self.published:
-            self.d.bg.spawn(self.d.bus.withdraw(attempt_id, code, self.deadline), "withdraw")
 
     async def _next_event(self) -> Any:
         """The next event to handle: a held one whose gap was filled (or waited enough), one already
@@ -227,8 +183,7 @@ class RequestRelay:
             self.req.timing[PREDICTED] = self.flight.predicted
         self.d.flights.refuse_held(self.flight)
         self.d.flights.forget(self.flight)
-        if self.sub is not None:
-            await self.sub.unsubscribe()
+        await self.attempts.leave()
 
     # -- events: each to the lifecycle, which returns the action (None: nothing to do) -------------
     def _on_timeout(self) -> Action:
@@ -258,7 +213,8 @@ class RequestRelay:
         if isinstance(action, Ignore):
             self.flight.lost = False  # it moved on meanwhile (e.g. the handoff node took over)
         else:
-            self.d.metrics.node_lost.labels("resubmitted" if isinstance(action, Resubmit) else "failed").inc()
+            self.d.metrics.node_lost.labels("resubmitted" if isinstance(action, Resubmit) else
+                                            "migrated" if isinstance(action, Migrate) else "failed").inc()
         return action
 
     def _on_interrupted(self, ev: Interrupted) -> Action | None:
@@ -277,7 +233,7 @@ class RequestRelay:
         return self.lc.on_done(ev, self.time_left)
 
     def _on_error(self, ev: ErrorEvent) -> Action:
-        return self.lc.on_error(ev)
+        return self.lc.on_error(ev, self.time_left)
 
     _EVENTS: ClassVar[dict[type, Callable[..., Action | None]]] = {
         TokenEvent: _on_token, DoneEvent: _on_done, ErrorEvent: _on_error, NodeLost: _on_node_lost,
@@ -318,16 +274,39 @@ class RequestRelay:
                              attempt_id=action.new_attempt_id, discarded_tokens=len(self.answer.text_parts))
         timing = self.req.timing
         timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
+        timing["attempts"] = self._attempts()
         self.answer.discard()
         self.reorder.clear()
         timing.pop("first_token_unix_ms", None)
-        if await self._submit(action.new_attempt_id) is None:
+        if await self.attempts.submit(action.new_attempt_id) is None:
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
-        await self._refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
+        await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
         return error_response(ErrorCode.ENQUEUE_FAILED, f"request {self.req.rid} lost its node or stream "
                                                         f"({action.why}) and could not be re-submitted (the message "
                                                         f"bus is unavailable); retry"), 503
+
+    async def _migrate(self, action: Migrate, _ev: Any) -> Outcome | None:
+        """Continue the request on another node after the tokens the client has (issue 33): the old
+        attempt cancelled, the new one published with where to resume; the client's stream stays open."""
+        self.d.metrics.migrations[action.why.split(":", 1)[0]].inc()
+        await self.d.bus.cancel(action.old_attempt_id, "migrated")
+        self.req.log.warning("request_migrated", why=action.why, lost_attempt=action.old_attempt_id,
+                             attempt_id=action.new_attempt_id, output_tokens=action.output_tokens,
+                             migrations=self.lc.migrations)
+        timing = self.req.timing
+        timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
+        timing["attempts"] = self._attempts()
+        self.reorder.clear()
+        resume = (Resume(output_tokens=action.output_tokens, output_text=action.output_text,
+                         output_token_ids=action.output_token_ids) if action.output_tokens else None)
+        if await self.attempts.submit(action.new_attempt_id, resume) is None:
+            return None
+        timing["error"] = ErrorCode.ENQUEUE_FAILED
+        await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
+        return await self._error_answer(503, ErrorCode.ENQUEUE_FAILED,
+                                        f"request {self.req.rid} lost its node ({action.why}) and could not be "
+                                        f"moved (the message bus is unavailable)")
 
     async def _fail(self, action: Fail, ev: Any) -> Outcome:
         if action.code == ErrorCode.CLIENT_DISCONNECTED:
@@ -347,7 +326,9 @@ class RequestRelay:
     async def _complete(self, action: Complete, _ev: Any) -> Outcome:
         timing = self.req.timing
         timing["finish_reason"], timing["cached_tokens"] = action.finish_reason, action.cached_tokens
-        completion = self.lc.received
+        completion = action.completion_tokens
+        if self.lc.attempts:
+            timing["attempts"] = self._attempts(current=True)
         timing["finished_unix_ms"] = self.clock.now_ms()
         timing["completion_tokens"] = completion
         self.d.metrics.e2e.observe(telemetry.seconds(timing["finished_unix_ms"] - self.req.received))
@@ -357,7 +338,13 @@ class RequestRelay:
                                           action.cached_tokens, action.stop_reason)
 
     _ACTIONS: ClassVar[dict[type, Callable[..., Awaitable[Outcome | None]]]] = {
-        Relay: _relay, Ignore: _ignore, Resubmit: _resubmit, Fail: _fail, Complete: _complete}
+        Relay: _relay, Ignore: _ignore, Resubmit: _resubmit, Migrate: _migrate, Fail: _fail, Complete: _complete}
+
+    def _attempts(self, current: bool = False) -> list[dict]:
+        """The attempts left so far (and, with ``current``, the one that ends the request), as the
+        ingress record lists them (``IngressTiming.attempts``)."""
+        done = [*self.lc.attempts, self.lc.attempt_record()] if current else self.lc.attempts
+        return [dataclasses.asdict(a) for a in done]
 
     # -- the client's answer when the request ends with an error ----------------------------------
     async def _gone(self) -> Outcome:
@@ -380,4 +367,6 @@ class RequestRelay:
         timing = self.req.timing
         timing["error"], timing["error_message"] = code, clip(message)
         timing["completion_tokens"] = self.answer.delivered
+        if self.lc.attempts:
+            timing["attempts"] = self._attempts(current=True)
         return await self.answer.error(status, code, message)

@@ -244,8 +244,8 @@ class NodeAgent:
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
                         finish_reason: str | None = None, logprobs: list | None = None,
-                        stop_reason: str | int | None = None) -> None:
-        await self.effects.on_tokens(rid, first_index, count, text, finish_reason, logprobs, stop_reason)
+                        stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> None:
+        await self.effects.on_tokens(rid, first_index, count, text, finish_reason, logprobs, stop_reason, token_ids)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,
                           stop_reason: str | int | None = None) -> None:

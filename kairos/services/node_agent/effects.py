@@ -52,13 +52,13 @@ class Effects:
 
     async def on_tokens(self, rid: str, first_index: int, count: int, text: str,
                         finish_reason: str | None = None, logprobs: list | None = None,
-                        stop_reason: str | int | None = None) -> None:
+                        stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> None:
         """Stream tokens to the client (``finish_reason``: they are the last, as the engine knew, and
         ``stop_reason`` the stop string / token id that ended it; ``logprobs``: theirs, when asked
         for); the first one ends a deflection's prefill (slot released)."""
         if (r := self.ctx.reqs.get(rid)) is not None:
             await self.run(r, r.tokens_out(first_index, count, text, self.ctx.clock.now_ms(), finish_reason,
-                                           logprobs, stop_reason))
+                                           logprobs, stop_reason, token_ids))
             self.ctx.metrics.tokens.labels(self.ctx.node).inc(count)
 
     async def on_finished(self, rid: str, finish_reason: str, cached_tokens: int,

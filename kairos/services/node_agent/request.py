@@ -276,7 +276,7 @@ class NodeRequest:
     # -- decode side (remote decode and deflect) ----------------------------------------------------
     def tokens_out(self, first_index: int, count: int, text: str, now_ms: float,
                    finish_reason: str | None = None, logprobs: list | None = None,
-                   stop_reason: str | int | None = None) -> list[Action]:
+                   stop_reason: str | int | None = None, token_ids: list[int] | None = None) -> list[Action]:
         """``count`` tokens from index ``first_index`` came out of the engine: send them (with
         ``finish_reason`` when the engine said they are the last: the client's last chunk carries it,
         and its ``stop_reason``).
@@ -296,7 +296,7 @@ class NodeRequest:
         self.last_token_ms = now_ms
         out.append(Publish(TokenEvent(request_id=self.rid, first_index=first_index, count=count, text=text,
                                       node=self.node, sent_unix_ms=now_ms, finish_reason=finish_reason,
-                                      logprobs=logprobs, stop_reason=stop_reason)))
+                                      logprobs=logprobs, stop_reason=stop_reason, token_ids=token_ids)))
         return out
 
     def finished(self, finish_reason: str, engine_cached_tokens: int, now_ms: float,

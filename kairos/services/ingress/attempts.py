@@ -1,0 +1,100 @@
+"""Publishing a request's attempts: the first, a re-submission, a migration's continuation.
+
+One :class:`AttemptPublisher` per relay (:mod:`.relay`). Each attempt is a bus request id of its own
+(``<id>``, ``<id>-r<n>`` after a re-submission, ``<id>-m<n>`` after a migration): its out events are
+routed to the request's flight *before* it is published (:meth:`AttemptPublisher.submit`), and an
+attempt answered with an error before any node took it is cancelled and withdrawn
+(:meth:`AttemptPublisher.refused`). :func:`bus_request` builds the message, with where a migrated
+attempt resumes (issue 33).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kairos.contracts.errors import ErrorCode
+from kairos.contracts.wire import InferenceRequest, Resume, encode
+from kairos.runtime import telemetry
+from kairos.services.ingress.flights import Flight
+from kairos.services.ingress.openai_api.params import ParsedRequest
+from kairos.services.ingress.ports import OutSubscription
+
+if TYPE_CHECKING:  # the relay imports this module
+    from kairos.services.ingress.relay import Admitted, RelayDeps
+
+
+def bus_request(parsed: ParsedRequest, request_id: str, prompt_tokens: int, exact: bool, created_unix_ms: float,
+                deadline_unix_ms: float, block_hashes: list[int] | None = None,
+                block_tokens: int = 0, resume: Resume | None = None) -> InferenceRequest:
+    """The :class:`InferenceRequest` the ingress publishes for one attempt of ``parsed``, with the
+    prompt's prefix-cache ``block_hashes`` of ``block_tokens`` tokens each (kairos/core/cluster/prefix_index.py).
+    With ``resume`` (a migration, issue 33) the engine continues after ``resume.output_tokens``: they
+    count in the prompt the new node computes, and ``max_tokens`` is what is left of the original."""
+    done = resume.output_tokens if resume is not None else 0
+    return InferenceRequest(request_id=request_id, model=parsed.model, prompt_tokens=prompt_tokens + done,
+                            max_tokens=parsed.max_tokens - done, prompt_tokens_exact=exact,
+                            prompt_text=parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids,
+                            created_unix_ms=created_unix_ms, deadline_unix_ms=deadline_unix_ms,
+                            sampling=parsed.sampling, max_tokens_explicit=parsed.max_tokens_explicit,
+                            block_hashes=block_hashes or [], block_hash_tokens=block_tokens if block_hashes else 0,
+                            resume=resume)
+
+
+class AttemptPublisher:
+    """The attempts of one request (module docstring).
+
+    Args:
+        deps: what every relay of the ingress shares (bus, flights, config, clock, background tasks).
+        req: the admitted request; ``flight`` its in-flight entry.
+        deadline: the request's deadline (unix ms); ``hashes``: its prompt's prefix-cache block hashes.
+    """
+
+    def __init__(self, deps: "RelayDeps", req: "Admitted", flight: Flight, deadline: float,
+                 hashes: list[int] | None) -> None:
+        self.d, self.req, self.flight, self.deadline, self.hashes = deps, req, flight, deadline, hashes
+        self.sub: OutSubscription | None = None
+        self.published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
+        self.resume: Resume | None = None  #: where the current attempt resumes (a migration), None: the start
+
+    async def submit(self, attempt_id: str, resume: Resume | None = None) -> Exception | None:
+        """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a per-request
+        one), then publish it onto a request lane. No flush in between: NATS processes one
+        connection's SUB before its later PUB, so no token can be missed. The error if it failed."""
+        d, f, req = self.d, self.flight, self.req
+        self.resume = resume
+        d.flights.bind(f, attempt_id)
+        old = self.sub
+        try:
+            if not d.cfg.out_wildcard:
+                self.sub = await d.bus.subscribe_out(attempt_id, d.flights.on_out)
+                if old is not None:
+                    await old.unsubscribe()
+            ireq = bus_request(req.parsed, attempt_id, req.prompt_tokens, req.exact, req.received, self.deadline,
+                               self.hashes, d.cfg.prefix_block_tokens, resume)
+            # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
+            headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+            self.published.add(attempt_id)
+            body = encode(ireq)
+            lane = await d.bus.enqueue(body, headers)
+            if f.attempt_id == attempt_id:
+                f.lane, f.enqueued, f.enqueued_at = lane, (attempt_id, body, headers), d.clock.monotonic()
+                f.lanes_used.add(lane)
+        except Exception as exc:  # logged; the caller answers 503 enqueue_failed
+            req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
+            return exc
+        return None
+
+    async def refused(self, attempt_id: str, code: ErrorCode) -> None:
+        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it: cancel
+        it and, if its publish was issued (it may be stored although it failed), create its
+        tombstone claim in the background (retried until the bus answers, at most until the
+        request's deadline), which every node's claim finds — in whatever order the nodes get the
+        request and the cancel."""
+        await self.d.bus.cancel(attempt_id, code)
+        if attempt_id in self.published:
+            self.d.bg.spawn(self.d.bus.withdraw(attempt_id, code, self.deadline), "withdraw")
+
+    async def leave(self) -> None:
+        """The request ended: its per-request out subscription (``out_wildcard`` off) goes."""
+        if self.sub is not None:
+            await self.sub.unsubscribe()
