@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from kairos.cli.commands.live import bench, trace
+from kairos.cli.commands.live import bench, drain, trace
 from kairos.cli.commands.nats import nats_auth, nats_cluster
 from kairos.cli.commands.offline import decide, sim
 from kairos.cli.commands.profile import profile
@@ -22,7 +22,7 @@ def main() -> None:
     """Kairos: load-aware prefill deflection for P/D-disaggregated LLM serving."""
 
 
-for _command in (decide, sim, bench, up, nats_auth, nats_cluster, demo, profile, trace):
+for _command in (decide, sim, bench, up, nats_auth, nats_cluster, demo, profile, trace, drain):
     main.add_command(_command)
 
 

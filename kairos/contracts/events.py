@@ -87,6 +87,16 @@ class Cancel(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
+class Drain(msgspec.Struct, frozen=True, kw_only=True):
+    """Drain ``node`` (``kairos.drain.<node>``; an operator's ``kairos drain``, through the ingress's
+    admin endpoint): it finishes what it runs, moves the rest and exits (issue 33)."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    reason: str  #: who asked (recorded in the agent's log)
+    sent_unix_ms: float
+
+
 class Resend(msgspec.Struct, frozen=True, kw_only=True):
     """The ingress lost its NATS server and reconnected to another cluster member: every node agent
     publishes again the out events it sent in the last ``window_s`` seconds (the dead server may

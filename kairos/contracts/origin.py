@@ -22,7 +22,7 @@ from __future__ import annotations
 from prometheus_client import Counter
 
 #: what a refused message was (metric label values)
-FORGED_KINDS = ("heartbeat", "step_record", "out_event", "kv_handoff", "kv_done", "job")
+FORGED_KINDS = ("heartbeat", "step_record", "out_event", "kv_handoff", "kv_done", "job", "drain")
 #: header nats-server puts on every message it answers from a stream (DIRECT.GET, MSG.GET)
 STREAM_HEADER = "Nats-Stream"
 

@@ -190,7 +190,7 @@ def role_permissions(user: str) -> Permissions:
     if user == INGRESS:
         # claims: the tombstone of an attempt it refused (kairos/runtime/claims.py: KV create, read back)
         pub = [*(S.request_subject(i) for i in LANES), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
-               _kv(rec, _any(S.record_key, "ingress")), *_claims()]
+               _kv(rec, _any(S.record_key, "ingress")), *_claims(), _any(S.drain_subject)]
         # the request lanes too (requests wait there for a dispatcher); records are read (gets only)
         pub += _kv_buckets_declared() + _lanes_declared(consumer=False) + _read(kv_stream(view)) + [_get(rec, ">")]
         pub += _consumer_info()
@@ -231,7 +231,8 @@ def role_permissions(user: str) -> Permissions:
         # (kairos.contracts.subjects.claim_key). No consumer, stream-create, stream-info or message-get API at
         # all: nothing an agent could point at another role's subjects, no way to list a bucket's keys.
         pub += _claims()
-        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT, S.RESEND_SUBJECT]
+        sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
+                S.drain_subject(node)]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     raise RoleError(f"unknown NATS role {user!r}: one of {', '.join(SERVICE_ROLES)} or {AGENT_PREFIX}<node>")
 

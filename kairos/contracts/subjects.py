@@ -128,6 +128,12 @@ def state_subject(node: str) -> str:
 STATE_WILDCARD = f"{PREFIX}.state.*"
 
 
+def drain_subject(node: str) -> str:
+    """Core NATS subject on which ``node``'s agent takes an operator's drain (``kairos drain NODE``,
+    through the ingress's admin endpoint): finish what it has, move the rest, exit (issue 33)."""
+    return f"{PREFIX}.drain.{check_token(node, 'node id')}"
+
+
 def jobs_subject(node: str) -> str:
     """Request-reply subject on which ``node``'s agent accepts routed jobs."""
     return f"{PREFIX}.jobs.{check_token(node, 'node id')}"

@@ -261,7 +261,8 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     free_kv_tokens: KvTokens = 0
     running: BatchSize = 0
     kv_backlog_ms: BacklogMs = 0.0  #: prefill node: KV transfers handed off but not yet pulled, ms (link model)
-    accepting: bool = True  #: False while draining
+    accepting: bool = True  #: False while draining, or while its engine cannot take work
+    draining: bool = False  #: the node is draining (SIGTERM, ``kairos drain``): it finishes what it has, then exits
     #: prefix-cache events (kairos/core/engine_model/prefix.py, kairos/core/cluster/prefix_index.py ``on_heartbeat``): the cache's
     #: block size in tokens (0: the engine reports no cache), the block hashes stored and removed
     #: since the previous heartbeat (net), or with ``cache_full`` the whole cache in ``cache_stored``
@@ -354,6 +355,7 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     stale: bool  #: heartbeats stopped (no state for stale_after_ms): route nothing here
     age_ms: float  #: time since the aggregator received this node's last heartbeat, at build time
     accepting: bool = True
+    draining: bool = False  #: its heartbeat says it drains (route nothing here; it exits when done)
     batch_size: BatchSize = 0
     kv_tokens: KvTokens = 0
     queue_prompt_tokens: list[NonNegInt] = []

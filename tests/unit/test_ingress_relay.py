@@ -49,6 +49,7 @@ class FakeBus:
     enqueued: asyncio.Queue = field(default_factory=asyncio.Queue)  #: published InferenceRequests
     cancels: list[tuple[str, str]] = field(default_factory=list)  #: (attempt id, reason)
     withdrawn: list[tuple[str, str]] = field(default_factory=list)  #: (attempt id, code)
+    drains: list[tuple[str, str]] = field(default_factory=list)  #: (node, reason)
     records: dict[str, bytes] = field(default_factory=dict)
     max_payload: int = 1024 * 1024
 
@@ -69,6 +70,9 @@ class FakeBus:
 
     async def cancel(self, attempt_id: str, reason: str) -> None:
         self.cancels.append((attempt_id, str(reason)))
+
+    async def drain(self, node: str, reason: str) -> None:
+        self.drains.append((node, reason))
 
     async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
         self.withdrawn.append((attempt_id, str(code)))

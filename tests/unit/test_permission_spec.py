@@ -74,7 +74,7 @@ def _agent(node: str) -> dict:
             *_CLAIMS,
         },
         "subscribe": {f"_INBOX.{u}.>", f"kairos.jobs.{node}", f"kairos.kv.{node}.*", f"kairos.kvdone.{node}.*",
-                      "kairos.cancel", "kairos.resend"},
+                      "kairos.cancel", "kairos.resend", f"kairos.drain.{node}"},  # its own drain only
         "allow_responses": True,
     }
 
@@ -83,6 +83,7 @@ SPEC: dict[str, dict] = {
     "ingress": {
         "publish": {
             *LANE_SUBJECTS, "kairos.cancel", "kairos.resend",
+            "kairos.drain.*",  # an operator's drain (its admin endpoint), to any node: only the ingress
             "$KV.kairos_requests.*.ingress", *_CLAIMS,  # claims: tombstones, and read by key
             *_DECLARE_BUCKETS, *_DECLARE_REQUEST_STREAM, *_watch("KV_kairos_view"),
             "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
@@ -165,7 +166,7 @@ RID = "cmpl-1"
 #: every subject/key builder and name of kairos/contracts/subjects.py this module tries; a new one fails
 #: test_every_builder_of_subjects_py_is_tried until it is added here (and to the spec)
 BUILDERS = {
-    "state_subject", "steps_subject", "jobs_subject", "kv_subject", "kv_wildcard", "kvdone_subject",
+    "state_subject", "steps_subject", "jobs_subject", "drain_subject", "kv_subject", "kv_wildcard", "kvdone_subject",
     "kvdone_wildcard", "out_subject", "out_wildcard", "reservation_key", "record_key", "claim_key", "model_key",
     "request_subject", "VIEW_SUBJECT",
     "REQUEST_SUBJECT", "ROUTED_SUBJECT", "CANCEL_SUBJECT", "RESEND_SUBJECT", "STATE_WILDCARD", "STEPS_WILDCARD",
@@ -193,7 +194,8 @@ def bus_subjects() -> list[str]:
            S.STEPS_WILDCARD, S.OUT_WILDCARD, S.out_wildcard(RID)]
     out += [S.out_subject(RID, u) for u in USERS]
     for n in NODES:
-        out += [S.state_subject(n), S.steps_subject(n), S.jobs_subject(n), S.kv_wildcard(n), S.kvdone_wildcard(n)]
+        out += [S.state_subject(n), S.steps_subject(n), S.jobs_subject(n), S.kv_wildcard(n), S.kvdone_wildcard(n),
+                S.drain_subject(n)]
         out += [S.kv_subject(n, u) for u in USERS] + [S.kvdone_subject(n, u) for u in USERS]
     return out
 
@@ -284,6 +286,9 @@ def test_every_subject_outside_a_roles_spec_is_denied(user, op):
     *((f"agent-{n}", "subscribe", s) for n in NODES for s in ("kairos.kv.*.*", "kairos.kv.>", "kairos.kvdone.*.*")),
     *((f"agent-{n}", "subscribe", f"kairos.kv.{m}.agent-prefill-0") for n in NODES for m in NODES if m != n),
     *((f"agent-{n}", "publish", "kairos.cancel") for n in NODES),
+    *((f"agent-{n}", "publish", f"kairos.drain.{m}") for n in NODES for m in NODES),  # no node drains another
+    *((f"agent-{n}", "subscribe", "kairos.drain.*") for n in NODES),
+    ("dispatcher", "publish", "kairos.drain.decode-0"),
     *((f"agent-{n}", "publish", "$KV.kairos_requests.cmpl-1.decision") for n in NODES),
     ("profiler", "publish", "$KV.kairos_view.view"),
     ("ingress", "publish", "$KV.kairos_view.view"),

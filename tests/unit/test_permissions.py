@@ -222,7 +222,7 @@ def test_generated_auth_config_logs_each_user_in_with_its_literal_password():
     assert lines[3].endswith('"subscribe": {"allow": ["_INBOX.ingress.>", "kairos.out.*.*", "kairos.route.decided", '
                              '"kairos.state.*", "kairos.view"]}}}')
     assert lines[4].startswith('    {user: "agent-n1", password: "pw-two", permissions: {"publish": {"allow": ["kairos.state.n1", ')
-    assert lines[4].endswith('"kairos.cancel", "kairos.resend"]}, allow_responses: true}}')
+    assert lines[4].endswith('"kairos.cancel", "kairos.resend", "kairos.drain.n1"]}, allow_responses: true}}')
     assert lines[5:] == ["  ]", "}"] and cfg.endswith("}\n")
 
 

@@ -106,3 +106,37 @@ def trace(request_id: str, trace_file: str | None, as_json: bool) -> None:
     click.echo(f"kairos trace: no spans of request {request_id!r} in {path} (spans are written about 0.1 s after "
                "they finish; was the stack started with this --trace-file?)", err=True)
     sys.exit(2)
+
+
+@click.command()
+@click.argument("node")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Ingress base URL.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
+              help="Sent as Authorization: Bearer KEY (an ingress started with API keys needs one).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+              help="Seconds to wait for the ingress's answer.")
+def drain(node: str, url: str, api_key: str | None, timeout_s: float) -> None:
+    """Drain NODE gracefully (a rolling restart, a scale-down): it takes nothing new, its queued requests
+    move to other nodes at once, its running ones finish (up to its KAIROS_DRAIN_TIMEOUT_S; what is left
+    then moves, the streams continuing on other nodes), then its agent exits. Asks the ingress at --url
+    (POST /v1/admin/nodes/NODE/drain), which tells the node over NATS."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url.rstrip('/')}/v1/admin/nodes/{node}/drain", data=b"", method="POST",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise click.ClickException(f"the ingress refused: HTTP {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"could not reach the ingress at {url}: {exc}") from None
+    again = " (it was draining already)" if body.get("was_draining") else ""
+    click.echo(f"node {body['node']} is draining{again}: it finishes its running requests (up to its "
+               f"KAIROS_DRAIN_TIMEOUT_S), moves the rest to other nodes, then its agent exits. "
+               f"GET {url.rstrip('/')}/health lists the draining nodes.")

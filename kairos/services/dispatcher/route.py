@@ -331,7 +331,9 @@ class Router:
     async def _accept(self, at: RouteAttempt, decision: Decision, ack: JobAck, snap: ClusterSnapshot,
                       span: Any) -> None:
         view = self.state.view
+        # draining nodes were left out of the snapshot: the record says so (issue 33)
+        excluded = {**{n.node: "draining" for n in view.nodes if n.draining}, **at.excluded} if view else at.excluded
         await self.outcomes.accepted(at.req, decision, ack, state_age_ms=snap.state_age_ms, attempts=at.attempts,
-                                     excluded=at.excluded, conflicts=at.conflicts, decide_ms=at.decide_ms,
+                                     excluded=excluded, conflicts=at.conflicts, decide_ms=at.decide_ms,
                                      routing_ms=at.routing_ms(), view_seq=view.seq if view else 0, lane=at.lane,
                                      span=span)

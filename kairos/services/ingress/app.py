@@ -9,6 +9,7 @@
 ``POST /detokenize``           vLLM's: the text of token ids
 ``GET /version``               vLLM's: ``{"version"}`` (Kairos')
 ``GET /health``                readiness (:class:`~.readiness.Readiness`)
+``POST /v1/admin/nodes/{node}/drain``  an operator's drain of a node (``kairos drain``, issue 33)
 ``GET /metrics``               Prometheus
 =============================  =====================================================================
 
@@ -85,6 +86,7 @@ class IngressApp:
         app.router.add_post("/detokenize", self.tokenization.detokenize)
         app.router.add_get("/version", self.tokenization.version)
         app.router.add_get("/health", self.readiness.health)
+        app.router.add_post("/v1/admin/nodes/{node}/drain", self.drain)
         app.router.add_get("/metrics", self.metrics)
         return app
 
@@ -143,6 +145,30 @@ class IngressApp:
             return error_response(ErrorCode.NOT_FOUND,
                                   f"no record of request {rid!r} (unknown, or older than the record TTL)")
         return _json(record)
+
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """``POST /v1/admin/nodes/{node}/drain``: ask a node of the cluster view to drain — take nothing
+        new, finish what it runs (``KAIROS_DRAIN_TIMEOUT_S``), move the rest, exit (kairos/services/
+        node_agent/drain.py). 202 once the request went out; 404 ``not_found`` for a node the view does
+        not have; 503 ``bus_unavailable`` when NATS did not take it. Needs an API key when keys are set."""
+        node = request.match_info["node"]
+        view = self.readiness.ready
+        known = {n.node: n for n in view.nodes} if view is not None else {}
+        if node not in known:
+            return error_response(ErrorCode.NOT_FOUND, f"no node {node!r} in the cluster view (nodes: "
+                                                        f"{', '.join(sorted(known)) or 'none yet'})")
+        try:
+            await self.bus.drain(node, f"operator via {self.cfg.replica_id}")
+        except Exception as exc:  # logged; the operator can retry
+            self.log.warning("drain_request_failed", node=node, error=repr(exc))
+            return error_response(ErrorCode.BUS_UNAVAILABLE, f"could not ask node {node} to drain: the message bus "
+                                                             f"did not take it; retry")
+        self.log.info("drain_requested", node=node, client=request.remote)
+        return _json({"node": node, "draining": True, "was_draining": known[node].draining,
+                      "drain_timeout_note": "the node finishes its running requests for up to its "
+                                            "KAIROS_DRAIN_TIMEOUT_S, moves the rest to other nodes, then exits"},
+                     status=202)
 
 
 def _json(body: dict, status: int = 200) -> web.Response:

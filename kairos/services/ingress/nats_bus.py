@@ -22,7 +22,7 @@ import nats.js.errors
 
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.events import Cancel
+from kairos.contracts.events import Cancel, Drain
 from kairos.contracts.wire import Claim, decode, WireError
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
@@ -170,6 +170,10 @@ class NatsIngressBus:
             await publish(self.nc, S.CANCEL_SUBJECT, Cancel(request_id=attempt_id, reason=reason))
         except nats.errors.Error as exc:  # the connection is gone: the nodes' deadlines end the attempt
             self.log.warning("cancel_publish_failed", request_id=attempt_id, reason=reason, error=repr(exc))
+
+    async def drain(self, node: str, reason: str) -> None:
+        await publish(self.nc, S.drain_subject(node), Drain(node=node, reason=reason, sent_unix_ms=self.clock.now_ms()))
+        await self.nc.flush(timeout=2.0)  # the operator's answer says it went out
 
     async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
         if self.claims is None:

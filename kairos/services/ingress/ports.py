@@ -60,6 +60,13 @@ class IngressBus(Protocol):
     async def cancel(self, attempt_id: str, reason: str) -> None:
         """Tell every node to stop ``attempt_id`` (core NATS, ``kairos.cancel``); never raises."""
 
+    async def drain(self, node: str, reason: str) -> None:
+        """Ask ``node`` to drain (core NATS, ``kairos.drain.<node>``: issue 33).
+
+        Raises:
+            Exception: the connection did not take it.
+        """
+
     async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
         """Store the tombstone claim of an attempt answered with ``code`` before any node took it,
         retried until the bus answers or ``deadline_unix_ms`` (kairos/runtime/claims.py); never raises."""

@@ -42,6 +42,7 @@ class ReadyNode(msgspec.Struct, frozen=True, kw_only=True):
     stale: bool  #: no heartbeat for the view's stale_after_ms: route nothing here
     age_ms: float  #: time since the aggregator received the node's last heartbeat, at build time
     accepting: bool = True  #: False while draining
+    draining: bool = False  #: the node drains (issue 33): /health lists it
 
 
 class ReadyView(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,6 +165,7 @@ class Readiness:
         status = reasons[0]["code"] if reasons else "ok"
         body = {"status": status, "reasons": reasons,
                 "routable": {"prefill": [n.node for n in pfs], "decode": [n.node for n in dcs]},
+                "draining": [n.node for n in self.ready.nodes if n.draining] if self.ready is not None else [],
                 "view_age_ms": view_age, "dispatchers": disp}
         return web.Response(body=orjson.dumps(body), status=503 if reasons else 200, content_type="application/json")
 

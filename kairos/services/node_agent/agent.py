@@ -27,7 +27,7 @@ from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard, forged_counter
-from kairos.contracts.events import Cancel, Resend
+from kairos.contracts.events import Cancel, Drain, Resend
 from kairos.contracts.wire import decode, WireError
 from kairos.core.engine_model import GroundTruth
 from kairos.core.model.correction import CorrectionEstimator
@@ -45,6 +45,7 @@ from kairos.runtime.service import forward, forward_all, start_metrics_and_conne
 from kairos.services.node_agent.acceptance import Claims
 from kairos.services.node_agent.config import AgentConfig
 from kairos.services.node_agent.context import NodeContext
+from kairos.services.node_agent.drain import DrainReport, Drainer
 from kairos.services.node_agent.effects import Effects
 from kairos.services.node_agent.heartbeat import Heartbeats
 from kairos.services.node_agent.jobs import Jobs
@@ -95,6 +96,8 @@ class NodeAgent:
         self.jobs = Jobs(self.ctx, self.slots, self.effects)
         self.steps = StepRecords(self.ctx, self.corrector)
         self.heartbeats = Heartbeats(self.ctx, self.slots, self.steps, self.corrector, self.epoch_unix_ms)
+        self.drainer = Drainer(self.ctx, self.effects, self.heartbeats.send)
+        self.drained = asyncio.Event()  #: set when an operator's drain finished: the agent should exit
         self.metrics_port: int | None = None
         self._runner: Any = None  #: the /metrics server (kairos.runtime.service.start_metrics_and_connect)
         self._stop = asyncio.Event()
@@ -130,7 +133,7 @@ class NodeAgent:
             await self.slots.clear_stale()
         self.ctx.bus = BusWatch(self.nc, self._declare, log=self.log, on_connected=self._resend_lost).start()
         subs = [(S.jobs_subject(cfg.node_id), self._on_job), (S.CANCEL_SUBJECT, self._on_cancel),
-                (S.RESEND_SUBJECT, self._on_resend)]
+                (S.RESEND_SUBJECT, self._on_resend), (S.drain_subject(cfg.node_id), self._on_drain)]
         if cfg.role == "decode":
             subs.append((S.kv_wildcard(cfg.node_id), self.kv_in.on_kv))
         else:
@@ -149,6 +152,11 @@ class NodeAgent:
         service has, its claims fail (``claim_failed``) and the dispatcher retries."""
         self.ctx.claims = Claims(claim_buckets(self.nc.jetstream(), lane_count(self.cfg)), self.cfg.node_id,
                                  self.epoch_unix_ms)
+
+    async def drain(self, why: str) -> DrainReport:
+        """Drain gracefully (kairos/services/node_agent/drain.py: nothing new, the queued moved at once,
+        the running finished within ``drain_timeout_s``, the rest moved); :meth:`close` follows."""
+        return await self.drainer.run(why)
 
     async def close(self, drain: bool = True) -> None:
         """Stop. ``drain``: refuse new work and send an explicit error for every request still
@@ -201,6 +209,23 @@ class NodeAgent:
     # -- subscriptions --------------------------------------------------------------------------------
     async def _on_job(self, msg: Any) -> None:
         await self.jobs.on_job(msg)
+
+    async def _on_drain(self, msg: Any) -> None:
+        """An operator's drain (``kairos drain NODE`` through the ingress, which alone may publish it):
+        drain, then ask the process to exit (:attr:`drained`)."""
+        try:
+            d = decode(msg.data, Drain)
+        except WireError:
+            return
+        mine = msg.subject == S.drain_subject(self.cfg.node_id)
+        if not self.origin.check(msg, "drain", self.cfg.node_id if mine else None, d.node):
+            return
+        self.log.info("drain_requested", reason=d.reason)
+        self.ctx.tasks.spawn(self._drain_then_exit(), "drain")
+
+    async def _drain_then_exit(self) -> None:
+        await self.drain("operator")
+        self.drained.set()
 
     async def _on_cancel(self, msg: Any) -> None:
         try:
@@ -256,10 +281,16 @@ class NodeAgent:
 
 
 async def run(cfg: AgentConfig, stop: asyncio.Event, model: LatencyModel | None = None) -> None:
-    """Run one node agent until ``stop`` is set, then drain."""
+    """Run one node agent until ``stop`` is set (SIGTERM, SIGINT) or an operator's drain finished,
+    then drain gracefully (issue 33) and close."""
     agent = NodeAgent(cfg, model)
     await agent.start()
     try:
-        await stop.wait()
+        signalled = asyncio.ensure_future(stop.wait())
+        drained = asyncio.ensure_future(agent.drained.wait())
+        await asyncio.wait({signalled, drained}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        drained.cancel()
+        await agent.drain("SIGTERM" if stop.is_set() else "operator")
     finally:
         await agent.close(drain=True)

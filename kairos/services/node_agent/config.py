@@ -44,6 +44,11 @@ class AgentConfig(MetricsServiceConfig):
     #: None: the ``profile`` itself (the node's predictions are then exact)
     truth_profile: str | None = None
     truth_scale: float = 1.0  #: emulated engine: steps take this × the truth (1.1: 10 % slower than predicted)
+    #: a draining node (SIGTERM, ``kairos drain``) lets its running requests finish for this long (s),
+    #: then moves what is left to other nodes and exits; its queued ones move at once (issue 33). The
+    #: default outlasts a long request (thousands of tokens at tens of ms each); compose's
+    #: stop_grace_period and the manifests' terminationGracePeriodSeconds are longer
+    drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,6 +63,7 @@ class AgentConfig(MetricsServiceConfig):
         require(self.kv_handoff_timeout_s > 0, "kv_handoff_timeout_s", "must be > 0")
         require(self.kv_hold_timeout_s > 0, "kv_hold_timeout_s", "must be > 0")
         require(self.truth_scale > 0, "truth_scale", "must be > 0")
+        require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0 (0: move everything at once)")
         require(self.engine_stale_after_ms > 0, "engine_stale_after_ms", "must be > 0")
         if self.backend == "vllm":
             require(bool(self.engine_url) and str(self.engine_url).startswith(("http://", "https://")), "engine_url",

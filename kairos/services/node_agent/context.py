@@ -42,6 +42,7 @@ class NodeContext:
         claims: the execution claims (None until the claim buckets are named, :meth:`NodeAgent._declare`).
         bus: the connection's watch (None until started): tells a reconnect's settling time.
         accepting: False once the node drains (its heartbeats say so; jobs are refused ``draining``).
+        draining: True once it drains.
     """
 
     cfg: AgentConfig
@@ -57,6 +58,7 @@ class NodeContext:
     claims: Claims | None = None
     bus: Any = None
     accepting: bool = True
+    draining: bool = False  #: the node drains (its heartbeats say so; it exits when done: kairos/services/node_agent/drain.py)
     reqs: dict[str, NodeRequest] = field(default_factory=dict)
     cancelled: RecentIds = field(default_factory=lambda: RecentIds(CANCELLED_REMEMBERED))
 

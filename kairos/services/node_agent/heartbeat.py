@@ -58,7 +58,7 @@ class Heartbeats:
                          in_flight=[InFlight(f.prompt_tokens, f.output_tokens) for f in st.in_flight],
                          waiting=st.waiting, free_kv_tokens=st.free_kv_tokens, running=st.running,
                          kv_backlog_ms=sum(r.kv_backlog_ms for r in ctx.reqs.values()),
-                         accepting=ctx.accepting and ctx.backend.available)
+                         accepting=ctx.accepting and ctx.backend.available, draining=ctx.draining)
 
     async def send(self) -> None:
         """Publish a heartbeat, after the records of the steps it reflects (the profiler stops

@@ -38,9 +38,10 @@ class AgentMetrics:
         self.batch = Gauge("kairos_agent_batch_size", "Running decodes (B)", **lbl)
         self.kv_tokens = Gauge("kairos_agent_kv_tokens", "KV tokens of running decodes (K)", **lbl)
         self.queue = Gauge("kairos_agent_queue_prompt_tokens", "Prefill tokens queued", **lbl)
+        self.draining = Gauge("kairos_agent_draining", "1 while this node drains (SIGTERM, kairos drain)", **lbl)
         self.node = node
         for m in (self.steps, self.step, self.tokens, self.kv_transfers, self.kv, self.chunks, self.chunk_pred,
-                  self.chunk_meas, self.overlap, self.inflight, self.batch, self.kv_tokens, self.queue):
+                  self.chunk_meas, self.overlap, self.inflight, self.batch, self.kv_tokens, self.queue, self.draining):
             m.labels(node)  # this node's series exist (at 0) from the start
         for predictor in ("decision", "engine"):
             self.chunk_err.labels(node, predictor)

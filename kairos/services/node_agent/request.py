@@ -194,6 +194,15 @@ class NodeRequest:
         """Nothing of the request is left on this node."""
         return self.phase is P.GONE
 
+    @property
+    def unstarted(self) -> bool:
+        """Accepted but not started: no prompt token computed here yet (a prefill or deflection
+        whose first chunk has not run) or a remote decode still waiting for blocks. A draining node
+        moves such a request at once (kairos/services/node_agent/drain.py)."""
+        if self.role is RequestRole.REMOTE_DECODE:
+            return self.phase is P.WAITING
+        return self.phase in (P.PREFILLING, P.DEFLECTED_PREFILL) and self.prefill_start_ms is None
+
     def _ignored(self, event: str) -> list[Action]:
         return [Ignored(f"{event} in phase {self.phase.value} ({self.role.value})")]
 

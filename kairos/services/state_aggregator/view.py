@@ -166,6 +166,7 @@ def fold_pending(st: NodeState, pending: list[RoutedEvent], age_ms: float, stale
             deflecting = True
             in_flight.append(InFlight(prompt_tokens=p.prompt_tokens, output_tokens=p.output_tokens))
     return NodeView(node=st.node, role=st.role, stale=stale, age_ms=age_ms, accepting=st.accepting,
+                    draining=st.draining,
                     batch_size=st.batch_size, kv_tokens=st.kv_tokens, queue_prompt_tokens=queue,
                     deflection_in_flight=deflecting, in_flight=in_flight, waiting=st.waiting,
                     kv_backlog_ms=st.kv_backlog_ms, pending_routed=len(pending),
