@@ -321,21 +321,23 @@ class Supervisor:
         return None
 
     #: stop order (matched against a child's kind or name): dispatchers first (nothing new is
-    #: routed), then the node agents (each ends its in-flight requests with an explicit
-    #: ``node_shutdown`` error), then the vLLM engines (if any; their agents are gone), then the
-    #: ingress (it relays those errors to the clients, then closes), then the aggregator and NATS,
-    #: which the others need until they are gone
+    #: routed), then the node agents (each ends its in-flight requests with ``node_shutdown``: the
+    #: ingress would move them, but no dispatcher is left), then the vLLM engines (if any; their
+    #: agents are gone), then the ingress (it answers every request still open with an explicit
+    #: ``ingress_shutdown``, then closes), then the aggregator and NATS, which the others need until
+    #: they are gone
     STOP_ORDER = (("dispatcher",), ("agent",), ("vllm",), ("ingress",), ("aggregator",), ("message bus",))
 
     def down(self) -> None:
         """Stop every started process in :attr:`STOP_ORDER`, group by group; a process still running
-        10 s after its SIGTERM is killed."""
+        10 s after its signal is killed. The node agents get SIGINT: the whole stack stops, so they
+        stop at once instead of draining (SIGTERM, kairos/services/node_agent/drain.py); the rest SIGTERM."""
         for group in self.STOP_ORDER:
             batch = [c for c in self.procs if c.proc and c.proc.poll() is None and any(c.kind.startswith(g) or
                                                                                         c.name.startswith(g) for g in group)]
             for c in batch:
                 try:
-                    c.proc.send_signal(signal.SIGTERM)
+                    c.proc.send_signal(signal.SIGINT if group == ("agent",) else signal.SIGTERM)
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + 10

@@ -38,6 +38,7 @@ class StopEvent(asyncio.Event):
     "draining is meaningful" from "still connecting / declaring"."""
 
     serving: bool = False
+    signum: int | None = None  #: the first signal that set it (SIGTERM: drain gracefully; SIGINT: stop now)
 
     async def wait(self) -> bool:  # type: ignore[override]
         self.serving = True
@@ -59,6 +60,7 @@ async def run_main(run: Callable[..., Awaitable[Any]], config: Any) -> None:
     def on_signal(signum: int) -> None:
         got.append(signum)
         if not stop.is_set():
+            stop.signum = signum
             stop.set()
             if stop.serving:
                 return  # serving: drain through run's own close()

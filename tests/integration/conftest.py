@@ -187,13 +187,15 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
                 idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
                 metrics: bool = False, max_deflections: int = 1, ingress_overrides: dict | None = None,
-                passwords: dict[str, str] | None = None, lanes: int = 0, **dispatcher_overrides):
+                passwords: dict[str, str] | None = None, lanes: int = 0, agent_overrides: dict | None = None,
+                **dispatcher_overrides):
     """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
 
     ``span_exporter``: also export every service's spans synchronously to it (e.g. an OTel
     ``InMemorySpanExporter``); ``metrics``: serve each non-HTTP service's /metrics on a free port;
     ``max_deflections``: deflection slots per decode node (agents and dispatchers alike).
-    ``ingress_overrides``: extra :class:`IngressConfig` fields. ``passwords``: log every service
+    ``ingress_overrides``, ``agent_overrides``: extra :class:`IngressConfig` / every agent's
+    :class:`AgentConfig` fields. ``passwords``: log every service
     in as its role (a :func:`secure_server`'s). ``lanes``: request lanes / claim buckets of every
     service (``KAIROS_NATS_LANES``; 0: one per server); several need a server carrying their tags.
     """
@@ -220,7 +222,8 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
         for i in range(n):
             a = instrument(NodeAgent(AgentConfig(node_id=f"{role}-{i}", role=role, nats_url=url,
                                                  state_period_ms=period_ms, metrics_port=mport, trace_file=trace_file,
-                                                 max_deflections=max_deflections, **cred(f"agent-{role}-{i}")),
+                                                 max_deflections=max_deflections, **cred(f"agent-{role}-{i}"),
+                                                 **(agent_overrides or {})),
                                      model=model))
             await a.start()
             agents[a.cfg.node_id] = a

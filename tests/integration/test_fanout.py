@@ -85,7 +85,8 @@ async def test_fanout_limits_and_greedy_rule(nats_url):
 
 
 async def test_a_sub_request_failing_mid_stream_ends_the_stream_and_stops_its_siblings(nats_url):
-    """A real fault after the stream opened: the decode node of choice 0 crashes (no drain, no goodbye).
+    """A real fault after the stream opened: the decode node of choice 0 crashes (no drain, no goodbye),
+    with migration off (``max_migrations`` 0; with it on, choice 0 moves: tests/integration/test_migration.py).
     Choice 0 fails with ``node_lost`` (its tokens already reached the client: not resubmitted); the
     stream ends with an SSE error event and ``[DONE]``; choice 1, streaming on the other decode node,
     is stopped with the cause ``sibling_failed`` (cancelled there: no node holds it; 424 and that code in its
@@ -94,7 +95,7 @@ async def test_a_sub_request_failing_mid_stream_ends_the_stream_and_stops_its_si
     from tests.integration.test_ingress_robustness import holder, read_sse
 
     async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0,
-                     request_timeout_s=60.0) as st:
+                     request_timeout_s=60.0, ingress_overrides={"max_migrations": 0}) as st:
         body = {"model": MODEL, "prompt": "tell me a long story", "max_tokens": 2000, "n": 2, "seed": 3,
                 "stream": True}
         async with st.http.post(st.base + "/v1/completions", json=body) as r:

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 async def test_replayed_and_forged_heartbeats_of_a_crashed_node_do_not_keep_it_alive(nats_url):
     async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd", idle_timeout_s=30.0,
-                     request_timeout_s=60.0, ingress_overrides={"liveness_timeout_s": 1.0}) as st:
+                     request_timeout_s=60.0, ingress_overrides={"liveness_timeout_s": 1.0, "max_migrations": 0}) as st:
         forger = await nats.connect(nats_url)
         seen: list[bytes] = []  # decode-0's real heartbeats, as the bus carried them
 

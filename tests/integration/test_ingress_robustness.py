@@ -63,10 +63,11 @@ def counter(c) -> float:
 
 # -- 1. a decode node dies under a streaming request ------------------------------------------------
 
-async def test_decode_node_killed_mid_stream_ends_with_node_lost_error_fast(nats_url):
-    # idle timeout 30 s: the error must come from node-loss detection, not from the timeout
+async def test_with_migration_off_a_decode_node_killed_mid_stream_ends_with_node_lost_error_fast(nats_url):
+    # idle timeout 30 s: the error must come from node-loss detection, not from the timeout; migration off
+    # (max_migrations 0): with it on the stream moves instead (tests/integration/test_migration.py)
     async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0,
-                     request_timeout_s=60.0) as st:
+                     request_timeout_s=60.0, ingress_overrides={"max_migrations": 0}) as st:
         async with long_decode_stream(st) as (r, head, rid, node):
             t0 = time.monotonic()
             await st.kill_agent(node)

@@ -77,8 +77,10 @@ def _read_sse(resp: http.client.HTTPResponse, events: list, first: threading.Eve
 
 def test_sigterm_with_requests_in_flight_ends_them_explicitly(tmp_path, spawn):
     """Ctrl-C / SIGTERM of ``kairos up`` while a stream and a plain request are being decoded: the
-    agents are stopped before the ingress, so both clients get ``node_shutdown`` (streams: an error
-    event then ``[DONE]``), nothing is SIGKILLed, every child exits and the temp dir is removed."""
+    dispatchers and agents are stopped before the ingress (the agents at once, SIGINT: the whole
+    stack goes), so the requests they held cannot move and both clients get the ingress's explicit
+    ``ingress_shutdown`` (streams: an error event then ``[DONE]``), nothing is SIGKILLed, every child
+    exits and the temp dir is removed."""
     port = free_port()
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -114,12 +116,12 @@ def test_sigterm_with_requests_in_flight_ends_them_explicitly(tmp_path, spawn):
     last = events[-2]
     assert isinstance(last, dict), events[-3:]
     if "error" in last:
-        assert last["error"]["code"] == "node_shutdown", last
+        assert last["error"]["code"] == "ingress_shutdown", last
     else:  # finished just before the stop
         assert last["choices"][0]["finish_reason"] is not None, last
     assert plain["status"] in (200, 503), plain
     if plain["status"] == 503:
-        assert plain["body"]["error"]["code"] == "node_shutdown", plain
+        assert plain["body"]["error"]["code"] == "ingress_shutdown", plain
     else:
         assert plain["body"]["usage"]["completion_tokens"] == long["max_tokens"], plain
     assert not wait_gone(children, 5)

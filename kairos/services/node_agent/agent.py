@@ -23,6 +23,7 @@ the first token, decodes.
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 from kairos.contracts import subjects as S
@@ -281,8 +282,10 @@ class NodeAgent:
 
 
 async def run(cfg: AgentConfig, stop: asyncio.Event, model: LatencyModel | None = None) -> None:
-    """Run one node agent until ``stop`` is set (SIGTERM, SIGINT) or an operator's drain finished,
-    then drain gracefully (issue 33) and close."""
+    """Run one node agent until ``stop`` is set or an operator's drain finished, then close: after
+    SIGTERM (what Kubernetes and ``docker stop`` send) or a drain, gracefully (issue 33:
+    kairos/services/node_agent/drain.py); after SIGINT (Ctrl-C; ``kairos up`` stopping the whole
+    stack) at once, every request it holds ending with ``node_shutdown`` (moved by the ingress)."""
     agent = NodeAgent(cfg, model)
     await agent.start()
     try:
@@ -291,6 +294,7 @@ async def run(cfg: AgentConfig, stop: asyncio.Event, model: LatencyModel | None 
         await asyncio.wait({signalled, drained}, return_when=asyncio.FIRST_COMPLETED)
         signalled.cancel()
         drained.cancel()
-        await agent.drain("SIGTERM" if stop.is_set() else "operator")
+        if getattr(stop, "signum", None) != signal.SIGINT:
+            await agent.drain("SIGTERM" if stop.is_set() else "operator")
     finally:
         await agent.close(drain=True)
