@@ -7,14 +7,14 @@ dispatcher replicas and the ingress — each ``python -m kairos.services.<name>`
 ``KAIROS_*`` environment variables. Waits for the ingress's ``/health``, prints where everything
 is (stdout), then supervises: Ctrl-C / SIGTERM stops every process it started (dispatchers, node
 agents, ingress, aggregator, NATS — in-flight requests end with an explicit error). A child that
-dies unexpectedly is reported with its last log lines; the rest keeps serving (a dead dispatcher's
-requests are redelivered to the others, a dead node's streams end with ``node_lost`` or are
-re-submitted: docs/reliability.md) unless nothing can serve any more — the ingress died, or no
-dispatcher, prefill agent or decode agent is left (or the bundled nats-server died more than
-:data:`MAX_SINGLETON_RESTARTS` times within :data:`RESTART_WINDOW_S`; before that it is restarted on the same port and store) — then
-everything is stopped. The state aggregator, the other singleton, is restarted too (as often), and so
-is a vLLM engine that dies (same command: port, engine-state socket; its agent refuses jobs meanwhile).
-Either way the exit code is then 1. Child output goes to per-service log files (JSON lines) in the
+exits is started again (kairos/cli/supervise.py: as Docker Compose's ``restart: unless-stopped``, with
+a doubling backoff from 0.1 s), whatever its exit code — a node agent drained by ``kairos drain`` or
+SIGTERM comes back, which makes a rolling restart; the bundled nats-server on the same port and store;
+a vLLM engine with the same command — and the stderr line says why it stopped. A child restarted
+:data:`MAX_SINGLETON_RESTARTS` times within :data:`RESTART_WINDOW_S` is crash-looping: it stays down,
+and the rest keeps serving unless nothing can serve any more (the ingress, the message bus, every
+dispatcher, prefill agent or decode agent gone); then everything is stopped.
+If any child stopped on its own, the exit code is 1. Child output goes to per-service log files (JSON lines) in the
 printed log directory (``--log-dir``, default a temporary directory). On exit everything else in the temporary directory (the NATS store, generated files) is
 removed and the logs are kept, their path printed: a clean stop after failed requests is exactly when
 they are needed.
@@ -36,6 +36,8 @@ from kairos.cli.processes import (CONTROL_PLANE_NICE, Child, control_plane_prior
                                   get_json, kill_group, nats_server_binary, port_in_use, reserve_port,
                                   start_bundled_nats, stop_process, wait_listening)
 from kairos.cli.up_nats import cluster_servers, external_nats, single_server, wait_cluster_ready
+from kairos.cli.supervise import (MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S, RestartBudget, backoff_s,
+                                  exit_reason)
 from kairos.cli.up_plan import ENGINE_NICE, VLLM_DEFAULTS, UpOptions, api_keys, banner, node_ids, plan, vllm_node
 
 #: ``kairos up``'s API as other modules (kairos profile and demo, the benchmarks, the tests' fixtures)
@@ -48,15 +50,6 @@ __all__ = ["Supervisor", "run_up", "MAX_SINGLETON_RESTARTS", "UpOptions", "VLLM_
 
 #: the name kairos/cli/profile.py imports (kairos.cli.processes.get_json)
 _get_json = get_json
-
-#: how often ``kairos up`` restarts a bundled nats-server (or the state aggregator, or one vLLM engine)
-#: that died before it gives up (NATS: stops everything; the aggregator: the rest serves on the last
-#: view; an engine: its agent refuses jobs for good, the other nodes serve)
-MAX_SINGLETON_RESTARTS = 5
-#: … within this many seconds (a window, as systemd's StartLimitIntervalSec: a child that died five
-#: times over a day of serving is restarted again; five deaths in ten minutes is a crash loop)
-RESTART_WINDOW_S = 600.0
-
 
 #: the supervisor's pid in its run directory: a directory whose supervisor is gone was abandoned
 OWNER_FILE = "supervisor.pid"
@@ -92,30 +85,6 @@ def reap_abandoned(root: Path) -> list[tuple[Path, int]]:
         except (OSError, ValueError):  # no owner file (older runs), not ours (PermissionError), unreadable
             continue
     return reaped
-
-
-class RestartBudget:
-    """At most ``limit`` restarts of one child within any ``window_s`` seconds (monotonic clock).
-
-    ``take(name, now)`` records a restart and returns its rank in the window (1..limit), or None
-    when the budget is spent (nothing recorded)."""
-
-    def __init__(self, limit: int = MAX_SINGLETON_RESTARTS, window_s: float = RESTART_WINDOW_S) -> None:
-        self.limit, self.window_s = limit, window_s
-        self._times: dict[str, list[float]] = {}
-
-    def take(self, name: str, now: float) -> int | None:
-        recent = [t for t in self._times.get(name, []) if now - t < self.window_s]
-        if len(recent) >= self.limit:
-            self._times[name] = recent
-            return None
-        recent.append(now)
-        self._times[name] = recent
-        return len(recent)
-
-    def used(self) -> bool:
-        """Whether any child was restarted at all."""
-        return any(self._times.values())
 
 
 class Supervisor:
@@ -211,6 +180,7 @@ class Supervisor:
         for c in plan(self.opts, url, self.log_dir, self.creds, self.tmp):
             self._spawn(c)
         self.write_prometheus_targets()
+        self.write_services()
         # ready = every service's /health is 200 and the ingress sees every node as routable
         want = {f"prefill-{i}" for i in range(self.opts.prefill)} | {f"decode-{i}" for i in range(self.opts.decode)}
         ingress = f"http://{self.opts.host}:{self.opts.port}/health"
@@ -248,57 +218,76 @@ class Supervisor:
                 groups.append({"targets": [hostport], "labels": {"kairos_service": c.name}})
         self.targets_path.write_text(json.dumps(groups, indent=2) + "\n")
 
+    def write_services(self) -> None:
+        """``services.json`` in the log directory: every child with its kind, current pid and endpoint,
+        rewritten at every restart (scripts and benchmarks find a service's process there)."""
+        rows = [{"name": c.name, "kind": c.kind, "pid": c.proc.pid if c.proc else None, "endpoint": c.endpoint}
+                for c in self.procs]
+        tmp = self.log_dir / "services.json.tmp"
+        tmp.write_text(json.dumps(rows, indent=1) + "\n")
+        tmp.replace(self.log_dir / "services.json")
+
     def table(self) -> str:
         """The banner printed once the stack is ready (:func:`kairos.cli.up_plan.banner`)."""
         return banner(self.opts, self.procs, self.log_dir, self.targets_path, self.creds)
 
     def supervise(self) -> int:
-        """Block until a signal or until nothing can serve any more (see the module docstring).
-        Returns 0 after a signal with every child alive, else 1."""
+        """Block until a signal or until nothing can serve any more; restart every child that exits
+        (kairos/cli/supervise.py: backoff, a crash-loop budget). Returns 0 after a signal with every
+        child alive or restarted, else 1."""
         reported: set[str] = set()
-        budget = RestartBudget()  # the singletons' restarts (NATS, aggregator, vLLM engines)
+        budget = RestartBudget(limit=self.opts.max_restarts)
+        pending: dict[str, tuple[Child, float]] = {}  #: children to start again, and when (monotonic s)
         while not self.stopping:
+            now = time.monotonic()
+            for name, (c, due) in list(pending.items()):
+                if now >= due:
+                    del pending[name]
+                    self._restart(c)
             for c in list(self.procs):
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
                     continue
-                nats, engine = c.kind.startswith("message bus"), c.kind.startswith("vllm")
-                rank = budget.take(c.name, time.monotonic()) if (nats or engine or c.kind == "aggregator") else None
+                rank = budget.take(c.name, now)
+                why, last_lines = exit_reason(c.proc.returncode), self._tail(c)  # the dead one's, before the new one logs
+                self.failed = True  # keep the logs
                 if rank is not None:
-                    # a singleton the others cannot do without: the bundled nats-server again on the
-                    # same port and file store (every service reconnects and re-declares by itself,
-                    # docs/bus.md "Surviving a NATS restart"); the state aggregator again (stateless: it
-                    # listens for one stale period, then writes the view — without it /health says the
-                    # view is stale for good). A vLLM engine (its agent cannot serve without it): the
-                    # same command, so the same port, engine-state socket and NIXL ports; its agent
-                    # refuses jobs from the moment the engine's state stream disconnects until the new
-                    # server answers /v1/models (kairos/engines/vllm/backend.py)
-                    code, last_lines = c.proc.returncode, self._tail(c)  # the dead one's, before the new one logs
-                    self.failed = True  # keep the logs
                     self.procs.remove(c)
-                    if nats:
-                        self._start_nats(c)  # if it dies again, the next round sees it
-                    else:
-                        if engine:  # its EngineCore and workers can outlive the API server, holding the ports
-                            kill_group(c.proc)
-                        self._spawn(c)
-                    what = "on the same port and store" if nats else "with the same configuration"
-                    self.msg(f"{c.name} exited unexpectedly with code {code}; restarted it {what}"
-                             f"{self._new_pid(c.name)} (restart {rank} of at most {MAX_SINGLETON_RESTARTS} in "
-                             f"{RESTART_WINDOW_S / 60:g} min)"
-                             + (": the services reconnect by themselves" if nats else "")
-                             + (": its agent refuses jobs until it answers again" if engine else "")
-                             + f". Its last log lines ({c.log_path}):\n{last_lines}")
+                    if c.kind.startswith("vllm"):  # its EngineCore and workers can outlive the API server, holding the ports
+                        kill_group(c.proc)
+                    pending[c.name] = (c, now + backoff_s(rank))
+                    self.msg(f"{c.name} (pid {c.proc.pid}) {why}; restarting it in {backoff_s(rank):g} s "
+                             f"{self._how(c)} (restart {rank} of at most {budget.limit} in "
+                             f"{RESTART_WINDOW_S / 60:g} min). Its last log lines ({c.log_path}):\n{last_lines}")
                     continue
                 reported.add(c.name)
                 fatal = self._cannot_serve()
-                self.msg(f"{c.name} (pid {c.proc.pid}) exited unexpectedly with code {c.proc.returncode}; "
+                looping = (f"was restarted {budget.limit} times in {RESTART_WINDOW_S / 60:g} min already (a crash "
+                           f"loop): left down" if budget.limit else "is not restarted (--max-restarts 0)")
+                self.msg(f"{c.name} (pid {c.proc.pid}) {why} and {looping}; "
                          + (f"{fatal}: stopping everything." if fatal else "the rest of the stack keeps serving "
                             "without it (restart kairos up to get it back).")
-                         + f" Last log lines ({c.log_path}):\n{self._tail(c)}")
+                         + f" Last log lines ({c.log_path}):\n{last_lines}")
                 if fatal:
                     return 1
-            time.sleep(0.2)
+            time.sleep(0.05 if pending else 0.2)
         return 1 if reported or budget.used() else 0
+
+    @staticmethod
+    def _how(c: Child) -> str:
+        if c.kind.startswith("message bus"):
+            return "on the same port and store (the services reconnect by themselves)"
+        if c.kind.startswith("vllm"):
+            return "with the same command (its agent refuses jobs until it answers again)"
+        return "with the same configuration"
+
+    def _restart(self, c: Child) -> None:
+        """Start ``c`` again (a nats-server: waited for, at most 10 s); the services file follows."""
+        if c.kind.startswith("message bus"):
+            self._start_nats(c)  # if it dies again, the next round sees it
+        else:
+            self._spawn(c)
+        self.msg(f"{c.name} restarted{self._new_pid(c.name)}")
+        self.write_services()
 
     def _new_pid(self, name: str) -> str:
         """`` as pid N``: the pid of the child now running under ``name`` (empty if none)."""

@@ -67,6 +67,9 @@ class UpOptions:
     #: bundled NATS: this many clustered nats-servers (kairos/cli/natscluster.py; 3 survives the loss of
     #: any one: every stream and bucket then has 3 replicas); 1: a single server
     nats_servers: int = 1
+    #: restarts of one child within 10 minutes before it counts as crash-looping and stays down
+    #: (kairos/cli/supervise.py); 0: nothing is restarted, a child that exits is only reported
+    max_restarts: int = 5
 
 
 #: ``kairos up --engine vllm`` defaults that differ from the emulated stack: the measured CPU

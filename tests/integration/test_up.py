@@ -147,18 +147,23 @@ def test_busy_port_fails_before_starting_anything(tmp_path, spawn):
     assert os.listdir(tmpdir) == [], "nothing started, nothing left behind"
 
 
-def test_child_death_stops_everything_and_keeps_the_logs(tmp_path, spawn):
+def test_with_restarts_off_the_death_of_the_only_dispatcher_stops_everything_and_keeps_the_logs(tmp_path, spawn):
+    """--max-restarts 0: a child that exits is reported, not restarted; the only dispatcher gone, nothing
+    can serve: everything stops (exit 1), the logs are kept. (With restarts, the default, it comes back:
+    tests/integration/test_up_restarts.py.)"""
     port = free_port()
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", tmpdir=tmpdir)
+    proc, table = start_up(spawn, port, "--prefill", "1", "--decode", "1", "--dispatchers", "1", "--max-restarts", "0",
+                           tmpdir=tmpdir)
     children = children_of(proc.pid)
     victim = next(int(line.split()[-2]) for line in table.splitlines() if line.strip().startswith("dispatcher-0"))
     assert victim in children
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(30) == 1
     err = proc.stderr.read()
-    assert "dispatcher-0" in err and "exited unexpectedly" in err, err
+    assert "dispatcher-0" in err and "was killed by SIGKILL and is not restarted (--max-restarts 0)" in err, err
+    assert "no dispatcher is left: stopping everything" in err, err
     assert err.rstrip().endswith("kairos up: stopped"), err
     kept = [line.split("logs kept in ", 1)[1].strip() for line in err.splitlines() if "logs kept in " in line]
     assert len(kept) == 1, err

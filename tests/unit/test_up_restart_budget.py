@@ -4,7 +4,7 @@ then over a long run keeps being restarted while a crash loop is given up on."""
 
 from __future__ import annotations
 
-from kairos.cli.up import MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S, RestartBudget
+from kairos.cli.supervise import MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S, RestartBudget
 
 
 def test_the_limit_holds_within_the_window():
@@ -38,3 +38,21 @@ def test_the_defaults():
     assert (MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S) == (5, 600.0)
     b = RestartBudget()
     assert [b.take("x", float(i)) for i in range(6)] == [1, 2, 3, 4, 5, None]
+
+
+def test_why_a_child_stopped_is_said_from_its_return_code():
+    from kairos.cli.supervise import exit_reason
+
+    assert exit_reason(-9) == "was killed by SIGKILL" and exit_reason(-15) == "was killed by SIGTERM"
+    assert exit_reason(0) == "exited with code 0 (a clean stop: SIGTERM, SIGINT or a drain)"
+    assert exit_reason(143) == "exited with code 143 (SIGTERM during its startup)"
+    assert exit_reason(1) == "exited with code 1" and exit_reason(2) == "exited with code 2"
+    assert exit_reason(-200) == "was killed by signal 200" and exit_reason(250) == "exited with code 250"
+
+
+def test_the_restart_backoff_doubles_from_a_tenth_of_a_second_as_dockers():
+    from kairos.cli.supervise import backoff_s
+
+    assert [backoff_s(r) for r in range(1, 6)] == [0.1, 0.2, 0.4, 0.8, 1.6]
+    assert backoff_s(0) == 0.1  # a rank below 1 is the first restart's
+    assert RestartBudget(limit=0).take("x", 0.0) is None  # --max-restarts 0: never restarted

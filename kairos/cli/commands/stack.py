@@ -65,6 +65,9 @@ def engine_defaults_or_exit(opts: dict) -> None:
                    "stream and bucket gets one replica per server).")
 @click.option("--trace-file", type=click.Path(dir_okay=False), default=None, callback=writable_file,
               help="Also write every span as a JSON line to this file.")
+@click.option("--max-restarts", type=click.IntRange(0, 100), default=5, show_default=True,
+              help="A service that exits is started again (backoff from 0.1 s, doubling), at most this many times "
+                   "within 10 min, then left down as crash-looping; 0: never restart, only report.")
 @click.option("--state-period-ms", type=click.FloatRange(1), default=100.0, show_default=True,
               help="Node heartbeat period Δh (ms); stale after 3 periods.")
 @click.option("--served-model", default=None, callback=lambda _c, _p, v: non_empty(v, "--served-model"),
