@@ -74,6 +74,7 @@ class HandoffEvent(msgspec.Struct, frozen=True, kw_only=True, tag="handoff"):
     node: str  #: the prefill node (its agent publishes this)
     decode_node: str  #: the decode node that took the KV
     sent_unix_ms: float
+    decode_epoch_unix_ms: float = 0.0  #: that decode agent's incarnation (``KvAck.epoch_unix_ms``; 0: unknown)
 
 
 OutEvent = Union[TokenEvent, DoneEvent, ErrorEvent, HandoffEvent]

@@ -183,6 +183,8 @@ class JobAck(msgspec.Struct, frozen=True, kw_only=True):
     #: why not (``wrong_role``, ``draining``, ``too_long``, ``claimed``, ``claim_failed``, …) or ``duplicate``
     reason: str = ""
     accepted_unix_ms: float = 0.0  #: node clock when the engine got the job (aggregator dedup key)
+    #: the accepting agent's incarnation (``NodeState.epoch_unix_ms``): a later epoch lost the request
+    epoch_unix_ms: float = 0.0
     #: ``reason == "claimed"``: the claim of the node that already executes the request
     claim: Claim | None = None
     #: an accepted deflection: the reservation the node stored for it (``kairos_resv``), its key and
@@ -216,6 +218,7 @@ class KvAck(msgspec.Struct, frozen=True, kw_only=True):
     accepted: bool
     node: str
     reason: str = ""
+    epoch_unix_ms: float = 0.0  #: the accepting agent's incarnation (as JobAck's)
 
 
 class KvDone(msgspec.Struct, frozen=True, kw_only=True):
@@ -290,6 +293,9 @@ class RoutedEvent(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     #: the request lane the routed copy came from (kairos/runtime/lanes.py; None: unknown): the ingress
     #: credits that lane with a delivery (a lane that delivers nothing is moved away from)
     lane: int | None = None
+    #: the accepting agent's incarnation (``JobAck.epoch_unix_ms``; 0: unknown): a heartbeat of a later
+    #: epoch means the node restarted and lost the request (the ingress moves it, issue 33)
+    node_epoch_unix_ms: float = 0.0
 
 
 class StepRecordEvent(msgspec.Struct, frozen=True, kw_only=True):

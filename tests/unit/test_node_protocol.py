@@ -335,3 +335,21 @@ async def test_a_handoff_is_taken_only_from_the_claims_holder_and_its_kv_pulled_
     assert r.phase is RequestPhase.DECODING and n.ctx.backend.phase("r1") == RequestPhase.DECODING
     (done,) = [decode(p, KvDone) for s, p, _ in n.bus.published if s == S.kvdone_subject("prefill-0", agent_user("decode-0"))]
     assert done.ok and done.request_id == "r1"
+
+
+async def test_a_cancel_that_overtakes_its_job_or_handoff_is_remembered_and_the_late_one_refused():
+    """Issue 33: the ingress moved a request (a migration, a re-submission) and cancelled the old
+    attempt; the cancel reaches a node before that attempt's job or KV handoff (another subscription,
+    another task). The late job and the late handoff are refused ``cancelled``: nothing runs for nobody."""
+    n = node("decode-0", "decode")
+    kv = FakeKV()
+    kv.put_raw(S.claim_key("r1"), encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=1.0)))
+    n.ctx.claims = Claims(kv, "decode-0", 0.0)
+    await n.effects.cancel("r1", "migrated")  # unknown here yet
+    await n.effects.cancel("d1", "migrated")
+    late = handoff_msg("prefill-0")
+    await n.kv_in.on_kv(late)
+    assert decode(late.answers[0], KvAck).reason == "cancelled" and "r1" not in n.ctx.reqs
+    ack, _ = await n.jobs.handle(deflect_job("d1"))
+    assert (ack.accepted, ack.reason) == (False, "cancelled") and "d1" not in n.ctx.reqs
+    assert n.ctx.backend.phase("r1") is None and n.ctx.backend.phase("d1") is None

@@ -66,6 +66,7 @@ class StandIn:
             return web.Response(status=200)
 
         async def completions(request: web.Request) -> web.StreamResponse:
+            self.request = request  # the one being answered (a handler that streams writes to it)
             body = await request.json()
             async with self.got:
                 self.bodies.append(body)
@@ -223,6 +224,31 @@ async def test_a_decode_leg_that_keeps_failing_is_retried_then_frees_the_prefill
     bodies = await standin.wait_bodies(4)  # the leg, two retries, the release
     assert [x["model"] for x in bodies] == ["tiny"] * 3 + [bodies[3]["model"]] and bodies[3]["model"] != "tiny"
     await asyncio.wait_for(asyncio.gather(*b.http.releases), WAIT_S)
+
+
+async def test_a_decode_leg_broken_after_its_first_tokens_is_not_sent_again(engine):
+    """Issue 33: a keep-path decode leg whose stream breaks after tokens went out is never sent again
+    (its retry is only for a leg that produced nothing): a second execution would stream its tokens
+    from index 0 again and the client's text would mix two executions. The request fails with
+    ``engine_error`` (the ingress migrates it, resuming after the tokens sent)."""
+    standin, events, make = engine
+
+    async def breaks_mid_stream(body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(standin.request)
+        for text in (" a", " b"):
+            chunk = {"id": "cmpl-x", "object": "text_completion", "model": "tiny",
+                     "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        standin.request.transport.close()  # the engine dies mid-stream
+        return resp
+    standin.completions = breaks_mid_stream
+    b = await make("decode")
+    b.add_remote_decode(req(out=10), PARAMS)
+    failed = await events.wait("failed")
+    assert failed[1:4] == ("r1", 502, "engine_error"), failed
+    assert [c[2:4] for c in events.calls if c[0] == "tokens"] == [(0, 1), (1, 1)]
+    assert [x["model"] for x in standin.bodies] == ["tiny"], "the broken leg was sent again"
 
 
 async def test_a_deflected_request_the_engine_refuses_is_a_4xx_and_releases_nothing(engine):

@@ -84,7 +84,7 @@ class Outcomes:
         await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
             request_id=rid, kind="deflect" if d.deflected else "keep", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
-            predicted_ttft_ms=predicted_ttft_ms(d), lane=lane))
+            predicted_ttft_ms=predicted_ttft_ms(d), lane=lane, node_epoch_unix_ms=ack.epoch_unix_ms))
         try:
             await self.put_record(S.record_key(rid, "decision"), encode(rec))
         except Exception as exc:  # a record is advisory: the request is routed all the same

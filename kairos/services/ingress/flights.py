@@ -207,11 +207,17 @@ class Flights:
             f.predicted = (None if ev.predicted_ttft_ms is None
                            else (ev.kind, ev.predicted_ttft_ms))
             f.senders.routed(ev.node, ev.kind)  # only dispatchers may publish routing events
+            if ev.node_epoch_unix_ms:  # the incarnation that accepted: a later one lost it (issue 33)
+                f.dep_epochs[ev.node] = ev.node_epoch_unix_ms
             self._release(f)
         self.liveness.watch(ev.node, self.clock.monotonic() * 1000.0)
 
     def _deliver(self, f: Flight, ev: OutEvent) -> None:
-        if isinstance(ev, HandoffEvent):  # who may send tokens (Senders), nothing for the client
+        if isinstance(ev, HandoffEvent):  # who may send tokens (Senders), and what the request depends on now
+            if ev.request_id == f.attempt_id:
+                f.lc.on_handoff(ev.request_id, ev.decode_node)
+                if ev.decode_epoch_unix_ms:  # the decode agent's incarnation that took the KV (issue 33)
+                    f.dep_epochs[ev.decode_node] = ev.decode_epoch_unix_ms
             return
         if isinstance(ev, TokenEvent):  # a token is a sign of life of its node
             self.liveness.heard(ev.node, self.clock.monotonic() * 1000.0)

@@ -88,7 +88,7 @@ class NodeAgent:
         self.epoch_unix_ms = clock.now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
         self.ctx = NodeContext(cfg=cfg, model=self.model, backend=self.backend, log=self.log, tracer=self.tel.tracer,
                                metrics=self.m, origin=OriginGuard(forged_counter("agent", self.tel.registry), self.log),
-                               tasks=BackgroundTasks(self.log), clock=clock)
+                               tasks=BackgroundTasks(self.log), clock=clock, epoch_unix_ms=self.epoch_unix_ms)
         self.corrector = CorrectionEstimator()  #: the node's own step-time correction, for its guard
         self.slots = DeflectionSlots(self.ctx)
         self.effects = Effects(self.ctx, self.slots, hand_off=lambda r: self.kv_out.start(r),

@@ -58,6 +58,7 @@ class NodeContext:
     claims: Claims | None = None
     bus: Any = None
     accepting: bool = True
+    epoch_unix_ms: float = 0.0  #: this incarnation (the agent's start, wall ms): on JobAck, KvAck
     draining: bool = False  #: the node drains (its heartbeats say so; it exits when done: kairos/services/node_agent/drain.py)
     reqs: dict[str, NodeRequest] = field(default_factory=dict)
     cancelled: RecentIds = field(default_factory=lambda: RecentIds(CANCELLED_REMEMBERED))

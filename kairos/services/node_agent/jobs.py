@@ -205,7 +205,8 @@ class Jobs:
         resv = await self.slots.reserve(rid, job) if job.kind == DEFLECT else (None, None, None)
         ctx.metrics.jobs.labels(ctx.node, job.kind, "accepted").inc()
         ctx.rlog(rid, r.spans.main).info("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
-        return JobAck(accepted=True, node=ctx.node, accepted_unix_ms=ctx.clock.now_ms(), reservation=resv[0],
+        return JobAck(accepted=True, node=ctx.node, accepted_unix_ms=ctx.clock.now_ms(), epoch_unix_ms=ctx.epoch_unix_ms,
+                      reservation=resv[0],
                       reservation_key=resv[1], reservation_revision=resv[2])
 
     def _duplicate(self, job: Job, accepted_ms: float) -> JobAck:
@@ -213,7 +214,8 @@ class Jobs:
         rid = job.request.request_id
         self.ctx.metrics.jobs.labels(self.ctx.node, job.kind, "duplicate").inc()
         self.ctx.rlog(rid).info("job_duplicate", attempt=job.attempt, dispatcher=job.dispatcher_id)
-        return JobAck(accepted=True, node=self.ctx.node, reason="duplicate", accepted_unix_ms=accepted_ms)
+        return JobAck(accepted=True, node=self.ctx.node, reason="duplicate", accepted_unix_ms=accepted_ms,
+                      epoch_unix_ms=self.ctx.epoch_unix_ms)
 
     def _claimed_elsewhere(self, job: Job, claim: ClaimResult) -> tuple[JobAck, ErrorEvent | None]:
         """Another node (or an earlier incarnation of this one) holds the claim: refused ``claimed``.

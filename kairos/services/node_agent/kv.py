@@ -115,7 +115,8 @@ class KvSender:
                     spans.handoff.set_attribute("kairos.rerouted_from", [f"{k}:{v}" for k, v in tried.items()])
             # the ingress accepts the tokens of the node this names (it holds any that overtake this); the
             # decode node's KvDone (another subscription, so another task) may have been handled already
-            await self.effects.run(r, r.handed_off(cand, ctx.clock.now_ms(), ctx.backend.kv_transfer_ms(r.req.prompt_tokens)))
+            await self.effects.run(r, r.handed_off(cand, ctx.clock.now_ms(), ctx.backend.kv_transfer_ms(r.req.prompt_tokens),
+                                                   ack.epoch_unix_ms))
             return True
         return None
 
@@ -179,7 +180,7 @@ class KvReceiver:
         if forged is not None:
             return KvAck(accepted=False, node=ctx.node, reason=forged)
         if rid in ctx.reqs:
-            return KvAck(accepted=True, node=ctx.node, reason="duplicate")
+            return KvAck(accepted=True, node=ctx.node, reason="duplicate", epoch_unix_ms=ctx.epoch_unix_ms)
         reason = None if ctx.accepting else "draining"
         if rid in ctx.cancelled:
             reason = "cancelled"
@@ -197,7 +198,7 @@ class KvReceiver:
         r = NodeRequest.for_handoff(h, ctx.node, ctx.clock.now_ms())
         r.spans = RequestSpans(main=kv_transfer_span(ctx.tracer, h, ctx.node, msg.headers))
         ctx.reqs[rid] = r
-        return KvAck(accepted=True, node=ctx.node)
+        return KvAck(accepted=True, node=ctx.node, epoch_unix_ms=ctx.epoch_unix_ms)
 
     async def _forged(self, msg: Any, h: KvHandoff) -> str | None:
         """Why a handoff is refused, or None: it must come from the node it names (the NATS user in

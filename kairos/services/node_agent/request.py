@@ -241,16 +241,18 @@ class NodeRequest:
         if self.phase is P.HELD and self.handoff_sent_ms is None:
             self.handoff_sent_ms = now_ms
 
-    def handed_off(self, decode_node: str, now_ms: float, backlog_ms: float) -> list[Action]:
+    def handed_off(self, decode_node: str, now_ms: float, backlog_ms: float, decode_epoch_ms: float = 0.0) -> list[Action]:
         """``decode_node`` accepted the KV: tell the client which node's tokens to take, write the
         prefill record. If its pulled notice came first (the request is GONE, ``pulled``), the same
-        is still owed to the client; ``backlog_ms`` counts only while the KV is still held here."""
+        is still owed to the client; ``backlog_ms`` counts only while the KV is still held here;
+        ``decode_epoch_ms``: the decode agent's incarnation that accepted (its KvAck), for the ingress."""
         if self.role is not RequestRole.PREFILL or not (self.phase is P.HELD or (self.done and self.pulled)):
             return self._ignored("handed_off")
         self.handoff_node = decode_node
         if self.phase is P.HELD:
             self.phase, self.kv_backlog_ms = P.HANDED_OFF, backlog_ms
-        return [Publish(HandoffEvent(request_id=self.rid, node=self.node, decode_node=decode_node, sent_unix_ms=now_ms)),
+        return [Publish(HandoffEvent(request_id=self.rid, node=self.node, decode_node=decode_node, sent_unix_ms=now_ms,
+                                     decode_epoch_unix_ms=decode_epoch_ms)),
                 WriteRecord("prefill", self.prefill_record())]
 
     def kv_pulled(self, transfer_ms: float) -> list[Action]:
