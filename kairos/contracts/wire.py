@@ -209,6 +209,9 @@ class KvHandoff(msgspec.Struct, frozen=True, kw_only=True):
     #: vLLM prefill node: the engine's ``kv_transfer_params`` for this KV (NIXL remote block ids,
     #: engine id, host, port, …), passed unchanged to the decode node's engine; None when emulated
     kv_transfer_params: dict[str, Any] | None = None
+    #: a revocation, published without a reply subject (issue 33): this offer timed out and the KV went
+    #: to another decode node (or nowhere); a decode node that took it late gives it up unstarted
+    revoke: bool = False
 
 
 class KvAck(msgspec.Struct, frozen=True, kw_only=True):

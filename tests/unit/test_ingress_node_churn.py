@@ -22,7 +22,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.events import HandoffEvent, TokenEvent
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.wire import NodeState, RoutedEvent, encode
-from tests.unit.test_ingress_relay import WAIT_S, Msg, post, stack  # noqa: F401  (the fixture)
+from tests.unit.test_ingress_relay import WAIT_S, Msg, post, sse_payloads, stack  # noqa: F401  (the fixture)
 
 E1, E2 = 1_699_999_940_000.0, 1_699_999_999_000.0  #: two incarnations' epochs: started 60 s and 1 s before the clock
 
@@ -109,3 +109,45 @@ async def test_tokens_are_a_sign_of_life_when_heartbeats_do_not_arrive(stack):
     status, _, body = await asyncio.wait_for(answer, WAIT_S)
     assert status == 200 and b'"error"' not in body and body.count(b" w") == 20
     assert orjson.loads(body.split(b"data: ")[1].split(b"\n")[0])["id"]
+
+
+async def test_late_tokens_of_a_moved_attempt_are_dropped_counted_and_their_node_told_to_stop_once(stack):
+    """Fencing (issue 33): decode-0 was paused past the liveness timeout, its stream moved to decode-1.
+    Resumed, decode-0 still streams the old attempt: its tokens never reach the client, they are
+    counted (``old_attempt``), not taken for forgeries, and the first one gets decode-0 a cancel of
+    that attempt (the one it missed while paused) — one, not one per token."""
+    st, nodes = stack, Nodes(stack)
+    answer = post(st, max_tokens=4, stream=True)
+    rid = (await st.bus.published()).request_id
+    await nodes.beat("decode-0")
+    await nodes.beat("decode-1")
+    await routed(st, rid, "decode-0", "deflect", E1)
+    await st.out(agent_user("decode-0"), TokenEvent(request_id=rid, first_index=0, count=1, text=" a",
+                                                    node="decode-0", sent_unix_ms=st.clock.now_ms()))
+    for _ in range(int(st.ing.cfg.liveness_timeout_s / 0.5) + 2):  # decode-0 paused, decode-1 speaks
+        st.clock.advance(0.5)
+        await nodes.beat("decode-1")
+        st.ing.watch.check()
+    cont = await asyncio.wait_for(st.bus.published(), WAIT_S)
+    assert cont.request_id == f"{rid}-m1" and cont.resume is not None and cont.resume.output_tokens == 1
+    dropped = st.ing.m.dropped.labels("old_attempt")._value.get()
+    forged = st.ing.origin.counter.labels("out_event")._value.get()
+    before = list(st.bus.cancels)
+    for i in (1, 2, 3):  # the resumed node's late tokens of the old attempt
+        await st.out(agent_user("decode-0"), TokenEvent(request_id=rid, first_index=i, count=1, text=f" late{i}",
+                                                        node="decode-0", sent_unix_ms=st.clock.now_ms()))
+    await st.ing.bg.wait_all()
+    assert st.bus.cancels[len(before):] == [(rid, "superseded")]  # once
+    assert st.ing.m.dropped.labels("old_attempt")._value.get() == dropped + 3
+    assert st.ing.origin.counter.labels("out_event")._value.get() == forged
+    await routed(st, cont.request_id, "decode-1", "deflect", E1)
+    for i, text in enumerate([" b", " c", " d"]):
+        await st.out(agent_user("decode-1"), TokenEvent(request_id=cont.request_id, first_index=i, count=1, text=text,
+                                                        node="decode-1", sent_unix_ms=st.clock.now_ms(),
+                                                        finish_reason="length" if i == 2 else None))
+    from kairos.contracts.events import DoneEvent
+    await st.out(agent_user("decode-1"), DoneEvent(request_id=cont.request_id, completion_tokens=3, node="decode-1",
+                                                   sent_unix_ms=st.clock.now_ms()))
+    status, _, body = await asyncio.wait_for(answer, WAIT_S)
+    texts = [c["choices"][0]["text"] for c in sse_payloads(body)[:-1]]
+    assert status == 200 and texts == [" a", " b", " c", " d"], texts

@@ -353,3 +353,40 @@ async def test_a_cancel_that_overtakes_its_job_or_handoff_is_remembered_and_the_
     ack, _ = await n.jobs.handle(deflect_job("d1"))
     assert (ack.accepted, ack.reason) == (False, "cancelled") and "d1" not in n.ctx.reqs
     assert n.ctx.backend.phase("r1") is None and n.ctx.backend.phase("d1") is None
+
+
+async def test_an_offer_that_timed_out_is_revoked_and_the_late_taker_gives_the_kv_up():
+    """Fencing (issue 33): decode-0 was paused when the KV was offered (no answer in time), decode-1
+    took it. decode-0 gets a revocation after the offer; reading both when it resumes, it takes the
+    offer, then drops it unstarted (no token for nobody), and its pulled notice does not free the
+    KV decode-1 is pulling."""
+    pre = node("prefill-0", "prefill")
+    r = held_request(pre, "r1", ("decode-0", "decode-1"))
+    pre.bus.answer[kv_subject("decode-0")] = nats.errors.TimeoutError()
+    pre.bus.answer[kv_subject("decode-1")] = kv_ack("decode-1")
+    await pre.kv_out.hand_off(r)
+    sent = [(s, decode(p, KvHandoff)) for s, p, _ in pre.bus.published if s.startswith("kairos.kv.")]
+    assert [(s, h.revoke) for s, h in sent] == [(kv_subject("decode-0"), True)]  # decode-1 is not revoked
+    # decode-0 resumes: the stale offer first, then the revocation (same sender, same order)
+    dec = node("decode-0", "decode")
+    kv = FakeKV()
+    kv.put_raw(S.claim_key("r1"), encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=1.0)))
+    dec.ctx.claims = Claims(kv, "decode-0", 0.0)
+    stale = handoff_msg("prefill-0")
+    await dec.kv_in.on_kv(stale)
+    assert decode(stale.answers[0], KvAck).accepted and "r1" in dec.ctx.reqs
+    revocation = Msg(kv_subject("decode-0"), encode(sent[0][1]), reply="")
+    await dec.kv_in.on_kv(revocation)
+    await dec.ctx.tasks.wait_all()
+    assert revocation.answers == [] and "r1" not in dec.ctx.reqs and dec.ctx.backend.phase("r1") is None
+    assert not [s for s, _, _ in dec.bus.published if s.startswith("kairos.out.")]  # nothing sent to the client
+    again = handoff_msg("prefill-0")  # a later copy of the offer
+    await dec.kv_in.on_kv(again)
+    assert decode(again.answers[0], KvAck).reason == "cancelled"
+    # its pulled notice (ok False: aborted) does not free what decode-1 pulls
+    notice = encode(KvDone(request_id="r1", decode_node="decode-0", ok=False, transfer_ms=0.0))
+    await pre.kv_out.on_kvdone(Msg(S.kvdone_subject("prefill-0", agent_user("decode-0")), notice, reply=""))
+    assert r.phase is RequestPhase.HANDED_OFF and "r1" in pre.ctx.reqs
+    forged = Msg(S.kv_subject("decode-0", agent_user("prefill-1")), encode(sent[0][1]), reply="")
+    await dec.kv_in.on_kv(forged)  # a revocation must come from the node it names
+    assert dec.ctx.origin.counter.labels("kv_handoff")._value.get() == 1

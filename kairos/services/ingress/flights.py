@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
 from kairos.contracts.events import ErrorEvent, HandoffEvent, OutEvent, TokenEvent
 from kairos.contracts.wire import decode, RoutedEvent, WireError
 from kairos.core.cluster.heartbeat import Liveness
+from kairos.core.cluster.recent import RecentIds
 from kairos.core.vocabulary import PathKind
 from kairos.runtime.clock import Clock
 from kairos.runtime.lanes import LanePicker
@@ -67,6 +68,9 @@ class ClientGone:
 class Shutdown:
     """Queue item: this ingress is stopping; end the request with an explicit error now."""
 
+
+#: attempt ids given up (moved, re-submitted, ended) whose late events the ingress still recognises
+ABANDONED_REMEMBERED = 10_000
 
 #: what a relay's queue carries: out events of its attempts and the watchers' verdicts
 QueueItem = OutEvent | NodeLost | Interrupted | BusDown | ClientGone | Shutdown
@@ -137,6 +141,12 @@ class Flights:
     def __init__(self, origin: OriginGuard, liveness: Liveness, lanes: LanePicker, clock: Clock, log: Any) -> None:
         self.origin, self.liveness, self.lanes, self.clock, self.log = origin, liveness, lanes, clock, log
         self._by_attempt: dict[str, Flight] = {}
+        #: attempts this ingress gave up (moved, re-submitted, ended) lately: their late events are fenced
+        self.abandoned = RecentIds(ABANDONED_REMEMBERED)
+        self._fenced = RecentIds(ABANDONED_REMEMBERED)  #: those whose node was told to stop already
+        #: ``(attempt id, why)`` for the ingress to act on a late event (the service: count it; cancel
+        #: the attempt on its node once, ``fence``): set by :meth:`~.service.Ingress.assemble`
+        self.late: Callable[[str, OutEvent, bool], None] | None = None
 
     # -- the registry ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -161,9 +171,11 @@ class Flights:
         flight.new_attempt(attempt_id)
 
     def forget(self, flight: Flight) -> None:
-        """``flight`` ended: no event reaches it any more."""
+        """``flight`` ended (or its attempt was given up): no event reaches it any more; a late event of
+        its attempt fences the node that sent it (:meth:`on_out`)."""
         for k in [k for k, f in self._by_attempt.items() if f is flight]:
             del self._by_attempt[k]
+            self.abandoned.add(k)
 
     # -- bus events --------------------------------------------------------------------------------
     async def on_out(self, msg: Any) -> None:
@@ -173,6 +185,8 @@ class Flights:
         where = S.out_origin(msg.subject)
         f = self._by_attempt.get(where[0]) if where is not None else None
         if f is None:
+            if where is not None and where[0] in self.abandoned:
+                self._late(where[0], msg)
             return
         if (ev := decoded(msg.data, OutEvent, self.log, "bad_out_event", subject=msg.subject)) is None:  # type: ignore[arg-type]
             return
@@ -211,6 +225,19 @@ class Flights:
                 f.dep_epochs[ev.node] = ev.node_epoch_unix_ms
             self._release(f)
         self.liveness.watch(ev.node, self.clock.monotonic() * 1000.0)
+
+    def _late(self, attempt_id: str, msg: Any) -> None:
+        """An event of an attempt this ingress gave up (fencing, issue 33): a node that was paused or
+        cut off while its request moved still runs it. Dropped (never relayed: the client follows
+        the new attempt), counted, and the first token of it gets the node told to stop: the cancel
+        it missed. Not a forgery: the sender did hold the attempt."""
+        if (ev := decoded(msg.data, OutEvent, self.log, "bad_out_event", subject=msg.subject)) is None:  # type: ignore[arg-type]
+            return
+        fence = isinstance(ev, TokenEvent) and attempt_id not in self._fenced
+        if fence:
+            self._fenced.add(attempt_id)
+        if self.late is not None:
+            self.late(attempt_id, ev, fence)
 
     def _deliver(self, f: Flight, ev: OutEvent) -> None:
         if isinstance(ev, HandoffEvent):  # who may send tokens (Senders), and what the request depends on now

@@ -132,8 +132,18 @@ class Ingress:
         self.watch = FlightWatch(self.cfg, self.flights, self.liveness, self.lanes, bus, self.m, self.origin, self.bg,
                                  self.clock, self.log)
         deps = RelayDeps(self.cfg, self.flights, bus, self.m, self.bg, self.clock)
+        self.flights.late = self._late_event
         self.completions = Completions(deps, self.tel.tracer, self.log, self.counter, self.vocab_size,
                                        self.chat_template, self.max_model_len)
+
+    def _late_event(self, attempt_id: str, ev: Any, fence: bool) -> None:
+        """An event of an attempt this ingress gave up (:meth:`Flights._late`): counted as dropped
+        ``old_attempt``; with ``fence``, its node is told to stop it (a cancel it missed while paused
+        or cut off; issue 33)."""
+        self.m.dropped.labels("old_attempt").inc()
+        if fence:
+            self.log.info("late_attempt_fenced", request_id=attempt_id, node=getattr(ev, "node", None))
+            self.bg.spawn(self.bus.cancel(attempt_id, "superseded"), "fence")
 
     async def start(self) -> None:
         """Connect to NATS, declare the lanes and buckets, subscribe, start the watchers and HTTP."""

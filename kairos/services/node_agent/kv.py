@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 import nats.errors
 from opentelemetry import trace
 
@@ -78,6 +79,7 @@ class KvSender:
         settle_until = ctx.clock.monotonic() + HANDOFF_SETTLE_S
         while True:
             if await self._offer(r, msg, headers, tried) is not None:
+                await self._revoke(msg, tried)
                 return
             # right after a NATS reconnect the decode agents may not have re-subscribed yet
             if not (ctx.bus is not None and ctx.bus.settling(HANDOFF_SETTLE_S)
@@ -86,7 +88,20 @@ class KvSender:
             await ctx.clock.sleep(HANDOFF_RETRY_S)
             tried.clear()
         ctx.rlog(r.rid, spans.main).warning("kv_handoff_failed", tried=tried)
+        await self._revoke(msg, tried)
         await self.effects.fail(r, ErrorCode.KV_HANDOFF_FAILED, f"no decode node took the KV cache: {tried}")
+
+    async def _revoke(self, msg: KvHandoff, tried: dict[str, str]) -> None:
+        """Fencing (issue 33): each candidate whose answer never came (paused, partitioned) may still
+        read the offer and take the KV; tell it the offer is void. Published after the offer on the
+        same connection, so it reaches that node after it, in order."""
+        void = msgspec.structs.replace(msg, revoke=True, kv_transfer_params=None)
+        for cand, why in tried.items():
+            if why == "timeout":
+                try:
+                    await publish(self.ctx.nc, S.kv_subject(cand, agent_user(self.ctx.node)), void)
+                except Exception as exc:  # disconnected: that node's own liveness ends it
+                    self.ctx.rlog(msg.request.request_id).warning("kv_revoke_failed", node=cand, error=repr(exc))
 
     async def _offer(self, r: NodeRequest, msg: KvHandoff, headers: dict[str, str], tried: dict[str, str]) -> bool | None:
         """One pass over the decode candidates: True = handed off, False = cancelled meanwhile,
@@ -141,6 +156,9 @@ class KvSender:
             ctx.origin.refuse(msg.subject, "kv_done", "not_the_holder", proven, d.decode_node,
                               request_id=d.request_id, handed_to=r.handoff_node)
             return
+        if r.handoff_node is not None and proven != r.handoff_node:  # a revoked candidate's notice: not
+            ctx.rlog(d.request_id).info("kv_done_of_a_revoked_offer", node=proven)  # the holder's
+            return
         await self.effects.run(r, r.kv_pulled(d.transfer_ms))
 
     async def expire_held(self) -> None:
@@ -167,6 +185,9 @@ class KvReceiver:
             h = decode(msg.data, KvHandoff)
         except WireError:
             await msg.respond(encode(KvAck(accepted=False, node=ctx.node, reason="bad_message")))
+            return
+        if h.revoke:
+            await self.revoked(msg, h)
             return
         ack = await self.accept(msg, h)
         await msg.respond(encode(ack))
@@ -199,6 +220,20 @@ class KvReceiver:
         r.spans = RequestSpans(main=kv_transfer_span(ctx.tracer, h, ctx.node, msg.headers))
         ctx.reqs[rid] = r
         return KvAck(accepted=True, node=ctx.node, epoch_unix_ms=ctx.epoch_unix_ms)
+
+    async def revoked(self, msg: Any, h: KvHandoff) -> None:
+        """The prefill node gave up on its offer of ``h`` to this node (it timed out: this node was
+        paused or cut off) and handed the KV elsewhere: what this node took of it goes, unstarted;
+        a later copy of the offer is refused (``cancelled``). Only the node it names may revoke it."""
+        ctx, rid = self.ctx, h.request.request_id
+        sender = _agent_of(S.subject_node(msg.subject, lambda u: S.kv_subject(ctx.node, u)))
+        if not ctx.origin.check(msg, "kv_handoff", sender, h.src_node, request_id=rid):
+            return
+        r = ctx.reqs.get(rid)
+        if r is not None and r.src_node != h.src_node:
+            return  # taken from another prefill node (a re-submission's): not this offer
+        ctx.rlog(rid).info("kv_offer_revoked", src_node=h.src_node, held=r is not None)
+        await self.effects.cancel(rid, "kv_offer_revoked")
 
     async def _forged(self, msg: Any, h: KvHandoff) -> str | None:
         """Why a handoff is refused, or None: it must come from the node it names (the NATS user in
