@@ -11,7 +11,8 @@ the ``services.json`` ``kairos up`` keeps):
 ``decode-sigterm``  SIGTERM to a decode agent (a graceful stop, as Kubernetes sends): it drains
 ``decode-sigkill``  SIGKILL of a decode agent
 ``prefill-sigkill`` SIGKILL of a prefill agent
-``prefill-sigterm`` SIGTERM to a prefill agent
+``prefill-sigterm`` SIGTERM to a prefill agent (the prefill cases send prompts of 2,000–7,000 tokens at
+                    half the rate: the node holds requests when the fault comes)
 ``decode-sigstop``  a decode agent paused 5 s (SIGSTOP, then SIGCONT)
 ``rolling-restart`` SIGTERM to each of the four agents in turn, each back (``kairos up`` restarts
                     it) and routable again before the next
@@ -21,8 +22,8 @@ Every response's text is compared with the emulated engine's own output for its 
 (:func:`kairos.core.engine_model.text.emulated_completion`, the function the nodes use), so a token
 lost, repeated or taken from another execution is a wrong text. Per case it prints: sent,
 completed, failed (an explicit error before the first token), cut (an error after it), wrong text,
-duplicated tokens (more tokens than asked), migrated (requests continued on another node: their
-record lists several attempts), the largest inter-token gap of a migrated request and of the others
+duplicated tokens (more tokens than asked), re-submitted (sent again before any token reached the
+client), migrated (continued on another node after tokens had: their record lists the attempts), the largest inter-token gap of a migrated request and of the others
 (ms), and the ingress's ``forged`` out events (``kairos_ingress_forged_messages_total{kind=out_event}``:
 an event of a node the request's job did not name) and ``late`` ones (events of an attempt given up,
 dropped: ``old_attempt``). Each row is one JSON line with ``--json`` (``python -m tools.docgen record
@@ -59,6 +60,9 @@ from kairos.contracts.wire import SamplingParams  # noqa: E402
 from kairos.core.engine_model.text import emulated_completion  # noqa: E402
 
 CASES = ("decode-sigterm", "decode-sigkill", "prefill-sigkill", "prefill-sigterm", "decode-sigstop", "rolling-restart")
+#: the prefill cases send long prompts (2,000–7,000 tokens) at half the rate, so that the prefill node
+#: holds requests when the fault comes (short prompts are prefilled in milliseconds)
+LONG_PROMPTS = {"prefill-sigkill", "prefill-sigterm"}
 PAUSE_S = 5.0  #: decode-sigstop: how long the agent is stopped
 MODEL = "kairos-emulated"
 
@@ -243,10 +247,11 @@ async def run_case(case: str, rate: float, duration_s: float, fault_at_s: float,
                     if fault_task is None and time.monotonic() - t0 >= fault_at_s:
                         fault_task = asyncio.ensure_future(asyncio.to_thread(fault, st, case))
                     n += 1
-                    prompt = [rng.randrange(3, 32000) for _ in range(rng.randint(63, 511))] + [n]
+                    lo, hi = (1999, 6999) if case in LONG_PROMPTS else (63, 511)
+                    prompt = [rng.randrange(3, 32000) for _ in range(rng.randint(lo, hi))] + [n]
                     tasks.append(asyncio.create_task(one_request(http, st.base, prompt, rng.randint(100, 300),
                                                                  timeout_s)))
-                    await asyncio.sleep(rng.expovariate(rate))
+                    await asyncio.sleep(rng.expovariate(rate / 2 if case in LONG_PROMPTS else rate))
                 outcomes = await asyncio.gather(*tasks)
                 load_s = time.monotonic() - t0
                 if fault_task is not None:
@@ -266,15 +271,18 @@ def _delta(before: dict, after: dict, name: str, **labels) -> float:
 def summarize(case: str, outcomes: list[Outcome], records: list[dict | None], before: dict, after: dict,
               rate: float, load_s: float) -> dict:
     """The row of one case from the clients' outcomes, the requests' records and the ingress's metrics."""
-    migrated = [o for o, rec in zip(outcomes, records) if rec and len(rec.get("attempts") or []) > 1]
+    def moved(rec: dict | None, mark: str) -> bool:
+        return bool(rec) and any(mark in a["attempt_id"] for a in rec.get("attempts") or [])
+    migrated = [o for o, rec in zip(outcomes, records) if moved(rec, "-m")]  # continued after tokens were sent
     others = [o for o in outcomes if o not in migrated]
     gap = lambda os_: round(max((g for o in os_ for g in o.gaps_ms), default=0.0), 1)  # noqa: E731
     return {
-        "case": case, "rate_rps": rate, "load_s": round(load_s, 1), "sent": len(outcomes),
+        "case": case, "rate_rps": rate / 2 if case in LONG_PROMPTS else rate, "load_s": round(load_s, 1), "sent": len(outcomes),
         "completed": sum(o.ok for o in outcomes),
         "failed": sum(not o.ok and not o.cut for o in outcomes), "cut": sum(o.cut for o in outcomes),
         "wrong_text": sum(o.ok and o.text != o.expected() for o in outcomes),
         "duplicated_tokens": sum(o.tokens > o.max_tokens for o in outcomes),
+        "resubmitted": sum(moved(rec, "-r") for rec in records),  # sent again before any token reached its client
         "migrated": len(migrated),
         "max_gap_migrated_ms": gap(migrated), "max_gap_others_ms": gap(others),
         "forged": _delta(before, after, "kairos_ingress_forged_messages_total", kind="out_event"),
