@@ -135,7 +135,7 @@ class Stack:
     """One ``kairos up`` 2P2D with 2 dispatchers, its services file and its ingress."""
 
     def __init__(self, workdir: Path, env: dict[str, str]) -> None:
-        self.port, self.logs = free_port(), workdir / "logs"
+        self.port, self.logs, self.out = free_port(), workdir / "logs", workdir / "up.out"
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kairos", "up", "--port", str(self.port), "--log-dir", str(self.logs),
@@ -164,8 +164,16 @@ class Stack:
         return set(r.get("prefill", [])) | set(r.get("decode", []))
 
     def pid(self, service: str) -> int:
-        rows = json.loads((self.logs / "services.json").read_text())
-        return next(r["pid"] for r in rows if r["name"] == service)
+        """The service's current pid: from ``services.json``, or, for a ``kairos up`` that keeps none (one
+        from before issue 33, which restarted no agent: the ``before`` rows), from its banner."""
+        path = self.logs / "services.json"
+        if path.exists():
+            return next(r["pid"] for r in json.loads(path.read_text()) if r["name"] == service)
+        for line in self.out.read_text().splitlines():
+            words = line.split()
+            if words and words[0] == service:
+                return next(int(w) for w in words[1:] if w.isdigit())
+        raise RuntimeError(f"no pid of {service} in {self.out}")
 
     @staticmethod
     def wait(pred, timeout_s: float, what: str) -> None:

@@ -418,3 +418,25 @@ def test_the_smoke_override_changes_only_what_a_machine_without_a_registry_force
         if not profiles_of(svc) <= {"emulated"}:
             continue
         assert svc.get("network_mode") == "host", f"{name}: the smoke run would need a bridge network"
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration (``75s``, ``1m30s``) in seconds."""
+    total = 0.0
+    for value, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration):
+        total += float(value) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    return total
+
+
+@pytest.mark.parametrize("path", [COMPOSE, ROOT / "deploy" / "compose" / "gpu-host.yml"])
+def test_every_node_agent_may_drain_before_it_is_killed(path):
+    """Issue 33: ``docker stop`` / ``docker-compose restart`` send SIGTERM, and the agent drains for
+    KAIROS_DRAIN_TIMEOUT_S; its stop_grace_period must be longer, or Docker SIGKILLs it mid-drain and
+    the streams it was finishing are cut instead of moved."""
+    services = yaml.safe_load(path.read_text())["services"]
+    agents = {n: s for n, (s, mod) in kairos_services(services).items() if mod == "kairos.services.node_agent"}
+    assert agents
+    default = config_class("kairos.services.node_agent").__dataclass_fields__["drain_timeout_s"].default
+    for name, svc in agents.items():
+        drain = float(env_of(svc).get("KAIROS_DRAIN_TIMEOUT_S") or default)
+        assert _seconds(svc.get("stop_grace_period", "10s")) >= drain + 10, (path.name, name, drain)

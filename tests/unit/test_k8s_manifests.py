@@ -422,3 +422,23 @@ def test_checkov_finds_nothing_unexplained(tmp_path):
         for c in report["results"]["skipped_checks"]:
             assert len((c.get("check_result") or {}).get("suppress_comment") or "") > 20, \
                 f"{overlay}: {c['check_id']} {c['resource']} skipped without a reason"
+
+
+def test_node_pods_outlive_their_agents_drain(overlay):
+    """Issue 33: a node pod's SIGTERM drains its agent for KAIROS_DRAIN_TIMEOUT_S; the pod's grace period
+    is longer, and a vLLM container beside the agent waits for the agent to be gone (preStop) instead
+    of stopping at once under the requests the agent is finishing."""
+    _, docs = overlay
+    checked = 0
+    for name, dep in workloads(docs).items():
+        cs = {c["name"]: c for c in containers(dep)}
+        if "node-agent" not in cs:
+            continue
+        checked += 1
+        env = {e["name"]: e.get("value") for e in cs["node-agent"].get("env", [])}
+        drain = float(env["KAIROS_DRAIN_TIMEOUT_S"])
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 10, name
+        if "vllm" in cs:
+            hook = cs["vllm"]["lifecycle"]["preStop"]["exec"]["command"]
+            assert "9100/health" in hook[-1] and "range(70)" in hook[-1], hook
+    assert checked == 2  # the prefill and the decode workload

@@ -72,6 +72,7 @@ BLOCKS: dict[str, Block] = {
     # docs/reliability.md, docs/bus.md, docs/security.md, docs/deploy.md
     "nats-cluster-failover": Block(ops_blocks.nats_cluster_failover, "docs/reliability.md", "docs/bus.md"),
     "mutation": Block(ops_blocks.mutation, "docs/reliability.md"),
+    "churn": Block(ops_blocks.churn, "docs/reliability.md", "README.md"),
     "slow-clients": Block(ops_blocks.slow_clients, "docs/security.md"),
     "compose-smoke": Block(ops_blocks.compose_smoke, "docs/deploy.md"),
     # docs/calibration.md

@@ -84,3 +84,41 @@ def compose_smoke(load: Load) -> str:
             f"{' and '.join(f'`{k}`' for k in x['killed'])} SIGKILLed mid-burst and restarted by Docker "
             f"({', '.join(f'{k}: {num(v)}' for k, v in x['restarts'].items())} restarts)"
             + (f"; failed checks: {'; '.join(x['failed_checks'])}" if x["failed_checks"] else "; every check passed") + ".")
+
+
+#: the churn cases in the order the table lists them, with what each does
+_CHURN_CASES = {
+    "decode-sigterm": "decode agent SIGTERM (a graceful stop, as Kubernetes sends)",
+    "decode-sigkill": "decode agent SIGKILL",
+    "decode-sigstop": "decode agent paused 5 s (SIGSTOP, SIGCONT)",
+    "prefill-sigterm": "prefill agent SIGTERM (prompts of 2,000–7,000 tokens)",
+    "prefill-sigkill": "prefill agent SIGKILL (prompts of 2,000–7,000 tokens)",
+    "rolling-restart": "rolling restart: SIGTERM to each of the 4 agents in turn, each back before the next",
+}
+
+
+def churn(load: Load) -> str:
+    """``bench/churn.py``: what a client sees when a node stops or dies, before issue 33 (result
+    ``churn-before``: the same harness on the code before it) and now (result ``churn``)."""
+    now, before = load("churn"), load("churn-before")
+    if not now.rows:
+        raise DocgenError("churn: no rows")
+    prev = {x["case"]: x for x in before.rows}
+    lines = ["| fault (one node; 10 streaming req/s for 30 s, the fault 12 s in) | before: completed of sent, "
+             "cut | now: completed of sent | failed | cut | wrong text | re-submitted / migrated | largest gap "
+             "of a migrated stream | late events fenced | forged |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for case, what in _CHURN_CASES.items():
+        x = next((r for r in now.rows if r["case"] == case), None)
+        if x is None:
+            continue
+        p = prev.get(case)
+        was = f"{num(p['completed'])} of {num(p['sent'])}, {num(p['cut'])} cut" if p else "— (no restart then)"
+        gap = f"{x['max_gap_migrated_ms'] / 1000.0:.1f} s" if x["migrated"] else "—"
+        lines.append(f"| {what} | {was} | {num(x['completed'])} of {num(x['sent'])} | {num(x['failed'])} | "
+                     f"{num(x['cut'])} | {num(x['wrong_text'])} | {num(x['resubmitted'])} / {num(x['migrated'])} | "
+                     f"{gap} | {num(x['late_events'])} | {num(x['forged'])} |")
+    return (f"Now: {one_run(now)}. Before issue 33 (the same harness on the code before it): "
+            f"{one_run(before)}. Every response's text is compared with the emulated engine's own output for "
+            f"its prompt; `kairos up` restarts an agent that exits (it did not before: no rolling restart "
+            f"then):\n\n" + "\n".join(lines))
