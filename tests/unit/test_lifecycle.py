@@ -69,7 +69,7 @@ def test_node_death_resubmits_until_committed_or_used_up():
     lc.on_routed("r-r1", "keep", "prefill-1")
     lc.on_handoff("r-r1", "decode-0")
     assert lc.depends_on() == "decode-0"
-    assert lc.on_node_dead("prefill-1", True) == Ignore("not_dependent")  # the KV is on decode-0 now
+    assert lc.on_node_dead("decode-1", True) == Ignore("not_dependent")
     assert lc.on_node_dead("decode-0", True) == Resubmit("r-r1", "r-r2", "node_lost:decode-0")
     lc.on_routed("r-r2", "deflect", "decode-1")
     out = lc.on_node_dead("decode-1", True)  # re-submissions used up
@@ -273,3 +273,18 @@ def test_a_lost_done_after_the_last_token_completes_instead_of_migrating():
     lc = RequestLifecycle("r", max_tokens=9)
     streamed(lc, "d", 1)
     assert isinstance(lc.on_node_dead("d", False), Fail)
+
+
+
+def test_a_prefill_node_lost_after_its_handoff_before_the_first_token_resubmits():
+    """Issue 33: the KV went to decode-0, which has sent no token: it may still be pulling from prefill-0.
+    prefill-0's death then loses the attempt (re-submitted: nothing reached the client); once decode-0
+    streams, the KV is there and prefill-0 no longer matters."""
+    lc = RequestLifecycle("r")
+    lc.on_routed("r", "keep", "prefill-0")
+    lc.on_handoff("r", "decode-0")
+    assert lc.on_node_dead("prefill-0", True) == Resubmit("r", "r-r1", "node_lost:prefill-0")
+    lc.on_routed("r-r1", "keep", "prefill-1")
+    lc.on_handoff("r-r1", "decode-1")
+    assert isinstance(lc.on_token(tok("r-r1", 0, "decode-1"), True), Relay)
+    assert lc.on_node_dead("prefill-1", True) == Ignore("not_dependent")

@@ -396,3 +396,27 @@ async def test_every_call_to_a_keyed_engine_carries_its_key_and_a_keyless_agent_
     paths = [p for p, _ in standin.seen]
     assert paths.count("/v1/completions") == 2 and "/v1/models" in paths and "/health" in paths, paths
     assert {auth for _, auth in standin.seen} == {"Bearer k-123"}, standin.seen
+
+
+def test_a_migrated_request_resumes_after_the_output_ids_its_client_has():
+    """Issue 33: the continuation's prompt is the original prompt's ids followed by the output tokens'
+    ids (the sequence the lost engine was decoding); a text prompt goes in as this engine tokenized
+    it; ``min_tokens`` counts what was produced; an id prompt without output ids is refused rather
+    than continued wrongly."""
+    from kairos.contracts.wire import Resume, SamplingParams
+    from kairos.engines.vllm.api import decode_body, parse_sse_line, prefill_body
+
+    resume = Resume(output_tokens=2, output_text=" a b", output_token_ids=[41, 42])
+    ids = req(out=5)
+    moved = msgspec.structs.replace(ids, resume=resume, sampling=SamplingParams(min_tokens=5, temperature=0.0))
+    body = decode_body(moved, "tiny")
+    assert body["prompt"] == [7, 8, 9, 41, 42] and body["min_tokens"] == 3 and body["max_tokens"] == 5
+    text = msgspec.structs.replace(moved, prompt_token_ids=None, prompt_text="hello there")
+    assert prefill_body(text, "tiny", prompt_ids=[1, 5, 6])["prompt"] == [1, 5, 6, 41, 42]
+    assert decode_body(msgspec.structs.replace(text, resume=Resume(output_tokens=2, output_text=" a b")),
+                       "tiny")["prompt"] == "hello there a b"  # no ids: the texts (best effort)
+    with pytest.raises(EngineApiError, match="does not carry"):
+        decode_body(msgspec.structs.replace(moved, resume=Resume(output_tokens=2, output_text=" a b")), "tiny")
+    d = parse_sse_line('data: {"choices": [{"text": " c", "token_ids": [43], "finish_reason": null}]}')
+    assert d.token_ids == [43] and d.token_count == 1
+    assert parse_sse_line('data: {"choices": [{"text": " c", "finish_reason": null}]}').token_ids is None

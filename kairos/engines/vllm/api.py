@@ -136,40 +136,55 @@ def unsafe_seed(sampling: SamplingParams) -> str | None:
 
 def sampling_fields(req: InferenceRequest) -> dict[str, Any]:
     """The request's OpenAI sampling parameters as vLLM body fields (unset ones left out: the
-    engine's defaults apply), :func:`kairos.contracts.wire.sampling_body`."""
-    return sampling_body(req.sampling)
+    engine's defaults apply), :func:`kairos.contracts.wire.sampling_body`. A migrated request's
+    ``min_tokens`` counts the output tokens it already has (issue 33)."""
+    body = sampling_body(req.sampling)
+    if req.resume is not None and body.get("min_tokens"):
+        body["min_tokens"] = max(0, body["min_tokens"] - req.resume.output_tokens)
+    return body
 
 
-def _prompt(req: InferenceRequest) -> str | list[int]:
+def _prompt(req: InferenceRequest, prompt_ids: list[int] | None = None) -> str | list[int]:
+    """The prompt vLLM gets: the client's token ids, else its text. A migrated request (``req.resume``,
+    issue 33) continues after the output tokens its client has: the prompt's ids (the client's, or
+    ``prompt_ids``: its text as this engine tokenizes it) followed by those tokens' ids — exactly the
+    sequence the lost engine was decoding; without ids, the prompt text followed by their text."""
+    r = req.resume
+    if r is not None and r.output_token_ids is not None and (req.prompt_token_ids or prompt_ids) is not None:
+        return list(req.prompt_token_ids if req.prompt_token_ids is not None else prompt_ids) + list(r.output_token_ids)
+    if r is not None and req.prompt_token_ids is not None:
+        raise EngineApiError(f"request {req.request_id} resumes after {r.output_tokens} output tokens whose ids it "
+                             "does not carry: an id prompt cannot be continued exactly")
     if req.prompt_token_ids is not None:
         return list(req.prompt_token_ids)
     if req.prompt_text is not None:
-        return req.prompt_text
+        return req.prompt_text + (r.output_text if r is not None else "")
     raise EngineApiError(f"request {req.request_id} has neither prompt text nor token ids: a real engine "
                          "needs the prompt")
 
 
-def prefill_body(req: InferenceRequest, model: str) -> dict[str, Any]:
+def prefill_body(req: InferenceRequest, model: str, prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """Keep path, prefill node: compute the prompt's KV and keep it for a remote decode.
 
     ``max_tokens`` 1 and ``do_remote_decode``: vLLM holds the blocks until the decode server has
     read them (or their lease, ``kv_lease_duration``, expires) and answers with the
     ``kv_transfer_params`` to forward. Sampling parameters are not sent (the one token is discarded).
     """
-    return {"model": model, "prompt": _prompt(req), "max_tokens": 1, "stream": False,
+    return {"model": model, "prompt": _prompt(req, prompt_ids), "max_tokens": 1, "stream": False,
             "kv_transfer_params": {"do_remote_decode": True},
             "vllm_xargs": {"kairos_rid": req.request_id}}
 
 
 def decode_body(req: InferenceRequest, model: str, kv_transfer_params: dict[str, Any] | None = None,
-                prefill_chunks: list[int] | None = None, cache_salt: str | None = None) -> dict[str, Any]:
+                prefill_chunks: list[int] | None = None, cache_salt: str | None = None,
+                prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """Decode node: a keep-path decode (``kv_transfer_params`` from the prefill server) or a
     deflected request (``prefill_chunks`` from :func:`engine_prefill_chunks`), streamed with usage
     and token ids so every output token is counted exactly."""
     xargs: dict[str, Any] = {"kairos_rid": req.request_id}
     if prefill_chunks:
         xargs["kairos_prefill_chunks"] = list(prefill_chunks)
-    body: dict[str, Any] = {**sampling_fields(req), "model": model, "prompt": _prompt(req),
+    body: dict[str, Any] = {**sampling_fields(req), "model": model, "prompt": _prompt(req, prompt_ids),
                             "max_tokens": req.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}, "return_token_ids": True,
                             "vllm_xargs": xargs}
@@ -204,6 +219,7 @@ class StreamDelta:
     usage: dict[str, Any] | None = None
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] | None = None  #: the delta's token ids (``return_token_ids``), when the server sent them
 
 
 def delta_logprobs(lp: Any) -> list[TokenLogprob] | None:
@@ -257,8 +273,10 @@ def parse_sse_line(line: str) -> StreamDelta | None:
     count = len(ids) if isinstance(ids, list) else (1 if text else 0)
     stop = c.get("stop_reason")
     stop = stop if isinstance(stop, str) or (isinstance(stop, int) and not isinstance(stop, bool)) else None
+    good_ids = isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
     return StreamDelta(text=text, token_count=count, finish_reason=c.get("finish_reason"), usage=obj.get("usage"),
-                       logprobs=delta_logprobs(c.get("logprobs")), stop_reason=stop)
+                       logprobs=delta_logprobs(c.get("logprobs")), stop_reason=stop,
+                       token_ids=list(ids) if good_ids else None)
 
 
 def cached_tokens(usage: dict[str, Any] | None) -> int:

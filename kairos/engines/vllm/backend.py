@@ -232,6 +232,11 @@ class VllmBackend(EngineBackend):
         await self._ready.wait()
         while True:
             try:
+                res = r.req.resume
+                if res is not None and res.output_token_ids is not None and r.req.prompt_token_ids is None \
+                        and r.prompt_ids is None and r.req.prompt_text is not None:
+                    # a migrated text prompt: continued after its output ids, as this engine tokenizes it
+                    r.prompt_ids = await self.http.tokenize(self.served_model or r.req.model, r.req.prompt_text)
                 if r.kind is RequestRole.PREFILL:
                     await self._prefill(r)
                 else:
@@ -266,7 +271,7 @@ class VllmBackend(EngineBackend):
 
     async def _prefill(self, r: _VReq) -> None:
         rid = r.req.request_id
-        params, _n = prefill_result(await self.http.complete(prefill_body(r.req, self.served_model)), rid)
+        params, _n = prefill_result(await self.http.complete(prefill_body(r.req, self.served_model, r.prompt_ids)), rid)
         if self._reqs.get(rid) is not r:  # aborted meanwhile
             return
         r.kv_params, r.phase, r.remaining = params, RequestPhase.HELD, 0
@@ -279,7 +284,7 @@ class VllmBackend(EngineBackend):
             raise EngineHttpError(400, why)
         remote = r.kind is RequestRole.REMOTE_DECODE
         body = decode_body(r.req, self.served_model, kv_transfer_params=r.kv_params if remote else None,
-                           prefill_chunks=r.engine_chunks or None)
+                           prefill_chunks=r.engine_chunks or None, prompt_ids=r.prompt_ids)
         index, finish, usage, stop_reason = 0, None, None, None
         async for d in self.http.stream(body):
             if d.usage is not None:
@@ -295,7 +300,9 @@ class VllmBackend(EngineBackend):
                         r.phase = RequestPhase.DECODING
                 lp = {} if d.logprobs is None else {"logprobs": d.logprobs}  # only asked-for logprobs
                 await self._events.on_tokens(rid, index, d.token_count, d.text, wire_finish(d.finish_reason), **lp,
-                                             stop_reason=d.stop_reason if d.finish_reason is not None else None)
+                                             stop_reason=d.stop_reason if d.finish_reason is not None else None,
+                                             token_ids=d.token_ids if d.token_ids and len(d.token_ids) == d.token_count
+                                             else None)
                 index += d.token_count
                 r.tokens_out = index
         if self._reqs.get(rid) is not r:

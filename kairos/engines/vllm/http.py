@@ -100,6 +100,21 @@ class EngineClient:
         async with self.session().post(f"{self.url}/v1/completions", json=body) as resp:
             return await _json_or_raise(resp)
 
+    async def tokenize(self, model: str, text: str) -> list[int]:
+        """``POST /tokenize`` (vLLM's): ``text``'s token ids as this server tokenizes a completion
+        prompt (special tokens added as ``/v1/completions`` adds them).
+
+        Raises:
+            EngineHttpError: a non-200 answer. EngineApiError: an answer without ``tokens``.
+            aiohttp.ClientError: the connection failed.
+        """
+        async with self.session().post(f"{self.url}/tokenize", json={"model": model, "prompt": text}) as resp:
+            out = await _json_or_raise(resp)
+        tokens = out.get("tokens")
+        if not isinstance(tokens, list):
+            raise EngineApiError(f"/tokenize answered without tokens: {str(out)[:200]}")
+        return [int(t) for t in tokens]
+
     async def stream(self, body: dict[str, Any]) -> AsyncIterator[StreamDelta]:
         """``POST /v1/completions`` with ``"stream": true`` in ``body``: each event of the answer as a
         :class:`~kairos.engines.vllm.api.StreamDelta` (comments, blank lines and ``[DONE]`` skipped).

@@ -42,6 +42,9 @@ class _VReq:
     started: bool = False  #: a step computed some of its prompt (StepOutput.prefill_chunks)
     remaining: int = 0  #: prompt tokens still to prefill, per the last snapshot
     tokens_out: int = 0  #: output tokens received so far
+    #: a migrated text prompt: its token ids as this engine tokenizes it (the resumed prompt is them
+    #: followed by the output ids the client has; issue 33)
+    prompt_ids: list[int] | None = None
 
 
 def step_output(rec: Any, reqs: dict[str, "_VReq"], started: list[tuple[str, int, int]],

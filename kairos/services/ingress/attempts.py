@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import InferenceRequest, Resume, encode
 from kairos.runtime import telemetry
@@ -55,11 +58,40 @@ class AttemptPublisher:
         self.sub: OutSubscription | None = None
         self.published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
         self.resume: Resume | None = None  #: where the current attempt resumes (a migration), None: the start
+        self.span: Any = None  #: the current attempt's ``ingress.attempt`` span (the nodes' spans are its children)
+        self.count = 0  #: attempts submitted
 
-    async def submit(self, attempt_id: str, resume: Resume | None = None) -> Exception | None:
+    def _start_span(self, attempt_id: str, resume: Resume | None, left: Any) -> dict[str, str]:
+        """End the previous attempt's span (``left``: the lifecycle's record of it, with why it moved)
+        and start this one's, a child of the request's server span; the headers carry its context."""
+        self._end_span(left)
+        self.count += 1
+        tracer = self.d.tracer
+        if tracer is None:
+            return telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+        self.span = tracer.start_span("ingress.attempt", kind=SpanKind.PRODUCER, attributes={
+            telemetry.REQUEST_ID: attempt_id, "kairos.attempt": self.count,
+            "kairos.resume_output_tokens": resume.output_tokens if resume is not None else 0})
+        # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
+        return telemetry.inject_headers(trace.set_span_in_context(self.span), headers={"Nats-Msg-Id": attempt_id})
+
+    def _end_span(self, record: Any) -> None:
+        """End the current attempt's span with what it did (``record``: a lifecycle ``Attempt``)."""
+        if self.span is None:
+            return
+        if record is not None:
+            self.span.set_attributes({"kairos.node": record.node or "", "kairos.output_tokens": record.output_tokens})
+            if record.moved:
+                self.span.set_attribute("kairos.moved", record.moved)
+                self.span.set_status(Status(StatusCode.ERROR, f"moved: {record.moved}"))
+        self.span.end()
+        self.span = None
+
+    async def submit(self, attempt_id: str, resume: Resume | None = None, left: Any = None) -> Exception | None:
         """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a per-request
         one), then publish it onto a request lane. No flush in between: NATS processes one
-        connection's SUB before its later PUB, so no token can be missed. The error if it failed."""
+        connection's SUB before its later PUB, so no token can be missed. ``left``: the lifecycle's
+        record of the attempt this one replaces (its span ends with it). The error if it failed."""
         d, f, req = self.d, self.flight, self.req
         self.resume = resume
         d.flights.bind(f, attempt_id)
@@ -71,8 +103,7 @@ class AttemptPublisher:
                     await old.unsubscribe()
             ireq = bus_request(req.parsed, attempt_id, req.prompt_tokens, req.exact, req.received, self.deadline,
                                self.hashes, d.cfg.prefix_block_tokens, resume)
-            # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
-            headers = telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+            headers = self._start_span(attempt_id, resume, left)
             self.published.add(attempt_id)
             body = encode(ireq)
             lane = await d.bus.enqueue(body, headers)
@@ -94,7 +125,9 @@ class AttemptPublisher:
         if attempt_id in self.published:
             self.d.bg.spawn(self.d.bus.withdraw(attempt_id, code, self.deadline), "withdraw")
 
-    async def leave(self) -> None:
-        """The request ended: its per-request out subscription (``out_wildcard`` off) goes."""
+    async def leave(self, last: Any = None) -> None:
+        """The request ended (``last``: the lifecycle's record of its last attempt): that attempt's
+        span ends; its per-request out subscription (``out_wildcard`` off) goes."""
+        self._end_span(last)
         if self.sub is not None:
             await self.sub.unsubscribe()

@@ -288,8 +288,11 @@ class RequestLifecycle:
         return self._end(ev.code, ev.message, ev.status)
 
     def on_node_dead(self, node: str, time_left: bool) -> Action:
-        """``node`` is dead (positive evidence: liveness timeout). Matters only if this attempt depends on it."""
-        if self.ended or self.depends_on() != node:
+        """``node`` is dead (positive evidence: liveness timeout). Matters only if this attempt depends on
+        it — or, on the keep path before the first token, if it is the prefill node the decode node may
+        still be pulling the KV from."""
+        pulling = self.phase is Phase.ROUTED and self.kind == KEEP and self.node == node
+        if self.ended or (self.depends_on() != node and not pulling):
             return Ignore("not_dependent")
         return self._lost(f"node_lost:{node}", time_left, ErrorCode.NODE_LOST,
                           f"node {node} serving request {self.rid} was lost (no heartbeat and no token; it may have "

@@ -167,6 +167,12 @@ class FlightWatch:
             node = lc.depends_on()
             if node is not None and (node in dead or self._restarted(f, node)):
                 self._lost(f, node)
+            elif (lc.phase is Phase.ROUTED and lc.kind == KEEP and lc.node is not None
+                  and (lc.node in dead or self._restarted(f, lc.node))):
+                # the KV was handed to a decode node that has not sent a token: it may still be pulling
+                # from the prefill node that just died (issue 33); nothing reached the client, so the
+                # request is sent again rather than left to that pull's failure or the idle timeout
+                self._lost(f, lc.node)
 
     def _restarted(self, f: Flight, node: str | None) -> bool:
         """``node`` has a newer incarnation than when ``f`` started depending on it: the agent

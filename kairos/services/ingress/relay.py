@@ -61,7 +61,7 @@ from kairos.services.ingress.request_ids import RequestIds
 @dataclass(frozen=True)
 class RelayDeps:
     """What every relay of one ingress shares: its configuration, in-flight registry, bus, metrics,
-    background tasks (tombstones) and clocks."""
+    background tasks (tombstones), clocks and tracer."""
 
     cfg: IngressConfig
     flights: Flights
@@ -69,6 +69,7 @@ class RelayDeps:
     metrics: IngressMetrics
     bg: BackgroundTasks
     clock: Clock
+    tracer: Any = None  #: the ingress's tracer: one ``ingress.attempt`` span per attempt (None: none)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class RequestRelay:
             self.req.timing[PREDICTED] = self.flight.predicted
         self.d.flights.refuse_held(self.flight)
         self.d.flights.forget(self.flight)
-        await self.attempts.leave()
+        await self.attempts.leave(self.lc.attempt_record())
 
     # -- events: each to the lifecycle, which returns the action (None: nothing to do) -------------
     def _on_timeout(self) -> Action:
@@ -278,7 +279,7 @@ class RequestRelay:
         self.answer.discard()
         self.reorder.clear()
         timing.pop("first_token_unix_ms", None)
-        if await self.attempts.submit(action.new_attempt_id) is None:
+        if await self.attempts.submit(action.new_attempt_id, left=self.lc.attempts[-1]) is None:
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
@@ -300,7 +301,7 @@ class RequestRelay:
         self.reorder.clear()
         resume = (Resume(output_tokens=action.output_tokens, output_text=action.output_text,
                          output_token_ids=action.output_token_ids) if action.output_tokens else None)
-        if await self.attempts.submit(action.new_attempt_id, resume) is None:
+        if await self.attempts.submit(action.new_attempt_id, resume, left=self.lc.attempts[-1]) is None:
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)

@@ -131,7 +131,7 @@ class Ingress:
         self.bus = bus
         self.watch = FlightWatch(self.cfg, self.flights, self.liveness, self.lanes, bus, self.m, self.origin, self.bg,
                                  self.clock, self.log)
-        deps = RelayDeps(self.cfg, self.flights, bus, self.m, self.bg, self.clock)
+        deps = RelayDeps(self.cfg, self.flights, bus, self.m, self.bg, self.clock, self.tel.tracer)
         self.flights.late = self._late_event
         self.completions = Completions(deps, self.tel.tracer, self.log, self.counter, self.vocab_size,
                                        self.chat_template, self.max_model_len)
