@@ -23,11 +23,13 @@ Steps (each printed with its wall time):
    (a user's own ``ops/secrets`` is never touched), and the override
    ``ops/compose-smoke/docker-compose.smoke.yml`` (what it changes and why: its header).
    ``docker-compose --profile emulated up -d``; every healthcheck must pass.
-6. **Load and faults**: ``kairos bench`` (streaming, bursty, ``--duration`` s: ≥ 100 requests)
-   against the ingress; once the ingress has answered ``KILL_AFTER`` requests the dispatcher
-   ``dispatcher-1`` and then the agent ``prefill-1`` are SIGKILLed from the host (a crash, not a
-   ``docker stop``: the restart policy applies). Checks: every request completed (none failed,
-   none lost), some deflected, both containers restarted by Docker and healthy again.
+6. **Load and faults**: ``kairos bench`` (streaming, bursty, ``--duration`` s plus ``ROLLING_S``:
+   ≥ 100 requests) against the ingress; once the ingress has answered ``KILL_AFTER`` requests the
+   dispatcher ``dispatcher-1`` and then the agent ``prefill-1`` are SIGKILLed from the host (a crash,
+   not a ``docker stop``: the restart policy applies); then every node container is restarted in
+   turn (``docker-compose restart``: SIGTERM, the agent drains and exits, Docker starts it again),
+   each healthy again before the next (issue 33). Checks: every request completed (none failed,
+   none lost), some deflected, both crashed containers restarted by Docker and healthy again.
 7. ``docker-compose ps``, the bench summary, then ``down -v`` (containers, volumes, networks; if
    that fails, the project's containers and volumes removed by their compose label) and dockerd
    stopped if step 2 started it — also when a step fails and on SIGINT, SIGTERM or SIGHUP (dockerd
@@ -68,6 +70,12 @@ PROJECT = "kairos-smoke"
 INGRESS = "http://127.0.0.1:8000"
 KILLED = ("dispatcher-1", "prefill-1")  # one dispatcher replica, one node agent
 KILL_AFTER = (15, 30)  # ingress answers before each kill
+#: the node containers restarted in turn under the bench after the kills (``docker-compose restart``)
+NODES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+#: what ``docker-compose restart -t`` gives a node before SIGKILL: its stop_grace_period (the drain's 60 s + exit)
+DRAIN_GRACE_S = 75
+#: seconds added to the bench for the rolling restart (four drains and restarts)
+ROLLING_S = 150.0
 HEALTHY_TIMEOUT_S = 240.0
 KAIROS = [sys.executable, "-m", "kairos.cli.main"]
 
@@ -263,9 +271,29 @@ def crash(proj: Path, service: str) -> int:
     return info["RestartCount"]
 
 
+def rolling_restart(proj: Path, bench: subprocess.Popen) -> list[str]:
+    """``docker-compose restart`` of every node container in turn (SIGTERM: the agent drains, exits, and
+    Docker starts it again; issue 33), each healthy again before the next, while ``bench`` runs.
+    Returns the services restarted; raises StepFailed if the bench ended first."""
+    done = []
+    for service in NODES:
+        if bench.poll() is not None:
+            raise StepFailed(f"kairos bench ended before the rolling restart reached {service}")
+        t0 = time.monotonic()
+        compose(proj, "restart", "-t", str(DRAIN_GRACE_S), service)
+        wait_healthy(proj)
+        print(f"   restarted {service} (docker-compose restart: drained, back and healthy in "
+              f"{time.monotonic() - t0:.1f} s)", flush=True)
+        done.append(service)
+    return done
+
+
 def load_and_faults(proj: Path, duration_s: float, out: Path) -> tuple[dict, dict[str, int]]:
-    bench = subprocess.Popen([*KAIROS, "bench", "--url", INGRESS, "--duration", str(duration_s), "--no-progress",
-                              "--json", str(out)], cwd=ROOT)
+    """The bench (``duration_s`` plus :data:`ROLLING_S` for the rolling restart), two crashes mid-burst,
+    then a rolling restart of the node containers; the bench report and the crashed containers'
+    restart counts before their crash."""
+    bench = subprocess.Popen([*KAIROS, "bench", "--url", INGRESS, "--duration", str(duration_s + ROLLING_S),
+                              "--no-progress", "--json", str(out)], cwd=ROOT)
     restarts_before = {}
     base = answered()
     for service, after in zip(KILLED, KILL_AFTER):
@@ -274,6 +302,8 @@ def load_and_faults(proj: Path, duration_s: float, out: Path) -> tuple[dict, dic
         if bench.poll() is not None:
             raise StepFailed(f"kairos bench ended before {service} could be killed mid-burst")
         restarts_before[service] = crash(proj, service)
+    wait_healthy(proj)
+    rolling_restart(proj, bench)
     if bench.wait() != 0:
         raise StepFailed(f"kairos bench exited with {bench.returncode}")
     return json.loads(out.read_text()), restarts_before
