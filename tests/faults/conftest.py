@@ -127,6 +127,7 @@ class Cluster:
     nats_port: int = 0
     port: int = 0
     started: list[subprocess.Popen] = field(default_factory=list)
+    nats_host: str = "127.0.0.1"  #: the address nats-server listens on (0.0.0.0: a network namespace's agent too)
 
     def __post_init__(self) -> None:
         self.nats_port, self.port = free_port(), free_port()
@@ -157,7 +158,7 @@ class Cluster:
     # -- processes --------------------------------------------------------------------------------
     def start_nats(self) -> None:
         logf = open(self.logs / "nats-server.log", "ab")
-        p = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.nats_port),
+        p = subprocess.Popen([nats_server_binary(), "-js", "-a", self.nats_host, "-p", str(self.nats_port),
                               "-sd", str(self.store), "-c", str(self.nats_conf)], stdout=logf,
                              stderr=subprocess.STDOUT, start_new_session=True)
         logf.close()
@@ -165,13 +166,14 @@ class Cluster:
         self.started.append(p)
         assert wait_listening(p, self.nats_port), f"nats-server not listening (exit code {p.poll()})"
 
-    def start(self, name: str, as_name: str | None = None, **env: str) -> subprocess.Popen:
+    def start(self, name: str, as_name: str | None = None, prefix: tuple[str, ...] = (), **env: str) -> subprocess.Popen:
         """Start service ``name`` (a child of kairos up's plan: ``state_aggregator``, ``prefill-0``,
-        ``dispatcher-1``, ``ingress``…) with extra ``KAIROS_*`` env; logs to ``<logs>/<as_name>.log``."""
+        ``dispatcher-1``, ``ingress``…) with extra ``KAIROS_*`` env; logs to ``<logs>/<as_name>.log``.
+        ``prefix``: a command it runs under (``ip netns exec NS``: another host)."""
         c = self.children[name]
         as_name = as_name or name
         logf = open(self.logs / f"{as_name}.log", "ab")
-        p = subprocess.Popen(c.argv, env={**c.env, **FAULT_ENV, **self.env, **env}, stdout=logf,
+        p = subprocess.Popen([*prefix, *c.argv], env={**c.env, **FAULT_ENV, **self.env, **env}, stdout=logf,
                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
         logf.close()
         self.procs[as_name] = p

@@ -104,16 +104,17 @@ def churn(load: Load) -> str:
     if not now.rows:
         raise DocgenError("churn: no rows")
     prev = {x["case"]: x for x in before.rows}
-    lines = ["| fault (one node; 10 streaming req/s for 30 s, the fault 12 s in) | before: completed of sent, "
-             "cut | now: completed of sent | failed | cut | wrong text | re-submitted / migrated | largest gap "
-             "of a migrated stream | late events fenced | forged |",
+    lines = ["| fault (one node; 10 streaming req/s for 30 s, the fault 12 s in) | before: completed of sent "
+             "(failed, cut) | now: completed of sent | failed | cut | wrong text | re-submitted / migrated | "
+             "largest gap of a migrated stream | late events fenced | forged |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for case, what in _CHURN_CASES.items():
         x = next((r for r in now.rows if r["case"] == case), None)
         if x is None:
             continue
         p = prev.get(case)
-        was = f"{num(p['completed'])} of {num(p['sent'])}, {num(p['cut'])} cut" if p else "— (no restart then)"
+        was = (f"{num(p['completed'])} of {num(p['sent'])} ({num(p['failed'])}, {num(p['cut'])})" if p
+               else "— (no restart then)")
         gap = f"{x['max_gap_migrated_ms'] / 1000.0:.1f} s" if x["migrated"] else "—"
         lines.append(f"| {what} | {was} | {num(x['completed'])} of {num(x['sent'])} | {num(x['failed'])} | "
                      f"{num(x['cut'])} | {num(x['wrong_text'])} | {num(x['resubmitted'])} / {num(x['migrated'])} | "
