@@ -108,7 +108,9 @@ def p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
 
 
-async def test_cluster_survives_each_server_killed(tmp_path):
+def start_cluster_stack(tmp_path: Path) -> tuple[subprocess.Popen, str, Path, list[dict]]:
+    """``kairos up --nats-servers 3`` with 2 dispatchers, once serving and its cluster healthy:
+    (the process, the ingress base URL, the log directory, the members)."""
     logs, port = tmp_path / "logs", free_port()
     logs.mkdir()
     up = subprocess.Popen([sys.executable, "-m", "kairos", "up", "--nats-servers", "3", "--port", str(port),
@@ -120,18 +122,39 @@ async def test_cluster_survives_each_server_killed(tmp_path):
         assert up.poll() is None, (tmp_path / "up.out").read_text()[-3000:]
         members = json.loads((logs / "nats-cluster.json").read_text())
         poll(lambda: healthy(members), 30, "a healthy cluster")
+    except BaseException:
+        stop_stack(up)
+        raise
+    return up, base, logs, members
+
+
+def stop_stack(up: subprocess.Popen) -> None:
+    """SIGTERM ``kairos up`` (SIGKILL its group if it does not stop within 60 s)."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+
+
+async def steady_load(http: aiohttp.ClientSession, base: str, results: list[asyncio.Task], stop: asyncio.Event) -> None:
+    """Open-loop streaming requests at :data:`RATE` until ``stop``, each a task in ``results``."""
+    t_next = time.monotonic()
+    while not stop.is_set():
+        results.append(asyncio.create_task(request(http, base, MAX_TOKENS, stream=True, prompt_len=64, deadline_s=60)))
+        t_next += 1.0 / RATE
+        await asyncio.sleep(max(0.0, t_next - time.monotonic()))
+
+
+async def test_cluster_survives_each_server_killed(tmp_path):
+    up, base, logs, members = start_cluster_stack(tmp_path)
+    try:
         results: list[asyncio.Task] = []
         kills: list[dict] = []
         stop = asyncio.Event()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            async def load() -> None:
-                t_next = time.monotonic()
-                while not stop.is_set():
-                    results.append(asyncio.create_task(request(http, base, MAX_TOKENS, stream=True,
-                                                               prompt_len=64, deadline_s=60)))
-                    t_next += 1.0 / RATE
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-            loader = asyncio.create_task(load())
+            loader = asyncio.create_task(steady_load(http, base, results, stop))
             t_start = time.monotonic()
             await asyncio.sleep(STEADY_S)  # the steady state is what is measured, not a synchronisation
             for rnd in range(ROUNDS):
@@ -159,12 +182,7 @@ async def test_cluster_survives_each_server_killed(tmp_path):
             outcomes = await asyncio.gather(*results)
         assert up.poll() is None, "kairos up exited: " + (tmp_path / "up.out").read_text()[-3000:]
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+        stop_stack(up)
     first_kill = kills[0]["t"]
     steady = [o.ttft_s for o in outcomes if o.started_at < first_kill and o.ttft_s is not None]
     during = [o.ttft_s for o in outcomes if o.ttft_s is not None
@@ -236,30 +254,14 @@ async def test_a_frozen_member_refuses_and_cuts_nothing(tmp_path):
     21 of 242 requests answered 503 ``enqueue_failed`` (a publish that timed out on a member answering no
     PING gave up at once), then, with that fixed, 21 streams cut ``node_lost`` (hearing no heartbeat from
     any node for 3 s, the ingress declared all four dead). With two members up, nothing may fail."""
-    logs, port = tmp_path / "logs", free_port()
-    logs.mkdir()
-    up = subprocess.Popen([sys.executable, "-m", "kairos", "up", "--nats-servers", "3", "--port", str(port),
-                           "--log-dir", str(logs), "--dispatchers", "2"], cwd=str(REPO),
-                          stdout=open(tmp_path / "up.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    up, base, logs, members = start_cluster_stack(tmp_path)
     results: list[asyncio.Task] = []
     pid = None
     try:
-        poll(lambda: up.poll() is not None or get_json(base + "/health")[0] == 200, 90, "the stack up")
-        assert up.poll() is None, (tmp_path / "up.out").read_text()[-3000:]
-        members = json.loads((logs / "nats-cluster.json").read_text())
-        poll(lambda: healthy(members), 30, "a healthy cluster")
         member = poll(lambda: ingress_member(members), 10, "the ingress's member")
         stop = asyncio.Event()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
-            async def load() -> None:
-                t_next = time.monotonic()
-                while not stop.is_set():
-                    results.append(asyncio.create_task(request(http, base, MAX_TOKENS, stream=True,
-                                                               prompt_len=64, deadline_s=60)))
-                    t_next += 1.0 / RATE
-                    await asyncio.sleep(max(0.0, t_next - time.monotonic()))
-            loader = asyncio.create_task(load())
+            loader = asyncio.create_task(steady_load(http, base, results, stop))
             await asyncio.sleep(3.0)  # load before the fault (what is measured, not a synchronisation)
             pid = read_pid(member)
             os.kill(pid, signal.SIGSTOP)
@@ -273,12 +275,7 @@ async def test_a_frozen_member_refuses_and_cuts_nothing(tmp_path):
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+        stop_stack(up)
     failed = [o for o in outcomes if not o.ok]
     wrong = [o for o in outcomes if o.ok and o.text != expected_text(o.prompt, MAX_TOKENS)]
     summary = {"sent": len(outcomes), "failed": len(failed), "wrong_text": len(wrong),

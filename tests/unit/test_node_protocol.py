@@ -313,16 +313,22 @@ async def test_the_kv_is_freed_by_the_pulled_notice_of_a_candidate_only():
 
 
 # -- the KV handoff, decode side -------------------------------------------------------------------
+def decode_node_with_claim(holder: str = "prefill-0", rid: str = "r1") -> Node:
+    """decode-0, its claim buckets saying ``holder`` (a prefill node) executes ``rid``."""
+    n = node("decode-0", "decode")
+    kv = FakeKV()
+    kv.put_raw(S.claim_key(rid), encode(Claim(node=holder, kind="keep", claimed_unix_ms=1.0)))
+    n.ctx.claims = Claims(kv, "decode-0", 0.0)
+    return n
+
+
 def handoff_msg(src: str, rid: str = "r1") -> Msg:
     h = KvHandoff(request=request(rid), src_node=src, kv_tokens=40, prefill_done_unix_ms=0.0)
     return Msg(S.kv_subject("decode-0", agent_user(src)), encode(h))
 
 
 async def test_a_handoff_is_taken_only_from_the_claims_holder_and_its_kv_pulled_and_confirmed():
-    n = node("decode-0", "decode")
-    kv = FakeKV()
-    kv.put_raw(S.claim_key("r1"), encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=1.0)))
-    n.ctx.claims = Claims(kv, "decode-0", 0.0)
+    n = decode_node_with_claim()
     impostor = handoff_msg("prefill-1")
     await n.kv_in.on_kv(impostor)
     assert decode(impostor.answers[0], KvAck).reason == "not_the_holder" and "r1" not in n.ctx.reqs
@@ -341,10 +347,7 @@ async def test_a_cancel_that_overtakes_its_job_or_handoff_is_remembered_and_the_
     """Issue 33: the ingress moved a request (a migration, a re-submission) and cancelled the old
     attempt; the cancel reaches a node before that attempt's job or KV handoff (another subscription,
     another task). The late job and the late handoff are refused ``cancelled``: nothing runs for nobody."""
-    n = node("decode-0", "decode")
-    kv = FakeKV()
-    kv.put_raw(S.claim_key("r1"), encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=1.0)))
-    n.ctx.claims = Claims(kv, "decode-0", 0.0)
+    n = decode_node_with_claim()
     await n.effects.cancel("r1", "migrated")  # unknown here yet
     await n.effects.cancel("d1", "migrated")
     late = handoff_msg("prefill-0")
@@ -368,10 +371,7 @@ async def test_an_offer_that_timed_out_is_revoked_and_the_late_taker_gives_the_k
     sent = [(s, decode(p, KvHandoff)) for s, p, _ in pre.bus.published if s.startswith("kairos.kv.")]
     assert [(s, h.revoke) for s, h in sent] == [(kv_subject("decode-0"), True)]  # decode-1 is not revoked
     # decode-0 resumes: the stale offer first, then the revocation (same sender, same order)
-    dec = node("decode-0", "decode")
-    kv = FakeKV()
-    kv.put_raw(S.claim_key("r1"), encode(Claim(node="prefill-0", kind="keep", claimed_unix_ms=1.0)))
-    dec.ctx.claims = Claims(kv, "decode-0", 0.0)
+    dec = decode_node_with_claim()
     stale = handoff_msg("prefill-0")
     await dec.kv_in.on_kv(stale)
     assert decode(stale.answers[0], KvAck).accepted and "r1" in dec.ctx.reqs
