@@ -28,6 +28,10 @@ TIMER_RESOLUTION_S = 0.001
 #: a starved host — rather than scheduling overhead: like a real engine it does not replay the lost
 #: time in a burst of back-to-back steps; its clock restarts at now
 MAX_CATCH_UP_S = 0.1
+#: after such a stall, how long (s) the engine lets what arrived meanwhile be handled before it commits
+#: the step it was in: a cancel sent while the node was stopped (its request moved to another node,
+#: issue 33) then removes the request from that step, and it emits nothing more for nobody
+STALL_SETTLE_S = 0.01
 
 
 def emulated_output(req: InferenceRequest) -> EmulatedCompletion | ResumedCompletion:
@@ -156,7 +160,9 @@ class EmulatedBackend(EngineBackend):
         more than :data:`MAX_CATCH_UP_S` (stopped, starved), the clock restarts at now. Every step
         yields to the event loop at least once, so a cancel that arrived meanwhile is read before the
         next step (after a SIGCONT the node used to run its requests' missed seconds of tokens in a
-        burst before it read their cancels).
+        burst before it read their cancels). A step the process was stopped in waits
+        :data:`STALL_SETTLE_S` before it commits, so a cancel sent meanwhile removes its request from
+        that step too.
         """
         eng = self.engine
         stop_wait = asyncio.ensure_future(stop.wait())
@@ -184,6 +190,8 @@ class EmulatedBackend(EngineBackend):
                     await asyncio.sleep(0)  # at least one turn of the loop per step (cancels, jobs)
                 while time.monotonic() < deadline:  # sub-ms rest: the loop's timers round up to 1 ms
                     await asyncio.sleep(0)
+                if time.monotonic() - deadline > MAX_CATCH_UP_S:  # stopped mid-step: cancels first
+                    await asyncio.sleep(STALL_SETTLE_S)
                 wall = (time.monotonic() - start) * 1000.0
                 res = eng.commit_step(plan)
                 await events.on_step(StepOutput(

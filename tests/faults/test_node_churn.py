@@ -35,7 +35,7 @@ LIVENESS_MS = IngressConfig().liveness_timeout_s * 1000.0
 async def test_a_node_fault_fails_cuts_and_garbles_nothing(case):
     row = await churn.run_case(case, RATE, DURATION_S, FAULT_AT_S, seed=7)
     print("churn:", json.dumps(row))
-    assert row["sent"] >= RATE * DURATION_S * 0.7, row
+    assert row["sent"] >= row["rate_rps"] * DURATION_S * 0.7, row  # the prefill cases run at half the rate
     assert row["failed"] == row["cut"] == row["wrong_text"] == row["duplicated_tokens"] == 0, row
     assert row["forged"] == 0, row
     if case in ("decode-sigkill", "decode-sigstop"):  # streams were on the node: they moved

@@ -27,9 +27,9 @@ from tests.integration.conftest import components_known, fast_model, get_record,
 
 pytestmark = pytest.mark.integration
 
-KEEP_SPANS = ["ingress.request", "dispatcher.decide", "node.prefill", "node.kv_handoff", "node.kv_transfer",
-              "node.decode"]
-DEFLECT_SPANS = ["ingress.request", "dispatcher.decide", "node.deflected_prefill", "node.decode"]
+KEEP_SPANS = ["ingress.request", "ingress.attempt", "dispatcher.decide", "node.prefill", "node.kv_handoff",
+              "node.kv_transfer", "node.decode"]
+DEFLECT_SPANS = ["ingress.request", "ingress.attempt", "dispatcher.decide", "node.deflected_prefill", "node.decode"]
 
 
 def _hex_trace(span) -> str:

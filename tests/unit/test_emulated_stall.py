@@ -65,3 +65,32 @@ async def test_a_stalled_engine_reads_the_cancel_before_its_next_step_and_replay
     assert ("finished", "a", "length") not in rec.events
     # a step after the stall is timed from when the engine ran again, not from its old deadline
     assert all(s.wall_ms < 1000.0 for s, _ in rec.steps)
+
+
+class StoppedMidStep(StallingRecorder):
+    """After step ``at``, the process is stopped while it sleeps through its next step (the clocks jump
+    during that sleep); a cancel for ``rid``, sent while it was stopped, is handled a moment after it
+    runs again (another task: the node agent's NATS callback reading its socket)."""
+
+    async def on_step(self, s) -> None:
+        await Recorder.on_step(self, s)
+        if len(self.steps) == self.at:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._jump)
+
+    def _jump(self) -> None:  # runs while the engine sleeps through step at + 1
+        self.clock.offset += STALL_S
+        asyncio.get_running_loop().call_later(0.003, self._cancel)
+
+
+async def test_a_request_cancelled_while_the_engine_was_stopped_mid_step_emits_nothing_more(monkeypatch):
+    """Fencing (issue 33): the request moved to another node while this one was stopped; the step the
+    engine was in when it stopped must not emit a token of it once the cancel is read."""
+    clock = stalled_clock(monkeypatch)
+    backend = EmulatedBackend("decode", BELIEF)
+    backend.add_deflected(request("a", 20, 200), [20])
+    stop = asyncio.Event()
+    rec = StoppedMidStep(backend, clock, at=3, rid="a", stop=stop)
+    await asyncio.wait_for(backend.run(rec, stop), timeout=30)
+    tokens = [e for e in rec.events if e[0] == "tokens" and e[1] == "a"]
+    assert rec.cancelled_after_step == 3 and len(tokens) == 3, tokens  # steps 1 to 3: none after the stop

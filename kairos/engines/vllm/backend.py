@@ -67,6 +67,24 @@ def wire_finish(reason: str | None) -> str | None:
     return reason if reason is None or reason in FINISH_REASONS else "stop"
 
 
+def failure(exc: Exception, url: str) -> tuple[int, ErrorCode, str]:
+    """``(HTTP status, code, message)`` of a request that failed for good with ``exc``: vLLM's own 4xx
+    (:class:`EngineHttpError` with ``client_error``: the request itself is wrong) is
+    ``engine_rejected_request`` with vLLM's status and message; anything else ``502 engine_error``."""
+    if isinstance(exc, EngineHttpError) and exc.client_error:
+        return exc.status, ErrorCode.ENGINE_REJECTED_REQUEST, f"the engine refused the request: {exc.engine_message}"
+    return ErrorCode.ENGINE_ERROR.status, ErrorCode.ENGINE_ERROR, f"vLLM at {url}: {exc}"
+
+
+def needs_prompt_ids(r: _VReq) -> bool:
+    """Whether ``r`` is a migrated text prompt whose continuation must be sent as token ids (its
+    prompt as this engine tokenizes it, then the output ids it resumes after; issue 33) and whose
+    prompt is not tokenized yet."""
+    res = r.req.resume
+    return (res is not None and res.output_token_ids is not None and r.req.prompt_token_ids is None
+            and r.prompt_ids is None and r.req.prompt_text is not None)
+
+
 class VllmBackend(EngineBackend):
     """A local vLLM OpenAI server with the ``kairos.engines.vllm.plugin`` plugin (see module docstring).
 
@@ -232,10 +250,7 @@ class VllmBackend(EngineBackend):
         await self._ready.wait()
         while True:
             try:
-                res = r.req.resume
-                if res is not None and res.output_token_ids is not None and r.req.prompt_token_ids is None \
-                        and r.prompt_ids is None and r.req.prompt_text is not None:
-                    # a migrated text prompt: continued after its output ids, as this engine tokenizes it
+                if needs_prompt_ids(r):  # a migrated text prompt: continued after its output ids
                     r.prompt_ids = await self.http.tokenize(self.served_model or r.req.model, r.req.prompt_text)
                 if r.kind is RequestRole.PREFILL:
                     await self._prefill(r)
@@ -261,12 +276,7 @@ class VllmBackend(EngineBackend):
                     self.http.release_kv(rid, r.kv_params)
                 log.warning("engine_request_failed", request_id=rid, error=repr(exc))
                 if self._events is not None:
-                    if refused:  # vLLM's own 4xx status: the request itself is wrong
-                        await self._events.on_failed(rid, exc.status, ErrorCode.ENGINE_REJECTED_REQUEST,
-                                                     f"the engine refused the request: {exc.engine_message}")
-                    else:
-                        await self._events.on_failed(rid, ErrorCode.ENGINE_ERROR.status, ErrorCode.ENGINE_ERROR,
-                                                     f"vLLM at {self.url}: {exc}")
+                    await self._events.on_failed(rid, *failure(exc, self.url))
                 return
 
     async def _prefill(self, r: _VReq) -> None:
