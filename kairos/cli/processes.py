@@ -40,6 +40,7 @@ class Child:
     log_path: Path
     proc: subprocess.Popen | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    started_mono: float = 0.0  #: when ``proc`` was started (monotonic s)
 
 
 #: ports this process handed out (:func:`free_port`) or was told to keep free (:func:`reserve_port`)

@@ -36,7 +36,7 @@ from kairos.cli.processes import (CONTROL_PLANE_NICE, Child, control_plane_prior
                                   get_json, kill_group, nats_server_binary, port_in_use, reserve_port,
                                   start_bundled_nats, stop_process, wait_listening)
 from kairos.cli.up_nats import cluster_servers, external_nats, single_server, wait_cluster_ready
-from kairos.cli.supervise import (MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S, RestartBudget, backoff_s,
+from kairos.cli.supervise import (MAX_SINGLETON_RESTARTS, RESTART_WINDOW_S, RestartBudget, backoff_s, clean_exit,
                                   exit_reason)
 from kairos.cli.up_plan import ENGINE_NICE, VLLM_DEFAULTS, UpOptions, api_keys, banner, node_ids, plan, vllm_node
 
@@ -124,6 +124,7 @@ class Supervisor:
         c.proc = subprocess.Popen(c.argv, env=c.env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   start_new_session=True, preexec_fn=setup,
                                   cwd=str(Path(__file__).resolve().parents[2]))
+        c.started_mono = time.monotonic()
         logf.close()
         self.procs.append(c)
 
@@ -247,15 +248,18 @@ class Supervisor:
             for c in list(self.procs):
                 if c.proc is None or c.proc.poll() is None or c.name in reported:
                     continue
-                rank = budget.take(c.name, now)
+                clean = clean_exit(c.proc.returncode, now - c.started_mono)
+                rank = None if clean else budget.take(c.name, now)
                 why, last_lines = exit_reason(c.proc.returncode), self._tail(c)  # the dead one's, before the new one logs
-                self.failed = True  # keep the logs
-                if rank is not None:
+                self.failed = self.failed or not clean  # keep the logs
+                if clean or rank is not None:
                     self.procs.remove(c)
                     if c.kind.startswith("vllm"):  # its EngineCore and workers can outlive the API server, holding the ports
                         kill_group(c.proc)
-                    pending[c.name] = (c, now + backoff_s(rank))
-                    self.msg(f"{c.name} (pid {c.proc.pid}) {why}; restarting it in {backoff_s(rank):g} s "
+                    pending[c.name] = (c, now if clean else now + backoff_s(rank))
+                    self.msg(f"{c.name} (pid {c.proc.pid}) {why}; starting it again now {self._how(c)} (a clean "
+                             f"stop after {now - c.started_mono:.0f} s up: not counted as a restart)" if clean else
+                             f"{c.name} (pid {c.proc.pid}) {why}; restarting it in {backoff_s(rank):g} s "
                              f"{self._how(c)} (restart {rank} of at most {budget.limit} in "
                              f"{RESTART_WINDOW_S / 60:g} min). Its last log lines ({c.log_path}):\n{last_lines}")
                     continue

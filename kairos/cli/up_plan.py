@@ -20,7 +20,7 @@ from kairos.core.model.latency import DEFAULT_PROFILE, load_profile
 from kairos.core.policy import DEFAULT_PARAMS, DEFAULT_POLICY
 from kairos.core.policy.registry import policy_spec
 from kairos.engines.vllm.launch import VllmServer, tokenizer_path, vllm_python
-from kairos.runtime.envconfig import to_env
+from kairos.runtime.envconfig import from_env, to_env
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.ingress.config import IngressConfig
 from kairos.services.node_agent.config import AgentConfig
@@ -124,6 +124,10 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
          run_dir: Path | None = None) -> list[Child]:
     """Every service process to start, in start order (configs validated here: bad → ConfigError).
 
+    Each service's config is what ``opts`` sets over the caller's ``KAIROS_*`` environment
+    (:func:`~kairos.runtime.envconfig.from_env`): a variable ``kairos up`` has no flag for, such as
+    ``KAIROS_DRAIN_TIMEOUT_S``, reaches every service that reads it.
+
     ``creds`` (``{user: password file}``, :func:`kairos.contracts.permissions.write_secrets`): each service logs in to NATS
     as its role (``KAIROS_NATS_USER`` + ``KAIROS_NATS_PASSWORD_FILE``); None: no NATS credentials
     are set (the caller's environment is passed through).
@@ -158,10 +162,9 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
 
     mp = free_port()
     add("state_aggregator", "kairos.services.state_aggregator",
-        AggregatorConfig(state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR),
-                         tbt_slo_ms=opts.tbt_slo_ms,
-                         stale_after_ms=opts.stale_after_ms
-                         or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
+        from_env(AggregatorConfig, state_period_ms=opts.state_period_ms, metrics_port=mp, **login(P.AGGREGATOR),
+                 tbt_slo_ms=opts.tbt_slo_ms,
+                 stale_after_ms=opts.stale_after_ms or (VLLM_DEFAULTS["stale_after_ms"] if vllm else None)),
         f"http://127.0.0.1:{mp}/metrics", "aggregator")
     # the policy's traits (kairos+, docs/policies.md: several deflections per decode node, projected by
     # the policy, and the node-side guard that shrinks a chunk when decodes joined after the decision)
@@ -181,21 +184,21 @@ def plan(opts: UpOptions, nats_url: str, log_dir: Path, creds: dict[str, Path] |
                 children.append(Child(f"vllm-{node}", f"vllm engine ({role})", srv.argv(vpy), srv.env(), srv.url,
                                       log_dir / f"vllm-{node}.log"))
             add(node, "kairos.services.node_agent",
-                AgentConfig(node_id=node, role=role, profile=opts.profile, state_period_ms=opts.state_period_ms,
-                            metrics_port=mp, max_deflections=slots, tbt_guard_ms=guard, **engine,
-                            truth_scale=opts.truth_scale, **login(P.agent_user(node))),
+                from_env(AgentConfig, node_id=node, role=role, profile=opts.profile,
+                         state_period_ms=opts.state_period_ms, metrics_port=mp, max_deflections=slots,
+                         tbt_guard_ms=guard, **engine, truth_scale=opts.truth_scale, **login(P.agent_user(node))),
                 f"http://127.0.0.1:{mp}/metrics", f"agent ({role}, {opts.engine})")
     for i in range(opts.dispatchers):
         mp = free_port()
         add(f"dispatcher-{i}", "kairos.services.dispatcher",
-            DispatcherConfig(replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile, alpha=opts.alpha,
-                             beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
-                             max_deflections_per_node=slots, metrics_port=mp, **login(P.DISPATCHER)),
+            from_env(DispatcherConfig, replica_id=f"dispatcher-{i}", policy=opts.policy, profile=opts.profile,
+                     alpha=opts.alpha, beta=opts.beta, tbt_slo_ms=opts.tbt_slo_ms, ttft_slo_ms=opts.ttft_slo_ms,
+                     max_deflections_per_node=slots, metrics_port=mp, **login(P.DISPATCHER)),
             f"http://127.0.0.1:{mp}/metrics", "dispatcher")
     add("ingress", "kairos.services.ingress",
-        IngressConfig(host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
-                      tokenizer_path=tokenizer, engine_kind="vllm-cpu" if vllm else "emulated", **api_keys(opts),
-                      **login(P.INGRESS)),
+        from_env(IngressConfig, host=opts.host, port=opts.port, served_model=opts.served_model, profile=opts.profile,
+                 tokenizer_path=tokenizer, engine_kind="vllm-cpu" if vllm else "emulated", **api_keys(opts),
+                 **login(P.INGRESS)),
         f"http://{opts.host}:{opts.port}", "ingress")
     return children
 

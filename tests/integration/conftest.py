@@ -162,6 +162,15 @@ class Stack:
         await self.agents[node].close(drain=False)
         self.dead.add(node)
 
+    async def restart_agent(self, node: str) -> NodeAgent:
+        """Start a new incarnation of a crashed node agent (the same configuration and model)."""
+        old = self.agents[node]
+        new = NodeAgent(old.cfg, model=old.model)
+        await new.start()
+        self.agents[node] = new
+        self.dead.discard(node)
+        return new
+
     async def complete(self, prompt: Any = "hello world", max_tokens: int = 4, stream: bool = False,
                        chat: bool = False, **extra) -> tuple[int, Any]:
         """POST a completion; returns (status, JSON body) or (status, list of SSE data payloads)."""

@@ -13,7 +13,9 @@ import json
 import time
 
 import pytest
+from click.testing import CliRunner, Result
 
+from kairos.cli.main import main
 from kairos.contracts.wire import SamplingParams
 from kairos.core.engine_model.text import emulated_completion
 from tests.integration.conftest import get_record, stack, wait_until
@@ -109,11 +111,45 @@ async def test_the_migration_limit_ends_the_request_naming_its_attempts(nats_url
             first = await wait_until(lambda: holder(st, rid, "decode"), 5, "the first decode node")
             await st.kill_agent(first)
             second = await wait_until(lambda: holder(st, f"{rid}-m1", "decode"), 10, "the continuation's decode node")
+            # while it streams, its record lists the attempt it left (written at the migration)
+            live = await get_record(st, rid, lambda x: bool(x["attempts"]))
+            assert live["records"]["ingress"]["finished_unix_ms"] is None, live["records"]["ingress"]
+            assert [(a["attempt_id"], a["moved"]) for a in live["attempts"]] == [(rid, f"node_lost:{first}")]
             await st.kill_agent(second)
             rest = await asyncio.wait_for(read_sse(r), 30)
         err = json.loads(rest[-2])["error"]
         assert rest[-1] == "[DONE]" and err["code"] == "migration_limit", rest[-3:]
         assert f"attempts: {rid}, {rid}-m1" in err["message"], err
+        rec = await get_record(st, rid, lambda x: x["records"]["ingress"]["finished_unix_ms"] is not None)
+        assert [(a["attempt_id"], a["moved"]) for a in rec["attempts"]] == [
+            (rid, f"node_lost:{first}"), (f"{rid}-m1", f"node_lost:{second}")], rec["attempts"]
+        # the TTFT is explained by the attempt that sent the first token, not by a continuation: its
+        # decode node died before it wrote a record, so the breakdown is unknown, not mixed
+        assert rec["records"]["decode"] is None and rec["measured"]["other_ms"] is None, rec
+        assert rec["decode_node"] == first and rec["measured"]["ttft_ms"] > 0, rec
+
+
+async def test_a_stream_whose_only_decode_node_is_gone_for_a_while_waits_for_it_and_goes_on(nats_url):
+    """1P1D: the only decode node dies mid-stream and a new incarnation starts well after the
+    dispatcher's ``no_node_wait_s`` for new requests: the continuation waits for a decode node
+    (``migration_node_wait_s``) instead of ending the client's stream with ``no_available_node``
+    (issue 33's trial, a 5 s SIGSTOP of the only decode node)."""
+    prompt, n, no_node_wait_s = "only one decode node", 300, 0.3
+    async with stack(nats_url, prefill=1, decode=1, dispatchers=1, policy="pd", idle_timeout_s=30.0,
+                     request_timeout_s=60.0, ingress_overrides={"liveness_timeout_s": 1.0},
+                     no_node_wait_s=no_node_wait_s) as st:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True}
+        async with st.http.post(st.base + "/v1/completions", json=body) as r:
+            head = await read_sse(r, 10)
+            await st.kill_agent("decode-0")
+            migrated = st.ingress.m.migrations["node_lost"]
+            await wait_until(lambda: migrated._value.get() == 1, 10, "the stream's migration")
+            # what is tested is how long the continuation waits: the node stays away 5× no_node_wait_s
+            await asyncio.sleep(5 * no_node_wait_s)
+            await st.restart_agent("decode-0")
+            rest = await asyncio.wait_for(read_sse(r), 30)
+        assert not any("error" in json.loads(e) for e in rest[:-1]), rest[-3:]
+        assert texts(head + rest) == expected(prompt, n) and rest[-1] == "[DONE]"
 
 
 async def test_a_draining_node_finishes_its_streams_and_takes_nothing_new(nats_url):
@@ -133,10 +169,15 @@ async def test_a_draining_node_finishes_its_streams_and_takes_nothing_new(nats_u
                              "the view says it drains")
             async with st.http.get(st.base + "/health") as h:
                 assert node in (await h.json())["draining"]
+            # asked again (kairos drain twice; SIGTERM after a preStop hook's drain): it waits for this drain
+            again = asyncio.create_task(st.agents[node].drain("again"))
             status, late = await st.complete(prompt="sent while it drains", max_tokens=8)
             assert status == 200, late
-            rest = await asyncio.wait_for(read_sse(r), 30)
+            more = await read_sse(r, 5)
+            assert not again.done(), "a second drain returned while the first still had a stream to finish"
+            rest = more + await asyncio.wait_for(read_sse(r), 30)
         report = await asyncio.wait_for(drain, 30)
+        assert await asyncio.wait_for(again, 5) is report
         assert texts(head + rest) == expected(prompt, n) and rest[-1] == "[DONE]"
         assert report.finished == 1 and not report.moved_unstarted and not report.moved_at_deadline, report
         assert sum(v._value.get() for v in st.ingress.m.migrations.values()) == 0
@@ -160,3 +201,36 @@ async def test_at_the_drain_deadline_what_is_left_migrates(nats_url):
         assert report.moved_at_deadline == [rid] and report.finished == 0, report
         assert texts(head + rest) == expected(prompt, n) and rest[-1] == "[DONE]"
         assert st.ingress.m.migrations["node_shutdown"]._value.get() == 1
+
+
+def kairos_drain(*args: str) -> Result:
+    """``kairos drain ARGS`` (the CLI, in-process; run in a thread: it waits on the ingress of this loop)."""
+    return CliRunner().invoke(main, ["drain", *args])
+
+
+async def test_kairos_drain_reaches_the_node_and_a_silent_node_is_neither_drained_nor_listed(nats_url):
+    """``kairos drain`` through the ingress (its URL given as an OpenAI client's, ending in /v1): the
+    node drains, /health lists it, a second call says it was draining already. Once its agent is
+    gone, /health no longer lists it and a drain of it is refused 404 (it used to say "draining" for
+    ever). A name that cannot be a node id is a usage error, not a traceback."""
+    async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0) as st:
+        node = "decode-1"
+        res = await asyncio.to_thread(kairos_drain, node, "--url", st.base + "/v1")
+        assert res.exit_code == 0 and f"node {node} is draining:" in res.output, res.output
+        await wait_until(lambda: st.agents[node].drainer.report is not None, 5, "the agent got the drain")
+        await wait_until(lambda: any(v.node == node and v.draining for v in st.ingress.readiness.ready.nodes),
+                         5, "the view says it drains")
+        async with st.http.get(st.base + "/health") as h:
+            assert (await h.json())["draining"] == [node]
+        res = await asyncio.to_thread(kairos_drain, node, "--url", st.base)
+        assert res.exit_code == 0 and "(it was draining already)" in res.output, res.output
+        await st.kill_agent(node)
+        await wait_until(lambda: any(v.node == node and v.stale for v in st.ingress.readiness.ready.nodes), 10,
+                         "the view says it is silent")
+        async with st.http.get(st.base + "/health") as h:
+            assert (await h.json())["draining"] == []
+        res = await asyncio.to_thread(kairos_drain, node, "--url", st.base)
+        assert res.exit_code == 1 and "HTTP 404" in res.output and "is silent" in res.output, res.output
+    for bad in ("a b", "d\u00e9code", "decode.*"):  # refused before any request: no ingress runs now
+        res = kairos_drain(bad)
+        assert res.exit_code == 2 and "node id" in res.output, (bad, res.output, res.exception)

@@ -143,11 +143,13 @@ async def test_step_records_become_corrections_in_every_dispatchers_view(nats_ur
             # the node's real (emulated, exact) steps keep arriving too: wait for the 1.3 to dominate
             await wait_until(lambda: all(c is not None and c.samples >= 100 and c.bias > 1.2 for c in corr()), 10,
                              "the correction in every dispatcher's view")
-            view = st.dispatchers[0].view
             req = InferenceRequest(request_id="r1", model="m", prompt_tokens=100, max_tokens=4,
                                    created_unix_ms=now_ms(), deadline_unix_ms=now_ms() + 1e4)
-            snap = build_snapshot(req, view, {}, {}, now_ms())
-            assert snap is not None and snap.prefill_nodes[0].step_bias > 1.2
+            # the policy's input carries it (a view where a heartbeat came late on a loaded host has a
+            # stale node and no snapshot: the next one has it again)
+            snap = await wait_until(lambda: build_snapshot(req, st.dispatchers[0].view, {}, {}, now_ms()), 10,
+                                    "a snapshot with every node routable")
+            assert snap.prefill_nodes[0].step_bias > 1.2
         finally:
             await nc.close()
 

@@ -45,7 +45,7 @@ def test_why_a_child_stopped_is_said_from_its_return_code():
 
     assert exit_reason(-9) == "was killed by SIGKILL" and exit_reason(-15) == "was killed by SIGTERM"
     assert exit_reason(0) == "exited with code 0 (a clean stop: SIGTERM, SIGINT or a drain)"
-    assert exit_reason(143) == "exited with code 143 (SIGTERM during its startup)"
+    assert exit_reason(143) == "exited with code 143 (SIGTERM during its startup, or a second one during its drain)"
     assert exit_reason(1) == "exited with code 1" and exit_reason(2) == "exited with code 2"
     assert exit_reason(-200) == "was killed by signal 200" and exit_reason(250) == "exited with code 250"
 
@@ -56,3 +56,13 @@ def test_the_restart_backoff_doubles_from_a_tenth_of_a_second_as_dockers():
     assert [backoff_s(r) for r in range(1, 6)] == [0.1, 0.2, 0.4, 0.8, 1.6]
     assert backoff_s(0) == 0.1  # a rank below 1 is the first restart's
     assert RestartBudget(limit=0).take("x", 0.0) is None  # --max-restarts 0: never restarted
+
+
+def test_a_clean_stop_after_a_while_is_not_a_crash_and_an_early_or_failed_exit_is():
+    """A drained node agent exits 0 after serving: started again at once, outside the budget. Exit 0
+    right after its start, a non-zero code or a signal count as crashes (issue 33's trial: six
+    drains in ten minutes used to leave a node down as crash-looping)."""
+    from kairos.cli.supervise import MIN_UPTIME_S, clean_exit
+    assert clean_exit(0, MIN_UPTIME_S) and clean_exit(0, 3600.0)
+    assert not clean_exit(0, MIN_UPTIME_S - 0.1)  # a child that exits 0 at once still crash-loops
+    assert not clean_exit(1, 3600.0) and not clean_exit(-9, 3600.0) and not clean_exit(143, 3600.0)

@@ -123,7 +123,15 @@ def drain(node: str, url: str, api_key: str | None, timeout_s: float) -> None:
     import urllib.error
     import urllib.request
 
-    req = urllib.request.Request(f"{url.rstrip('/')}/v1/admin/nodes/{node}/drain", data=b"", method="POST",
+    from kairos.cli.bench.client import BenchError, check_url
+    from kairos.contracts.subjects import SubjectError, check_token
+
+    try:
+        check_token(node, "node id")
+        url = check_url(url)  # a trailing /v1 (an OpenAI client's base URL) is dropped
+    except (SubjectError, BenchError) as exc:
+        raise click.UsageError(str(exc)) from None
+    req = urllib.request.Request(f"{url}/v1/admin/nodes/{node}/drain", data=b"", method="POST",
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
@@ -139,4 +147,4 @@ def drain(node: str, url: str, api_key: str | None, timeout_s: float) -> None:
     again = " (it was draining already)" if body.get("was_draining") else ""
     click.echo(f"node {body['node']} is draining{again}: it finishes its running requests (up to its "
                f"KAIROS_DRAIN_TIMEOUT_S), moves the rest to other nodes, then its agent exits. "
-               f"GET {url.rstrip('/')}/health lists the draining nodes.")
+               f"GET {url}/health lists the draining nodes.")

@@ -33,6 +33,9 @@ class DispatcherConfig(MetricsServiceConfig):
     #: to 1, §5.3); ``kairos up`` sets both to the policy's ``PolicySpec.deflection_slots`` (kairos+: 4)
     max_deflections_per_node: int = 1
     no_node_wait_s: float = 2.0  #: wait this long for a routable node before answering 503
+    #: … and this long (s) for a migrated request's continuation (issue 33): its client holds part of
+    #: the answer, so a pause of the only decode node must not cut the stream (within its deadline)
+    migration_node_wait_s: float = 30.0
     #: a job lost to a bus fault (no responders, no answer, claim not stored) is sent again, the
     #: live node not excluded, for at most this long per request (kairos/services/dispatcher/busretry.py); 0: never
     bus_retry_s: float = 5.0
@@ -64,6 +67,7 @@ class DispatcherConfig(MetricsServiceConfig):
         require(self.max_deflections_per_node >= 1, "max_deflections_per_node", "must be >= 1")
         require(self.reservation_ttl_s >= 1, "reservation_ttl_s", "must be >= 1 (the bus TTL unit is 1 s)")
         require(self.no_node_wait_s >= 0, "no_node_wait_s", "must be >= 0")
+        require(self.migration_node_wait_s >= 0, "migration_node_wait_s", "must be >= 0")
         require(self.bus_retry_s >= 0, "bus_retry_s", "must be >= 0")
         require(self.ack_wait_s > 0, "ack_wait_s", "must be > 0")
         require(self.max_deliver >= 1, "max_deliver", "must be >= 1")

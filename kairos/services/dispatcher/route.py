@@ -239,11 +239,16 @@ class Router:
             self.state.release_deflection(rid)
 
     async def _no_node(self, at: RouteAttempt, msg: Any, span: Any) -> bool:
-        """Nothing routable: wait for a newer view up to ``no_node_wait_s``, then 503."""
+        """Nothing routable: wait for a newer view up to ``no_node_wait_s`` (a migrated request's
+        continuation: ``migration_node_wait_s``, within its deadline), then 503."""
         if at.waited_since is None:
             span.add_event("waiting_for_nodes", {"excluded": [f"{k}:{v}" for k, v in at.excluded.items()]})
             at.waited_since = self.clock.monotonic()
-        left = self.cfg.no_node_wait_s - (self.clock.monotonic() - at.waited_since)
+        wait_s = self.cfg.no_node_wait_s
+        if at.req.resume is not None:
+            wait_s = min(max(wait_s, self.cfg.migration_node_wait_s),
+                         (at.req.deadline_unix_ms - self.clock.now_ms()) / 1000.0)
+        left = wait_s - (self.clock.monotonic() - at.waited_since)
         if left <= 0 or at.excluded:
             why = "every node refused or did not answer" if at.excluded else no_live_nodes(self.state.view)
             excluded = f" (excluded: {at.excluded})" if at.excluded else ""

@@ -34,7 +34,7 @@ from kairos.contracts.errors import ErrorCode
 from kairos.runtime import telemetry
 from kairos.services.ingress.completions import Completions
 from kairos.services.ingress.config import IngressConfig
-from kairos.services.ingress.http import (REQUEST_ID, STREAM_STARTED, add_retry_after, api_key_middleware,
+from kairos.services.ingress.http import (REQUEST_ID, STREAM_STARTED, add_retry_after, api_key_middleware, clip,
                                           error_response, http_error)
 from kairos.services.ingress.ignored_params import add_ignored_params_header
 from kairos.services.ingress.metrics import IngressMetrics
@@ -154,16 +154,21 @@ class IngressApp:
         not have; 503 ``bus_unavailable`` when NATS did not take it. Needs an API key when keys are set."""
         node = request.match_info["node"]
         view = self.readiness.ready
-        known = {n.node: n for n in view.nodes} if view is not None else {}
+        known = {n.node: n for n in view.nodes if not n.stale} if view is not None else {}
         if node not in known:
-            return error_response(ErrorCode.NOT_FOUND, f"no node {node!r} in the cluster view (nodes: "
+            silent = {n.node for n in view.nodes if n.stale} if view is not None else set()
+            why = "is silent (no heartbeat: stopped or gone), nothing to drain" if node in silent else \
+                "is not in the cluster view"
+            return error_response(ErrorCode.NOT_FOUND, f"node {clip(node, 140)!r} {why} (live nodes: "
                                                         f"{', '.join(sorted(known)) or 'none yet'})")
         try:
             await self.bus.drain(node, f"operator via {self.cfg.replica_id}")
-        except Exception as exc:  # logged; the operator can retry
+        except Exception as exc:  # logged; asking again is harmless (a drain under way goes on)
             self.log.warning("drain_request_failed", node=node, error=repr(exc))
-            return error_response(ErrorCode.BUS_UNAVAILABLE, f"could not ask node {node} to drain: the message bus "
-                                                             f"did not take it; retry")
+            return error_response(ErrorCode.BUS_UNAVAILABLE, f"the message bus did not confirm the drain request "
+                                                             f"to node {node} in time: it may still arrive; GET "
+                                                             f"/health lists the draining nodes, asking again is "
+                                                             f"harmless")
         self.log.info("drain_requested", node=node, client=request.remote)
         return _json({"node": node, "draining": True, "was_draining": known[node].draining,
                       "drain_timeout_note": "the node finishes its running requests for up to its "

@@ -77,7 +77,8 @@ def http_error(request: web.Request, exc: web.HTTPException, max_body_bytes: int
     if isinstance(exc, web.HTTPNotFound):
         msg, code = (f"Unknown path {clip(request.path, 200)!r}. Endpoints: POST /v1/completions, POST "
                      f"/v1/chat/completions, GET /v1/models, GET /v1/requests/{{id}}, POST /tokenize, POST "
-                     f"/detokenize, GET /version, GET /health, GET /metrics", ErrorCode.NOT_FOUND)
+                     f"/detokenize, GET /version, GET /health, GET /metrics, POST /v1/admin/nodes/{{node}}/drain",
+                     ErrorCode.NOT_FOUND)
     elif isinstance(exc, web.HTTPMethodNotAllowed):
         msg = (f"Method {request.method} is not allowed for {request.path}; use "
                f"{' or '.join(sorted(exc.allowed_methods))}")

@@ -340,7 +340,8 @@ class RequestLifecycle:
                 return Complete("length", self.total)
             return self._migrate(why)
         if self.committed and 0 < self.max_migrations <= self.migrations and time_left:
-            tried = ", ".join(a.attempt_id for a in [*self.attempts, self.attempt_record()])
+            self.attempts.append(self.attempt_record(why))  # the last one was lost too: the record says why
+            tried = ", ".join(a.attempt_id for a in self.attempts)
             return self._end(ErrorCode.MIGRATION_LIMIT, f"{message}; request {self.rid} already moved "
                                                          f"{self.migrations} time(s) (attempts: {tried})")
         reason = ("output was already sent to the client" if self.committed else

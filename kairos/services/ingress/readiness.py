@@ -165,7 +165,8 @@ class Readiness:
         status = reasons[0]["code"] if reasons else "ok"
         body = {"status": status, "reasons": reasons,
                 "routable": {"prefill": [n.node for n in pfs], "decode": [n.node for n in dcs]},
-                "draining": [n.node for n in self.ready.nodes if n.draining] if self.ready is not None else [],
+                "draining": [n.node for n in self.ready.nodes if n.draining and not n.stale]
+                if self.ready is not None else [],
                 "view_age_ms": view_age, "dispatchers": disp}
         return web.Response(body=orjson.dumps(body), status=503 if reasons else 200, content_type="application/json")
 

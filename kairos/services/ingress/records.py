@@ -112,19 +112,28 @@ def request_record(rid: str, decision: DecisionRecord | None, prefill: PrefillTi
     return out
 
 
+def first_token_attempt(rid: str, resubmitted_as: list[str]) -> str:
+    """The attempt of request ``rid`` that sent the client's first token: the last re-submission
+    (``<rid>-r<n>``) in ``resubmitted_as``, else ``rid``; a migration's continuation (``<rid>-m<n>``)
+    resumed after tokens the client had, so it never is."""
+    return next((a for a in reversed(resubmitted_as) if not a.startswith(f"{rid}-m")), rid)
+
+
 async def lookup(rid: str, bus: IngressBus) -> dict[str, Any] | None:
     """The ``GET /v1/requests/{id}`` body of request ``rid`` (:func:`request_record`), None when the
     bucket holds no record of it (unknown, or older than the record TTL).
 
     A request re-submitted after a node was lost is explained by the records of the attempt that
-    served it (the last of ``resubmitted_as``); its node records are those of the nodes its claim
-    names, else its decision names (each node writes only keys with its own id).
+    sent its first token (the last re-submission ``<id>-r<n>`` of ``resubmitted_as``: the measured TTFT
+    and its components are that attempt's; a migration's continuations ``<id>-m<n>`` are listed in
+    ``attempts``); its node records are those of the nodes its claim names, else its decision names
+    (each node writes only keys with its own id).
 
     Raises:
         Exception: the bucket did not answer (the caller's 500).
     """
     ingress = await bus.read_record(S.record_key(rid, "ingress"), IngressTiming)
-    served_by = ingress.resubmitted_as[-1] if ingress and ingress.resubmitted_as else rid
+    served_by = first_token_attempt(rid, ingress.resubmitted_as if ingress is not None else [])
     decision = await bus.read_record(S.record_key(served_by, "decision"), DecisionRecord)
     claim = await bus.read_claim(served_by)
     node = claim.node if claim is not None else (decision.node if decision is not None else "")
@@ -148,9 +157,21 @@ async def write_ingress_record(bus: IngressBus, rid: str, timing: dict[str, Any]
     finished_reason, e2e, token counts, prefix-cache hits) and predicted vs measured TTFT of a
     request that succeeded. A failed write is logged."""
     metrics.vllm.finished(timing)  # before the first await: observed as the request ends
-    rec = msgspec.convert({k: v for k, v in timing.items() if k not in NOT_RECORDED}, IngressTiming)
+    rec = ingress_timing(timing)
     if timing.get("status") == 200 and rec.first_token_unix_ms is not None and timing.get(PREDICTED) is not None:
         metrics.observe_prediction(*timing[PREDICTED], rec.first_token_unix_ms - rec.received_unix_ms)
+    await store_ingress_record(bus, rid, rec, log)
+
+
+def ingress_timing(timing: dict[str, Any]) -> IngressTiming:
+    """The :class:`IngressTiming` of a request's ``timing`` dict as it is now (:data:`NOT_RECORDED` left out)."""
+    return msgspec.convert({k: v for k, v in timing.items() if k not in NOT_RECORDED}, IngressTiming)
+
+
+async def store_ingress_record(bus: IngressBus, rid: str, rec: IngressTiming, log: Any) -> None:
+    """Store ``<rid>.ingress``: when the request ends, and while it streams after a migration (its
+    ``attempts`` so far, ``finished_unix_ms`` still None: ``GET /v1/requests/{id}`` shows where it
+    runs now). A failed write is logged."""
     try:
         await bus.write_record(S.record_key(rid, "ingress"), encode(rec))
     except Exception as exc:  # a lost record costs GET /v1/requests/<id> its ingress part, never the request

@@ -53,7 +53,7 @@ from kairos.services.ingress.lifecycle import (Action, Complete, Fail, Ignore, M
 from kairos.services.ingress.metrics import DROP_REASONS, IngressMetrics
 from kairos.services.ingress.openai_api.params import ParsedRequest
 from kairos.services.ingress.ports import IngressBus
-from kairos.services.ingress.records import PREDICTED
+from kairos.services.ingress.records import PREDICTED, ingress_timing, store_ingress_record
 from kairos.services.ingress.reorder import Reorder
 from kairos.services.ingress.request_ids import RequestIds
 
@@ -298,6 +298,9 @@ class RequestRelay:
         timing = self.req.timing
         timing.setdefault("resubmitted_as", []).append(action.new_attempt_id)
         timing["attempts"] = self._attempts()
+        # GET /v1/requests/{id} shows the attempts while the stream goes on (one write per migration)
+        self.d.bg.spawn(store_ingress_record(self.d.bus, self.req.rid, ingress_timing(timing), self.req.log),
+                        "write_ingress_record")
         self.reorder.clear()
         resume = (Resume(output_tokens=action.output_tokens, output_text=action.output_text,
                          output_token_ids=action.output_token_ids) if action.output_tokens else None)
@@ -344,7 +347,8 @@ class RequestRelay:
     def _attempts(self, current: bool = False) -> list[dict]:
         """The attempts left so far (and, with ``current``, the one that ends the request), as the
         ingress record lists them (``IngressTiming.attempts``)."""
-        done = [*self.lc.attempts, self.lc.attempt_record()] if current else self.lc.attempts
+        listed = self.lc.attempts and self.lc.attempts[-1].attempt_id == self.lc.attempt_id  # it ended moved
+        done = [*self.lc.attempts, self.lc.attempt_record()] if current and not listed else self.lc.attempts
         return [dataclasses.asdict(a) for a in done]
 
     # -- the client's answer when the request ends with an error ----------------------------------

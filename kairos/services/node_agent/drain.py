@@ -22,6 +22,7 @@ Then the agent exits (its caller closes it). Every step is logged: ``drain_start
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -52,12 +53,18 @@ class Drainer:
 
     def __init__(self, ctx: NodeContext, effects: Effects, heartbeat: Callable[[], Awaitable[None]]) -> None:
         self.ctx, self.effects, self.heartbeat = ctx, effects, heartbeat
-        self.report: DrainReport | None = None  #: set once a drain ran
+        self.report: DrainReport | None = None  #: set once a drain started (complete when it returned)
+        self._drain: asyncio.Future[DrainReport] | None = None
 
     async def run(self, why: str) -> DrainReport:
-        """Drain (module docstring); returns what it did. A second call returns the first's report."""
-        if self.report is not None:
-            return self.report
+        """Drain (module docstring); returns what it did. A second call (a ``kairos drain`` sent twice,
+        SIGTERM after a preStop hook's drain) waits for the drain under way and returns its report:
+        it neither starts another nor cuts the first short."""
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._run(why))
+        return await asyncio.shield(self._drain)
+
+    async def _run(self, why: str) -> DrainReport:
         ctx, clock = self.ctx, self.ctx.clock
         rep = self.report = DrainReport()
         t0 = clock.monotonic()
