@@ -58,8 +58,9 @@ async def test_aggregator_restart_cuts_no_stream(cluster: Cluster):
 
 async def test_agent_killed_while_aggregator_down_is_detected(cluster: Cluster):
     """No aggregator, so no view update: the ingress's own heartbeat tracking sees the decode
-    agent's death within the liveness timeout (2 s here) — streams already on it end with an
-    explicit ``node_lost``, requests not yet answered are re-submitted and complete elsewhere."""
+    agent's death within the liveness timeout (2 s here) — streams already on it continue on the
+    other decode node (migrated, issue 33), requests not yet answered are re-submitted: every
+    request completes with its exact text."""
     c = cluster
     c.up()
     c.kill("state_aggregator")
@@ -69,17 +70,14 @@ async def test_agent_killed_while_aggregator_down_is_detected(cluster: Cluster):
         killed_at = time.monotonic()
         c.kill("decode-0")
         outcomes = await asyncio.gather(*sends)
-    counts = check(outcomes, c)
+    counts = check(outcomes, c, allow_errors=False)
     lost = c.metric("kairos_ingress_node_lost_total")
     assert lost >= 1, "no request was on the killed node"
-    failed = [o for o in outcomes if not o.ok]
-    assert all(o.error["code"] == "node_lost" for o in failed), [o.error for o in failed]
-    detect = [o.ended_at - killed_at for o in failed]
-    # liveness timeout 2 s + the 0.2 s check period + scheduling on a loaded 2-core machine
-    assert all(d < 2.0 + 2.0 for d in detect), detect
+    assert c.metric("kairos_ingress_node_lost_total", '{outcome="failed"}') == 0
     resubmitted = c.metric("kairos_ingress_node_lost_total", '{outcome="resubmitted"}')
-    counts.update(node_lost=lost, resubmitted=resubmitted,
-                  detect_s=[round(d, 2) for d in sorted(detect)])
+    migrated = c.metric("kairos_ingress_node_lost_total", '{outcome="migrated"}')
+    counts.update(node_lost=lost, resubmitted=resubmitted, migrated=migrated,
+                  last_answer_after_kill_s=round(max(o.ended_at for o in outcomes) - killed_at, 2))
     print("agent killed while the aggregator is down:", counts)
 
 
@@ -127,7 +125,8 @@ async def test_forged_heartbeats_are_refused_and_counted(cluster: Cluster):
 async def test_agent_restart_new_epoch_is_accepted_and_its_lost_requests_are_moved(cluster: Cluster):
     """A restarted agent (same node id, new epoch, seq from 1 again) is accepted at once; the
     requests its previous incarnation held are noticed by the epoch change — with a liveness
-    timeout (30 s) far longer than the restart, so silence cannot be what ends them."""
+    timeout (30 s) far longer than the restart, so silence cannot be what moves them — and every
+    request completes (moved to a node, issue 33) well before that timeout."""
     c = cluster
     c.env["KAIROS_LIVENESS_TIMEOUT_S"] = "30"
     c.up()
@@ -138,9 +137,7 @@ async def test_agent_restart_new_epoch_is_accepted_and_its_lost_requests_are_mov
         c.kill("decode-1")
         c.start("decode-1", as_name="decode-1-restarted")
         outcomes = await asyncio.gather(*sends)
-    counts = check(outcomes, c)
-    failed = [o for o in outcomes if not o.ok]
-    assert all(o.error["code"] == "node_lost" for o in failed), [o.error for o in failed]
+    counts = check(outcomes, c, allow_errors=False)
     assert c.metric("kairos_ingress_node_lost_total") >= 1, "no request was on the restarted node"
     latest = max(o.ended_at for o in outcomes) - killed_at
     assert latest < 20.0, latest  # not the 30 s liveness timeout, nor the 30 s idle timeout
@@ -148,5 +145,4 @@ async def test_agent_restart_new_epoch_is_accepted_and_its_lost_requests_are_mov
     assert c.metric("kairos_aggregator_heartbeats_rejected_total", '{reason="old_epoch"}') == 0
     assert c.metric("kairos_aggregator_heartbeats_rejected_total", '{reason="replay"}') == 0
     counts["last_answer_after_kill_s"] = round(latest, 2)
-    counts["errors_after_kill_s"] = sorted(round(o.ended_at - killed_at, 2) for o in failed)
     print("agent restarted:", counts)
