@@ -55,6 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kairos.cli.bench.stream import sse_json  # noqa: E402
 from kairos.cli.processes import free_port  # noqa: E402
 from kairos.contracts.wire import SamplingParams  # noqa: E402
 from kairos.core.engine_model.text import emulated_completion  # noqa: E402
@@ -108,11 +109,7 @@ async def one_request(http: aiohttp.ClientSession, base: str, prompt: list[int],
                     out.error = ((await r.json(content_type=None)) or {}).get("error", {}).get("code", str(r.status))
                     return out
                 parts = []
-                async for line in r.content:
-                    line = line.strip()
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
+                async for ev in sse_json(r.content.iter_any()):
                     if "error" in ev:
                         out.error = ev["error"].get("code") or "error"
                         continue

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import aiohttp
 import pytest
 
+from kairos.cli.bench.stream import sse_json
 from kairos.cli.up import Child, UpOptions, free_port, nats_server_binary, plan, wait_listening
 from kairos.contracts import permissions as P
 from kairos.core.engine_model.text import emulated_completion
@@ -371,11 +372,7 @@ async def request(http: aiohttp.ClientSession, base: str, max_tokens: int, strea
                 out.rid = r.headers.get("X-Request-Id")
                 if stream and r.status == 200 and r.content_type == "text/event-stream":
                     parts = []
-                    async for line in r.content:
-                        line = line.strip()
-                        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                            continue
-                        ev = json.loads(line[6:])
+                    async for ev in sse_json(r.content.iter_any()):
                         if "error" in ev:
                             out.error = ev["error"]
                             continue

@@ -228,3 +228,16 @@ def test_events_read_together_are_one_itl_each():
     # 4 gaps for 5 events (vLLM appends one ITL per chunk); e and f, one event, are one arrival
     assert m["mean_itl_ms"] == pytest.approx(500.0 / 4)
     assert rec.output_tokens == 6 and rec.token_times_s[-1] == rec.token_times_s[-2] == 1.5
+
+
+async def test_sse_json_yields_each_events_json_across_split_reads_and_leaves_done_out():
+    """The streams' JSON as the churn benchmark and the faults tier read them: an event split over
+    reads, a keep-alive comment, CRLF lines, a last event without its blank line."""
+    from kairos.cli.bench.stream import sse_json
+
+    async def reads():
+        for chunk in (b'data: {"a": 1}\n\n: keep-alive\n\nda', b'ta: {"b": 2}\r\n\r\n', b"data: [DONE]\n\n",
+                      b'data: {"c": 3}'):
+            yield chunk
+
+    assert [ev async for ev in sse_json(reads())] == [{"a": 1}, {"b": 2}, {"c": 3}]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,20 @@ class SSEParser:
         name, _, value = line.partition(":")
         if name == "data":
             self._data.append(value[1:] if value.startswith(" ") else value)
+
+
+async def sse_json(chunks: AsyncIterable[bytes]) -> AsyncIterator[Any]:
+    """The JSON ``data`` of every event of an OpenAI stream, in order, ``[DONE]`` left out
+    (:class:`SSEParser` rules). ``chunks``: the response body as it arrives (aiohttp's
+    ``resp.content.iter_any()``). Raises ValueError for data that is not JSON."""
+    parser = SSEParser()
+    async for chunk in chunks:
+        for data in parser.feed(chunk):
+            if data != "[DONE]":
+                yield json.loads(data)
+    for data in parser.close():
+        if data != "[DONE]":
+            yield json.loads(data)
 
 
 def error_message(err: Any) -> str:
