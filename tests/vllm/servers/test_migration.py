@@ -9,6 +9,7 @@ the same server starts at once — a new incarnation, which the ingress takes as
 The continuation is a keep-path request: prefill-0 computes the KV of the prompt followed by the output
 ids the client has, decode-0 decodes the rest. The independent truth is the engine itself: the same
 prompt ids, ``temperature`` 0, on decode-0 alone (``cache_salt``: no transferred block reused).
+``logprobs`` keep coming after the migration: one per token, their text offsets running on.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ async def test_a_greedy_stream_whose_decode_agent_dies_continues_with_the_uninte
             await wait_until(lambda: ing.readiness.ready is not None and len(ing.readiness.ready.nodes) == 2, 60,
                              "the ingress sees both nodes")
             body = {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0.0, "stream": True,
-                    "ignore_eos": True}
+                    "ignore_eos": True, "logprobs": 1}
             texts: list[str] = []
+            offsets: list[int] = []  # every token's logprobs.text_offset: they keep coming after the migration
             killed = None
             async with http.post(base + "/v1/completions", json=body) as r:
                 assert r.status == 200, await r.text()
@@ -84,6 +86,7 @@ async def test_a_greedy_stream_whose_decode_agent_dies_continues_with_the_uninte
                     ev = json.loads(line[6:])
                     assert "error" not in ev, ev
                     texts.extend(c.get("text") or "" for c in ev.get("choices", []))
+                    offsets.extend(o for c in ev.get("choices", []) for o in (c.get("logprobs") or {}).get("text_offset", []))
                     if killed is None and len(texts) >= 12:  # mid-stream: the decode agent crashes
                         killed = agents["decode-0"]
                         await killed.close(drain=False)
@@ -98,6 +101,8 @@ async def test_a_greedy_stream_whose_decode_agent_dies_continues_with_the_uninte
                                                              "cache_salt": "reference"})
         assert ref["usage"]["completion_tokens"] == n
         assert "".join(texts) == ref["choices"][0]["text"]
+        # one logprob per token on both sides of the migration, offsets into the one text the client has
+        assert len(offsets) == n and offsets == sorted(offsets) and offsets[-1] <= len("".join(texts)), offsets
     finally:
         await ing.close()
         await disp.close()
