@@ -1,6 +1,7 @@
 """Node churn under load: what a client sees when a node stops or dies (issue 33).
 
     python bench/churn.py [--cases LIST] [--rate 10] [--duration 30] [--fault-at 12] [--json PATH]
+                          [--repo DIR]
 
 For each case, a fresh ``kairos up`` (2 prefill + 2 decode emulated nodes, 2 dispatchers) takes an
 open-loop streaming load (``--rate`` requests per second for ``--duration`` s; prompts of 64–512
@@ -28,6 +29,9 @@ client), migrated (continued on another node after tokens had: their record list
 an event of a node the request's job did not name) and ``late`` ones (events of an attempt given up,
 dropped: ``old_attempt``). Each row is one JSON line with ``--json`` (``python -m tools.docgen record
 churn --rows-from PATH -- ...`` keeps them in ``bench/results/churn.jsonl`` for the README).
+
+``--repo DIR`` runs the stack from another checkout of Kairos (``bench/churn_before.sh``: the commit
+before issue 33, for the README's "before" column); the harness and its truth stay this one's.
 
 The faults tier runs the same cases, shorter, and asserts 0 failed, 0 cut, 0 wrong
 (``tests/faults/test_node_churn.py``).
@@ -131,13 +135,13 @@ async def one_request(http: aiohttp.ClientSession, base: str, prompt: list[int],
 class Stack:
     """One ``kairos up`` 2P2D with 2 dispatchers, its services file and its ingress."""
 
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+    def __init__(self, workdir: Path, env: dict[str, str], repo: Path = ROOT) -> None:
         self.port, self.logs, self.out = free_port(), workdir / "logs", workdir / "up.out"
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kairos", "up", "--port", str(self.port), "--log-dir", str(self.logs),
              "--prefill", "2", "--decode", "2", "--dispatchers", "2"],
-            cwd=str(ROOT), env={**os.environ, **env}, stdout=open(workdir / "up.out", "ab"),
+            cwd=str(repo), env={**os.environ, **env}, stdout=open(workdir / "up.out", "ab"),
             stderr=subprocess.STDOUT, start_new_session=True)
         self.wait(lambda: self.proc.poll() is not None or self.routable() >= set(self.nodes()), 120, "the stack up")
         if self.proc.poll() is not None:
@@ -233,14 +237,16 @@ def fault(st: Stack, case: str) -> None:
 
 
 async def run_case(case: str, rate: float, duration_s: float, fault_at_s: float, seed: int = 1,
-                   env: dict[str, str] | None = None, timeout_s: float = 120.0, logs: Path | None = None) -> dict:
+                   env: dict[str, str] | None = None, timeout_s: float = 120.0, logs: Path | None = None,
+                   repo: Path = ROOT) -> dict:
     """One case on a fresh stack; the row (module docstring). The load goes on until the fault is
-    over and ``duration_s`` has passed. ``logs``: keep the stack's logs in ``logs/<case>``."""
+    over and ``duration_s`` has passed. ``logs``: keep the stack's logs in ``logs/<case>``; ``repo``:
+    the checkout whose ``kairos up`` runs (``python -m kairos`` with it as the working directory)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix=f"kairos-churn-{case}-") as tmp:
         work = Path(tmp) if logs is None else logs / case
         work.mkdir(parents=True, exist_ok=True)
-        st = await asyncio.to_thread(Stack, work, env or {})
+        st = await asyncio.to_thread(Stack, work, env or {}, repo)
         try:
             before = st.metrics()
             tasks: list[asyncio.Task] = []
@@ -306,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path, help="write the rows here, one JSON object per line")
     ap.add_argument("--logs", type=Path, help="keep each case's service logs in LOGS/<case> (default: removed)")
+    ap.add_argument("--repo", type=Path, default=ROOT,
+                    help="run the stack from this checkout of Kairos (default: this one)")
     args = ap.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     bad = [c for c in cases if c not in CASES]
@@ -313,9 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown case(s) {bad}: choose from {', '.join(CASES)}")
     if not (args.rate > 0 and args.duration > 0 and 0 <= args.fault_at < args.duration):
         ap.error("--rate and --duration must be > 0 and 0 <= --fault-at < --duration")
+    if not (args.repo / "kairos" / "__main__.py").is_file():
+        ap.error(f"--repo {args.repo}: not a checkout of Kairos (no kairos/__main__.py)")
     rows = []
     for case in cases:
-        row = asyncio.run(run_case(case, args.rate, args.duration, args.fault_at, args.seed, logs=args.logs))
+        row = asyncio.run(run_case(case, args.rate, args.duration, args.fault_at, args.seed, logs=args.logs,
+                                   repo=args.repo.resolve()))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
