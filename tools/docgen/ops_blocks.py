@@ -113,7 +113,8 @@ def churn(load: Load) -> str:
         if x is None:
             continue
         p = prev.get(case)
-        was = (f"{num(p['completed'])} of {num(p['sent'])} ({num(p['failed'])}, {num(p['cut'])})" if p
+        forged = f"; {num(p['forged'])} events taken for forged" if p and p["forged"] else ""
+        was = (f"{num(p['completed'])} of {num(p['sent'])} ({num(p['failed'])}, {num(p['cut'])}{forged})" if p
                else "— (no restart then)")
         gap = f"{x['max_gap_migrated_ms'] / 1000.0:.1f} s" if x["migrated"] else "—"
         lines.append(f"| {what} | {was} | {num(x['completed'])} of {num(x['sent'])} | {num(x['failed'])} | "
