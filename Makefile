@@ -79,6 +79,7 @@ bench: $(STAMP)
 ## Mutation tier: mutmut over the safety core ([tool.mutmut] in pyproject.toml), recorded in
 ## bench/results/mutation.jsonl; fails if a module scores under 90 % or has an unlisted survivor.
 mutation: $(STAMP)
+	@mkdir -p out
 	$(BIN)/python -m tools.docgen record mutation --rows-from out/mutation.json -- \
 	  $(BIN)/python bench/mutation.py --json out/mutation.json
 	$(BIN)/python bench/mutation.py --no-run --check
