@@ -288,3 +288,37 @@ def test_a_prefill_node_lost_after_its_handoff_before_the_first_token_resubmits(
     lc.on_handoff("r-r1", "decode-1")
     assert isinstance(lc.on_token(tok("r-r1", 0, "decode-1"), True), Relay)
     assert lc.on_node_dead("prefill-1", True) == Ignore("not_dependent")
+
+
+def test_the_record_names_the_node_each_attempt_depended_on_and_why_it_was_left():
+    """The request record's attempts (``GET /v1/requests/{id}``): each names the node the attempt was on —
+    its token node once it streamed, else the decode node that took the KV, else the node that accepted
+    it — and why it was left, for a re-submission as for a migration."""
+    lc = RequestLifecycle("r", max_resubmits=2)
+    lc.on_routed("r", "keep", "prefill-0")
+    assert lc.depends_on() == "prefill-0"  # keep path before the handoff: the prefill node
+    lc.on_handoff("r", "decode-0")
+    assert lc.attempt_record() == Attempt("r", "decode-0", 0)
+    assert isinstance(lc.on_node_dead("decode-0", True), Resubmit)
+    assert lc.attempts == [Attempt("r", "decode-0", 0, "node_lost:decode-0")]
+    # keep path whose handoff record never came: the tokens say where it runs
+    lc.on_routed("r-r1", "keep", "prefill-1")
+    assert isinstance(lc.on_token(tok("r-r1", 0, "decode-1"), True), Relay)
+    assert lc.attempt_record() == Attempt("r-r1", "decode-1", 1)
+
+
+def test_one_migration_allowed_ends_the_second_loss_with_the_limit_and_records_it():
+    lc = RequestLifecycle("r", max_migrations=1, max_tokens=50)
+    streamed(lc, "decode-0", 1)
+    assert isinstance(lc.on_node_dead("decode-0", True), Migrate)
+    streamed(lc, "decode-1", 2)
+    out = lc.on_node_dead("decode-1", True)
+    assert isinstance(out, Fail) and out.code == "migration_limit", out
+    assert lc.attempts[-1] == Attempt("r-m1", "decode-1", 2, "node_lost:decode-1")
+
+
+def test_a_stream_lost_after_max_tokens_completes_and_ends():
+    lc = RequestLifecycle("r", max_tokens=2)
+    streamed(lc, "d", 2)
+    assert lc.on_node_dead("d", True) == Complete("length", 2)
+    assert lc.ended and lc.on_token(tok("r", 2, "d"), True) == Ignore("ended")
