@@ -169,6 +169,20 @@ def collect(modules: list[str], equivalents: list[Equivalent]) -> list[ModuleRes
     return out
 
 
+def forget_results(modules: list[str], mutants: Path | None = None) -> list[Path]:
+    """Remove what mutmut recorded for ``modules`` — the mutated copy ``mutants/<module>`` and its
+    results ``mutants/<module>.meta`` — so that it writes their mutants again and tests each of them.
+    mutmut 3 keeps a mutant's exit code in the ``.meta`` and tests it again only when its function's
+    source changes: after a test was added, a survivor it kills stays a survivor (seen with issue 33's
+    tests of lifecycle.py); and the copy must go with it, as mutmut reads an unchanged copy's mutants
+    from the ``.meta``. Returns the files removed."""
+    root = ROOT / "mutants" if mutants is None else mutants
+    gone = [p for m in modules for p in (root / m, root / f"{m}.meta") if p.is_file()]
+    for path in gone:
+        path.unlink()
+    return gone
+
+
 def mutant_globs(modules: list[str]) -> list[str]:
     """mutmut name patterns for ``modules`` (``kairos/runtime/claims.py`` → ``kairos.runtime.claims.*``)."""
     return [module.removesuffix(".py").replace("/", ".") + ".*" for module in modules]
@@ -219,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--json: no folder {args.json.parent}")
     t0 = time.monotonic()
     if not args.no_run:
+        forget_results(modules)  # every mutant tested against today's tests, none carried over
         names = [] if args.modules is None else mutant_globs(modules)
         cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *names]
         rc = subprocess.run(cmd, cwd=ROOT, stdout=sys.stderr).returncode  # its progress, not rows

@@ -67,3 +67,16 @@ def test_the_committed_lists_load_and_name_only_configured_modules():
     for e in M.load_equivalents():
         assert any(e.function.startswith(m + ".") for m in modules), f"{e.source}: {e.function} is not mutated"
         assert e.why.strip() and (e.removed or e.added)
+
+
+def test_a_run_forgets_the_recorded_results_of_its_modules_only(tmp_path):
+    """mutmut 3 does not test a mutant again when only the tests changed: a run removes the mutated
+    copy and the results (``mutants/<module>``, ``.meta``) of the modules it runs, and no other's."""
+    for m in ("kairos/a.py", "kairos/b/c.py"):
+        (tmp_path / m).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"{m}.meta").write_text("{}")
+        (tmp_path / m).write_text("x = 1\n")
+    gone = M.forget_results(["kairos/b/c.py", "kairos/never_run.py"], mutants=tmp_path)
+    assert gone == [tmp_path / "kairos/b/c.py", tmp_path / "kairos/b/c.py.meta"]
+    assert not (tmp_path / "kairos/b/c.py.meta").exists() and not (tmp_path / "kairos/b/c.py").exists()
+    assert (tmp_path / "kairos/a.py.meta").exists() and (tmp_path / "kairos/a.py").exists()
