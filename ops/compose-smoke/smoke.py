@@ -3,13 +3,16 @@ registry, and torn down again.
 
     python ops/compose-smoke/smoke.py [--duration S] [--cold] [--remove-image] [--json PATH]
 
-Steps (each printed with its wall time):
+Steps (each printed with its wall time; the Docker host's part is in ``dockerhost.py``):
 
+0. **Host lock.** One run at a time per host: a second run waits for the first (``dockerhost.host_lock``).
 1. **Tools.** ``dockerd``, ``docker-compose`` (Compose 1.29) and ``debootstrap`` from Debian's
    packages (``apt-get install docker.io docker-compose debootstrap``, as root) when missing.
 2. **dockerd.** If no daemon answers, one is started with ``ops/compose-smoke/daemon.json``
    (``"bridge": "none"``, no iptables: no bridge network exists, so no container can have one) and
-   stopped at the end.
+   stopped at the end. Then what an earlier run left of the ``kairos-smoke`` project (killed before
+   its teardown, or the machine restarted: dockerd starts its ``unless-stopped`` containers again)
+   is removed (``dockerhost.remove_leftovers``).
    With ``--cold``, both images (below) are removed first, so the run takes the path of a machine
    that never ran it: debootstrap, then a build without a layer cache (Docker's images are what
    stays warm between cold runs of ``.ci/run``, docs/reliability.md "A cold run of CI").
@@ -34,9 +37,10 @@ Steps (each printed with its wall time):
    that fails, the project's containers and volumes removed by their compose label) and dockerd
    stopped if step 2 started it — also when a step fails and on SIGINT, SIGTERM or SIGHUP (dockerd
    runs in its own session, so a Ctrl-C reaches it only through this cleanup). After a SIGKILL of
-   this script, ``docker-compose -p kairos-smoke down -v`` by hand.
+   this script, the next run removes what it left (step 2).
 
-The ports of the stack (``PORTS``) must be free on 127.0.0.1; the run checks that before ``up``.
+The ports of the stack (``PORTS``) must be free on 127.0.0.1 once the leftovers are gone; the run
+checks that before ``up`` (something else holding them: a step that could not run).
 The legacy builder keeps the build stage as an untagged image: each rebuild after a change leaves
 one behind (``docker image prune`` removes them).
 
@@ -60,13 +64,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from dockerhost import (BASE_IMAGE, IMAGE, PROJECT, StepFailed, docker_up, ensure_base_image, ensure_tools,
+                        host_lock, remove_images, remove_leftovers, remove_project, sh, start_dockerd)
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-BASE_IMAGE = "kairos-smoke-base:bookworm"
-IMAGE = "kairos:local"
-PROJECT = "kairos-smoke"
 INGRESS = "http://127.0.0.1:8000"
 KILLED = ("dispatcher-1", "prefill-1")  # one dispatcher replica, one node agent
 KILL_AFTER = (15, 30)  # ingress answers before each kill
@@ -78,19 +81,6 @@ DRAIN_GRACE_S = 75
 ROLLING_S = 150.0
 HEALTHY_TIMEOUT_S = 240.0
 KAIROS = [sys.executable, "-m", "kairos.cli.main"]
-
-
-class StepFailed(Exception):
-    """A step could not run (exit 2), as opposed to a check that failed (exit 1)."""
-
-
-def sh(cmd: list[str], *, check: bool = True, capture: bool = False, **kw) -> subprocess.CompletedProcess:
-    """Run ``cmd``; raise :class:`StepFailed` with its output's tail when ``check`` and it fails."""
-    p = subprocess.run(cmd, text=True, capture_output=capture or check, **kw)
-    if check and p.returncode != 0:
-        tail = ((p.stdout or "") + (p.stderr or ""))[-2000:]
-        raise StepFailed(f"{' '.join(cmd)} exited with {p.returncode}:\n{tail}")
-    return p
 
 
 TIMES: dict[str, float] = {}  #: step name → wall time, s, of each step that finished
@@ -109,76 +99,6 @@ def step(name: str):
         raise
     TIMES[name] = round(time.monotonic() - t0, 1)
     print(f"   {name}: {TIMES[name]:.1f} s", flush=True)
-
-
-def ensure_tools() -> bool:
-    """Install what is missing (as root); True if something was installed."""
-    missing = [t for t in ("dockerd", "docker-compose", "debootstrap") if shutil.which(t) is None]
-    if not missing:
-        return False
-    if os.geteuid() != 0:
-        raise StepFailed(f"missing {', '.join(missing)}; install Debian's docker.io docker-compose debootstrap (as root)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    sh(["apt-get", "update", "-q"], env=env)
-    sh(["apt-get", "install", "-y", "-q", "docker.io", "docker-compose", "debootstrap"], env=env)
-    return True
-
-
-def docker_up() -> bool:
-    return sh(["docker", "info"], check=False, capture=True).returncode == 0
-
-
-def start_dockerd(workdir: Path) -> subprocess.Popen:
-    """Start dockerd with the smoke configuration; return it once the API answers (≤ 60 s)."""
-    log = open(workdir / "dockerd.log", "w")
-    # its own session: a Ctrl-C in the terminal must not stop it before the stack is taken down
-    proc = subprocess.Popen(["dockerd", "--config-file", str(HERE / "daemon.json"),
-                             "--pidfile", str(workdir / "dockerd.pid")], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    deadline = time.monotonic() + 60.0
-    while not docker_up():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            tail = (workdir / "dockerd.log").read_text()[-1500:]
-            raise StepFailed(f"dockerd did not start; the end of its log:\n{tail}")
-        time.sleep(0.5)
-    print("   started dockerd (stopped again at the end)", flush=True)
-    return proc
-
-
-def ensure_base_image(workdir: Path) -> bool:
-    """Make the base image unless it exists; True if it was made."""
-    if sh(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode == 0:
-        return False
-    root = workdir / "rootfs"
-    sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,python-is-python3,ca-certificates",
-        "bookworm", str(root)])
-    ca = Path("/etc/ssl/certs/ca-certificates.crt")
-    if ca.is_file():  # this machine's trust store (a proxy's CA included): pip in the build uses it
-        shutil.copy(ca, root / "etc/ssl/certs/ca-certificates.crt")
-        (root / "etc/pip.conf").write_text("[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n")
-    tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-    sh(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout)
-    tar.wait()
-    shutil.rmtree(root, ignore_errors=True)
-    return True
-
-
-def remove_images() -> list[str]:
-    """Remove :data:`IMAGE` and :data:`BASE_IMAGE` and the build cache (``--cold``); the ones that
-    existed. Raises StepFailed when one cannot be removed (a container of it still running)."""
-    removed = []
-    for image in (IMAGE, BASE_IMAGE):
-        if sh(["docker", "image", "inspect", image], check=False, capture=True).returncode != 0:
-            continue
-        r = sh(["docker", "image", "rm", "-f", image], check=False, capture=True)
-        if r.returncode != 0:
-            raise StepFailed(f"--cold: could not remove {image}: {r.stderr.strip()}")
-        removed.append(image)
-    sh(["docker", "image", "prune", "-f"], check=False, capture=True)  # the untagged build stages
-    sh(["docker", "builder", "prune", "-a", "-f"], check=False, capture=True)
-    print(f"   removed: {', '.join(removed) or 'nothing (no image was there)'}", flush=True)
-    return removed
 
 
 def build_image() -> None:
@@ -318,13 +238,8 @@ def teardown(proj: Path) -> None:
     if p.returncode == 0:
         return
     print(f"   docker-compose down exited with {p.returncode}: {(p.stderr or '')[-500:]}", flush=True)
-    label = f"label=com.docker.compose.project={PROJECT}"
-    for kind in ("container", "volume"):
-        ids = sh(["docker", kind, "ls", "-aq" if kind == "container" else "-q", "--filter", label],
-                 check=False, capture=True).stdout.split()
-        if ids:
-            sh(["docker", kind, "rm", "-f", *ids], check=False, capture=True)
-            print(f"   removed {len(ids)} {kind}(s) by label", flush=True)
+    removed = remove_project()
+    print(f"   removed by label: {removed['container']} container(s), {removed['volume']} volume(s)", flush=True)
 
 
 def _terminated(signum, frame):
@@ -369,12 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     dockerd = proj = None
     bad: list[str] = []
     row: dict = {}
+    lock = contextlib.ExitStack()  # released last, after the teardown and dockerd's stop
     try:
+        with step("host lock"):
+            lock.enter_context(host_lock())
         with step("tools"):
             fresh = {"installed_tools": ensure_tools()}
         with step("dockerd"):
             if not docker_up():
                 dockerd = start_dockerd(workdir)
+        with step("leftovers"):
+            fresh["removed_leftovers"] = remove_leftovers()
         if args.cold:
             with step("cold: images removed"):
                 fresh["removed_images"] = remove_images()
@@ -419,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             dockerd.wait(timeout=30)
             print("   stopped dockerd", flush=True)
         shutil.rmtree(workdir, ignore_errors=True)
+        lock.close()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**row, "times_s": TIMES}, indent=1))
