@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.docgen.docgen import result_meta, write_result  # noqa: E402
 from kairos.engines.vllm.launch import VllmServer, cached_tiny_model, launch_servers, stop_servers, vllm_python  # noqa: E402
 from kairos.cli.procstat import allowed_cpus, find_process, measure_tree  # noqa: E402
-from kairos.cli.up import free_port  # noqa: E402
+from kairos.cli.up import free_port, free_port_block  # noqa: E402
 from kairos.core.model.latency import load_profile  # noqa: E402
 
 SERVED = "bench"
@@ -85,7 +85,7 @@ def run_config(name: str, args, model_dir: str, py: str, run: Path) -> dict:
     profile = load_profile("cpu-testbed-vllm")
     servers = []
     for k, (node, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
-        ucx = free_port()
+        ucx = free_port_block(21)  # UCX_TCP_PORT_RANGE: all 21 ports free and kept
         servers.append(VllmServer(node=node, role=role, model_dir=model_dir, served_model=SERVED, port=free_port(),
                                   state_addr=f"ipc://{run / f'{name}-{node}.sock'}", nixl_port=free_port(),
                                   ucx_ports=f"{ucx}-{ucx + 20}", profile=profile,

@@ -2,7 +2,8 @@
 ``kairos profile --emulated/--vllm``, the benchmarks and the tests' fixtures).
 
 A :class:`Child` is one process to start (argv, environment, log file, where it serves); ports come
-from :func:`free_port`, which never hands one out twice in this process; :func:`wait_listening`,
+from :func:`free_port` / :func:`free_port_block`, outside the kernel's ephemeral range and never
+handed out twice in this process; :func:`wait_listening`,
 :func:`stop_process` and :func:`kill_group` start and end them; :func:`start_bundled_nats` is a
 throw-away ``nats-server -js`` for one command.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -52,17 +54,69 @@ def reserve_port(port: int) -> None:
     _TAKEN.add(port)
 
 
+#: the lowest port :func:`free_port` hands out when the kernel's ephemeral range leaves room below it
+LISTENER_PORT_LOW = 20000
+
+
+def listener_port_range() -> tuple[int, int]:
+    """The ports ``[lo, hi)`` :func:`free_port` chooses from: those below the kernel's ephemeral range
+    (``/proc/sys/net/ipv4/ip_local_port_range``, Linux's default 32768–60999), from
+    :data:`LISTENER_PORT_LOW`, or above it when there is more room there. A port of the ephemeral range
+    can be taken by any process's outgoing connection between the moment it is chosen and the moment
+    the server binds it, which for a vLLM engine is half a minute later (a cold CI run lost a test
+    module to ``Address already in use`` on a NIXL handshake port chosen that way); outside it only
+    another listener can take it. (0, 0) when the range cannot be read: the kernel chooses then."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 0, 0
+    below, above = (LISTENER_PORT_LOW, low), (high + 1, 65536)
+    return max(below, above, key=lambda r: r[1] - r[0])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive ports that are free now and that this process never handed out
+    or reserved; all ``n`` are marked taken. Chosen at random in :func:`listener_port_range` (the
+    kernel's choice when that is empty, for ``n`` = 1 only). For a listener bound later, and for
+    ``UCX_TCP_PORT_RANGE`` (``n`` = 21).
+
+    Raises:
+        ValueError: ``n`` < 1. RuntimeError: no such block found in 10,000 tries.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    lo, hi = listener_port_range()
+    for _ in range(10_000):
+        if hi - lo < n:
+            if n > 1:
+                raise RuntimeError(f"no room for {n} consecutive listener ports (ephemeral range fills the space)")
+            with socket.socket() as s:
+                s.bind((host, 0))
+                start = s.getsockname()[1]
+        else:
+            start = random.randrange(lo, hi - n + 1)
+        block = range(start, start + n)
+        if not _TAKEN.intersection(block) and all(_bindable(host, p) for p in block):
+            _TAKEN.update(block)
+            return start
+    raise RuntimeError(f"no {n} free consecutive ports found on {host}")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel says is free, never one this process handed out or reserved before: the
-    kernel may offer a port again until someone binds it, and ``kairos up`` binds its services'
-    ports only when they start (a metrics port once equalled the ingress's: its /health answered)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in _TAKEN:
-            _TAKEN.add(port)
-            return port
+    """A port free now, never one this process handed out or reserved before, outside the kernel's
+    ephemeral range (:func:`free_port_block` with ``n`` = 1): the kernel may offer a port again
+    until someone binds it, and ``kairos up`` binds its services' ports only when they start (a
+    metrics port once equalled the ingress's: its /health answered)."""
+    return free_port_block(1, host)
 
 
 def port_in_use(host: str, port: int) -> bool:

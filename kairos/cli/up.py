@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from kairos.cli.processes import (CONTROL_PLANE_NICE, Child, control_plane_priority, die_with_parent, free_port,
+                                  free_port_block,
                                   get_json, kill_group, nats_server_binary, port_in_use, reserve_port,
                                   start_bundled_nats, stop_process, wait_listening)
 from kairos.cli.up_nats import cluster_servers, external_nats, single_server, wait_cluster_ready
@@ -45,6 +46,7 @@ from kairos.cli.up_plan import ENGINE_NICE, VLLM_DEFAULTS, UpOptions, api_keys, 
 #: processes and ports; kairos.cli.up_plan: the options, the plan, the banner)
 __all__ = ["Supervisor", "run_up", "MAX_SINGLETON_RESTARTS", "UpOptions", "VLLM_DEFAULTS", "ENGINE_NICE", "plan",
            "node_ids", "api_keys", "vllm_node", "Child", "CONTROL_PLANE_NICE", "control_plane_priority", "free_port",
+           "free_port_block",
            "reserve_port", "port_in_use", "wait_listening", "stop_process", "kill_group", "start_bundled_nats",
            "nats_server_binary", "get_json", "_get_json"]
 

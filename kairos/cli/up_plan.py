@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kairos.cli.processes import Child, free_port
+from kairos.cli.processes import Child, free_port, free_port_block
 from kairos.contracts import permissions as P
 from kairos.core.model.latency import DEFAULT_PROFILE, load_profile
 from kairos.core.policy import DEFAULT_PARAMS, DEFAULT_POLICY
@@ -107,7 +107,7 @@ def vllm_node(node: str, role: str, model_dir: str, served_model: str, profile: 
     its agent may use it) and the ``AgentConfig`` fields of the agent beside it (backend, URL, state
     address, the key's file ``run_dir/<node>.engine-key`` (mode 0600), handoff timeout); ``kairos
     up`` and ``kairos profile --vllm``."""
-    ucx = free_port()
+    ucx = free_port_block(21)  # UCX_TCP_PORT_RANGE: all 21 ports free and kept
     key, key_file = secrets.token_urlsafe(32), run_dir / f"{node}.engine-key"
     fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -23,7 +23,7 @@ import pytest
 
 from kairos.contracts.wire import InferenceRequest, Job
 from kairos.engines.vllm.launch import VllmServer, launch_servers, make_tiny_model, stop_servers
-from kairos.cli.up import free_port
+from kairos.cli.up import free_port, free_port_block
 from kairos.core.model.latency import load_profile
 from tests.integration.conftest import nats_url  # noqa: F401  (the real nats-server fixture)
 
@@ -75,7 +75,7 @@ def engines(tiny_model_dir, tmp_path_factory) -> Engines:
     profile = load_profile(PROFILE)
     servers, logs = [], {}
     for k, (node, role) in enumerate((("prefill-0", "prefill"), ("decode-0", "decode"))):
-        ucx = free_port()
+        ucx = free_port_block(21)  # UCX_TCP_PORT_RANGE: all 21 ports free and kept
         srv = VllmServer(node=node, role=role, model_dir=tiny_model_dir, served_model="tiny", port=free_port(),
                          state_addr=f"ipc://{run / f'{node}.sock'}", nixl_port=free_port(), ucx_ports=f"{ucx}-{ucx + 20}",
                          profile=profile, omp_cpus=str(k % (os.cpu_count() or 1)), api_key=secrets.token_urlsafe(16),
