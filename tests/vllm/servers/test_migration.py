@@ -93,8 +93,17 @@ async def test_a_greedy_stream_whose_decode_agent_dies_continues_with_the_uninte
                         agents["decode-0"] = agent(engines.decode, nats_url)  # a new incarnation, at once
                         await agents["decode-0"].start()
             rid = r.headers["X-Kairos-Request-Id"]
-            async with http.get(f"{base}/v1/requests/{rid}") as rec:
-                attempts = (await rec.json())["attempts"]
+            # records are written asynchronously: the final one (finished_unix_ms set) replaces the one
+            # written at the migration, which a read right after [DONE] may still return (a cold CI run did)
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while True:
+                async with http.get(f"{base}/v1/requests/{rid}") as rec:
+                    record = await rec.json()
+                if ((record.get("records") or {}).get("ingress") or {}).get("finished_unix_ms") is not None:
+                    break
+                assert asyncio.get_running_loop().time() < deadline, f"no final record of {rid}: {record}"
+                await asyncio.sleep(0.05)
+            attempts = record["attempts"]
         assert killed is not None and len(attempts) == 2 and attempts[1]["attempt_id"] == f"{rid}-m1", attempts
         ref = await asyncio.to_thread(post, engines.decode, {"model": "tiny", "prompt": ids, "max_tokens": n,
                                                              "temperature": 0.0, "ignore_eos": True,
