@@ -16,16 +16,31 @@ nats-server, on the same cores as ``bench/control_plane.py``:
 
 Variants: ``kairos`` (queue, job, claim, token — the four sequential passes through nats-server of
 a deflected request today), ``with-reservation`` (the same plus the atomic reservation create the
-dispatcher made before the job until issue 12), and ``core`` (no JetStream at all: core request to
-the router, core request to the worker, token — what is left without durability or claim).
+dispatcher made before the job until issue 12), ``core`` (no JetStream at all: core request to
+the router, core request to the worker, token — what is left without durability or claim), and the
+two routes issue 34 weighed for a request path without JetStream, both on core NATS with the router
+in a queue group:
 
-Per (variant, rate) one JSON line: ``latency_ms`` p50/p99 (front: publish → first token event
-received; the same span as ``added_ms`` in ``bench/control_plane.py`` without the ingress's HTTP
-and the services' own work), ``cpu_ms_per_request`` per process kind, ``loadavg``.
+* ``arbiter`` (the ingress is the arbiter): the front asks a router for a decision (request-reply),
+  then sends the job to the worker itself; the worker starts, publishes the token, answers. One
+  sender per attempt, so no claim is needed, and the front knows the token's sender before it comes;
+* ``node-asks``: the front sends the request to a router, which answers at once and sends the job to
+  the worker; the worker asks the front for the right to run it (request-reply) before it starts.
+
+:data:`PASSES` gives each variant's sequential passes through nats-server (a one-way message, or a
+round trip to JetStream, each one pass) before the engine starts and before the front may relay the
+first token; every row carries them. The product of today, for comparison (docs/bus.md): 3 before
+the engine (queue, job, claim), 6 before the relay (+ reservation put, job answer, routing event).
+
+Per (variant, rate) one JSON line: ``passes``, ``latency_ms`` p50/p99 (front: publish → first token
+event received; the same span as ``added_ms`` in ``bench/control_plane.py`` without the ingress's
+HTTP and the services' own work), ``cpu_ms_per_request`` per process kind (``nats``: the
+nats-server; ``total``: their sum), ``loadavg``.
 
 Not a test: figures depend on the machine. Usage::
 
-    python bench/bus_floor.py [--variants kairos,with-reservation,core] [--rates 50,200] [--duration 10]
+    python bench/bus_floor.py [--variants kairos,with-reservation,core,arbiter,node-asks] [--rates 50,200]
+                              [--duration 10]
 """
 
 from __future__ import annotations
@@ -39,7 +54,14 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("kairos", "with-reservation", "core")
+VARIANTS = ("kairos", "with-reservation", "core", "arbiter", "node-asks")
+#: variant → sequential passes through nats-server before the engine starts / before the front may
+#: relay the first token (module docstring); the token's own pass is not counted
+PASSES = {"kairos": {"engine": 3, "relay": 3}, "with-reservation": {"engine": 4, "relay": 4},
+          "core": {"engine": 2, "relay": 2}, "arbiter": {"engine": 3, "relay": 3},
+          "node-asks": {"engine": 4, "relay": 4}}
+#: variants whose router takes requests from a core-NATS queue group (no JetStream on the path)
+CORE_VARIANTS = ("core", "arbiter", "node-asks")
 
 
 async def _connect(url: str, name: str):
@@ -60,11 +82,17 @@ async def _router(url: str, variant: str, ready) -> None:
             await resv.create(f"decode.n0.{rid}", b'{"request_id":"%s"}' % rid.encode(), msg_ttl=60)
         await nc.request("jobs.n0", rid.encode(), timeout=5)
 
-    if variant == "core":
+    if variant in CORE_VARIANTS:
         async def on_req(msg) -> None:
-            await route(msg.data.decode())
-            await msg.respond(b"ok")
-        await nc.subscribe("req.core", cb=on_req)
+            if variant == "arbiter":  # the decision goes back; the front sends the job
+                await msg.respond(b'{"node":"n0","kind":"deflect"}')
+            elif variant == "node-asks":  # taken at once; the job goes out; the node asks the front
+                await msg.respond(b"taken")
+                await route(msg.data.decode())
+            else:
+                await route(msg.data.decode())
+                await msg.respond(b"ok")
+        await nc.subscribe("req.core", queue="routers", cb=on_req)
         await nc.flush()
         ready.set()
         await asyncio.Event().wait()
@@ -97,10 +125,18 @@ async def _router(url: str, variant: str, ready) -> None:
 async def _worker(url: str, variant: str, ready) -> None:
     nc = await _connect(url, "worker")
     js = nc.jetstream()
-    claims = None if variant == "core" else await js.create_key_value(bucket="claims", history=1)
+    claims = None if variant in CORE_VARIANTS else await js.create_key_value(bucket="claims", history=1)
 
     async def on_job(msg) -> None:
         rid = msg.data.decode()
+        if variant == "node-asks":  # the right to run this attempt, from the front that owns it
+            if (await nc.request(f"grant.{rid}", b"n0", timeout=5)).data != b"yes":
+                await msg.respond(b'{"accepted":false}')
+                return
+        if variant == "arbiter":  # the engine starts first; the answer follows the token
+            await nc.publish(f"out.{rid}", b'{"type":"tokens","first_index":0,"count":1}')
+            await msg.respond(b'{"accepted":true}')
+            return
         if claims is not None:
             try:
                 await claims.create(f"{rid}.claim", b'{"node":"n0"}')
@@ -133,6 +169,15 @@ async def _front(url: str, variant: str, rate: float, duration_s: float) -> list
             w[1].set_result(time.perf_counter() - w[0])
 
     await nc.subscribe("out.*", cb=on_out)
+    granted: set[str] = set()
+    acks: list[asyncio.Future] = []  #: arbiter: the jobs' answers, received as the ingress would
+
+    async def on_grant(msg) -> None:  # node-asks: the first node to ask runs the attempt
+        rid = msg.subject.partition(".")[2]
+        await msg.respond(b"no" if rid in granted else b"yes")
+        granted.add(rid)
+
+    await nc.subscribe("grant.*", cb=on_grant)
     await nc.flush()
 
     run = os.urandom(4).hex()  # every run its own ids: JetStream drops a Nats-Msg-Id it has seen
@@ -141,7 +186,10 @@ async def _front(url: str, variant: str, rate: float, duration_s: float) -> list
         rid = f"r{i}-{run}"
         fut = asyncio.get_running_loop().create_future()
         waiting[rid] = (time.perf_counter(), fut)
-        if variant == "core":
+        if variant == "arbiter":  # decision, then the job from here; its answer is not waited for
+            await nc.request("req.core", rid.encode(), timeout=5)
+            acks.append(asyncio.ensure_future(nc.request("jobs.n0", rid.encode(), timeout=5)))
+        elif variant in CORE_VARIANTS:
             await nc.request("req.core", rid.encode(), timeout=5)
         else:
             await js.publish("req.new", rid.encode(), stream="REQ", headers={"Nats-Msg-Id": rid}, timeout=5)
@@ -156,8 +204,23 @@ async def _front(url: str, variant: str, rate: float, duration_s: float) -> list
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i)))
     out = await asyncio.gather(*tasks)
+    await asyncio.gather(*acks)
     await nc.close()
     return list(out)
+
+
+def server_pid(url: str) -> int | None:
+    """The pid of the nats-server listening on ``url``'s port (its command line names ``-p <port>``),
+    None if none is found here (a server on another host)."""
+    port = url.rpartition(":")[2]
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or gone
+            continue
+        if argv and argv[0].endswith(b"nats-server") and b"-p" in argv and port.encode() in argv:
+            return int(proc.name)
+    return None
 
 
 def run_variant(url: str, variant: str, rates: list[float], duration_s: float) -> list[dict]:
@@ -170,6 +233,7 @@ def run_variant(url: str, variant: str, rates: list[float], duration_s: float) -
 
     ctx = mp.get_context("spawn")
     procs, rows = [], []
+    nats_pid = server_pid(url)
     try:
         for role in ("router", "worker"):
             ready = ctx.Event()
@@ -182,13 +246,17 @@ def run_variant(url: str, variant: str, rates: list[float], duration_s: float) -
         for rate in rates:
             load1 = os.getloadavg()[0]
             c0 = {role: cpu_seconds(p.pid) for role, p in procs}
+            n0 = cpu_seconds(nats_pid) if nats_pid else None
             t0 = os.times()
             lat = uvloop.run(_front(url, variant, rate, duration_s))
             t1 = os.times()
             n = len(lat)
             cpu = {role: round((cpu_seconds(p.pid) - c0[role]) * 1000.0 / n, 3) for role, p in procs}
             cpu["front"] = round((t1.user + t1.system - t0.user - t0.system) * 1000.0 / n, 3)
-            rows.append({"variant": variant, "offered_rps": rate, "requests": n,
+            if n0 is not None:
+                cpu["nats"] = round((cpu_seconds(nats_pid) - n0) * 1000.0 / n, 3)
+            cpu["total"] = round(sum(cpu.values()), 3)
+            rows.append({"variant": variant, "offered_rps": rate, "requests": n, "passes": PASSES[variant],
                          "latency_ms": {"p50": round(float(np.percentile(lat, 50)), 3),
                                         "p99": round(float(np.percentile(lat, 99)), 3)},
                          "cpu_ms_per_request": cpu, "loadavg": round(load1, 2)})

@@ -60,6 +60,7 @@ BLOCKS: dict[str, Block] = {
     "control-plane-traced": Block(partial(bus_blocks.control_plane, name="control-plane-traced"), "docs/results.md"),
     "control-plane-compare": Block(bus_blocks.control_plane_compare, "docs/results.md"),
     "bus-floor": Block(bus_blocks.bus_floor, "docs/results.md"),
+    "bus-routes": Block(bus_blocks.bus_routes, "docs/results.md", "docs/bus.md"),
     "fleet": Block(fleet_blocks.fleet, "docs/results.md", "README.md"),
     "view-costs": Block(scaling_blocks.view_costs, "docs/results.md"),
     "fidelity": Block(cli_blocks.fidelity, "docs/results.md"),

@@ -114,3 +114,26 @@ def bus_floor(load: Load) -> str:
                       f"{ms(top['latency_ms']['p50'])} at the median, {share:.0f} % of the {cp.TARGET_P50_MS:g} ms "
                       f"added-latency target, before any HTTP, policy, tracing, logging or engine work."]
     return "\n".join(lines)
+
+
+def bus_routes(load: Load) -> str:
+    """Rows of ``bench/bus_floor.py`` run for issue 34's choice of a request path without JetStream:
+    per variant its sequential passes (``bench/bus_floor.py`` ``PASSES``), latency and the CPU per
+    request of every process, nats-server included; then the chosen route against ``kairos``."""
+    r = load("bus-floor-routes")
+    lines = [f"Rows of `{command(r.meta) or 'python bench/bus_floor.py'}`" + (f" ({provenance(r)})" if r.meta else "")
+             + ":", "", "| variant | passes before the engine / the relay | p50 | p99 | CPU per request: "
+             "front / router / worker / nats-server | total CPU |", "|---|---|---|---|---|---|"]
+    for row in r.rows:
+        lat, cpu, p = row["latency_ms"], row["cpu_ms_per_request"], row["passes"]
+        lines.append(f"| `{row['variant']}` | {p['engine']} / {p['relay']} | {ms(lat['p50'])} | {ms(lat['p99'])} | "
+                     f"{' / '.join(sig(cpu[k]) for k in ('front', 'router', 'worker', 'nats'))} ms | "
+                     f"{sig(cpu['total'])} ms |")
+    by = {row["variant"]: row for row in r.rows}
+    if "arbiter" in by and "kairos" in by:
+        a, k = by["arbiter"], by["kairos"]
+        lines += ["", f"`arbiter` against `kairos`, same run: latency p50 ×"
+                      f"{a['latency_ms']['p50'] / k['latency_ms']['p50']:.2f}, CPU per request ×"
+                      f"{a['cpu_ms_per_request']['total'] / k['cpu_ms_per_request']['total']:.2f} "
+                      f"(nats-server ×{a['cpu_ms_per_request']['nats'] / k['cpu_ms_per_request']['nats']:.2f})."]
+    return "\n".join(lines)
