@@ -15,7 +15,8 @@ p50/p99 interpolated in its buckets, and the mean) and view age per decision
 (``kairos_dispatcher_decision_state_age_seconds``: p50/p99, decisions on a view older than 3 heartbeat
 periods), their CPU per request, the aggregator's CPU (% of a core) and views/s
 (``kairos_aggregator_views_total``), nats-server messages in/out per second (``/varz``), the fleet's CPU,
-the ingress's added latency p50/p99 (as ``bench/control_plane.py``) and failed requests. Right before
+the ingress's added latency p50/p99 (as ``bench/control_plane.py``), failed requests, and every process
+kind's CPU per request (``cpu_ms_per_request``) and per node and second (``cpu_ms_per_node_s``). Right before
 each size's stack starts it also measures the machine's floor at the same rate (``bus_floor_ms``:
 ``bench/bus_floor.py``'s ``kairos`` variant, the bare NATS operations of one deflected request by three
 nats-py processes that do nothing else, on their own nats-server): the part of the added latency no
@@ -212,6 +213,12 @@ def bus_floor(rate: float, duration_s: float) -> dict | None:
     return row["latency_ms"]
 
 
+def per_node_second(cpu_pct: dict[str, float | None], nodes: int) -> dict[str, float | None]:
+    """CPU ms each process kind spent per node and second (``cpu_pct``: % of one core over the run):
+    what one more node costs that process, whatever the request rate (issue 34)."""
+    return {k: None if v is None else round(v * 10.0 / nodes, 3) for k, v in cpu_pct.items()}
+
+
 def cpu_split(cpu_pct: dict[str, float | None]) -> dict[str, float]:
     """CPU % of one core of the harness (:data:`HARNESS_KINDS`) and of the control plane (the rest:
     nats-server, aggregator, dispatchers, ingress)."""
@@ -298,6 +305,7 @@ def run_size(prefill: int, decode: int, args, prof: Path, engine_ms: float, tmp:
         "nats_msgs_per_s": {"in": round((bus1["server"][0] - bus0["server"][0]) / wall),
                             "out": round((bus1["server"][1] - bus0["server"][1]) / wall)},
         "cpu_pct": {k: round(100.0 * (cpu1[k] - cpu0[k]) / wall, 1) for k in cpu1},
+        "cpu_ms_per_node_s": per_node_second({k: 100.0 * (cpu1[k] - cpu0[k]) / wall for k in cpu1}, prefill + decode),
         "cpu_split_pct": cpu_split({k: round(100.0 * (cpu1[k] - cpu0[k]) / wall, 1) for k in cpu1}),
         "cpu_ms_per_request": cpu_req, "loadavg": row["loadavg"], "cpu_pressure_pct": row["cpu_pressure_pct"],
     }

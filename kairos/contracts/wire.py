@@ -278,6 +278,22 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True):
     cache_full: bool = False
 
 
+class NodeStateHead(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of a :class:`NodeState` that say who sent it and when — what the ingress reads of
+    every heartbeat (liveness, kairos/core/cluster/heartbeat.py ``accept_heartbeat``, and the node's
+    role). Decoding this skips the engine state and the prefix-cache events (up to 32k hashes every
+    50th heartbeat; issue 34: the ingress decoded all of it, 2,880 heartbeats/s at 32P256D). Same
+    names, types and bounds as :class:`NodeState`; every other field is skipped unread."""
+
+    v: int = SCHEMA_VERSION
+    node: str
+    role: NodeRole
+    seq: NonNeg
+    sent_unix_ms: float
+    epoch_unix_ms: float = 0.0
+    period_ms: float
+
+
 class RoutedEvent(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """A job a node accepted; the aggregator adds it to the view until the node's state shows it."""
 

@@ -7,12 +7,14 @@ from :mod:`kairos.contracts.subjects`.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import asyncio
+from typing import Any, Callable, TypeVar
 
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import Header
 
+from kairos.contracts import subjects as S
 from kairos.contracts.wire import WireError, decode, encode
 
 T = TypeVar("T")
@@ -83,3 +85,25 @@ async def kv_delete_nowait(nc: Client, bucket: str, key: str) -> None:
     the server's acknowledgement; ordered after this connection's earlier writes of the key
     (:func:`kv_put_nowait` has the trade-off)."""
     await nc.publish(kv_subject(bucket, key), b"", headers={"KV-Operation": "DEL"})
+
+
+#: how long a service that starts (or reconnected) waits for the view bucket's last view (s): the
+#: bucket's leader may be electing; the next view on ``kairos.view`` comes within a period anyway
+LAST_VIEW_TIMEOUT_S = 2.0
+
+
+async def last_view(bucket: Any, take: Callable[[bytes], None], log: Any,
+                    timeout_s: float = LAST_VIEW_TIMEOUT_S) -> None:
+    """Read the view bucket's last view once (``bucket``: the ``kairos_view`` KV handle) and hand its
+    bytes to ``take``: what a dispatcher or the ingress knows of the cluster until the first view on
+    ``kairos.view`` comes. Views reach the services on that subject only; the aggregator writes the
+    bucket at most once a second for this read (issue 34: each view used to be received twice,
+    from the subject and from a watch on the bucket). Never raises (no view yet, or no answer: logged
+    at debug; the subject's next view follows)."""
+    try:
+        e = await asyncio.wait_for(bucket.get(S.VIEW_KEY), timeout_s)
+    except Exception as exc:  # no view stored yet, or the bucket does not answer now
+        log.debug("last_view_unread", error=repr(exc))
+        return
+    if e is not None and e.value:
+        take(e.value)

@@ -34,7 +34,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, Any, Callable, Mapping, Sequence
 
 import orjson
 import structlog
@@ -238,6 +238,18 @@ def trace_fields(span: Span | Context | None) -> dict[str, str]:
     if not ctx.is_valid:
         return {}
     return {"trace_id": trace_api.format_trace_id(ctx.trace_id), "span_id": trace_api.format_span_id(ctx.span_id)}
+
+
+def start_span(tracer: Any, name: str, attributes: Callable[[], Mapping[str, Any]], **kwargs: Any) -> Span:
+    """``tracer.start_span(name, **kwargs)`` whose attributes — ``attributes()``, a dict — are built
+    only when the span is recorded (an exporter is configured and the sampler keeps it): a request's
+    attributes (a chunk schedule, a map per decode node) are work an unexported span would throw
+    away (issue 34). Samplers see no attributes (``OTEL_TRACES_SAMPLER``'s ratio and parent-based
+    samplers read none)."""
+    span = tracer.start_span(name, **kwargs)
+    if span.is_recording():
+        span.set_attributes(attributes())
+    return span
 
 
 def end_span(span: Span | None, error: str | None = None) -> None:

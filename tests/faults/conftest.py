@@ -60,6 +60,7 @@ FAULT_ENV = {
     "KAIROS_BUS_OUTAGE_TIMEOUT_S": "8.0",
     "KAIROS_IDLE_TIMEOUT_S": "30",
     "KAIROS_LOG_FORMAT": "json",
+    "KAIROS_LOG_LEVEL": "debug",  # the agents' job_accepted lines (debug: one info line per request) are the truth
 }
 
 

@@ -115,7 +115,8 @@ def start_cluster_stack(tmp_path: Path) -> tuple[subprocess.Popen, str, Path, li
     logs.mkdir()
     up = subprocess.Popen([sys.executable, "-m", "kairos", "up", "--nats-servers", "3", "--port", str(port),
                            "--log-dir", str(logs), "--dispatchers", "2"], cwd=str(REPO),
-                          stdout=open(tmp_path / "up.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+                          stdout=open(tmp_path / "up.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+                          env={**os.environ, "KAIROS_LOG_LEVEL": "debug"})  # the agents' job_accepted lines
     base = f"http://127.0.0.1:{port}"
     try:
         poll(lambda: up.poll() is not None or get_json(base + "/health")[0] == 200, 90, "the stack up")

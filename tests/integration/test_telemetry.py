@@ -296,7 +296,7 @@ async def test_metrics_of_every_service_parse_and_move(nats_url):
 
 async def test_logs_carry_request_and_trace_id(nats_url):
     buf = io.StringIO()
-    telemetry.configure_logging("info", "json", stream=buf)
+    telemetry.configure_logging("debug", "json", stream=buf)  # request_routed is a debug line
     exporter = InMemorySpanExporter()
     try:
         async with stack(nats_url, policy="pd", span_exporter=exporter) as st:
@@ -312,6 +312,26 @@ async def test_logs_carry_request_and_trace_id(nats_url):
     assert {"request_finished", "request_routed"} <= events, events
     assert all(x["trace_id"] == _hex_trace(by_name["ingress.request"]) for x in mine), mine
     assert all({"service", "level", "timestamp"} <= set(x) for x in lines)
+
+
+@pytest.mark.parametrize("policy", ["pd", "kairos"])  # a kept request and a deflected one
+async def test_one_info_line_per_request(nats_url, policy):
+    """At the default level a request that goes well logs one line, the ingress's access line; the
+    dispatcher's decision and the agent's acceptance are debug lines (issue 34: log lines were a
+    third of the services' per-request work)."""
+    buf = io.StringIO()
+    telemetry.configure_logging("info", "json", stream=buf)
+    try:
+        async with stack(nats_url, policy=policy) as st:
+            status, body = await st.complete("hello " * 40, max_tokens=3)
+            assert status == 200
+            rid = body["id"]
+            await wait_until(lambda: any(rid in x and '"request_finished"' in x for x in buf.getvalue().splitlines()),
+                             5, "the access line")
+    finally:
+        telemetry.configure_logging("info", "json", stream=sys.stderr)
+    mine = [orjson.loads(x) for x in buf.getvalue().splitlines() if rid in x]
+    assert [x["event"] for x in mine] == ["request_finished"], mine
 
 
 async def test_metrics_endpoint_of_a_non_http_service(nats_url):

@@ -47,6 +47,11 @@ def test_cpu_split_puts_the_fleet_and_the_client_in_the_harness_and_the_rest_in_
     assert F.cpu_split({"fleet": None, "nats": 1.0}) == {"harness": 0.0, "control_plane": 1.0}
 
 
+def test_cpu_per_node_second_is_the_cores_share_spread_over_the_nodes():
+    # 50 % of a core = 500 ms of CPU per second; over 250 nodes, 2 ms per node and second
+    assert F.per_node_second({"nats": 50.0, "fleet": None}, 250) == {"nats": 2.0, "fleet": None}
+
+
 def test_no_floor_is_measured_for_a_zero_duration():
     assert F.bus_floor(100.0, 0.0) is None
 

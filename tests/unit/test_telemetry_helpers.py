@@ -180,3 +180,24 @@ def test_otlp_http_export_reaches_a_collector(monkeypatch):
     span = rs.scope_spans[0].spans[0]
     assert span.name == "dispatcher.decide"
     assert {a.key: a.value.string_value for a in span.attributes} == {"kairos.decision": "keep"}
+
+
+def test_start_span_builds_attributes_only_for_a_recorded_span():
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    calls = []
+
+    def attrs() -> dict:
+        calls.append(1)
+        return {"kairos.node": "decode-0"}
+
+    provider = telemetry.make_tracer_provider("t", env={})  # no exporter: nothing is recorded
+    span = telemetry.start_span(provider.get_tracer("t"), "node.decode", attrs)
+    span.end()
+    assert not span.is_recording() and calls == []
+    exported = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    telemetry.start_span(provider.get_tracer("t"), "node.decode", attrs).end()
+    assert calls == [1]
+    assert [dict(s.attributes) for s in exported.get_finished_spans()] == [{"kairos.node": "decode-0"}]

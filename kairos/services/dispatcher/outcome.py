@@ -70,16 +70,17 @@ class Outcomes:
                              decode_node=d.decode_node, attempts=attempts, excluded_nodes=excluded,
                              reservation_conflicts=conflicts, state_age_ms=state_age_ms, view_seq=view_seq,
                              decided_unix_ms=self.clock.now_ms(), decide_ms=decide_ms, routing_ms=routing_ms)
-        set_decision_attributes(span, d, state_age_ms, attempts, excluded, conflicts)
-        span.set_attributes({"kairos.accepted_by": ack.node, "kairos.view_seq": rec.view_seq,
-                             "kairos.decide_ms": decide_ms, "kairos.routing_ms": routing_ms})
+        if span.is_recording():  # built only for a span that is exported (a map per decode node)
+            set_decision_attributes(span, d, state_age_ms, attempts, excluded, conflicts)
+            span.set_attributes({"kairos.accepted_by": ack.node, "kairos.view_seq": rec.view_seq,
+                                 "kairos.decide_ms": decide_ms, "kairos.routing_ms": routing_ms})
         self.m.decisions.labels(self.policy_spec, d.decision, d.reason).inc()
         self.m.decide.observe(telemetry.seconds(decide_ms))
         self.m.route.observe(telemetry.seconds(routing_ms))
         if state_age_ms is not None:
             self.m.state_age.observe(telemetry.seconds(state_age_ms))
         self.routed += 1
-        self.log.info("request_routed", request_id=rid, decision=d.decision, reason=d.reason, node=ack.node,
+        self.log.debug("request_routed", request_id=rid, decision=d.decision, reason=d.reason, node=ack.node,
                       decode_node=d.decode_node, attempts=attempts, state_age_ms=state_age_ms)
         await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
             request_id=rid, kind="deflect" if d.deflected else "keep", node=ack.node, decode_node=d.decode_node,

@@ -141,15 +141,17 @@ class LanePuller:
         if delivery > 1:
             self.m.redeliveries.inc()
         self.m.inflight.inc()
-        with self.tracer.start_as_current_span(
-                "dispatcher.decide", context=T.extract_context(msg.headers), kind=SpanKind.CONSUMER, attributes={
+        with self.tracer.start_as_current_span("dispatcher.decide", context=T.extract_context(msg.headers),
+                                               kind=SpanKind.CONSUMER) as span:
+            if span.is_recording():  # attributes only for a span that is exported (issue 34)
+                span.set_attributes({
                     T.REQUEST_ID: req.request_id, "kairos.replica_id": router.cfg.replica_id,
                     "kairos.policy": router.policy.spec, "kairos.model_version": router.model.artifact_version,
                     "kairos.prompt_tokens": req.prompt_tokens, "kairos.max_tokens": req.max_tokens,
                     T.GEN_AI_REQUEST_MODEL: req.model, T.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens,
                     T.GEN_AI_REQUEST_MAX_TOKENS: req.max_tokens, T.MESSAGING_SYSTEM: "nats",
                     T.MESSAGING_DESTINATION: msg.subject, T.MESSAGING_OPERATION_TYPE: "process",
-                    T.MESSAGING_DELIVERY_COUNT: delivery, "kairos.delivery": delivery}) as span:
+                    T.MESSAGING_DELIVERY_COUNT: delivery, "kairos.delivery": delivery})
             log = self.log.bind(request_id=req.request_id, **T.trace_fields(span))
             try:
                 if req.deadline_unix_ms <= self.clock.now_ms() or req.request_id in router.state.cancelled:

@@ -2,8 +2,8 @@
 
 Inputs (each fed by :mod:`kairos.services.dispatcher.watch`, or by the routing of a request):
 
-* the **cluster view** the state aggregator builds (``kairos.view`` and the ``kairos_view`` bucket;
-  each view arrives twice, the older copy is ignored, :func:`kairos.services.state_aggregator.view.newer`);
+* the **cluster view** the state aggregator builds (``kairos.view``; the ``kairos_view`` bucket's last
+  view once per declare; an older view is ignored, :func:`kairos.services.state_aggregator.view.newer`);
 * the **deflection reservations** of the decode nodes (watched in ``kairos_reservations``, and taken
   from a node's job answer, whichever revision is newer), plus this replica's own **pending
   deflections** — the slot a deflection holds here from the decision until the decode node answers
@@ -200,7 +200,7 @@ class RoutingState:
         Raises:
             WireError: ``data`` is not a :class:`ClusterView`.
         """
-        if data == self._view_data:  # each view comes twice (subject and bucket), as the same bytes
+        if data == self._view_data:  # the bucket's last view may be the one the subject brought
             return
         view = decode_if_newer(data, self.view)
         if view is None:

@@ -4,14 +4,14 @@ Subscriptions (core NATS; nats-py re-subscribes them after a reconnect by itself
 
 * ``kairos.route.decided`` — every replica's routed jobs, folded into this replica's snapshots until
   the view has them;
-* ``kairos.view`` — the view as the aggregator built it (the bucket's watch may lag seconds behind
-  while a NATS cluster elects the bucket's leader);
+* ``kairos.view`` — the view as the aggregator built it, the only way views come (the view bucket is
+  read once per declare: the last view, until the next one comes here);
 * ``kairos.cancel`` — requests the ingress already answered must not be routed when dequeued later;
 * ``kairos.state.*`` — prefix-aware policies only: the heartbeats' cache events (origin-checked,
   :mod:`kairos.contracts.origin`).
 
 KV watchers (restarted by every :meth:`ClusterWatch.declare`: a restarted NATS may have lost them,
-old ones may sit on consumers that no longer exist): the view (``kairos_view``), the reservations
+old ones may sit on consumers that no longer exist): the reservations
 (``kairos_reservations``) and, with ``watch_models``, the latency model (``kairos_models`` /
 ``latency.current``: hot reload, ``kairos profile --publish``). Everything heard goes into the
 replica's :class:`~kairos.services.dispatcher.state.RoutingState`.
@@ -33,7 +33,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
 from kairos.contracts.events import Cancel
 from kairos.contracts.wire import NodeState, RoutedEvent, WireError
-from kairos.runtime.messaging import decoded
+from kairos.runtime.messaging import decoded, last_view
 from kairos.core.model.latency import LatencyModel
 from kairos.runtime.bus import stream_replicas
 from kairos.runtime.lanes import declare_each, ensure_claim_buckets, ensure_lane
@@ -71,10 +71,9 @@ class ClusterWatch:
         buckets: at start and after every reconnect (:class:`kairos.runtime.buswatch.BusWatch`)."""
         js = self.nc.jetstream()
         buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
-        view_w = await buckets.view.watch(S.VIEW_KEY)
         resv_w = await buckets.reservations.watchall()
-        watchers = [view_w, resv_w]
-        tasks = [self._tasks.spawn(self._watch_view(view_w), "view watcher"),
+        watchers = [resv_w]
+        tasks = [self._tasks.spawn(last_view(buckets.view, self._take_view, self.log), "last view"),
                  self._tasks.spawn(self._watch_resv(resv_w), "reservation watcher")]
         if self.cfg.watch_models:  # hot reload of the latency model (kairos profile --publish)
             try:
@@ -154,12 +153,6 @@ class ClusterWatch:
         self.state.on_heartbeat(st)
 
     # -- KV watchers ---------------------------------------------------------------------------------
-    async def _watch_view(self, watcher) -> None:
-        async for e in watcher:
-            if e is None or e.value is None or e.operation is not None:
-                continue
-            self._take_view(e.value)
-
     async def _watch_resv(self, watcher) -> None:
         async for e in watcher:
             if e is not None:

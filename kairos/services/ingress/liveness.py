@@ -33,7 +33,7 @@ from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
-from kairos.contracts.wire import NodeState, WireError, decode
+from kairos.contracts.wire import NodeStateHead, WireError, decode
 from kairos.contracts.records import PrefillTiming
 from kairos.core.cluster.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
 from kairos.core.vocabulary import KEEP
@@ -80,7 +80,7 @@ class FlightWatch:
     async def on_state(self, msg: Any) -> None:
         """A heartbeat: validated (epoch/seq/future, like the aggregator), then it is a sign of life."""
         try:
-            st = decode(msg.data, NodeState)
+            st = decode(msg.data, NodeStateHead)  # only what liveness reads (the state itself is the aggregator's)
         except WireError:
             return
         if not self.origin.check(msg, "heartbeat", S.subject_node(msg.subject, S.state_subject), st.node):

@@ -1,8 +1,8 @@
 """Readiness: the cluster view the ingress holds, and ``GET /health`` (docs/services.md).
 
-Where data comes from: the state aggregator's :class:`~kairos.contracts.wire.ClusterView`, twice —
-on core NATS (``kairos.view``, as the aggregator built it) and from the view bucket's watch (which
-may lag seconds behind while a NATS cluster elects the bucket's leader); the newer one is kept
+Where data comes from: the state aggregator's :class:`~kairos.contracts.wire.ClusterView` on core
+NATS (``kairos.view``, as the aggregator built it; the view bucket's last view is read once at start
+and after a reconnect, kairos.runtime.messaging.last_view); the newest is kept
 (:func:`kairos.services.state_aggregator.view.newer`), decoded into :class:`ReadyView` — the few fields
 read here, not every node's queues (a cost per node per view: 10 views/s of 288 nodes at fleet
 scale, ``bench/view_costs.py``). And the dispatchers' consumers of the request lanes (JetStream
@@ -85,23 +85,15 @@ class Readiness:
         self._disp_lock = asyncio.Lock()
 
     # -- the view ----------------------------------------------------------------------------------
-    async def watch_view(self, watcher: Any) -> None:
-        """Take the views of the view bucket's watch (until cancelled)."""
-        async for e in watcher:
-            if e is None or not e.value or e.operation is not None:
-                continue
-            self.take_view(e.value)
-
     async def on_view_msg(self, msg: Any) -> None:
-        """A view as the aggregator built it (core NATS, ``kairos.view``): the bucket's watch may lag
-        seconds behind while a NATS cluster elects the bucket's leader (/health would say
-        ``cluster_view_stale`` meanwhile)."""
+        """A view as the aggregator built it (core NATS, ``kairos.view``): how views come (the view
+        bucket is read once at start and after a reconnect, kairos.runtime.messaging.last_view)."""
         self.take_view(msg.data)
 
     def take_view(self, data: bytes) -> None:
         """Keep the view in ``data`` if it is :func:`~kairos.services.state_aggregator.view.newer` than
-        the one held; a body that is not a view is ignored. Each view comes twice (subject and bucket)
-        as the same bytes: the second copy is dropped on a byte comparison, before any decoding."""
+        the one held; a body that is not a view is ignored. The bucket's last view may be the one the
+        subject just brought, as the same bytes: dropped on a byte comparison, before any decoding."""
         if data == self._data:
             return
         try:

@@ -30,7 +30,6 @@ import asyncio
 import os
 from typing import Any
 
-import nats.errors
 from aiohttp import web
 
 from kairos.contracts import subjects as S
@@ -47,7 +46,7 @@ from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.claims import ClaimQuorum
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.envconfig import ConfigError
-from kairos.runtime.messaging import publish
+from kairos.runtime.messaging import last_view, publish
 from kairos.runtime.lanes import (LanePicker, check_lane_count, claim_buckets, consumer_infos, declare_each,
                                   ensure_claim_buckets, ensure_lane, lane_count)
 from kairos.runtime.resources import BackgroundTasks, Resources
@@ -119,7 +118,6 @@ class Ingress:
         self.completions: Completions | None = None
         self.port: int | None = None
         self._bus_watch: BusWatch | None = None
-        self._view: tuple[Any, asyncio.Task] | None = None  #: the view bucket's watcher and its task
 
     @property
     def view(self) -> ClusterView | None:
@@ -157,7 +155,6 @@ class Ingress:
                              self.clock, self.log)
         self.assemble(bus)
         await self._declare()
-        self.res.push("view_watch", self._stop_view_watch)
         self._bus_watch = bus.watch = BusWatch(nc, self._resume, self._on_bus_lost, log=self.log,
                                                on_connected=self._ask_resend).start()
         self.res.push("bus_watch", self._bus_watch.stop)
@@ -225,21 +222,7 @@ class Ingress:
         buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         assert isinstance(self.bus, NatsIngressBus)
         self.bus.requests = buckets.requests
-        old = self._view
-        watcher = await buckets.view.watch(S.VIEW_KEY)
-        self._view = (watcher, asyncio.create_task(self.readiness.watch_view(watcher)))
-        if old is not None:
-            await self._stop_view_watch(old)
-
-    async def _stop_view_watch(self, view: tuple[Any, asyncio.Task] | None = None) -> None:
-        watcher, task = view or self._view or (None, None)
-        if task is not None:
-            task.cancel()
-        if watcher is not None:
-            try:
-                await watcher.stop()
-            except nats.errors.Error as exc:  # its connection is gone already: nothing left to stop
-                self.log.info("view_watcher_stop_failed", error=repr(exc))
+        self.bg.spawn(last_view(buckets.view, self.readiness.take_view, self.log), "last view")
 
     async def _ask_resend(self) -> None:
         """Reconnected (BusWatch ``on_connected``, before the re-declare): the server this ingress

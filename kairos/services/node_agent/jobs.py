@@ -204,7 +204,7 @@ class Jobs:
         self.uncertain.discard(rid)
         resv = await self.slots.reserve(rid, job) if job.kind == DEFLECT else (None, None, None)
         ctx.metrics.jobs.labels(ctx.node, job.kind, "accepted").inc()
-        ctx.rlog(rid, r.spans.main).info("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
+        ctx.rlog(rid, r.spans.main).debug("job_accepted", kind=job.kind, attempt=job.attempt, dispatcher=job.dispatcher_id)
         return JobAck(accepted=True, node=ctx.node, accepted_unix_ms=ctx.clock.now_ms(), epoch_unix_ms=ctx.epoch_unix_ms,
                       reservation=resv[0],
                       reservation_key=resv[1], reservation_revision=resv[2])

@@ -45,7 +45,7 @@ class RequestSpans:
         span = self.get(which)
         if span is None or which in self.ended:
             return
-        if attrs:
+        if attrs and span.is_recording():
             span.set_attributes(dict(attrs))
         telemetry.end_span(span, status)
         self.ended.add(which)
@@ -66,41 +66,45 @@ def spans_of(r: NodeRequest | None) -> RequestSpans:
 def job_span(tracer: Any, job: Job, node: str, role: str, headers: Mapping[str, str] | None) -> OtelSpan:
     """``node.prefill`` / ``node.deflected_prefill`` of a job this node accepted (consumer side of
     the dispatcher's job request)."""
-    rid = job.request.request_id
-    attrs = {telemetry.REQUEST_ID: rid, "kairos.node": node, "kairos.role": role,
-             "kairos.prompt_tokens": job.request.prompt_tokens, "kairos.max_tokens": job.request.max_tokens,
-             "kairos.attempt": job.attempt, "kairos.dispatcher_id": job.dispatcher_id,
-             telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_DESTINATION: S.jobs_subject(node),
-             telemetry.MESSAGING_OPERATION_TYPE: "process"}
-    if job.kind == DEFLECT:
-        attrs["kairos.chunk_schedule"] = list(job.chunk_schedule)
-        attrs["kairos.predicted_step_ms"] = list(job.predicted_step_ms)
-    else:
-        attrs["kairos.decode_candidates"] = list(job.decode_candidates)
+    def attributes() -> dict[str, Any]:
+        attrs = {telemetry.REQUEST_ID: job.request.request_id, "kairos.node": node, "kairos.role": role,
+                 "kairos.prompt_tokens": job.request.prompt_tokens, "kairos.max_tokens": job.request.max_tokens,
+                 "kairos.attempt": job.attempt, "kairos.dispatcher_id": job.dispatcher_id,
+                 telemetry.MESSAGING_SYSTEM: "nats", telemetry.MESSAGING_DESTINATION: S.jobs_subject(node),
+                 telemetry.MESSAGING_OPERATION_TYPE: "process"}
+        if job.kind == DEFLECT:
+            attrs["kairos.chunk_schedule"] = list(job.chunk_schedule)
+            attrs["kairos.predicted_step_ms"] = list(job.predicted_step_ms)
+        else:
+            attrs["kairos.decode_candidates"] = list(job.decode_candidates)
+        return attrs
+
     name = "node.deflected_prefill" if job.kind == DEFLECT else "node.prefill"
-    return tracer.start_span(name, context=telemetry.extract_context(headers), kind=SpanKind.CONSUMER, attributes=attrs)
+    return telemetry.start_span(tracer, name, attributes, context=telemetry.extract_context(headers),
+                                kind=SpanKind.CONSUMER)
 
 
 def kv_transfer_span(tracer: Any, h: KvHandoff, node: str, headers: Mapping[str, str] | None) -> OtelSpan:
     """``node.kv_transfer`` of a handoff this decode node accepted (consumer side of the prefill node's offer)."""
-    return tracer.start_span("node.kv_transfer", context=telemetry.extract_context(headers), kind=SpanKind.CONSUMER,
-                             attributes={telemetry.REQUEST_ID: h.request.request_id, "kairos.src_node": h.src_node,
-                                         "kairos.kv_tokens": h.kv_tokens, "kairos.node": node})
+    return telemetry.start_span(tracer, "node.kv_transfer", lambda: {
+        telemetry.REQUEST_ID: h.request.request_id, "kairos.src_node": h.src_node, "kairos.kv_tokens": h.kv_tokens,
+        "kairos.node": node}, context=telemetry.extract_context(headers), kind=SpanKind.CONSUMER)
 
 
 def handoff_span(tracer: Any, r: NodeRequest, parent: OtelSpan | None, transfer_est_ms: float) -> OtelSpan:
     """``node.kv_handoff`` (producer): the prefill node offering ``r``'s KV to its decode candidates."""
-    return tracer.start_span(
-        "node.kv_handoff", context=trace.set_span_in_context(parent or trace.INVALID_SPAN), kind=SpanKind.PRODUCER,
-        attributes={telemetry.REQUEST_ID: r.rid, "kairos.node": r.node, "kairos.kv_tokens": r.req.prompt_tokens,
-                    "kairos.decode_candidates": list(r.job.decode_candidates if r.job else []),
-                    "kairos.kv_transfer_est_ms": transfer_est_ms})
+    return telemetry.start_span(tracer, "node.kv_handoff", lambda: {
+        telemetry.REQUEST_ID: r.rid, "kairos.node": r.node, "kairos.kv_tokens": r.req.prompt_tokens,
+        "kairos.decode_candidates": list(r.job.decode_candidates if r.job else []),
+        "kairos.kv_transfer_est_ms": transfer_est_ms},
+        context=trace.set_span_in_context(parent or trace.INVALID_SPAN), kind=SpanKind.PRODUCER)
 
 
 def decode_span(tracer: Any, r: NodeRequest, parent: OtelSpan | None) -> OtelSpan:
     """``node.decode``: from the first token (deflect) or the KV's arrival (keep) to the last token."""
-    return tracer.start_span("node.decode", context=trace.set_span_in_context(parent or trace.INVALID_SPAN),
-                             attributes={telemetry.REQUEST_ID: r.rid, "kairos.node": r.node, "kairos.path": r.role.path})
+    return telemetry.start_span(tracer, "node.decode", lambda: {
+        telemetry.REQUEST_ID: r.rid, "kairos.node": r.node, "kairos.path": r.role.path},
+        context=trace.set_span_in_context(parent or trace.INVALID_SPAN))
 
 
 def decode_summary(r: NodeRequest) -> dict[str, Any]:

@@ -57,6 +57,9 @@ def decode_step_buckets(tbt_slo_ms: float | None) -> tuple[float, ...]:
 
 #: the request work queue's depth is polled at most this often (s)
 QUEUE_POLL_S = 1.0
+#: the view bucket gets a view at most this often (s): it is read once by a service that starts
+#: (kairos.runtime.messaging.last_view); every view goes out on ``kairos.view``
+VIEW_BUCKET_PERIOD_S = 1.0
 #: how long one poll waits for the lanes' consumer info (s)
 QUEUE_POLL_TIMEOUT_S = 0.5
 
@@ -134,6 +137,7 @@ class StateAggregator:
         self._reports = 0  #: views reported (:meth:`_report`)
         self._bg = BackgroundTasks(self.log)  #: queue-depth polls in flight
         self._queue_polled = float("-inf")
+        self._view_stored = float("-inf")  #: when a view last went into the view bucket (monotonic s)
         self.view: ClusterView | None = None
         self.metrics_port: int | None = None
         self._stale: set[str] = set()
@@ -221,7 +225,9 @@ class StateAggregator:
             try:  # core NATS at once, and the bucket unacknowledged: its leader may be electing (seconds)
                 data = encode(view)
                 await self.nc.publish(S.VIEW_SUBJECT, data)
-                await kv_put_nowait(self.nc, S.VIEW_BUCKET, S.VIEW_KEY, data)
+                if self.clock.monotonic() - self._view_stored >= VIEW_BUCKET_PERIOD_S:
+                    self._view_stored = self.clock.monotonic()
+                    await kv_put_nowait(self.nc, S.VIEW_BUCKET, S.VIEW_KEY, data)
                 self.m_views.inc()
             except Exception as exc:  # disconnected (the next period writes a newer view): logged, not raised
                 self.log.warning("view_write_failed", error=repr(exc))

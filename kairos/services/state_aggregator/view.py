@@ -126,7 +126,8 @@ class Stamped(Protocol):
 
 def newer(view: Stamped, than: Stamped | None) -> bool:
     """Is ``view`` newer than ``than`` (None: no view yet)? By the aggregator's build time, then
-    its ``seq`` (a view arrives twice: on ``kairos.view`` and from the ``kairos_view`` bucket)."""
+    its ``seq`` (a reader may get a view from ``kairos.view`` and, at its start, from the ``kairos_view``
+    bucket; a new aggregator's views replace an old one's)."""
     return than is None or (view.built_unix_ms, view.seq) > (than.built_unix_ms, than.seq)
 
 
@@ -140,8 +141,8 @@ class _ViewStamp(msgspec.Struct):
 
 def decode_if_newer(data: bytes, than: ClusterView | None) -> ClusterView | None:
     """The :class:`ClusterView` in ``data`` if it is :func:`newer` than ``than``, else None — and then
-    without decoding its nodes. Every reader gets each view twice (``kairos.view`` and the
-    ``kairos_view`` bucket's watch), so half the copies are dropped at the cost of their stamp.
+    without decoding its nodes (a bucket's last view read at a reconnect, a late copy from a
+    former aggregator: dropped at the cost of their stamp).
 
     Raises:
         WireError: ``data`` is not a view (a stamp that decodes is checked in full before use).
