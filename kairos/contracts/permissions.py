@@ -14,7 +14,7 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   ``.decode.<node>``), and is the only writer of its own node's
   deflection reservations (``$KV.kairos_resv.decode.<node>.*``; everybody else only reads them);
 * only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
-  (``kairos.jobs.*``); only dispatchers consume the request lanes; only the ingress enqueues requests (``kairos.req.new[.<i>]``), cancels, and reads
+  (``kairos.jobs.*``); only dispatchers take requests (``kairos.req.route``, their queue group) and answer into the ingress's inbox; only the ingress sends requests, cancels, and reads
   token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
   (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
@@ -131,33 +131,20 @@ def _kv_buckets_declared() -> list[str]:
     return out
 
 
-#: every request lane / claim bucket a deployment can have (one per NATS member, kairos/runtime/lanes.py):
+#: every claim bucket a deployment can have (one per NATS member, kairos/runtime/lanes.py):
 #: the table is the same whatever the cluster's size
 LANES = range(S.MAX_LANES)
 
 
-def _lanes_declared(consumer: bool) -> list[str]:
-    """Declare every request lane (and, ``consumer``, the dispatchers' consumer on it) and every
-    claim bucket (kairos/runtime/lanes.py ``ensure_lane`` / ``ensure_claims_bucket``: the ingress and the
+def _claim_buckets_declared() -> list[str]:
+    """Declare every claim bucket (kairos/runtime/lanes.py ``ensure_claims_bucket``: the ingress and the
     dispatchers)."""
-    out: list[str] = []
-    for i in LANES:
-        out += _declare(S.request_stream(i)) + _declare(kv_stream(S.claims_bucket(i)))
-        if consumer:  # the one durable pull consumer: created by name with its filter in the subject
-            q, c = S.request_stream(i), S.DISPATCHER_CONSUMER
-            out += [f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.request_subject(i)}", f"$JS.API.CONSUMER.INFO.{q}.{c}",
-                    f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.>"]
-    return out
+    return [x for i in LANES for x in _declare(kv_stream(S.claims_bucket(i)))]
 
 
 def _claims() -> list[str]:
     """Create / compare-and-delete execution claims in every claim bucket, and get one by key."""
     return [_kv(S.claims_bucket(i), _CLAIMS) for i in LANES] + [_get(S.claims_bucket(i), _CLAIMS) for i in LANES]
-
-
-def _consumer_info() -> list[str]:
-    """Read the dispatchers' consumer state on every request lane (ingress /health, aggregator)."""
-    return [f"$JS.API.CONSUMER.INFO.{S.request_stream(i)}.{S.DISPATCHER_CONSUMER}" for i in LANES]
 
 
 def _kv(bucket: str, key: str) -> str:
@@ -189,23 +176,25 @@ def role_permissions(user: str) -> Permissions:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
         # claims: the tombstone of an attempt it refused (kairos/runtime/claims.py: KV create, read back)
-        pub = [*(S.request_subject(i) for i in LANES), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
+        # requests go to the dispatchers' queue group (request-reply; a ping of it is one too)
+        pub = [S.ROUTE_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
                _kv(rec, _any(S.record_key, "ingress")), *_claims(), _any(S.drain_subject)]
-        # the request lanes too (requests wait there for a dispatcher); records are read (gets only)
-        pub += _kv_buckets_declared() + _lanes_declared(consumer=False) + _read(kv_stream(view)) + [_get(rec, ">")]
-        pub += _consumer_info()
+        # records are read (gets only)
+        pub += _kv_buckets_declared() + _claim_buckets_declared() + _read(kv_stream(view)) + [_get(rec, ">")]
         # heartbeats: the ingress judges node liveness itself (kairos/core/cluster/heartbeat.py), aggregator or not
         sub += [S.OUT_WILDCARD, S.ROUTED_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == DISPATCHER:
         pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
-        pub += _kv_buckets_declared() + _lanes_declared(consumer=True)
+        # a request's answer (taken) and its routing's alive notices go to the ingress's inbox
+        pub += [inbox_prefix(INGRESS) + ".>"]
+        pub += _kv_buckets_declared() + _claim_buckets_declared()
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
         # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
-        sub += [S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
+        sub += [S.ROUTE_SUBJECT, S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == AGGREGATOR:
-        pub = [S.VIEW_SUBJECT, _kv(view, S.VIEW_KEY)] + _kv_buckets_declared() + _consumer_info()
+        pub = [S.VIEW_SUBJECT, _kv(view, S.VIEW_KEY)] + _kv_buckets_declared()
         # step records: the aggregator's model correction (kairos/core/model/correction.py)
         sub += [S.STATE_WILDCARD, S.ROUTED_SUBJECT, S.STEPS_WILDCARD]
         return Permissions(user, _uniq(pub), _uniq(sub))

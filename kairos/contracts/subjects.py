@@ -29,15 +29,8 @@ import re
 
 PREFIX = "kairos"
 
-#: JetStream work-queue stream holding client requests until a dispatcher acknowledges them
-#: (request lane 0: :func:`request_stream`).
-REQUEST_STREAM = "KAIROS_REQ"
-#: The durable pull consumer all dispatcher replicas share on each lane (work-queue semantics).
-DISPATCHER_CONSUMER = "dispatchers"
-#: Subject requests are published on (lane 0's only subject: :func:`request_subject`).
-REQUEST_SUBJECT = f"{PREFIX}.req.new"
-#: most request lanes / claim buckets: one per NATS cluster member, and JetStream clusters have
-#: at most 5 voting members per stream (nats-server refuses ``num_replicas`` > 5)
+#: most claim buckets: one per NATS cluster member, and JetStream clusters have at most 5 voting
+#: members per stream (nats-server refuses ``num_replicas`` > 5)
 MAX_LANES = 5
 
 
@@ -45,18 +38,6 @@ def _lane(lane: int) -> int:
     if not isinstance(lane, int) or not 0 <= lane < MAX_LANES:
         raise SubjectError(f"lane {lane!r}: an integer 0..{MAX_LANES - 1}")
     return lane
-
-
-def request_stream(lane: int) -> str:
-    """The work-queue stream of request lane ``lane`` (kairos/runtime/lanes.py): :data:`REQUEST_STREAM`
-    for lane 0 (a single nats-server has only it), ``KAIROS_REQ_<lane>`` for the others.
-    Raises SubjectError outside 0..MAX_LANES-1."""
-    return REQUEST_STREAM if _lane(lane) == 0 else f"{REQUEST_STREAM}_{lane}"
-
-
-def request_subject(lane: int) -> str:
-    """The subject of request lane ``lane`` (:data:`REQUEST_SUBJECT`, ``kairos.req.new.<lane>``)."""
-    return REQUEST_SUBJECT if _lane(lane) == 0 else f"{REQUEST_SUBJECT}.{lane}"
 
 
 def claims_bucket(lane: int) -> str:
@@ -73,6 +54,20 @@ def lane_tag(lane: int) -> str:
 VIEW_SUBJECT = f"{PREFIX}.view"
 #: Routing events (decision + the node's acknowledgement time), consumed by the aggregator.
 ROUTED_SUBJECT = f"{PREFIX}.route.decided"
+#: Requests to route (core NATS, request-reply): the ingress → one dispatcher of the queue group
+#: :data:`DISPATCHER_QUEUE`, which answers :data:`TAKEN` at once (kairos/services/dispatcher/intake.py)
+ROUTE_SUBJECT = f"{PREFIX}.req.route"
+#: the dispatchers' queue group on :data:`ROUTE_SUBJECT`: each request reaches one replica
+DISPATCHER_QUEUE = "dispatchers"
+#: a dispatcher's answer to a request it took; :data:`ALIVE`: the routing it waits in goes on
+TAKEN = b"taken"
+ALIVE = b"alive"
+#: headers of a request to route: where the dispatcher sends ``alive`` notices while it waits (the
+#: ingress's per-attempt subject), and how many times the ingress has sent this attempt (1 = first)
+NOTICES_HEADER = "Kairos-Notices"
+DELIVERY_HEADER = "Kairos-Delivery"
+#: a request carrying this header is a ping (the ingress's /health): answered :data:`TAKEN`, not routed
+PING_HEADER = "Kairos-Ping"
 #: Broadcast: abort a request (client disconnected or ingress timed out).
 CANCEL_SUBJECT = f"{PREFIX}.cancel"
 #: Broadcast: the ingress reconnected (its server died); agents publish their recent out events again.

@@ -30,23 +30,6 @@ from kairos.runtime.envconfig import ConfigError
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class RequestQueueSettings:
-    """The work-queue consumer's redelivery behaviour.
-
-    Attributes:
-        ack_wait_s: a dispatcher that neither acks nor reports progress for this long is presumed
-            dead; the request is redelivered to another replica.
-        max_deliver: deliveries before a request is given up (the ingress then times out → 504).
-        max_age_s: requests older than this are dropped from the stream (their ingress deadline has
-            passed long ago).
-    """
-
-    ack_wait_s: float = 5.0
-    max_deliver: int = 5
-    max_age_s: float = 600.0
-
-
 #: nats-server's generic "error creating store for stream" (JSStreamCreateErrF): seen when a file
 #: stream is created while the store directory of a just-deleted stream of that name is still being
 #: removed, or by two services declaring it at the same instant

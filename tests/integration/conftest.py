@@ -137,7 +137,7 @@ async def reset_bus(url: str, passwords: dict[str, str] | None = None) -> None:
     creds = {"user": ADMIN_USER, "password": passwords[ADMIN_USER]} if passwords else {}
     nc = await nats.connect(url, **creds)
     js = nc.jetstream()
-    for name in (*(S.request_stream(i) for i in range(S.MAX_LANES)), *(f"KV_{S.claims_bucket(i)}" for i in range(S.MAX_LANES)),
+    for name in (*(f"KV_{S.claims_bucket(i)}" for i in range(S.MAX_LANES)),
                  f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
         try:
             await js.delete_stream(name)

@@ -34,14 +34,10 @@ _DECLARE_BUCKETS = {
     "$JS.API.STREAM.CREATE.KV_kairos_resv", "$JS.API.STREAM.INFO.KV_kairos_resv",
     "$JS.API.STREAM.CREATE.KV_kairos_requests", "$JS.API.STREAM.INFO.KV_kairos_requests",
 }
-#: "one request lane and one claim bucket per NATS member, up to 5": lane 0 is KAIROS_REQ on
-#: kairos.req.new, lane i KAIROS_REQ_<i> on kairos.req.new.<i>; claim bucket i kairos_claims_<i>
-LANE_STREAMS = ("KAIROS_REQ", "KAIROS_REQ_1", "KAIROS_REQ_2", "KAIROS_REQ_3", "KAIROS_REQ_4")
-LANE_SUBJECTS = ("kairos.req.new", "kairos.req.new.1", "kairos.req.new.2", "kairos.req.new.3", "kairos.req.new.4")
+#: "one claim bucket per NATS member, up to 5": claim bucket i kairos_claims_<i>
 CLAIM_BUCKETS = ("kairos_claims_0", "kairos_claims_1", "kairos_claims_2", "kairos_claims_3", "kairos_claims_4")
-#: the ingress and the dispatchers declare every lane and every claim bucket
-_DECLARE_REQUEST_STREAM = ({f"$JS.API.STREAM.{op}.{q}" for q in LANE_STREAMS for op in ("CREATE", "INFO")}
-                           | {f"$JS.API.STREAM.{op}.KV_{b}" for b in CLAIM_BUCKETS for op in ("CREATE", "INFO")})
+#: the ingress and the dispatchers declare every claim bucket
+_DECLARE_CLAIM_BUCKETS = {f"$JS.API.STREAM.{op}.KV_{b}" for b in CLAIM_BUCKETS for op in ("CREATE", "INFO")}
 #: claims: create / compare-and-delete in every claim bucket, and direct gets by key
 _CLAIMS = ({f"$KV.{b}.claim.*" for b in CLAIM_BUCKETS}
            | {f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.claim.*" for b in CLAIM_BUCKETS})
@@ -56,10 +52,6 @@ def _watch(stream: str) -> set[str]:
             f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>",
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
             f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.FC.{stream}.>"}
-
-
-#: "ingress /health, aggregator" read the dispatchers' consumer state
-_DISPATCHERS_CONSUMER_INFO = {f"$JS.API.CONSUMER.INFO.{q}.dispatchers" for q in LANE_STREAMS}
 
 
 def _agent(node: str) -> dict:
@@ -82,35 +74,32 @@ def _agent(node: str) -> dict:
 SPEC: dict[str, dict] = {
     "ingress": {
         "publish": {
-            *LANE_SUBJECTS, "kairos.cancel", "kairos.resend",
+            "kairos.req.route",  # requests (and /health's pings) to the dispatchers' queue group
+            "kairos.cancel", "kairos.resend",
             "kairos.drain.*",  # an operator's drain (its admin endpoint), to any node: only the ingress
             "$KV.kairos_requests.*.ingress", *_CLAIMS,  # claims: tombstones, and read by key
-            *_DECLARE_BUCKETS, *_DECLARE_REQUEST_STREAM, *_watch("KV_kairos_view"),
+            *_DECLARE_BUCKETS, *_DECLARE_CLAIM_BUCKETS, *_watch("KV_kairos_view"),
             "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
-            *_DISPATCHERS_CONSUMER_INFO,
         },
         "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.route.decided", "kairos.state.*",
-                      "kairos.view"},  # the view as built (core NATS), besides the bucket's watch
+                      "kairos.view"},  # the views (core NATS); the bucket's last one is read once
         "allow_responses": False,
     },
     "dispatcher": {
         "publish": {
             "kairos.jobs.*", "kairos.route.decided", "kairos.out.*.dispatcher", "$KV.kairos_requests.*.decision",
-            *_DECLARE_BUCKETS, *_DECLARE_REQUEST_STREAM, *_DECLARE_MODELS,
-            # the one durable pull consumer per lane, by name and filter; its MSG.NEXT and acks
-            *(f"$JS.API.CONSUMER.CREATE.{q}.dispatchers.{subj}" for q, subj in zip(LANE_STREAMS, LANE_SUBJECTS)),
-            *(f"$JS.API.CONSUMER.{op}.{q}.dispatchers" for q in LANE_STREAMS for op in ("INFO", "MSG.NEXT")),
-            *(f"$JS.ACK.{q}.dispatchers.>" for q in LANE_STREAMS),
+            "_INBOX.ingress.>",  # a request's answer (taken) and its routing's alive notices, to the ingress
+            *_DECLARE_BUCKETS, *_DECLARE_CLAIM_BUCKETS, *_DECLARE_MODELS,
             # watches the view, the reservations (read only) and the latency models (hot reload)
             *_watch("KV_kairos_view"), *_watch("KV_kairos_resv"), *_watch("KV_kairos_models"),
         },
         # heartbeats: "kairos.state.<node>: aggregator, ingress, dispatcher" (origin section)
-        "subscribe": {"_INBOX.dispatcher.>", "kairos.route.decided", "kairos.cancel", "kairos.state.*",
-                      "kairos.view"},
+        "subscribe": {"_INBOX.dispatcher.>", "kairos.req.route",  # requests, as a queue group
+                      "kairos.route.decided", "kairos.cancel", "kairos.state.*", "kairos.view"},
         "allow_responses": False,
     },
     "aggregator": {
-        "publish": {"kairos.view", "$KV.kairos_view.view", *_DECLARE_BUCKETS, *_DISPATCHERS_CONSUMER_INFO},
+        "publish": {"kairos.view", "$KV.kairos_view.view", *_DECLARE_BUCKETS},
         "subscribe": {"_INBOX.aggregator.>", "kairos.state.*", "kairos.route.decided", "kairos.steps.*"},
         "allow_responses": False,
     },

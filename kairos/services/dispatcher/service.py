@@ -1,10 +1,10 @@
-"""Dispatcher replica: work-queue requests in, one accepted job per request out.
+"""Dispatcher replica: requests to route in (a core-NATS queue group), one accepted job per request out.
 
 This module is the composition root: it builds one replica from its parts and opens and closes its
 connections. Where each concern lives:
 
-* :mod:`~kairos.services.dispatcher.pull` — the pull loops over the request lanes and the handling of
-  each message (deadline, cancel, route, ack);
+* :mod:`~kairos.services.dispatcher.intake` — the queue-group subscription and the handling of each
+  request (taken, deadline, cancel, route);
 * :mod:`~kairos.services.dispatcher.route` — the routing of one request: decide, send the job,
   re-route on a refusal, retry a bus fault (:mod:`~kairos.services.dispatcher.busretry`); its loop
   state is a :class:`~kairos.services.dispatcher.route.RouteAttempt`;
@@ -17,7 +17,7 @@ connections. Where each concern lives:
 
 The pure rules are :mod:`kairos.core.cluster.routing` and the decision :mod:`kairos.core.policy`.
 Start and close go through one :class:`kairos.runtime.resources.Resources`: ``close()`` stops
-pulling, lets the requests being routed finish (``drain``), then unsubscribes, stops the watchers
+taking requests, lets the requests being routed finish (``drain``), then unsubscribes, stops the watchers
 and closes the connection, the ``/metrics`` server and telemetry — in that order, each failure logged.
 """
 
@@ -41,7 +41,7 @@ from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.jobs import JobLink
 from kairos.services.dispatcher.metrics import DispatcherMetrics
 from kairos.services.dispatcher.outcome import Outcomes
-from kairos.services.dispatcher.pull import LanePuller
+from kairos.services.dispatcher.intake import RequestIntake
 from kairos.services.dispatcher.route import Router
 from kairos.services.dispatcher.state import RoutingState
 from kairos.services.dispatcher.watch import ClusterWatch
@@ -62,7 +62,7 @@ class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, model: LatencyModel | None = None, *,
                  clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
-        self.lanes = lane_count(cfg)  #: request lanes / claim buckets (one per NATS member, kairos/runtime/lanes.py)
+        self.lanes = lane_count(cfg)  #: claim buckets (one per NATS member, kairos/runtime/lanes.py)
         model = model or load_profile(cfg.profile)
         policy = parse_policy(cfg.policy)
         self.tel = telemetry.setup("dispatcher", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
@@ -89,9 +89,8 @@ class Dispatcher:
                              self.outcomes, self.m, policy, model, lanes=self.lanes, clock=clock, stop=self._stop)
         self.watch = ClusterWatch(cfg, self.lanes, self.state, self.origin, lambda: self.router.model,
                                   self.router.use_model, self.log)
-        self.puller = LanePuller(lambda: self.nc, self.lanes, self.watch.declare_lane, self.router, self.outcomes,
-                                 self.m, self.tel.tracer, max_concurrency=cfg.max_concurrency,
-                                 ack_wait_s=cfg.ack_wait_s, log=self.log, clock=clock, stop=self._stop)
+        self.intake = RequestIntake(lambda: self.nc, self.router, self.outcomes, self.m, self.tel.tracer,
+                                    max_concurrency=cfg.max_concurrency, log=self.log, clock=clock)
 
     # -- what the replica knows (read by tests and tools) -----------------------------------------------
     # the latency model decisions use now (a hot reload replaces it), the routing policy and its
@@ -103,7 +102,7 @@ class Dispatcher:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Connect, declare, subscribe, start pulling. Every step opened is closed by :meth:`close`,
+        """Connect, declare, subscribe (the requests to route last). Every step opened is closed by :meth:`close`,
         also after a failed or cancelled start."""
         cfg = self.cfg
         await start_metrics_and_connect(self, f"dispatcher:{cfg.replica_id}", self.res, graceful=lambda: self._drain)
@@ -115,16 +114,16 @@ class Dispatcher:
         # cancels (requests the ingress already answered must not be routed when dequeued later)
         for sub in await self.watch.subscribe():
             self.res.push(f"subscription {sub.subject}", sub.unsubscribe)
-        self.res.push("requests in flight", lambda: self.puller.drain(DRAIN_TIMEOUT_S if self._drain else 0.0))
-        for lane in range(self.lanes):
-            self.res.push_task(f"pull lane {lane}", asyncio.create_task(self.puller.pull(lane)))
+        self.res.push("requests in flight", lambda: self.intake.drain(DRAIN_TIMEOUT_S if self._drain else 0.0))
+        sub = await self.nc.subscribe(S.ROUTE_SUBJECT, queue=S.DISPATCHER_QUEUE, cb=self.intake.on_request)
+        self.res.push(f"subscription {S.ROUTE_SUBJECT}", sub.unsubscribe)
         self._bus = BusWatch(self.nc, self.watch.declare, log=self.log).start()
         self.res.push("bus watch", self._bus.stop)
         self.log.info("dispatcher_started", policy=self.policy.spec, model=self.model.artifact_version,
                       metrics_port=self.metrics_port)
 
     async def close(self, drain: bool = True) -> None:
-        """Stop pulling; ``drain`` waits for in-flight requests (else they are redelivered elsewhere)."""
+        """Stop taking requests; ``drain`` waits for in-flight ones (else their ingress sends them again)."""
         self._drain = drain
         self._stop.set()
         await self.res.aclose()

@@ -16,8 +16,7 @@ old ones may sit on consumers that no longer exist): the reservations
 ``latency.current``: hot reload, ``kairos profile --publish``). Everything heard goes into the
 replica's :class:`~kairos.services.dispatcher.state.RoutingState`.
 
-Declarations: the buckets, the request lanes and their consumer, the claim buckets
-(:mod:`kairos.runtime.lanes`).
+Declarations: the buckets and the claim buckets (:mod:`kairos.runtime.lanes`).
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ from kairos.contracts.wire import NodeState, RoutedEvent, WireError
 from kairos.runtime.messaging import decoded, last_view
 from kairos.core.model.latency import LatencyModel
 from kairos.runtime.bus import stream_replicas
-from kairos.runtime.lanes import declare_each, ensure_claim_buckets, ensure_lane
+from kairos.runtime.lanes import ensure_claim_buckets
 from kairos.runtime.resources import BackgroundTasks
-from kairos.runtime.streams import RequestQueueSettings, ensure_buckets, ensure_models_bucket
+from kairos.runtime.streams import ensure_buckets, ensure_models_bucket
 from kairos.services.dispatcher.config import DispatcherConfig
 from kairos.services.dispatcher.state import RoutingState
 
@@ -67,8 +66,8 @@ class ClusterWatch:
 
     # -- declarations -------------------------------------------------------------------------------
     async def declare(self) -> None:
-        """Declare the buckets, (re)start the KV watchers, declare the request lanes and the claim
-        buckets: at start and after every reconnect (:class:`kairos.runtime.buswatch.BusWatch`)."""
+        """Declare the buckets, (re)start the KV watchers, declare the claim buckets: at start and
+        after every reconnect (:class:`kairos.runtime.buswatch.BusWatch`)."""
         js = self.nc.jetstream()
         buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
         resv_w = await buckets.reservations.watchall()
@@ -90,15 +89,9 @@ class ClusterWatch:
         for t in old_tasks:
             t.cancel()
         await self._stop_watchers(old)
-        # the lanes last: a lane whose member is down fails its declaration (logged; its pull loop
-        # declares it again), and the watchers above must not wait for that
-        await declare_each("request_lane", self.lanes, self.declare_lane, self.log)
+        # the claim buckets last: one whose member is down fails its declaration (logged; the next
+        # declare tries again), and the watchers above must not wait for that
         await ensure_claim_buckets(js, self.lanes, self.log)
-
-    async def declare_lane(self, lane: int) -> None:
-        """Declare request lane ``lane`` and the dispatchers' consumer of it."""
-        await ensure_lane(self.nc.jetstream(), lane, self.lanes, RequestQueueSettings().max_age_s,
-                          consumer=(self.cfg.ack_wait_s, self.cfg.max_deliver))
 
     async def _stop_watchers(self, watchers: list) -> None:
         for w in watchers:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import InferenceRequest, Resume, encode
 from kairos.runtime import telemetry
@@ -68,12 +69,11 @@ class AttemptPublisher:
         self.count += 1
         tracer = self.d.tracer
         if tracer is None:
-            return telemetry.inject_headers(headers={"Nats-Msg-Id": attempt_id})
+            return telemetry.inject_headers()
         self.span = tracer.start_span("ingress.attempt", kind=SpanKind.PRODUCER, attributes={
             telemetry.REQUEST_ID: attempt_id, "kairos.attempt": self.count,
             "kairos.resume_output_tokens": resume.output_tokens if resume is not None else 0})
-        # JetStream de-duplicates on Nats-Msg-Id: every attempt has its own id
-        return telemetry.inject_headers(trace.set_span_in_context(self.span), headers={"Nats-Msg-Id": attempt_id})
+        return telemetry.inject_headers(trace.set_span_in_context(self.span))
 
     def _end_span(self, record: Any) -> None:
         """End the current attempt's span with what it did (``record``: a lifecycle ``Attempt``)."""
@@ -89,7 +89,7 @@ class AttemptPublisher:
 
     async def submit(self, attempt_id: str, resume: Resume | None = None, left: Any = None) -> Exception | None:
         """Route ``attempt_id``'s events to this flight (the wildcard subscription, or a per-request
-        one), then publish it onto a request lane. No flush in between: NATS processes one
+        one), then send it to the dispatchers (until one takes it). No flush in between: NATS processes one
         connection's SUB before its later PUB, so no token can be missed. ``left``: the lifecycle's
         record of the attempt this one replaces (its span ends with it). The error if it failed."""
         d, f, req = self.d, self.flight, self.req
@@ -104,12 +104,12 @@ class AttemptPublisher:
             ireq = bus_request(req.parsed, attempt_id, req.prompt_tokens, req.exact, req.received, self.deadline,
                                self.hashes, d.cfg.prefix_block_tokens, resume)
             headers = self._start_span(attempt_id, resume, left)
+            headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
             self.published.add(attempt_id)
             body = encode(ireq)
-            lane = await d.bus.enqueue(body, headers)
+            await d.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: "1"})
             if f.attempt_id == attempt_id:
-                f.lane, f.enqueued, f.enqueued_at = lane, (attempt_id, body, headers), d.clock.monotonic()
-                f.lanes_used.add(lane)
+                f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), 1
         except Exception as exc:  # logged; the caller answers 503 enqueue_failed
             req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
             return exc

@@ -30,9 +30,9 @@ class IngressConfig(ServiceConfig):
     max_migrations: int = 3
     #: /health: cluster view older than this (ingress receive clock) is stale; 0: the view's own stale_after_ms
     view_stale_after_ms: float = 0.0
-    #: /health: refresh the dispatcher consumer check at most this often
+    #: /health: ping the dispatchers at most this often
     dispatcher_check_interval_s: float = 1.0
-    #: /health: a delivery from the request stream this recent counts as a consuming dispatcher
+    #: /health: a dispatcher's answer to a ping this recent counts as a dispatcher taking requests
     dispatcher_active_window_s: float = 5.0
     #: how often in-flight requests are checked for a client that closed its connection
     disconnect_poll_s: float = 0.2
@@ -48,10 +48,13 @@ class IngressConfig(ServiceConfig):
     outage_grace_s: float = 3.0
     #: NATS unreachable this long: every in-flight request ends with 503 bus_unavailable
     bus_outage_timeout_s: float = 10.0
-    #: an enqueue JetStream did not acknowledge (2 s per try: a stream leader being elected after a
-    #: cluster member died, 4–9 s in nats-server) is re-sent with the same ``Nats-Msg-Id`` (stored
-    #: once) for this long, waiting for a reconnect meanwhile; then 503
+    #: a request no dispatcher took (none answered ``taken`` within 0.5 s, or none subscribes) is sent
+    #: again, the same bus id, for this long, waiting for a reconnect meanwhile; then 503
     enqueue_timeout_s: float = 15.0
+    #: a taken request whose routing gave no sign for this long (no routing event, no error, no
+    #: ``alive`` notice: its dispatcher died or was cut off) is sent again, the same bus id (its
+    #: execution claim keeps copies to one run; kairos/services/ingress/liveness.py)
+    route_stall_s: float = 3.0
     #: admission: requests in flight at this replica at most; more get 429 ``overloaded`` with
     #: ``Retry-After`` at once (shed explicitly, never by letting the bus time out); 0: no limit
     max_in_flight: int = 512
@@ -101,6 +104,7 @@ class IngressConfig(ServiceConfig):
         require(self.engine_kind in ("emulated", "vllm", "vllm-cpu"), "engine_kind",
                 f"must be emulated, vllm or vllm-cpu, got {self.engine_kind!r}")
         require(self.enqueue_timeout_s > 0, "enqueue_timeout_s", "must be > 0")
+        require(self.route_stall_s > 0, "route_stall_s", "must be > 0")
         require(self.max_in_flight >= 0, "max_in_flight", "must be >= 0 (0: no limit)")
         require(self.overload_retry_after_s >= 1, "overload_retry_after_s", "must be >= 1")
         require(self.heartbeat_max_future_ms > 0, "heartbeat_max_future_ms", "must be > 0")

@@ -2,7 +2,7 @@
 
 A request's **flight** (:class:`Flight`) holds its lifecycle (:class:`~.lifecycle.RequestLifecycle`:
 which attempt is followed, where it runs) and the I/O bits: the queue its relay reads, the senders
-its current attempt accepts out events from, its request lane. :class:`Flights` maps each flight's
+its current attempt accepts out events from, how it was sent to the dispatchers. :class:`Flights` maps each flight's
 current attempt id (``<id>``, then ``<id>-r1`` … after a re-submission) to it and takes in the bus
 events addressed to in-flight requests:
 
@@ -12,7 +12,8 @@ events addressed to in-flight requests:
   handed the KV to, a dispatcher for errors); an event of another sender is held until its sender is
   accepted, or refused as forged (``kairos_ingress_forged_messages_total{kind="out_event"}``);
 * **routing events** (``kairos.route.decided``, dispatchers only) tell the flight where its attempt
-  runs (lifecycle, senders, the TTFT the decision predicted) and which request lane delivered it.
+  runs (lifecycle, senders, the TTFT the decision predicted);
+* **notices** (the attempt's notice subject, dispatchers only): the routing of a queued attempt goes on.
 
 Besides its bus events, the relay's queue receives the watchers' verdicts (:mod:`.liveness`): the
 queue items below. No I/O here beyond handing events to queues.
@@ -32,7 +33,6 @@ from kairos.core.cluster.heartbeat import Liveness
 from kairos.core.cluster.recent import RecentIds
 from kairos.core.vocabulary import PathKind
 from kairos.runtime.clock import Clock
-from kairos.runtime.lanes import LanePicker
 from kairos.runtime.messaging import decoded
 from kairos.services.ingress.lifecycle import RequestLifecycle
 from kairos.services.ingress.senders import Senders
@@ -98,13 +98,12 @@ class Flight:
     predicted: tuple[PathKind, float] | None = None
     #: whose out events the current attempt accepts (the node its job went to, ...)
     senders: Senders = field(default_factory=lambda: Senders(""))
-    #: the request lane the current attempt was last enqueued on (kairos/runtime/lanes.py), when, what was
-    #: published (attempt id, bytes, headers: a stalled lane's requests are enqueued again elsewhere,
-    #: the same bytes and bus id), and every lane holding a copy of it (none is used twice)
-    lane: int | None = None
-    enqueued_at: float = 0.0
+    #: what the current attempt was sent to the dispatchers as (attempt id, bytes, headers: a routing
+    #: gone silent is sent again, the same bytes and bus id), the last sign of its routing (monotonic
+    #: s: a replica took it, or said it goes on) and how many times it was sent
     enqueued: tuple[str, bytes, dict[str, str]] | None = None
-    lanes_used: set[int] = field(default_factory=set)
+    enqueued_at: float = 0.0
+    deliveries: int = 0
     moving: bool = False
 
     @property
@@ -117,14 +116,13 @@ class Flight:
         return not (self.lost or self.client_gone or self.lc.ended)
 
     def new_attempt(self, attempt_id: str) -> None:
-        """Forget what concerned the previous attempt (its liveness evidence, prediction, senders, lane)."""
+        """Forget what concerned the previous attempt (its liveness evidence, prediction, senders, routing)."""
         self.lost = self.checking = False
         self.quiet_deadline = None
         self.dep_epochs.clear()
         self.predicted = None
         self.senders = Senders(attempt_id)
-        self.lane, self.enqueued = None, None  # nothing of the previous attempt is moved
-        self.lanes_used.clear()
+        self.enqueued, self.deliveries = None, 0  # nothing of the previous attempt is sent again
 
 
 class Flights:
@@ -133,13 +131,12 @@ class Flights:
     Args:
         origin: refuses (counts, logs) out events whose sender the bus does not prove.
         liveness: node liveness (a token is a sign of life of its node; a routed node is watched).
-        lanes: the request lanes (a routing event says its lane delivers).
-        clock: monotonic s for the liveness tracker and the lanes.
+        clock: monotonic s for the liveness tracker and the routings' last signs.
         log: the service's structured logger.
     """
 
-    def __init__(self, origin: OriginGuard, liveness: Liveness, lanes: LanePicker, clock: Clock, log: Any) -> None:
-        self.origin, self.liveness, self.lanes, self.clock, self.log = origin, liveness, lanes, clock, log
+    def __init__(self, origin: OriginGuard, liveness: Liveness, clock: Clock, log: Any) -> None:
+        self.origin, self.liveness, self.clock, self.log = origin, liveness, clock, log
         self._by_attempt: dict[str, Flight] = {}
         #: attempts this ingress gave up (moved, re-submitted, ended) lately: their late events are fenced
         self.abandoned = RecentIds(ABANDONED_REMEMBERED)
@@ -204,6 +201,13 @@ class Flights:
         elif isinstance(ev, TokenEvent):  # it streams from its node: nothing held can be accepted any more
             self.refuse_held(f)
 
+    async def on_notice(self, msg: Any) -> None:
+        """A dispatcher's notice on an attempt's notice subject (``alive``: its routing goes on):
+        the attempt is not sent again for :attr:`IngressConfig.route_stall_s` (.liveness)."""
+        f = self._by_attempt.get(msg.subject.rpartition(".")[2])
+        if f is not None and f.enqueued is not None and f.enqueued[0] == f.attempt_id:
+            f.enqueued_at = self.clock.monotonic()
+
     async def on_routed(self, msg: Any) -> None:
         """A routing event: the node that accepted the job of an attempt (or holds its claim)."""
         try:
@@ -214,9 +218,6 @@ class Flights:
         if f is None:
             return
         f.lc.on_routed(ev.request_id, ev.kind, ev.node)
-        lane = ev.lane if ev.lane is not None and 0 <= ev.lane < self.lanes.lanes else f.lane
-        if lane is not None:  # the lane the routed copy came from delivers (not the one it may have moved to)
-            self.lanes.delivered(lane, self.clock.monotonic())
         if ev.request_id == f.attempt_id:
             f.predicted = (None if ev.predicted_ttft_ms is None
                            else (ev.kind, ev.predicted_ttft_ms))

@@ -19,8 +19,8 @@ Every ``disconnect_poll_s`` (:meth:`FlightWatch.run`):
   agent tries the other candidates;
 * **quiet streams**: after a reconnect, a routed request with no event for ``outage_grace_s`` lost
   its stream; a queued one whose execution claim exists (a node took it meanwhile) too;
-* **lanes**: a queued request whose request lane stalled (its NATS member died) is enqueued again on
-  another lane, the same bytes and bus id (kairos/runtime/lanes.py);
+* **routings**: a queued request whose routing went silent (its dispatcher died, or its NATS member)
+  is sent to the dispatchers again, the same bytes and bus id;
 * **bus down**: NATS unreachable for ``bus_outage_timeout_s`` ends every request (503 ``bus_unavailable``).
 
 A watcher that wakes :data:`LOOP_STALL_S` late means this process stalled: the nodes' silence over
@@ -38,7 +38,6 @@ from kairos.contracts.records import PrefillTiming
 from kairos.core.cluster.heartbeat import HeartbeatGuard, Liveness, accept_heartbeat
 from kairos.core.vocabulary import KEEP
 from kairos.runtime.clock import Clock
-from kairos.runtime.lanes import LanePicker
 from kairos.runtime.resources import BackgroundTasks
 from kairos.services.ingress.config import IngressConfig
 from kairos.services.ingress.flights import BusDown, ClientGone, Flight, Flights, Interrupted, NodeLost
@@ -59,15 +58,14 @@ class FlightWatch:
         cfg: the ingress's configuration (timeouts, poll interval).
         flights: the in-flight registry.
         liveness: node liveness, fed by heartbeats here and by tokens (:mod:`.flights`).
-        lanes: the request lanes.
-        bus: the bus operations (prefill records, claims, re-enqueue on another lane).
+        bus: the bus operations (prefill records, claims, sending a request again).
         metrics, origin, bg, clock, log: the service's metrics, origin guard, background tasks,
             clocks and logger.
     """
 
-    def __init__(self, cfg: IngressConfig, flights: Flights, liveness: Liveness, lanes: LanePicker, bus: IngressBus,
+    def __init__(self, cfg: IngressConfig, flights: Flights, liveness: Liveness, bus: IngressBus,
                  metrics: IngressMetrics, origin: OriginGuard, bg: BackgroundTasks, clock: Clock, log: Any) -> None:
-        self.cfg, self.flights, self.liveness, self.lanes, self.bus = cfg, flights, liveness, lanes, bus
+        self.cfg, self.flights, self.liveness, self.bus = cfg, flights, liveness, bus
         self.m, self.origin, self.bg, self.clock, self.log = metrics, origin, bg, clock, log
         self.guard = HeartbeatGuard(max_future_ms=cfg.heartbeat_max_future_ms)
         self.roles: dict[str, str] = {}  #: node -> role (heartbeats, views)
@@ -134,10 +132,10 @@ class FlightWatch:
                 f.queue.put_nowait(ClientGone())
 
     def check(self) -> None:
-        """Dead nodes, streams silent after a reconnect, stalled lanes, a bus down too long."""
+        """Dead nodes, streams silent after a reconnect, silent routings, a bus down too long."""
         self.check_liveness()
         self.check_quiet()
-        self.check_lanes()
+        self.check_routes()
         since = self.bus.disconnected_since()
         if since is not None and self.clock.monotonic() - since > self.cfg.bus_outage_timeout_s:
             for f in self.flights.values():
@@ -237,42 +235,34 @@ class FlightWatch:
         f.queue.put_nowait(Interrupted(attempt_id, f"node {claim.node} took it and nothing arrived for "
                                                    f"{self.cfg.outage_grace_s:g} s after the bus came back"))
 
-    def check_lanes(self) -> None:
-        """Queued requests whose lane stalled (its member died: :meth:`LanePicker.stalled`) are
-        enqueued again on another lane (:meth:`_move`)."""
+    def check_routes(self) -> None:
+        """Queued attempts whose routing went silent (:attr:`IngressConfig.route_stall_s` since a
+        dispatcher took it or last said it goes on: it died or was cut off) are sent again
+        (:meth:`_resend`)."""
         now = self.clock.monotonic()
         for f in self.flights.values():
-            if (f.lane is not None and not f.moving and f.enqueued is not None and f.enqueued[0] == f.attempt_id
-                    and f.lc.phase is Phase.QUEUED and f.watched
-                    and len(f.lanes_used) < self.lanes.lanes and self.lanes.stalled(f.lane, f.enqueued_at, now)):
+            if (not f.moving and f.enqueued is not None and f.enqueued[0] == f.attempt_id
+                    and f.lc.phase is Phase.QUEUED and f.watched and now - f.enqueued_at > self.cfg.route_stall_s):
                 f.moving = True
-                self.bg.spawn(self._move(f, f.attempt_id), "move_lane")
+                self.bg.spawn(self._resend(f, f.attempt_id), "resend_route")
 
-    async def _move(self, f: Flight, attempt_id: str) -> None:
-        """Publish attempt ``attempt_id`` again on another lane, the same bytes and bus id: the
-        first copy a dispatcher routes runs, the other meets its claim (``claimed``) and is
-        only acknowledged. Never raises; a lane that fails too is tried again on the next check."""
-        assert f.enqueued is not None and f.lane is not None
+    async def _resend(self, f: Flight, attempt_id: str) -> None:
+        """Send attempt ``attempt_id`` to the dispatchers again, the same bytes and bus id: the copy
+        that reaches a node first runs, another meets its claim (``claimed``). Never raises; a send
+        that fails is tried again on a later check."""
+        assert f.enqueued is not None
         _, body, headers = f.enqueued
         try:
-            for lane in self.lanes.others(f.lane, self.clock.monotonic()):
-                if lane in f.lanes_used:
-                    continue
-                if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
-                    return
-                try:
-                    await self.bus.publish_on_lane(lane, body, headers)
-                except Exception as exc:  # that lane is down too: the next one, or the next check
-                    self.log.info("lane_move_failed", request_id=attempt_id, lane=lane, error=repr(exc))
-                    self.lanes.down(lane, self.clock.monotonic())
-                    continue
-                if f.attempt_id != attempt_id:  # re-submitted meanwhile: its own lane stays
-                    return
-                self.log.info("request_moved_lane", request_id=attempt_id, from_lane=f.lane, to_lane=lane)
-                self.m.lane_moves.inc()
-                f.lane = lane
-                f.lanes_used.add(lane)
+            if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
                 return
+            await self.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: str(f.deliveries + 1)})
+            if f.attempt_id != attempt_id:  # re-submitted meanwhile
+                return
+            f.deliveries += 1
+            self.log.info("request_resent", request_id=attempt_id, deliveries=f.deliveries)
+            self.m.route_resends.inc()
+        except Exception as exc:  # no dispatcher took it: the next check tries again
+            self.log.info("route_resend_failed", request_id=attempt_id, error=repr(exc))
         finally:
             if f.attempt_id == attempt_id:
                 f.enqueued_at = self.clock.monotonic()

@@ -2,7 +2,7 @@
 vLLM-named ``kairos:*`` families; the Grafana dashboards in ops/grafana read them).
 
 Where data comes from: the relay of each request (TTFT, TBT, end-to-end, errors by code), the
-watchers of in-flight requests (nodes lost, streams interrupted, lane moves), the heartbeat intake
+watchers of in-flight requests (nodes lost, streams interrupted, routings sent again), the heartbeat intake
 and the HTTP layer (auth failures, slow clients, overload shedding). Where it goes: ``GET /metrics``.
 
 The request-level families of vLLM 0.32's frontend (:class:`VllmRequestMetrics`) are exported under
@@ -86,9 +86,9 @@ class IngressMetrics:
                             "Requests refused with 429 overloaded (max_in_flight reached)", registry=reg)
         self.enqueue_retries = Counter("kairos_ingress_enqueue_retries_total",
                                        "Enqueues re-sent because JetStream gave no acknowledgement", registry=reg)
-        self.lane_moves = Counter("kairos_ingress_lane_moves_total",
-                                  "Queued requests enqueued again on another request lane (theirs stalled: its "
-                                  "NATS member died)", registry=reg)
+        self.route_resends = Counter("kairos_ingress_route_resends_total",
+                                     "Queued requests sent to the dispatchers again (their routing went silent: "
+                                     "its dispatcher or NATS member died)", registry=reg)
         #: issue 33: requests continued on another node once output had reached the client (Dynamo's
         #: migration), by the code of why their node was left
         migrations = Counter("kairos:request_migrations", "Requests continued on another node after output "

@@ -1,10 +1,12 @@
 """The ingress's bus operations on NATS: :class:`~.ports.IngressBus` over one connection.
 
-* **enqueue**: an attempt is published to a request lane (``kairos.req.new.<lane>``, one JetStream
-  stream per NATS member, kairos/runtime/lanes.py) and acknowledged by JetStream; lanes are tried in
-  turn, a lane that does not answer is marked down and the next one tried with the same
-  ``Nats-Msg-Id``; while the connection is down (a failover to another member) the enqueue waits
-  for it, at most :data:`RECONNECT_WAIT_S` of outage;
+* **enqueue**: an attempt is sent to the dispatchers' queue group (core NATS request-reply on
+  ``kairos.req.route``, kairos/services/dispatcher/intake.py) and counts as taken once a replica
+  answers ``taken``; no answer in :data:`TAKEN_TIMEOUT_S` sends it again at once (same bus id: the
+  execution claim keeps copies to one run), no dispatcher at all is retried every
+  :data:`NO_DISPATCHER_RETRY_S`; while the connection is down (a failover to another member) the
+  enqueue waits for it, at most :data:`RECONNECT_WAIT_S` of outage. Nothing is stored on the way;
+* **ping**: one ping of the queue group (``/health``);
 * **cancel**: core NATS ``kairos.cancel`` to every node;
 * **tombstones**: an attempt answered with an error before any node took it gets its tombstone
   claim (kairos/runtime/claims.py ``withdraw``), so no node runs it later;
@@ -27,15 +29,18 @@ from kairos.contracts.wire import Claim, decode, WireError
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
 from kairos.runtime.clock import Clock
-from kairos.runtime.lanes import LanePicker
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.services.ingress.metrics import IngressMetrics
 
 T = TypeVar("T")
 
-#: with several request lanes, a publish to one waits this long (s) for JetStream's acknowledgement
-#: before the next lane is tried (the acknowledgement takes milliseconds while the lane's member lives)
-LANE_PUBLISH_TIMEOUT_S = 1.0
+#: how long a replica has to answer ``taken`` (s) before the request is sent again (a replica answers
+#: within milliseconds while its process and member live)
+TAKEN_TIMEOUT_S = 0.5
+#: with no dispatcher subscribed (none started yet, or all restarting), the next try after this (s)
+NO_DISPATCHER_RETRY_S = 0.1
+#: how long a ping of the dispatchers waits for an answer (s)
+PING_TIMEOUT_S = 1.0
 #: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
 #: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
 RECONNECT_WAIT_S = 2.0
@@ -50,11 +55,6 @@ UNRESPONSIVE_PONG_S = 1.0
 #: how long that PING's waiter stays in nats-py's queue (s): far past the ping-out, so the connection
 #: is gone (its waiters with it) before this could cancel one whose PONG is still to come
 PONG_LATE_S = 3600.0
-#: what a lane that does not take a publish raises (no stream: its member is down; no acknowledgement)
-LANE_ERRORS = (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
-               nats.js.errors.ServiceUnavailableError)
-
-
 class _OutSub:
     """One attempt's out-event subscription; a failed unsubscribe is logged."""
 
@@ -73,18 +73,19 @@ class NatsIngressBus:
 
     Args:
         nc: the connected client; ``js`` its JetStream context.
-        lanes: the request lanes' picker (which to try, which are down).
+        members: NATS servers of the deployment (1: a single server, whose freeze ends an enqueue at once).
         claims: the claim buckets (None: read as no claim, no tombstone written).
         watch: the connection's :class:`BusWatch` (when the connection was lost).
         enqueue_timeout_s: how long an enqueue keeps trying (``KAIROS_ENQUEUE_TIMEOUT_S``).
         metrics, clock, log: the ingress's metrics (enqueue retries), clocks and logger.
     """
 
-    def __init__(self, nc: Any, js: Any, lanes: LanePicker, claims: ClaimQuorum | None, watch: BusWatch | None,
+    def __init__(self, nc: Any, js: Any, members: int, claims: ClaimQuorum | None, watch: BusWatch | None,
                  enqueue_timeout_s: float, metrics: IngressMetrics, clock: Clock, log: Any) -> None:
-        self.nc, self.js, self.lanes, self.claims, self.watch = nc, js, lanes, claims, watch
+        self.nc, self.js, self.members, self.claims, self.watch = nc, js, members, claims, watch
         self.enqueue_timeout_s, self.m, self.clock, self.log = enqueue_timeout_s, metrics, clock, log
         self.requests: Any = None  #: the requests bucket (set at every declare: start and reconnects)
+        self.notices = ""  #: the prefix of the attempts' notice subjects (:meth:`notice_subject`; set at start)
 
     @property
     def max_payload(self) -> int:
@@ -93,34 +94,31 @@ class NatsIngressBus:
     def disconnected_since(self) -> float | None:
         return self.watch.disconnected_since if self.watch is not None else None
 
+    def notice_subject(self, attempt_id: str) -> str:
+        """Where the dispatcher routing ``attempt_id`` sends its ``alive`` notices (one wildcard
+        subscription of this ingress, :attr:`notices` ``.*``)."""
+        return f"{self.notices}.{attempt_id}"
+
     async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
-        """Publish one request to a request lane (kairos/runtime/lanes.py), acknowledged by JetStream;
-        returns the lane. Lanes are tried in turn (:meth:`LanePicker.order`); one that finds no
-        stream (its member is down: no responders) or gives no acknowledgement within
-        :data:`LANE_PUBLISH_TIMEOUT_S` (2 s with a single lane) is marked down and the next is
-        tried at once, with the same ``Nats-Msg-Id`` (a lane keeps one copy within its 120 s
-        duplicate window; copies on two lanes meet one execution claim). With every lane failing
-        it starts over every 0.1 s until ``enqueue_timeout_s`` has passed; while the
-        connection is down (nats-py reconnecting to another member) it waits for it, polling every
-        50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that raises at once.
-        With a single server, a publish that timed out on a server that does not answer a PING
-        either (:data:`UNRESPONSIVE_PONG_S`: frozen, not merely slow) raises at once, on the open
-        connection. With several members it does not: the member may be frozen or swamped for a
-        moment (an unanswered PING is also what an ingress whose own event loop was starved sees),
-        and the request goes on to the next lane, and to another member once nats-py fails the
-        connection over (issue 32: a member frozen for 3 s, or a loaded machine, had requests
-        answered ``enqueue_failed`` while two members were up; 21 of 242 in the frozen case).
-        Then the last error is raised (the caller answers 503 ``enqueue_failed``); a closed
-        connection raises at once.
+        """Send one request to the dispatchers' queue group until a replica answers ``taken``
+        (module docstring); returns 0. No answer within :data:`TAKEN_TIMEOUT_S` sends it again at
+        once (the same bus id: the execution claim keeps copies to one run); no dispatcher
+        subscribed is tried again every :data:`NO_DISPATCHER_RETRY_S`, until ``enqueue_timeout_s``.
+        While the connection is down (nats-py reconnecting to another member) it waits for it,
+        polling every 50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that
+        raises at once. With a single server, a request that timed out on a server that does not
+        answer a PING either (:data:`UNRESPONSIVE_PONG_S`: frozen, not merely slow) raises at once,
+        on the open connection. With several members it does not: the member may be frozen or
+        swamped for a moment (issue 32), and the request goes to another member once nats-py fails
+        the connection over. Then the last error is raised (the caller answers 503
+        ``enqueue_failed``); a closed connection raises at once.
 
         Raises:
             ConnectionError: not connected to NATS when the time was up.
-            nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error: the
-                last try's error.
+            nats.errors.TimeoutError, nats.errors.NoRespondersError: the last try's error.
         """
         mono = self.clock.monotonic
         deadline = mono() + self.enqueue_timeout_s
-        per_try = LANE_PUBLISH_TIMEOUT_S if self.lanes.lanes > 1 else 2.0
         while True:
             while not self.nc.is_connected and not self.nc.is_closed and mono() < deadline:
                 since = self.disconnected_since()
@@ -129,20 +127,34 @@ class NatsIngressBus:
                 await self.clock.sleep(0.05)
             if not self.nc.is_connected:
                 raise ConnectionError("the ingress is not connected to NATS")
-            for lane in self.lanes.order(mono()):
-                try:
-                    await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),
-                                          timeout=min(per_try, max(0.1, deadline - mono())))
-                    return lane
-                except LANE_ERRORS as exc:
-                    self.lanes.down(lane, mono())
-                    if self.nc.is_closed or mono() + 0.1 >= deadline:
-                        raise
-                    if (self.lanes.lanes == 1 and isinstance(exc, nats.errors.TimeoutError)
-                            and not await self._answers_ping()):
-                        raise  # the one server is frozen: give up while the connection is open
-                    self.m.enqueue_retries.inc()
-            await self.clock.sleep(0.1)
+            try:
+                await self.nc.request(S.ROUTE_SUBJECT, body, headers=headers,
+                                      timeout=min(TAKEN_TIMEOUT_S, max(0.05, deadline - mono())))
+                return 0
+            except nats.errors.NoRespondersError:
+                if self.nc.is_closed or mono() + NO_DISPATCHER_RETRY_S >= deadline:
+                    raise
+                await self.clock.sleep(NO_DISPATCHER_RETRY_S)
+            except nats.errors.TimeoutError:
+                if self.nc.is_closed or mono() + 0.05 >= deadline:
+                    raise
+                if self.members == 1 and not await self._answers_ping():
+                    raise  # the one server is frozen: give up while the connection is open
+            self.m.enqueue_retries.inc()
+
+    async def ping_dispatchers(self) -> str | None:
+        """Ping the dispatchers' queue group once: None when a replica answered, else why not."""
+        if not self.nc.is_connected:
+            return "disconnected"
+        try:
+            await self.nc.request(S.ROUTE_SUBJECT, b"", headers={S.PING_HEADER: "1"}, timeout=PING_TIMEOUT_S)
+        except nats.errors.NoRespondersError:
+            return "no_responders"
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return "timeout"
+        except nats.errors.Error as exc:  # disconnected meanwhile
+            return repr(exc)
+        return None
 
     async def _answers_ping(self) -> bool:
         """Whether the server answers a PING within :data:`UNRESPONSIVE_PONG_S`.
@@ -157,10 +169,6 @@ class NatsIngressBus:
         if not await self.clock.wait_event(answered, UNRESPONSIVE_PONG_S):
             return False
         return ping.cancelled() or not isinstance(ping.exception(), nats.errors.TimeoutError)
-
-    async def publish_on_lane(self, lane: int, body: bytes, headers: dict[str, str]) -> None:
-        await self.js.publish(S.request_subject(lane), body, headers=headers, stream=S.request_stream(lane),
-                              timeout=LANE_PUBLISH_TIMEOUT_S)
 
     async def subscribe_out(self, attempt_id: str, cb: Callable[[Any], Awaitable[None]]) -> _OutSub:
         return _OutSub(await self.nc.subscribe(S.out_wildcard(attempt_id), cb=cb), self.log)

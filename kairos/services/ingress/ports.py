@@ -3,7 +3,7 @@
 The relay of a request (:mod:`.relay`), the watchers of in-flight requests (:mod:`.liveness`), the
 timing records and the records endpoint (:mod:`.records`) reach NATS only through
 :class:`IngressBus`. The service (:mod:`.service`) hands them :class:`~.nats_bus.NatsIngressBus`
-(JetStream request lanes, core-NATS cancels, the claim buckets, the requests bucket); a unit test
+(requests to the dispatchers' queue group, core-NATS cancels, the claim buckets, the requests bucket); a unit test
 hands them a fake that records what was sent (tests/unit/test_ingress_relay.py), so their protocol
 logic runs without a nats-server. Their clocks come the same way (:class:`kairos.runtime.clock.Clock`).
 """
@@ -39,19 +39,18 @@ class IngressBus(Protocol):
         """``time.monotonic()`` when the connection was lost, None while connected."""
 
     async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
-        """Publish one attempt (an encoded :class:`~kairos.contracts.wire.InferenceRequest`) to a
-        request lane, acknowledged by JetStream; returns the lane.
+        """Send one attempt (an encoded :class:`~kairos.contracts.wire.InferenceRequest`) to the
+        dispatchers until one takes it; returns 0 (kairos/services/ingress/nats_bus.py).
 
         Raises:
-            Exception: no lane acknowledged it in time (the caller answers 503 ``enqueue_failed``).
+            Exception: no dispatcher took it in time (the caller answers 503 ``enqueue_failed``).
         """
 
-    async def publish_on_lane(self, lane: int, body: bytes, headers: dict[str, str]) -> None:
-        """Publish the same attempt again on request lane ``lane`` (a stalled lane's request moves).
+    def notice_subject(self, attempt_id: str) -> str:
+        """The subject the dispatcher routing ``attempt_id`` sends its ``alive`` notices to."""
 
-        Raises:
-            Exception: the lane did not acknowledge it.
-        """
+    async def ping_dispatchers(self) -> str | None:
+        """Ping the dispatchers once: None when one answered, else why not."""
 
     async def subscribe_out(self, attempt_id: str, cb: Callable[[Any], Awaitable[None]]) -> OutSubscription:
         """Deliver the out events of ``attempt_id`` to ``cb`` (a message with ``subject``, ``data``,

@@ -5,21 +5,19 @@ NATS (``kairos.view``, as the aggregator built it; the view bucket's last view i
 and after a reconnect, kairos.runtime.messaging.last_view); the newest is kept
 (:func:`kairos.services.state_aggregator.view.newer`), decoded into :class:`ReadyView` — the few fields
 read here, not every node's queues (a cost per node per view: 10 views/s of 288 nodes at fleet
-scale, ``bench/view_costs.py``). And the dispatchers' consumers of the request lanes (JetStream
-consumer info). Where it goes: ``GET /health`` — 200 only when everything a request
+scale, ``bench/view_costs.py``). And whether a dispatcher answers a ping on the queue group it takes
+requests from. Where it goes: ``GET /health`` — 200 only when everything a request
 needs is there (NATS connected, a fresh view with a routable prefill and decode node, a dispatcher
-consuming the request lanes), else 503 with every reason listed — and the view's node roles to the
+taking requests), else 503 with every reason listed — and the view's node roles to the
 liveness watchers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 from typing import Any, Awaitable, Callable
 
 import msgspec
-import nats.js.errors
 import orjson
 from aiohttp import web
 
@@ -63,17 +61,17 @@ class Readiness:
     Args:
         cfg: the ingress's configuration (staleness, the dispatcher check's interval and window).
         connected: whether NATS is connected now.
-        consumer_infos: the dispatchers' consumer info of every request lane (an exception in place
-            of a lane that did not answer; kairos/runtime/lanes.py ``consumer_infos``).
+        ping_dispatchers: pings the dispatchers' queue group once: None when one answered, else why
+            not (``no_responders``: none subscribes; ``timeout``; ``disconnected``).
         on_view: called with each newer view, as a :class:`ReadyView` (the liveness watchers learn
             the nodes' roles).
         clock, log: clocks and the service's logger.
     """
 
     def __init__(self, cfg: IngressConfig, connected: Callable[[], bool],
-                 consumer_infos: Callable[[], Awaitable[list]], on_view: Callable[[ReadyView], None],
+                 ping_dispatchers: Callable[[], Awaitable[str | None]], on_view: Callable[[ReadyView], None],
                  clock: Clock, log: Any) -> None:
-        self.cfg, self.connected, self.consumer_infos, self.on_view = cfg, connected, consumer_infos, on_view
+        self.cfg, self.connected, self.ping_dispatchers, self.on_view = cfg, connected, ping_dispatchers, on_view
         self.clock, self.log = clock, log
         self.ready: ReadyView | None = None  #: the newest view received (what /health reads of it)
         self.view_rx: float | None = None  #: monotonic s when the last view arrived
@@ -81,7 +79,7 @@ class Readiness:
         self._full: ClusterView | None = None  #: :attr:`view`, once decoded
         self._disp: dict | None = None  #: cached dispatcher-consumer check
         self._disp_at = 0.0
-        self._waiting_seen: float | None = None  #: monotonic s when a dispatcher's pull request was last seen waiting
+        self._waiting_seen: float | None = None  #: monotonic s when a dispatcher last answered a ping
         self._disp_lock = asyncio.Lock()
 
     # -- the view ----------------------------------------------------------------------------------
@@ -131,7 +129,7 @@ class Readiness:
     async def health(self, _req: web.Request) -> web.Response:
         """Readiness (docs/services.md): 200 only when everything a request needs is there —
         NATS connected, a fresh cluster view (the aggregator is alive) with at least one routable
-        prefill and decode node, and a dispatcher consuming the request stream; otherwise 503 with
+        prefill and decode node, and a dispatcher taking requests; otherwise 503 with
         every reason listed."""
         connected = self.connected()
         reasons: list[dict[str, str]] = []
@@ -153,7 +151,7 @@ class Readiness:
         disp = await self.dispatcher_check() if connected else {"consuming": False, "detail": "not connected"}
         if connected and not disp["consuming"]:
             reasons.append({"code": "no_dispatcher",
-                            "message": f"no dispatcher is consuming the request stream ({disp['detail']})"})
+                            "message": f"no dispatcher is taking requests ({disp['detail']})"})
         status = reasons[0]["code"] if reasons else "ok"
         body = {"status": status, "reasons": reasons,
                 "routable": {"prefill": [n.node for n in pfs], "decode": [n.node for n in dcs]},
@@ -163,32 +161,32 @@ class Readiness:
         return web.Response(body=orjson.dumps(body), status=503 if reasons else 200, content_type="application/json")
 
     async def dispatcher_check(self) -> dict:
-        """Is some dispatcher consuming the work queue? Cached ``dispatcher_check_interval_s``.
+        """Is some dispatcher taking requests? Cached ``dispatcher_check_interval_s``.
 
-        Rule: the shared consumer has a pull request waiting (``num_waiting`` > 0; an idle
-        dispatcher always has one outstanding) or delivered a message within
-        ``dispatcher_active_window_s`` (a busy one). A zero ``num_waiting`` is re-read once after
-        100 ms, as a dispatcher renews its pull request every second; still zero, a pull request seen
-        waiting within ``dispatcher_active_window_s`` counts (a dispatcher between two pulls on a
-        loaded machine is consuming: without it /health flapped to 503 under load). The first one must
-        be seen: right after start, /health is 503 until a dispatcher pulls.
+        Rule: a ping on ``kairos.req.route`` (the dispatchers' queue group, header ``Kairos-Ping``) is
+        answered within a second. A first ping unanswered is sent again once (a replica busy for a
+        moment); then a ping answered within ``dispatcher_active_window_s`` counts (a loaded machine:
+        without it /health flapped to 503 under load). The first one must be answered: right after
+        start, /health is 503 until a dispatcher subscribes.
         """
         if (cached := self._cached()) is not None:
             return cached
         async with self._disp_lock:
             if (cached := self._cached()) is not None:
                 return cached
-            out = await self._consumer_state()
-            if not out["consuming"] and out.get("num_waiting") == 0:
-                await self.clock.sleep(0.1)
-                out = await self._consumer_state()
+            why = await self.ping_dispatchers()
+            if why is not None and why != "no_responders":
+                why = await self.ping_dispatchers()
             now = self.clock.monotonic()
-            if out.get("num_waiting"):
+            if why is None:
                 self._waiting_seen = now
-            elif out.get("num_waiting") == 0 and not out["consuming"] and self._waiting_seen is not None \
-                    and now - self._waiting_seen <= self.cfg.dispatcher_active_window_s:
-                out = {**out, "consuming": True,
-                       "detail": f"ok: a pull request was waiting {now - self._waiting_seen:.1f} s ago"}
+                out = {"consuming": True, "detail": "ok"}
+            elif self._waiting_seen is not None and now - self._waiting_seen <= self.cfg.dispatcher_active_window_s:
+                out = {"consuming": True, "detail": f"ok: a dispatcher answered {now - self._waiting_seen:.1f} s ago"}
+            elif why == "no_responders":
+                out = {"consuming": False, "detail": f"no dispatcher subscribes to {S.ROUTE_SUBJECT!r}"}
+            else:
+                out = {"consuming": False, "detail": f"no dispatcher answered a ping on {S.ROUTE_SUBJECT!r} ({why})"}
             self._disp, self._disp_at = out, now
             return out
 
@@ -196,26 +194,3 @@ class Readiness:
         if self._disp is not None and self.clock.monotonic() - self._disp_at < self.cfg.dispatcher_check_interval_s:
             return self._disp
         return None
-
-    async def _consumer_state(self) -> dict:
-        """The dispatchers' consumers on every request lane, read at once; a lane that does not
-        answer (its member is down) is left out while another answers."""
-        infos = await self.consumer_infos()
-        ok = [i for i in infos if not isinstance(i, BaseException)]
-        if not ok:
-            if all(isinstance(i, nats.js.errors.NotFoundError) for i in infos):
-                return {"consuming": False, "detail": f"consumer {S.DISPATCHER_CONSUMER!r} on stream "
-                                                      f"{S.REQUEST_STREAM!r} does not exist: no dispatcher ever started"}
-            self.log.warning("consumer_info_failed", error=repr(infos[0]))  # the body names no exception
-            return {"consuming": False, "detail": "the consumer state could not be read from JetStream"}
-        waiting = sum(i.num_waiting or 0 for i in ok)
-        lasts = [i.delivered.last_active for i in ok if i.delivered is not None and i.delivered.last_active]
-        since = None
-        if lasts:
-            since = round((datetime.datetime.now(datetime.timezone.utc) - max(lasts)).total_seconds(), 3)
-        window = self.cfg.dispatcher_active_window_s
-        consuming = waiting > 0 or (since is not None and since <= window)
-        detail = "ok" if consuming else f"no pull request waiting and no delivery in the last {window:g} s"
-        return {"consuming": consuming, "detail": detail, "num_waiting": waiting, "last_delivery_s_ago": since,
-                "num_pending": sum(i.num_pending or 0 for i in ok),
-                "num_ack_pending": sum(i.num_ack_pending or 0 for i in ok), "lanes_answering": len(ok)}

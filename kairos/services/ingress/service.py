@@ -1,4 +1,4 @@
-"""Ingress: OpenAI HTTP in, requests onto the JetStream request lanes, token streams back out.
+"""Ingress: OpenAI HTTP in, requests to the dispatchers' queue group (core NATS), token streams back out.
 
 The composition root: :class:`Ingress` builds the parts, connects them to NATS and HTTP at
 :meth:`Ingress.start`, and lets go of them in reverse order at :meth:`Ingress.close`
@@ -10,10 +10,10 @@ The composition root: :class:`Ingress` builds the parts, connects them to NATS a
 :mod:`.relay`               one request: submit, follow its events through its lifecycle, answer (SSE)
 :mod:`.lifecycle`           the rules of a request's life (a pure state machine)
 :mod:`.flights`             the in-flight registry; out and routing events to the right request
-:mod:`.liveness`            heartbeats; watchers: clients gone, nodes lost, quiet streams, lanes, bus down
+:mod:`.liveness`            heartbeats; watchers: clients gone, nodes lost, quiet streams, silent routings, bus down
 :mod:`.readiness`           the cluster view and ``/health``
 :mod:`.records`             the ingress record and the ``/v1/requests/{id}`` merge
-:mod:`.nats_bus`            :class:`~.ports.IngressBus` on NATS (enqueue on lanes, cancel, tombstones, records)
+:mod:`.nats_bus`            :class:`~.ports.IngressBus` on NATS (requests to the dispatchers, cancel, tombstones, records)
 :mod:`.openai_api`          OpenAI parameters, validation, prompt counting, response bodies
 ==========================  =========================================================================
 
@@ -47,8 +47,7 @@ from kairos.runtime.claims import ClaimQuorum
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.envconfig import ConfigError
 from kairos.runtime.messaging import last_view, publish
-from kairos.runtime.lanes import (LanePicker, check_lane_count, claim_buckets, consumer_infos, declare_each,
-                                  ensure_claim_buckets, ensure_lane, lane_count)
+from kairos.runtime.lanes import check_lane_count, claim_buckets, ensure_claim_buckets, lane_count
 from kairos.runtime.resources import BackgroundTasks, Resources
 from kairos.runtime.service import run_service
 from kairos.runtime.streams import ensure_buckets
@@ -106,10 +105,10 @@ class Ingress:
                                 max_model_len=self.max_model_len, flights=lambda: self.flights.values())
         self.origin = OriginGuard(forged_counter("ingress", self.tel.registry), self.log)
         self.liveness = Liveness(timeout_ms=cfg.liveness_timeout_s * 1000.0)
-        self.lanes = LanePicker(lane_count(cfg))  #: request lanes, one per NATS member (kairos/runtime/lanes.py)
+        self.members = lane_count(cfg)  #: NATS members = claim buckets (kairos/runtime/lanes.py)
         self.api_keys = load_api_keys(cfg.api_keys, cfg.api_key_file)
-        self.flights = Flights(self.origin, self.liveness, self.lanes, clock, self.log)
-        self.readiness = Readiness(cfg, self._connected, self._consumer_infos, self._on_view, clock, self.log)
+        self.flights = Flights(self.origin, self.liveness, clock, self.log)
+        self.readiness = Readiness(cfg, self._connected, self._ping_dispatchers, self._on_view, clock, self.log)
         self.nc: Any = None
         self.js: Any = None
         self.claims: ClaimQuorum | None = None
@@ -127,7 +126,7 @@ class Ingress:
     def assemble(self, bus: IngressBus) -> None:
         """Wire the parts that use the bus: the watchers, the relays' dependencies, the endpoints."""
         self.bus = bus
-        self.watch = FlightWatch(self.cfg, self.flights, self.liveness, self.lanes, bus, self.m, self.origin, self.bg,
+        self.watch = FlightWatch(self.cfg, self.flights, self.liveness, bus, self.m, self.origin, self.bg,
                                  self.clock, self.log)
         deps = RelayDeps(self.cfg, self.flights, bus, self.m, self.bg, self.clock, self.tel.tracer)
         self.flights.late = self._late_event
@@ -144,22 +143,23 @@ class Ingress:
             self.bg.spawn(self.bus.cancel(attempt_id, "superseded"), "fence")
 
     async def start(self) -> None:
-        """Connect to NATS, declare the lanes and buckets, subscribe, start the watchers and HTTP."""
+        """Connect to NATS, declare the buckets, subscribe, start the watchers and HTTP."""
         nc = self.nc = await connect_service(self.cfg, f"ingress:{self.cfg.replica_id}", self.log)
         self.res.push("nats", lambda: bus_close(nc, graceful=True))
         self.res.push("background_tasks", self._drain_background)
         self.js = nc.jetstream()
-        self.claims = ClaimQuorum(claim_buckets(self.js, self.lanes.lanes))
-        await check_lane_count(nc.jetstream(timeout=2.0), self.lanes.lanes)
-        bus = NatsIngressBus(nc, self.js, self.lanes, self.claims, None, self.cfg.enqueue_timeout_s, self.m,
+        self.claims = ClaimQuorum(claim_buckets(self.js, self.members))
+        await check_lane_count(nc.jetstream(timeout=2.0), self.members)
+        bus = NatsIngressBus(nc, self.js, self.members, self.claims, None, self.cfg.enqueue_timeout_s, self.m,
                              self.clock, self.log)
+        bus.notices = nc.new_inbox()  # <inbox>.<attempt id>: the dispatchers' alive notices
         self.assemble(bus)
         await self._declare()
         self._bus_watch = bus.watch = BusWatch(nc, self._resume, self._on_bus_lost, log=self.log,
                                                on_connected=self._ask_resend).start()
         self.res.push("bus_watch", self._bus_watch.stop)
         subs = [(S.ROUTED_SUBJECT, self.flights.on_routed), (S.VIEW_SUBJECT, self.readiness.on_view_msg),
-                (S.STATE_WILDCARD, self.watch.on_state)]
+                (S.STATE_WILDCARD, self.watch.on_state), (f"{bus.notices}.*", self.flights.on_notice)]
         if self.cfg.out_wildcard:  # every token stream, dispatched to its flight by request id
             subs.append((S.OUT_WILDCARD, self.flights.on_out))
         for subject, cb in subs:
@@ -205,20 +205,18 @@ class Ingress:
     def _connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
 
-    async def _consumer_infos(self) -> list:
-        return await consumer_infos(self.js, self.lanes.lanes, 1.0)
+    async def _ping_dispatchers(self) -> str | None:
+        return await self.bus.ping_dispatchers() if self.bus is not None else "not started"
 
     def _on_view(self, view: ReadyView) -> None:
         if self.watch is not None:
             self.watch.on_view(view)
 
     async def _declare(self) -> None:
-        """Declare the request lanes (requests wait there for a dispatcher), the claim buckets and
-        the other buckets, and (re)start the view watcher: at start and after every reconnect. A
-        lane whose member is down is logged and left to the dispatchers to declare again."""
-        n = self.lanes.lanes
-        await declare_each("request_lane", n, lambda i: ensure_lane(self.js, i, n), self.log)
-        await ensure_claim_buckets(self.js, n, self.log)
+        """Declare the claim buckets and the other buckets, and read the view bucket's last view: at
+        start and after every reconnect. A claim bucket whose member is down is logged and declared
+        again at the next reconnect (or by a dispatcher)."""
+        await ensure_claim_buckets(self.js, self.members, self.log)
         buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         assert isinstance(self.bus, NatsIngressBus)
         self.bus.requests = buckets.requests

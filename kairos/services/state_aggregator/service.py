@@ -12,8 +12,7 @@ keeps it) — every live node has heartbeated by then. A NATS restart is survive
 bucket after each reconnect (:class:`kairos.runtime.buswatch.BusWatch`).
 
 Start and close go through one :class:`kairos.runtime.resources.Resources` (the ``/metrics`` server,
-the connection, the subscriptions, the view loop: closed in reverse, each failure logged); the
-queue-depth polls are :class:`kairos.runtime.resources.BackgroundTasks`. Its clocks (receive time of
+the connection, the subscriptions, the view loop: closed in reverse, each failure logged). Its clocks (receive time of
 each heartbeat, the view's build time) come from a :class:`kairos.runtime.clock.Clock`.
 """
 
@@ -34,9 +33,8 @@ from kairos.runtime import telemetry
 from kairos.runtime.bus import flush_barrier, stream_replicas
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
-from kairos.runtime.lanes import consumer_infos, lane_count
 from kairos.runtime.messaging import decoded, kv_put_nowait
-from kairos.runtime.resources import BackgroundTasks, Resources
+from kairos.runtime.resources import Resources
 from kairos.runtime.service import run_service, start_metrics_and_connect
 from kairos.runtime.streams import ensure_buckets
 from kairos.services.state_aggregator.config import AggregatorConfig
@@ -55,13 +53,9 @@ def decode_step_buckets(tbt_slo_ms: float | None) -> tuple[float, ...]:
     return tuple(v / 1000.0 for v in sorted(ms))
 
 
-#: the request work queue's depth is polled at most this often (s)
-QUEUE_POLL_S = 1.0
 #: the view bucket gets a view at most this often (s): it is read once by a service that starts
 #: (kairos.runtime.messaging.last_view); every view goes out on ``kairos.view``
 VIEW_BUCKET_PERIOD_S = 1.0
-#: how long one poll waits for the lanes' consumer info (s)
-QUEUE_POLL_TIMEOUT_S = 0.5
 
 
 @dataclass(slots=True)
@@ -129,14 +123,9 @@ class StateAggregator:
                            ("node", "role"), registry=reg)
         self.m_stale = Gauge("kairos_aggregator_node_stale", "1 if the node is stale (no route), else 0",
                              ("node", "role"), registry=reg)
-        self.m_queue = Gauge("kairos_aggregator_request_queue_messages",
-                             "Request work queue (JetStream consumer of the dispatchers): pending = not yet "
-                             "delivered, ack_pending = delivered and not acknowledged", ("state",), registry=reg)
         self._node_gauges: dict[tuple[str, str], NodeGauges] = {}  #: (node, role) -> its gauge children
         self._corr: dict[tuple[str, str], tuple[Any, float]] = {}  #: (node, factor) -> (child, value set)
         self._reports = 0  #: views reported (:meth:`_report`)
-        self._bg = BackgroundTasks(self.log)  #: queue-depth polls in flight
-        self._queue_polled = float("-inf")
         self._view_stored = float("-inf")  #: when a view last went into the view bucket (monotonic s)
         self.view: ClusterView | None = None
         self.metrics_port: int | None = None
@@ -163,7 +152,6 @@ class StateAggregator:
             sub = await self.nc.subscribe(subject, cb=cb)
             self.res.push(f"subscription {subject}", sub.unsubscribe)
         await flush_barrier(self.nc)
-        self.res.push("queue polls", self._bg.cancel_all)
         self.res.push_task("view loop", asyncio.create_task(self._loop()))
         self.log.info("aggregator_started", metrics_port=self.metrics_port,
                       stale_after_ms=self.builder.stale_after_ms)
@@ -231,19 +219,7 @@ class StateAggregator:
                 self.m_views.inc()
             except Exception as exc:  # disconnected (the next period writes a newer view): logged, not raised
                 self.log.warning("view_write_failed", error=repr(exc))
-            if self.clock.monotonic() - self._queue_polled >= QUEUE_POLL_S:  # in the background: a dead
-                self._queue_polled = self.clock.monotonic()  # lane's timeout must not hold the next view back
-                self._bg.spawn(self._poll_queue(), "queue depth poll")
             await self.clock.wait_event(self._stop, period)
-
-    async def _poll_queue(self) -> None:
-        """Request work-queue depth from JetStream, summed over the request lanes that answer
-        (absent until a dispatcher declared them; a lane whose member is down is left out)."""
-        infos = await consumer_infos(self.nc.jetstream(), lane_count(self.cfg), QUEUE_POLL_TIMEOUT_S)
-        ok = [i for i in infos if not isinstance(i, BaseException)]
-        if ok:
-            self.m_queue.labels("pending").set(sum(i.num_pending or 0 for i in ok))
-            self.m_queue.labels("ack_pending").set(sum(i.num_ack_pending or 0 for i in ok))
 
     def _report_corrections(self, corrections: dict) -> None:
         """Each node's correction factors into ``kairos_aggregator_node_step_correction`` (a child
