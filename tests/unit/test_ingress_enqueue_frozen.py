@@ -1,9 +1,10 @@
 """NatsIngressBus.enqueue on a server that stops answering (kairos/services/ingress/nats_bus.py):
-after a publish times out, a server that answers no PING within UNRESPONSIVE_PONG_S is frozen or
-cut off, and the enqueue gives up at once — on the still-open connection, so the attempt's cancel
-and tombstone follow its publish there (docs/bus.md, at most once). A server that answers pings
-(a slow JetStream) is tried again until KAIROS_ENQUEUE_TIMEOUT_S. The PING's waiter is never
-cancelled (nats-py's read loop would break on its late PONG)."""
+after a request to the dispatchers times out, a server that answers no PING within
+UNRESPONSIVE_PONG_S is frozen or cut off, and the enqueue gives up at once — on the still-open
+connection, so the attempt's cancel and tombstone follow its request there (docs/bus.md, at most
+once). A server that answers pings (no dispatcher answered in time) is tried again until
+KAIROS_ENQUEUE_TIMEOUT_S. The PING's waiter is never cancelled (nats-py's read loop would break on
+its late PONG)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import nats.errors
 import pytest
 
 from kairos.runtime.clock import ManualClock
-from kairos.runtime.lanes import LanePicker
-from kairos.services.ingress.nats_bus import UNRESPONSIVE_PONG_S, NatsIngressBus
+from kairos.services.ingress.nats_bus import TAKEN_TIMEOUT_S, UNRESPONSIVE_PONG_S, NatsIngressBus
 
 
 class FakeNc:
@@ -22,9 +22,15 @@ class FakeNc:
 
     is_connected, is_closed = True, False
 
-    def __init__(self, pong: bool) -> None:
-        self.pong = pong
+    def __init__(self, pong: bool, clock: ManualClock) -> None:
+        self.pong, self.clock = pong, clock
         self.pings: list[asyncio.Future] = []
+        self.publishes = 0
+
+    async def request(self, subject, body, headers=None, timeout=None):
+        self.publishes += 1
+        await self.clock.sleep(timeout)  # no dispatcher answers within the try's timeout
+        raise nats.errors.TimeoutError
 
     async def flush(self, timeout: float) -> None:
         fut = asyncio.get_running_loop().create_future()
@@ -32,15 +38,6 @@ class FakeNc:
         if self.pong:
             fut.set_result(True)
         await fut  # a frozen server: never answered (the test ends it)
-
-
-class FakeJs:
-    def __init__(self) -> None:
-        self.publishes = 0
-
-    async def publish(self, subject, body, headers=None, stream=None, timeout=None):
-        self.publishes += 1
-        raise nats.errors.TimeoutError  # no acknowledgement within the try's timeout
 
 
 class Retries:
@@ -56,38 +53,36 @@ class Metrics:
         self.enqueue_retries = Retries()
 
 
-def bus(pong: bool, clock: ManualClock) -> tuple[NatsIngressBus, FakeNc, FakeJs]:
-    nc, js = FakeNc(pong), FakeJs()
-    b = NatsIngressBus(nc, js, LanePicker(1), None, None, enqueue_timeout_s=15.0, metrics=Metrics(), clock=clock,
-                       log=None)
+def bus(pong: bool, clock: ManualClock) -> tuple[NatsIngressBus, FakeNc]:
+    nc = FakeNc(pong, clock)
+    b = NatsIngressBus(nc, None, 1, None, None, enqueue_timeout_s=15.0, metrics=Metrics(), clock=clock, log=None)
     b.disconnected_since = lambda: None
-    return b, nc, js
+    return b, nc
 
 
-async def failed_enqueue(pong: bool) -> tuple[NatsIngressBus, FakeNc, FakeJs, float]:
-    """An enqueue that no lane acknowledges, on a server answering PINGs or not: the bus, its fakes
+async def failed_enqueue(pong: bool) -> tuple[NatsIngressBus, FakeNc, float]:
+    """An enqueue that no dispatcher takes, on a server answering PINGs or not: the bus, its fake
     and how long (s, manual clock) the enqueue took to give up (nats.errors.TimeoutError)."""
     clock = ManualClock()
-    b, nc, js = bus(pong=pong, clock=clock)
+    b, nc = bus(pong=pong, clock=clock)
     start = clock.monotonic()
     with pytest.raises(nats.errors.TimeoutError):
-        await b.enqueue(b"{}", {"Nats-Msg-Id": "cmpl-1"})
-    return b, nc, js, clock.monotonic() - start
+        await b.enqueue(b"{}", {})
+    return b, nc, clock.monotonic() - start
 
 
 async def test_a_frozen_server_is_given_up_after_one_try_and_a_ping():
-    _, nc, js, took_s = await failed_enqueue(pong=False)
-    assert js.publishes == 1 and len(nc.pings) == 1
-    assert took_s == pytest.approx(UNRESPONSIVE_PONG_S)  # not the 15 s enqueue timeout
+    _, nc, took_s = await failed_enqueue(pong=False)
+    assert nc.publishes == 1 and len(nc.pings) == 1
+    assert took_s == pytest.approx(TAKEN_TIMEOUT_S + UNRESPONSIVE_PONG_S)  # not the 15 s enqueue timeout
     assert not nc.pings[0].cancelled()  # the waiter stays for its late PONG
     nc.pings[0].set_result(True)  # the PONG after all: nothing breaks
     await asyncio.sleep(0)
 
 
 async def test_a_server_that_answers_pings_is_tried_until_the_enqueue_timeout():
-    b, nc, js, took_s = await failed_enqueue(pong=True)
-    assert took_s >= 15.0 - 0.2  # retried every 0.1 s until the deadline
-    # a ping after each timed-out try but the last (the manual clock moves on by the ping's wait when
-    # its answer has not run yet at the first yield, so tries are fewer than 15 s / 0.1 s)
-    assert js.publishes >= 10 and len(nc.pings) == js.publishes - 1
-    assert b.m.enqueue_retries.n == js.publishes - 1
+    b, nc, took_s = await failed_enqueue(pong=True)
+    assert took_s >= 15.0 - 0.2  # sent again at once after each unanswered try, until the deadline
+    # a ping after each timed-out try but the last
+    assert nc.publishes >= 15.0 / (TAKEN_TIMEOUT_S + UNRESPONSIVE_PONG_S) and len(nc.pings) == nc.publishes - 1
+    assert b.m.enqueue_retries.n == nc.publishes - 1

@@ -58,12 +58,15 @@ class FakeBus:
 
     async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
         req = decode(body, InferenceRequest)
-        assert headers["Nats-Msg-Id"] == req.request_id
+        assert headers[S.NOTICES_HEADER] == self.notice_subject(req.request_id)
         self.enqueued.put_nowait(req)
         return 0
 
-    async def publish_on_lane(self, lane: int, body: bytes, headers: dict[str, str]) -> None:
-        raise AssertionError("one lane: nothing moves")
+    def notice_subject(self, attempt_id: str) -> str:
+        return f"_INBOX.ingress.test.{attempt_id}"
+
+    async def ping_dispatchers(self) -> str | None:
+        return None
 
     async def subscribe_out(self, attempt_id: str, cb: Any) -> Any:
         raise AssertionError("the ingress of these tests has the one out wildcard subscription")

@@ -157,14 +157,15 @@ RID = "cmpl-1"
 BUILDERS = {
     "state_subject", "steps_subject", "jobs_subject", "drain_subject", "kv_subject", "kv_wildcard", "kvdone_subject",
     "kvdone_wildcard", "out_subject", "out_wildcard", "reservation_key", "record_key", "claim_key", "model_key",
-    "request_subject", "VIEW_SUBJECT",
-    "REQUEST_SUBJECT", "ROUTED_SUBJECT", "CANCEL_SUBJECT", "RESEND_SUBJECT", "STATE_WILDCARD", "STEPS_WILDCARD",
-    "OUT_WILDCARD", "VIEW_BUCKET", "RESERVATION_BUCKET", "REQUESTS_BUCKET", "MODELS_BUCKET", "VIEW_KEY",
-    "CURRENT_MODEL_KEY", "REQUEST_STREAM", "DISPATCHER_CONSUMER",
+    "VIEW_SUBJECT", "ROUTE_SUBJECT", "ROUTED_SUBJECT", "CANCEL_SUBJECT", "RESEND_SUBJECT", "STATE_WILDCARD",
+    "STEPS_WILDCARD", "OUT_WILDCARD", "VIEW_BUCKET", "RESERVATION_BUCKET", "REQUESTS_BUCKET", "MODELS_BUCKET",
+    "VIEW_KEY", "CURRENT_MODEL_KEY",
 }
 BUCKETS = (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET, S.MODELS_BUCKET,
            *(S.claims_bucket(i) for i in range(S.MAX_LANES)))
-STREAMS = (*(S.request_stream(i) for i in range(S.MAX_LANES)), *(f"KV_{b}" for b in BUCKETS))
+#: the request lanes' streams of the release before issue 34: nobody may use them now
+OLD_LANE_STREAMS = ("KAIROS_REQ", "KAIROS_REQ_1", "KAIROS_REQ_2", "KAIROS_REQ_3", "KAIROS_REQ_4")
+STREAMS = (*OLD_LANE_STREAMS, *(f"KV_{b}" for b in BUCKETS))
 
 
 def kv_keys() -> list[str]:
@@ -179,7 +180,8 @@ def kv_keys() -> list[str]:
 
 def bus_subjects() -> list[str]:
     """A concrete subject of every builder and constant: each node's, each sender's."""
-    out = [*(S.request_subject(i) for i in range(S.MAX_LANES)), S.VIEW_SUBJECT, S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, S.STATE_WILDCARD,
+    out = ["kairos.req.new", "kairos.req.new.1",  # the request lanes of old: nobody publishes there now
+           S.ROUTE_SUBJECT, S.VIEW_SUBJECT, S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT, S.STATE_WILDCARD,
            S.STEPS_WILDCARD, S.OUT_WILDCARD, S.out_wildcard(RID)]
     out += [S.out_subject(RID, u) for u in USERS]
     for n in NODES:
@@ -205,10 +207,9 @@ def js_api_subjects() -> list[str]:
                 f"$JS.API.CONSUMER.INFO.{st}.c", f"$JS.API.CONSUMER.MSG.NEXT.{st}.c",
                 f"$JS.API.DIRECT.GET.{st}", f"$JS.FC.{st}.c.1", f"$JS.ACK.{st}.c.1.2.3.4.5"]
         out += [f"$JS.API.DIRECT.GET.{st}.$KV.{b}.{k}" for b in BUCKETS for k in kv_keys()]
-    c = S.DISPATCHER_CONSUMER
-    for i in range(S.MAX_LANES):
-        q = S.request_stream(i)
-        out += [f"$JS.API.CONSUMER.CREATE.{q}.{c}.{S.request_subject(i)}", f"$JS.API.CONSUMER.CREATE.{q}.{c}",
+    c = "dispatchers"  # the old lanes' durable consumer
+    for q in OLD_LANE_STREAMS:
+        out += [f"$JS.API.CONSUMER.CREATE.{q}.{c}.kairos.req.new", f"$JS.API.CONSUMER.CREATE.{q}.{c}",
                 f"$JS.API.CONSUMER.CREATE.{q}.{c}.>", f"$JS.API.CONSUMER.INFO.{q}.{c}",
                 f"$JS.API.CONSUMER.MSG.NEXT.{q}.{c}", f"$JS.ACK.{q}.{c}.1.2.3.4.5",
                 f"$JS.API.CONSUMER.DELETE.{q}.{c}"]
@@ -242,7 +243,7 @@ def test_the_concrete_subjects_are_what_the_spec_names():
               "$KV.kairos_requests.cmpl-1.prefill.prefill-0", "$KV.kairos_models.latency.current",
               # claim.<first 32 hex digits of SHA-256 of the request id> (docs/security.md)
               "$KV.kairos_claims_2.claim." + hashlib.sha256(RID.encode()).hexdigest()[:32],
-              "kairos.req.new.2", "$JS.API.STREAM.INFO.KAIROS_REQ_4",
+              "kairos.req.route", "kairos.req.new.1", "$JS.API.STREAM.INFO.KAIROS_REQ_4",
               "$JS.API.STREAM.DELETE.KAIROS_REQ", "$JS.ACK.KAIROS_REQ.dispatchers.1.2.3.4.5"):
         assert s in subjects, s
 
