@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: settings every fault test runs with (env of every service; docs/services.md)
 FAULT_ENV = {
-    "KAIROS_ACK_WAIT_S": "1.5",  # redelivery after a dead/stalled dispatcher
+    "KAIROS_ROUTE_STALL_S": "1.5",  # the ingress sends a request again after a dead/stalled dispatcher
     "KAIROS_LIVENESS_TIMEOUT_S": "2.0",
     "KAIROS_OUTAGE_GRACE_S": "2.0",
     "KAIROS_BUS_OUTAGE_TIMEOUT_S": "8.0",

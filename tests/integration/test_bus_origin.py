@@ -137,9 +137,9 @@ async def test_an_agent_cannot_create_a_consumer_that_delivers_into_another_role
             for subject, body in attempts.items():
                 await attacker.nc.publish(subject, json.dumps(body).encode(), reply=attacker.nc.new_inbox())
                 await attacker.violation(subject, "publish")
-        pull = f"$JS.API.CONSUMER.MSG.NEXT.{S.REQUEST_STREAM}.{S.DISPATCHER_CONSUMER}"
-        await attacker.nc.publish(pull, b'{"batch": 1}', reply=S.jobs_subject("prefill-0"))
-        await attacker.violation(pull, "publish")
+        # a request to route whose answer would go onto prefill-0's job subject: agents send no requests
+        await attacker.nc.publish(S.ROUTE_SUBJECT, b"{}", reply=S.jobs_subject("prefill-0"))
+        await attacker.violation(S.ROUTE_SUBJECT, "publish")
         # a direct get of its own claim answered onto prefill-0's job subject: delivered, refused
         get = f"$JS.API.DIRECT.GET.{stream}.$KV.{bucket}.{S.claim_key('forged-job-1')}"
         await attacker.nc.publish(get, b"", reply=S.jobs_subject("prefill-0"))

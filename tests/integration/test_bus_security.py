@@ -19,7 +19,6 @@ from nats.js.kv import KeyValue
 from kairos.contracts import subjects as S
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.streams import ensure_buckets
-from kairos.runtime.lanes import ensure_lane
 from kairos.contracts.permissions import agent_user, inbox_prefix
 from kairos.contracts.wire import InferenceRequest, encode
 from tests.integration.conftest import running_nats, secure_server
@@ -210,8 +209,8 @@ async def test_only_a_node_writes_its_own_reservations(secure_nats):
 
 
 async def test_prompts_reach_only_the_dispatchers(secure_nats):
-    """An agent can neither subscribe to the request subject nor to the inboxes the dispatchers
-    pull requests into; the dispatcher gets the request."""
+    """An agent can neither subscribe to the request subject nor to the inboxes of the ingress and
+    the dispatchers; the dispatcher gets the request (and only a dispatcher may answer it)."""
     url, passwords = secure_nats
     disp = await as_role(url, passwords, "dispatcher")
     ingress = await as_role(url, passwords, "ingress")
@@ -221,25 +220,33 @@ async def test_prompts_reach_only_the_dispatchers(secure_nats):
     async def cb(msg) -> None:
         seen.append(msg.subject)
 
-    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_wildcard("cmpl-x")):
+    watched = (S.ROUTE_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", inbox_prefix("ingress") + ".>",
+               S.out_wildcard("cmpl-x"))
+    for subject in watched:
         await spy.nc.subscribe(subject, cb=cb)
     await flush_barrier(spy.nc)
-    for subject in (S.REQUEST_SUBJECT, "_INBOX.>", inbox_prefix("dispatcher") + ".>", S.out_wildcard("cmpl-x")):
+    for subject in watched:
         await spy.violation(subject, "subscription")
-    js = disp.nc.jetstream()
-    await ensure_lane(js, 0, 1, consumer=(5.0, 5))
-    sub = await js.pull_subscribe_bind(durable=S.DISPATCHER_CONSUMER, stream=S.REQUEST_STREAM)
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def take(msg) -> None:
+        await msg.respond(S.TAKEN)
+        got.put_nowait(msg.data)
+
+    await disp.nc.subscribe(S.ROUTE_SUBJECT, queue=S.DISPATCHER_QUEUE, cb=take)
+    await flush_barrier(disp.nc)
     req = InferenceRequest(request_id="cmpl-secret", model="m", prompt_tokens=3, max_tokens=1,
                            prompt_text="my secret prompt", created_unix_ms=0.0, deadline_unix_ms=1e15)
-    await ingress.nc.jetstream().publish(S.REQUEST_SUBJECT, encode(req), stream=S.REQUEST_STREAM)
-    msgs = await sub.fetch(1, timeout=5)
-    assert b"my secret prompt" in msgs[0].data
-    await msgs[0].ack()
+    answer = await ingress.nc.request(S.ROUTE_SUBJECT, encode(req), timeout=5)
+    assert answer.data == S.TAKEN
+    assert b"my secret prompt" in await asyncio.wait_for(got.get(), 5)
     await flush_barrier(spy.nc)
     assert seen == []
-    # and the agent may not enqueue requests itself
-    await spy.nc.publish(S.REQUEST_SUBJECT, encode(req))
-    await spy.violation(S.REQUEST_SUBJECT, "publish")
+    # and the agent may not send requests itself, nor answer into the ingress's inbox
+    await spy.nc.publish(S.ROUTE_SUBJECT, encode(req))
+    await spy.violation(S.ROUTE_SUBJECT, "publish")
+    await spy.nc.publish(inbox_prefix("ingress") + ".x.cmpl-secret", S.ALIVE)
+    await spy.violation(inbox_prefix("ingress") + ".x.cmpl-secret", "publish")
     await _close(disp, ingress, spy)
 
 

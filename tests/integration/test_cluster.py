@@ -129,27 +129,38 @@ async def test_dead_node_agent_stops_receiving_jobs(nats_url):
         assert set(st.agents["prefill-1"].jobs_received) == set()
 
 
-async def test_unacked_request_is_redelivered_to_another_replica(nats_url):
-    async with stack(nats_url, policy="pd", dispatchers=1, ack_wait_s=1.0) as st:
-        # a "replica" that takes a request and dies without acknowledging it
+async def test_a_request_whose_dispatcher_died_is_sent_to_another_replica(nats_url):
+    """A "replica" takes the request (answers ``taken``) and dies without routing it: the ingress
+    hears nothing of its routing for ``route_stall_s`` and sends it again, to a live replica."""
+    async with stack(nats_url, policy="pd", dispatchers=1, ingress_overrides={"route_stall_s": 1.0}) as st:
         await st.dispatchers[0].close(drain=False)
         zombie = await nats.connect(nats_url)
-        sub = await zombie.jetstream().pull_subscribe_bind(durable=S.DISPATCHER_CONSUMER, stream=S.REQUEST_STREAM)
+        taken: asyncio.Queue = asyncio.Queue()
+
+        async def take(msg) -> None:
+            if S.PING_HEADER not in (msg.headers or {}):
+                await msg.respond(S.TAKEN)
+                taken.put_nowait(msg)
+
+        await zombie.subscribe(S.ROUTE_SUBJECT, queue=S.DISPATCHER_QUEUE, cb=take)
+        await zombie.flush()
         req = asyncio.ensure_future(st.complete("redeliver me", max_tokens=2))
-        msgs = await sub.fetch(1, timeout=5)
-        assert msgs and msgs[0].metadata.num_delivered == 1
+        first = await asyncio.wait_for(taken.get(), 5)
+        assert first.headers[S.DELIVERY_HEADER] == "1"
         await zombie.close()
         from kairos.services.dispatcher.config import DispatcherConfig
         from kairos.services.dispatcher.service import Dispatcher
         from tests.integration.conftest import fast_model
-        d = Dispatcher(DispatcherConfig(replica_id="dispatcher-new", nats_url=nats_url, policy="pd", metrics_port=-1,
-                                        ack_wait_s=1.0), model=fast_model())
+        d = Dispatcher(DispatcherConfig(replica_id="dispatcher-new", nats_url=nats_url, policy="pd", metrics_port=-1),
+                       model=fast_model())
         await d.start()
         st.dispatchers.append(d)
         status, body = await asyncio.wait_for(req, 15)
         assert status == 200, body
         rec = await get_record(st, body["id"])
         assert rec["routing"]["dispatcher"] == "dispatcher-new"
+        assert st.ingress.m.route_resends._value.get() >= 1
+        assert d.m.redeliveries._value.get() == 1  # it got the second copy (Kairos-Delivery 2)
 
 
 async def test_burst_every_request_ends_with_completion_or_explicit_error(nats_url):

@@ -27,7 +27,7 @@ def start(module: str, **env: str) -> subprocess.CompletedProcess:
     ("ingress", {"KAIROS_TOKENIZER_PATH": "/nonexistent/tokenizer.json"}, "KAIROS_TOKENIZER_PATH"),
     ("dispatcher", {"KAIROS_NATS_URL": "bogus"}, "KAIROS_NATS_URL"),
     ("state_aggregator", {"KAIROS_NATS_URL": "http://x:4222"}, "KAIROS_NATS_URL"),
-    ("dispatcher", {"KAIROS_ACK_WAIT_S": "inf"}, "KAIROS_ACK_WAIT_S"),
+    ("ingress", {"KAIROS_ROUTE_STALL_S": "inf"}, "KAIROS_ROUTE_STALL_S"),
     ("ingress", {"KAIROS_LOG_LEVEL": "loud"}, "KAIROS_LOG_LEVEL"),
 ])
 def test_a_bad_value_exits_2_naming_it_without_a_traceback(module, env, says):

@@ -39,8 +39,6 @@ class DispatcherConfig(MetricsServiceConfig):
     #: a job lost to a bus fault (no responders, no answer, claim not stored) is sent again, the
     #: live node not excluded, for at most this long per request (kairos/services/dispatcher/busretry.py); 0: never
     bus_retry_s: float = 5.0
-    ack_wait_s: float = 5.0  #: work-queue ack wait: a silent replica's requests are redelivered after this
-    max_deliver: int = 5
     max_concurrency: int = 64  #: requests routed concurrently by this replica
     #: hot-reload the latency model from KV ``kairos_models``/``latency.current`` (``kairos profile --publish``)
     watch_models: bool = True
@@ -69,8 +67,6 @@ class DispatcherConfig(MetricsServiceConfig):
         require(self.no_node_wait_s >= 0, "no_node_wait_s", "must be >= 0")
         require(self.migration_node_wait_s >= 0, "migration_node_wait_s", "must be >= 0")
         require(self.bus_retry_s >= 0, "bus_retry_s", "must be >= 0")
-        require(self.ack_wait_s > 0, "ack_wait_s", "must be > 0")
-        require(self.max_deliver >= 1, "max_deliver", "must be >= 1")
         require(self.max_concurrency >= 1, "max_concurrency", "must be >= 1")
 
     def params(self, prefill_chunk_tokens: int = DEFAULT_PARAMS.prefill_chunk_tokens) -> PolicyParams:
