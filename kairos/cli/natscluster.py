@@ -14,7 +14,7 @@ Syntax: nats-server 2.15 "Clustering" and "JetStream clustering" configuration d
 (``server_name`` is required for JetStream in a cluster; ``cluster { name, listen, authorization,
 routes }``; route URLs ``nats-route://user:password@host:port``; ``http`` is the monitoring
 listener; ``pid_file``). JetStream's replication factor is per stream: the services declare every
-bucket with one replica per member (``kairos.runtime.bus.stream_replicas``), and the request lanes and
+bucket with one replica per member (``kairos.runtime.bus.stream_replicas``), and the
 claim buckets with one replica each, lane ``i`` on member ``i`` — found by its ``server_tags``
 entry ``kairos-lane:<i>`` (``kairos/runtime/lanes.py`` says why).
 
@@ -114,7 +114,7 @@ def route_lines(m: Member, members: list[Member], route_password: str) -> list[s
 
 def _render(m: Member, members: list[Member], cluster_body: list[str], tail: list[str],
             jetstream: list[str] = ()) -> str:
-    # the member of request lane / claim bucket i (kairos/runtime/lanes.py) is found by its tag
+    # the member of claim bucket i (kairos/runtime/lanes.py) is found by its tag
     text = [f"# Kairos NATS cluster member {m.name} (kairos/cli/natscluster.py). Do not edit.",
             f"server_name: {_quote(m.name)}",
             f"server_tags: [{_quote(S.lane_tag(members.index(m)))}]",

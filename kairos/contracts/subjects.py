@@ -5,7 +5,7 @@ builds a subject string, so renaming a subject is a one-line change here.
 
 Hierarchy::
 
-    kairos.req.new[.<lane>]       JetStream streams KAIROS_REQ[_<lane>] (work queue, one per NATS member): ingress -> dispatchers
+    kairos.req.route              requests to route, request-reply to the queue group "dispatchers": ingress -> one dispatcher
     kairos.route.decided          routing events: dispatcher -> state_aggregator
     kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
     kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
@@ -46,8 +46,7 @@ def claims_bucket(lane: int) -> str:
 
 
 def lane_tag(lane: int) -> str:
-    """The ``server_tags`` entry of the NATS cluster member that holds request lane ``lane`` and
-    claim bucket ``lane`` (``kairos-lane:<lane>``; kairos/cli/natscluster.py writes it)."""
+    """The ``server_tags`` entry of the NATS cluster member that holds claim bucket ``lane`` (``kairos-lane:<lane>``; kairos/cli/natscluster.py writes it)."""
     return f"kairos-lane:{_lane(lane)}"
 #: The cluster view, each as it is built (core NATS; the aggregator also keeps the last one in
 #: :data:`VIEW_BUCKET`): a replicated bucket electing a leader must not hold the view back.

@@ -146,7 +146,7 @@ class Job(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     decision_batch_size: NonNeg = 0
     dispatcher_id: str = ""  #: replica that routed the job
     attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
-    #: claim buckets (= request lanes, kairos/runtime/lanes.py) of the dispatcher that sent it (0: not said):
+    #: claim buckets (one per NATS member, kairos/runtime/lanes.py) of the dispatcher that sent it (0: not said):
     #: a node counting another number would take claims from another majority — it refuses the job
     claim_buckets: NonNeg = 0
 

@@ -165,7 +165,7 @@ class ServiceConfig:
             comma-separated list (the client reconnects to a live one; ``kairos.runtime.bus.server_urls``).
         nats_replicas: replicas of every stream and KV bucket this service declares; 0: one per
             URL in ``nats_url``, at most 5 (``kairos.runtime.bus.stream_replicas``).
-        nats_lanes: request lanes and claim buckets, one per NATS member (``kairos/runtime/lanes.py``);
+        nats_lanes: claim buckets, one per NATS member (``kairos/runtime/lanes.py``);
             0: as many as ``nats_replicas`` gives. Member i must carry the server tag
             ``kairos-lane:<i>`` when there are several. Every service of a deployment must agree.
         nats_user: NATS user (the service's role: ``ingress``, ``dispatcher``, ``aggregator``,

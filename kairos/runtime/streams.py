@@ -8,7 +8,7 @@ comes back with an empty store is repopulated by the services' re-declares
 (:class:`kairos.runtime.buswatch.BusWatch`). Replica counts: :func:`kairos.runtime.bus.stream_replicas`.
 
 A stream that exists with another configuration is a :class:`StreamConfigMismatch` naming the
-settings the services disagree on; the request lanes and claim buckets are :mod:`kairos.runtime.lanes`.
+settings the services disagree on; the claim buckets are :mod:`kairos.runtime.lanes`.
 """
 
 from __future__ import annotations

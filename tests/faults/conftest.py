@@ -259,23 +259,6 @@ class Cluster:
             return []
         return [line for line in text.splitlines() if VIOLATION.search(line)]
 
-    async def queue_depth(self) -> int:
-        """Requests in the work queue not yet acknowledged (pending + delivered-unacked)."""
-        from kairos.contracts import subjects as S
-        nc = await self.connect(P.AGGREGATOR)
-        try:
-            info = await nc.jetstream().consumer_info(S.REQUEST_STREAM, S.DISPATCHER_CONSUMER, timeout=2)
-            return (info.num_pending or 0) + (info.num_ack_pending or 0)
-        finally:
-            await nc.close()
-
-    async def wait_queue_empty(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while (n := await self.queue_depth()) > 0:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"work queue still holds {n} request(s) after {timeout}s")
-            await asyncio.sleep(0.1)
-
     def tail(self, name: str, n: int = 20) -> str:
         try:
             return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-n:])

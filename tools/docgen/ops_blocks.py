@@ -29,7 +29,9 @@ def nats_cluster_failover(load: Load) -> str:
             f"{num(x['streams_cut'])} of them after their first token (streams cut); {num(x['lost'])} lost (hung "
             f"or no error), {num(x['duplicated'])} executed twice, {num(x['wrong_text'])} with wrong text"
             + (f"; {num(x['lane_moves'])} queued on a dead member's lane and enqueued again on another" if "lane_moves" in x
-               else "") + ". "
+               else "")
+            + (f"; {num(x['route_resends'])} sent to the dispatchers again (their routing went silent)"
+               if "route_resends" in x else "") + ". "
             f"p99 TTFT {x['p99_ttft_steady_s']:.2f} s before the first kill, {x['p99_ttft_failover_s']:.2f} s "
             f"(max {x['max_ttft_failover_s']:.2f} s) for the requests sent within "
             f"{x['failover_window_s']:g} s after a kill: "

@@ -14,7 +14,7 @@ from kairos.core.policy.registry import SHARED_PARAMS
 
 @dataclass(frozen=True)
 class DispatcherConfig(MetricsServiceConfig):
-    """One dispatcher replica (any number share the work queue)."""
+    """One dispatcher replica (any number share the requests, as one queue group)."""
 
     #: shown in decision records and spans, and a token of the replica's NATS client name and of its records' and
     #: error events' source (``dispatcher:<id>``): a subject token, as node ids (kairos.contracts.subjects.check_token)

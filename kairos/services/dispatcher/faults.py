@@ -4,14 +4,15 @@ reaches that step of the routing protocol; with ``KAIROS_FAULT_MODE=stop`` it SI
 instead (once), so a test can SIGCONT it after its ack wait has passed. Only honoured when the
 variable is set; unset (every normal run) each hook is one string comparison.
 
-Steps, in protocol order (kairos/services/dispatcher/pull.py and route.py):
+Steps, in protocol order (kairos/services/dispatcher/intake.py and route.py):
 
-* ``before_decide`` — dequeued, nothing decided yet;
+* ``before_decide`` — taken (answered ``taken`` to the ingress), nothing decided yet;
 * ``after_decide`` — the decision is made (a deflection's decode-node slot is held in this replica's
   memory only: the node publishes the reservation when it accepts the job);
 * ``after_publish`` — the job was sent to the node (flushed), its acceptance not yet received;
 * ``after_accept`` — the node accepted the job; no routing event, record or ack yet;
-* ``before_ack`` — routing event and record written, the work-queue message not acknowledged.
+* ``before_ack`` — routing event and record handed to the connection (maybe not sent yet), the
+  routing over (the name of the release that acknowledged a work-queue message here).
 """
 
 from __future__ import annotations

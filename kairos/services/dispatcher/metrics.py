@@ -40,7 +40,7 @@ class DispatcherMetrics:
         self.errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
                               registry=reg)
         self.redeliveries = Counter("kairos_dispatcher_redeliveries_total",
-                                    "JetStream redeliveries received (a request whose earlier delivery was not "
+                                    "Requests received again (the ingress heard nothing of an earlier copy's routing: its "
                                     "acknowledged in time)", registry=reg)
         self.adopted = Counter("kairos_dispatcher_claimed_elsewhere_total",
                                "Requests found already claimed by a node (an earlier delivery's job was accepted): "

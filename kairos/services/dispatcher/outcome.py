@@ -4,7 +4,7 @@
   ``kairos.route.decided`` (the aggregator folds it into the view, the ingress and the other replicas
   see it), the decision's ``kairos.*`` span attributes (docs/observability.md, "Tracing"), the metrics,
   and the :class:`~kairos.contracts.records.DecisionRecord` in the requests bucket (written
-  unacknowledged: the routing event, the record and the work-queue ack leave in one socket write);
+  unacknowledged: the routing event and the record leave in one socket write);
 * **claimed elsewhere** — an earlier delivery's job holds the request's claim on another node: its
   routing event is published again (the earlier replica may have died before sending it);
 * **error** — an :class:`~kairos.contracts.events.ErrorEvent` to the request's out subject, its code one of

@@ -76,7 +76,7 @@ class RouteAttempt:
 
     Attributes:
         req: the request.
-        lane: the request lane its message came from (credited in the routing event).
+        lane: unused (None): the request lane of the release before issue 34.
         max_attempts: tries (bus retries not counted) before giving up: 2 × nodes in the view + 4.
         hits: node → prompt tokens its prefix cache holds (prefix-aware policies).
         bus_retry: the bus-fault retries and their budget.
@@ -133,7 +133,7 @@ class Router:
         metrics: the replica's metrics.
         policy: the routing policy.
         model: the latency model (:meth:`use_model` replaces it on a hot reload).
-        lanes: the deployment's request lanes / claim buckets (``Job.claim_buckets``).
+        lanes: the deployment's claim buckets (``Job.claim_buckets``).
         clock: wall and monotonic clocks, sleeps.
         stop: set when the replica stops (a routing waiting for NATS gives up).
     """
@@ -160,7 +160,7 @@ class Router:
 
     async def route(self, req: InferenceRequest, msg: Any, span: Any, log: Any, lane: int | None = None) -> None:
         """Route ``req`` until a node accepts it, it is found claimed or cancelled, or it fails
-        (an error event to its client). ``msg`` (its work-queue message) is told ``in_progress()``
+        (an error event to its client). ``msg`` (:class:`~kairos.services.dispatcher.intake.RouteMessage`) is told ``in_progress()``
         while the routing waits; it is not acked here.
 
         Raises:

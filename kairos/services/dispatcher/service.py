@@ -46,12 +46,12 @@ from kairos.services.dispatcher.route import Router
 from kairos.services.dispatcher.state import RoutingState
 from kairos.services.dispatcher.watch import ClusterWatch
 
-#: a draining close waits this long (s) for the requests being routed (the rest are redelivered)
+#: a draining close waits this long (s) for the requests being routed (the rest are sent again by their ingress)
 DRAIN_TIMEOUT_S = 5.0
 
 
 class Dispatcher:
-    """One dispatcher replica (any number share the request lanes).
+    """One dispatcher replica (any number share the requests, as one queue group).
 
     Args:
         cfg: its configuration (``KAIROS_*``).

@@ -47,7 +47,7 @@ class ClusterWatch:
 
     Args:
         cfg: the replica's configuration.
-        lanes: request lanes / claim buckets of the deployment.
+        lanes: claim buckets of the deployment.
         state: where what is heard goes.
         origin: checks that a heartbeat comes from the node it names.
         model: the latency model in use (a callable: the router's).

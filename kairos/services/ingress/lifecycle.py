@@ -48,7 +48,7 @@ from kairos.core.vocabulary import KEEP, PathKind
 
 
 class Phase(enum.Enum):
-    QUEUED = "queued"  #: on the work queue (or being routed); no routing event yet
+    QUEUED = "queued"  #: sent to the dispatchers (or being routed); no routing event yet
     ROUTED = "routed"  #: a node accepted its job; no token yet
     STREAMING = "streaming"  #: tokens arriving from one node
     ENDED = "ended"
@@ -280,7 +280,7 @@ class RequestLifecycle:
             return self._lost(f"{ErrorCode(ev.code).value}:{ev.source}", time_left, ErrorCode(ev.code), ev.message)
         if ev.source.startswith("dispatcher:") and self.phase in (Phase.ROUTED, Phase.STREAMING):
             # a node accepted this attempt (or holds its claim): a dispatcher that failed to route a
-            # duplicate copy of it (a redelivery, the copy left on a request lane it moved from,
+            # duplicate copy of it (a copy sent again after its routing went silent,
             # kairos/runtime/lanes.py) says nothing about the node running it
             return self._drop("routed_elsewhere")
         # cancel too (as every Fail): a node whose acceptance came late (after the dispatcher gave up on it) must

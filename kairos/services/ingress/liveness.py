@@ -208,8 +208,8 @@ class FlightWatch:
 
     def check_quiet(self) -> None:
         """After a reconnect: a request that heard nothing within ``outage_grace_s`` lost its
-        stream if it was routed (known, or its execution claim exists); a request still on the
-        work queue (file-backed, it survived) keeps waiting."""
+        stream if it was routed (known, or its execution claim exists); one not routed yet keeps
+        waiting (this ingress sends it again when its routing is silent, :meth:`check_routes`)."""
         now = self.clock.monotonic()
         for f in self.flights.values():
             if f.quiet_deadline is None or now < f.quiet_deadline or not f.watched:

@@ -4,7 +4,7 @@ One :class:`RequestRelay` per admitted completion request (:mod:`.completions` a
 routes the request's out events to itself (:class:`~.flights.Flights`, or with
 ``out_wildcard=False`` a subscription per attempt) *before* publishing it (no token can be missed:
 NATS processes one connection's SUB before its later PUB), publishes the
-:class:`~kairos.contracts.wire.InferenceRequest` onto a request lane with the W3C trace context in
+:class:`~kairos.contracts.wire.InferenceRequest` to the dispatchers with the W3C trace context in
 its headers, then reads its queue: out events of its attempt (tokens, done, errors) and the
 watchers' verdicts (:mod:`.liveness`: node lost, stream interrupted, bus down, client gone,
 shutdown). Each goes to its :class:`~.lifecycle.RequestLifecycle` — the pure state machine that
