@@ -139,6 +139,10 @@ async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkey
     async with stack(nats_url, prefill=1, decode=1, dispatchers=0) as st:  # nobody routes: the test is the node
         body = {"model": "kairos-emulated", "prompt": "hi", "max_tokens": 8, "stream": True}
 
+        async def take(msg) -> None:  # a "dispatcher" that takes the request and routes nothing
+            await msg.respond(S.TAKEN)
+        await st.aggregator.nc.subscribe(S.ROUTE_SUBJECT, queue=S.DISPATCHER_QUEUE, cb=take)
+
         async def client() -> list[str]:  # the headers come with the first token
             async with st.http.post(st.base + "/v1/completions", json=body) as r:
                 assert r.status == 200

@@ -293,7 +293,7 @@ async def test_health_lists_every_reason_when_nothing_runs(lone_ingress):
     assert r.status == 503
     codes = [x["code"] for x in body["reasons"]]
     assert codes == ["no_cluster_view", "no_dispatcher"], body
-    assert "does not exist" in body["dispatchers"]["detail"]
+    assert "no dispatcher subscribes" in body["dispatchers"]["detail"]
 
 
 @pytest.mark.parametrize("body,param,code,words", [

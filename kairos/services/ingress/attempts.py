@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kairos.contracts import subjects as S
+from kairos.services.ingress.ports import EnqueueAbandoned
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import InferenceRequest, Resume, encode
 from kairos.runtime import telemetry
@@ -107,11 +108,12 @@ class AttemptPublisher:
             headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
             self.published.add(attempt_id)
             body = encode(ireq)
-            await d.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: "1"})
+            await d.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: "1"}, give_up=f.abandoned)
             if f.attempt_id == attempt_id:
                 f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), 1
-        except Exception as exc:  # logged; the caller answers 503 enqueue_failed
-            req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
+        except Exception as exc:  # logged; the caller answers 503 enqueue_failed (or the client is gone)
+            if not isinstance(exc, EnqueueAbandoned):
+                req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)
             return exc
         return None
 

@@ -89,6 +89,7 @@ class Flight:
     request: Any
     lost: bool = False  #: a NodeLost/Interrupted was queued for the current attempt
     client_gone: bool = False
+    shutting_down: bool = False  #: the ingress is closing (a :class:`Shutdown` is queued)
     bus_down: bool = False  #: a BusDown was queued
     checking: bool = False  #: a prefill-record / claim lookup is running
     quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
@@ -105,6 +106,11 @@ class Flight:
     enqueued_at: float = 0.0
     deliveries: int = 0
     moving: bool = False
+
+    def abandoned(self) -> bool:
+        """Nobody waits for this request any more (its client left, or the ingress is closing): an
+        enqueue still trying to reach a dispatcher gives up (:class:`~.nats_bus.EnqueueAbandoned`)."""
+        return self.client_gone or self.shutting_down
 
     @property
     def attempt_id(self) -> str:

@@ -31,6 +31,7 @@ from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
 from kairos.runtime.clock import Clock
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.services.ingress.metrics import IngressMetrics
+from kairos.services.ingress.ports import EnqueueAbandoned
 
 T = TypeVar("T")
 
@@ -99,7 +100,8 @@ class NatsIngressBus:
         subscription of this ingress, :attr:`notices` ``.*``)."""
         return f"{self.notices}.{attempt_id}"
 
-    async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
+    async def enqueue(self, body: bytes, headers: dict[str, str],
+                      give_up: Callable[[], bool] | None = None) -> int:
         """Send one request to the dispatchers' queue group until a replica answers ``taken``
         (module docstring); returns 0. No answer within :data:`TAKEN_TIMEOUT_S` sends it again at
         once (the same bus id: the execution claim keeps copies to one run); no dispatcher
@@ -111,15 +113,19 @@ class NatsIngressBus:
         on the open connection. With several members it does not: the member may be frozen or
         swamped for a moment (issue 32), and the request goes to another member once nats-py fails
         the connection over. Then the last error is raised (the caller answers 503
-        ``enqueue_failed``); a closed connection raises at once.
+        ``enqueue_failed``); a closed connection raises at once. ``give_up()`` true before a try
+        (the client left, the ingress closes) ends it too.
 
         Raises:
+            EnqueueAbandoned: ``give_up()`` said so.
             ConnectionError: not connected to NATS when the time was up.
             nats.errors.TimeoutError, nats.errors.NoRespondersError: the last try's error.
         """
         mono = self.clock.monotonic
         deadline = mono() + self.enqueue_timeout_s
         while True:
+            if give_up is not None and give_up():
+                raise EnqueueAbandoned("nobody waits for the request any more")
             while not self.nc.is_connected and not self.nc.is_closed and mono() < deadline:
                 since = self.disconnected_since()
                 if since is not None and mono() - since > RECONNECT_WAIT_S:

@@ -25,6 +25,11 @@ class OutSubscription(Protocol):
         """Stop it (a failure is the bus adapter's to log, never raised)."""
 
 
+class EnqueueAbandoned(Exception):
+    """An enqueue gave up because nobody waits for the request any more (its client left, the
+    ingress is closing); the request may still reach a dispatcher: cancel it."""
+
+
 class IngressBus(Protocol):
     """The bus operations of the ingress's request logic (units: s, ms since the epoch for ``*_unix_ms``).
 
@@ -38,11 +43,13 @@ class IngressBus(Protocol):
     def disconnected_since(self) -> float | None:
         """``time.monotonic()`` when the connection was lost, None while connected."""
 
-    async def enqueue(self, body: bytes, headers: dict[str, str]) -> int:
+    async def enqueue(self, body: bytes, headers: dict[str, str],
+                      give_up: Callable[[], bool] | None = None) -> int:
         """Send one attempt (an encoded :class:`~kairos.contracts.wire.InferenceRequest`) to the
-        dispatchers until one takes it; returns 0 (kairos/services/ingress/nats_bus.py).
+        dispatchers until one takes it, or ``give_up()``; returns 0 (kairos/services/ingress/nats_bus.py).
 
         Raises:
+            EnqueueAbandoned: ``give_up()`` was true before a try.
             Exception: no dispatcher took it in time (the caller answers 503 ``enqueue_failed``).
         """
 

@@ -52,7 +52,7 @@ from kairos.services.ingress.lifecycle import (Action, Complete, Fail, Ignore, M
                                                Resubmit)
 from kairos.services.ingress.metrics import DROP_REASONS, IngressMetrics
 from kairos.services.ingress.openai_api.params import ParsedRequest
-from kairos.services.ingress.ports import IngressBus
+from kairos.services.ingress.ports import EnqueueAbandoned, IngressBus
 from kairos.services.ingress.records import PREDICTED, ingress_timing, store_ingress_record
 from kairos.services.ingress.reorder import Reorder
 from kairos.services.ingress.request_ids import RequestIds
@@ -145,8 +145,18 @@ class RequestRelay:
         finally:
             await self._leave()
 
+    async def _sent(self, exc: Exception | None, attempt_id: str) -> bool:
+        """Did attempt ``attempt_id``'s submission (``exc``: its error) leave nothing to answer here?
+        Yes when it went out, or when it was abandoned — the client left or the ingress closes, and
+        that event, queued, ends the request (the attempt is cancelled: it may still reach a
+        dispatcher)."""
+        if isinstance(exc, EnqueueAbandoned):
+            await self.attempts.refused(attempt_id, ErrorCode.ENQUEUE_FAILED)
+            return True
+        return exc is None
+
     async def _submit_first(self) -> Outcome | None:
-        if await self.attempts.submit(self.req.rid) is None:
+        if await self._sent(await self.attempts.submit(self.req.rid), self.req.rid):
             return None
         timing = self.req.timing
         timing["error"] = ErrorCode.ENQUEUE_FAILED
@@ -279,7 +289,8 @@ class RequestRelay:
         self.answer.discard()
         self.reorder.clear()
         timing.pop("first_token_unix_ms", None)
-        if await self.attempts.submit(action.new_attempt_id, left=self.lc.attempts[-1]) is None:
+        if await self._sent(await self.attempts.submit(action.new_attempt_id, left=self.lc.attempts[-1]),
+                            action.new_attempt_id):
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
@@ -304,7 +315,8 @@ class RequestRelay:
         self.reorder.clear()
         resume = (Resume(output_tokens=action.output_tokens, output_text=action.output_text,
                          output_token_ids=action.output_token_ids) if action.output_tokens else None)
-        if await self.attempts.submit(action.new_attempt_id, resume, left=self.lc.attempts[-1]) is None:
+        if await self._sent(await self.attempts.submit(action.new_attempt_id, resume, left=self.lc.attempts[-1]),
+                            action.new_attempt_id):
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)

@@ -193,6 +193,7 @@ class Ingress:
         then the HTTP server waits for those handlers to send their answers, then the rest closes in
         reverse order of opening."""
         for f in self.flights.values():
+            f.shutting_down = True
             f.queue.put_nowait(Shutdown())
         await self.res.aclose()
 
