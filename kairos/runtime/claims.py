@@ -22,8 +22,9 @@ in fewer than a majority of the buckets but old enough that it cannot be a loser
 its release (:data:`SETTLED_AFTER_MS`), with the unreachable buckets able to complete its
 majority, is taken as held: its owner won while the now-dead member still answered.
 
-**Tombstones.** When the ingress's publish of a request fails it answers 503 ``enqueue_failed``
-("retry"), but the publish may still be stored (tests/faults/test_nats_restart.py: a node accepted
+**Tombstones.** When no dispatcher took a request in time the ingress answers 503 ``enqueue_failed``
+("retry"), but the request may still reach one (a frozen server resumes; tests/faults/test_nats_restart.py:
+in the release of JetStream request lanes, a node accepted
 a request whose client had been told to retry, because nats-py runs each subscription's callbacks
 in a task of its own and the cancel came too late). So the ingress also stores a *tombstone*
 (:class:`~kairos.contracts.wire.Claim` with ``withdrawn`` set and no node) under the attempt's claim key

@@ -1,8 +1,8 @@
 """Job acceptance on a node: local checks, then one cluster-wide claim per bus request id.
 
-Why a claim, and why the node makes it (issue 10, "at most one execution per request"): the work
-queue redelivers a request whose dispatcher died (or stalled past ``ack_wait``) after a node had
-already accepted its job, and the new dispatcher may route it to *another* node. A per-node
+Why a claim, and why the node makes it (issue 10, "at most one execution per request"): the ingress
+sends a request again when its dispatcher died (or stalled past ``KAIROS_ROUTE_STALL_S``), maybe
+after a node had already accepted its job, and the new dispatcher may route it to *another* node. A per-node
 "duplicate" check cannot see that, so before its engine gets a request every node agent atomically
 *creates* ``claim.<digest of the bus request id>`` in a majority of the claim buckets (JetStream KV
 ``create``: fails if the key exists, file-backed, kept for an hour; one bucket per NATS member,
@@ -13,14 +13,14 @@ already accepted its job, and the new dispatcher may route it to *another* node.
 * the key exists with this node and this incarnation → the request is (or was) executed here:
   ``duplicate`` (accepted; nothing runs again);
 * the key exists with another node (or an earlier incarnation of this one) → refused ``claimed``
-  with that claim; the dispatcher then records the request as routed to the claim's node and
-  acks — it does not route it again. If that node is dead, the ingress sees it (liveness) and
+  with that claim; the dispatcher then records the request as routed to the claim's node — it
+  does not route it again. If that node is dead, the ingress sees it (liveness) and
   re-submits under a new bus id ``<id>-r<n>``, which has its own claim;
-* the key is a tombstone (the ingress answered the attempt with ``enqueue_failed``, its publish
-  may still have been stored: :mod:`kairos.runtime.claims`) → ``withdrawn``: refused as ``cancelled``,
+* the key is a tombstone (the ingress answered the attempt with ``enqueue_failed``, its request
+  may still reach a dispatcher: :mod:`kairos.runtime.claims`) → ``withdrawn``: refused as ``cancelled``,
   whether or not the ingress's cancel got here first;
 * the bus cannot answer → refused ``claim_failed`` (no claim, no execution: at most once wins
-  over availability; the dispatcher re-routes or the request is redelivered).
+  over availability; the dispatcher re-routes or the ingress sends the request again).
 
 The claim is made by the node, not by the dispatcher: claim and acceptance are then one event, so
 a dispatcher that dies between them cannot leave a claimed request that nobody runs. The window
