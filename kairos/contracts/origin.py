@@ -12,7 +12,7 @@ only as good as the body, but the check costs nothing.
 JetStream deliveries are never taken for a node's message (``jetstream``): the server publishes
 them on a role's behalf without checking the consumer's ``deliver_subject`` or a request's reply
 subject against the creator's permissions (nats-server 2.15, tests/integration/test_bus_origin.py).
-A push or pull delivery keeps the stream's own subject (``$KV.…``, ``kairos.req.new``), which no
+A push or pull delivery keeps the stream's own subject (``$KV.…``), which no
 per-node subject matches; a ``DIRECT.GET`` answer sent to a forged reply subject carries the
 ``Nats-Stream`` header, refused here.
 """

@@ -37,7 +37,7 @@ class WireError(ValueError):
     """A message body does not decode into its schema (the message names the field)."""
 
 
-# -- ingress -> dispatchers (JetStream stream KAIROS_REQ, subject kairos.req.new) --------------------
+# -- ingress -> dispatchers (core NATS request to the queue group "dispatchers", subject kairos.req.route) ---
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Sampling parameters of one request, with the OpenAI / vLLM names (``None`` = engine default).
@@ -309,8 +309,8 @@ class RoutedEvent(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     #: policy made none, or an adopted claim): the ingress's predicted-vs-measured TTFT metrics, without
     #: reading the decision record back per request
     predicted_ttft_ms: float | None = None
-    #: the request lane the routed copy came from (kairos/runtime/lanes.py; None: unknown): the ingress
-    #: credits that lane with a delivery (a lane that delivers nothing is moved away from)
+    #: the request lane the routed copy came from in the release before issue 34 (request lanes are
+    #: gone: None; still read so that an older dispatcher's event decodes)
     lane: int | None = None
     #: the accepting agent's incarnation (``JobAck.epoch_unix_ms``; 0: unknown): a heartbeat of a later
     #: epoch means the node restarted and lost the request (the ingress moves it, issue 33)
