@@ -62,6 +62,7 @@ BLOCKS: dict[str, Block] = {
     "bus-floor": Block(bus_blocks.bus_floor, "docs/results.md"),
     "bus-routes": Block(bus_blocks.bus_routes, "docs/results.md", "docs/bus.md"),
     "fleet": Block(fleet_blocks.fleet, "docs/results.md", "README.md"),
+    "request-path": Block(fleet_blocks.request_path, "docs/results.md", "docs/bus.md", "README.md"),
     "view-costs": Block(scaling_blocks.view_costs, "docs/results.md"),
     "fidelity": Block(cli_blocks.fidelity, "docs/results.md"),
     "vllm-demo": Block(vllm_blocks.vllm_demo, "docs/results.md"),

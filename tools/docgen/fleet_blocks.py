@@ -57,3 +57,30 @@ def fleet(load: Load) -> str:
                   f"target) and {_g(floors[-1]['p50'])} ms before {last['size']}: that much of the added latency "
                   "is NATS and the cores themselves, before any HTTP, policy, logging or engine work."]
     return "\n".join(lines)
+
+
+#: the processes issue 34 counts as the control plane (bench/fleet.py ``cpu_split``'s, by name)
+CONTROL_PLANE = ("nats", "aggregator", "dispatcher", "ingress")
+
+
+def request_path(load: Load) -> str:
+    """Issue 34's progress: ``bench/fleet.py`` before the change (``fleet-before-34``) and after each of
+    its steps (``fleet-34-step1``): per size the control plane's CPU per request and per node-second,
+    the added latency against the bus floor measured just before, and the ratios to the issue's targets."""
+    before, after = load("fleet-before-34"), load("fleet-34-step1")
+    by = {row["size"]: row for row in before.rows}
+    lines = [f"Before: {one_run(before)}. After the first step (no request lanes): {one_run(after)}.", "",
+             "| size | control-plane CPU ms per request, before → after | ratio (target ≤ 0.5 at 2P2D) | "
+             "control plane % of a core, before → after (target ≤ 60 at 32P256D) | added p50 ms, before → after "
+             "| after ÷ its bus floor (target ≤ 1.5) | failed |", "|---|---|---|---|---|---|---|"]
+    for a in after.rows:
+        b = by.get(a["size"])
+        if b is None:
+            continue
+        cb, ca = (sum(r["cpu_ms_per_request"][k] or 0.0 for k in CONTROL_PLANE) for r in (b, a))
+        floor = (a.get("bus_floor_ms") or {}).get("p50")
+        lines.append(f"| {a['size']} | {cb:.2f} → {ca:.2f} | ×{ca / cb:.2f} | {_g(b['cpu_split_pct']['control_plane'])} → "
+                     f"{_g(a['cpu_split_pct']['control_plane'])} | {_g(b['added_ms']['p50'])} → {_g(a['added_ms']['p50'])} "
+                     f"| ×{a['added_ms']['p50'] / floor:.2f} | {num(b['failed'])} → {num(a['failed'])} |"
+                     if floor else f"| {a['size']} | {cb:.2f} → {ca:.2f} | ×{ca / cb:.2f} | | | | |")
+    return "\n".join(lines)
