@@ -65,6 +65,9 @@ ALIVE = b"alive"
 #: ingress's per-attempt subject), and how many times the ingress has sent this attempt (1 = first)
 NOTICES_HEADER = "Kairos-Notices"
 DELIVERY_HEADER = "Kairos-Delivery"
+#: each copy's send time (the ingress's wall clock, ms): a dispatcher drops a copy it gets later than
+#: the ingress waits for its ``taken`` plus the clocks' tolerated skew (another copy is out by then)
+SENT_HEADER = "Kairos-Sent-Unix-Ms"
 #: a request carrying this header is a ping (the ingress's /health): answered :data:`TAKEN`, not routed
 PING_HEADER = "Kairos-Ping"
 #: Broadcast: abort a request (client disconnected or ingress timed out).

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from kairos.contracts import subjects as S
-from kairos.services.dispatcher.intake import RequestIntake, RouteMessage
+from kairos.runtime.clock import ManualClock
+from kairos.services.dispatcher.intake import STALE_COPY_MS, RequestIntake, RouteMessage
 
 
 class Nc:
@@ -86,3 +87,30 @@ async def test_a_routing_waiting_for_room_sends_alive(monkeypatch):
     it._sem.release()
     await asyncio.wait_for(waiting, 1)
     assert set(nc.published) == {("n.cmpl-2", S.ALIVE)}
+
+
+class Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self) -> None:
+        self.n += 1
+
+
+async def test_a_copy_that_arrives_long_after_it_was_sent_is_dropped_unanswered():
+    """A replica frozen for seconds gets every copy the ingress sent meanwhile: the old ones are
+    dropped (another copy is out), the recent one is taken."""
+    clock = ManualClock()
+    routed: list = []
+    m = type("M", (), {"stale_copies": Count()})()
+    it = RequestIntake(lambda: Nc(), None, None, m, None, max_concurrency=1, log=Log(), clock=clock)
+
+    async def handle(msg) -> None:
+        routed.append(msg)
+    it.handle = handle
+    old = Msg({S.SENT_HEADER: f"{clock.now_ms() - STALE_COPY_MS - 1:.0f}"})
+    recent = Msg({S.SENT_HEADER: f"{clock.now_ms() - 400:.0f}"})
+    await it.on_request(old)
+    await it.on_request(recent)
+    await it.in_flight.wait_all()
+    assert old.answers == [] and recent.answers == [S.TAKEN] and len(routed) == 1 and m.stale_copies.n == 1

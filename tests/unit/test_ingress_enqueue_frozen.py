@@ -14,7 +14,9 @@ import nats.errors
 import pytest
 
 from kairos.runtime.clock import ManualClock
+from kairos.contracts import subjects as S
 from kairos.services.ingress.nats_bus import TAKEN_TIMEOUT_S, UNRESPONSIVE_PONG_S, NatsIngressBus
+from kairos.services.ingress.ports import NoDispatcher
 
 
 class FakeNc:
@@ -26,9 +28,11 @@ class FakeNc:
         self.pong, self.clock = pong, clock
         self.pings: list[asyncio.Future] = []
         self.publishes = 0
+        self.deliveries: list[str] = []  #: each copy's Kairos-Delivery
 
     async def request(self, subject, body, headers=None, timeout=None):
         self.publishes += 1
+        self.deliveries.append(headers[S.DELIVERY_HEADER])
         await self.clock.sleep(timeout)  # no dispatcher answers within the try's timeout
         raise nats.errors.TimeoutError
 
@@ -62,12 +66,14 @@ def bus(pong: bool, clock: ManualClock) -> tuple[NatsIngressBus, FakeNc]:
 
 async def failed_enqueue(pong: bool) -> tuple[NatsIngressBus, FakeNc, float]:
     """An enqueue that no dispatcher takes, on a server answering PINGs or not: the bus, its fake
-    and how long (s, manual clock) the enqueue took to give up (nats.errors.TimeoutError)."""
+    and how long (s, manual clock) the enqueue took to give up (a frozen server: nats-py's
+    TimeoutError; one that answers: NoDispatcher, naming how long it tried)."""
     clock = ManualClock()
     b, nc = bus(pong=pong, clock=clock)
     start = clock.monotonic()
-    with pytest.raises(nats.errors.TimeoutError):
+    with pytest.raises(NoDispatcher if pong else nats.errors.TimeoutError) as e:
         await b.enqueue(b"{}", {})
+    assert not pong or str(e.value) == "no dispatcher took it within 15 s"
     return b, nc, clock.monotonic() - start
 
 
@@ -86,3 +92,4 @@ async def test_a_server_that_answers_pings_is_tried_until_the_enqueue_timeout():
     # a ping after each timed-out try but the last
     assert nc.publishes >= 15.0 / (TAKEN_TIMEOUT_S + UNRESPONSIVE_PONG_S) and len(nc.pings) == nc.publishes - 1
     assert b.m.enqueue_retries.n == nc.publishes - 1
+    assert nc.deliveries == [str(i) for i in range(1, nc.publishes + 1)]  # each copy numbered

@@ -60,7 +60,7 @@ class FakeBus:
         req = decode(body, InferenceRequest)
         assert headers[S.NOTICES_HEADER] == self.notice_subject(req.request_id)
         self.enqueued.put_nowait(req)
-        return 0
+        return 1
 
     def notice_subject(self, attempt_id: str) -> str:
         return f"_INBOX.ingress.test.{attempt_id}"

@@ -34,6 +34,12 @@ from kairos.services.dispatcher.route import Router
 
 #: a routing that waits tells the ingress it goes on at least this often (s)
 ALIVE_EVERY_S = 0.5
+#: a request that arrives this long after the ingress sent it (its ``Kairos-Sent-Unix-Ms``, ms) is
+#: dropped unanswered: the ingress waited 0.5 s for a ``taken`` and sent another copy long ago (this
+#: replica was frozen or cut off). The rest is the tolerated skew of the two wall clocks (NTP keeps
+#: them within milliseconds; a larger skew would drop every request here: the heartbeat guard and
+#: the claims assume the same)
+STALE_COPY_MS = 5000.0
 
 
 class RouteMessage:
@@ -86,6 +92,9 @@ class RequestIntake:
         """The ``kairos.req.route`` subscription: answer ``taken``, route in a task of its own."""
         if self.stopped:
             return  # not answered: the ingress sends it to another replica
+        if self._stale(msg):
+            self.m.stale_copies.inc()
+            return
         try:
             await msg.respond(S.TAKEN)
         except nats.errors.Error as exc:  # no reply subject, or disconnected: the ingress sends it again
@@ -93,6 +102,15 @@ class RequestIntake:
         if msg.headers and S.PING_HEADER in msg.headers:  # the ingress's /health: answered, nothing to route
             return
         self.in_flight.spawn(self.handle(RouteMessage(msg, self._nc, self.log)), "request routing")
+
+    def _stale(self, msg: Any) -> bool:
+        """Did ``msg`` arrive more than :data:`STALE_COPY_MS` after it was sent (its ingress sent
+        another copy long ago)? A copy without a valid send time is not stale."""
+        try:
+            sent = float((msg.headers or {})[S.SENT_HEADER])
+        except (KeyError, ValueError):
+            return False
+        return self.clock.now_ms() - sent > STALE_COPY_MS
 
     async def drain(self, timeout_s: float) -> None:
         """Take nothing more; let the requests being routed finish for up to ``timeout_s``, then

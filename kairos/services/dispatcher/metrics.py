@@ -47,5 +47,8 @@ class DispatcherMetrics:
                                "recorded as routed there, not executed again", registry=reg)
         self.expired = Counter("kairos_dispatcher_expired_total",
                                "Requests dequeued after their deadline (the ingress had answered 504)", registry=reg)
+        self.stale_copies = Counter("kairos_dispatcher_stale_copies_total",
+                                    "Requests dropped unanswered because they arrived long after they were sent "
+                                    "(this replica was frozen or cut off: the ingress sent other copies)", registry=reg)
         self.inflight = Gauge("kairos_dispatcher_requests_in_flight", "Requests being routed by this replica",
                               registry=reg)

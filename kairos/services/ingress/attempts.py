@@ -108,9 +108,9 @@ class AttemptPublisher:
             headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
             self.published.add(attempt_id)
             body = encode(ireq)
-            await d.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: "1"}, give_up=f.abandoned)
+            sent = await d.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: "1"}, give_up=f.abandoned)
             if f.attempt_id == attempt_id:
-                f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), 1
+                f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), sent
         except Exception as exc:  # logged; the caller answers 503 enqueue_failed (or the client is gone)
             if not isinstance(exc, EnqueueAbandoned):
                 req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)

@@ -255,10 +255,10 @@ class FlightWatch:
         try:
             if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
                 return
-            await self.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: str(f.deliveries + 1)})
+            sent = await self.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: str(f.deliveries + 1)})
             if f.attempt_id != attempt_id:  # re-submitted meanwhile
                 return
-            f.deliveries += 1
+            f.deliveries += sent
             self.log.info("request_resent", request_id=attempt_id, deliveries=f.deliveries)
             self.m.route_resends.inc()
         except Exception as exc:  # no dispatcher took it: the next check tries again

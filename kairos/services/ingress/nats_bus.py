@@ -31,7 +31,7 @@ from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
 from kairos.runtime.clock import Clock
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.services.ingress.metrics import IngressMetrics
-from kairos.services.ingress.ports import EnqueueAbandoned
+from kairos.services.ingress.ports import EnqueueAbandoned, NoDispatcher
 
 T = TypeVar("T")
 
@@ -103,8 +103,10 @@ class NatsIngressBus:
     async def enqueue(self, body: bytes, headers: dict[str, str],
                       give_up: Callable[[], bool] | None = None) -> int:
         """Send one request to the dispatchers' queue group until a replica answers ``taken``
-        (module docstring); returns 0. No answer within :data:`TAKEN_TIMEOUT_S` sends it again at
-        once (the same bus id: the execution claim keeps copies to one run); no dispatcher
+        (module docstring); returns how many copies it sent. Each copy carries its number
+        (``Kairos-Delivery``, counting on from ``headers``' own) and its send time
+        (``Kairos-Sent-Unix-Ms``: a dispatcher drops a copy it gets too late, another one is out).
+        No answer within :data:`TAKEN_TIMEOUT_S` sends it again at once (the same bus id: the execution claim keeps copies to one run); no dispatcher
         subscribed is tried again every :data:`NO_DISPATCHER_RETRY_S`, until ``enqueue_timeout_s``.
         While the connection is down (nats-py reconnecting to another member) it waits for it,
         polling every 50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that
@@ -118,11 +120,13 @@ class NatsIngressBus:
 
         Raises:
             EnqueueAbandoned: ``give_up()`` said so.
+            NoDispatcher: no dispatcher took it within ``enqueue_timeout_s``.
             ConnectionError: not connected to NATS when the time was up.
-            nats.errors.TimeoutError, nats.errors.NoRespondersError: the last try's error.
+            nats.errors.TimeoutError: the one server is frozen (no PONG).
         """
         mono = self.clock.monotonic
         deadline = mono() + self.enqueue_timeout_s
+        first, sends = int(headers.get(S.DELIVERY_HEADER, "1")), 0
         while True:
             if give_up is not None and give_up():
                 raise EnqueueAbandoned("nobody waits for the request any more")
@@ -133,17 +137,23 @@ class NatsIngressBus:
                 await self.clock.sleep(0.05)
             if not self.nc.is_connected:
                 raise ConnectionError("the ingress is not connected to NATS")
+            sends += 1
             try:
-                await self.nc.request(S.ROUTE_SUBJECT, body, headers=headers,
-                                      timeout=min(TAKEN_TIMEOUT_S, max(0.05, deadline - mono())))
-                return 0
-            except nats.errors.NoRespondersError:
-                if self.nc.is_closed or mono() + NO_DISPATCHER_RETRY_S >= deadline:
+                await self.nc.request(S.ROUTE_SUBJECT, body, timeout=min(TAKEN_TIMEOUT_S, max(0.05, deadline - mono())),
+                                      headers={**headers, S.DELIVERY_HEADER: str(first + sends - 1),
+                                               S.SENT_HEADER: f"{self.clock.now_ms():.0f}"})
+                return sends
+            except nats.errors.NoRespondersError as exc:
+                if self.nc.is_closed:
                     raise
+                if mono() + NO_DISPATCHER_RETRY_S >= deadline:
+                    raise NoDispatcher(f"no dispatcher subscribes (tried for {self.enqueue_timeout_s:g} s)") from exc
                 await self.clock.sleep(NO_DISPATCHER_RETRY_S)
-            except nats.errors.TimeoutError:
-                if self.nc.is_closed or mono() + 0.05 >= deadline:
+            except nats.errors.TimeoutError as exc:
+                if self.nc.is_closed:
                     raise
+                if mono() + 0.05 >= deadline:
+                    raise NoDispatcher(f"no dispatcher took it within {self.enqueue_timeout_s:g} s") from exc
                 if self.members == 1 and not await self._answers_ping():
                     raise  # the one server is frozen: give up while the connection is open
             self.m.enqueue_retries.inc()

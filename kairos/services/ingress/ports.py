@@ -25,6 +25,11 @@ class OutSubscription(Protocol):
         """Stop it (a failure is the bus adapter's to log, never raised)."""
 
 
+class NoDispatcher(Exception):
+    """No dispatcher took the request in time (none answered ``taken``, or none subscribes): the
+    message bus itself answered. The message says how long it was tried."""
+
+
 class EnqueueAbandoned(Exception):
     """An enqueue gave up because nobody waits for the request any more (its client left, the
     ingress is closing); the request may still reach a dispatcher: cancel it."""

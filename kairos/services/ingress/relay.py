@@ -52,7 +52,7 @@ from kairos.services.ingress.lifecycle import (Action, Complete, Fail, Ignore, M
                                                Resubmit)
 from kairos.services.ingress.metrics import DROP_REASONS, IngressMetrics
 from kairos.services.ingress.openai_api.params import ParsedRequest
-from kairos.services.ingress.ports import EnqueueAbandoned, IngressBus
+from kairos.services.ingress.ports import EnqueueAbandoned, IngressBus, NoDispatcher
 from kairos.services.ingress.records import PREDICTED, ingress_timing, store_ingress_record
 from kairos.services.ingress.reorder import Reorder
 from kairos.services.ingress.request_ids import RequestIds
@@ -101,6 +101,12 @@ class Admitted:
         if self.trace_id:
             out["X-Trace-Id"] = self.trace_id
         return out
+
+
+def not_sent(exc: Exception | None) -> str:
+    """Why an attempt could not be sent, for its client: no dispatcher took it (the bus answered:
+    :class:`~.ports.NoDispatcher`), or the message bus is unavailable (disconnected, a frozen server)."""
+    return str(exc) if isinstance(exc, NoDispatcher) else "the message bus is unavailable"
 
 
 class RequestRelay:
@@ -156,17 +162,17 @@ class RequestRelay:
         return exc is None
 
     async def _submit_first(self) -> Outcome | None:
-        if await self._sent(await self.attempts.submit(self.req.rid), self.req.rid):
+        exc = await self.attempts.submit(self.req.rid)
+        if await self._sent(exc, self.req.rid):
             return None
         timing = self.req.timing
         timing["error"] = ErrorCode.ENQUEUE_FAILED
-        timing["error_message"] = "could not enqueue the request (the message bus is unavailable)"
+        timing["error_message"] = f"could not enqueue the request ({not_sent(exc)})"
         # a publish that timed out may still be stored (the server was slow, not gone): the
         # cancel and the attempt's tombstone claim follow it on this connection, so no node
         # runs it (kairos/runtime/claims.py), and the client's retry is the only execution
         await self.attempts.refused(self.req.rid, ErrorCode.ENQUEUE_FAILED)
-        return error_response(ErrorCode.ENQUEUE_FAILED, "could not enqueue the request (the message bus is "
-                                                        "unavailable); retry"), 503
+        return error_response(ErrorCode.ENQUEUE_FAILED, f"could not enqueue the request ({not_sent(exc)}); retry"), 503
 
     async def _next_event(self) -> Any:
         """The next event to handle: a held one whose gap was filled (or waited enough), one already
@@ -289,14 +295,14 @@ class RequestRelay:
         self.answer.discard()
         self.reorder.clear()
         timing.pop("first_token_unix_ms", None)
-        if await self._sent(await self.attempts.submit(action.new_attempt_id, left=self.lc.attempts[-1]),
-                            action.new_attempt_id):
+        exc = await self.attempts.submit(action.new_attempt_id, left=self.lc.attempts[-1])
+        if await self._sent(exc, action.new_attempt_id):
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
         return error_response(ErrorCode.ENQUEUE_FAILED, f"request {self.req.rid} lost its node or stream "
-                                                        f"({action.why}) and could not be re-submitted (the message "
-                                                        f"bus is unavailable); retry"), 503
+                                                        f"({action.why}) and could not be re-submitted "
+                                                        f"({not_sent(exc)}); retry"), 503
 
     async def _migrate(self, action: Migrate, _ev: Any) -> Outcome | None:
         """Continue the request on another node after the tokens the client has (issue 33): the old
@@ -315,14 +321,14 @@ class RequestRelay:
         self.reorder.clear()
         resume = (Resume(output_tokens=action.output_tokens, output_text=action.output_text,
                          output_token_ids=action.output_token_ids) if action.output_tokens else None)
-        if await self._sent(await self.attempts.submit(action.new_attempt_id, resume, left=self.lc.attempts[-1]),
-                            action.new_attempt_id):
+        exc = await self.attempts.submit(action.new_attempt_id, resume, left=self.lc.attempts[-1])
+        if await self._sent(exc, action.new_attempt_id):
             return None
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         await self.attempts.refused(action.new_attempt_id, ErrorCode.ENQUEUE_FAILED)
         return await self._error_answer(503, ErrorCode.ENQUEUE_FAILED,
                                         f"request {self.req.rid} lost its node ({action.why}) and could not be "
-                                        f"moved (the message bus is unavailable)")
+                                        f"moved ({not_sent(exc)})")
 
     async def _fail(self, action: Fail, ev: Any) -> Outcome:
         if action.code == ErrorCode.CLIENT_DISCONNECTED:
