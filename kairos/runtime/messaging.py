@@ -63,11 +63,13 @@ async def kv_put_ttl(nc: Client, bucket: str, key: str, value: bytes, msg_ttl_s:
     return ack.seq
 
 
-async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl_s: int | None = None) -> None:
+async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl_s: int | None = None,
+                        if_absent: bool = False) -> None:
     """Write KV ``bucket``/``key`` without asking for the server's acknowledgement: a core-NATS
     publish to ``$KV.<bucket>.<key>``, which the bucket's stream stores exactly as ``KeyValue.put``'s
     JetStream publish would (nats-py ``nats/js/kv.py``), with ``Nats-TTL`` for ``msg_ttl_s``
-    (seconds; the bucket must allow per-message TTLs).
+    (seconds; the bucket must allow per-message TTLs). ``if_absent``: the stream stores it only if
+    the key holds nothing yet (``Nats-Expected-Last-Subject-Sequence: 0``; else silently dropped).
 
     One message instead of a request and its acknowledgement, and no round trip: the caller goes
     on at once (issue 12, item 5). Writes of one connection reach the stream in the order they were
@@ -76,8 +78,10 @@ async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl
     the connection's error callback (logged as ``nats_error``). For writes that are only
     advisory or records — never for a claim or anything that decides who runs a request.
     """
-    headers = {Header.MSG_TTL: str(int(msg_ttl_s))} if msg_ttl_s else None
-    await nc.publish(kv_subject(bucket, key), value, headers=headers)
+    headers = {Header.MSG_TTL: str(int(msg_ttl_s))} if msg_ttl_s else {}
+    if if_absent:  # stored only while the key has no value yet (JetStream's expected last subject sequence 0)
+        headers[Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value] = "0"
+    await nc.publish(kv_subject(bucket, key), value, headers=headers or None)
 
 
 async def kv_delete_nowait(nc: Client, bucket: str, key: str) -> None:

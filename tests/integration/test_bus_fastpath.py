@@ -24,6 +24,25 @@ from tests.integration.conftest import reset_bus, stack, wait_until
 pytestmark = pytest.mark.integration
 
 
+async def test_an_unacknowledged_write_if_absent_keeps_the_first_value(nats_url):
+    """kv_put_nowait(..., if_absent=True) (a duplicate acceptance's decision record): stored only while
+    the key holds nothing; a later one is dropped by the stream, the first value stays."""
+    await reset_bus(nats_url)
+    nc = await nats.connect(nats_url)
+    try:
+        kv = (await ensure_buckets(nc.jetstream())).requests
+        key = S.record_key("cmpl-dup", "decision")
+        await kv_put_nowait(nc, S.REQUESTS_BUCKET, key, b"first", if_absent=True)
+        await kv_put_nowait(nc, S.REQUESTS_BUCKET, key, b"second", if_absent=True)
+        await flush_barrier(nc)
+        assert (await kv.get(key)).value == b"first"
+        await kv_put_nowait(nc, S.REQUESTS_BUCKET, key, b"third")  # a plain write still replaces it
+        await flush_barrier(nc)
+        assert (await kv.get(key)).value == b"third"
+    finally:
+        await nc.close()
+
+
 async def test_unacknowledged_kv_writes_are_stored_in_order_and_expire(nats_url):
     """kv_put_nowait / kv_delete_nowait (the request records, a node's reservation deletes): one message
     each, no acknowledgement, every one stored by the bucket's stream in the order they were made

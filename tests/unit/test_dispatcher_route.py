@@ -31,6 +31,7 @@ from kairos.services.dispatcher.state import RoutingState
 
 NODES = (("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"), ("decode-1", "decode"))
 ACCEPT = "accept"
+DUPLICATE = "duplicate"  #: accepted: the node runs it already (a copy sent again reached it)
 
 
 class FakeLink:
@@ -47,6 +48,8 @@ class FakeLink:
             raise answer
         if answer == ACCEPT:
             return JobAck(accepted=True, node=node, accepted_unix_ms=self.clock.now_ms())
+        if answer == DUPLICATE:
+            return JobAck(accepted=True, node=node, reason="duplicate", accepted_unix_ms=self.clock.now_ms())
         return JobAck(accepted=False, node=node, reason=answer)
 
     async def send_unanswered(self, node: str, job: Job) -> None:
@@ -69,8 +72,9 @@ class Bus:
     async def publish(self, subject: str, msg) -> None:
         self.published.append((subject, msg))
 
-    async def put_record(self, key: str, value: bytes) -> None:
-        self.records[key] = value
+    async def put_record(self, key: str, value: bytes, if_absent: bool = False) -> None:
+        if not (if_absent and key in self.records):  # as the stream does with its expected sequence 0
+            self.records[key] = value
 
     def of(self, kind: type) -> list:
         return [m for _, m in self.published if isinstance(m, kind)]
@@ -163,6 +167,23 @@ async def test_a_job_accepted_at_the_first_try_is_routed_there():
     assert (rec.node, rec.attempts, rec.excluded_nodes, rec.reservation_conflicts) == (node, 1, {}, [])
     assert s.outcomes.routed == 1 and s.count(s.m.decisions, "pd", "keep", "pd_never_deflects") == 1
     assert s.span.attributes["kairos.outcome"] == "routed" and s.msg.progress == 0
+
+
+async def test_a_duplicate_is_published_again_but_not_counted_nor_recorded_over_the_first_routing():
+    """A copy sent again reaches the node already running the request: its routing event goes out
+    (the first replica may have died before sending it), no decision is counted, and the decision
+    record of the first routing stays (the helper's finding: a stale copy rewrote it)."""
+    s = Setup(lambda node, n: DUPLICATE)
+    first = b'{"first": true}'
+    s.bus.records[S.record_key("cmpl-1", "decision")] = first
+    await s.route()
+    assert only_routed(s).request_id == "cmpl-1"
+    assert s.bus.records[S.record_key("cmpl-1", "decision")] == first
+    assert s.count(s.m.duplicates) == 1 and s.outcomes.routed == 0
+    assert s.count(s.m.decisions, "pd", "keep", "pd_never_deflects") == 0
+    fresh = Setup(lambda node, n: DUPLICATE)  # no record yet (the first replica died before writing it)
+    await fresh.route()
+    assert fresh.record().node == only_routed(fresh).node
 
 
 async def test_a_refused_job_is_routed_again_elsewhere_and_the_refusing_node_excluded():

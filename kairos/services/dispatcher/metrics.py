@@ -40,8 +40,11 @@ class DispatcherMetrics:
         self.errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
                               registry=reg)
         self.redeliveries = Counter("kairos_dispatcher_redeliveries_total",
-                                    "Requests received again (the ingress heard nothing of an earlier copy's routing: its "
-                                    "acknowledged in time)", registry=reg)
+                                    "Requests received again (their ingress heard nothing of an earlier copy's "
+                                    "routing in time)", registry=reg)
+        self.duplicates = Counter("kairos_dispatcher_duplicates_total",
+                                  "Requests whose node answered duplicate (a copy sent again reached the node "
+                                  "running it): routing event published again, no new decision counted", registry=reg)
         self.adopted = Counter("kairos_dispatcher_claimed_elsewhere_total",
                                "Requests found already claimed by a node (an earlier delivery's job was accepted): "
                                "recorded as routed there, not executed again", registry=reg)

@@ -35,8 +35,9 @@ from kairos.services.dispatcher.metrics import DispatcherMetrics
 
 #: ``publish(subject, message)``: a core-NATS publish of a typed message (kairos.runtime.messaging.publish)
 Publish = Callable[[str, msgspec.Struct], Awaitable[None]]
-#: ``put_record(key, value)``: an unacknowledged write to the requests bucket (kairos.runtime.messaging.kv_put_nowait)
-PutRecord = Callable[[str, bytes], Awaitable[None]]
+#: ``put_record(key, value, if_absent=False)``: an unacknowledged write to the requests bucket
+#: (kairos.runtime.messaging.kv_put_nowait; ``if_absent``: only if the key holds nothing yet)
+PutRecord = Callable[..., Awaitable[None]]
 
 
 class Outcomes:
@@ -64,8 +65,13 @@ class Outcomes:
     async def accepted(self, req: InferenceRequest, d: Decision, ack: JobAck, *, state_age_ms: float | None,
                        attempts: int, excluded: dict[str, str], conflicts: list[str], decide_ms: float,
                        routing_ms: float, view_seq: int, lane: int | None, span: Any) -> None:
-        """``ack.node`` accepted ``req``'s job carrying out decision ``d`` (times in ms)."""
+        """``ack.node`` accepted ``req``'s job carrying out decision ``d`` (times in ms). A ``duplicate``
+        answer (a copy sent again reached the node already running it) is not a new decision: its
+        routing event goes out again (the replica that routed it may have died before sending it),
+        but it is counted apart and its record is written only if the request has none (the first
+        routing's record stays)."""
         rid = req.request_id
+        duplicate = ack.reason == "duplicate"
         rec = DecisionRecord(request_id=rid, dispatcher_id=self.replica_id, decision=d, node=ack.node,
                              decode_node=d.decode_node, attempts=attempts, excluded_nodes=excluded,
                              reservation_conflicts=conflicts, state_age_ms=state_age_ms, view_seq=view_seq,
@@ -74,12 +80,15 @@ class Outcomes:
             set_decision_attributes(span, d, state_age_ms, attempts, excluded, conflicts)
             span.set_attributes({"kairos.accepted_by": ack.node, "kairos.view_seq": rec.view_seq,
                                  "kairos.decide_ms": decide_ms, "kairos.routing_ms": routing_ms})
-        self.m.decisions.labels(self.policy_spec, d.decision, d.reason).inc()
-        self.m.decide.observe(telemetry.seconds(decide_ms))
-        self.m.route.observe(telemetry.seconds(routing_ms))
-        if state_age_ms is not None:
-            self.m.state_age.observe(telemetry.seconds(state_age_ms))
-        self.routed += 1
+        if duplicate:
+            self.m.duplicates.inc()
+        else:
+            self.m.decisions.labels(self.policy_spec, d.decision, d.reason).inc()
+            self.m.decide.observe(telemetry.seconds(decide_ms))
+            self.m.route.observe(telemetry.seconds(routing_ms))
+            if state_age_ms is not None:
+                self.m.state_age.observe(telemetry.seconds(state_age_ms))
+            self.routed += 1
         self.log.debug("request_routed", request_id=rid, decision=d.decision, reason=d.reason, node=ack.node,
                       decode_node=d.decode_node, attempts=attempts, state_age_ms=state_age_ms)
         await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
@@ -87,7 +96,7 @@ class Outcomes:
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
             predicted_ttft_ms=predicted_ttft_ms(d), lane=lane, node_epoch_unix_ms=ack.epoch_unix_ms))
         try:
-            await self.put_record(S.record_key(rid, "decision"), encode(rec))
+            await self.put_record(S.record_key(rid, "decision"), encode(rec), if_absent=duplicate)
         except Exception as exc:  # a record is advisory: the request is routed all the same
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
 

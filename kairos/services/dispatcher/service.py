@@ -83,7 +83,8 @@ class Dispatcher:
         self.state = RoutingState(prefix, clock)
         self.outcomes = Outcomes(cfg.replica_id, policy.spec, self.m,
                                  publish=lambda subject, msg: publish(self.nc, subject, msg),
-                                 put_record=lambda key, value: kv_put_nowait(self.nc, S.REQUESTS_BUCKET, key, value),
+                                 put_record=lambda key, value, if_absent=False: kv_put_nowait(
+                                     self.nc, S.REQUESTS_BUCKET, key, value, if_absent=if_absent),
                                  log=self.log, clock=clock)
         self.router = Router(cfg, self.state, JobLink(lambda: self.nc, cfg.job_ack_timeout_s, lambda: self._bus),
                              self.outcomes, self.m, policy, model, lanes=self.lanes, clock=clock, stop=self._stop)
