@@ -141,7 +141,7 @@ class Setup:
                                     created_unix_ms=now, deadline_unix_ms=now + 30_000.0)
 
     async def route(self) -> None:
-        await self.router.route(self.req, self.msg, self.span, self.log, lane=0)
+        await self.router.route(self.req, self.msg, self.span, self.log)
 
     def record(self) -> DecisionRecord:
         return decode(self.bus.records[S.record_key(self.req.request_id, "decision")], DecisionRecord)
@@ -162,7 +162,7 @@ async def test_a_job_accepted_at_the_first_try_is_routed_there():
     (node, job), = s.link.sent
     assert node.startswith("prefill-") and job.kind == "keep" and job.attempt == 0 and job.request == s.req
     ev = only_routed(s)
-    assert (ev.request_id, ev.node, ev.kind, ev.lane) == ("cmpl-1", node, "keep", 0)
+    assert (ev.request_id, ev.node, ev.kind, ev.lane) == ("cmpl-1", node, "keep", None)  # no request lanes
     rec = s.record()
     assert (rec.node, rec.attempts, rec.excluded_nodes, rec.reservation_conflicts) == (node, 1, {}, [])
     assert s.outcomes.routed == 1 and s.count(s.m.decisions, "pd", "keep", "pd_never_deflects") == 1

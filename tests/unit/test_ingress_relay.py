@@ -56,7 +56,7 @@ class FakeBus:
     def disconnected_since(self) -> float | None:
         return None
 
-    async def enqueue(self, body: bytes, headers: dict[str, str], give_up: Any = None) -> int:
+    async def enqueue(self, body: bytes, headers: dict[str, str], first_delivery: int = 1, give_up: Any = None) -> int:
         req = decode(body, InferenceRequest)
         assert headers[S.NOTICES_HEADER] == self.notice_subject(req.request_id)
         self.enqueued.put_nowait(req)

@@ -64,7 +64,7 @@ class Outcomes:
 
     async def accepted(self, req: InferenceRequest, d: Decision, ack: JobAck, *, state_age_ms: float | None,
                        attempts: int, excluded: dict[str, str], conflicts: list[str], decide_ms: float,
-                       routing_ms: float, view_seq: int, lane: int | None, span: Any) -> None:
+                       routing_ms: float, view_seq: int, span: Any) -> None:
         """``ack.node`` accepted ``req``'s job carrying out decision ``d`` (times in ms). A ``duplicate``
         answer (a copy sent again reached the node already running it) is not a new decision: its
         routing event goes out again (the replica that routed it may have died before sending it),
@@ -94,26 +94,24 @@ class Outcomes:
         await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
             request_id=rid, kind="deflect" if d.deflected else "keep", node=ack.node, decode_node=d.decode_node,
             prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=ack.accepted_unix_ms,
-            predicted_ttft_ms=predicted_ttft_ms(d), lane=lane, node_epoch_unix_ms=ack.epoch_unix_ms))
+            predicted_ttft_ms=predicted_ttft_ms(d), node_epoch_unix_ms=ack.epoch_unix_ms))
         try:
             await self.put_record(S.record_key(rid, "decision"), encode(rec), if_absent=duplicate)
         except Exception as exc:  # a record is advisory: the request is routed all the same
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
 
-    async def claimed_elsewhere(self, req: InferenceRequest, claim: Claim, lane: int | None, span: Any,
-                                log: Any) -> None:
-        """``req`` was already claimed by ``claim.node`` (a previous delivery's job, whose
-        dispatcher died or stalled before acking): publish where it is — the routing event may never
-        have been sent — and let the message be acked. If that node is dead, the ingress's liveness
-        check re-submits the request under a new bus id."""
+    async def claimed_elsewhere(self, req: InferenceRequest, claim: Claim, span: Any, log: Any) -> None:
+        """``req`` was already claimed by ``claim.node`` (an earlier copy's job, whose dispatcher died
+        or stalled before its routing event): publish where it is — the routing event may never have
+        been sent. If that node is dead, the ingress's liveness check re-submits the request under a
+        new bus id."""
         self.m.adopted.inc()
         span.set_attribute("kairos.outcome", "claimed_elsewhere")
         span.set_attribute("kairos.accepted_by", claim.node)
         log.info("request_claimed_elsewhere", node=claim.node, claim_dispatcher=claim.dispatcher_id)
         await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
             request_id=req.request_id, kind=claim.kind, node=claim.node, decode_node=claim.decode_node,
-            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms,
-            lane=lane))
+            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms))
 
     async def error(self, req: InferenceRequest, code: ErrorCode, message: str, span: Any = None) -> None:
         """End ``req`` with ``code`` (HTTP status ``code.status``) and ``message`` to its client."""

@@ -76,7 +76,6 @@ class RouteAttempt:
 
     Attributes:
         req: the request.
-        lane: unused (None): the request lane of the release before issue 34.
         max_attempts: tries (bus retries not counted) before giving up: 2 × nodes in the view + 4.
         hits: node → prompt tokens its prefix cache holds (prefix-aware policies).
         bus_retry: the bus-fault retries and their budget.
@@ -92,7 +91,6 @@ class RouteAttempt:
     """
 
     req: InferenceRequest
-    lane: int | None
     max_attempts: int
     hits: dict[str, int]
     bus_retry: BusRetry
@@ -151,14 +149,14 @@ class Router:
         self.model = model
         self.params = self.cfg.params(model.engine.max_num_batched_tokens)
 
-    def attempt(self, req: InferenceRequest, lane: int | None = None) -> RouteAttempt:
+    def attempt(self, req: InferenceRequest) -> RouteAttempt:
         """A fresh :class:`RouteAttempt` for ``req``."""
         nodes = self.state.node_count()
-        return RouteAttempt(req=req, lane=lane, max_attempts=2 * (nodes if nodes is not None else 4) + 4,
+        return RouteAttempt(req=req, max_attempts=2 * (nodes if nodes is not None else 4) + 4,
                             hits=self.state.prefix_hits(req),
                             bus_retry=BusRetry(self.cfg.bus_retry_s, self.clock.monotonic))
 
-    async def route(self, req: InferenceRequest, msg: Any, span: Any, log: Any, lane: int | None = None) -> None:
+    async def route(self, req: InferenceRequest, msg: Any, span: Any, log: Any) -> None:
         """Route ``req`` until a node accepts it, it is found claimed or cancelled, or it fails
         (an error event to its client). ``msg`` (:class:`~kairos.services.dispatcher.intake.RouteMessage`) is told ``in_progress()``
         while the routing waits; it is not acked here.
@@ -166,7 +164,7 @@ class Router:
         Raises:
             ConnectionError: this replica's NATS stayed down until the request's deadline.
         """
-        at = self.attempt(req, lane)
+        at = self.attempt(req)
         while not await self._try(at, msg, span, log):
             pass
 
@@ -282,7 +280,7 @@ class Router:
                 at.excluded[holder] = ack.reason or "refused"
                 log.info("job_rerouted", node=holder, why=at.excluded[holder], attempt=at.attempts)
                 return False
-        await self.outcomes.claimed_elsewhere(at.req, claim, at.lane, span, log)
+        await self.outcomes.claimed_elsewhere(at.req, claim, span, log)
         return True
 
     async def _bus_fault(self, at: RouteAttempt, node: str, why: str, msg: Any, log: Any) -> bool:
@@ -340,5 +338,4 @@ class Router:
         excluded = {**{n.node: "draining" for n in view.nodes if n.draining}, **at.excluded} if view else at.excluded
         await self.outcomes.accepted(at.req, decision, ack, state_age_ms=snap.state_age_ms, attempts=at.attempts,
                                      excluded=excluded, conflicts=at.conflicts, decide_ms=at.decide_ms,
-                                     routing_ms=at.routing_ms(), view_seq=view.seq if view else 0, lane=at.lane,
-                                     span=span)
+                                     routing_ms=at.routing_ms(), view_seq=view.seq if view else 0, span=span)

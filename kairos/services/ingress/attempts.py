@@ -16,13 +16,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kairos.contracts import subjects as S
-from kairos.services.ingress.ports import EnqueueAbandoned
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import InferenceRequest, Resume, encode
 from kairos.runtime import telemetry
 from kairos.services.ingress.flights import Flight
 from kairos.services.ingress.openai_api.params import ParsedRequest
-from kairos.services.ingress.ports import OutSubscription
+from kairos.services.ingress.ports import EnqueueAbandoned, OutSubscription
 
 if TYPE_CHECKING:  # the relay imports this module
     from kairos.services.ingress.relay import Admitted, RelayDeps
@@ -108,7 +107,7 @@ class AttemptPublisher:
             headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
             self.published.add(attempt_id)
             body = encode(ireq)
-            sent = await d.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: "1"}, give_up=f.abandoned)
+            sent = await d.bus.enqueue(body, headers, give_up=f.abandoned)
             if f.attempt_id == attempt_id:
                 f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), sent
         except Exception as exc:  # logged; the caller answers 503 enqueue_failed (or the client is gone)

@@ -109,7 +109,7 @@ class Flight:
 
     def abandoned(self) -> bool:
         """Nobody waits for this request any more (its client left, or the ingress is closing): an
-        enqueue still trying to reach a dispatcher gives up (:class:`~.nats_bus.EnqueueAbandoned`)."""
+        enqueue still trying to reach a dispatcher gives up (:class:`~.ports.EnqueueAbandoned`)."""
         return self.client_gone or self.shutting_down
 
     @property

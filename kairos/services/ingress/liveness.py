@@ -255,7 +255,7 @@ class FlightWatch:
         try:
             if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
                 return
-            sent = await self.bus.enqueue(body, {**headers, S.DELIVERY_HEADER: str(f.deliveries + 1)})
+            sent = await self.bus.enqueue(body, headers, first_delivery=f.deliveries + 1)
             if f.attempt_id != attempt_id:  # re-submitted meanwhile
                 return
             f.deliveries += sent

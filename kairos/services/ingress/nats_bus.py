@@ -100,11 +100,11 @@ class NatsIngressBus:
         subscription of this ingress, :attr:`notices` ``.*``)."""
         return f"{self.notices}.{attempt_id}"
 
-    async def enqueue(self, body: bytes, headers: dict[str, str],
+    async def enqueue(self, body: bytes, headers: dict[str, str], first_delivery: int = 1,
                       give_up: Callable[[], bool] | None = None) -> int:
         """Send one request to the dispatchers' queue group until a replica answers ``taken``
         (module docstring); returns how many copies it sent. Each copy carries its number
-        (``Kairos-Delivery``, counting on from ``headers``' own) and its send time
+        (``Kairos-Delivery``, counting on from ``first_delivery``) and its send time
         (``Kairos-Sent-Unix-Ms``: a dispatcher drops a copy it gets too late, another one is out).
         No answer within :data:`TAKEN_TIMEOUT_S` sends it again at once (the same bus id: the execution claim keeps copies to one run); no dispatcher
         subscribed is tried again every :data:`NO_DISPATCHER_RETRY_S`, until ``enqueue_timeout_s``.
@@ -126,7 +126,7 @@ class NatsIngressBus:
         """
         mono = self.clock.monotonic
         deadline = mono() + self.enqueue_timeout_s
-        first, sends = int(headers.get(S.DELIVERY_HEADER, "1")), 0
+        sends = 0
         while True:
             if give_up is not None and give_up():
                 raise EnqueueAbandoned("nobody waits for the request any more")
@@ -140,7 +140,7 @@ class NatsIngressBus:
             sends += 1
             try:
                 await self.nc.request(S.ROUTE_SUBJECT, body, timeout=min(TAKEN_TIMEOUT_S, max(0.05, deadline - mono())),
-                                      headers={**headers, S.DELIVERY_HEADER: str(first + sends - 1),
+                                      headers={**headers, S.DELIVERY_HEADER: str(first_delivery + sends - 1),
                                                S.SENT_HEADER: f"{self.clock.now_ms():.0f}"})
                 return sends
             except nats.errors.NoRespondersError as exc:

@@ -48,10 +48,11 @@ class IngressBus(Protocol):
     def disconnected_since(self) -> float | None:
         """``time.monotonic()`` when the connection was lost, None while connected."""
 
-    async def enqueue(self, body: bytes, headers: dict[str, str],
+    async def enqueue(self, body: bytes, headers: dict[str, str], first_delivery: int = 1,
                       give_up: Callable[[], bool] | None = None) -> int:
         """Send one attempt (an encoded :class:`~kairos.contracts.wire.InferenceRequest`) to the
-        dispatchers until one takes it, or ``give_up()``; returns 0 (kairos/services/ingress/nats_bus.py).
+        dispatchers until one takes it, or ``give_up()``; the copies are numbered from
+        ``first_delivery``; returns how many were sent (kairos/services/ingress/nats_bus.py).
 
         Raises:
             EnqueueAbandoned: ``give_up()`` was true before a try.
