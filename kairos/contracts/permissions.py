@@ -13,8 +13,11 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   writes only its own node's request records (``$KV.kairos_requests.<rid>.prefill.<node>`` /
   ``.decode.<node>``), and is the only writer of its own node's
   deflection reservations (``$KV.kairos_resv.decode.<node>.*``; everybody else only reads them);
-* only dispatchers (and ``kairos profile``, which drives the node it profiles) publish jobs
-  (``kairos.jobs.*``); only dispatchers take requests (``kairos.req.route``, their queue group) and answer into the ingress's inbox; only the ingress sends requests, cancels, and reads
+* only the ingress (and ``kairos profile``, which drives the node it profiles) publishes jobs
+  (``kairos.jobs.*``: a dispatcher hands each job to the request's ingress, which sends it, issue 34);
+  only dispatchers take requests (``kairos.req.route``, their queue group) and publish into the
+  ingress's inbox (``taken``, ``alive``, their jobs); the ingress answers those jobs through
+  ``allow_responses``; only the ingress sends requests, cancels, and reads
   token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
   (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
@@ -177,16 +180,18 @@ def role_permissions(user: str) -> Permissions:
     if user == INGRESS:
         # claims: the tombstone of an attempt it refused (kairos/runtime/claims.py: KV create, read back)
         # requests go to the dispatchers' queue group (request-reply; a ping of it is one too)
-        pub = [S.ROUTE_SUBJECT, S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
+        # jobs: the ingress sends every job of its requests (a dispatcher plans it: kairos/services/ingress/jobrelay.py)
+        pub = [S.ROUTE_SUBJECT, _any(S.jobs_subject), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
                _kv(rec, _any(S.record_key, "ingress")), *_claims(), _any(S.drain_subject)]
         # records are read (gets only)
         pub += _kv_buckets_declared() + _claim_buckets_declared() + _read(kv_stream(view)) + [_get(rec, ">")]
         # heartbeats: the ingress judges node liveness itself (kairos/core/cluster/heartbeat.py), aggregator or not
-        sub += [S.OUT_WILDCARD, S.ROUTED_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
-        return Permissions(user, _uniq(pub), _uniq(sub))
+        sub += [S.OUT_WILDCARD, S.STATE_WILDCARD, S.VIEW_SUBJECT]
+        # it answers a dispatcher's job (on its own inbox) with the node's answer: a response
+        return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)
     if user == DISPATCHER:
-        pub = [_any(S.jobs_subject), S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
-        # a request's answer (taken) and its routing's alive notices go to the ingress's inbox
+        pub = [S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
+        # a request's answer (taken), its routing's alive notices and its jobs go to the ingress's inbox
         pub += [inbox_prefix(INGRESS) + ".>"]
         pub += _kv_buckets_declared() + _claim_buckets_declared()
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))

@@ -146,6 +146,9 @@ class Job(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     decision_batch_size: NonNeg = 0
     dispatcher_id: str = ""  #: replica that routed the job
     attempt: NonNeg = 0  #: 0 for the first node tried, +1 per re-route
+    #: the decision's TTFT estimate for this path, ms (Eq. 1 keep, Eq. 6 deflect; None: the policy
+    #: made none): the ingress, which sends the job, records predicted against measured TTFT
+    predicted_ttft_ms: float | None = None
     #: claim buckets (one per NATS member, kairos/runtime/lanes.py) of the dispatcher that sent it (0: not said):
     #: a node counting another number would take claims from another majority — it refuses the job
     claim_buckets: NonNeg = 0
@@ -193,6 +196,23 @@ class JobAck(msgspec.Struct, frozen=True, kw_only=True):
     reservation: "Reservation | None" = None
     reservation_key: str | None = None
     reservation_revision: int | None = None
+
+
+#: reasons of a :class:`JobAck` the ingress writes itself when it relays a job (docs/bus.md, "The
+#: request path"): no agent subscribed to the node's job subject, the node did not answer within the
+#: ingress's job timeout (it may run the job: the attempt moves), or the job was not sent (the
+#: attempt runs elsewhere, moved or ended)
+JOB_NO_RESPONDERS, JOB_UNANSWERED, JOB_CANCELLED = "no_responders", "timeout", "cancelled"
+
+
+class JobHead(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of a :class:`Job` the ingress reads when it relays one (msgspec skips the rest, the
+    request and its prompt included: the job's bytes go to the node as they came)."""
+
+    kind: WirePathKind
+    node: str
+    decode_candidates: list[str] = []
+    predicted_ttft_ms: float | None = None
 
 
 # -- prefill agent <-> decode agent ------------------------------------------------------------------

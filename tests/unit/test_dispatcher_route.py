@@ -1,15 +1,16 @@
 """The dispatcher's routing of one request (kairos/services/dispatcher/route.py) with fakes: no NATS.
 
-The router gets a fake job link (scripted :class:`JobAck` answers or bus errors per try), a recording
+The router gets a fake job link (scripted :class:`JobAck` answers per try, as the request's ingress
+relays them — the node's, or the ingress's own ``no_responders`` / ``timeout`` / ``cancelled`` — or
+:class:`IngressGone`), a recording
 publish/record writer, a :class:`~kairos.runtime.clock.ManualClock` and a view of two prefill and two
 decode nodes. Each test checks what went on the bus (jobs, routing event, decision record, error
 event) and the metrics. The same protocol on a real nats-server: tests/integration/test_cluster.py,
-test_bus_faults.py, test_claims.py, test_request_lanes.py.
+test_bus_faults.py, test_job_relay.py.
 """
 
 from __future__ import annotations
 
-import nats.errors
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -17,13 +18,15 @@ from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER
 from kairos.contracts.events import ErrorEvent
-from kairos.contracts.wire import ClusterView, decode, encode, InferenceRequest, Job, JobAck, NodeView, RoutedEvent
+from kairos.contracts.wire import (JOB_CANCELLED, JOB_NO_RESPONDERS, JOB_UNANSWERED, ClusterView, decode, encode,
+                                   InferenceRequest, Job, JobAck, NodeView, RoutedEvent)
 from kairos.contracts.records import DecisionRecord
 from kairos.core.model.latency import load_profile
 from kairos.core.policy import parse_policy
 from kairos.runtime.clock import ManualClock
 from kairos.services.dispatcher.busretry import BUS_RETRY_FIRST_WAIT_S
 from kairos.services.dispatcher.config import DispatcherConfig
+from kairos.services.dispatcher.jobs import IngressGone
 from kairos.services.dispatcher.metrics import DispatcherMetrics
 from kairos.services.dispatcher.outcome import Outcomes
 from kairos.services.dispatcher.route import Router
@@ -40,9 +43,11 @@ class FakeLink:
     def __init__(self, clock: ManualClock, script) -> None:
         self.clock, self.script = clock, script
         self.sent: list[tuple[str, Job]] = []
+        self.via: list[str] = []
 
-    async def request(self, node: str, job: Job) -> JobAck:
+    async def request(self, node: str, job: Job, via: str) -> JobAck:
         self.sent.append((node, job))
+        self.via.append(via)
         answer = self.script(node, len(self.sent))
         if isinstance(answer, Exception):
             raise answer
@@ -52,7 +57,7 @@ class FakeLink:
             return JobAck(accepted=True, node=node, reason="duplicate", accepted_unix_ms=self.clock.now_ms())
         return JobAck(accepted=False, node=node, reason=answer)
 
-    async def send_unanswered(self, node: str, job: Job) -> None:
+    async def send_unanswered(self, node: str, job: Job, via: str) -> None:
         raise AssertionError("only the fault tier sends a job without waiting for its answer")
 
     def connected(self) -> bool:
@@ -117,6 +122,7 @@ class Log:
 class Msg:
     def __init__(self) -> None:
         self.progress = 0
+        self.notices = "_INBOX.ingress.x.cmpl-1"  #: the attempt's conversation subject at its ingress
 
     async def in_progress(self) -> None:
         self.progress += 1
@@ -161,6 +167,8 @@ async def test_a_job_accepted_at_the_first_try_is_routed_there():
     await s.route()
     (node, job), = s.link.sent
     assert node.startswith("prefill-") and job.kind == "keep" and job.attempt == 0 and job.request == s.req
+    assert s.link.via == [s.msg.notices]  # handed to the request's ingress, which sends it
+    assert job.predicted_ttft_ms is not None and job.predicted_ttft_ms > 0  # the ingress records it
     ev = only_routed(s)
     assert (ev.request_id, ev.node, ev.kind, ev.lane) == ("cmpl-1", node, "keep", None)  # no request lanes
     rec = s.record()
@@ -222,22 +230,32 @@ async def test_every_node_refusing_ends_the_request_with_no_available_node():
     assert s.count(s.m.errors, "no_available_node") == 1 and s.span.attributes["kairos.outcome"] == "no_available_node"
 
 
-@pytest.mark.parametrize("fault, why", [(nats.errors.NoRespondersError(), "no_responders"),
-                                        (nats.errors.TimeoutError(), "timeout")])
-async def test_a_bus_fault_is_retried_on_the_same_node_without_excluding_it(fault, why):
-    s = Setup(lambda node, n: fault if n == 1 else ACCEPT)
+async def test_no_agent_for_the_job_is_retried_on_the_same_node_without_excluding_it():
+    s = Setup(lambda node, n: JOB_NO_RESPONDERS if n == 1 else ACCEPT)
     await s.route()
     (first, job1), (second, job2) = s.link.sent
     assert second == first and (job1.attempt, job2.attempt) == (0, 1)
     assert only_routed(s).node == first
     assert s.record().excluded_nodes == {}
     assert s.clock.slept == [BUS_RETRY_FIRST_WAIT_S]  # one backoff, on the router's clock
-    assert s.msg.progress == 1  # the message kept in progress meanwhile
-    assert s.count(s.m.bus_retries, why) == 1 and s.count(s.m.reroutes, why) == 0
+    assert s.msg.progress == 1  # the ingress hears that the routing goes on
+    assert s.count(s.m.bus_retries, "no_responders") == 1 and s.count(s.m.reroutes, "no_responders") == 0
+
+
+@pytest.mark.parametrize("answer, outcome", [(JOB_UNANSWERED, "moved"), (JOB_CANCELLED, "cancelled"),
+                                             (IngressGone("gone"), "ingress_gone")])
+async def test_the_ingress_ending_or_moving_the_attempt_ends_the_routing_without_an_event(answer, outcome):
+    """The node did not answer the ingress in time (it may run the job: the ingress moves the attempt
+    under a new id), the ingress sent no job, or the ingress is gone: routed nowhere, no error either."""
+    s = Setup(lambda node, n: answer, policy="sl:100000")
+    await s.route()
+    assert len(s.link.sent) == 1 and s.bus.published == [] and s.bus.records == {}
+    assert s.span.attributes["kairos.outcome"] == outcome and "cmpl-1" in s.state.cancelled
+    assert not s.state.pending_deflections  # the deflection's slot is given back here
 
 
 async def test_a_bus_fault_past_the_retry_budget_excludes_the_node():
-    s = Setup(lambda node, n: nats.errors.NoRespondersError() if n == 1 else ACCEPT, bus_retry_s=0.0)
+    s = Setup(lambda node, n: JOB_NO_RESPONDERS if n == 1 else ACCEPT, bus_retry_s=0.0)
     await s.route()
     (first, _), (second, _) = s.link.sent
     assert second != first and s.record().excluded_nodes == {first: "no_responders"}

@@ -21,7 +21,7 @@ import orjson
 from kairos.contracts import subjects as S
 from kairos.contracts.events import HandoffEvent, TokenEvent
 from kairos.contracts.permissions import agent_user
-from kairos.contracts.wire import NodeState, RoutedEvent, encode
+from kairos.contracts.wire import NodeState, encode
 from tests.unit.test_ingress_relay import WAIT_S, Msg, post, sse_payloads, stack  # noqa: F401  (the fixture)
 
 E1, E2 = 1_699_999_940_000.0, 1_699_999_999_000.0  #: two incarnations' epochs: started 60 s and 1 s before the clock
@@ -42,9 +42,7 @@ class Nodes:
 
 
 async def routed(st, attempt: str, node: str, kind: str, epoch: float) -> None:
-    ev = RoutedEvent(request_id=attempt, kind=kind, node=node, decode_node=node, prompt_tokens=3, output_tokens=3,
-                     node_accepted_unix_ms=st.clock.now_ms(), lane=0, node_epoch_unix_ms=epoch)
-    await st.ing.flights.on_routed(Msg(S.ROUTED_SUBJECT, encode(ev)))
+    await st.routed(attempt, node, kind, epoch)
 
 
 async def test_a_keep_path_decode_node_dying_before_its_first_token_resubmits_at_once(stack):

@@ -1,10 +1,11 @@
 """The ingress's relay of a request, driven through real HTTP with a fake bus and a manual clock (no nats-server).
 
 An :class:`~kairos.services.ingress.service.Ingress` is assembled with :class:`FakeBus` (it records
-every enqueue, cancel, tombstone and record) and serves HTTP on a free port. The test plays the dispatchers and the node agents: it routes the
-published attempt (``kairos.route.decided``) and sends out events on the subjects the bus would
-prove (``kairos.out.<attempt>.<sender>``) through the ingress's own intake
-(:meth:`Flights.on_routed`, :meth:`Flights.on_out`). Time moves only when a test advances the clock,
+every enqueue, job, cancel, tombstone and record) and serves HTTP on a free port. The test plays the
+dispatchers and the node agents: a dispatcher hands the published attempt's job to the ingress on the
+attempt's conversation subject, the ingress sends it and the node accepts it (:meth:`JobRelay.on_notice`,
+:meth:`FakeBus.send_job`), and the nodes send out events on the subjects the bus would prove
+(``kairos.out.<attempt>.<sender>``, :meth:`Flights.on_out`). Time moves only when a test advances the clock,
 and the watchers' checks run when the test calls them.
 """
 
@@ -22,7 +23,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER, agent_user
 from kairos.contracts.events import DoneEvent, ErrorEvent, TokenEvent
-from kairos.contracts.wire import decode, encode, InferenceRequest, RoutedEvent
+from kairos.contracts.wire import decode, encode, InferenceRequest, JobAck
 from kairos.contracts.records import IngressTiming
 from kairos.runtime.clock import ManualClock
 from kairos.services.ingress.config import IngressConfig
@@ -40,6 +41,7 @@ class Msg:
     subject: str
     data: bytes
     headers: dict | None = None
+    reply: str = ""
 
 
 @dataclass
@@ -52,6 +54,10 @@ class FakeBus:
     drains: list[tuple[str, str]] = field(default_factory=list)  #: (node, reason)
     records: dict[str, bytes] = field(default_factory=dict)
     max_payload: int = 1024 * 1024
+    jobs: list[tuple[str, bytes]] = field(default_factory=list)  #: (node, job bytes) the ingress sent
+    #: node -> what it answers a job (a JobAck's bytes, or an exception to raise); default: accepted
+    job_answers: dict[str, Any] = field(default_factory=dict)
+    answered: asyncio.Queue = field(default_factory=asyncio.Queue)  #: (reply subject, JobAck) to dispatchers
 
     def disconnected_since(self) -> float | None:
         return None
@@ -67,6 +73,16 @@ class FakeBus:
 
     async def ping_dispatchers(self) -> str | None:
         return None
+
+    async def send_job(self, node: str, job: bytes, headers: dict[str, str] | None) -> bytes:
+        self.jobs.append((node, job))
+        answer = self.job_answers.get(node, JobAck(accepted=True, node=node))
+        if isinstance(answer, Exception):
+            raise answer
+        return encode(answer)
+
+    async def respond(self, reply: str, data: bytes) -> None:
+        self.answered.put_nowait((reply, decode(data, JobAck)))
 
     async def subscribe_out(self, attempt_id: str, cb: Any) -> Any:
         raise AssertionError("the ingress of these tests has the one out wildcard subscription")
@@ -102,11 +118,22 @@ class Stack:
     http: aiohttp.ClientSession
     base: str
 
-    async def routed(self, attempt: str, node: str, kind: str = "deflect") -> None:
-        """A dispatcher reports that ``node`` accepted ``attempt``'s job."""
-        ev = RoutedEvent(request_id=attempt, kind=kind, node=node, decode_node=node, prompt_tokens=3, output_tokens=3,
-                         node_accepted_unix_ms=self.clock.now_ms(), lane=0)
-        await self.ing.flights.on_routed(Msg(S.ROUTED_SUBJECT, encode(ev)))
+    async def plan(self, attempt: str, node: str, kind: str = "deflect", epoch: float = 0.0) -> JobAck:
+        """A dispatcher hands ``attempt``'s job for ``node`` to the ingress, which sends it (the node
+        answers by :attr:`FakeBus.job_answers`, accepted by default, from incarnation ``epoch``);
+        returns what the ingress answered the dispatcher. Only the fields the ingress reads are in
+        the job (kairos.contracts.wire.JobHead)."""
+        self.bus.job_answers.setdefault(node, JobAck(accepted=True, node=node, epoch_unix_ms=epoch))
+        job = orjson.dumps({"kind": kind, "node": node, "predicted_ttft_ms": 12.5})
+        await self.ing.jobs.on_notice(Msg(self.bus.notice_subject(attempt), job, reply=f"_INBOX.dispatcher.{attempt}"))
+        reply, ack = await asyncio.wait_for(self.bus.answered.get(), WAIT_S)
+        assert reply == f"_INBOX.dispatcher.{attempt}"
+        return ack
+
+    async def routed(self, attempt: str, node: str, kind: str = "deflect", epoch: float = 0.0) -> None:
+        """A dispatcher's job for ``node`` goes out through the ingress and ``node`` accepts it."""
+        ack = await self.plan(attempt, node, kind, epoch)
+        assert ack.accepted, ack
 
     async def out(self, sender: str, ev: Any) -> None:
         """An out event published by NATS user ``sender`` (the subject proves who sent it)."""

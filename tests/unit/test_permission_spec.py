@@ -75,20 +75,22 @@ SPEC: dict[str, dict] = {
     "ingress": {
         "publish": {
             "kairos.req.route",  # requests (and /health's pings) to the dispatchers' queue group
+            "kairos.jobs.*",  # every job of its requests: a dispatcher plans it, the ingress sends it (issue 34)
             "kairos.cancel", "kairos.resend",
             "kairos.drain.*",  # an operator's drain (its admin endpoint), to any node: only the ingress
             "$KV.kairos_requests.*.ingress", *_CLAIMS,  # claims: tombstones, and read by key
             *_DECLARE_BUCKETS, *_DECLARE_CLAIM_BUCKETS, *_watch("KV_kairos_view"),
             "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
         },
-        "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.route.decided", "kairos.state.*",
+        "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.state.*",
                       "kairos.view"},  # the views (core NATS); the bucket's last one is read once
-        "allow_responses": False,
+        "allow_responses": True,  # the node's answer to a dispatcher's job, relayed on its reply subject
     },
     "dispatcher": {
         "publish": {
-            "kairos.jobs.*", "kairos.route.decided", "kairos.out.*.dispatcher", "$KV.kairos_requests.*.decision",
-            "_INBOX.ingress.>",  # a request's answer (taken) and its routing's alive notices, to the ingress
+            "kairos.route.decided", "kairos.out.*.dispatcher", "$KV.kairos_requests.*.decision",
+            # a request's answer (taken), its routing's alive notices and its jobs, to the ingress
+            "_INBOX.ingress.>",
             *_DECLARE_BUCKETS, *_DECLARE_CLAIM_BUCKETS, *_DECLARE_MODELS,
             # watches the view, the reservations (read only) and the latency models (hot reload)
             *_watch("KV_kairos_view"), *_watch("KV_kairos_resv"), *_watch("KV_kairos_models"),
@@ -285,7 +287,8 @@ def test_every_subject_outside_a_roles_spec_is_denied(user, op):
     ("dispatcher", "publish", "$KV.kairos_view.view"),
     ("dispatcher", "publish", "kairos.cancel"),
     ("aggregator", "publish", "kairos.jobs.decode-0"),
-    ("ingress", "publish", "kairos.jobs.decode-0"),
+    ("dispatcher", "publish", "kairos.jobs.decode-0"),  # it hands jobs to the ingress (issue 34)
+    ("agent-decode-0", "publish", "_INBOX.ingress.x"),  # an agent answers jobs only as a response
 ])
 def test_the_reviewers_mutations_are_denied(user, op, subject):
     assert not table_allows(user, op, subject)

@@ -410,9 +410,9 @@ def make_job(decision: Decision, req: InferenceRequest, snap: ClusterSnapshot, d
                    chunk_schedule=list(decision.chunk_schedule), predicted_step_ms=list(decision.predicted_step_ms),
                    reservation_ttl_s=reservation_ttl_s,
                    decision_batch_size=decision_batch_size(decision, snap), dispatcher_id=dispatcher_id,
-                   attempt=attempt)
+                   attempt=attempt, predicted_ttft_ms=predicted_ttft_ms(decision))
     return Job(kind="keep", request=req, node=decision.node, decode_candidates=decode_candidates(decision, snap),
-               dispatcher_id=dispatcher_id, attempt=attempt)
+               dispatcher_id=dispatcher_id, attempt=attempt, predicted_ttft_ms=predicted_ttft_ms(decision))
 
 
 def decision_batch_size(decision: Decision, snap: ClusterSnapshot) -> int:

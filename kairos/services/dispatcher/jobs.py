@@ -1,8 +1,12 @@
-"""Jobs to node agents over the replica's NATS connection (the router's bus, a fake in unit tests).
+"""Jobs to node agents, through the request's ingress (the router's bus, a fake in unit tests).
 
-A job is a request-reply on ``kairos.jobs.<node>`` (:func:`kairos.contracts.subjects.jobs_subject`):
-the node answers a :class:`~kairos.contracts.wire.JobAck` — accepted, or refused with a reason
-(docs/bus.md) — within ``job_ack_timeout_s``. The trace context travels in the headers. The link
+Issue 34's request path (docs/bus.md, "The request path"): a dispatcher does not send a job to the
+node itself. It sends it to the attempt's conversation subject in the ingress's inbox (the request's
+``Kairos-Notices`` header) as a request-reply; the ingress — the one sender of the attempt's jobs —
+lets it go to ``kairos.jobs.<node>`` when its arbiter allows (:mod:`kairos.core.cluster.arbiter`),
+and answers with the node's :class:`~kairos.contracts.wire.JobAck`, or one of its own: no agent
+subscribed (``no_responders``), the node did not answer in time (``timeout``: the ingress moves the
+attempt), or the job was not sent (``cancelled``). The trace context travels in the headers. The link
 also tells the router whether this replica is connected, and whether NATS just came back here
 (:meth:`kairos.runtime.buswatch.BusWatch.settling`: the agents may not have re-subscribed yet).
 """
@@ -11,14 +15,23 @@ from __future__ import annotations
 
 from typing import Callable
 
+import nats.errors
 from nats.aio.client import Client
 
-from kairos.contracts import subjects as S
 from kairos.contracts.wire import Job, JobAck, encode
 from kairos.runtime import telemetry
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.messaging import request_typed
+
+#: how much longer than a node has (``job_ack_timeout_s``) the dispatcher waits for the ingress's
+#: answer (s): the ingress waits for the node first, then relays
+RELAY_SLACK_S = 1.0
+
+
+class IngressGone(RuntimeError):
+    """The request's ingress did not take or answer the job (it died, or its NATS member did): the
+    request is worth nothing now (its client's connection was there), or the ingress sends it again."""
 
 
 class JobLink:
@@ -33,22 +46,25 @@ class JobLink:
     def __init__(self, nc: Callable[[], Client], timeout_s: float, watch: Callable[[], BusWatch | None]) -> None:
         self._nc, self.timeout_s, self._watch = nc, timeout_s, watch
 
-    async def request(self, node: str, job: Job) -> JobAck:
-        """Send ``job`` to ``node`` and wait for its answer.
+    async def request(self, node: str, job: Job, via: str) -> JobAck:
+        """Hand ``job`` for ``node`` (``job.node``) to the request's ingress at ``via`` (its
+        conversation subject) and wait for the node's answer as the ingress relays it.
 
         Raises:
-            nats.errors.NoRespondersError: no agent subscribes to the node's job subject here.
-            nats.errors.TimeoutError: no answer within ``timeout_s``.
+            IngressGone: nobody subscribes to ``via``, or no answer within ``timeout_s`` + :data:`RELAY_SLACK_S`.
             kairos.contracts.wire.WireError: the answer does not decode.
         """
-        return await request_typed(self._nc(), S.jobs_subject(node), job, JobAck, self.timeout_s,
-                                   telemetry.inject_headers())
+        try:
+            return await request_typed(self._nc(), via, job, JobAck, self.timeout_s + RELAY_SLACK_S,
+                                       telemetry.inject_headers())
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            raise IngressGone(f"the ingress did not relay the job for {node}: {exc!r}") from exc
 
-    async def send_unanswered(self, node: str, job: Job) -> None:
-        """Send ``job`` and make sure the server has it, not waiting for the answer (the fault tier's
-        ``after_publish`` step: the replica dies right after)."""
+    async def send_unanswered(self, node: str, job: Job, via: str) -> None:
+        """Hand ``job`` to the ingress and make sure the server has it, not waiting for the answer
+        (the fault tier's ``after_publish`` step: the replica dies right after)."""
         nc = self._nc()
-        await nc.publish(S.jobs_subject(node), encode(job), reply=nc.new_inbox(), headers=telemetry.inject_headers())
+        await nc.publish(via, encode(job), reply=nc.new_inbox(), headers=telemetry.inject_headers())
         await flush_barrier(nc)
 
     def connected(self) -> bool:

@@ -8,14 +8,15 @@ Per try (the rules are in :mod:`kairos.core.cluster.routing`, the decision in :m
    per view, not per try);
 2. the policy decides; a deflection onto a decode node whose slots are all held becomes a keep
    (rule 3, :func:`kairos.core.cluster.routing.decide_within_slots`);
-3. the job goes to the node by request-reply (:class:`~kairos.services.dispatcher.jobs.JobLink`). A
-   refusal excludes the node and routing starts over — a re-route, never a drop. A decode node
-   refusing a deflection beyond its slots (``deflection_in_flight``) is shown full instead. No
-   responder, a timeout or ``claim_failed`` is the bus's fault while the node is live in the view:
-   routing starts over after a short backoff without excluding it, for at most ``bus_retry_s``
-   (:mod:`kairos.services.dispatcher.busretry`). ``claimed``: an earlier delivery's job runs on
-   another node — not again (:meth:`Outcomes.claimed_elsewhere`); ``cancelled``: the ingress ended
-   the attempt;
+3. the job goes to the node through the request's ingress, which sends it and relays the node's
+   answer (:class:`~kairos.services.dispatcher.jobs.JobLink`; the ingress's arbiter lets one job of
+   an attempt out at a time and none after a node accepted it). A refusal excludes the node and
+   routing starts over — a re-route, never a drop. A decode node refusing a deflection beyond its
+   slots (``deflection_in_flight``) is shown full instead. No responder is the bus's fault while the
+   node is live in the view: routing starts over after a short backoff without excluding it, for at
+   most ``bus_retry_s`` (:mod:`kairos.services.dispatcher.busretry`). ``cancelled``: the ingress ended
+   the attempt, moved it (its node did not answer in time: it may run it) or another copy's job runs;
+   the ingress gone (:class:`~kairos.services.dispatcher.jobs.IngressGone`): nobody waits for it;
 4. accepted: :meth:`Outcomes.accepted` (routing event, span attributes, decision record).
 
 Nothing routable for ``no_node_wait_s`` (or every node refused) → :data:`ErrorCode.NO_AVAILABLE_NODE`.
@@ -33,10 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats.errors
 
 from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import Claim, InferenceRequest, Job, JobAck
+from kairos.contracts.wire import JOB_CANCELLED, JOB_UNANSWERED, InferenceRequest, Job, JobAck
 from kairos.core.cluster.routing import decide_within_slots, make_job, reservation_ttl_s
 from kairos.core.cluster.snapshot import ClusterSnapshot
 from kairos.core.model.latency import LatencyModel
@@ -45,7 +45,7 @@ from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.services.dispatcher import faults
 from kairos.services.dispatcher.busretry import BusRetry
 from kairos.services.dispatcher.config import DispatcherConfig
-from kairos.services.dispatcher.jobs import JobLink
+from kairos.services.dispatcher.jobs import IngressGone, JobLink
 from kairos.services.dispatcher.metrics import DispatcherMetrics
 from kairos.services.dispatcher.outcome import Outcomes
 from kairos.services.dispatcher.state import RoutingState
@@ -58,6 +58,10 @@ RECONNECT_SETTLE_S = 3.0
 SETTLING_RETRY_S = 0.2
 #: how often (s) a routing waiting for its own NATS connection looks again
 RECONNECT_POLL_S = 0.05
+#: answers after which a routing stops (the span's outcome): the ingress sent no job (the attempt
+#: ended, runs elsewhere or moved), the node did not answer the ingress in time (it may run the job:
+#: the ingress moves the attempt under a new id), the ingress is gone (nobody waits for the request)
+ROUTING_OVER = {JOB_CANCELLED: "cancelled", JOB_UNANSWERED: "moved", "ingress_gone": "ingress_gone"}
 
 
 def no_live_nodes(view: Any) -> str:
@@ -82,8 +86,6 @@ class RouteAttempt:
         excluded: node → why it is left out (it refused, or did not answer past the retries).
         conflicts: decode nodes that refused a deflection for want of a slot, in order.
         full: decode nodes this routing found without a free slot (shown full to the policy).
-        bus_faulted: node → (decision, job) of a try there that met a bus fault: its claim may be
-            stored although its answer was lost (an orphan another node then reports ``claimed``).
         attempts: jobs sent so far.
         decide_ms: policy time summed over the tries, ms.
         waited_since: monotonic s since when no node was routable (None: routable).
@@ -97,7 +99,6 @@ class RouteAttempt:
     excluded: dict[str, str] = field(default_factory=dict)
     conflicts: list[str] = field(default_factory=list)
     full: set[str] = field(default_factory=set)
-    bus_faulted: dict[str, tuple[Decision, Job]] = field(default_factory=dict)
     attempts: int = 0
     decide_ms: float = 0.0
     waited_since: float | None = None
@@ -157,9 +158,10 @@ class Router:
                             bus_retry=BusRetry(self.cfg.bus_retry_s, self.clock.monotonic))
 
     async def route(self, req: InferenceRequest, msg: Any, span: Any, log: Any) -> None:
-        """Route ``req`` until a node accepts it, it is found claimed or cancelled, or it fails
-        (an error event to its client). ``msg`` (:class:`~kairos.services.dispatcher.intake.RouteMessage`) is told ``in_progress()``
-        while the routing waits; it is not acked here.
+        """Route ``req`` until a node accepts it, it is cancelled (or its ingress is gone), or it
+        fails (an error event to its client). ``msg`` (:class:`~kairos.services.dispatcher.intake.RouteMessage`)
+        names the ingress's conversation subject (``notices``: jobs go there) and is told
+        ``in_progress()`` while the routing waits.
 
         Raises:
             ConnectionError: this replica's NATS stayed down until the request's deadline.
@@ -193,18 +195,14 @@ class Router:
                                       claim_buckets=self.lanes)
         if not decision.deflected:  # count it in the view at once; the node's ack replaces it
             self.state.provisional(req, decision.node, decision.decode_node)
-        ack, why = await self._send(decision.node, job)
+        ack, why = await self._send(decision.node, job, msg.notices)
         self._settle_slot(rid, decision, ack, why)
-        if why == "cancelled":  # the ingress ended this attempt (its cancel or tombstone claim): route it nowhere
+        if why in ROUTING_OVER:  # the ingress ended or moved this attempt, or is gone: route it nowhere
             self.state.forget_routed(rid)
             self.state.cancelled.add(rid)
-            span.set_attribute("kairos.outcome", "cancelled")
-            log.info("request_cancelled_by_node", node=decision.node, attempts=at.attempts)
+            span.set_attribute("kairos.outcome", ROUTING_OVER[why])
+            log.info("routing_ended_by_ingress", why=why, node=decision.node, attempts=at.attempts)
             return True
-        if why == "claimed" and ack is not None and ack.claim is not None:
-            return await self._claimed(at, ack.claim, decision, snap, span, log)
-        if why in ("timeout", "claim_failed"):  # a claim may be stored there all the same
-            at.bus_faulted[decision.node] = (decision, job)
         if why is not None:
             if await self._bus_fault(at, decision.node, why, msg, log):
                 return False
@@ -213,17 +211,19 @@ class Router:
         await self._accept(at, decision, ack, snap, span)
         return True
 
-    async def _send(self, node: str, job: Job) -> tuple[JobAck | None, str | None]:
-        """Send ``job`` to ``node``: (its answer, None) when accepted, else (answer or None, why)."""
-        if faults.armed("after_publish"):  # the job reaches the node; this replica dies before the answer
-            await self.link.send_unanswered(node, job)
+    async def _send(self, node: str, job: Job, via: str | None) -> tuple[JobAck | None, str | None]:
+        """Hand ``job`` for ``node`` to the ingress at ``via``: (the answer, None) when the node
+        accepted, else (the answer or None, why: the node's reason, the ingress's ``no_responders``
+        / ``timeout`` / ``cancelled``, or ``ingress_gone``)."""
+        if via is None:  # a request without a conversation subject cannot be relayed (an older ingress)
+            return None, "ingress_gone"
+        if faults.armed("after_publish"):  # the job reaches the ingress; this replica dies before the answer
+            await self.link.send_unanswered(node, job, via)
             faults.die("after_publish")
         try:
-            ack = await self.link.request(node, job)
-        except nats.errors.NoRespondersError:
-            return None, "no_responders"
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            return None, "timeout"
+            ack = await self.link.request(node, job, via)
+        except IngressGone:
+            return None, "ingress_gone"
         return ack, None if ack.accepted else (ack.reason or "refused")
 
     def _settle_slot(self, rid: str, decision: Decision, ack: JobAck | None, why: str | None) -> None:
@@ -257,32 +257,6 @@ class Router:
         await msg.in_progress()
         return False
 
-    async def _claimed(self, at: RouteAttempt, claim: Claim, decision: Decision, snap: ClusterSnapshot,
-                       span: Any, log: Any) -> bool:
-        """An earlier delivery's job holds the claim on ``claim.node``: not run again — unless that
-        is this routing's own earlier try whose answer was lost (that node holds the claim and never
-        started the request): send it that job again (it runs it, or says duplicate)."""
-        self.state.forget_routed(at.req.request_id)
-        holder = claim.node
-        if holder in at.bus_faulted and holder != decision.node:
-            decision, job = at.bus_faulted[holder]
-            log.info("job_resent_to_claim_holder", node=holder)
-            try:
-                ack = await self.link.request(holder, job)
-            except (nats.errors.Error, asyncio.TimeoutError):
-                ack = None
-            if ack is not None and ack.accepted:
-                await self._accept(at, decision, ack, snap, span)
-                return True
-            if ack is not None and ack.reason != "claimed":
-                # it refused for a reason of its own (and gave its claim up): route elsewhere
-                del at.bus_faulted[holder]
-                at.excluded[holder] = ack.reason or "refused"
-                log.info("job_rerouted", node=holder, why=at.excluded[holder], attempt=at.attempts)
-                return False
-        await self.outcomes.claimed_elsewhere(at.req, claim, span, log)
-        return True
-
     async def _bus_fault(self, at: RouteAttempt, node: str, why: str, msg: Any, log: Any) -> bool:
         """The job failed with ``why``: when that is the bus's fault (busretry.py) or this replica
         is disconnected, wait and return True (route again, ``node`` not excluded)."""
@@ -301,8 +275,8 @@ class Router:
             return True
         if self.link.connected():
             return False
-        # our own bus is down, not the node: wait for it (nothing excluded); the claim makes a job
-        # that did reach the node safe to send again
+        # our own bus is down, not the node: wait for it (nothing excluded); the ingress's arbiter
+        # makes a job that did reach the node safe to plan again
         log.info("job_send_disconnected", node=node, why=why)
         self.state.forget_routed(rid)
         while not self.link.connected() and self.clock.now_ms() < at.req.deadline_unix_ms and not self.stop.is_set():

@@ -55,6 +55,9 @@ class IngressConfig(ServiceConfig):
     #: ``alive`` notice: its dispatcher died or was cut off) is sent again, the same bus id (its
     #: execution claim keeps copies to one run; kairos/services/ingress/liveness.py)
     route_stall_s: float = 3.0
+    #: a node must answer a job the ingress sends it within this (s), else it may be running it and the
+    #: attempt moves under a new id (kairos/services/ingress/jobrelay.py); as the dispatchers' own
+    job_ack_timeout_s: float = 1.0
     #: admission: requests in flight at this replica at most; more get 429 ``overloaded`` with
     #: ``Retry-After`` at once (shed explicitly, never by letting the bus time out); 0: no limit
     max_in_flight: int = 512
@@ -105,6 +108,7 @@ class IngressConfig(ServiceConfig):
                 f"must be emulated, vllm or vllm-cpu, got {self.engine_kind!r}")
         require(self.enqueue_timeout_s > 0, "enqueue_timeout_s", "must be > 0")
         require(self.route_stall_s > 0, "route_stall_s", "must be > 0")
+        require(self.job_ack_timeout_s > 0, "job_ack_timeout_s", "must be > 0")
         require(self.max_in_flight >= 0, "max_in_flight", "must be >= 0 (0: no limit)")
         require(self.overload_retry_after_s >= 1, "overload_retry_after_s", "must be >= 1")
         require(self.heartbeat_max_future_ms > 0, "heartbeat_max_future_ms", "must be > 0")

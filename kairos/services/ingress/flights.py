@@ -11,8 +11,9 @@ events addressed to in-flight requests:
   (:class:`~.senders.Senders`: the node the attempt's job went to, the decode node its prefill node
   handed the KV to, a dispatcher for errors); an event of another sender is held until its sender is
   accepted, or refused as forged (``kairos_ingress_forged_messages_total{kind="out_event"}``);
-* **routing events** (``kairos.route.decided``, dispatchers only) tell the flight where its attempt
-  runs (lifecycle, senders, the TTFT the decision predicted);
+* **a node's acceptance of the attempt's job** (the ingress sends every job itself,
+  :mod:`.jobrelay`) tells the flight where its attempt runs (lifecycle, senders, the TTFT the decision
+  predicted): :meth:`Flights.routed`;
 * **notices** (the attempt's notice subject, dispatchers only): the routing of a queued attempt goes on.
 
 Besides its bus events, the relay's queue receives the watchers' verdicts (:mod:`.liveness`): the
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterator
 from kairos.contracts import subjects as S
 from kairos.contracts.origin import OriginGuard
 from kairos.contracts.events import ErrorEvent, HandoffEvent, OutEvent, TokenEvent
-from kairos.contracts.wire import decode, RoutedEvent, WireError
+from kairos.core.cluster.arbiter import Arbiter
 from kairos.core.cluster.heartbeat import Liveness
 from kairos.core.cluster.recent import RecentIds
 from kairos.core.vocabulary import PathKind
@@ -106,6 +107,8 @@ class Flight:
     enqueued_at: float = 0.0
     deliveries: int = 0
     moving: bool = False
+    #: which nodes the current attempt's jobs went to and what they answered (kairos/core/cluster/arbiter.py)
+    arbiter: Arbiter = field(default_factory=Arbiter)
 
     def abandoned(self) -> bool:
         """Nobody waits for this request any more (its client left, or the ingress is closing): an
@@ -129,6 +132,8 @@ class Flight:
         self.predicted = None
         self.senders = Senders(attempt_id)
         self.enqueued, self.deliveries = None, 0  # nothing of the previous attempt is sent again
+        self.arbiter.end()  # a job the previous attempt's dispatcher still plans is not sent
+        self.arbiter = Arbiter()
 
 
 class Flights:
@@ -214,24 +219,19 @@ class Flights:
         if f is not None and f.enqueued is not None and f.enqueued[0] == f.attempt_id:
             f.enqueued_at = self.clock.monotonic()
 
-    async def on_routed(self, msg: Any) -> None:
-        """A routing event: the node that accepted the job of an attempt (or holds its claim)."""
-        try:
-            ev = decode(msg.data, RoutedEvent)
-        except WireError:
-            return
-        f = self._by_attempt.get(ev.request_id)
-        if f is None:
-            return
-        f.lc.on_routed(ev.request_id, ev.kind, ev.node)
-        if ev.request_id == f.attempt_id:
-            f.predicted = (None if ev.predicted_ttft_ms is None
-                           else (ev.kind, ev.predicted_ttft_ms))
-            f.senders.routed(ev.node, ev.kind)  # only dispatchers may publish routing events
-            if ev.node_epoch_unix_ms:  # the incarnation that accepted: a later one lost it (issue 33)
-                f.dep_epochs[ev.node] = ev.node_epoch_unix_ms
+    def routed(self, f: Flight, attempt_id: str, kind: PathKind, node: str, predicted_ttft_ms: float | None,
+               node_epoch_unix_ms: float) -> None:
+        """``node`` accepted the job of ``f``'s attempt ``attempt_id`` that this ingress sent it
+        (``predicted_ttft_ms``: the decision's estimate, ms; ``node_epoch_unix_ms``: the incarnation
+        that accepted, 0 = not said): its events are accepted from now on."""
+        f.lc.on_routed(attempt_id, kind, node)
+        if attempt_id == f.attempt_id:
+            f.predicted = None if predicted_ttft_ms is None else (kind, predicted_ttft_ms)
+            f.senders.routed(node, kind)
+            if node_epoch_unix_ms:  # the incarnation that accepted: a later one lost it (issue 33)
+                f.dep_epochs[node] = node_epoch_unix_ms
             self._release(f)
-        self.liveness.watch(ev.node, self.clock.monotonic() * 1000.0)
+        self.liveness.watch(node, self.clock.monotonic() * 1000.0)
 
     def _late(self, attempt_id: str, msg: Any) -> None:
         """An event of an attempt this ingress gave up (fencing, issue 33): a node that was paused or

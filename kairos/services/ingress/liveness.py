@@ -18,7 +18,7 @@ Every ``disconnect_poll_s`` (:meth:`FlightWatch.run`):
   the KV handed off, and to whom?): the decision's decode node alone does not count, the prefill
   agent tries the other candidates;
 * **quiet streams**: after a reconnect, a routed request with no event for ``outage_grace_s`` lost
-  its stream; a queued one whose execution claim exists (a node took it meanwhile) too;
+  its stream;
 * **routings**: a queued request whose routing went silent (its dispatcher died, or its NATS member)
   is sent to the dispatchers again, the same bytes and bus id;
 * **bus down**: NATS unreachable for ``bus_outage_timeout_s`` ends every request (503 ``bus_unavailable``).
@@ -207,9 +207,9 @@ class FlightWatch:
         f.queue.put_nowait(NodeLost(node=node, attempt_id=f.attempt_id))
 
     def check_quiet(self) -> None:
-        """After a reconnect: a request that heard nothing within ``outage_grace_s`` lost its
-        stream if it was routed (known, or its execution claim exists); one not routed yet keeps
-        waiting (this ingress sends it again when its routing is silent, :meth:`check_routes`)."""
+        """After a reconnect: a routed request that heard nothing within ``outage_grace_s`` lost its
+        stream; one not routed yet keeps waiting (its job's answer or silence decides,
+        kairos/services/ingress/jobrelay.py, and a silent routing is sent again, :meth:`check_routes`)."""
         now = self.clock.monotonic()
         for f in self.flights.values():
             if f.quiet_deadline is None or now < f.quiet_deadline or not f.watched:
@@ -219,21 +219,6 @@ class FlightWatch:
                 f.lost = True
                 f.queue.put_nowait(Interrupted(f.attempt_id, f"no event for {self.cfg.outage_grace_s:g} s after "
                                                              f"the bus came back"))
-            elif not f.checking:
-                f.checking = True
-                self.bg.spawn(self._check_claim(f, f.attempt_id), "check_claim")
-
-    async def _check_claim(self, f: Flight, attempt_id: str) -> None:
-        try:
-            claim = await self.bus.read_claim(attempt_id)
-        finally:
-            f.checking = False
-        if claim is None or f.attempt_id != attempt_id or not f.watched:
-            return
-        f.lc.on_routed(attempt_id, claim.kind, claim.node)
-        f.lost = True
-        f.queue.put_nowait(Interrupted(attempt_id, f"node {claim.node} took it and nothing arrived for "
-                                                   f"{self.cfg.outage_grace_s:g} s after the bus came back"))
 
     def check_routes(self) -> None:
         """Queued attempts whose routing went silent (:attr:`IngressConfig.route_stall_s` since a
@@ -247,9 +232,9 @@ class FlightWatch:
                 self.bg.spawn(self._resend(f, f.attempt_id), "resend_route")
 
     async def _resend(self, f: Flight, attempt_id: str) -> None:
-        """Send attempt ``attempt_id`` to the dispatchers again, the same bytes and bus id: the copy
-        that reaches a node first runs, another meets its claim (``claimed``). Never raises; a send
-        that fails is tried again on a later check."""
+        """Send attempt ``attempt_id`` to the dispatchers again, the same bytes and bus id: the jobs
+        of every copy meet the attempt's arbiter (kairos/services/ingress/jobrelay.py), which lets
+        none go once a node accepted one. Never raises; a send that fails is tried again on a later check."""
         assert f.enqueued is not None
         _, body, headers = f.enqueued
         try:

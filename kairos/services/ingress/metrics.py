@@ -89,6 +89,11 @@ class IngressMetrics:
         self.route_resends = Counter("kairos_ingress_route_resends_total",
                                      "Queued requests sent to the dispatchers again (their routing went silent: "
                                      "its dispatcher or NATS member died)", registry=reg)
+        self.jobs = Counter("kairos_ingress_jobs_total",
+                            "Jobs the dispatchers handed to this ingress for its requests (issue 34), by what "
+                            "became of them: accepted / refused by the node, no_responders (no agent), silent "
+                            "(no answer in time: the attempt moved), not_sent (the attempt ran elsewhere, "
+                            "moved or ended)", ("answer",), registry=reg)
         #: issue 33: requests continued on another node once output had reached the client (Dynamo's
         #: migration), by the code of why their node was left
         migrations = Counter("kairos:request_migrations", "Requests continued on another node after output "

@@ -31,7 +31,7 @@ from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
 from kairos.runtime.clock import Clock
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.services.ingress.metrics import IngressMetrics
-from kairos.services.ingress.ports import EnqueueAbandoned, NoDispatcher
+from kairos.services.ingress.ports import EnqueueAbandoned, NoAgent, NoDispatcher, NodeSilent
 
 T = TypeVar("T")
 
@@ -82,9 +82,11 @@ class NatsIngressBus:
     """
 
     def __init__(self, nc: Any, js: Any, members: int, claims: ClaimQuorum | None, watch: BusWatch | None,
-                 enqueue_timeout_s: float, metrics: IngressMetrics, clock: Clock, log: Any) -> None:
+                 enqueue_timeout_s: float, metrics: IngressMetrics, clock: Clock, log: Any,
+                 job_ack_timeout_s: float = 1.0) -> None:
         self.nc, self.js, self.members, self.claims, self.watch = nc, js, members, claims, watch
         self.enqueue_timeout_s, self.m, self.clock, self.log = enqueue_timeout_s, metrics, clock, log
+        self.job_ack_timeout_s = job_ack_timeout_s
         self.requests: Any = None  #: the requests bucket (set at every declare: start and reconnects)
         self.notices = ""  #: the prefix of the attempts' notice subjects (:meth:`notice_subject`; set at start)
 
@@ -157,6 +159,23 @@ class NatsIngressBus:
                 if self.members == 1 and not await self._answers_ping():
                     raise  # the one server is frozen: give up while the connection is open
             self.m.enqueue_retries.inc()
+
+    async def send_job(self, node: str, job: bytes, headers: dict[str, str] | None) -> bytes:
+        if not self.nc.is_connected:  # nats-py would buffer it: whether it reaches the node is unknown
+            raise NodeSilent("the ingress is not connected to NATS")
+        try:
+            reply = await self.nc.request(S.jobs_subject(node), job, timeout=self.job_ack_timeout_s, headers=headers)
+        except nats.errors.NoRespondersError as exc:
+            raise NoAgent(str(exc)) from exc
+        except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+            raise NodeSilent(repr(exc)) from exc
+        return reply.data
+
+    async def respond(self, reply: str, data: bytes) -> None:
+        try:
+            await self.nc.publish(reply, data)
+        except nats.errors.Error as exc:  # disconnected: the dispatcher's wait ends its routing
+            self.log.info("job_answer_not_relayed", error=repr(exc))
 
     async def ping_dispatchers(self) -> str | None:
         """Ping the dispatchers' queue group once: None when a replica answered, else why not."""

@@ -35,6 +35,15 @@ class EnqueueAbandoned(Exception):
     ingress is closing); the request may still reach a dispatcher: cancel it."""
 
 
+class NoAgent(Exception):
+    """A job found no agent subscribed to its node's job subject (it never reached the node)."""
+
+
+class NodeSilent(Exception):
+    """A node did not answer a job in time: the job, or its answer, may have been lost with a NATS
+    member, or the node is frozen — it may run the job."""
+
+
 class IngressBus(Protocol):
     """The bus operations of the ingress's request logic (units: s, ms since the epoch for ``*_unix_ms``).
 
@@ -61,6 +70,19 @@ class IngressBus(Protocol):
 
     def notice_subject(self, attempt_id: str) -> str:
         """The subject the dispatcher routing ``attempt_id`` sends its ``alive`` notices to."""
+
+    async def send_job(self, node: str, job: bytes, headers: dict[str, str] | None) -> bytes:
+        """Send an encoded :class:`~kairos.contracts.wire.Job` to ``node`` (core NATS request-reply on
+        ``kairos.jobs.<node>``) and return its answer's bytes (a :class:`~kairos.contracts.wire.JobAck`).
+
+        Raises:
+            NoAgent: nobody subscribes to the node's job subject.
+            NodeSilent: no answer within the job timeout, or the connection is down.
+        """
+
+    async def respond(self, reply: str, data: bytes) -> None:
+        """Answer a dispatcher's job on its reply subject (never raises: a lost answer costs the
+        dispatcher its wait, after which it stops routing the attempt)."""
 
     async def ping_dispatchers(self) -> str | None:
         """Ping the dispatchers once: None when one answered, else why not."""

@@ -9,11 +9,12 @@ The composition root: :class:`Ingress` builds the parts, connects them to NATS a
 :mod:`.completions`         the completion endpoints: admission (429), body, validation, span, record
 :mod:`.relay`               one request: submit, follow its events through its lifecycle, answer (SSE)
 :mod:`.lifecycle`           the rules of a request's life (a pure state machine)
-:mod:`.flights`             the in-flight registry; out and routing events to the right request
+:mod:`.flights`             the in-flight registry; out events and routed nodes to the right request
+:mod:`.jobrelay`            the jobs the dispatchers plan, sent to the nodes by this ingress (its arbiter)
 :mod:`.liveness`            heartbeats; watchers: clients gone, nodes lost, quiet streams, silent routings, bus down
 :mod:`.readiness`           the cluster view and ``/health``
 :mod:`.records`             the ingress record and the ``/v1/requests/{id}`` merge
-:mod:`.nats_bus`            :class:`~.ports.IngressBus` on NATS (requests to the dispatchers, cancel, tombstones, records)
+:mod:`.nats_bus`            :class:`~.ports.IngressBus` on NATS (requests to the dispatchers, jobs, cancel, tombstones, records)
 :mod:`.openai_api`          OpenAI parameters, validation, prompt counting, response bodies
 ==========================  =========================================================================
 
@@ -56,6 +57,7 @@ from kairos.services.ingress.completions import Completions
 from kairos.services.ingress.config import IngressConfig
 from kairos.services.ingress.flights import Flights, Shutdown
 from kairos.services.ingress.http import HardenedRunner, load_api_keys
+from kairos.services.ingress.jobrelay import JobRelay
 from kairos.services.ingress.liveness import FlightWatch
 from kairos.services.ingress.metrics import IngressMetrics
 from kairos.services.ingress.nats_bus import NatsIngressBus
@@ -114,6 +116,7 @@ class Ingress:
         self.claims: ClaimQuorum | None = None
         self.bus: IngressBus | None = None
         self.watch: FlightWatch | None = None
+        self.jobs: JobRelay | None = None
         self.completions: Completions | None = None
         self.port: int | None = None
         self._bus_watch: BusWatch | None = None
@@ -130,6 +133,7 @@ class Ingress:
                                  self.clock, self.log)
         deps = RelayDeps(self.cfg, self.flights, bus, self.m, self.bg, self.clock, self.tel.tracer)
         self.flights.late = self._late_event
+        self.jobs = JobRelay(self.flights, bus, self.m, self.bg, self.log)
         self.completions = Completions(deps, self.tel.tracer, self.log, self.counter, self.vocab_size,
                                        self.chat_template, self.max_model_len)
 
@@ -151,15 +155,15 @@ class Ingress:
         self.claims = ClaimQuorum(claim_buckets(self.js, self.members))
         await check_lane_count(nc.jetstream(timeout=2.0), self.members)
         bus = NatsIngressBus(nc, self.js, self.members, self.claims, None, self.cfg.enqueue_timeout_s, self.m,
-                             self.clock, self.log)
+                             self.clock, self.log, self.cfg.job_ack_timeout_s)
         bus.notices = nc.new_inbox()  # <inbox>.<attempt id>: the dispatchers' alive notices
         self.assemble(bus)
         await self._declare()
         self._bus_watch = bus.watch = BusWatch(nc, self._resume, self._on_bus_lost, log=self.log,
                                                on_connected=self._ask_resend).start()
         self.res.push("bus_watch", self._bus_watch.stop)
-        subs = [(S.ROUTED_SUBJECT, self.flights.on_routed), (S.VIEW_SUBJECT, self.readiness.on_view_msg),
-                (S.STATE_WILDCARD, self.watch.on_state), (f"{bus.notices}.*", self.flights.on_notice)]
+        subs = [(S.VIEW_SUBJECT, self.readiness.on_view_msg), (S.STATE_WILDCARD, self.watch.on_state),
+                (f"{bus.notices}.*", self.jobs.on_notice)]
         if self.cfg.out_wildcard:  # every token stream, dispatched to its flight by request id
             subs.append((S.OUT_WILDCARD, self.flights.on_out))
         for subject, cb in subs:
