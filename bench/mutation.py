@@ -46,7 +46,7 @@ def configured_modules(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 def function_of(mutant: str) -> str:
     """The dotted function a mutmut 3 mutant name mutates: ``kairos.core.cluster.heartbeat.xǁLivenessǁheard__mutmut_3``
-    → ``kairos.core.cluster.heartbeat.Liveness.heard``; ``kairos.runtime.claims.x_tombstone__mutmut_1`` → ``kairos.runtime.claims.tombstone``."""
+    → ``kairos.core.cluster.heartbeat.Liveness.heard``; ``kairos.core.cluster.routing.x_make_job__mutmut_1`` → ``kairos.core.cluster.routing.make_job``."""
     head, _, _ = mutant.rpartition("__mutmut_")
     module, _, name = head.rpartition(".")
     if name.startswith("xǁ"):
@@ -184,7 +184,7 @@ def forget_results(modules: list[str], mutants: Path | None = None) -> list[Path
 
 
 def mutant_globs(modules: list[str]) -> list[str]:
-    """mutmut name patterns for ``modules`` (``kairos/runtime/claims.py`` → ``kairos.runtime.claims.*``)."""
+    """mutmut name patterns for ``modules`` (``kairos/core/cluster/arbiter.py`` → ``kairos.core.cluster.arbiter.*``)."""
     return [module.removesuffix(".py").replace("/", ".") + ".*" for module in modules]
 
 

@@ -14,9 +14,8 @@ Syntax: nats-server 2.15 "Clustering" and "JetStream clustering" configuration d
 (``server_name`` is required for JetStream in a cluster; ``cluster { name, listen, authorization,
 routes }``; route URLs ``nats-route://user:password@host:port``; ``http`` is the monitoring
 listener; ``pid_file``). JetStream's replication factor is per stream: the services declare every
-bucket with one replica per member (``kairos.runtime.bus.stream_replicas``), and the
-claim buckets with one replica each, lane ``i`` on member ``i`` — found by its ``server_tags``
-entry ``kairos-lane:<i>`` (``kairos/runtime/lanes.py`` says why).
+bucket with one replica per member (``kairos.runtime.bus.stream_replicas``); nothing on a
+request's path is stored (docs/bus.md, "The request path").
 
 Two renderings of one member: :func:`member_config` puts everything in one file (``kairos up``
 writes it into its private temporary directory); :func:`compose_member_config` is the committed,
@@ -33,7 +32,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from kairos.contracts import subjects as S
 
 #: the cluster's name (``cluster { name }``); every member must carry the same
 CLUSTER_NAME = "kairos"
@@ -114,10 +112,8 @@ def route_lines(m: Member, members: list[Member], route_password: str) -> list[s
 
 def _render(m: Member, members: list[Member], cluster_body: list[str], tail: list[str],
             jetstream: list[str] = ()) -> str:
-    # the member of claim bucket i (kairos/runtime/lanes.py) is found by its tag
     text = [f"# Kairos NATS cluster member {m.name} (kairos/cli/natscluster.py). Do not edit.",
             f"server_name: {_quote(m.name)}",
-            f"server_tags: [{_quote(S.lane_tag(members.index(m)))}]",
             f"listen: {_quote(f'{m.host}:{m.port}')}",
             f"http: {_quote(f'{m.host}:{m.monitor_port}')}",
             f"pid_file: {_quote(m.pid_file)}",

@@ -21,9 +21,6 @@ What the table enforces (nats-server checks every PUB and SUB against it):
   token streams (``kairos.out.*.*``); an agent publishes token streams only under its own user
   (``kairos.out.<rid>.agent-<node>``), dispatchers under theirs; only the aggregator writes the cluster view
   (``$KV.kairos_view.>``); only the profiler writes latency models (``$KV.kairos_models.>``);
-* execution claims (``$KV.kairos_claims_<i>.claim.<digest>``, one bucket per NATS member) are created by the agents and, as
-  tombstones of attempts it refused, by the ingress (kairos/runtime/claims.py); agents read them by key
-  only, keyed by digest so that a get with a literal ``*`` names no request;
 * replies stay private: each role's client uses its own inbox prefix ``_INBOX.<user>``
   (:func:`inbox_prefix`) and may subscribe only below it, so no role can read another's
   request-reply answers or JetStream deliveries (e.g. the prompts a dispatcher pulls);
@@ -100,7 +97,7 @@ def inbox_prefix(user: str) -> str:
 def _declare(stream: str) -> list[str]:
     """Create (idempotent, Kairos' config) and look up a stream. Only the control-plane roles: a
     stream's config names the subjects it captures, so whoever creates one could capture (and
-    replay) any subject — agents use no stream API but direct gets of claims."""
+    replay) any subject — agents use no stream API at all."""
     return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.INFO.{stream}"]
 
 
@@ -134,22 +131,6 @@ def _kv_buckets_declared() -> list[str]:
     return out
 
 
-#: every claim bucket a deployment can have (one per NATS member, kairos/runtime/lanes.py):
-#: the table is the same whatever the cluster's size
-LANES = range(S.MAX_LANES)
-
-
-def _claim_buckets_declared() -> list[str]:
-    """Declare every claim bucket (kairos/runtime/lanes.py ``ensure_claims_bucket``: the ingress and the
-    dispatchers)."""
-    return [x for i in LANES for x in _declare(kv_stream(S.claims_bucket(i)))]
-
-
-def _claims() -> list[str]:
-    """Create / compare-and-delete execution claims in every claim bucket, and get one by key."""
-    return [_kv(S.claims_bucket(i), _CLAIMS) for i in LANES] + [_get(S.claims_bucket(i), _CLAIMS) for i in LANES]
-
-
 def _kv(bucket: str, key: str) -> str:
     return f"$KV.{bucket}.{key}"
 
@@ -160,10 +141,6 @@ _ANY = "ANY0TOKEN"  # a valid token the subject builders accept, replaced by the
 def _any(build, *args) -> str:
     """``build(<any token>, *args)`` as a wildcard pattern: every id position becomes ``*``."""
     return build(_ANY, *args).replace(_ANY, "*")
-
-
-#: every execution claim's key (``claim.<digest>``, :func:`kairos.contracts.subjects.claim_key`)
-_CLAIMS = f"{S.CLAIM_PREFIX}.*"
 
 
 def role_permissions(user: str) -> Permissions:
@@ -178,13 +155,12 @@ def role_permissions(user: str) -> Permissions:
     except S.SubjectError as exc:
         raise RoleError(str(exc)) from None
     if user == INGRESS:
-        # claims: the tombstone of an attempt it refused (kairos/runtime/claims.py: KV create, read back)
         # requests go to the dispatchers' queue group (request-reply; a ping of it is one too)
         # jobs: the ingress sends every job of its requests (a dispatcher plans it: kairos/services/ingress/jobrelay.py)
         pub = [S.ROUTE_SUBJECT, _any(S.jobs_subject), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
-               _kv(rec, _any(S.record_key, "ingress")), *_claims(), _any(S.drain_subject)]
+               _kv(rec, _any(S.record_key, "ingress")), _any(S.drain_subject)]
         # records are read (gets only)
-        pub += _kv_buckets_declared() + _claim_buckets_declared() + _read(kv_stream(view)) + [_get(rec, ">")]
+        pub += _kv_buckets_declared() + _read(kv_stream(view)) + [_get(rec, ">")]
         # heartbeats: the ingress judges node liveness itself (kairos/core/cluster/heartbeat.py), aggregator or not
         sub += [S.OUT_WILDCARD, S.STATE_WILDCARD, S.VIEW_SUBJECT]
         # it answers a dispatcher's job (on its own inbox) with the node's answer: a response
@@ -193,7 +169,7 @@ def role_permissions(user: str) -> Permissions:
         pub = [S.ROUTED_SUBJECT, _any(S.out_subject, DISPATCHER), _kv(rec, _any(S.record_key, "decision"))]
         # a request's answer (taken), its routing's alive notices and its jobs go to the ingress's inbox
         pub += [inbox_prefix(INGRESS) + ".>"]
-        pub += _kv_buckets_declared() + _claim_buckets_declared()
+        pub += _kv_buckets_declared()
         pub += _read(kv_stream(view)) + _read(kv_stream(resv)) + _declare(kv_stream(models)) + _read(kv_stream(models))
         # heartbeats: prefix-aware policies (kairos+, dynamo) index the nodes' prefix-cache events
         sub += [S.ROUTE_SUBJECT, S.ROUTED_SUBJECT, S.CANCEL_SUBJECT, S.STATE_WILDCARD, S.VIEW_SUBJECT]
@@ -205,7 +181,6 @@ def role_permissions(user: str) -> Permissions:
         return Permissions(user, _uniq(pub), _uniq(sub))
     if user == PROFILER:
         pub = [_kv(models, ">")] + _kv_buckets_declared() + _declare(kv_stream(models)) + _read(kv_stream(models))
-        pub += _declare(kv_stream(S.claims_bucket(0)))  # a single server's claim bucket, for the node it drives
         # kairos profile drives one node like a dispatcher + prefill node would: jobs, KV handoffs, cancels
         pub += [_any(S.jobs_subject), _any(S.kv_subject, PROFILER), S.CANCEL_SUBJECT]
         sub += [S.STEPS_WILDCARD, S.STATE_WILDCARD, S.OUT_WILDCARD]
@@ -220,11 +195,8 @@ def role_permissions(user: str) -> Permissions:
         pub = [S.state_subject(node), S.steps_subject(node), _any(S.out_subject, user), _any(S.kv_subject, user),
                _any(S.kvdone_subject, user), _kv(resv, S.reservation_key(node).rsplit(".", 1)[0] + ".*"),
                _kv(rec, _any(S.record_key, "prefill", node)), _kv(rec, _any(S.record_key, "decode", node))]
-        # execution claims: create, compare-and-delete, and the only JetStream read: a claim by key
-        # (acceptance.py), keyed by digest so that a literal '*' for the key names no request
-        # (kairos.contracts.subjects.claim_key). No consumer, stream-create, stream-info or message-get API at
-        # all: nothing an agent could point at another role's subjects, no way to list a bucket's keys.
-        pub += _claims()
+        # no JetStream API at all (no consumer, stream-create, stream-info or get): nothing an agent
+        # could point at another role's subjects, no way to read a bucket
         sub += [S.jobs_subject(node), S.kv_wildcard(node), S.kvdone_wildcard(node), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
                 S.drain_subject(node)]
         return Permissions(user, _uniq(pub), _uniq(sub), allow_responses=True)

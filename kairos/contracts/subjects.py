@@ -8,7 +8,7 @@ Hierarchy::
     kairos.req.route              requests to route, request-reply to the queue group "dispatchers": ingress -> one dispatcher
     kairos.route.decided          routing events: dispatcher -> state_aggregator
     kairos.state.<node>           node state heartbeats: node_agent -> state_aggregator
-    kairos.jobs.<node>            routed jobs, request-reply: dispatcher -> node_agent
+    kairos.jobs.<node>            routed jobs, request-reply: ingress (a dispatcher's job) -> node_agent
     kairos.kv.<node>.<sender>     KV handoff, request-reply: prefill agent (its NATS user) -> decode agent
     kairos.kvdone.<node>.<sender> KV pulled, release blocks: decode agent (its NATS user) -> prefill agent
     kairos.out.<request_id>.<sender>  token stream / result / error: node agent (its NATS user), dispatcher -> ingress
@@ -19,35 +19,14 @@ Hierarchy::
     $KV.kairos_resv.decode.<node>.<slot> deflection reservation (KV bucket kairos_resv, per-message TTL)
     $KV.kairos_requests.<rid>.<part>[.<node>]  decision record + measured TTFT components (KV, bucket TTL)
     $KV.kairos_models.latency.*   latency-model artifacts: profiler -> dispatchers (watch ``latency.current``)
-    $KV.kairos_claims_<lane>.claim.<digest of rid>  the one node executing bus request <rid> (atomic create, majority of lanes)
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 
 PREFIX = "kairos"
 
-#: most claim buckets: one per NATS cluster member, and JetStream clusters have at most 5 voting
-#: members per stream (nats-server refuses ``num_replicas`` > 5)
-MAX_LANES = 5
-
-
-def _lane(lane: int) -> int:
-    if not isinstance(lane, int) or not 0 <= lane < MAX_LANES:
-        raise SubjectError(f"lane {lane!r}: an integer 0..{MAX_LANES - 1}")
-    return lane
-
-
-def claims_bucket(lane: int) -> str:
-    """The execution-claim KV bucket of member ``lane`` (``kairos_claims_<lane>``; kairos/runtime/claims.py)."""
-    return f"kairos_claims_{_lane(lane)}"
-
-
-def lane_tag(lane: int) -> str:
-    """The ``server_tags`` entry of the NATS cluster member that holds claim bucket ``lane`` (``kairos-lane:<lane>``; kairos/cli/natscluster.py writes it)."""
-    return f"kairos-lane:{_lane(lane)}"
 #: The cluster view, each as it is built (core NATS; the aggregator also keeps the last one in
 #: :data:`VIEW_BUCKET`): a replicated bucket electing a leader must not hold the view back.
 VIEW_SUBJECT = f"{PREFIX}.view"
@@ -81,7 +60,7 @@ VIEW_KEY = "view"
 #: KV bucket of deflection reservations, one key per decode node, per-message TTL.
 RESERVATION_BUCKET = "kairos_resv"
 #: KV bucket of per-request records (``<rid>.decision``, ``<rid>.ingress``, ``<rid>.prefill.<node>``,
-#: ``<rid>.decode.<node>``: :func:`record_key`); execution claims are in :func:`claims_bucket`.
+#: ``<rid>.decode.<node>``: :func:`record_key`).
 REQUESTS_BUCKET = "kairos_requests"
 
 #: KV bucket of latency-model artifacts written by ``kairos profile``: ``latency.<name>`` per
@@ -243,27 +222,3 @@ def record_key(request_id: str, part: str, node: str | None = None) -> str:
                            f"the others none (got node={node!r})")
     key = f"{check_token(request_id, 'request id')}.{part}"
     return key if node is None else f"{key}.{check_token(node, 'node id')}"
-
-
-#: first token of every execution-claim key (:func:`claim_key`)
-CLAIM_PREFIX = "claim"
-
-
-def claim_key(request_id: str) -> str:
-    """KV key (in every :func:`claims_bucket`) of the execution claim of bus request ``request_id``
-    (a :class:`~kairos.contracts.wire.Claim`, created atomically by the node that runs it, or a tombstone the
-    ingress creates for an attempt it refused): ``claim.<digest>``, the first 32 hex digits of the
-    SHA-256 of the request id.
-
-    Why a digest: agents may read claims by key (a direct get names its key in the subject), and
-    nats-server answers a direct get whose key holds a literal ``*`` with the newest message
-    matching it — a permission pattern cannot tell that ``*`` from a key. Keyed by digest (and
-    the :class:`~kairos.contracts.wire.Claim` value naming no request id) such an answer names no request:
-    an agent can read only the claims of request ids it already knows (128 bits of the digest of
-    a 96-bit random id: not invertible). docs/security.md.
-
-    Raises:
-        SubjectError: ``request_id`` is not a subject token.
-    """
-    digest = hashlib.sha256(check_token(request_id, "request id").encode()).hexdigest()[:32]
-    return f"{CLAIM_PREFIX}.{digest}"

@@ -19,7 +19,7 @@ from kairos.core.policy.base import Decision
 from kairos.contracts.errors import ErrorCode
 from kairos.core.vocabulary import PathKind, WirePathKind, path_kind
 
-#: 2: the keep path is ``kind="keep"`` everywhere (v1 said ``"prefill"`` in Job, Claim, RoutedEvent and
+#: 2: the keep path is ``kind="keep"`` everywhere (v1 said ``"prefill"`` in Job, RoutedEvent and
 #: DecodeTiming; decoders still read it as ``keep`` for one release, see kairos.core.vocabulary)
 SCHEMA_VERSION = 2
 
@@ -149,32 +149,6 @@ class Job(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     #: the decision's TTFT estimate for this path, ms (Eq. 1 keep, Eq. 6 deflect; None: the policy
     #: made none): the ingress, which sends the job, records predicted against measured TTFT
     predicted_ttft_ms: float | None = None
-    #: claim buckets (one per NATS member, kairos/runtime/lanes.py) of the dispatcher that sent it (0: not said):
-    #: a node counting another number would take claims from another majority — it refuses the job
-    claim_buckets: NonNeg = 0
-
-
-class Claim(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
-    """Value of :func:`kairos.contracts.subjects.claim_key` (``claim.<digest of the bus request id>``) in the
-    ``kairos_requests`` bucket: the one node that executes this attempt. Created atomically (KV
-    ``create``) by the node agent before its engine gets the request; a second node finds it and
-    refuses (``claimed``), so a redelivered request never runs twice, whichever dispatcher and node
-    it reaches (docs/bus.md). It names no request id (an agent's wildcard get must not learn one).
-
-    A *tombstone* (``withdrawn`` set, ``node`` empty) is created by the ingress for an attempt it
-    answered with an error before any node claimed it (``enqueue_failed``: the publish may still
-    be stored): every node then finds the attempt claimed and refuses it, in whatever order the
-    request and its cancel reach the nodes."""
-
-    v: int = SCHEMA_VERSION
-    node: str  #: the node executing it ("" in a tombstone)
-    kind: WirePathKind  #: a PathKind once decoded (``keep`` / ``deflect``)
-    decode_node: str = ""  #: the job's first decode candidate (keep) or the node itself (deflect)
-    dispatcher_id: str = ""
-    attempt: NonNeg = 0  #: the job's attempt (re-route count) that won the claim
-    claimed_unix_ms: float  #: node clock (the ingress's in a tombstone)
-    #: a tombstone: the error code the ingress answered the attempt with (nobody may execute it)
-    withdrawn: str = ""
 
 
 class JobAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -183,13 +157,12 @@ class JobAck(msgspec.Struct, frozen=True, kw_only=True):
     v: int = SCHEMA_VERSION
     accepted: bool
     node: str
-    #: why not (``wrong_role``, ``draining``, ``too_long``, ``claimed``, ``claim_failed``, …) or ``duplicate``
+    #: why not (``wrong_role``, ``draining``, ``too_long``, ``cancelled``, …) or ``duplicate``; the
+    #: ingress's own when it relays one: :data:`JOB_NO_RESPONDERS`, :data:`JOB_UNANSWERED`, :data:`JOB_CANCELLED`
     reason: str = ""
     accepted_unix_ms: float = 0.0  #: node clock when the engine got the job (aggregator dedup key)
     #: the accepting agent's incarnation (``NodeState.epoch_unix_ms``): a later epoch lost the request
     epoch_unix_ms: float = 0.0
-    #: ``reason == "claimed"``: the claim of the node that already executes the request
-    claim: Claim | None = None
     #: an accepted deflection: the reservation the node stored for it (``kairos_resv``), its key and
     #: revision — the dispatcher applies it at once (a KV watcher may deliver it later, or never when
     #: the node deletes it first) and ignores older watched events of that key
@@ -325,15 +298,13 @@ class RoutedEvent(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: NonNeg
     output_tokens: NonNeg
     node_accepted_unix_ms: float  #: from JobAck (node clock, comparable with NodeState.sent_unix_ms)
-    #: the decision's TTFT estimate for the path taken, ms (kairos.core.cluster.routing.predicted_ttft_ms; None: the
-    #: policy made none, or an adopted claim): the ingress's predicted-vs-measured TTFT metrics, without
-    #: reading the decision record back per request
+    #: the decision's TTFT estimate for the path taken, ms (kairos.core.cluster.routing.predicted_ttft_ms;
+    #: None: the policy made none)
     predicted_ttft_ms: float | None = None
     #: the request lane the routed copy came from in the release before issue 34 (request lanes are
     #: gone: None; still read so that an older dispatcher's event decodes)
     lane: int | None = None
-    #: the accepting agent's incarnation (``JobAck.epoch_unix_ms``; 0: unknown): a heartbeat of a later
-    #: epoch means the node restarted and lost the request (the ingress moves it, issue 33)
+    #: the accepting agent's incarnation (``JobAck.epoch_unix_ms``; 0: unknown)
     node_epoch_unix_ms: float = 0.0
 
 

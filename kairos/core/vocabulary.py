@@ -7,10 +7,10 @@ A request takes one of two paths (paper §4, Algorithm 1):
   its decodes (the chunk schedule χ_1..χ_m of Eq. 5), then decodes.
 
 :data:`PathKind` is the one name for that choice in the policy's :class:`~kairos.core.policy.base.Decision`,
-the wire messages (``Job``, ``Claim``, ``RoutedEvent``, ``DecodeTiming``, schema v2), the ingress's
+the wire messages (``Job``, ``RoutedEvent``, ``DecodeTiming``, schema v2), the ingress's
 request lifecycle, the node agent, span attributes and metric labels. Wire schema v1 called the keep
 path ``prefill``; :func:`path_kind` still reads that name for one release (a rolling upgrade's old
-producers and claims already stored in a bucket).
+producers).
 
 Where a request is *on one node* is :class:`RequestPhase`, and what that node does for it is
 :class:`RequestRole` (its part of the path): one vocabulary for the engine model

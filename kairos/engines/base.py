@@ -139,7 +139,7 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def add_prefill(self, req: InferenceRequest) -> None:
-        """Keep path, prefill node. Called by the agent once it won the job's claim: compute
+        """Keep path, prefill node. Called by the agent once it accepts the job: compute
         ``req``'s prompt, then report :meth:`EngineEvents.on_prefill_done` and hold its KV (phase
         ``held``) until :meth:`release` or :meth:`abort`. No output token is reported.
 
@@ -159,7 +159,7 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def add_deflected(self, req: InferenceRequest, chunk_schedule: list[int], decision_batch_size: int = 0) -> None:
-        """Deflect path, decode node. Called by the agent once it won the job's claim: chunked
+        """Deflect path, decode node. Called by the agent once it accepts the job: chunked
         prefill along ``chunk_schedule`` (χ per step: total step tokens including the B decodes the
         decision assumed, ``decision_batch_size``; phase ``deflected_prefill``), each chunk reported
         in ``StepOutput.deflected_chunk``; the first token ends the prefill, decoding follows.

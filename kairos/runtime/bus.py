@@ -9,8 +9,7 @@ stream and bucket is declared with, derived from the same URL list.
 
 The rest of the bus helpers, by concern: :mod:`kairos.runtime.streams` (stream, consumer and KV
 bucket declarations), :mod:`kairos.runtime.messaging` (typed publish and request-reply, KV writes
-without a round trip), :mod:`kairos.runtime.buswatch` (re-declaring after a reconnect),
-:mod:`kairos.runtime.lanes` and :mod:`kairos.runtime.claims` (claim buckets, execution claims).
+without a round trip), :mod:`kairos.runtime.buswatch` (re-declaring after a reconnect).
 """
 
 from __future__ import annotations

@@ -165,9 +165,6 @@ class ServiceConfig:
             comma-separated list (the client reconnects to a live one; ``kairos.runtime.bus.server_urls``).
         nats_replicas: replicas of every stream and KV bucket this service declares; 0: one per
             URL in ``nats_url``, at most 5 (``kairos.runtime.bus.stream_replicas``).
-        nats_lanes: claim buckets, one per NATS member (``kairos/runtime/lanes.py``);
-            0: as many as ``nats_replicas`` gives. Member i must carry the server tag
-            ``kairos-lane:<i>`` when there are several. Every service of a deployment must agree.
         nats_user: NATS user (the service's role: ``ingress``, ``dispatcher``, ``aggregator``,
             ``profiler``, ``agent-<node>``; ``kairos/contracts/permissions.py``); None: no authentication.
         nats_password: its password (prefer ``nats_password_file``: environments leak).
@@ -183,7 +180,6 @@ class ServiceConfig:
 
     nats_url: str = "nats://127.0.0.1:4222"
     nats_replicas: int = 0
-    nats_lanes: int = 0
     nats_user: str | None = None
     nats_password: str | None = dataclasses.field(default=None, repr=False)
     nats_password_file: str | None = None
@@ -203,7 +199,6 @@ class ServiceConfig:
                     f"{url!r} is not a NATS server URL (scheme://host:port, scheme one of {', '.join(NATS_SCHEMES)})")
         require(self.log_level.lower() in LOG_LEVELS, "log_level", f"must be one of {', '.join(LOG_LEVELS)}")
         require(0 <= self.nats_replicas <= 5, "nats_replicas", "must be 0 (one per server URL) .. 5")
-        require(0 <= self.nats_lanes <= 5, "nats_lanes", "must be 0 (one per NATS member) .. 5")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -76,7 +76,7 @@ async def kv_put_nowait(nc: Client, bucket: str, key: str, value: bytes, msg_ttl
     made, so a later :func:`kv_delete_nowait` of the key never overtakes this. What is lost: the
     caller does not learn of a failure (the bus down, a full store); a permission violation reaches
     the connection's error callback (logged as ``nats_error``). For writes that are only
-    advisory or records — never for a claim or anything that decides who runs a request.
+    advisory or records — never for anything that decides who runs a request.
     """
     headers = {Header.MSG_TTL: str(int(msg_ttl_s))} if msg_ttl_s else {}
     if if_absent:  # stored only while the key has no value yet (JetStream's expected last subject sequence 0)

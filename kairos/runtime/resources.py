@@ -10,7 +10,7 @@ way to do both:
   opening it, ``close()`` unwinds them in reverse order. A step that fails while closing is logged
   with its name and the rest still run; nothing is silently swallowed.
 * :class:`BackgroundTasks` — the tasks a service spawns and does not await at once (a lane move, a
-  timing record write, a claim release). A task that ends with an exception is logged with its name;
+  timing record write, a job sent). A task that ends with an exception is logged with its name;
   ``cancel_all()`` cancels what is left at close and waits for it.
 
 Both are I/O-free helpers over asyncio; they know nothing of NATS or aiohttp (kairos.runtime is the

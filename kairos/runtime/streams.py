@@ -3,12 +3,12 @@
 Every declaration is idempotent (same configuration → the existing object), so each service declares
 what it uses at start and services can start in any order; names come from
 :mod:`kairos.contracts.subjects`. Every stream and bucket is file-backed, so a server restarted on
-the same store keeps them (queued requests, claims, reservations, the last view); a server that
+the same store keeps them (reservations, records, the last view); a server that
 comes back with an empty store is repopulated by the services' re-declares
 (:class:`kairos.runtime.buswatch.BusWatch`). Replica counts: :func:`kairos.runtime.bus.stream_replicas`.
 
 A stream that exists with another configuration is a :class:`StreamConfigMismatch` naming the
-settings the services disagree on; the claim buckets are :mod:`kairos.runtime.lanes`.
+settings the services disagree on.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _IN_USE_ERR = 10058
 class StreamConfigMismatch(ConfigError):
     """A stream or KV bucket exists with another configuration than this service declares it with
     (nats-server's "stream name already in use with a different configuration"): the services of
-    one deployment disagree on ``KAIROS_NATS_REPLICAS`` / ``KAIROS_NATS_LANES`` / the server URL
+    one deployment disagree on ``KAIROS_NATS_REPLICAS`` / the server URL
     list, or the store holds an older Kairos's layout. The message says which and what to do."""
 
 
@@ -61,7 +61,7 @@ async def creating(declare: Callable[[], Awaitable[T]], attempts: int = 20, wait
                 raise StreamConfigMismatch(
                     f"{what} exists on the NATS server with another configuration than this service declares "
                     f"(replicas or placement): every service of a deployment needs the same KAIROS_NATS_URL "
-                    f"member list, KAIROS_NATS_REPLICAS and KAIROS_NATS_LANES (docs/deploy.md); or remove the "
+                    f"member list and KAIROS_NATS_REPLICAS (docs/deploy.md); or remove the "
                     f"old stream if an older deployment left it ({exc.description})") from exc
             if code != _STORE_CREATE_ERR or i == attempts - 1:
                 raise
@@ -104,18 +104,18 @@ async def ensure_buckets(js: JetStreamContext, records_ttl_s: float = 3600.0, re
     resv = await _declare_kv(js, KeyValueConfig(
         bucket=S.RESERVATION_BUCKET, history=1, storage=StorageType.FILE, limit_marker_ttl=1.0,
         description="one deflection slot per decode node (atomic create, per-message TTL)"), replicas)
-    # direct gets: a get names its key in the subject, so the agents' permission can be "claims only"
+    # direct gets: a get names its key in the subject, so a read permission can name keys (the ingress's record reads)
     try:
         reqs = await _declare_kv(js, KeyValueConfig(
             bucket=S.REQUESTS_BUCKET, history=1, storage=StorageType.FILE, ttl=records_ttl_s, direct=True,
-            description="per-request decision records, measured TTFT components and execution claims"), replicas)
+            description="per-request decision records and measured TTFT components"), replicas)
     except StreamConfigMismatch as exc:
         if not (await js.stream_info(kv_stream(S.REQUESTS_BUCKET))).config.allow_direct:
             raise BucketLayoutError(
                 f"the KV bucket {S.REQUESTS_BUCKET!r} (stream {kv_stream(S.REQUESTS_BUCKET)}) has an older layout without "
-                f"direct gets, which node agents need to read execution claims (docs/security.md); delete it "
+                f"direct gets, which the ingress's record reads use (docs/security.md); delete it "
                 f"(nats kv del {S.REQUESTS_BUCKET}, or remove the nats-server's JetStream store) and start "
-                f"again: it holds only the last hour's request records and claims") from exc
+                f"again: it holds only the last hour's request records") from exc
         raise
     return Buckets(view=view, reservations=resv, requests=reqs)
 

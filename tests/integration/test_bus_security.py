@@ -114,7 +114,10 @@ async def test_agent_cannot_publish_another_nodes_state(secure_nats):
     await _close(agg, agent)
 
 
-async def test_only_dispatchers_publish_jobs_and_agents_receive_only_their_own(secure_nats):
+async def test_only_the_ingress_publishes_jobs_and_agents_receive_only_their_own(secure_nats):
+    """Issue 34: a dispatcher hands its job to the request's ingress (a request into the ingress's
+    inbox), the ingress sends it to the node; the node's answer and the ingress's relay of it go
+    back as responses (allow_responses) — nobody else may publish a job, nor answer into the ingress's inbox."""
     url, passwords = secure_nats
     disp = await as_role(url, passwords, "dispatcher")
     ingress = await as_role(url, passwords, "ingress")
@@ -136,32 +139,43 @@ async def test_only_dispatchers_publish_jobs_and_agents_receive_only_their_own(s
         await flush_barrier(c.nc)
     await a0.violation(S.jobs_subject("decode-1"), "subscription")
 
-    # forged jobs: the ingress and another node's agent may not publish jobs
-    await ingress.nc.publish(S.jobs_subject("decode-1"), b"from-ingress")
-    await flush_barrier(ingress.nc)
+    # forged jobs: a dispatcher and another node's agent may not publish jobs
+    await disp.nc.publish(S.jobs_subject("decode-1"), b"from-dispatcher")
+    await flush_barrier(disp.nc)
     await a0.nc.publish(S.jobs_subject("decode-1"), b"from-agent-0")
     await flush_barrier(a0.nc)
-    await disp.nc.publish(S.jobs_subject("decode-1"), b"from-dispatcher")
-    await disp.nc.publish(S.jobs_subject("decode-0"), b"from-dispatcher")
-    await flush_barrier(disp.nc)
+    await ingress.nc.publish(S.jobs_subject("decode-1"), b"from-ingress")
+    await ingress.nc.publish(S.jobs_subject("decode-0"), b"from-ingress")
+    await flush_barrier(ingress.nc)
     await wait_for(lambda: jobs1 and jobs0)
-    assert jobs1 == [b"from-dispatcher"] and jobs0 == [b"from-dispatcher"]
+    assert jobs1 == [b"from-ingress"] and jobs0 == [b"from-ingress"]
     assert stolen == []
-    await ingress.violation(S.jobs_subject("decode-1"), "publish")
+    await disp.violation(S.jobs_subject("decode-1"), "publish")
     await a0.violation(S.jobs_subject("decode-1"), "publish")
+    await a0.nc.publish("_INBOX.ingress.conversation.cmpl-1", b"forged-answer")  # only dispatchers write there
+    await flush_barrier(a0.nc)
+    await a0.violation("_INBOX.ingress.conversation.cmpl-1", "publish")
 
-    # request-reply still works: the agent answers through allow_responses (one subscription per
-    # subject, as the agent has: nats-server refuses the response when one connection holds two)
+    # the relay: dispatcher -> ingress (its conversation subject) -> agent, answers back as responses
+    # (one subscription per subject, as the agent has: nats-server refuses the response when one
+    # connection holds two)
     async def answer(msg) -> None:
         await msg.respond(b"accepted")
 
+    async def relay(msg) -> None:
+        node_answer = await ingress.nc.request(S.jobs_subject("decode-1"), msg.data, timeout=5)
+        await msg.respond(node_answer.data)
+
     await collector.unsubscribe()
     await a1.nc.subscribe(S.jobs_subject("decode-1"), cb=answer)
-    await flush_barrier(a1.nc)
+    await ingress.nc.subscribe("_INBOX.ingress.conversation.*", cb=relay)
+    for c in (a1, ingress):
+        await flush_barrier(c.nc)
     try:
-        reply = await disp.nc.request(S.jobs_subject("decode-1"), b"job", timeout=5)
+        reply = await disp.nc.request("_INBOX.ingress.conversation.cmpl-1", b"job", timeout=5)
     except nats.errors.TimeoutError:
-        raise AssertionError(f"no reply; agent errors {a1.errors}, dispatcher errors {disp.errors}") from None
+        raise AssertionError(f"no reply; agent errors {a1.errors}, ingress errors {ingress.errors}, "
+                             f"dispatcher errors {disp.errors}") from None
     assert reply.data == b"accepted"
     await _close(disp, ingress, a0, a1)
 

@@ -73,19 +73,19 @@ async def test_service_connects_with_private_ca_and_client_certificate(tls_nats,
         async def cb(msg) -> None:
             got.append(msg.data)
 
-        await nc.subscribe("kairos.route.decided", cb=cb)  # the ingress may read routing events
+        await nc.subscribe("kairos.view", cb=cb)  # the ingress may read the views
         await flush_barrier(nc)
-        dispatcher = await nats.connect(url, user="dispatcher", password=pw["dispatcher"],
-                                        inbox_prefix="_INBOX.dispatcher", tls=tls_context(c))
-        await dispatcher.publish("kairos.route.decided", b"over-tls")
-        await flush_barrier(dispatcher)
+        aggregator = await nats.connect(url, user="aggregator", password=pw["aggregator"],
+                                        inbox_prefix="_INBOX.aggregator", tls=tls_context(c))
+        await aggregator.publish("kairos.view", b"over-tls")
+        await flush_barrier(aggregator)
         deadline = time.monotonic() + 5
         while not got:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         assert got == [b"over-tls"]
         assert nc.connected_url.scheme == "tls"
-        await dispatcher.close()
+        await aggregator.close()
     finally:
         await nc.close()
 

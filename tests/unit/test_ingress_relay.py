@@ -1,7 +1,7 @@
 """The ingress's relay of a request, driven through real HTTP with a fake bus and a manual clock (no nats-server).
 
 An :class:`~kairos.services.ingress.service.Ingress` is assembled with :class:`FakeBus` (it records
-every enqueue, job, cancel, tombstone and record) and serves HTTP on a free port. The test plays the
+every enqueue, job, cancel and record) and serves HTTP on a free port. The test plays the
 dispatchers and the node agents: a dispatcher hands the published attempt's job to the ingress on the
 attempt's conversation subject, the ingress sends it and the node accepts it (:meth:`JobRelay.on_notice`,
 :meth:`FakeBus.send_job`), and the nodes send out events on the subjects the bus would prove
@@ -50,7 +50,6 @@ class FakeBus:
 
     enqueued: asyncio.Queue = field(default_factory=asyncio.Queue)  #: published InferenceRequests
     cancels: list[tuple[str, str]] = field(default_factory=list)  #: (attempt id, reason)
-    withdrawn: list[tuple[str, str]] = field(default_factory=list)  #: (attempt id, code)
     drains: list[tuple[str, str]] = field(default_factory=list)  #: (node, reason)
     records: dict[str, bytes] = field(default_factory=dict)
     max_payload: int = 1024 * 1024
@@ -93,14 +92,8 @@ class FakeBus:
     async def drain(self, node: str, reason: str) -> None:
         self.drains.append((node, reason))
 
-    async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
-        self.withdrawn.append((attempt_id, str(code)))
-
     async def read_record(self, key: str, typ: type) -> Any:
         return decode(self.records[key], typ) if key in self.records else None
-
-    async def read_claim(self, attempt_id: str) -> None:
-        return None
 
     async def write_record(self, key: str, data: bytes) -> None:
         self.records[key] = data

@@ -18,8 +18,8 @@ _spec.loader.exec_module(M)
 
 @pytest.mark.parametrize("mutant, function", [
     ("kairos.core.cluster.heartbeat.xǁLivenessǁheard__mutmut_3", "kairos.core.cluster.heartbeat.Liveness.heard"),
-    ("kairos.runtime.claims.x_tombstone__mutmut_12", "kairos.runtime.claims.tombstone"),
-    ("kairos.services.node_agent.acceptance.xǁClaimsǁ__init____mutmut_1", "kairos.services.node_agent.acceptance.Claims.__init__"),
+    ("kairos.core.cluster.routing.x_make_job__mutmut_12", "kairos.core.cluster.routing.make_job"),
+    ("kairos.core.cluster.arbiter.xǁArbiterǁ__init____mutmut_1", "kairos.core.cluster.arbiter.Arbiter.__init__"),
 ])
 def test_a_mutant_name_names_the_function_it_mutates(mutant, function):
     assert M.function_of(mutant) == function

@@ -1,10 +1,9 @@
 """The node agent's protocol logic without a nats-server: its parts (kairos/services/node_agent/jobs.py,
 kv.py, slots.py, effects.py) built on a :class:`NodeContext` whose connection records what it
-publishes and answers requests as the test says, whose claim buckets are in memory
-(tests/unit/fake_kv.py) and whose clock is manual (kairos/runtime/clock.py: a retry's pause takes no
-time). Job acceptance (slots taken before the claim's await, an engine refusal giving the claim
-back, a slow claim) and the KV handoff on both sides (candidates in order, retries while the
-connection settles, the pulled notice, a handoff from a node not holding the claim)."""
+publishes and answers requests as the test says and whose clock is manual (kairos/runtime/clock.py: a retry's pause takes no
+time). Job acceptance (slots taken before the reservation's await, an engine refusal giving the
+slot back, a cancelled request) and the KV handoff on both sides (candidates in order, retries while
+the connection settles, the pulled notice, a handoff whose body names another node than its sender)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import nats.errors
-import pytest
 import structlog
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
@@ -24,24 +22,21 @@ from kairos.contracts.origin import OriginGuard, forged_counter
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.records import PrefillTiming
 from kairos.contracts.events import ErrorEvent, HandoffEvent, OutEvent
-from kairos.contracts.wire import (Claim, decode, encode, InferenceRequest, Job, JobAck, KvAck, KvDone, KvHandoff,
+from kairos.contracts.wire import (decode, encode, InferenceRequest, Job, JobAck, KvAck, KvDone, KvHandoff,
                                    Reservation)
 from kairos.core.vocabulary import RequestPhase
 from kairos.engines.emulated import EmulatedBackend
 from kairos.runtime.clock import ManualClock
 from kairos.runtime.resources import BackgroundTasks
-from kairos.services.node_agent import jobs as jobs_module
-from kairos.services.node_agent.acceptance import ClaimResult, Claims
 from kairos.services.node_agent.config import AgentConfig
 from kairos.services.node_agent.context import NodeContext
 from kairos.services.node_agent.effects import Effects
-from kairos.services.node_agent.jobs import Jobs, claim_verdict
+from kairos.services.node_agent.jobs import Jobs
 from kairos.services.node_agent.kv import KvReceiver, KvSender
 from kairos.services.node_agent.metrics import AgentMetrics
 from kairos.services.node_agent.request import NodeRequest
 from kairos.services.node_agent.slots import DeflectionSlots
 from tests.factories import tiny_model
-from tests.unit.fake_kv import FakeKV
 
 MODEL = tiny_model()
 
@@ -52,12 +47,16 @@ class Ack:
 
 
 class FakeJetStream:
-    """``nc.jetstream()`` as far as a reservation's put goes (kairos.runtime.messaging.kv_put_ttl)."""
+    """``nc.jetstream()`` as far as a reservation's put goes (kairos.runtime.messaging.kv_put_ttl);
+    a put waits at ``gate`` (a slow bucket) once a test clears it."""
 
     def __init__(self) -> None:
         self.puts: list[tuple[str, bytes, int]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
 
     async def publish(self, subject: str, value: bytes, msg_ttl: int, timeout: float) -> Ack:
+        await self.gate.wait()
         self.puts.append((subject, value, msg_ttl))
         return Ack(len(self.puts))
 
@@ -153,40 +152,19 @@ def keep_job(rid: str, candidates: tuple[str, ...] = ("decode-0", "decode-1", "d
                dispatcher_id="d-a")
 
 
-class GatedClaims(Claims):
-    """Claims over a FakeKV whose ``claim`` waits at ``gate`` (a slow requests bucket)."""
-
-    def __init__(self, node_id: str) -> None:
-        super().__init__(FakeKV(), node_id, 0.0)
-        self.gate = asyncio.Event()
-
-    async def claim(self, job: Job) -> ClaimResult:
-        await self.gate.wait()
-        return await super().claim(job)
-
-
 # -- jobs ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("outcome, here, uncertain, verdict", [
-    ("won", False, False, "run"), ("won", True, False, "duplicate"),
-    ("mine", False, False, "duplicate"), ("mine", True, True, "duplicate"), ("mine", False, True, "run"),
-    ("claimed", False, False, "claimed"), ("claimed", True, False, "duplicate"),
-    ("withdrawn", False, True, "withdrawn"), ("failed", False, True, "failed"), ("failed", True, True, "duplicate"),
-])
-def test_a_claims_outcome_settles_into_one_verdict(outcome, here, uncertain, verdict):
-    assert claim_verdict(ClaimResult(outcome), here, uncertain) == verdict
-
-
-async def test_a_deflect_job_holds_its_slot_across_the_claims_wait_so_a_second_one_is_refused():
+async def test_a_deflect_job_holds_its_slot_across_the_reservations_wait_so_a_second_one_is_refused():
     n = node("decode-0", "decode")
-    n.ctx.claims = claims = GatedClaims("decode-0")
+    n.bus.js.gate.clear()  # the reservation's put waits
     first = asyncio.create_task(n.jobs.handle(deflect_job("a")))
-    await asyncio.sleep(0)  # the first job waits for its claim, its slot taken
+    while not n.slots.held:  # the first job runs up to the put, its slot taken
+        await asyncio.sleep(0)
     assert n.slots.held == {"a": S.reservation_key("decode-0", 0)}
-    second, _ = await n.jobs.handle(deflect_job("b"))
+    second = await n.jobs.handle(deflect_job("b"))
     assert (second.accepted, second.reason, n.slots.overlaps) == (False, "deflection_in_flight", 1)
-    claims.gate.set()
-    ack, lost = await first
-    assert ack.accepted and lost is None and n.ctx.reqs["a"].phase is RequestPhase.DEFLECTED_PREFILL
+    n.bus.js.gate.set()
+    ack = await first
+    assert ack.accepted and n.ctx.reqs["a"].phase is RequestPhase.DEFLECTED_PREFILL
     # the reservation went out with a TTL and its revision is in the answer (the dispatcher applies it)
     (subject, body, ttl), = n.bus.js.puts
     assert subject == f"$KV.{S.RESERVATION_BUCKET}.{S.reservation_key('decode-0', 0)}" and ttl == 10
@@ -194,32 +172,19 @@ async def test_a_deflect_job_holds_its_slot_across_the_claims_wait_so_a_second_o
     assert n.slots.max_concurrent == 1
 
 
-async def test_an_engine_refusal_gives_the_claim_and_the_slot_back():
+async def test_an_engine_refusal_takes_no_slot_and_stores_nothing():
     class Refusing(EmulatedBackend):
         def add_deflected(self, req, chunk_schedule, decision_batch_size=0):
             raise ValueError("no room")
 
     n = node("decode-0", "decode", backend=Refusing("decode", MODEL))
-    kv = FakeKV()
-    n.ctx.claims = Claims(kv, "decode-0", 0.0)
-    ack, _ = await n.jobs.handle(deflect_job("a"))
+    ack = await n.jobs.handle(deflect_job("a"))
     assert (ack.accepted, ack.reason) == (False, "engine_refused: no room")
-    assert kv.value(S.claim_key("a")) is None  # compare-and-delete: another node may take it
     assert n.slots.held == {} and "a" not in n.ctx.reqs and n.bus.js.puts == []
-
-
-async def test_a_claim_the_bucket_does_not_answer_in_time_is_refused_claim_failed_and_remembered(monkeypatch):
-    monkeypatch.setattr(jobs_module, "CLAIM_TIMEOUT_S", 0.01)
-    n = node("prefill-0", "prefill")
-    n.ctx.claims = GatedClaims("prefill-0")  # never opened
-    ack, _ = await n.jobs.handle(keep_job("slow"))
-    assert (ack.accepted, ack.reason) == (False, "claim_failed")
-    assert "slow" in n.jobs.uncertain and n.ctx.backend.phase("slow") is None
 
 
 async def test_a_job_for_a_cancelled_request_is_refused_and_the_subscription_answers_once():
     n = node("prefill-0", "prefill")
-    n.ctx.claims = Claims(FakeKV(), "prefill-0", 0.0)
     n.ctx.cancelled.add("late")
     msg = Msg(S.jobs_subject("prefill-0"), encode(keep_job("late")))
     await n.jobs.on_job(msg)
@@ -313,13 +278,8 @@ async def test_the_kv_is_freed_by_the_pulled_notice_of_a_candidate_only():
 
 
 # -- the KV handoff, decode side -------------------------------------------------------------------
-def decode_node_with_claim(holder: str = "prefill-0", rid: str = "r1") -> Node:
-    """decode-0, its claim buckets saying ``holder`` (a prefill node) executes ``rid``."""
-    n = node("decode-0", "decode")
-    kv = FakeKV()
-    kv.put_raw(S.claim_key(rid), encode(Claim(node=holder, kind="keep", claimed_unix_ms=1.0)))
-    n.ctx.claims = Claims(kv, "decode-0", 0.0)
-    return n
+def decode_node() -> Node:
+    return node("decode-0", "decode")
 
 
 def handoff_msg(src: str, rid: str = "r1") -> Msg:
@@ -327,11 +287,12 @@ def handoff_msg(src: str, rid: str = "r1") -> Msg:
     return Msg(S.kv_subject("decode-0", agent_user(src)), encode(h))
 
 
-async def test_a_handoff_is_taken_only_from_the_claims_holder_and_its_kv_pulled_and_confirmed():
-    n = decode_node_with_claim()
-    impostor = handoff_msg("prefill-1")
+async def test_a_handoff_is_taken_only_from_the_node_it_names_and_its_kv_pulled_and_confirmed():
+    n = decode_node()
+    h = KvHandoff(request=request("r1"), src_node="prefill-0", kv_tokens=40, prefill_done_unix_ms=0.0)
+    impostor = Msg(S.kv_subject("decode-0", agent_user("prefill-1")), encode(h))  # prefill-1 naming prefill-0
     await n.kv_in.on_kv(impostor)
-    assert decode(impostor.answers[0], KvAck).reason == "not_the_holder" and "r1" not in n.ctx.reqs
+    assert decode(impostor.answers[0], KvAck).reason == "forged" and "r1" not in n.ctx.reqs
     msg = handoff_msg("prefill-0")
     await n.kv_in.on_kv(msg)
     assert decode(msg.answers[0], KvAck).accepted
@@ -347,13 +308,13 @@ async def test_a_cancel_that_overtakes_its_job_or_handoff_is_remembered_and_the_
     """Issue 33: the ingress moved a request (a migration, a re-submission) and cancelled the old
     attempt; the cancel reaches a node before that attempt's job or KV handoff (another subscription,
     another task). The late job and the late handoff are refused ``cancelled``: nothing runs for nobody."""
-    n = decode_node_with_claim()
+    n = decode_node()
     await n.effects.cancel("r1", "migrated")  # unknown here yet
     await n.effects.cancel("d1", "migrated")
     late = handoff_msg("prefill-0")
     await n.kv_in.on_kv(late)
     assert decode(late.answers[0], KvAck).reason == "cancelled" and "r1" not in n.ctx.reqs
-    ack, _ = await n.jobs.handle(deflect_job("d1"))
+    ack = await n.jobs.handle(deflect_job("d1"))
     assert (ack.accepted, ack.reason) == (False, "cancelled") and "d1" not in n.ctx.reqs
     assert n.ctx.backend.phase("r1") is None and n.ctx.backend.phase("d1") is None
 
@@ -371,7 +332,7 @@ async def test_an_offer_that_timed_out_is_revoked_and_the_late_taker_gives_the_k
     sent = [(s, decode(p, KvHandoff)) for s, p, _ in pre.bus.published if s.startswith("kairos.kv.")]
     assert [(s, h.revoke) for s, h in sent] == [(kv_subject("decode-0"), True)]  # decode-1 is not revoked
     # decode-0 resumes: the stale offer first, then the revocation (same sender, same order)
-    dec = decode_node_with_claim()
+    dec = decode_node()
     stale = handoff_msg("prefill-0")
     await dec.kv_in.on_kv(stale)
     assert decode(stale.answers[0], KvAck).accepted and "r1" in dec.ctx.reqs

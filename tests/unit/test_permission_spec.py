@@ -34,13 +34,8 @@ _DECLARE_BUCKETS = {
     "$JS.API.STREAM.CREATE.KV_kairos_resv", "$JS.API.STREAM.INFO.KV_kairos_resv",
     "$JS.API.STREAM.CREATE.KV_kairos_requests", "$JS.API.STREAM.INFO.KV_kairos_requests",
 }
-#: "one claim bucket per NATS member, up to 5": claim bucket i kairos_claims_<i>
-CLAIM_BUCKETS = ("kairos_claims_0", "kairos_claims_1", "kairos_claims_2", "kairos_claims_3", "kairos_claims_4")
-#: the ingress and the dispatchers declare every claim bucket
-_DECLARE_CLAIM_BUCKETS = {f"$JS.API.STREAM.{op}.KV_{b}" for b in CLAIM_BUCKETS for op in ("CREATE", "INFO")}
-#: claims: create / compare-and-delete in every claim bucket, and direct gets by key
-_CLAIMS = ({f"$KV.{b}.claim.*" for b in CLAIM_BUCKETS}
-           | {f"$JS.API.DIRECT.GET.KV_{b}.$KV.{b}.claim.*" for b in CLAIM_BUCKETS})
+#: the execution claims' buckets of the releases before issue 34 (one per NATS member): nobody may use them now
+OLD_CLAIM_BUCKETS = ("kairos_claims_0", "kairos_claims_1", "kairos_claims_2", "kairos_claims_3", "kairos_claims_4")
 _DECLARE_MODELS = {"$JS.API.STREAM.CREATE.KV_kairos_models", "$JS.API.STREAM.INFO.KV_kairos_models"}
 
 
@@ -62,9 +57,7 @@ def _agent(node: str) -> dict:
             f"kairos.out.*.{u}", f"kairos.kv.*.{u}", f"kairos.kvdone.*.{u}",  # under its own name
             f"$KV.kairos_resv.decode.{node}.*",  # its own reservations: the only writer
             f"$KV.kairos_requests.*.prefill.{node}", f"$KV.kairos_requests.*.decode.{node}",
-            # execution claims: create, compare-and-delete, direct gets by key — its only JetStream API
-            *_CLAIMS,
-        },
+        },  # no JetStream API at all
         "subscribe": {f"_INBOX.{u}.>", f"kairos.jobs.{node}", f"kairos.kv.{node}.*", f"kairos.kvdone.{node}.*",
                       "kairos.cancel", "kairos.resend", f"kairos.drain.{node}"},  # its own drain only
         "allow_responses": True,
@@ -78,8 +71,8 @@ SPEC: dict[str, dict] = {
             "kairos.jobs.*",  # every job of its requests: a dispatcher plans it, the ingress sends it (issue 34)
             "kairos.cancel", "kairos.resend",
             "kairos.drain.*",  # an operator's drain (its admin endpoint), to any node: only the ingress
-            "$KV.kairos_requests.*.ingress", *_CLAIMS,  # claims: tombstones, and read by key
-            *_DECLARE_BUCKETS, *_DECLARE_CLAIM_BUCKETS, *_watch("KV_kairos_view"),
+            "$KV.kairos_requests.*.ingress",
+            *_DECLARE_BUCKETS, *_watch("KV_kairos_view"),
             "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
         },
         "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.state.*",
@@ -91,7 +84,7 @@ SPEC: dict[str, dict] = {
             "kairos.route.decided", "kairos.out.*.dispatcher", "$KV.kairos_requests.*.decision",
             # a request's answer (taken), its routing's alive notices and its jobs, to the ingress
             "_INBOX.ingress.>",
-            *_DECLARE_BUCKETS, *_DECLARE_CLAIM_BUCKETS, *_DECLARE_MODELS,
+            *_DECLARE_BUCKETS, *_DECLARE_MODELS,
             # watches the view, the reservations (read only) and the latency models (hot reload)
             *_watch("KV_kairos_view"), *_watch("KV_kairos_resv"), *_watch("KV_kairos_models"),
         },
@@ -109,8 +102,6 @@ SPEC: dict[str, dict] = {
         "publish": {
             "$KV.kairos_models.>", "kairos.jobs.*", "kairos.kv.*.profiler", "kairos.cancel",
             *_DECLARE_BUCKETS, *_DECLARE_MODELS, *_watch("KV_kairos_models"),
-            # a single server's claim bucket (the node it drives claims its jobs)
-            "$JS.API.STREAM.CREATE.KV_kairos_claims_0", "$JS.API.STREAM.INFO.KV_kairos_claims_0",
         },
         "subscribe": {"_INBOX.profiler.>", "kairos.steps.*", "kairos.state.*", "kairos.out.*.*"},
         "allow_responses": False,
@@ -158,13 +149,12 @@ RID = "cmpl-1"
 #: test_every_builder_of_subjects_py_is_tried until it is added here (and to the spec)
 BUILDERS = {
     "state_subject", "steps_subject", "jobs_subject", "drain_subject", "kv_subject", "kv_wildcard", "kvdone_subject",
-    "kvdone_wildcard", "out_subject", "out_wildcard", "reservation_key", "record_key", "claim_key", "model_key",
+    "kvdone_wildcard", "out_subject", "out_wildcard", "reservation_key", "record_key", "model_key",
     "VIEW_SUBJECT", "ROUTE_SUBJECT", "ROUTED_SUBJECT", "CANCEL_SUBJECT", "RESEND_SUBJECT", "STATE_WILDCARD",
     "STEPS_WILDCARD", "OUT_WILDCARD", "VIEW_BUCKET", "RESERVATION_BUCKET", "REQUESTS_BUCKET", "MODELS_BUCKET",
     "VIEW_KEY", "CURRENT_MODEL_KEY",
 }
-BUCKETS = (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET, S.MODELS_BUCKET,
-           *(S.claims_bucket(i) for i in range(S.MAX_LANES)))
+BUCKETS = (S.VIEW_BUCKET, S.RESERVATION_BUCKET, S.REQUESTS_BUCKET, S.MODELS_BUCKET, *OLD_CLAIM_BUCKETS)
 #: the request lanes' streams of the release before issue 34: nobody may use them now
 OLD_LANE_STREAMS = ("KAIROS_REQ", "KAIROS_REQ_1", "KAIROS_REQ_2", "KAIROS_REQ_3", "KAIROS_REQ_4")
 STREAMS = (*OLD_LANE_STREAMS, *(f"KV_{b}" for b in BUCKETS))
@@ -172,7 +162,8 @@ STREAMS = (*OLD_LANE_STREAMS, *(f"KV_{b}" for b in BUCKETS))
 
 def kv_keys() -> list[str]:
     """A key of every key builder, for every node, in every form."""
-    keys = [S.VIEW_KEY, S.CURRENT_MODEL_KEY, S.model_key("x"), S.claim_key(RID)]
+    keys = [S.VIEW_KEY, S.CURRENT_MODEL_KEY, S.model_key("x"),
+            "claim." + hashlib.sha256(RID.encode()).hexdigest()[:32]]  # an execution claim's key of old
     for n in NODES:
         keys += [S.reservation_key(n, 0), S.reservation_key(n, 3)]
         keys += [S.record_key(RID, part, n) for part in S.NODE_RECORD_PARTS]
@@ -243,7 +234,7 @@ def test_the_concrete_subjects_are_what_the_spec_names():
               "kairos.kvdone.prefill-0.agent-decode-1", "kairos.out.cmpl-1.dispatcher", "kairos.kv.decode-0.*",
               "$KV.kairos_view.view", "$KV.kairos_resv.decode.decode-1.3", "$KV.kairos_requests.cmpl-1.decision",
               "$KV.kairos_requests.cmpl-1.prefill.prefill-0", "$KV.kairos_models.latency.current",
-              # claim.<first 32 hex digits of SHA-256 of the request id> (docs/security.md)
+              # an old execution claim's key: claim.<first 32 hex digits of SHA-256 of the request id>
               "$KV.kairos_claims_2.claim." + hashlib.sha256(RID.encode()).hexdigest()[:32],
               "kairos.req.route", "kairos.req.new.1", "$JS.API.STREAM.INFO.KAIROS_REQ_4",
               "$JS.API.STREAM.DELETE.KAIROS_REQ", "$JS.ACK.KAIROS_REQ.dispatchers.1.2.3.4.5"):

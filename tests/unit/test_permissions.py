@@ -82,10 +82,9 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("ingress", "$KV.kairos_view.view", False),
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
     ("ingress", "$KV.kairos_requests." + S.record_key("cmpl-1", "ingress"), True),
-    ("ingress", "$KV.kairos_claims_0." + S.claim_key("cmpl-1"), True),  # tombstones (kairos/runtime/claims.py)
-    ("ingress", "$KV.kairos_claims_4." + S.claim_key("cmpl-1"), True),
-    ("agent-decode-0", "$KV.kairos_claims_1." + S.claim_key("cmpl-1"), True),
-    ("agent-decode-0", "$KV.kairos_requests." + S.claim_key("cmpl-1"), False),  # claims live in their buckets
+    # the execution claims of old (before issue 34): nobody writes them now
+    ("ingress", "$KV.kairos_claims_0.claim.0123456789abcdef0123456789abcdef", False),
+    ("agent-decode-0", "$KV.kairos_claims_1.claim.0123456789abcdef0123456789abcdef", False),
     ("agent-decode-0", "$KV.kairos_claims_1.cmpl-1.decision", False),
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decode", "decode-0"), True),
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decode", "decode-1"), False),
@@ -94,7 +93,7 @@ def test_every_subject_and_bucket_of_subjects_py_is_in_the_table():
     ("agent-decode-0", "$KV.kairos_requests." + S.record_key("cmpl-1", "decision"), False),
     ("agent-decode-0", S.kvdone_subject("prefill-0", "agent-decode-0"), True),
     ("agent-decode-0", S.kvdone_subject("prefill-0", "agent-decode-1"), False),  # only under its own user
-    ("dispatcher", "$KV.kairos_claims_0." + S.claim_key("cmpl-1"), False),
+    ("dispatcher", "$KV.kairos_claims_0.claim.0123456789abcdef0123456789abcdef", False),
     ("dispatcher", S.jobs_subject("decode-0"), False),  # it hands jobs to the ingress
     ("dispatcher", "$KV.kairos_view.view", False),
     ("dispatcher", "$KV.kairos_resv." + S.reservation_key("decode-0", 0), False),  # the node's own to write
@@ -282,21 +281,10 @@ def test_no_role_is_granted_all_of_the_jetstream_api():
     "$JS.API.CONSUMER.MSG.NEXT.KAIROS_REQ_1.dispatchers",
 ])
 def test_an_agent_has_no_jetstream_api_that_reads_lists_or_delivers(subject):
-    """An agent's only JetStream API call is a claim get by key: no consumer (push or pull:
-    nats-server delivers wherever the creator says), no stream creation or lookup, no record other
-    than a claim."""
+    """An agent calls no JetStream API at all (issue 34: no execution claims): no consumer (push or
+    pull: nats-server delivers wherever the creator says), no stream creation or lookup, no get."""
     assert not can_pub("agent-decode-0", subject)
-    assert can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_claims_2.$KV.kairos_claims_2." + S.claim_key("cmpl-1"))
-
-
-def test_claim_keys_name_no_request_id():
-    """A direct get with a literal ``*`` in place of the key returns the newest claim
-    (tests/integration/test_bus_records.py): its key and value must not name the request."""
-    key = S.claim_key("cmpl-0123456789abcdef01234567")
-    assert re.fullmatch(r"claim\.[0-9a-f]{32}", key) and "cmpl" not in key
-    assert S.claim_key("cmpl-1") != S.claim_key("cmpl-2") and S.claim_key("cmpl-1") == S.claim_key("cmpl-1")
-    from kairos.contracts.wire import Claim
-    assert "request_id" not in Claim.__struct_fields__
+    assert not can_pub("agent-decode-0", "$JS.API.DIRECT.GET.KV_kairos_claims_2.$KV.kairos_claims_2.claim.0123")
 
 
 @pytest.mark.parametrize("part,node", [("prefill", None), ("decode", None), ("decision", "n1"), ("bogus", None)])

@@ -9,17 +9,19 @@ from kairos.contracts import wire as W
 from kairos.core.policy.base import Decision, DecisionKind
 from kairos.core.vocabulary import DEFLECT, KEEP, PATHS, PathKind, path_kind
 
-V1_CLAIM = b'{"v":1,"node":"prefill-0","kind":"prefill","claimed_unix_ms":1.0}'
+V1_ROUTED = (b'{"v":1,"request_id":"r","kind":"prefill","node":"prefill-0","decode_node":"decode-0",'
+             b'"prompt_tokens":1,"output_tokens":1,"node_accepted_unix_ms":1.0}')
 
 
 def test_a_v1_keep_path_named_prefill_decodes_as_keep_and_is_written_back_as_keep():
-    claim = W.decode(V1_CLAIM, W.Claim)
-    assert claim.kind == KEEP
-    assert b'"kind":"keep"' in W.encode(claim)
+    ev = W.decode(V1_ROUTED, W.RoutedEvent)
+    assert ev.kind == KEEP
+    assert b'"kind":"keep"' in W.encode(ev)
 
 
 @pytest.mark.parametrize("cls,fields", [
-    (W.Claim, dict(node="n", claimed_unix_ms=1.0)),
+    (W.RoutedEvent, dict(request_id="r", node="n", decode_node="d", prompt_tokens=1, output_tokens=1,
+                         node_accepted_unix_ms=1.0)),
     (R.DecodeTiming, dict(node="n", received_unix_ms=1.0)),
 ])
 def test_every_path_field_reads_both_paths_and_refuses_others_naming_the_field(cls, fields):

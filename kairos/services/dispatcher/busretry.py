@@ -1,16 +1,15 @@
 """When a job that did not get through is the bus's fault, not the node's: send it again.
 
-A dispatcher sends each job by request-reply. Three answers say nothing against the node itself:
+A dispatcher's job goes to the node through the request's ingress (issue 34). One answer says
+nothing against the node itself:
 
-* ``no_responders`` — the server the dispatcher is on knows no subscriber of the node's job
-  subject: the node's agent is reconnecting (its server died; nats-py picks another member of the
-  cluster and re-subscribes, and the route needs a moment to carry that interest), or the
-  dispatcher itself just reconnected;
-* ``timeout`` — no answer within ``job_ack_timeout_s``: the job, or the answer, was on a server
-  that died (core NATS keeps nothing);
-* ``claim_failed`` — the node could not get its execution claim into a majority of the claim
-  buckets (kairos/runtime/claims.py): the node is reconnecting, a majority of the members does not
-  answer, or a concurrent claimant of the same request holds part of them for a moment.
+* ``no_responders`` — the server the ingress is on knows no subscriber of the node's job subject:
+  the node's agent is reconnecting (its server died; nats-py picks another member of the cluster and
+  re-subscribes, and the route needs a moment to carry that interest), or the ingress itself just
+  reconnected. The job never reached the node.
+
+(A node that does not answer in time may run the job: the ingress moves the attempt under a new id
+instead, kairos/services/ingress/jobrelay.py, and the routing ends.)
 
 Excluding the node for them (what the dispatcher did for every failure) turned a one-second
 failover into 503 ``no_available_node`` for every request in flight. :class:`BusRetry` instead
@@ -18,9 +17,7 @@ lets the routing loop try again — the policy decides afresh, the same node inc
 backoff, for at most ``budget_s`` per request, while the node is still live in the view (a node
 that really died goes stale within 3 heartbeat periods and is left out by the snapshot, docs/bus.md).
 
-Nothing runs twice: every try carries the same bus request id, and the node's cluster-wide claim
-(kairos/services/node_agent) makes a job that did reach the node answer ``duplicate`` (that
-node runs it) or ``claimed`` (another node runs it: adopted) on the next try.
+Nothing runs twice: the ingress's arbiter sends no job of an attempt after a node accepted one.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import time
 from typing import Callable
 
 #: job failures that are the bus's, not the node's (module docstring)
-BUS_FAULTS = frozenset({"no_responders", "timeout", "claim_failed"})
+BUS_FAULTS = frozenset({"no_responders"})
 #: first wait before a retry, s; doubled per retry up to BUS_RETRY_MAX_WAIT_S
 BUS_RETRY_FIRST_WAIT_S = 0.05
 BUS_RETRY_MAX_WAIT_S = 0.5

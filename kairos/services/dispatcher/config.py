@@ -36,7 +36,7 @@ class DispatcherConfig(MetricsServiceConfig):
     #: … and this long (s) for a migrated request's continuation (issue 33): its client holds part of
     #: the answer, so a pause of the only decode node must not cut the stream (within its deadline)
     migration_node_wait_s: float = 30.0
-    #: a job lost to a bus fault (no responders, no answer, claim not stored) is sent again, the
+    #: a job that reached no agent (no responders: its agent is reconnecting) is sent again, the
     #: live node not excluded, for at most this long per request (kairos/services/dispatcher/busretry.py); 0: never
     bus_retry_s: float = 5.0
     max_concurrency: int = 64  #: requests routed concurrently by this replica

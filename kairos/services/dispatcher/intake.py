@@ -6,10 +6,11 @@ replica answers :data:`~kairos.contracts.subjects.TAKEN` at once and routes the 
 its own (:meth:`RequestIntake.handle`): decoded, checked against its deadline and the cancels, routed
 (:class:`~kairos.services.dispatcher.route.Router`). While a routing waits (for a node, for room
 here, before a retry) it sends ``alive`` to the attempt's notice subject (the ``Kairos-Notices``
-header) at least every :data:`ALIVE_EVERY_S`: the ingress sends the request again — same bus id, so
-the execution claim keeps it to one run — when no replica takes it or the one that took it goes
-silent before its routing event (kairos/services/ingress/liveness.py). A replica that dies mid-routing
-thus costs the request that silence, as a redelivery after the ack wait did.
+header; its jobs go to the same subject, kairos/services/dispatcher/jobs.py) at least every
+:data:`ALIVE_EVERY_S`: the ingress sends the request again — same bus id, so the attempt's arbiter
+keeps it to one run — when no replica takes it or the one that took it goes silent before a node
+accepted its job (kairos/services/ingress/liveness.py). A replica that dies mid-routing thus costs the
+request that silence, as a redelivery after the ack wait did.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ ALIVE_EVERY_S = 0.5
 #: a request that arrives this long after the ingress sent it (its ``Kairos-Sent-Unix-Ms``, ms) is
 #: dropped unanswered: the ingress waited 0.5 s for a ``taken`` and sent another copy long ago (this
 #: replica was frozen or cut off). The rest is the tolerated skew of the two wall clocks (NTP keeps
-#: them within milliseconds; a larger skew would drop every request here: the heartbeat guard and
-#: the claims assume the same)
+#: them within milliseconds; a larger skew would drop every request here: the heartbeat guard
+#: assumes the same)
 STALE_COPY_MS = 5000.0
 
 
@@ -57,7 +58,7 @@ class RouteMessage:
 
     async def in_progress(self) -> None:
         """Tell the request's ingress the routing goes on (never raises: a notice lost costs at most
-        a second copy of the request, which meets the claim)."""
+        a second copy of the request, whose jobs meet the attempt's arbiter)."""
         if not self.notices:
             return
         try:

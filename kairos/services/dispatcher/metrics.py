@@ -35,8 +35,8 @@ class DispatcherMetrics:
         self.reroutes = Counter("kairos_dispatcher_reroutes_total", "Jobs re-routed after a node refused or was silent",
                                 ("why",), registry=reg)
         self.bus_retries = Counter("kairos_dispatcher_bus_retries_total",
-                                   "Jobs sent again, the node not excluded, after a bus fault (no responders, no "
-                                   "answer, claim not stored: a NATS cluster failing over)", ("why",), registry=reg)
+                                   "Jobs sent again, the node not excluded, after a bus fault (no responders: its "
+                                   "agent reconnecting, a NATS cluster failing over)", ("why",), registry=reg)
         self.errors = Counter("kairos_dispatcher_errors_total", "Requests answered with an error", ("code",),
                               registry=reg)
         self.redeliveries = Counter("kairos_dispatcher_redeliveries_total",
@@ -45,9 +45,6 @@ class DispatcherMetrics:
         self.duplicates = Counter("kairos_dispatcher_duplicates_total",
                                   "Requests whose node answered duplicate (a copy sent again reached the node "
                                   "running it): routing event published again, no new decision counted", registry=reg)
-        self.adopted = Counter("kairos_dispatcher_claimed_elsewhere_total",
-                               "Requests found already claimed by a node (an earlier delivery's job was accepted): "
-                               "recorded as routed there, not executed again", registry=reg)
         self.expired = Counter("kairos_dispatcher_expired_total",
                                "Requests dequeued after their deadline (the ingress had answered 504)", registry=reg)
         self.stale_copies = Counter("kairos_dispatcher_stale_copies_total",

@@ -1,12 +1,10 @@
-"""How a routing ends, told to the cluster: routed (accepted or found claimed elsewhere) or an error.
+"""How a routing ends, told to the cluster: routed (a node accepted the job) or an error.
 
 * **accepted** — the node took the job: a :class:`~kairos.contracts.wire.RoutedEvent` on
-  ``kairos.route.decided`` (the aggregator folds it into the view, the ingress and the other replicas
+  ``kairos.route.decided`` (the aggregator folds it into the view, the other replicas
   see it), the decision's ``kairos.*`` span attributes (docs/observability.md, "Tracing"), the metrics,
   and the :class:`~kairos.contracts.records.DecisionRecord` in the requests bucket (written
   unacknowledged: the routing event and the record leave in one socket write);
-* **claimed elsewhere** — an earlier delivery's job holds the request's claim on another node: its
-  routing event is published again (the earlier replica may have died before sending it);
 * **error** — an :class:`~kairos.contracts.events.ErrorEvent` to the request's out subject, its code one of
   :class:`kairos.contracts.errors.ErrorCode` and its status the code's.
 
@@ -25,7 +23,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import DISPATCHER
 from kairos.contracts.events import ErrorEvent
-from kairos.contracts.wire import Claim, encode, InferenceRequest, JobAck, RoutedEvent
+from kairos.contracts.wire import encode, InferenceRequest, JobAck, RoutedEvent
 from kairos.contracts.records import DecisionRecord
 from kairos.core.cluster.routing import predicted_ttft_ms
 from kairos.core.policy import Decision
@@ -99,19 +97,6 @@ class Outcomes:
             await self.put_record(S.record_key(rid, "decision"), encode(rec), if_absent=duplicate)
         except Exception as exc:  # a record is advisory: the request is routed all the same
             self.log.warning("record_write_failed", request_id=rid, error=repr(exc))
-
-    async def claimed_elsewhere(self, req: InferenceRequest, claim: Claim, span: Any, log: Any) -> None:
-        """``req`` was already claimed by ``claim.node`` (an earlier copy's job, whose dispatcher died
-        or stalled before its routing event): publish where it is — the routing event may never have
-        been sent. If that node is dead, the ingress's liveness check re-submits the request under a
-        new bus id."""
-        self.m.adopted.inc()
-        span.set_attribute("kairos.outcome", "claimed_elsewhere")
-        span.set_attribute("kairos.accepted_by", claim.node)
-        log.info("request_claimed_elsewhere", node=claim.node, claim_dispatcher=claim.dispatcher_id)
-        await self.publish(S.ROUTED_SUBJECT, RoutedEvent(
-            request_id=req.request_id, kind=claim.kind, node=claim.node, decode_node=claim.decode_node,
-            prompt_tokens=req.prompt_tokens, output_tokens=req.max_tokens, node_accepted_unix_ms=claim.claimed_unix_ms))
 
     async def error(self, req: InferenceRequest, code: ErrorCode, message: str, span: Any = None) -> None:
         """End ``req`` with ``code`` (HTTP status ``code.status``) and ``message`` to its client."""

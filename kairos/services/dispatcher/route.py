@@ -33,7 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import JOB_CANCELLED, JOB_UNANSWERED, InferenceRequest, Job, JobAck
@@ -132,16 +131,15 @@ class Router:
         metrics: the replica's metrics.
         policy: the routing policy.
         model: the latency model (:meth:`use_model` replaces it on a hot reload).
-        lanes: the deployment's claim buckets (``Job.claim_buckets``).
         clock: wall and monotonic clocks, sleeps.
         stop: set when the replica stops (a routing waiting for NATS gives up).
     """
 
     def __init__(self, cfg: DispatcherConfig, state: RoutingState, link: JobLink, outcomes: Outcomes,
-                 metrics: DispatcherMetrics, policy: Policy, model: LatencyModel, *, lanes: int = 1,
+                 metrics: DispatcherMetrics, policy: Policy, model: LatencyModel, *,
                  clock: Clock = SYSTEM_CLOCK, stop: asyncio.Event | None = None) -> None:
         self.cfg, self.state, self.link, self.outcomes, self.m = cfg, state, link, outcomes, metrics
-        self.policy, self.lanes, self.clock = policy, lanes, clock
+        self.policy, self.clock = policy, clock
         self.stop = stop or asyncio.Event()
         self.use_model(model)
 
@@ -191,8 +189,7 @@ class Router:
             self.state.hold_deflection(req, decision.node, self.cfg.replica_id, now)
         faults.die("after_decide")
         at.attempts += 1
-        job = msgspec.structs.replace(make_job(decision, req, snap, self.cfg.replica_id, at.attempts - 1, resv_ttl),
-                                      claim_buckets=self.lanes)
+        job = make_job(decision, req, snap, self.cfg.replica_id, at.attempts - 1, resv_ttl)
         if not decision.deflected:  # count it in the view at once; the node's ack replaces it
             self.state.provisional(req, decision.node, decision.decode_node)
         ack, why = await self._send(decision.node, job, msg.notices)

@@ -33,7 +33,6 @@ from kairos.core.policy import parse_policy
 from kairos.runtime import telemetry
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
-from kairos.runtime.lanes import check_lane_count, lane_count
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.runtime.resources import Resources
 from kairos.runtime.service import forward, forward_all, run_service, start_metrics_and_connect
@@ -62,7 +61,6 @@ class Dispatcher:
     def __init__(self, cfg: DispatcherConfig, model: LatencyModel | None = None, *,
                  clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
-        self.lanes = lane_count(cfg)  #: claim buckets (one per NATS member, kairos/runtime/lanes.py)
         model = model or load_profile(cfg.profile)
         policy = parse_policy(cfg.policy)
         self.tel = telemetry.setup("dispatcher", cfg.replica_id, cfg.trace_file, cfg.log_level, cfg.log_format)
@@ -87,8 +85,8 @@ class Dispatcher:
                                      self.nc, S.REQUESTS_BUCKET, key, value, if_absent=if_absent),
                                  log=self.log, clock=clock)
         self.router = Router(cfg, self.state, JobLink(lambda: self.nc, cfg.job_ack_timeout_s, lambda: self._bus),
-                             self.outcomes, self.m, policy, model, lanes=self.lanes, clock=clock, stop=self._stop)
-        self.watch = ClusterWatch(cfg, self.lanes, self.state, self.origin, lambda: self.router.model,
+                             self.outcomes, self.m, policy, model, clock=clock, stop=self._stop)
+        self.watch = ClusterWatch(cfg, self.state, self.origin, lambda: self.router.model,
                                   self.router.use_model, self.log)
         self.intake = RequestIntake(lambda: self.nc, self.router, self.outcomes, self.m, self.tel.tracer,
                                     max_concurrency=cfg.max_concurrency, log=self.log, clock=clock)
@@ -108,7 +106,6 @@ class Dispatcher:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"dispatcher:{cfg.replica_id}", self.res, graceful=lambda: self._drain)
         self.watch.nc = self.nc
-        await check_lane_count(self.nc.jetstream(timeout=2.0), self.lanes)
         self.res.push("kv watchers", self.watch.close)
         await self.watch.declare()
         # routed jobs of every replica (folded into the view until the aggregator has them) and

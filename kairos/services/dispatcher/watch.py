@@ -16,7 +16,7 @@ old ones may sit on consumers that no longer exist): the reservations
 ``latency.current``: hot reload, ``kairos profile --publish``). Everything heard goes into the
 replica's :class:`~kairos.services.dispatcher.state.RoutingState`.
 
-Declarations: the buckets and the claim buckets (:mod:`kairos.runtime.lanes`).
+Declarations: the buckets (:mod:`kairos.runtime.streams`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from kairos.contracts.wire import NodeState, RoutedEvent, WireError
 from kairos.runtime.messaging import decoded, last_view
 from kairos.core.model.latency import LatencyModel
 from kairos.runtime.bus import stream_replicas
-from kairos.runtime.lanes import ensure_claim_buckets
 from kairos.runtime.resources import BackgroundTasks
 from kairos.runtime.streams import ensure_buckets, ensure_models_bucket
 from kairos.services.dispatcher.config import DispatcherConfig
@@ -47,7 +46,6 @@ class ClusterWatch:
 
     Args:
         cfg: the replica's configuration.
-        lanes: claim buckets of the deployment.
         state: where what is heard goes.
         origin: checks that a heartbeat comes from the node it names.
         model: the latency model in use (a callable: the router's).
@@ -55,9 +53,9 @@ class ClusterWatch:
         log: the replica's logger.
     """
 
-    def __init__(self, cfg: DispatcherConfig, lanes: int, state: RoutingState, origin: OriginGuard,
+    def __init__(self, cfg: DispatcherConfig, state: RoutingState, origin: OriginGuard,
                  model: Callable[[], LatencyModel], use_model: Callable[[LatencyModel], None], log: Any) -> None:
-        self.cfg, self.lanes, self.state, self.origin, self.log = cfg, lanes, state, origin, log
+        self.cfg, self.state, self.origin, self.log = cfg, state, origin, log
         self._model, self._use_model = model, use_model
         self.nc: Client | None = None
         self._watchers: list = []
@@ -66,7 +64,7 @@ class ClusterWatch:
 
     # -- declarations -------------------------------------------------------------------------------
     async def declare(self) -> None:
-        """Declare the buckets, (re)start the KV watchers, declare the claim buckets: at start and
+        """Declare the buckets, (re)start the KV watchers: at start and
         after every reconnect (:class:`kairos.runtime.buswatch.BusWatch`)."""
         js = self.nc.jetstream()
         buckets = await ensure_buckets(js, replicas=stream_replicas(self.cfg))
@@ -89,9 +87,6 @@ class ClusterWatch:
         for t in old_tasks:
             t.cancel()
         await self._stop_watchers(old)
-        # the claim buckets last: one whose member is down fails its declaration (logged; the next
-        # declare tries again), and the watchers above must not wait for that
-        await ensure_claim_buckets(js, self.lanes, self.log)
 
     async def _stop_watchers(self, watchers: list) -> None:
         for w in watchers:

@@ -3,8 +3,8 @@
 One :class:`AttemptPublisher` per relay (:mod:`.relay`). Each attempt is a bus request id of its own
 (``<id>``, ``<id>-r<n>`` after a re-submission, ``<id>-m<n>`` after a migration): its out events are
 routed to the request's flight *before* it is published (:meth:`AttemptPublisher.submit`), and an
-attempt answered with an error before any node took it is cancelled and withdrawn
-(:meth:`AttemptPublisher.refused`). :func:`bus_request` builds the message, with where a migrated
+attempt answered with an error before any node took it is cancelled, and its arbiter sends no job
+of it any more (:meth:`AttemptPublisher.refused`). :func:`bus_request` builds the message, with where a migrated
 attempt resumes (issue 33).
 """
 
@@ -57,7 +57,6 @@ class AttemptPublisher:
                  hashes: list[int] | None) -> None:
         self.d, self.req, self.flight, self.deadline, self.hashes = deps, req, flight, deadline, hashes
         self.sub: OutSubscription | None = None
-        self.published: set[str] = set()  #: attempts whose publish was issued (it may be stored even if it failed)
         self.resume: Resume | None = None  #: where the current attempt resumes (a migration), None: the start
         self.span: Any = None  #: the current attempt's ``ingress.attempt`` span (the nodes' spans are its children)
         self.count = 0  #: attempts submitted
@@ -105,7 +104,6 @@ class AttemptPublisher:
                                self.hashes, d.cfg.prefix_block_tokens, resume)
             headers = self._start_span(attempt_id, resume, left)
             headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
-            self.published.add(attempt_id)
             body = encode(ireq)
             sent = await d.bus.enqueue(body, headers, give_up=f.abandoned)
             if f.attempt_id == attempt_id:
@@ -117,14 +115,12 @@ class AttemptPublisher:
         return None
 
     async def refused(self, attempt_id: str, code: ErrorCode) -> None:
-        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it: cancel
-        it and, if its publish was issued (it may be stored although it failed), create its
-        tombstone claim in the background (retried until the bus answers, at most until the
-        request's deadline), which every node's claim finds — in whatever order the nodes get the
-        request and the cancel."""
+        """Attempt ``attempt_id`` was answered with error ``code`` before any node took it (a copy may
+        still reach a dispatcher): its arbiter lets no job of it go from now on — every job goes
+        through this ingress (kairos/services/ingress/jobrelay.py) — and the nodes are told to cancel it."""
+        if self.flight.attempt_id == attempt_id:
+            self.flight.arbiter.end()
         await self.d.bus.cancel(attempt_id, code)
-        if attempt_id in self.published:
-            self.d.bg.spawn(self.d.bus.withdraw(attempt_id, code, self.deadline), "withdraw")
 
     async def leave(self, last: Any = None) -> None:
         """The request ended (``last``: the lifecycle's record of its last attempt): that attempt's

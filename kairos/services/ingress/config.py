@@ -53,7 +53,7 @@ class IngressConfig(ServiceConfig):
     enqueue_timeout_s: float = 15.0
     #: a taken request whose routing gave no sign for this long (no routing event, no error, no
     #: ``alive`` notice: its dispatcher died or was cut off) is sent again, the same bus id (its
-    #: execution claim keeps copies to one run; kairos/services/ingress/liveness.py)
+    #: attempt's arbiter keeps copies to one run; kairos/services/ingress/liveness.py)
     route_stall_s: float = 3.0
     #: a node must answer a job the ingress sends it within this (s), else it may be running it and the
     #: attempt moves under a new id (kairos/services/ingress/jobrelay.py); as the dispatchers' own

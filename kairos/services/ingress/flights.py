@@ -92,7 +92,7 @@ class Flight:
     client_gone: bool = False
     shutting_down: bool = False  #: the ingress is closing (a :class:`Shutdown` is queued)
     bus_down: bool = False  #: a BusDown was queued
-    checking: bool = False  #: a prefill-record / claim lookup is running
+    checking: bool = False  #: a prefill-record lookup is running
     quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
     #: node -> its incarnation when this request first depended on it (a newer one = restarted, lost)
     dep_epochs: dict[str, float] = field(default_factory=dict)

@@ -208,7 +208,7 @@ class RequestLifecycle:
 
     # -- events ----------------------------------------------------------------------------------
     def on_routed(self, attempt_id: str, kind: PathKind, node: str) -> Action:
-        """A dispatcher reports that ``node`` accepted the job of ``attempt_id`` (or holds its claim)."""
+        """``node`` accepted the job of ``attempt_id`` (the ingress sent it, kairos/services/ingress/jobrelay.py)."""
         if attempt_id != self.attempt_id or self.ended:
             return self._drop("old_attempt" if attempt_id != self.attempt_id else "ended")
         self.kind, self.node = kind, node
@@ -279,9 +279,8 @@ class RequestLifecycle:
             # (a str in a struct built in Python, an ErrorCode when decoded: both hash alike)
             return self._lost(f"{ErrorCode(ev.code).value}:{ev.source}", time_left, ErrorCode(ev.code), ev.message)
         if ev.source.startswith("dispatcher:") and self.phase in (Phase.ROUTED, Phase.STREAMING):
-            # a node accepted this attempt (or holds its claim): a dispatcher that failed to route a
-            # duplicate copy of it (a copy sent again after its routing went silent,
-            # kairos/runtime/lanes.py) says nothing about the node running it
+            # a node accepted this attempt: a dispatcher that failed to route a duplicate copy of it
+            # (a copy sent again after its routing went silent) says nothing about the node running it
             return self._drop("routed_elsewhere")
         # cancel too (as every Fail): a node whose acceptance came late (after the dispatcher gave up on it) must
         # not run a request that already ended with this error

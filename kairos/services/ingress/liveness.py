@@ -58,7 +58,7 @@ class FlightWatch:
         cfg: the ingress's configuration (timeouts, poll interval).
         flights: the in-flight registry.
         liveness: node liveness, fed by heartbeats here and by tokens (:mod:`.flights`).
-        bus: the bus operations (prefill records, claims, sending a request again).
+        bus: the bus operations (prefill records, sending a request again).
         metrics, origin, bg, clock, log: the service's metrics, origin guard, background tasks,
             clocks and logger.
     """

@@ -3,15 +3,15 @@
 * **enqueue**: an attempt is sent to the dispatchers' queue group (core NATS request-reply on
   ``kairos.req.route``, kairos/services/dispatcher/intake.py) and counts as taken once a replica
   answers ``taken``; no answer in :data:`TAKEN_TIMEOUT_S` sends it again at once (same bus id: the
-  execution claim keeps copies to one run), no dispatcher at all is retried every
+  attempt's arbiter keeps copies to one run, kairos/services/ingress/jobrelay.py), no dispatcher at all is retried every
   :data:`NO_DISPATCHER_RETRY_S`; while the connection is down (a failover to another member) the
   enqueue waits for it, at most :data:`RECONNECT_WAIT_S` of outage. Nothing is stored on the way;
 * **ping**: one ping of the queue group (``/health``);
+* **jobs**: a job the attempt's arbiter let go, to its node (core NATS request-reply on
+  ``kairos.jobs.<node>``), and the node's answer back to the dispatcher that planned it;
 * **cancel**: core NATS ``kairos.cancel`` to every node;
-* **tombstones**: an attempt answered with an error before any node took it gets its tombstone
-  claim (kairos/runtime/claims.py ``withdraw``), so no node runs it later;
 * **records**: the requests bucket (``kairos_requests``), read with a get, written without an
-  acknowledgement (:func:`kairos.runtime.bus.kv_put_nowait`); the claim buckets, read by a quorum.
+  acknowledgement (:func:`kairos.runtime.bus.kv_put_nowait`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ import nats.errors
 import nats.js.errors
 
 from kairos.contracts import subjects as S
-from kairos.contracts.errors import ErrorCode
 from kairos.contracts.events import Cancel, Drain
-from kairos.contracts.wire import Claim, decode, WireError
+from kairos.contracts.wire import decode, WireError
 from kairos.runtime.buswatch import BusWatch
-from kairos.runtime.claims import ClaimQuorum, read_holder, withdraw
 from kairos.runtime.clock import Clock
 from kairos.runtime.messaging import kv_put_nowait, publish
 from kairos.services.ingress.metrics import IngressMetrics
@@ -45,13 +43,10 @@ PING_TIMEOUT_S = 1.0
 #: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
 #: of a NATS cluster takes milliseconds); a longer outage answers 503 ``enqueue_failed`` at once
 RECONNECT_WAIT_S = 2.0
-#: after a publish got no acknowledgement, the one server (a single-member deployment) must answer a
-#: PING within this long (s), else it is frozen or cut off (not a slow JetStream under load, which still answers pings at once) and the
-#: enqueue gives up while the connection is still open: the cancel and the tombstone claim of the
-#: attempt then follow its publish on the same connection, so the server stores them right after it
-#: whenever it resumes, before any node can claim it. Well below nats-py's ping-out
-#: (kairos/runtime/bus.py PING_INTERVAL_S × MAX_OUTSTANDING_PINGS, 6 s), after which the connection
-#: is dropped, the two would go out on a new connection, and a node could claim the stored request first
+#: after a request got no ``taken``, the one server (a single-member deployment) must answer a PING
+#: within this long (s), else it is frozen or cut off (not busy dispatchers: the server itself still
+#: answers pings at once) and the enqueue gives up at once: the client gets its 503 now rather than
+#: after ``enqueue_timeout_s``, and the attempt's cancel follows its copies on the same connection
 UNRESPONSIVE_PONG_S = 1.0
 #: how long that PING's waiter stays in nats-py's queue (s): far past the ping-out, so the connection
 #: is gone (its waiters with it) before this could cancel one whose PONG is still to come
@@ -75,16 +70,14 @@ class NatsIngressBus:
     Args:
         nc: the connected client; ``js`` its JetStream context.
         members: NATS servers of the deployment (1: a single server, whose freeze ends an enqueue at once).
-        claims: the claim buckets (None: read as no claim, no tombstone written).
         watch: the connection's :class:`BusWatch` (when the connection was lost).
         enqueue_timeout_s: how long an enqueue keeps trying (``KAIROS_ENQUEUE_TIMEOUT_S``).
         metrics, clock, log: the ingress's metrics (enqueue retries), clocks and logger.
     """
 
-    def __init__(self, nc: Any, js: Any, members: int, claims: ClaimQuorum | None, watch: BusWatch | None,
-                 enqueue_timeout_s: float, metrics: IngressMetrics, clock: Clock, log: Any,
-                 job_ack_timeout_s: float = 1.0) -> None:
-        self.nc, self.js, self.members, self.claims, self.watch = nc, js, members, claims, watch
+    def __init__(self, nc: Any, js: Any, members: int, watch: BusWatch | None, enqueue_timeout_s: float,
+                 metrics: IngressMetrics, clock: Clock, log: Any, job_ack_timeout_s: float = 1.0) -> None:
+        self.nc, self.js, self.members, self.watch = nc, js, members, watch
         self.enqueue_timeout_s, self.m, self.clock, self.log = enqueue_timeout_s, metrics, clock, log
         self.job_ack_timeout_s = job_ack_timeout_s
         self.requests: Any = None  #: the requests bucket (set at every declare: start and reconnects)
@@ -108,7 +101,7 @@ class NatsIngressBus:
         (module docstring); returns how many copies it sent. Each copy carries its number
         (``Kairos-Delivery``, counting on from ``first_delivery``) and its send time
         (``Kairos-Sent-Unix-Ms``: a dispatcher drops a copy it gets too late, another one is out).
-        No answer within :data:`TAKEN_TIMEOUT_S` sends it again at once (the same bus id: the execution claim keeps copies to one run); no dispatcher
+        No answer within :data:`TAKEN_TIMEOUT_S` sends it again at once (the same bus id: the attempt's arbiter keeps copies to one run); no dispatcher
         subscribed is tried again every :data:`NO_DISPATCHER_RETRY_S`, until ``enqueue_timeout_s``.
         While the connection is down (nats-py reconnecting to another member) it waits for it,
         polling every 50 ms — an outage older than :data:`RECONNECT_WAIT_S` is not a failover: that
@@ -218,27 +211,12 @@ class NatsIngressBus:
         await publish(self.nc, S.drain_subject(node), Drain(node=node, reason=reason, sent_unix_ms=self.clock.now_ms()))
         await self.nc.flush(timeout=2.0)  # the operator's answer says it went out
 
-    async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
-        if self.claims is None:
-            return
-        outcome, claim = await withdraw(self.claims, attempt_id, code, deadline_unix_ms)
-        if outcome == "withdrawn":
-            self.log.info("attempt_withdrawn", request_id=attempt_id, code=code)
-        elif outcome == "ran":
-            self.log.warning("withdrawn_attempt_ran", request_id=attempt_id, code=code,
-                             node=claim.node if claim else None)
-        else:
-            self.log.warning("attempt_withdrawal_expired", request_id=attempt_id, code=code)
-
     async def read_record(self, key: str, typ: type[T]) -> T | None:
         try:
             e = await self.requests.get(key)
             return decode(e.value, typ) if e is not None and e.value else None
         except (nats.js.errors.KeyNotFoundError, WireError):
             return None
-
-    async def read_claim(self, attempt_id: str) -> Claim | None:
-        return await read_holder(self.claims, attempt_id) if self.claims is not None else None
 
     async def write_record(self, key: str, data: bytes) -> None:
         await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, key, data)

@@ -3,7 +3,7 @@
 The relay of a request (:mod:`.relay`), the watchers of in-flight requests (:mod:`.liveness`), the
 timing records and the records endpoint (:mod:`.records`) reach NATS only through
 :class:`IngressBus`. The service (:mod:`.service`) hands them :class:`~.nats_bus.NatsIngressBus`
-(requests to the dispatchers' queue group, core-NATS cancels, the claim buckets, the requests bucket); a unit test
+(requests to the dispatchers' queue group, jobs to the nodes, core-NATS cancels, the requests bucket); a unit test
 hands them a fake that records what was sent (tests/unit/test_ingress_relay.py), so their protocol
 logic runs without a nats-server. Their clocks come the same way (:class:`kairos.runtime.clock.Clock`).
 """
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
 
-from kairos.contracts.errors import ErrorCode
-from kairos.contracts.wire import Claim
 
 T = TypeVar("T")
 
@@ -101,10 +99,6 @@ class IngressBus(Protocol):
             Exception: the connection did not take it.
         """
 
-    async def withdraw(self, attempt_id: str, code: ErrorCode, deadline_unix_ms: float) -> None:
-        """Store the tombstone claim of an attempt answered with ``code`` before any node took it,
-        retried until the bus answers or ``deadline_unix_ms`` (kairos/runtime/claims.py); never raises."""
-
     async def read_record(self, key: str, typ: type[T]) -> T | None:
         """The record under ``key`` of the requests bucket decoded as ``typ``; None when absent or
         not decodable.
@@ -112,9 +106,6 @@ class IngressBus(Protocol):
         Raises:
             Exception: the bucket did not answer.
         """
-
-    async def read_claim(self, attempt_id: str) -> Claim | None:
-        """The execution claim holding ``attempt_id`` (which node runs it), None when none does."""
 
     async def write_record(self, key: str, data: bytes) -> None:
         """Store a record in the requests bucket without waiting for an acknowledgement.

@@ -3,7 +3,7 @@
 Where data comes from: the ``kairos_requests`` KV bucket, one key per writer so nobody overwrites
 anybody: ``<rid>.decision`` (dispatcher), ``<rid>.prefill.<node>`` (prefill agent, keep path),
 ``<rid>.decode.<node>`` (decode agent), ``<rid>.ingress`` (ingress, :func:`write_ingress_record`);
-the ingress reads the node records of the nodes the request's claim names (an agent may write only
+the ingress reads the node records of the nodes the request's decision record names (an agent may write only
 keys with its own node id; :func:`lookup`). Where it goes: the ingress's JSON (:func:`request_record`
 merges the records). The bucket is reached through :class:`~.ports.IngressBus` (no I/O here).
 
@@ -34,7 +34,7 @@ import msgspec
 from kairos.contracts import subjects as S
 from kairos.contracts.wire import encode
 from kairos.contracts.records import DecisionRecord, DecodeTiming, IngressTiming, PrefillTiming
-from kairos.core.vocabulary import DEFLECT, KEEP
+from kairos.core.vocabulary import DEFLECT
 from kairos.services.ingress.metrics import IngressMetrics
 from kairos.services.ingress.ports import IngressBus
 
@@ -126,8 +126,8 @@ async def lookup(rid: str, bus: IngressBus) -> dict[str, Any] | None:
     A request re-submitted after a node was lost is explained by the records of the attempt that
     sent its first token (the last re-submission ``<id>-r<n>`` of ``resubmitted_as``: the measured TTFT
     and its components are that attempt's; a migration's continuations ``<id>-m<n>`` are listed in
-    ``attempts``); its node records are those of the nodes its claim names, else its decision names
-    (each node writes only keys with its own id).
+    ``attempts``); its node records are those of the nodes its decision record names (the node that
+    accepted its job; each node writes only keys with its own id).
 
     Raises:
         Exception: the bucket did not answer (the caller's 500).
@@ -135,13 +135,11 @@ async def lookup(rid: str, bus: IngressBus) -> dict[str, Any] | None:
     ingress = await bus.read_record(S.record_key(rid, "ingress"), IngressTiming)
     served_by = first_token_attempt(rid, ingress.resubmitted_as if ingress is not None else [])
     decision = await bus.read_record(S.record_key(served_by, "decision"), DecisionRecord)
-    claim = await bus.read_claim(served_by)
-    node = claim.node if claim is not None else (decision.node if decision is not None else "")
-    keep = claim.kind == KEEP if claim is not None else (decision is not None and not decision.decision.deflected)
+    node = decision.node if decision is not None else ""
+    keep = decision is not None and not decision.decision.deflected
     prefill = (await bus.read_record(S.record_key(served_by, "prefill", node), PrefillTiming)
                if node and keep else None)
-    dec_node = ((prefill.handoff_node if prefill else None)
-                or (claim.decode_node if claim is not None else (decision.decode_node if decision is not None else "")))
+    dec_node = (prefill.handoff_node if prefill else None) or (decision.decode_node if decision is not None else "")
     dec_node = dec_node if keep else node
     dec = await bus.read_record(S.record_key(served_by, "decode", dec_node), DecodeTiming) if dec_node else None
     if decision is None and prefill is None and dec is None and ingress is None:

@@ -168,9 +168,8 @@ class RequestRelay:
         timing = self.req.timing
         timing["error"] = ErrorCode.ENQUEUE_FAILED
         timing["error_message"] = f"could not enqueue the request ({not_sent(exc)})"
-        # a publish that timed out may still be stored (the server was slow, not gone): the
-        # cancel and the attempt's tombstone claim follow it on this connection, so no node
-        # runs it (kairos/runtime/claims.py), and the client's retry is the only execution
+        # a copy may still reach a dispatcher: its job goes nowhere (the attempt's arbiter), and the
+        # client's retry is the only execution
         await self.attempts.refused(self.req.rid, ErrorCode.ENQUEUE_FAILED)
         return error_response(ErrorCode.ENQUEUE_FAILED, f"could not enqueue the request ({not_sent(exc)}); retry"), 503
 

@@ -5,7 +5,7 @@ vLLM 0.32 (``vllm/entrypoints/serve/engine/serving.py`` ``_base_request_id``) us
 or ``chatcmpl-<header>`` (chat), and its log names it; with ``--enable-request-id-headers`` it also
 echoes the header in the response (``vllm/entrypoints/serve/middleware/x_request_id.py``). Kairos
 does the same (and always echoes), but two requests with the same header are still two
-executions: the id on the bus (subjects, claims, records, node logs) is Kairos' own, unique per
+executions: the id on the bus (subjects, records, node logs) is Kairos' own, unique per
 request, and the client's id travels beside it — in the ingress's log lines
 (``client_request_id``), its span (``kairos.client_request_id``) and its record
 (``GET /v1/requests/{id}``, ``client_request_id``).

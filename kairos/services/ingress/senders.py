@@ -4,8 +4,8 @@ Out events travel on ``kairos.out.<bus request id>.<sender user>`` and the bus l
 publish only under its own name (:mod:`kairos.contracts.permissions`), so the subject proves the sender. The
 ingress accepts an attempt's events only from:
 
-* **the node its job went to**: named by a routing event (``kairos.route.decided``, which only
-  dispatchers may publish), the node that accepted the job or holds its execution claim;
+* **the node its job went to**: the ingress sends every job itself (kairos/services/ingress/jobrelay.py)
+  and accepts the node that accepted it;
 * **on the keep path, the decode node the prefill node handed the KV to**: when a decode node has
   accepted the KV, the prefill node (proven as above) names it in a
   :class:`~kairos.contracts.events.HandoffEvent` on its own out subject (candidates that refused are never
@@ -14,9 +14,9 @@ ingress accepts an attempt's events only from:
   ``no_available_node``).
 
 An event from another agent is *held* (at most :data:`HOLD_MAX` per attempt), not refused at once:
-a node's first token may overtake the routing event (the dispatcher publishes it after the node's
-answer; and nats-py runs each subscription's callbacks in its own task, so even messages sent in
-order on one connection may be handled out of order here), and a decode node's may overtake the
+a node's first token may overtake its answer to the job (the answer comes on the ingress's reply
+inbox, the tokens on their out subject: nats-py runs each subscription's callbacks in its own task,
+so even messages sent in order on one connection may be handled out of order here), and a decode node's may overtake the
 prefill node's handoff event (sent after the decode node's answer). Held events are replayed when their sender is accepted, and refused (counted as forged,
 ``forged_message_refused``) once the attempt streams from its node, moves to a new attempt (a lost
 node's re-submission: a new bus id, a new set of senders) or ends. Events whose body names another
@@ -62,7 +62,7 @@ class Senders:
     held: list[Held] = field(default_factory=list)
 
     def routed(self, node: str, kind: PathKind) -> None:
-        """A routing event: ``node`` accepted (or holds the claim of) this attempt's ``kind`` job."""
+        """``node`` accepted this attempt's ``kind`` job (sent by this ingress)."""
         self.nodes.add(node)
         if kind == KEEP:
             self.prefill_nodes.add(node)

@@ -14,7 +14,7 @@ The composition root: :class:`Ingress` builds the parts, connects them to NATS a
 :mod:`.liveness`            heartbeats; watchers: clients gone, nodes lost, quiet streams, silent routings, bus down
 :mod:`.readiness`           the cluster view and ``/health``
 :mod:`.records`             the ingress record and the ``/v1/requests/{id}`` merge
-:mod:`.nats_bus`            :class:`~.ports.IngressBus` on NATS (requests to the dispatchers, jobs, cancel, tombstones, records)
+:mod:`.nats_bus`            :class:`~.ports.IngressBus` on NATS (requests to the dispatchers, jobs, cancel, records)
 :mod:`.openai_api`          OpenAI parameters, validation, prompt counting, response bodies
 ==========================  =========================================================================
 
@@ -44,11 +44,9 @@ from kairos.runtime import telemetry
 from kairos.runtime.bus import close as bus_close
 from kairos.runtime.bus import connect_service, stream_replicas
 from kairos.runtime.buswatch import BusWatch
-from kairos.runtime.claims import ClaimQuorum
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.envconfig import ConfigError
 from kairos.runtime.messaging import last_view, publish
-from kairos.runtime.lanes import check_lane_count, claim_buckets, ensure_claim_buckets, lane_count
 from kairos.runtime.resources import BackgroundTasks, Resources
 from kairos.runtime.service import run_service
 from kairos.runtime.streams import ensure_buckets
@@ -107,13 +105,12 @@ class Ingress:
                                 max_model_len=self.max_model_len, flights=lambda: self.flights.values())
         self.origin = OriginGuard(forged_counter("ingress", self.tel.registry), self.log)
         self.liveness = Liveness(timeout_ms=cfg.liveness_timeout_s * 1000.0)
-        self.members = lane_count(cfg)  #: NATS members = claim buckets (kairos/runtime/lanes.py)
+        self.members = stream_replicas(cfg)  #: NATS members (1: a single server, nats_bus.UNRESPONSIVE_PONG_S)
         self.api_keys = load_api_keys(cfg.api_keys, cfg.api_key_file)
         self.flights = Flights(self.origin, self.liveness, clock, self.log)
         self.readiness = Readiness(cfg, self._connected, self._ping_dispatchers, self._on_view, clock, self.log)
         self.nc: Any = None
         self.js: Any = None
-        self.claims: ClaimQuorum | None = None
         self.bus: IngressBus | None = None
         self.watch: FlightWatch | None = None
         self.jobs: JobRelay | None = None
@@ -152,10 +149,8 @@ class Ingress:
         self.res.push("nats", lambda: bus_close(nc, graceful=True))
         self.res.push("background_tasks", self._drain_background)
         self.js = nc.jetstream()
-        self.claims = ClaimQuorum(claim_buckets(self.js, self.members))
-        await check_lane_count(nc.jetstream(timeout=2.0), self.members)
-        bus = NatsIngressBus(nc, self.js, self.members, self.claims, None, self.cfg.enqueue_timeout_s, self.m,
-                             self.clock, self.log, self.cfg.job_ack_timeout_s)
+        bus = NatsIngressBus(nc, self.js, self.members, None, self.cfg.enqueue_timeout_s, self.m, self.clock,
+                             self.log, self.cfg.job_ack_timeout_s)
         bus.notices = nc.new_inbox()  # <inbox>.<attempt id>: the dispatchers' alive notices
         self.assemble(bus)
         await self._declare()
@@ -218,10 +213,7 @@ class Ingress:
             self.watch.on_view(view)
 
     async def _declare(self) -> None:
-        """Declare the claim buckets and the other buckets, and read the view bucket's last view: at
-        start and after every reconnect. A claim bucket whose member is down is logged and declared
-        again at the next reconnect (or by a dispatcher)."""
-        await ensure_claim_buckets(self.js, self.members, self.log)
+        """Declare the buckets and read the view bucket's last view: at start and after every reconnect."""
         buckets = await ensure_buckets(self.js, replicas=stream_replicas(self.cfg))
         assert isinstance(self.bus, NatsIngressBus)
         self.bus.requests = buckets.requests

@@ -9,7 +9,7 @@ nodes), cancels on ``kairos.cancel``, resend requests on ``kairos.resend``. Outp
 The parts, one concern each, sharing one :class:`~.context.NodeContext`:
 
 * :mod:`.request` — one request's lifecycle, a pure state machine (phases, transitions, records);
-* :mod:`.jobs` — a job in, its answer out (claims: :mod:`.acceptance`; deflection slots: :mod:`.slots`);
+* :mod:`.jobs` — a job in, its answer out (deflection slots: :mod:`.slots`);
 * :mod:`.kv` — the keep path's KV handoff, prefill side and decode side;
 * :mod:`.effects` — the engine's request events, cancels and failures, and carrying out the actions;
 * :mod:`.steps` — step records and metrics; :mod:`.heartbeat` — heartbeats; :mod:`.tracing` — spans.
@@ -40,10 +40,8 @@ from kairos.runtime.bus import close as bus_close
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
-from kairos.runtime.lanes import claim_buckets, lane_count
 from kairos.runtime.resources import BackgroundTasks, Resources
 from kairos.runtime.service import forward, forward_all, start_metrics_and_connect
-from kairos.services.node_agent.acceptance import Claims
 from kairos.services.node_agent.config import AgentConfig
 from kairos.services.node_agent.context import NodeContext
 from kairos.services.node_agent.drain import DrainReport, Drainer
@@ -85,7 +83,7 @@ class NodeAgent:
         self.tel = telemetry.setup("node_agent", cfg.node_id, cfg.trace_file, cfg.log_level, cfg.log_format)
         self.log = self.tel.log.bind(node=cfg.node_id, role=cfg.role)
         self.m = AgentMetrics(self.tel.registry, cfg.node_id)
-        self.epoch_unix_ms = clock.now_ms()  #: this incarnation (heartbeats, claims): a restart is a newer epoch
+        self.epoch_unix_ms = clock.now_ms()  #: this incarnation (heartbeats, job answers): a restart is a newer epoch
         self.ctx = NodeContext(cfg=cfg, model=self.model, backend=self.backend, log=self.log, tracer=self.tel.tracer,
                                metrics=self.m, origin=OriginGuard(forged_counter("agent", self.tel.registry), self.log),
                                tasks=BackgroundTasks(self.log), clock=clock, epoch_unix_ms=self.epoch_unix_ms)
@@ -113,11 +111,10 @@ class NodeAgent:
             self.res.push(name, step)  # closed last first: bus watch, drain, …, telemetry
 
     # -- what the node's parts share, as attributes of the agent (tests, kairos profile) ----------------
-    # the NATS connection (None until started), the execution claims (None until the claim buckets
-    # are named), False once the node drains (or a test makes it refuse work), the requests this node
-    # holds by bus request id, the request ids cancelled recently, the forged-message guard
-    nc, claims, accepting, reqs, cancelled, origin = forward_all("ctx", "nc", "claims", "accepting", "reqs",
-                                                                 "cancelled", "origin")
+    # the NATS connection (None until started), False once the node drains (or a test makes it refuse
+    # work), the requests this node holds by bus request id, the request ids cancelled recently, the
+    # forged-message guard
+    nc, accepting, reqs, cancelled, origin = forward_all("ctx", "nc", "accepting", "reqs", "cancelled", "origin")
     deflecting = forward("slots.held", "request id -> the reservation key of the deflection slot it holds")
     max_concurrent_deflections = forward("slots.max_concurrent", "the most deflections accepted at once")
     deflect_overlaps = forward("slots.overlaps", "deflect jobs refused: every slot was taken")
@@ -127,12 +124,9 @@ class NodeAgent:
     async def start(self) -> None:
         cfg = self.cfg
         await start_metrics_and_connect(self, f"node_agent:{cfg.node_id}")
-        # in the background: a node started alone (kairos profile) heartbeats while it waits for a
-        # control-plane service to declare the bucket; jobs until then are refused (claim_failed)
-        self.ctx.tasks.spawn(self._declare(), "declare")
         if cfg.role == "decode":
             await self.slots.clear_stale()
-        self.ctx.bus = BusWatch(self.nc, self._declare, log=self.log, on_connected=self._resend_lost).start()
+        self.ctx.bus = BusWatch(self.nc, self._bus_back, log=self.log, on_connected=self._resend_lost).start()
         subs = [(S.jobs_subject(cfg.node_id), self._on_job), (S.CANCEL_SUBJECT, self._on_cancel),
                 (S.RESEND_SUBJECT, self._on_resend), (S.drain_subject(cfg.node_id), self._on_drain)]
         if cfg.role == "decode":
@@ -147,12 +141,10 @@ class NodeAgent:
         await self.heartbeats.send()
         self.log.info("agent_started", metrics_port=self.metrics_port, profile=self.model.artifact_version)
 
-    async def _declare(self) -> None:
-        """(Re-)name the claim buckets (one per NATS member, kairos/runtime/lanes.py): at start and after
-        every reconnect. An agent may not create them (docs/security.md): until a control-plane
-        service has, its claims fail (``claim_failed``) and the dispatcher retries."""
-        self.ctx.claims = Claims(claim_buckets(self.nc.jetstream(), lane_count(self.cfg)), self.cfg.node_id,
-                                 self.epoch_unix_ms)
+    async def _bus_back(self) -> None:
+        """NATS is back (BusWatch): nothing to declare again — an agent uses no stream but its
+        reservation keys and records, written by plain publishes; its lost out events are sent
+        again at the reconnect itself (:meth:`_resend_lost`)."""
 
     async def drain(self, why: str) -> DrainReport:
         """Drain gracefully (kairos/services/node_agent/drain.py: nothing new, the queued moved at once,

@@ -2,7 +2,7 @@
 
 :class:`~.agent.NodeAgent` builds one :class:`NodeContext` and hands it to each part (:mod:`.jobs`,
 :mod:`.kv`, :mod:`.effects`, :mod:`.steps`, :mod:`.heartbeat`); a unit test builds one around fakes
-(a bus that records what it publishes, in-memory claim buckets, a manual clock) and drives a part's
+(a bus that records what it publishes, a manual clock) and drives a part's
 protocol logic without a nats-server. The connection ``nc`` is any object with nats-py's
 ``publish``/``request``/``jetstream`` as far as the part uses them; it is None until the agent
 connects.
@@ -22,7 +22,6 @@ from kairos.engines.base import EngineBackend
 from kairos.runtime import telemetry
 from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime.resources import BackgroundTasks
-from kairos.services.node_agent.acceptance import Claims
 from kairos.services.node_agent.config import AgentConfig
 from kairos.services.node_agent.metrics import AgentMetrics
 from kairos.services.node_agent.request import NodeRequest
@@ -39,7 +38,6 @@ class NodeContext:
     Attributes:
         reqs: the requests this node holds, by bus request id (a request leaves when it is GONE).
         cancelled: request ids cancelled recently, known here or not: a job or handoff for them is refused.
-        claims: the execution claims (None until the claim buckets are named, :meth:`NodeAgent._declare`).
         bus: the connection's watch (None until started): tells a reconnect's settling time.
         accepting: False once the node drains (its heartbeats say so; jobs are refused ``draining``).
         draining: True once it drains.
@@ -55,7 +53,6 @@ class NodeContext:
     tasks: BackgroundTasks
     clock: Clock = SYSTEM_CLOCK
     nc: Any = None
-    claims: Claims | None = None
     bus: Any = None
     accepting: bool = True
     epoch_unix_ms: float = 0.0  #: this incarnation (the agent's start, wall ms): on JobAck, KvAck

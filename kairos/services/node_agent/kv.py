@@ -7,8 +7,8 @@
   ``kv_hold_timeout_s`` if it never comes (it died after accepting). Right after a NATS reconnect the
   decode agents may not have re-subscribed yet: a handoff nobody took is retried for
   :data:`HANDOFF_SETTLE_S` before the request fails ``kv_handoff_failed``.
-* **Decode node** (:class:`KvReceiver`): a handoff is accepted only from the prefill node holding the
-  request's execution claim (the NATS user in its subject proves the sender) → ``add_remote_decode``
+* **Decode node** (:class:`KvReceiver`): a handoff is accepted only from the prefill node it names
+  (the NATS user in its subject proves the sender) → ``add_remote_decode``
   → blocks allocated → ``pull_kv`` (the engine's transfer, one per link at a time) → ``kv_arrived``
   → decode; ``KvDone`` tells the prefill node either way.
 
@@ -29,7 +29,7 @@ from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.permissions import AGENT_PREFIX, PROFILER, agent_user
 from kairos.contracts.wire import KvAck, KvDone, KvHandoff, WireError, decode, encode
-from kairos.core.vocabulary import KEEP, RequestPhase
+from kairos.core.vocabulary import RequestPhase
 from kairos.runtime import telemetry
 from kairos.runtime.messaging import publish, request_typed
 from kairos.services.node_agent.context import NodeContext
@@ -237,8 +237,11 @@ class KvReceiver:
 
     async def _forged(self, msg: Any, h: KvHandoff) -> str | None:
         """Why a handoff is refused, or None: it must come from the node it names (the NATS user in
-        its subject, ``kairos.kv.<this node>.<user>``) and that node must hold the request's
-        execution claim as its prefill node — or come from ``kairos profile``, which drives this node."""
+        its subject, ``kairos.kv.<this node>.<user>``) — or from ``kairos profile``, which drives this
+        node. Whether that node ran the request is the ingress's to judge: it relays this node's
+        tokens only when the prefill node its job went to named this node (its ``HandoffEvent``,
+        kairos/services/ingress/senders.py), so a prefill agent handing over a request it does not
+        hold costs this node the work, never a client a wrong stream."""
         ctx = self.ctx
         sender = S.subject_node(msg.subject, lambda u: S.kv_subject(ctx.node, u))
         if sender == PROFILER:
@@ -246,12 +249,6 @@ class KvReceiver:
         proven, rid = _agent_of(sender), h.request.request_id
         if not ctx.origin.check(msg, "kv_handoff", proven, h.src_node, request_id=rid):
             return "forged"
-        claim = await ctx.claims.holder(rid) if ctx.claims is not None else None
-        if claim is None or claim.node != h.src_node or claim.kind != KEEP:
-            ctx.origin.counter.labels("kv_handoff").inc()
-            ctx.log.warning("forged_message_refused", kind="kv_handoff", reason="not_the_holder", subject=msg.subject,
-                            sender=proven, request_id=rid, claimed_by=claim.node if claim else None)
-            return "not_the_holder"
         return None
 
     async def on_allocated(self, rids: list[str]) -> None:

@@ -36,8 +36,7 @@ from kairos.contracts import subjects as S
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.messaging import decoded, publish, request_typed
 from kairos.runtime.streams import ensure_buckets, ensure_models_bucket
-from kairos.runtime.lanes import ensure_claims_bucket
-from kairos.contracts.permissions import PROFILER, kv_stream
+from kairos.contracts.permissions import PROFILER
 from kairos.core.model.fitting import FitRefused, fit_latency_model
 from kairos.core.model.latency import LatencyModel
 from kairos.core.model.profiling import (ProfileGrid, default_version, fit_summary, prefix_schedule, provenance,
@@ -285,14 +284,9 @@ class Profiler:
         Raises:
             ProfileRunError: the node refused, lost or never ran the profiler's work.
         """
-        # the node's claims need a claim bucket and its records the requests bucket, which an agent may
-        # not create (docs/security.md); a running deployment's control plane has declared its own
-        js = self.nc.jetstream()
-        await ensure_buckets(js, replicas=None)  # a cluster's: whatever replicas it has
-        try:
-            await js.stream_info(kv_stream(S.claims_bucket(0)))
-        except nats.js.errors.NotFoundError:
-            await ensure_claims_bucket(js, 0, 1)  # a single server's one claim bucket (kairos/runtime/lanes.py)
+        # the node's records need the requests bucket, which an agent may not create
+        # (docs/security.md); a running deployment's control plane has declared its own
+        await ensure_buckets(self.nc.jetstream(), replicas=None)  # a cluster's: whatever replicas it has
         res = Resources(_log)  # closed in reverse: the tasks, the cancels, the subscriptions
         try:
             for subject, cb in ((S.steps_subject(self.node), self._on_step),
