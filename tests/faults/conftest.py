@@ -12,7 +12,7 @@ What every test counts, from independent sources:
   execution is a second line for one id).
 
 Like ``kairos up``, every service logs in to NATS with its own role's credential, so everything a
-fault path does on the bus (re-declaring after a reconnect, claims, heartbeats at the ingress) is
+fault path does on the bus (re-declaring after a reconnect, jobs sent by the ingress, heartbeats at the ingress) is
 also checked against the permission table (``kairos/contracts/permissions.py``).
 
 Waits poll a condition with a deadline; nothing sleeps as synchronisation.

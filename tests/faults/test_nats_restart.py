@@ -120,8 +120,8 @@ async def _refused_while_paused(c: Cluster, http: aiohttp.ClientSession) -> None
 async def test_a_request_refused_with_enqueue_failed_never_runs(cluster: Cluster):
     """nats-server paused (SIGSTOP) while a request is sent: the ingress's request times out and the
     client gets 503 ``enqueue_failed`` ("retry"), but the request is still in the server and reaches
-    a dispatcher when it resumes; its cancel and tombstone claim, sent on the same connection right
-    after it, keep it from running. Independent truth: the node agents' own ``job_accepted`` log
+    a dispatcher when it resumes; its job goes nowhere (the ingress sends every job, and the attempt's
+    arbiter ended with the 503), and its cancel, sent on the same connection, reaches the nodes too. Independent truth: the node agents' own ``job_accepted`` log
     lines — after a control request sent later has completed, the refused request has run nowhere."""
     c = cluster
     c.up(dispatchers=1)

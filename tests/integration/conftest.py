@@ -137,8 +137,7 @@ async def reset_bus(url: str, passwords: dict[str, str] | None = None) -> None:
     creds = {"user": ADMIN_USER, "password": passwords[ADMIN_USER]} if passwords else {}
     nc = await nats.connect(url, **creds)
     js = nc.jetstream()
-    for name in (*(f"KV_{S.claims_bucket(i)}" for i in range(S.MAX_LANES)),
-                 f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
+    for name in (f"KV_{S.VIEW_BUCKET}", f"KV_{S.RESERVATION_BUCKET}", f"KV_{S.REQUESTS_BUCKET}"):
         try:
             await js.delete_stream(name)
         except Exception:
@@ -196,7 +195,7 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
                 model: LatencyModel | None = None, period_ms: float = 50.0, request_timeout_s: float = 20.0,
                 idle_timeout_s: float = 10.0, trace_file: str | None = None, span_exporter: Any = None,
                 metrics: bool = False, max_deflections: int = 1, ingress_overrides: dict | None = None,
-                passwords: dict[str, str] | None = None, lanes: int = 0, agent_overrides: dict | None = None,
+                passwords: dict[str, str] | None = None, agent_overrides: dict | None = None,
                 **dispatcher_overrides):
     """The whole stack in this event loop; yields a :class:`Stack` once every node is in the view.
 
@@ -205,14 +204,13 @@ async def stack(url: str, prefill: int = 2, decode: int = 2, dispatchers: int = 
     ``max_deflections``: deflection slots per decode node (agents and dispatchers alike).
     ``ingress_overrides``, ``agent_overrides``: extra :class:`IngressConfig` / every agent's
     :class:`AgentConfig` fields. ``passwords``: log every service
-    in as its role (a :func:`secure_server`'s). ``lanes``: request lanes / claim buckets of every
-    service (``KAIROS_NATS_LANES``; 0: one per server); several need a server carrying their tags.
+    in as its role (a :func:`secure_server`'s).
     """
     await reset_bus(url, passwords)
 
     def cred(user: str) -> dict:
         out = {"nats_user": user, "nats_password": passwords[user]} if passwords else {}
-        return {**out, "nats_lanes": lanes}
+        return out
 
     model = model or fast_model()
     mport = 0 if metrics else -1

@@ -16,7 +16,7 @@ from kairos.runtime.streams import ensure_buckets
 from kairos.services.ingress.sse import SseResponse
 from kairos.contracts.permissions import agent_user
 from kairos.contracts.events import DoneEvent, TokenEvent
-from kairos.contracts.wire import decode_step_records, encode, now_ms, RoutedEvent, StepRecordEvent, WireError
+from kairos.contracts.wire import decode_step_records, encode, now_ms, StepRecordEvent, WireError
 from kairos.cli.stepscale import parse_decode_steps, violation_rate
 from prometheus_client import generate_latest
 from tests.integration.conftest import reset_bus, stack, wait_until
@@ -169,10 +169,8 @@ async def test_a_burst_of_token_events_is_written_once_in_order(nats_url, monkey
         reader = asyncio.create_task(client())
         rid = await wait_until(lambda: next(iter(st.ingress.flights), None), 5, "the request in flight")
         nc = st.aggregator.nc  # any other connection: one flush, so the ingress reads them together
-        out = S.out_subject(rid, agent_user("decode-0"))  # as decode-0's agent, which the routing event names
-        await nc.publish(S.ROUTED_SUBJECT, encode(RoutedEvent(request_id=rid, kind="deflect", node="decode-0",
-                                                             decode_node="decode-0", prompt_tokens=1, output_tokens=8,
-                                                             node_accepted_unix_ms=now_ms())))
+        out = S.out_subject(rid, agent_user("decode-0"))  # as decode-0's agent, which accepted the job
+        st.ingress.flights.routed(st.ingress.flights.get(rid), rid, "deflect", "decode-0", None, 0.0)
         for i in range(8):
             await nc.publish(out, encode(TokenEvent(request_id=rid, first_index=i, count=1,
                                                                   text=f"t{i} ", node="decode-0",

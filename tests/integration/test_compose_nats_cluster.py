@@ -27,7 +27,6 @@ from kairos.contracts import permissions as P
 from kairos.contracts import subjects as S
 from kairos.runtime.bus import connect_service, stream_replicas
 from kairos.runtime.streams import ensure_buckets
-from kairos.runtime.lanes import ensure_claims_bucket, lane_count
 from kairos.runtime.envconfig import from_env
 from tests.integration.conftest import wait_until
 from tests.integration.test_nats_cluster import wait_until_ok
@@ -121,7 +120,7 @@ async def test_the_committed_compose_cluster_forms_and_replicates(cluster):
             url = relocate(svc["healthcheck"]["test"][-1], ports)
             await wait_until(lambda: (get_json(url) or {}).get("status") == "ok", 30, f"{name} healthy", every=0.1)
 
-    # a dispatcher configured as in the compose file declares the buckets with 3 replicas, claim bucket i on nats-<i>
+    # a dispatcher configured as in the compose file declares the buckets with 3 replicas
     env = {k: relocate(str(v), ports) for k, v in compose["services"]["dispatcher-0"]["environment"].items()
            if k.startswith("KAIROS_") and "${" not in str(v)}
     (tmp / "dispatcher.password").write_text(passwords[P.DISPATCHER])
@@ -131,18 +130,10 @@ async def test_the_committed_compose_cluster_forms_and_replicates(cluster):
     nc = await connect_service(cfg, "t-dispatcher")
     try:
         js = nc.jetstream(timeout=5)
-        lanes = lane_count(cfg)
-        assert lanes == 3
-        for i in range(lanes):
-            await wait_until_ok(lambda: ensure_claims_bucket(js, i, lanes), "JetStream ready", 30)
-        await ensure_buckets(js, replicas=stream_replicas(cfg))
+        await wait_until_ok(lambda: ensure_buckets(js, replicas=stream_replicas(cfg)), "JetStream ready", 30)
         for name in ("KV_" + S.VIEW_BUCKET, "KV_" + S.RESERVATION_BUCKET, "KV_" + S.REQUESTS_BUCKET):
             info = await js.stream_info(name)
             assert info.config.num_replicas == 3, (name, info.config)
             assert info.cluster.leader in names and len(info.cluster.replicas or []) == 2, (name, info.cluster)
-        # claim bucket i: one replica, on member nats-<i> (its committed server_tags)
-        for i in range(lanes):
-            info = await js.stream_info("KV_" + S.claims_bucket(i))
-            assert info.config.num_replicas == 1 and info.cluster.leader == f"nats-{i}", info.cluster
     finally:
         await nc.close()

@@ -24,8 +24,11 @@ def nats_cluster_failover(load: Load) -> str:
     return (f"Measured ({how}): {num(x['servers'])} nats-servers, "
             f"{x['rate_rps']:g} streaming requests per second offered ({x['achieved_rps']:g} per second sent), "
             f"{num(x['kills'])} SIGKILLs — {num(x['meta_leader_kills'])} of them of the JetStream meta leader, "
-            f"{num(x['req_leader_kills'])} of the member holding claim bucket 0 (one server may be both; every "
-            f"member holds a claim bucket) — each member restarted and current "
+            + (f"{num(x['records_leader_kills'])} of the requests bucket's raft leader (one server may be both; "
+               f"the records are off the request path) — " if "records_leader_kills" in x else
+               f"{num(x['req_leader_kills'])} of the member holding claim bucket 0 (one server may be both; every "
+               f"member holds a claim bucket) — ")
+            + f"each member restarted and current "
             f"again {back} s after its kill. Of {num(x['sent'])} requests: {num(x['completed'])} completed with "
             f"exactly the expected text, {num(x['failed'])} ended with an explicit error{errs}, "
             f"{num(x['streams_cut'])} of them after their first token (streams cut); {num(x['lost'])} lost (hung "
@@ -33,7 +36,9 @@ def nats_cluster_failover(load: Load) -> str:
             + (f"; {num(x['lane_moves'])} queued on a dead member's lane and enqueued again on another" if "lane_moves" in x
                else "")
             + (f"; {num(x['route_resends'])} sent to the dispatchers again (their routing went silent)"
-               if "route_resends" in x else "") + ". "
+               if "route_resends" in x else "")
+            + (f"; {num(x['jobs_unanswered'])} moved to a new attempt (their job's answer was lost)"
+               if "jobs_unanswered" in x else "") + ". "
             f"p99 TTFT {x['p99_ttft_steady_s']:.2f} s before the first kill, {x['p99_ttft_failover_s']:.2f} s "
             f"(max {x['max_ttft_failover_s']:.2f} s) for the requests sent within "
             f"{x['failover_window_s']:g} s after a kill: "
