@@ -15,22 +15,24 @@ nats-server, on the same cores as ``bench/control_plane.py``:
   answers the job, publishes one token event to ``out.<id>``.
 
 Variants: ``kairos`` (queue, job, claim, token — the four sequential passes through nats-server of
-a deflected request today), ``with-reservation`` (the same plus the atomic reservation create the
+a deflected request before issue 34; the name is kept so that older rows compare), ``with-reservation`` (the same plus the atomic reservation create the
 dispatcher made before the job until issue 12), ``core`` (no JetStream at all: core request to
 the router, core request to the worker, token — what is left without durability or claim), and the
 two routes issue 34 weighed for a request path without JetStream, both on core NATS with the router
 in a queue group:
 
-* ``arbiter`` (the ingress is the arbiter): the front asks a router for a decision (request-reply),
-  then sends the job to the worker itself; the worker starts, publishes the token, answers. One
-  sender per attempt, so no claim is needed, and the front knows the token's sender before it comes;
+* ``arbiter`` (the ingress is the arbiter — the product's path since issue 34's second step,
+  docs/bus.md): the front asks a router for a decision (request-reply), then sends the job to the
+  worker itself; the worker starts, publishes the token, answers. One sender per attempt, so no
+  claim is needed, and the front knows the token's sender before it comes;
 * ``node-asks``: the front sends the request to a router, which answers at once and sends the job to
   the worker; the worker asks the front for the right to run it (request-reply) before it starts.
 
 :data:`PASSES` gives each variant's sequential passes through nats-server (a one-way message, or a
 round trip to JetStream, each one pass) before the engine starts and before the front may relay the
-first token; every row carries them. The product of today, for comparison (docs/bus.md): 3 before
-the engine (queue, job, claim), 6 before the relay (+ reservation put, job answer, routing event).
+first token; every row carries them. The product before issue 34, for comparison (docs/bus.md): 3
+before the engine (queue, job, claim), 6 before the relay (+ reservation put, job answer, routing
+event); since its second step, ``arbiter``'s 3 and 3.
 
 Per (variant, rate) one JSON line: ``passes``, ``latency_ms`` p50/p99 (front: publish → first token
 event received; the same span as ``added_ms`` in ``bench/control_plane.py`` without the ingress's

@@ -18,7 +18,7 @@ periods), their CPU per request, the aggregator's CPU (% of a core) and views/s
 the ingress's added latency p50/p99 (as ``bench/control_plane.py``), failed requests, and every process
 kind's CPU per request (``cpu_ms_per_request``) and per node and second (``cpu_ms_per_node_s``). Right before
 each size's stack starts it also measures the machine's floor at the same rate (``bus_floor_ms``:
-``bench/bus_floor.py``'s ``kairos`` variant, the bare NATS operations of one deflected request by three
+``bench/bus_floor.py``'s :data:`FLOOR_VARIANT`, the bare NATS operations of one deflected request by three
 nats-py processes that do nothing else, on their own nats-server): the part of the added latency no
 service code can remove on these cores at that moment. It prints a table and the growth 2P2D →
 largest size of each cost. Not a test: figures depend on the machine.
@@ -197,8 +197,13 @@ def wait_routable(url: str, want: int, procs: list[subprocess.Popen], timeout_s:
     raise RuntimeError(f"{want} nodes not routable after {timeout_s} s: /health {body}")
 
 
+#: the bus_floor.py variant whose operations are the product's request path: ``arbiter`` since issue
+#: 34's second step (the ingress sends the job; before it, ``kairos``: queue, job, claim)
+FLOOR_VARIANT = "arbiter"
+
+
 def bus_floor(rate: float, duration_s: float) -> dict | None:
-    """The machine's floor now (module docstring): ``bench/bus_floor.py``'s ``kairos`` variant at
+    """The machine's floor now (module docstring): ``bench/bus_floor.py``'s :data:`FLOOR_VARIANT` at
     ``rate`` for ``duration_s`` on a nats-server of its own; ``{"p50", "p99"}`` ms, None when
     ``duration_s`` is 0."""
     if duration_s <= 0:
@@ -209,8 +214,8 @@ def bus_floor(rate: float, duration_s: float) -> dict | None:
     from kairos.cli.up import start_bundled_nats
 
     with ExitStack() as stack:
-        row = bf.run_variant(start_bundled_nats(stack, "kairos-fleet-floor-"), "kairos", [rate], duration_s)[0]
-    return row["latency_ms"]
+        row = bf.run_variant(start_bundled_nats(stack, "kairos-fleet-floor-"), FLOOR_VARIANT, [rate], duration_s)[0]
+    return {**row["latency_ms"], "variant": FLOOR_VARIANT}
 
 
 def per_node_second(cpu_pct: dict[str, float | None], nodes: int) -> dict[str, float | None]:
