@@ -208,8 +208,8 @@ def record_key(request_id: str, part: str, node: str | None = None) -> str:
 
     Why the node in the key: NATS KV records no author, so the subject is the only proof of who
     wrote a record; an agent may write only keys ending in its own node id
-    (:mod:`kairos.contracts.permissions`), and a reader asks for the record of the node the request's claim
-    (or decision) names — another agent's record for that request is another key, never read.
+    (:mod:`kairos.contracts.permissions`), and a reader asks for the record of the node the request's
+    decision names — another agent's record for that request is another key, never read.
 
     Raises:
         SubjectError: an unknown part, a node part without ``node`` (or another part with one), or

@@ -85,7 +85,7 @@ def request_path(load: Load) -> str:
     lines = [f"Before: {one_run(before)}."] + [f"After {label}: {one_run(r)}." for label, r in steps]
     lines += ["", "| size | after | control-plane CPU ms per request, before → after | ratio (target ≤ 0.5 at 2P2D) | "
               "control plane % of a core, before → after (target ≤ 60 at 32P256D) | added p50 ms, before → after "
-              "| after ÷ its bus floor (target ≤ 1.5) | failed |", "|---|---|---|---|---|---|---|---|"]
+              "| after ÷ its bus floor p50, measured just before (bench/bus_floor.py variant) (target ≤ 1.5) | failed |", "|---|---|---|---|---|---|---|---|"]
     for size in by:
         b = by[size]
         for label, r in steps:
@@ -98,6 +98,7 @@ def request_path(load: Load) -> str:
             lines.append(f"| {size} | {step} | {cb:.2f} → {ca:.2f} | ×{ca / cb:.2f} | "
                          f"{_g(b['cpu_split_pct']['control_plane'])} → {_g(a['cpu_split_pct']['control_plane'])} | "
                          f"{_g(b['added_ms']['p50'])} → {_g(a['added_ms']['p50'])} | "
-                         + (f"×{a['added_ms']['p50'] / floor:.2f}" if floor else "") +
+                         + (f"×{a['added_ms']['p50'] / floor:.2f} of {_g(floor)} ms"
+                            f" ({(a.get('bus_floor_ms') or {}).get('variant', 'kairos')})" if floor else "") +
                          f" | {num(b['failed'])} → {num(a['failed'])} |")
     return "\n".join(lines)

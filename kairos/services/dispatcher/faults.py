@@ -9,7 +9,8 @@ Steps, in protocol order (kairos/services/dispatcher/intake.py and route.py):
 * ``before_decide`` — taken (answered ``taken`` to the ingress), nothing decided yet;
 * ``after_decide`` — the decision is made (a deflection's decode-node slot is held in this replica's
   memory only: the node publishes the reservation when it accepts the job);
-* ``after_publish`` — the job was sent to the node (flushed), its acceptance not yet received;
+* ``after_publish`` — the job was handed to the request's ingress (flushed), which sends it to the
+  node; its answer not yet received;
 * ``after_accept`` — the node accepted the job; no routing event, record or ack yet;
 * ``before_ack`` — routing event and record handed to the connection (maybe not sent yet), the
   routing over (the name of the release that acknowledged a work-queue message here).

@@ -34,7 +34,7 @@ from kairos.services.node_agent.slots import DeflectionSlots
 from kairos.services.node_agent.tracing import RequestSpans, job_span
 
 #: longest wait (s) for the engine to answer a health probe when its state stream is late and a job
-#: arrives (within the dispatcher's 1 s ack timeout)
+#: arrives (within the ingress's 1 s job timeout, ``KAIROS_JOB_ACK_TIMEOUT_S``)
 ENGINE_PROBE_JOB_S = 0.5
 
 

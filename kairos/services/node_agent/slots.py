@@ -3,8 +3,8 @@
 A decode node takes ``max_deflections`` deflected prefills at a time (1 for kairos, paper §5.3); the
 node is the authority on its own slots (it refuses a deflect job beyond them, ``deflection_in_flight``)
 and so the only writer of its reservation keys: a plain put with a TTL, no atomic create. A slot is
-taken before the job's claim is awaited (a concurrent deflect job sees it taken), its reservation
-published once the engine has the job (the job's answer carries the reservation and its revision,
+taken as the engine gets the job, before the reservation's put is awaited (a concurrent deflect job
+sees it taken), its reservation published once the engine has the job (the job's answer carries the reservation and its revision,
 which the dispatcher applies at once), and released at the request's first token, failure or
 cancel (the key's delete follows its put on the same connection, so it never overtakes it). A node
 that dies leaves its reservations to their TTL; a new incarnation deletes its keys at start.
