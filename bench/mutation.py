@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -183,6 +184,31 @@ def forget_results(modules: list[str], mutants: Path | None = None) -> list[Path
     return gone
 
 
+def sync_copies(mutants: Path | None = None) -> list[Path]:
+    """Bring ``mutants/kairos`` and ``mutants/tests`` in line with the checkout where mutmut does not:
+    it copies the tree in but never deletes (a test module deleted since the last run was still
+    collected there, and failed to import what was deleted with it), and it copies a file that is not
+    Python once and never again (a stale ``error_codes.toml`` failed the docs test there). Copies of
+    files the checkout no longer has are removed; a non-Python copy that differs is copied again;
+    Python files are mutmut's own (it compares their times), and so are its results (``.meta``). Returns
+    the paths removed or refreshed."""
+    root = ROOT / "mutants" if mutants is None else mutants
+    changed = []
+    for top in ("kairos", "tests"):
+        if not (root / top).is_dir():
+            continue
+        for copy in [p for p in (root / top).rglob("*") if p.is_file() and p.suffix != ".meta"]:  # .meta: results
+            src = ROOT / copy.relative_to(root)
+            if not src.exists():
+                copy.unlink()
+            elif copy.suffix != ".py" and src.read_bytes() != copy.read_bytes():
+                shutil.copy2(src, copy)
+            else:
+                continue
+            changed.append(copy)
+    return changed
+
+
 def mutant_globs(modules: list[str]) -> list[str]:
     """mutmut name patterns for ``modules`` (``kairos/core/cluster/arbiter.py`` → ``kairos.core.cluster.arbiter.*``)."""
     return [module.removesuffix(".py").replace("/", ".") + ".*" for module in modules]
@@ -233,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--json: no folder {args.json.parent}")
     t0 = time.monotonic()
     if not args.no_run:
+        sync_copies()  # files deleted or changed in the checkout since the last run
         forget_results(modules)  # every mutant tested against today's tests, none carried over
         names = [] if args.modules is None else mutant_globs(modules)
         cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(args.max_children), *names]

@@ -52,7 +52,7 @@ def test_an_answer_for_a_node_no_job_went_to_is_refused():
     with pytest.raises(ArbiterError):
         a.answer("decode-0", "accepted")
     a.plan("decode-0")
-    with pytest.raises(ArbiterError):
+    with pytest.raises(ArbiterError, match="out to 'decode-1' .out to: 'decode-0'"):  # the log names both
         a.answer("decode-1", "accepted")
 
 

@@ -80,3 +80,24 @@ def test_a_run_forgets_the_recorded_results_of_its_modules_only(tmp_path):
     assert gone == [tmp_path / "kairos/b/c.py", tmp_path / "kairos/b/c.py.meta"]
     assert not (tmp_path / "kairos/b/c.py.meta").exists() and not (tmp_path / "kairos/b/c.py").exists()
     assert (tmp_path / "kairos/a.py.meta").exists() and (tmp_path / "kairos/a.py").exists()
+
+
+def test_a_run_drops_copies_of_deleted_files_and_refreshes_changed_data_files(tmp_path, monkeypatch):
+    """mutmut copies the tree into ``mutants/`` and never deletes: a test module deleted since (issue
+    34's test_claim_quorum.py) was still collected there and failed to import the modules deleted
+    with it; and it copies a data file once (a stale error_codes.toml failed the docs test). The
+    copies of files the checkout has stay; Python files are left to mutmut."""
+    checkout, mutants = tmp_path / "checkout", tmp_path / "mutants"
+    for rel, text in (("tests/unit/test_kept.py", "x = 1\n"), ("kairos/codes.toml", "new\n"), ("kairos/m.py", "y = 1\n")):
+        (checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / rel).write_text(text)
+    for rel, text in (("tests/unit/test_kept.py", "x = 1\n"), ("tests/unit/test_deleted.py", "import gone\n"),
+                      ("kairos/codes.toml", "old\n"), ("kairos/m.py", "mutated\n"), ("kairos/m.py.meta", "{}")):
+        (mutants / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mutants / rel).write_text(text)
+    monkeypatch.setattr(M, "ROOT", checkout)
+    changed = M.sync_copies(mutants=mutants)
+    assert sorted(changed) == sorted([mutants / "tests/unit/test_deleted.py", mutants / "kairos/codes.toml"])
+    assert (mutants / "kairos/m.py.meta").exists()  # mutmut's results stay
+    assert not (mutants / "tests/unit/test_deleted.py").exists() and (mutants / "kairos/codes.toml").read_text() == "new\n"
+    assert (mutants / "kairos/m.py").read_text() == "mutated\n" and (mutants / "tests/unit/test_kept.py").exists()
