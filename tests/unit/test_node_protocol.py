@@ -195,6 +195,30 @@ async def test_a_job_for_a_cancelled_request_is_refused_and_the_subscription_ans
     assert foreign.answers == [] and n.jobs.received == ["late"]
 
 
+async def test_a_cancel_that_comes_while_the_job_waits_for_the_engine_probe_keeps_it_off_the_engine():
+    """The agent probes an engine whose state stream is late before it answers a job (up to 0.5 s);
+    the request's cancel can come meanwhile (the helper's finding, issue 34): the job is refused
+    ``cancelled`` and the engine never gets it."""
+    class Probing(EmulatedBackend):
+        gate = asyncio.Event()
+
+        async def confirm_available(self, timeout_s: float) -> bool:
+            await self.gate.wait()
+            return True
+
+    backend = Probing("prefill", MODEL)
+    backend.available = False
+    n = node("prefill-0", "prefill", backend=backend)
+    job = asyncio.create_task(n.jobs.handle(keep_job("probed")))
+    while not n.jobs.received:  # the job is in, waiting for the probe
+        await asyncio.sleep(0)
+    await n.effects.cancel("probed", "client_disconnected")
+    Probing.gate.set()
+    ack = await job
+    assert (ack.accepted, ack.reason) == (False, "cancelled")
+    assert "probed" not in n.ctx.reqs and backend.phase("probed") is None
+
+
 # -- the KV handoff, prefill side ------------------------------------------------------------------
 def kv_ack(node_id: str, accepted: bool = True, reason: str = "") -> Callable[[bytes], bytes]:
     return lambda _body: encode(KvAck(accepted=accepted, node=node_id, reason=reason))

@@ -73,6 +73,9 @@ class Jobs:
             ctx.metrics.jobs.labels(ctx.node, job.kind, "cancelled").inc()
             return JobAck(accepted=False, node=ctx.node, reason="cancelled")
         reason = await self._local_refusal(job)
+        if reason is None and rid in ctx.cancelled:  # cancelled while the engine probe was awaited
+            ctx.metrics.jobs.labels(ctx.node, job.kind, "cancelled").inc()
+            return JobAck(accepted=False, node=ctx.node, reason="cancelled")
         if reason is None:
             reason = self._start_engine(job)
         if reason is not None:
