@@ -16,8 +16,8 @@ Per (replicas, rate) it prints one JSON line:
   time for the request (the profile's prefill step for the prompt plus one decode step, ~0.1 ms):
   the cost of the control plane;
 * ``deflected_ttft_p50_ms``: where a deflected request's TTFT goes (p50 of each segment, from its
-  records' timestamps, :func:`hops`): ``to_node`` (ingress → queue → dispatcher → reservation →
-  job → execution claim), ``on_node`` (→ first token), ``to_ingress`` (→ relayed), and ``decide``
+  records' timestamps, :func:`hops`): ``to_node`` (ingress → dispatcher → the job back to the
+  ingress → the node, its reservation), ``on_node`` (→ first token), ``to_ingress`` (→ relayed), and ``decide``
   (the policy's own evaluation, part of ``to_node``);
 * ``client_added_ms`` p50/p99: the same from the client's TTFT (adds the client's HTTP and the
   ingress's body parsing, all on the same cores);
@@ -93,8 +93,8 @@ def ingress_ttfts(recs: list[dict]) -> list[float]:
 
 def hops(rec: dict) -> dict[str, float] | None:
     """Where a deflected request's TTFT went (ms), from the timestamps of its records (one machine,
-    one clock): ``to_node`` — ingress received → the decode node took the job (queue, dispatcher,
-    reservation, job, execution claim); ``on_node`` — → its first token (the engine's steps and
+    one clock): ``to_node`` — ingress received → the decode node took the job (dispatcher, the job
+    through the ingress, the node's reservation); ``on_node`` — → its first token (the engine's steps and
     the node's scheduling); ``to_ingress`` — → the ingress relayed it (one NATS hop); ``decide`` —
     the dispatcher's policy evaluation inside ``to_node``. None for other paths or missing stamps."""
     recs = rec.get("records") or {}

@@ -4,7 +4,7 @@ under the bus traffic of N prefill + M decode node agents made by a few processe
 Each fleet process hosts many real :class:`kairos.services.node_agent.agent.NodeAgent` objects on one
 event loop (no /metrics server each), with the near-zero emulated engine of ``bench/control_plane.py``
 (~0.05 ms steps): every node heartbeats its ``NodeState`` on ``kairos.state.<node>`` every 100 ms, sends
-its step records, accepts jobs (execution claims, reservations) and publishes tokens/done on the out
+its step records, accepts jobs (reservations) and publishes tokens/done on the out
 subject exactly as a deployed agent — only the engine is a stand-in. The stack (NATS with ``-m`` for
 ``/varz``, aggregator, dispatchers, ingress; no NATS auth: the fleet's per-node users would need a
 password each) comes from ``kairos up``'s supervisor with 0P0D; then the fleet joins.

@@ -178,6 +178,34 @@ class JobAck(msgspec.Struct, frozen=True, kw_only=True):
 JOB_NO_RESPONDERS, JOB_UNANSWERED, JOB_CANCELLED = "no_responders", "timeout", "cancelled"
 
 
+#: where a job plan's request goes: the first field after ``v`` and ``kind`` (:func:`job_with_request`)
+_PLAN_REQUEST = b'"request":null'
+#: a plan's ``"request":null`` lies within this many bytes of its start (``{"v":…,"kind":"deflect",``)
+_PLAN_REQUEST_WITHIN = 64
+
+
+def job_plan(job: Job) -> bytes:
+    """``job`` as a dispatcher hands it to the request's ingress: without its request (``null``), which
+    the ingress holds already and splices back in (:func:`job_with_request`). So the prompt is encoded
+    once, by the ingress, and crosses the bus twice (to a dispatcher, to the node), not three times."""
+    return encode(msgspec.structs.replace(job, request=None))  # replace does not validate: null on the wire
+
+
+def job_with_request(plan: bytes, request: bytes) -> bytes:
+    """The job for the node: ``plan`` (:func:`job_plan`) with ``request`` — an encoded
+    :class:`InferenceRequest`, the bytes the ingress sent to the dispatchers — where the plan has
+    ``null``. msgspec writes a struct's fields in their declared order, and :class:`Job` declares only
+    ``v`` and ``kind`` (a path name) before ``request``: its ``"request":null`` is the first, near the start.
+
+    Raises:
+        WireError: ``plan`` has no ``"request":null`` there (it is not a plan).
+    """
+    at = plan.find(_PLAN_REQUEST, 0, _PLAN_REQUEST_WITHIN + len(_PLAN_REQUEST))
+    if at < 0:
+        raise WireError('not a job plan: no "request":null among its first fields')
+    return b"".join((plan[:at + len(_PLAN_REQUEST) - 4], request, plan[at + len(_PLAN_REQUEST):]))
+
+
 class JobHead(PathKindField, msgspec.Struct, frozen=True, kw_only=True):
     """The fields of a :class:`Job` the ingress reads when it relays one (msgspec skips the rest, the
     request and its prompt included: the job's bytes go to the node as they came)."""

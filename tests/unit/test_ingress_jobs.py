@@ -90,7 +90,7 @@ async def test_one_job_of_an_attempt_is_out_at_a_time(stack):
         return await real_send(node, job, headers)
 
     st.bus.send_job = slow_send
-    job = orjson.dumps({"kind": "deflect", "node": "decode-0"})
+    job = orjson.dumps({"v": 2, "kind": "deflect", "request": None, "node": "decode-0"})
     await st.ing.jobs.on_notice(Msg(st.bus.notice_subject(rid), job, reply="_INBOX.dispatcher.first"))  # out now
     second = await st.plan(rid, "decode-1")  # answered at once: a job is out
     assert (second.accepted, second.reason) == (False, JOB_CANCELLED) and st.bus.answered.empty()
@@ -108,3 +108,20 @@ async def test_a_job_for_an_attempt_the_ingress_does_not_follow_is_not_sent(stac
     await st.ing.jobs.on_notice(bad)
     _, refused = await asyncio.wait_for(st.bus.answered.get(), WAIT_S)
     assert not refused.accepted and refused.reason.startswith("bad_job") and st.bus.jobs == []
+
+
+def test_a_plan_gets_the_ingress_s_request_spliced_in_and_decodes_as_the_job():
+    """The dispatcher leaves the request out of the job it hands over (job_plan); the ingress splices
+    in the bytes it sent (job_with_request): the node decodes the very job the dispatcher built, the
+    prompt never re-encoded — a prompt that holds the marker text itself included."""
+    from kairos.contracts.wire import InferenceRequest, Job, WireError, decode, encode, job_plan, job_with_request
+    import pytest
+    req = InferenceRequest(request_id="r-1", model="m", prompt_tokens=3, max_tokens=2, created_unix_ms=0.0,
+                           deadline_unix_ms=1e15, prompt_text='say "request":null twice')
+    for job in (Job(kind="deflect", request=req, node="decode-0", chunk_schedule=[16, 16], predicted_ttft_ms=3.5),
+                Job(kind="keep", request=req, node="prefill-0", decode_candidates=["decode-1"])):
+        plan = job_plan(job)
+        assert b"say" not in plan and len(plan) < len(encode(job))  # no prompt in the plan
+        assert decode(job_with_request(plan, encode(req)), Job) == job
+    with pytest.raises(WireError, match="not a job plan"):
+        job_with_request(encode(job), encode(req))  # a whole job: its request is there already

@@ -75,6 +75,7 @@ class FakeBus:
 
     async def send_job(self, node: str, job: bytes, headers: dict[str, str] | None) -> bytes:
         self.jobs.append((node, job))
+        assert orjson.loads(job)["request"]["request_id"], job  # the ingress spliced its request in
         answer = self.job_answers.get(node, JobAck(accepted=True, node=node))
         if isinstance(answer, Exception):
             raise answer
@@ -117,7 +118,7 @@ class Stack:
         returns what the ingress answered the dispatcher. Only the fields the ingress reads are in
         the job (kairos.contracts.wire.JobHead)."""
         self.bus.job_answers.setdefault(node, JobAck(accepted=True, node=node, epoch_unix_ms=epoch))
-        job = orjson.dumps({"kind": kind, "node": node, "predicted_ttft_ms": 12.5})
+        job = orjson.dumps({"v": 2, "kind": kind, "request": None, "node": node, "predicted_ttft_ms": 12.5})
         await self.ing.jobs.on_notice(Msg(self.bus.notice_subject(attempt), job, reply=f"_INBOX.dispatcher.{attempt}"))
         reply, ack = await asyncio.wait_for(self.bus.answered.get(), WAIT_S)
         assert reply == f"_INBOX.dispatcher.{attempt}"

@@ -4,7 +4,9 @@ Issue 34's request path (docs/bus.md, "The request path"): a dispatcher does not
 node itself. It sends it to the attempt's conversation subject in the ingress's inbox (the request's
 ``Kairos-Notices`` header) as a request-reply; the ingress — the one sender of the attempt's jobs —
 lets it go to ``kairos.jobs.<node>`` when its arbiter allows (:mod:`kairos.core.cluster.arbiter`),
-and answers with the node's :class:`~kairos.contracts.wire.JobAck`, or one of its own: no agent
+and answers with the node's :class:`~kairos.contracts.wire.JobAck`, or one of its own. The job goes
+without its request (:func:`~kairos.contracts.wire.job_plan`: the ingress holds it and splices it
+back in), so the dispatcher never encodes the prompt: no agent
 subscribed (``no_responders``), the node did not answer in time (``timeout``: the ingress moves the
 attempt), or the job was not sent (``cancelled``). The trace context travels in the headers. The link
 also tells the router whether this replica is connected, and whether NATS just came back here
@@ -18,11 +20,10 @@ from typing import Callable
 import nats.errors
 from nats.aio.client import Client
 
-from kairos.contracts.wire import Job, JobAck, encode
+from kairos.contracts.wire import Job, JobAck, decode, job_plan
 from kairos.runtime import telemetry
 from kairos.runtime.bus import flush_barrier
 from kairos.runtime.buswatch import BusWatch
-from kairos.runtime.messaging import request_typed
 
 #: how much longer than a node has (``job_ack_timeout_s``) the dispatcher waits for the ingress's
 #: answer (s): the ingress waits for the node first, then relays
@@ -55,16 +56,17 @@ class JobLink:
             kairos.contracts.wire.WireError: the answer does not decode.
         """
         try:
-            return await request_typed(self._nc(), via, job, JobAck, self.timeout_s + RELAY_SLACK_S,
-                                       telemetry.inject_headers())
+            reply = await self._nc().request(via, job_plan(job), timeout=self.timeout_s + RELAY_SLACK_S,
+                                             headers=telemetry.inject_headers())
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             raise IngressGone(f"the ingress did not relay the job for {node}: {exc!r}") from exc
+        return decode(reply.data, JobAck)
 
     async def send_unanswered(self, node: str, job: Job, via: str) -> None:
         """Hand ``job`` to the ingress and make sure the server has it, not waiting for the answer
         (the fault tier's ``after_publish`` step: the replica dies right after)."""
         nc = self._nc()
-        await nc.publish(via, encode(job), reply=nc.new_inbox(), headers=telemetry.inject_headers())
+        await nc.publish(via, job_plan(job), reply=nc.new_inbox(), headers=telemetry.inject_headers())
         await flush_barrier(nc)
 
     def connected(self) -> bool:

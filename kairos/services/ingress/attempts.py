@@ -105,6 +105,8 @@ class AttemptPublisher:
             headers = self._start_span(attempt_id, resume, left)
             headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
             body = encode(ireq)
+            if f.attempt_id == attempt_id:  # before it is sent: a dispatcher's job may come back before `taken`
+                f.request_body = body
             sent = await d.bus.enqueue(body, headers, give_up=f.abandoned)
             if f.attempt_id == attempt_id:
                 f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), sent

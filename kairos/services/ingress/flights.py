@@ -109,6 +109,9 @@ class Flight:
     moving: bool = False
     #: which nodes the current attempt's jobs went to and what they answered (kairos/core/cluster/arbiter.py)
     arbiter: Arbiter = field(default_factory=Arbiter)
+    #: the current attempt's encoded request as sent to the dispatchers (set before it is sent): its jobs
+    #: come back without it and get it spliced in (kairos/services/ingress/jobrelay.py)
+    request_body: bytes | None = None
 
     def abandoned(self) -> bool:
         """Nobody waits for this request any more (its client left, or the ingress is closing): an
@@ -134,6 +137,7 @@ class Flight:
         self.enqueued, self.deliveries = None, 0  # nothing of the previous attempt is sent again
         self.arbiter.end()  # a job the previous attempt's dispatcher still plans is not sent
         self.arbiter = Arbiter()
+        self.request_body = None
 
 
 class Flights:

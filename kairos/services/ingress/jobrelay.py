@@ -10,8 +10,10 @@ took; the same subject carries its ``alive`` notices). For each such **plan** (:
    attempt is unknown here (it ended, moved, or belongs to no request of this ingress), a node
    accepted it already, a job of it is out now, or a node that stayed silent may run it;
 2. ``send``: the job's bytes, as the dispatcher encoded them (nothing decoded here but
-   :class:`~kairos.contracts.wire.JobHead`), go to ``kairos.jobs.<node>`` (request-reply, the
-   ingress's ``job_ack_timeout_s``) in a task of their own — a slow node holds up no other plan;
+   :class:`~kairos.contracts.wire.JobHead`) with the attempt's request spliced in — the bytes this
+   ingress sent to the dispatchers, which left it out (:func:`~kairos.contracts.wire.job_with_request`:
+   the prompt is encoded once) — go to ``kairos.jobs.<node>`` (request-reply, the ingress's
+   ``job_ack_timeout_s``) in a task of their own — a slow node holds up no other plan;
 3. the node's answer is recorded in the arbiter and relayed to the dispatcher unchanged. An
    **accepted** job makes the node the attempt's sender at once (:meth:`~.flights.Flights.routed`:
    its tokens are relayed; no routing event is waited for). **No responders** (the job reached no
@@ -31,7 +33,7 @@ from typing import Any
 
 from kairos.contracts import subjects as S
 from kairos.contracts.wire import (JOB_CANCELLED, JOB_NO_RESPONDERS, JOB_UNANSWERED, JobAck, JobHead, WireError,
-                                   decode, encode)
+                                   decode, encode, job_with_request)
 from kairos.core.cluster.arbiter import Answer, Arbiter
 from kairos.runtime.resources import BackgroundTasks
 from kairos.services.ingress.flights import Flight, Flights, Interrupted
@@ -69,21 +71,29 @@ class JobRelay:
             return
         f = self.flights.get(attempt_id)
         verdict = "cancelled"
-        if f is not None and f.attempt_id == attempt_id and not f.lc.ended:
+        if f is not None and f.attempt_id == attempt_id and not f.lc.ended and f.request_body is not None:
             f.enqueued_at = self.flights.clock.monotonic()  # a sign of its routing (liveness.check_routes)
             verdict = f.arbiter.plan(head.node)
         if verdict != "send":  # "move" cannot come: a silence moved the attempt at once (_send)
             self.m.jobs.labels("not_sent").inc()
             await self.bus.respond(msg.reply, encode(JobAck(accepted=False, node=head.node, reason=JOB_CANCELLED)))
             return
-        assert f is not None
-        self.bg.spawn(self._send(f, f.arbiter, attempt_id, head, msg), "send_job")
+        assert f is not None and f.request_body is not None
+        self.bg.spawn(self._send(f, f.arbiter, f.request_body, attempt_id, head, msg), "send_job")
 
-    async def _send(self, f: Flight, arbiter: Arbiter, attempt_id: str, head: JobHead, msg: Any) -> None:
-        """Send the job the arbiter let go, record and relay the node's answer (module docstring)."""
+    async def _send(self, f: Flight, arbiter: Arbiter, request: bytes, attempt_id: str, head: JobHead,
+                    msg: Any) -> None:
+        """Send the job the arbiter let go (``request``: the attempt's encoded request, spliced in),
+        record and relay the node's answer (module docstring)."""
         node, answer = head.node, "silent"
         try:
-            data = await self.bus.send_job(node, msg.data, dict(msg.headers) if msg.headers else None)
+            job = job_with_request(msg.data, request)
+        except WireError as exc:  # not a plan: nothing was sent, the next plan may go
+            arbiter.answer(node, "refused")
+            await self.bus.respond(msg.reply, encode(JobAck(accepted=False, node=node, reason=f"bad_job: {exc}")))
+            return
+        try:
+            data = await self.bus.send_job(node, job, dict(msg.headers) if msg.headers else None)
             ack = decode(data, JobAck)
             answer = "accepted" if ack.accepted else "refused"
         except NoAgent:

@@ -24,7 +24,6 @@ from kairos.services.node_agent.config import AgentConfig
 from kairos.contracts import subjects as S
 from kairos.runtime.messaging import request_typed
 from kairos.runtime.streams import ensure_buckets
-from kairos.runtime.lanes import ensure_claim_buckets
 from kairos.core.model.latency import load_profile
 from kairos.contracts.events import Cancel, DoneEvent, ErrorEvent, HandoffEvent, OutEvent, TokenEvent
 from kairos.contracts.wire import decode, encode, InferenceRequest, Job, JobAck, now_ms
@@ -79,7 +78,6 @@ async def cluster(engines, nats_url):
     streams = {srv.node: Stream(srv.state_addr) for srv in (engines.prefill, engines.decode)}
     nc = await nats.connect(nats_url)
     await ensure_buckets(nc.jetstream())  # what the control plane's services declare (agents may not)
-    await ensure_claim_buckets(nc.jetstream(), 1)
     for srv in (engines.prefill, engines.decode):
         cfg = AgentConfig(node_id=srv.node, role=srv.role, profile=PROFILE, nats_url=nats_url, backend="vllm",
                           engine_url=srv.url, engine_state_addr=srv.state_addr, engine_api_key=srv.api_key,
@@ -87,8 +85,8 @@ async def cluster(engines, nats_url):
                           kv_handoff_timeout_s=VLLM_DEFAULTS["kv_handoff_timeout_s"])
         agents[srv.node] = NodeAgent(cfg, model)
         await agents[srv.node].start()
-    await wait_until(lambda: all(a.backend.available and a.backend.served_model and a.claims is not None
-                                 for a in agents.values()), 60, "agents see their engines and the requests bucket")
+    await wait_until(lambda: all(a.backend.available and a.backend.served_model for a in agents.values()), 60,
+                     "agents see their engines")
     # and their state streams reach both subscribers (the warmed-up engines republish every 100 ms):
     # a test must not start before the agent's heartbeats carry the engine's state
     await wait_until(lambda: all(a.backend.snapshot is not None for a in agents.values())
