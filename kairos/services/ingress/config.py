@@ -51,7 +51,7 @@ class IngressConfig(ServiceConfig):
     #: a request no dispatcher took (none answered ``taken`` within 0.5 s, or none subscribes) is sent
     #: again, the same bus id, for this long, waiting for a reconnect meanwhile; then 503
     enqueue_timeout_s: float = 15.0
-    #: a taken request whose routing gave no sign for this long (no routing event, no error, no
+    #: a taken request whose routing gave no sign for this long before a node accepted its job (no job, no error, no
     #: ``alive`` notice: its dispatcher died or was cut off) is sent again, the same bus id (its
     #: attempt's arbiter keeps copies to one run; kairos/services/ingress/liveness.py)
     route_stall_s: float = 3.0

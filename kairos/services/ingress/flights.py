@@ -96,7 +96,7 @@ class Flight:
     quiet_deadline: float | None = None  #: monotonic s: after a reconnect, an event must arrive by then
     #: node -> its incarnation when this request first depended on it (a newer one = restarted, lost)
     dep_epochs: dict[str, float] = field(default_factory=dict)
-    #: (decision kind, its TTFT estimate in ms) from the routing event of the current attempt
+    #: (decision kind, its TTFT estimate in ms) from the job a node accepted for the current attempt
     predicted: tuple[PathKind, float] | None = None
     #: whose out events the current attempt accepts (the node its job went to, ...)
     senders: Senders = field(default_factory=lambda: Senders(""))

@@ -48,7 +48,7 @@ from kairos.core.vocabulary import KEEP, PathKind
 
 
 class Phase(enum.Enum):
-    QUEUED = "queued"  #: sent to the dispatchers (or being routed); no routing event yet
+    QUEUED = "queued"  #: sent to the dispatchers (or being routed); no node accepted its job yet
     ROUTED = "routed"  #: a node accepted its job; no token yet
     STREAMING = "streaming"  #: tokens arriving from one node
     ENDED = "ended"
@@ -155,7 +155,7 @@ class RequestLifecycle:
     phase: Phase = Phase.QUEUED
     attempt_id: str = ""
     resubmits: int = 0
-    kind: PathKind | None = None  #: ``keep`` or ``deflect``, from the routing event
+    kind: PathKind | None = None  #: ``keep`` or ``deflect``, from the job the node accepted
     node: str | None = None  #: node that accepted the job
     handoff_node: str | None = None  #: keep path: decode node that took the KV
     token_node: str | None = None  #: node the followed attempt's tokens come from

@@ -181,7 +181,7 @@ class FlightWatch:
         return f.dep_epochs.setdefault(node, epoch) != epoch
 
     async def _check_handoff(self, f: Flight, attempt_id: str) -> None:
-        """Keep path: read the prefill record of the node the routing event named (only it can write
+        """Keep path: read the prefill record of the node that accepted the job (only it can write
         that key): a decode node that took the KV is what the request depends on now."""
         try:
             prefill_node = f.lc.node

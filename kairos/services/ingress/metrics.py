@@ -115,7 +115,7 @@ class IngressMetrics:
 
     def observe_prediction(self, kind: PathKind, pred_ms: float, ttft_ms: float) -> None:
         """Predicted vs measured TTFT: the dispatcher's estimate for the path taken (``pred_ms``,
-        decision ``kind``, carried by the routing event of the attempt that served the request)
+        decision ``kind``, carried by the job of the attempt that served the request)
         against the TTFT the client saw (``ttft_ms``)."""
         self.ttft_pred.labels(kind).observe(telemetry.seconds(pred_ms))
         self.ttft_meas.labels(kind).observe(telemetry.seconds(ttft_ms))
