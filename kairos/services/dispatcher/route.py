@@ -49,11 +49,11 @@ from kairos.services.dispatcher.metrics import DispatcherMetrics
 from kairos.services.dispatcher.outcome import Outcomes
 from kairos.services.dispatcher.state import RoutingState
 
-#: after a reconnect, "no responders"/timeouts for this long do not exclude a node (agents reconnect
+#: after a reconnect, "no responders" for this long does not exclude a node (agents reconnect
 #: at their own pace, up to reconnect_time_wait + jitter later)
 RECONNECT_SETTLE_S = 3.0
-#: backoff (s) of a job whose node did not answer while NATS just came back here (its agent may not
-#: have re-subscribed yet)
+#: backoff (s) of a job that found no agent while NATS just came back here (its agent may not have
+#: re-subscribed yet)
 SETTLING_RETRY_S = 0.2
 #: how often (s) a routing waiting for its own NATS connection looks again
 RECONNECT_POLL_S = 0.05
@@ -261,7 +261,7 @@ class Router:
         wait = None
         if self.link.connected() and self.clock.now_ms() < at.req.deadline_unix_ms:
             wait = at.bus_retry.wait_s(why, self.state.node_live(node))
-            if wait is None and why in ("no_responders", "timeout") and self.link.settling(RECONNECT_SETTLE_S):
+            if wait is None and why == "no_responders" and self.link.settling(RECONNECT_SETTLE_S):
                 wait = SETTLING_RETRY_S  # NATS just came back here: the node's agent may not have re-subscribed yet
         if wait is not None:  # the bus's fault, not the node's: not excluded
             log.info("job_retry_bus_fault", node=node, why=why, attempt=at.attempts, wait_s=round(wait, 3))

@@ -106,10 +106,10 @@ class AttemptPublisher:
             headers[S.NOTICES_HEADER] = d.bus.notice_subject(attempt_id)
             body = encode(ireq)
             if f.attempt_id == attempt_id:  # before it is sent: a dispatcher's job may come back before `taken`
-                f.request_body = body
+                f.sent = (body, headers)
             sent = await d.bus.enqueue(body, headers, give_up=f.abandoned)
             if f.attempt_id == attempt_id:
-                f.enqueued, f.enqueued_at, f.deliveries = (attempt_id, body, headers), d.clock.monotonic(), sent
+                f.enqueued_at, f.deliveries = d.clock.monotonic(), sent
         except Exception as exc:  # logged; the caller answers 503 enqueue_failed (or the client is gone)
             if not isinstance(exc, EnqueueAbandoned):
                 req.log.error("enqueue_failed", error=repr(exc), attempt_id=attempt_id)

@@ -100,18 +100,18 @@ class Flight:
     predicted: tuple[PathKind, float] | None = None
     #: whose out events the current attempt accepts (the node its job went to, ...)
     senders: Senders = field(default_factory=lambda: Senders(""))
-    #: what the current attempt was sent to the dispatchers as (attempt id, bytes, headers: a routing
-    #: gone silent is sent again, the same bytes and bus id), the last sign of its routing (monotonic
-    #: s: a replica took it, or said it goes on) and how many times it was sent
-    enqueued: tuple[str, bytes, dict[str, str]] | None = None
-    enqueued_at: float = 0.0
-    deliveries: int = 0
+    #: what the current attempt is sent to the dispatchers as (its encoded request, headers), set before
+    #: the first copy goes: a routing gone silent is sent again, the same bytes and bus id, and a
+    #: dispatcher's job — which may come back before ``taken`` — comes without the request, spliced in
+    #: from here (kairos/services/ingress/jobrelay.py)
+    sent: tuple[bytes, dict[str, str]] | None = None
+    #: the last sign of its routing (monotonic s: a replica took it, said it goes on, or handed back a
+    #: job); None until a replica took it
+    enqueued_at: float | None = None
+    deliveries: int = 0  #: copies sent so far
     moving: bool = False
     #: which nodes the current attempt's jobs went to and what they answered (kairos/core/cluster/arbiter.py)
     arbiter: Arbiter = field(default_factory=Arbiter)
-    #: the current attempt's encoded request as sent to the dispatchers (set before it is sent): its jobs
-    #: come back without it and get it spliced in (kairos/services/ingress/jobrelay.py)
-    request_body: bytes | None = None
 
     def abandoned(self) -> bool:
         """Nobody waits for this request any more (its client left, or the ingress is closing): an
@@ -134,10 +134,9 @@ class Flight:
         self.dep_epochs.clear()
         self.predicted = None
         self.senders = Senders(attempt_id)
-        self.enqueued, self.deliveries = None, 0  # nothing of the previous attempt is sent again
+        self.sent, self.enqueued_at, self.deliveries = None, None, 0  # nothing of the previous attempt is sent again
         self.arbiter.end()  # a job the previous attempt's dispatcher still plans is not sent
         self.arbiter = Arbiter()
-        self.request_body = None
 
 
 class Flights:
@@ -220,7 +219,7 @@ class Flights:
         """A dispatcher's notice on an attempt's notice subject (``alive``: its routing goes on):
         the attempt is not sent again for :attr:`IngressConfig.route_stall_s` (.liveness)."""
         f = self._by_attempt.get(msg.subject.rpartition(".")[2])
-        if f is not None and f.enqueued is not None and f.enqueued[0] == f.attempt_id:
+        if f is not None and f.enqueued_at is not None:
             f.enqueued_at = self.clock.monotonic()
 
     def routed(self, f: Flight, attempt_id: str, kind: PathKind, node: str, predicted_ttft_ms: float | None,

@@ -71,15 +71,15 @@ class JobRelay:
             return
         f = self.flights.get(attempt_id)
         verdict = "cancelled"
-        if f is not None and f.attempt_id == attempt_id and not f.lc.ended and f.request_body is not None:
+        if f is not None and f.attempt_id == attempt_id and not f.lc.ended and f.sent is not None:
             f.enqueued_at = self.flights.clock.monotonic()  # a sign of its routing (liveness.check_routes)
             verdict = f.arbiter.plan(head.node)
         if verdict != "send":  # "move" cannot come: a silence moved the attempt at once (_send)
             self.m.jobs.labels("not_sent").inc()
             await self.bus.respond(msg.reply, encode(JobAck(accepted=False, node=head.node, reason=JOB_CANCELLED)))
             return
-        assert f is not None and f.request_body is not None
-        self.bg.spawn(self._send(f, f.arbiter, f.request_body, attempt_id, head, msg), "send_job")
+        assert f is not None and f.sent is not None
+        self.bg.spawn(self._send(f, f.arbiter, f.sent[0], attempt_id, head, msg), "send_job")
 
     async def _send(self, f: Flight, arbiter: Arbiter, request: bytes, attempt_id: str, head: JobHead,
                     msg: Any) -> None:

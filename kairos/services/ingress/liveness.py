@@ -226,7 +226,7 @@ class FlightWatch:
         (:meth:`_resend`)."""
         now = self.clock.monotonic()
         for f in self.flights.values():
-            if (not f.moving and f.enqueued is not None and f.enqueued[0] == f.attempt_id
+            if (not f.moving and f.sent is not None and f.enqueued_at is not None
                     and f.lc.phase is Phase.QUEUED and f.watched and now - f.enqueued_at > self.cfg.route_stall_s):
                 f.moving = True
                 self.bg.spawn(self._resend(f, f.attempt_id), "resend_route")
@@ -235,8 +235,8 @@ class FlightWatch:
         """Send attempt ``attempt_id`` to the dispatchers again, the same bytes and bus id: the jobs
         of every copy meet the attempt's arbiter (kairos/services/ingress/jobrelay.py), which lets
         none go once a node accepted one. Never raises; a send that fails is tried again on a later check."""
-        assert f.enqueued is not None
-        _, body, headers = f.enqueued
+        assert f.sent is not None
+        body, headers = f.sent
         try:
             if f.attempt_id != attempt_id or f.lc.phase is not Phase.QUEUED:
                 return
