@@ -69,11 +69,9 @@ class Jobs:
         self.received.append(rid)
         if rid in ctx.reqs:  # sent again to the node that already has it
             return self._duplicate(job, ctx.reqs[rid].received_ms)
-        if rid in ctx.cancelled:  # the request ended before its job got here
-            ctx.metrics.jobs.labels(ctx.node, job.kind, "cancelled").inc()
-            return JobAck(accepted=False, node=ctx.node, reason="cancelled")
-        reason = await self._local_refusal(job)
-        if reason is None and rid in ctx.cancelled:  # cancelled while the engine probe was awaited
+        # the request ended before its job got here, or while the engine probe was awaited
+        reason = "cancelled" if rid in ctx.cancelled else await self._local_refusal(job)
+        if reason == "cancelled" or (reason is None and rid in ctx.cancelled):
             ctx.metrics.jobs.labels(ctx.node, job.kind, "cancelled").inc()
             return JobAck(accepted=False, node=ctx.node, reason="cancelled")
         if reason is None:
