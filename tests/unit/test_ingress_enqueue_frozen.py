@@ -59,7 +59,7 @@ class Metrics:
 
 def bus(pong: bool, clock: ManualClock) -> tuple[NatsIngressBus, FakeNc]:
     nc = FakeNc(pong, clock)
-    b = NatsIngressBus(nc, None, 1, None, enqueue_timeout_s=15.0, metrics=Metrics(), clock=clock, log=None)
+    b = NatsIngressBus(nc, 1, None, enqueue_timeout_s=15.0, metrics=Metrics(), clock=clock, log=None)
     b.disconnected_since = lambda: None
     return b, nc
 

@@ -68,16 +68,17 @@ class NatsIngressBus:
     """:class:`~.ports.IngressBus` on a NATS connection (module docstring).
 
     Args:
-        nc: the connected client; ``js`` its JetStream context.
+        nc: the connected client.
         members: NATS servers of the deployment (1: a single server, whose freeze ends an enqueue at once).
         watch: the connection's :class:`BusWatch` (when the connection was lost).
         enqueue_timeout_s: how long an enqueue keeps trying (``KAIROS_ENQUEUE_TIMEOUT_S``).
         metrics, clock, log: the ingress's metrics (enqueue retries), clocks and logger.
+        job_ack_timeout_s: how long a node has to answer a job (``KAIROS_JOB_ACK_TIMEOUT_S``).
     """
 
-    def __init__(self, nc: Any, js: Any, members: int, watch: BusWatch | None, enqueue_timeout_s: float,
+    def __init__(self, nc: Any, members: int, watch: BusWatch | None, enqueue_timeout_s: float,
                  metrics: IngressMetrics, clock: Clock, log: Any, job_ack_timeout_s: float = 1.0) -> None:
-        self.nc, self.js, self.members, self.watch = nc, js, members, watch
+        self.nc, self.members, self.watch = nc, members, watch
         self.enqueue_timeout_s, self.m, self.clock, self.log = enqueue_timeout_s, metrics, clock, log
         self.job_ack_timeout_s = job_ack_timeout_s
         self.requests: Any = None  #: the requests bucket (set at every declare: start and reconnects)

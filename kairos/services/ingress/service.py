@@ -149,7 +149,7 @@ class Ingress:
         self.res.push("nats", lambda: bus_close(nc, graceful=True))
         self.res.push("background_tasks", self._drain_background)
         self.js = nc.jetstream()
-        bus = NatsIngressBus(nc, self.js, self.members, None, self.cfg.enqueue_timeout_s, self.m, self.clock,
+        bus = NatsIngressBus(nc, self.members, None, self.cfg.enqueue_timeout_s, self.m, self.clock,
                              self.log, self.cfg.job_ack_timeout_s)
         bus.notices = nc.new_inbox()  # <inbox>.<attempt id>: the dispatchers' alive notices
         self.assemble(bus)
