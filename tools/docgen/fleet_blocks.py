@@ -63,9 +63,9 @@ def fleet(load: Load) -> str:
 CONTROL_PLANE = ("nats", "aggregator", "dispatcher", "ingress")
 
 
-#: issue 34's steps, in order: (what changed, the ``bench/fleet.py`` result measured after it)
-REQUEST_PATH_STEPS = (("step 1: no request lanes", "fleet-34-step1"),
-                      ("step 2: the ingress sends every job, no execution claims", "fleet-34-step2"))
+#: issue 34's steps, in order: (what changed, the ``bench/fleet.py`` result measured after it, right
+#: after ``fleet-before-34`` on the same machine: a ratio across sessions measures the machine's mood)
+REQUEST_PATH_STEPS = (("step 2: the ingress sends every job, no execution claims", "fleet-34-step2"),)
 
 
 def request_path(load: Load) -> str:
@@ -93,7 +93,7 @@ def request_path(load: Load) -> str:
             if a is None:
                 continue
             step = label.split(":")[0]
-            cb, ca = (sum(x["cpu_ms_per_request"][k] or 0.0 for k in CONTROL_PLANE) for x in (b, a))
+            cb, ca = _cp_ms(b), _cp_ms(a)
             floor = (a.get("bus_floor_ms") or {}).get("p50")
             lines.append(f"| {size} | {step} | {cb:.2f} → {ca:.2f} | ×{ca / cb:.2f} | "
                          f"{_g(b['cpu_split_pct']['control_plane'])} → {_g(a['cpu_split_pct']['control_plane'])} | "
@@ -101,4 +101,29 @@ def request_path(load: Load) -> str:
                          + (f"×{a['added_ms']['p50'] / floor:.2f} of {_g(floor)} ms"
                             f" ({(a.get('bus_floor_ms') or {}).get('variant', 'kairos')})" if floor else "") +
                          f" | {num(b['failed'])} → {num(a['failed'])} |")
+    lines += ["", _request_path_targets(by, steps[-1][1])]
     return "\n".join(lines)
+
+
+def _cp_ms(row: dict) -> float:
+    """The control plane's CPU ms per request in one ``bench/fleet.py`` row."""
+    return sum(row["cpu_ms_per_request"][k] or 0.0 for k in CONTROL_PLANE)
+
+
+def _request_path_targets(before: dict[str, dict], last) -> str:
+    """Issue 34's three ratio targets at the last step, each met or missed (from the rows alone)."""
+    after = {row["size"]: row for row in last.rows}
+    parts = []
+    if "2P2D" in before and "2P2D" in after:
+        b, a = before["2P2D"], after["2P2D"]
+        ratio = _cp_ms(a) / _cp_ms(b)
+        parts.append(f"CPU per request at 2P2D ×{ratio:.2f} of before (≤ 0.5: {'met' if ratio <= 0.5 else 'missed'})")
+        floor = (a.get("bus_floor_ms") or {}).get("p50")
+        if floor and a["added_ms"]["p50"] is not None:
+            x = a["added_ms"]["p50"] / floor
+            parts.append(f"added p50 ×{x:.2f} of the bus floor (≤ 1.5: {'met' if x <= 1.5 else 'missed'})")
+    big = after.get("32P256D")
+    if big is not None:
+        pct = big["cpu_split_pct"]["control_plane"]
+        parts.append(f"control plane at 32P256D {_g(pct)} % of a core (≤ 60: {'met' if pct <= 60 else 'missed'})")
+    return "Targets, last step: " + "; ".join(parts) + "." if parts else ""

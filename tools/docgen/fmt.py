@@ -75,11 +75,11 @@ def num_range(values: Iterable[float | None], nd: int = 0, scale: float = 1.0) -
 
 
 def command(meta: dict) -> str:
-    """The recorded command as a user types it: without the ``.venv/bin/`` prefix and without the
+    """The recorded command as a user types it: without the ``.venv/bin/`` prefix (relative or absolute) and without the
     ``--json PATH`` / ``--no-progress`` the recorder used to collect the rows quietly."""
     cmd = meta.get("command", "")
     cmd = re.sub(r"^timeout \d+ ", "", cmd)
-    cmd = re.sub(r"(^|\s)\.venv/bin/", r"\1", cmd)
+    cmd = re.sub(r"(^|\s)(?:/\S*/)?\.venv/bin/", r"\1", cmd)
     cmd = re.sub(r"(^|\s)/(?:root|home/[^/\s]+)/\.cache/", r"\1~/.cache/", cmd)
     cmd = re.sub(r"\s--json\s+\S+", "", cmd)
     cmd = re.sub(r"\s--no-progress\b", "", cmd)
