@@ -12,6 +12,7 @@ import click
 from kairos.cli.commands.live import bench, drain, trace
 from kairos.cli.commands.nats import nats_auth, nats_cluster
 from kairos.cli.commands.offline import decide, sim
+from kairos.cli.commands.plan import plan
 from kairos.cli.commands.profile import profile
 from kairos.cli.commands.stack import demo, up
 
@@ -22,7 +23,7 @@ def main() -> None:
     """Kairos: load-aware prefill deflection for P/D-disaggregated LLM serving."""
 
 
-for _command in (decide, sim, bench, up, nats_auth, nats_cluster, demo, profile, trace, drain):
+for _command in (decide, sim, plan, bench, up, nats_auth, nats_cluster, demo, profile, trace, drain):
     main.add_command(_command)
 
 

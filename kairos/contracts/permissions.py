@@ -159,8 +159,8 @@ def role_permissions(user: str) -> Permissions:
         # jobs: the ingress sends every job of its requests (a dispatcher plans it: kairos/services/ingress/jobrelay.py)
         pub = [S.ROUTE_SUBJECT, _any(S.jobs_subject), S.CANCEL_SUBJECT, S.RESEND_SUBJECT,
                _kv(rec, _any(S.record_key, "ingress")), _any(S.drain_subject)]
-        # records are read (gets only)
-        pub += _kv_buckets_declared() + _read(kv_stream(view)) + [_get(rec, ">")]
+        # records are read: one by its key (a get), a window's by an ordered consumer (GET /v1/admin/workload)
+        pub += _kv_buckets_declared() + _read(kv_stream(view)) + _read(kv_stream(rec)) + [_get(rec, ">")]
         # heartbeats: the ingress judges node liveness itself (kairos/core/cluster/heartbeat.py), aggregator or not
         sub += [S.OUT_WILDCARD, S.STATE_WILDCARD, S.VIEW_SUBJECT]
         # it answers a dispatcher's job (on its own inbox) with the node's answer: a response

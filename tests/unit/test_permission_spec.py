@@ -74,6 +74,7 @@ SPEC: dict[str, dict] = {
             "$KV.kairos_requests.*.ingress",
             *_DECLARE_BUCKETS, *_watch("KV_kairos_view"),
             "$JS.API.DIRECT.GET.KV_kairos_requests.$KV.kairos_requests.>",  # records by key
+            *_watch("KV_kairos_requests"),  # a window's records (GET /v1/admin/workload, kairos plan --from-live)
         },
         "subscribe": {"_INBOX.ingress.>", "kairos.out.*.*", "kairos.state.*",
                       "kairos.view"},  # the views (core NATS); the bucket's last one is read once

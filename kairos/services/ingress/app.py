@@ -10,6 +10,7 @@
 ``GET /version``               vLLM's: ``{"version"}`` (Kairos')
 ``GET /health``                readiness (:class:`~.readiness.Readiness`)
 ``POST /v1/admin/nodes/{node}/drain``  an operator's drain of a node (``kairos drain``, issue 33)
+``GET /v1/admin/workload``             the recent requests' arrivals and token counts (``kairos plan --from-live``)
 ``GET /metrics``               Prometheus
 =============================  =====================================================================
 
@@ -31,6 +32,7 @@ from aiohttp import web
 
 from kairos.contracts import subjects as S
 from kairos.contracts.errors import ErrorCode
+from kairos.runtime.clock import SYSTEM_CLOCK, Clock
 from kairos.runtime import telemetry
 from kairos.services.ingress.completions import Completions
 from kairos.services.ingress.config import IngressConfig
@@ -44,6 +46,9 @@ from kairos.services.ingress.readiness import Readiness
 from kairos.services.ingress.records import lookup
 from kairos.services.ingress.tokenize import Tokenization
 
+#: ``GET /v1/admin/workload``: the longest window (s) and the most record writes read for it
+MAX_WORKLOAD_WINDOW_S = 86_400.0
+MAX_WORKLOAD_RECORDS = 500_000
 #: the completion endpoints by path (their 413s before the handler are counted as the handler counts its own)
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -60,12 +65,13 @@ class IngressApp:
         api_keys: accepted API keys (empty: the API is open).
         max_model_len: the served model's context length (``GET /v1/models``).
         log: the service's structured logger.
+        clock: where ``GET /v1/admin/workload``'s window ends.
     """
 
     def __init__(self, cfg: IngressConfig, completions: Completions, readiness: Readiness, bus: IngressBus,
                  metrics: IngressMetrics, registry: Any, api_keys: frozenset[str], max_model_len: int,
-                 log: Any, tokenization: Tokenization) -> None:
-        self.cfg, self.completions, self.readiness, self.bus = cfg, completions, readiness, bus
+                 log: Any, tokenization: Tokenization, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.cfg, self.completions, self.readiness, self.bus, self.clock = cfg, completions, readiness, bus, clock
         self.tokenization = tokenization
         self.m, self.registry, self.api_keys, self.max_model_len, self.log = (metrics, registry, api_keys,
                                                                               max_model_len, log)
@@ -87,6 +93,7 @@ class IngressApp:
         app.router.add_get("/version", self.tokenization.version)
         app.router.add_get("/health", self.readiness.health)
         app.router.add_post("/v1/admin/nodes/{node}/drain", self.drain)
+        app.router.add_get("/v1/admin/workload", self.workload)
         app.router.add_get("/metrics", self.metrics)
         return app
 
@@ -174,6 +181,32 @@ class IngressApp:
                       "drain_timeout_note": "the node finishes its running requests for up to its "
                                             "KAIROS_DRAIN_TIMEOUT_S, moves the rest to other nodes, then exits"},
                      status=202)
+
+
+    async def workload(self, request: web.Request) -> web.Response:
+        """``GET /v1/admin/workload?window_s=600``: the requests that ended in the last ``window_s``
+        seconds (1 to :data:`MAX_WORKLOAD_WINDOW_S`) as the workload they made: per request its arrival
+        (``arrival_unix_ms``), ``prompt_tokens`` and ``output_tokens`` (delivered) and ``status``, from
+        the ingress records of every ingress in the requests bucket (kairos/plan/live.py reads it).
+        400 ``invalid_value`` (param ``window_s``) for a bad window; 503 ``bus_unavailable`` when the
+        bucket does not answer. Needs an API key when keys are set."""
+        from kairos.services.ingress.workload import workload_body
+
+        raw = request.query.get("window_s", "600")
+        try:
+            window_s = float(raw)
+        except ValueError:
+            window_s = float("nan")
+        if not 1 <= window_s <= MAX_WORKLOAD_WINDOW_S:
+            return error_response(ErrorCode.INVALID_VALUE, f"window_s must be a number of seconds from 1 to "
+                                                           f"{MAX_WORKLOAD_WINDOW_S:g}, got {clip(raw, 40)!r}", "window_s")
+        now = self.clock.now_ms()
+        try:
+            records = await self.bus.recent_records("ingress", now - window_s * 1000.0, MAX_WORKLOAD_RECORDS)
+        except Exception as exc:  # logged; the operator may ask again
+            self.log.warning("workload_read_failed", error=repr(exc))
+            return error_response(ErrorCode.BUS_UNAVAILABLE, "the requests bucket did not answer; ask again")
+        return _json(workload_body(records, now, window_s, MAX_WORKLOAD_RECORDS))
 
 
 def _json(body: dict, status: int = 200) -> web.Response:

@@ -10,24 +10,27 @@
 * **jobs**: a job the attempt's arbiter let go, to its node (core NATS request-reply on
   ``kairos.jobs.<node>``), and the node's answer back to the dispatcher that planned it;
 * **cancel**: core NATS ``kairos.cancel`` to every node;
-* **records**: the requests bucket (``kairos_requests``), read with a get, written without an
+* **records**: the requests bucket (``kairos_requests``), read with a get (one record) or an ordered
+  consumer from a start time (a window's, ``GET /v1/admin/workload``), written without an
   acknowledgement (:func:`kairos.runtime.bus.kv_put_nowait`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 from typing import Any, Awaitable, Callable, TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from kairos.contracts import subjects as S
 from kairos.contracts.events import Cancel, Drain
 from kairos.contracts.wire import decode, WireError
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import Clock
-from kairos.runtime.messaging import kv_put_nowait, publish
+from kairos.runtime.messaging import kv_put_nowait, kv_subject, publish
 from kairos.services.ingress.metrics import IngressMetrics
 from kairos.services.ingress.ports import EnqueueAbandoned, NoAgent, NoDispatcher, NodeSilent
 
@@ -38,6 +41,8 @@ T = TypeVar("T")
 TAKEN_TIMEOUT_S = 0.5
 #: with no dispatcher subscribed (none started yet, or all restarting), the next try after this (s)
 NO_DISPATCHER_RETRY_S = 0.1
+#: the longest wait (s) for the next record of a window read from the requests bucket
+RECORDS_READ_TIMEOUT_S = 5.0
 #: how long a ping of the dispatchers waits for an answer (s)
 PING_TIMEOUT_S = 1.0
 #: an enqueue waits this long (s) for a lost connection to come back (a failover to another member
@@ -221,3 +226,27 @@ class NatsIngressBus:
 
     async def write_record(self, key: str, data: bytes) -> None:
         await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, key, data)
+
+    async def recent_records(self, part: str, since_unix_ms: float, limit: int) -> dict[str, bytes]:
+        # an ordered consumer of the part's keys from a start time: only the window's writes cross the bus
+        start = datetime.datetime.fromtimestamp(since_unix_ms / 1000.0, tz=datetime.timezone.utc)
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat(),
+                             headers_only=False)
+        sub = await self.nc.jetstream().subscribe(kv_subject(S.REQUESTS_BUCKET, f"*.{part}"), ordered_consumer=True,
+                                                  config=cfg)
+        out: dict[str, bytes] = {}
+        try:
+            if (await sub.consumer_info()).num_pending == 0:
+                return out
+            for _ in range(limit):
+                msg = await sub.next_msg(timeout=RECORDS_READ_TIMEOUT_S)
+                key = msg.subject[len(kv_subject(S.REQUESTS_BUCKET, "")):]
+                if msg.data:
+                    out[key] = msg.data  # a later write of the key (a migrated request's record) replaces it
+                else:
+                    out.pop(key, None)  # a delete marker
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return out

@@ -107,6 +107,14 @@ class IngressBus(Protocol):
             Exception: the bucket did not answer.
         """
 
+    async def recent_records(self, part: str, since_unix_ms: float, limit: int) -> dict[str, bytes]:
+        """Key → value of the requests bucket's ``<rid>.<part>`` records written since ``since_unix_ms``
+        (the last write of each key; deleted keys left out), at most ``limit`` writes read.
+
+        Raises:
+            Exception: the bucket did not answer (or a record took over 5 s to come).
+        """
+
     async def write_record(self, key: str, data: bytes) -> None:
         """Store a record in the requests bucket without waiting for an acknowledgement.
 

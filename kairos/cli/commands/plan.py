@@ -1,0 +1,157 @@
+"""``kairos plan``: how many prefill and decode nodes a workload needs, with deflection and without
+(:mod:`kairos.plan`: the simulator's search over P:D splits, cluster sizes and rates)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from kairos.cli.options import (load_model_or_exit, make_params, policy_option, policy_params_options,
+                                workload_options, writable_file)
+from kairos.core.model.latency import DEFAULT_PROFILE, LatencyProfileError
+from kairos.core.policy import Policy
+
+
+def _node_range(ctx, param, value: str) -> tuple[int, int]:
+    lo, sep, hi = value.partition(":")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or not 2 <= int(lo) <= int(hi):
+        raise click.BadParameter(f"{value!r} must be LO:HI node counts with 2 <= LO <= HI (e.g. 2:16)")
+    return int(lo), int(hi)
+
+
+def _seeds(ctx, param, value: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} must be a comma list of integers (e.g. 1,2,3)") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise click.BadParameter(f"{value!r} must name at least one seed, each once")
+    return seeds
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/kairos/plan`` (``~/.cache/kairos/plan``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kairos" / "plan"
+
+
+@click.command()
+@workload_options(300.0)
+@click.option("--from-live", "live_url", default=None, metavar="URL",
+              help="Plan for what a running Kairos served: its ingress URL; the workload is the arrivals and "
+                   "token counts of its recent requests (--window), instead of --workload.")
+@click.option("--window", "window_s", type=click.FloatRange(1), default=600.0, show_default=True,
+              help="With --from-live: seconds of recent requests taken.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
+              help="With --from-live: sent as Authorization: Bearer KEY (an ingress started with API keys needs one).")
+@policy_option("pd,kairos+", many=True)
+@click.option("--attainment", type=click.FloatRange(0, 100, min_open=True), default=90.0, show_default=True,
+              help="SLO attainment wanted, %: requests with TTFT <= --ttft-slo-ms and P95 TBT <= --tbt-slo-ms.")
+@click.option("--nodes", "node_range", default="2:16", show_default=True, callback=_node_range, metavar="LO:HI",
+              help="Cluster sizes searched (nodes; a node is one engine instance).")
+@click.option("--budget", type=click.IntRange(2), default=None,
+              help="Nodes available: the best split and the sustained rate are given for it (default: HI).")
+@click.option("--gpus-per-node", type=click.IntRange(1), default=1, show_default=True,
+              help="GPUs of one engine instance (tensor parallelism), for the GPU counts shown.")
+@click.option("--seeds", default="1,2,3", show_default=True, callback=_seeds,
+              help="Seeds of the workload and the simulator: the spread over them is the noise a difference must exceed.")
+@click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Latency profile (name or path).")
+@click.option("--link", default=None, help="KV link setting of the profile (default: its default).")
+@click.option("--heartbeat-ms", type=click.FloatRange(0), default=100.0, show_default=True,
+              help="Δh, the dispatchers' state refresh period.")
+@click.option("--noise", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="σ of log-normal noise on every simulated engine step.")
+@click.option("--jobs", "-j", type=click.IntRange(1), default=None, help="Simulations at once (default: every core).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where simulated points are kept by input hash (default: ~/.cache/kairos/plan).")
+@click.option("--no-cache", is_flag=True, help="Simulate every point again and keep nothing.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("out/plan/attainment.png"), show_default=True, help="PNG of attainment against the split.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_file,
+              help="Write the plan as JSON.")
+@click.option("--emit", type=click.Choice(["k8s", "compose"]), default=None,
+              help="Write the smallest cluster of the last policy as a kustomize overlay (deploy/k8s) or a compose override.")
+@click.option("--emit-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out/plan"),
+              show_default=True, help="Where --emit writes.")
+@policy_params_options
+def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Policy], attainment, node_range, budget,
+         gpus_per_node, seeds, profile, link, heartbeat_ms, noise, jobs, cache_dir, no_cache, plot_path, json_path,
+         emit, emit_dir, **params) -> None:
+    """Size a P/D cluster for a workload with the simulator: per policy the smallest cluster meeting the
+    SLOs, the best prefill:decode split of a node budget and the rate it sustains, and what the
+    deflecting policy saves over pd."""
+    from kairos.core.workload.workloads import TABLE1_RPS, WorkloadError
+    from kairos.plan.evaluate import Evaluator, PlanInputs, workload_rate
+    from kairos.plan.planner import plan as run_plan
+    from kairos.plan.report import plot, text
+    from kairos.plan.search import PlanError
+
+    model = load_model_or_exit(profile)
+    try:
+        model.link(link)
+    except LatencyProfileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--link") from None
+    pp = make_params(**params)
+    lo, hi = node_range
+    budget = hi if budget is None else budget
+    if not lo <= budget <= hi:
+        raise click.BadParameter(f"{budget} is outside --nodes {lo}:{hi}", param_hint="--budget")
+    if live_url:
+        from kairos.plan.live import LiveWorkloadError, fetch_live_workload
+
+        try:
+            workload, n = fetch_live_workload(live_url, window_s, Path(emit_dir) / "live-workload.csv", api_key)
+        except LiveWorkloadError as exc:
+            raise click.BadParameter(str(exc), param_hint="--from-live") from None
+        click.echo(f"kairos plan: {n} requests of the last {window_s:g} s from {live_url} -> {workload[6:]}", err=True)
+        duration = window_s
+    try:
+        base_rps = rps if rps is not None else workload_rate(workload, seeds[0], model.engine.max_model_len)
+    except WorkloadError as exc:
+        raise click.BadParameter(str(exc), param_hint="--workload") from None
+    if rps is None and not workload.startswith("trace:") and workload.strip().lower() in TABLE1_RPS:
+        rps = base_rps  # a generated workload's default rate is a rate (Table 1), not a trace's own timing
+    inputs = PlanInputs(workload=workload, duration_s=duration, profile=profile, link=link, heartbeat_ms=heartbeat_ms,
+                        noise=noise, params={"alpha": pp.alpha, "beta": pp.beta, "tbt_slo_ms": pp.tbt_slo_ms,
+                                             "ttft_slo_ms": pp.ttft_slo_ms})
+    tty = sys.stderr.isatty()
+
+    def progress(simulated: int, cached: int) -> None:
+        if tty:
+            click.echo(f"\rkairos plan: {simulated} simulated, {cached} from the cache", err=True, nl=False)
+
+    t0 = time.perf_counter()
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    try:
+        with Evaluator(inputs, cache, jobs or os.cpu_count() or 1, progress) as ev:
+            result = run_plan(ev.evaluate, [p.spec for p in policies], lo, hi, budget, rps, base_rps, seeds,
+                              attainment / 100.0)
+    except PlanError as exc:
+        raise click.UsageError(str(exc)) from None
+    except WorkloadError as exc:
+        raise click.BadParameter(str(exc), param_hint="--workload") from None
+    wall = time.perf_counter() - t0
+    if tty:
+        click.echo("", err=True)
+    click.echo(f"kairos plan: {ev.simulated} points simulated, {ev.cached} from the cache, {wall:.1f} s", err=True)
+    click.echo(text(result, gpus_per_node))
+    title = f"{workload if not live_url else 'live: ' + live_url}, {duration:g} s, profile {profile}"
+    click.echo(f"plot: {plot(result, Path(plot_path), title)}", err=True)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        out = {"workload": workload, "duration_s": duration, "profile": profile, "wall_s": round(wall, 2),
+               "simulated": ev.simulated, "cached": ev.cached, **result.to_json()}
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+        click.echo(f"wrote {json_path}", err=True)
+    if emit:
+        from kairos.plan.emit import emit_plan
+
+        chosen = result.policies[-1]
+        if chosen.smallest is None:
+            raise click.UsageError(f"--emit: {chosen.policy} has no cluster meeting the target in --nodes {lo}:{hi}")
+        for path in emit_plan(emit, chosen.smallest.prefill, chosen.smallest.decode, Path(emit_dir)):
+            click.echo(f"wrote {path}", err=True)

@@ -1,0 +1,158 @@
+"""``kairos plan``'s answer per policy, and what the deflecting policy saves over ``pd``.
+
+:func:`plan` runs the searches of :mod:`kairos.plan.search` for each policy and returns a
+:class:`Plan`: per policy the smallest cluster meeting the SLOs, the best P:D split of the node
+budget (with the splits the noise rule cannot tell from it), the highest request rate that split
+sustains per seed, and the attainment curve over every split of the budget (the plot); then the
+saving of every other policy over the baseline (``pd`` when planned, else the first): nodes at equal
+SLOs and rate at equal nodes, each called a saving only outside the spread over seeds.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from kairos.plan.evaluate import Outcome, Point
+from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, check_range, best_split, clearly_better, max_rates,
+                                smallest_cluster, spread)
+
+#: the policy the others are compared with when it is planned
+BASELINE = "pd"
+#: a budget of at most this many splits is evaluated at every split (the plot's whole curve); a
+#: larger one on :func:`~kairos.plan.search.best_split`'s grid and around its best
+CURVE_EVERY = 16
+
+
+@dataclass(frozen=True)
+class PolicyPlan:
+    """One policy's answers (attainments are fractions 0–1; rates requests/s).
+
+    Attributes:
+        policy: its spec.
+        smallest: the fewest nodes in the range meeting the target on every seed (None: none does).
+        budget_split: prefill nodes of the best split of the budget (decode: budget − it).
+        budget_spread: that split's attainment over the seeds.
+        ties: other prefill counts of the budget whose attainment the noise rule cannot tell apart.
+        max_rps: per seed, the highest rate the budget's best split sustains (None: not even the
+            bracket's bottom).
+        curve: prefill count → outcome (first seed) for every split of the budget.
+    """
+
+    policy: str
+    smallest: Sized | None
+    budget_split: int
+    budget_spread: Spread
+    ties: list[int]
+    max_rps: list[float | None]
+    curve: dict[int, Outcome] = field(default_factory=dict)
+
+    @property
+    def sustained_rps(self) -> float | None:
+        """The rate every seed sustains (the lowest of :attr:`max_rps`; None if one has none)."""
+        return None if any(r is None for r in self.max_rps) else min(self.max_rps)
+
+
+@dataclass(frozen=True)
+class Saving:
+    """What ``policy`` saves over ``baseline``: ``nodes`` fewer for the SLOs (None: either found no
+    cluster), ``nodes_clear`` whether that holds beyond the seeds' spread (the baseline's cluster
+    one node smaller than the policy's misses on a seed…: see :func:`plan`), and ``rate_ratio`` the
+    rate sustained at the budget ÷ the baseline's (lowest over seeds each; None without both),
+    ``rate_clear``: every seed's rate of ``policy`` above every seed's of the baseline."""
+
+    policy: str
+    baseline: str
+    nodes: int | None
+    nodes_clear: bool
+    rate_ratio: float | None
+    rate_clear: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every policy's :class:`PolicyPlan` and each one's :class:`Saving` over the baseline."""
+
+    target: float
+    lo: int
+    hi: int
+    budget: int
+    seeds: list[int]
+    base_rps: float
+    rps: float | None
+    policies: list[PolicyPlan]
+    savings: list[Saving]
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict (curve keys as strings, spreads with their mean/lo/hi)."""
+        def pol(p: PolicyPlan) -> dict:
+            d = asdict(p)
+            d["curve"] = {str(k): asdict(v) for k, v in p.curve.items()}
+            d["budget_spread"] = _spread_json(p.budget_spread)
+            d["sustained_rps"] = p.sustained_rps
+            if p.smallest is not None:
+                d["smallest"] = {"prefill": p.smallest.prefill, "decode": p.smallest.decode,
+                                 "nodes": p.smallest.nodes, "spread": _spread_json(p.smallest.spread)}
+            return d
+        return {"target": self.target, "nodes": [self.lo, self.hi], "budget": self.budget, "seeds": self.seeds,
+                "base_rps": self.base_rps, "rps": self.rps, "policies": [pol(p) for p in self.policies],
+                "savings": [asdict(s) for s in self.savings]}
+
+
+def _spread_json(s: Spread) -> dict:
+    return {"values": list(s.values), "mean": s.mean, "lo": s.lo, "hi": s.hi}
+
+
+def plan_policy(evaluate: Evaluate, policy: str, lo: int, hi: int, budget: int, rps: float | None,
+                base_rps: float, seeds: Sequence[int], target: float) -> PolicyPlan:
+    """One policy's :class:`PolicyPlan` (see :func:`plan` for the arguments)."""
+    p, curve = best_split(evaluate, policy, budget, rps, seeds[0], every=budget - 1 <= CURVE_EVERY)
+    near = [q for q in (p - 1, p + 1) if 1 <= q < budget]
+    evaluate([Point(policy, q, budget - q, rps, s) for q in [p, *near] for s in seeds])  # one batch
+    at = spread(evaluate, policy, p, budget - p, rps, seeds)
+    # the neighbours: a split the noise rule cannot rank below the best
+    ties = [q for q in near if not clearly_better(at, spread(evaluate, policy, q, budget - q, rps, seeds))]
+    rates = max_rates(evaluate, policy, p, budget - p, base_rps if rps is None else rps, seeds, target)
+    return PolicyPlan(policy, smallest_cluster(evaluate, policy, lo, hi, rps, seeds, target), p, at, ties, rates, curve)
+
+
+def _saving(evaluate: Evaluate, pol: PolicyPlan, base: PolicyPlan, rps: float | None,
+            seeds: Sequence[int], target: float) -> Saving:
+    nodes = clear = None
+    if pol.smallest is not None and base.smallest is not None:
+        nodes = base.smallest.nodes - pol.smallest.nodes
+        clear = False
+        if nodes > 0:
+            # clear when the baseline, on the policy's node count, misses the target on some seed
+            n = pol.smallest.nodes
+            bp, _ = best_split(evaluate, base.policy, n, rps, seeds[0])
+            clear = spread(evaluate, base.policy, bp, n - bp, rps, seeds).lo < target
+    ratio, rate_clear = None, False
+    if pol.sustained_rps is not None and base.sustained_rps is not None:
+        ratio = round(pol.sustained_rps / base.sustained_rps, 3)
+        rate_clear = pol.sustained_rps > max(base.max_rps)  # type: ignore[type-var]
+    return Saving(pol.policy, base.policy, nodes, bool(clear), ratio, rate_clear)
+
+
+def plan(evaluate: Evaluate, policies: Sequence[str], lo: int, hi: int, budget: int, rps: float | None,
+         base_rps: float, seeds: Sequence[int], target: float) -> Plan:
+    """Plan every policy over clusters of ``lo``–``hi`` nodes (the search range) and a budget of
+    ``budget`` nodes (the split and rate questions), at ``rps`` requests/s (None: the workload's own
+    timing; ``base_rps`` is then its mean rate, where the rate search starts), over ``seeds``, for
+    an attainment ``target`` (fraction, e.g. 0.9).
+
+    Raises:
+        PlanError: a bad range, budget outside it, no seeds, no policy, or a target outside (0, 1].
+    """
+    check_range(lo, hi, seeds, target)
+    if not policies:
+        raise PlanError("no policy to plan")
+    if not lo <= budget <= hi:
+        raise PlanError(f"the budget of {budget} nodes is outside the node range {lo}:{hi}")
+    with ThreadPoolExecutor(max_workers=len(policies)) as side_by_side:  # each policy's batches fill the pool
+        plans = list(side_by_side.map(
+            lambda p: plan_policy(evaluate, p, lo, hi, budget, rps, base_rps, seeds, target), policies))
+    base = next((p for p in plans if p.policy == BASELINE), plans[0])
+    savings = [_saving(evaluate, p, base, rps, seeds, target) for p in plans if p is not base]
+    return Plan(target, lo, hi, budget, list(seeds), base_rps, rps, plans, savings)

@@ -1,0 +1,208 @@
+"""``kairos plan``'s evaluator cache, its simulator binding, the live workload's conversion, the
+emitters (rendered by kubectl kustomize / docker-compose config where installed) and the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from kairos.cli.main import main
+from kairos.contracts.records import IngressTiming
+from kairos.contracts.wire import encode
+from kairos.plan.emit import EmitError, emit_compose, emit_k8s
+from kairos.plan.evaluate import Evaluator, Outcome, PlanInputs, Point, simulate
+from kairos.plan.live import LiveWorkloadError, fetch_live_workload, workload_rows
+from kairos.services.ingress.workload import workload_body
+
+ROOT = Path(__file__).resolve().parents[2]
+INPUTS = PlanInputs(workload="bursty", duration_s=20.0, profile="a100-dsv2lite",
+                    params={"alpha": 1.3, "beta": 1.0, "tbt_slo_ms": 70.0, "ttft_slo_ms": 4000.0})
+
+
+class Counting:
+    """A stand-in simulation: the attainment encodes the point, and every call is counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[Point] = []
+
+    def __call__(self, inputs: PlanInputs, p: Point) -> Outcome:
+        self.calls.append(p)
+        return Outcome(p.prefill / (p.prefill + p.decode), 1.0, 2.0, 10, p.seed)
+
+
+def test_the_cache_answers_the_same_inputs_and_nothing_else(tmp_path):
+    pts = [Point("pd", 1, 1, 2.0, 1), Point("pd", 2, 1, 2.0, 1), Point("pd", 1, 1, 2.0, 1)]
+    run = Counting()
+    first = Evaluator(INPUTS, tmp_path, run=run).evaluate(pts)
+    assert len(run.calls) == 2, "a duplicate in a batch is simulated once"
+    again = Evaluator(INPUTS, tmp_path, run=run)
+    assert again.evaluate(pts) == first and len(run.calls) == 2 and again.cached == 2
+    other = Evaluator(replace(INPUTS, params={**INPUTS.params, "ttft_slo_ms": 3000.0}), tmp_path, run=run)
+    other.evaluate(pts[:1])
+    assert len(run.calls) == 3 and other.simulated == 1, "another SLO is another key"
+
+
+def test_a_torn_cache_file_is_simulated_again(tmp_path):
+    run = Counting()
+    ev = Evaluator(INPUTS, tmp_path, run=run)
+    p = Point("pd", 1, 1, 2.0, 1)
+    ev.evaluate([p])
+    (f,) = list(ev.cache_dir.glob("*.json"))
+    f.write_text('{"point": ')
+    Evaluator(INPUTS, tmp_path, run=run).evaluate([p])
+    assert len(run.calls) == 2 and json.loads(f.read_text())["point"]["prefill"] == 1
+
+
+def test_a_trace_workload_is_keyed_by_its_bytes(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,100,10\n1,100,10\n")
+    inputs = replace(INPUTS, workload=f"trace:{trace}")
+    a = Evaluator(inputs, tmp_path / "c").cache_dir
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,100,10\n1,200,10\n")
+    assert Evaluator(inputs, tmp_path / "c").cache_dir != a
+
+
+def test_a_point_scores_what_kairos_sim_reports_for_it(tmp_path):
+    """One engine: the plan's point is `kairos sim`'s row for the same cluster, workload and seed."""
+    p = Point("kairos+", 2, 2, 4.0, 1)
+    o = simulate(INPUTS, p)
+    r = CliRunner().invoke(main, ["sim", "--workload", "bursty", "--rps", "4", "--duration", "20", "--policy",
+                                  "kairos+", "--seed", "1", "--json", str(tmp_path / "sim.json")])
+    assert r.exit_code == 0, r.output
+    row = json.loads((tmp_path / "sim.json").read_text())[0]
+    assert o.attainment == pytest.approx(row["slo_attainment"]) and o.requests == row["requests"]
+    assert o.deflections == row["deflections"]
+
+
+def test_the_workload_body_keeps_ended_requests_in_arrival_order():
+    def rec(t, done=True, status=200):
+        return encode(IngressTiming(received_unix_ms=t, finished_unix_ms=t + 5 if done else None, status=status,
+                                    prompt_tokens=int(t), completion_tokens=3))
+    body = workload_body({"b.ingress": rec(2000.0), "a.ingress": rec(1000.0), "c.ingress": rec(3000.0, done=False),
+                          "d.ingress": b"not msgpack"}, 9000.0, 60.0, 10)
+    assert [r["request_id"] for r in body["requests"]] == ["a", "b"]
+    assert body["skipped"] == 2 and body["truncated"] is False
+    assert workload_rows(body) == [(0.0, 1000, 3), (1.0, 2000, 3)]
+
+
+def test_refused_requests_made_no_load():
+    body = {"requests": [{"arrival_unix_ms": 0, "prompt_tokens": 5, "output_tokens": 0, "status": 400},
+                         {"arrival_unix_ms": 10, "prompt_tokens": 5, "output_tokens": 2, "status": 200}]}
+    assert workload_rows(body) == [(0.0, 5, 2)]
+    with pytest.raises(LiveWorkloadError, match="another shape"):
+        workload_rows({"requests": [{"status": 200}]})
+
+
+def test_an_unreachable_ingress_is_a_clear_error(tmp_path):
+    with pytest.raises(LiveWorkloadError, match="could not read the workload from the ingress at http://127.0.0.1:9"):
+        fetch_live_workload("http://127.0.0.1:9/v1", 60, tmp_path / "w.csv", timeout_s=2)
+
+
+def _kubectl() -> str:
+    exe = shutil.which("kubectl")
+    if exe is None:
+        pytest.skip("kubectl is not installed (Debian: apt-get install kubectl): the overlay cannot be rendered")
+    return exe
+
+
+@pytest.mark.parametrize("overlay", ["emulated", "vllm-gpu"])
+def test_the_k8s_overlay_renders_the_planned_nodes_with_their_users_and_passwords(tmp_path, overlay):
+    out = tmp_path / "k8s"
+    emit_k8s(3, 5, out, overlay)
+    r = subprocess.run([_kubectl(), "kustomize", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
+    nodes = [f"prefill-{i}" for i in range(3)] + [f"decode-{i}" for i in range(5)]
+    for role, n in (("prefill", 3), ("decode", 5)):
+        spec = sets[role]["spec"]
+        assert spec["replicas"] == n
+        vol = next(v for v in spec["template"]["spec"]["volumes"] if v["name"] == "nats-password")
+        assert [i["path"] for i in vol["secret"]["items"]] == [f"agent-{role}-{i}" for i in range(n)]
+        assert vol["secret"]["secretName"].startswith("nats-passwords")
+    (auth,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("nats-config")]
+    assert all(f'"agent-{n}"' in auth["data"]["auth.conf"] for n in nodes)
+    assert "cluster-0.conf" in auth["data"], "merged into the base's config map, not replacing it"
+    (pw,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].startswith("nats-passwords")]
+    assert {f"NATS_PASSWORD_AGENT_{n.upper().replace('-', '_')}" for n in nodes} <= set(pw["data"])
+    assert "NATS_PASSWORD_INGRESS" in pw["data"]
+    # every mounted password file names a key the secret has (a pod would not start otherwise)
+    for s in (sets["prefill"], sets["decode"]):
+        vol = next(v for v in s["spec"]["template"]["spec"]["volumes"] if v["name"] == "nats-password")
+        assert {i["key"] for i in vol["secret"]["items"]} <= set(pw["data"])
+
+
+def test_emitters_refuse_a_role_without_nodes(tmp_path):
+    with pytest.raises(EmitError, match="a node of each role"):
+        emit_k8s(0, 3, tmp_path)
+    with pytest.raises(EmitError, match="a node of each role"):
+        emit_compose(2, 0, tmp_path)
+    with pytest.raises(EmitError, match="no kustomize overlay"):
+        emit_k8s(1, 1, tmp_path, "nope")
+
+
+def test_the_compose_file_runs_exactly_the_planned_nodes(tmp_path):
+    (path,) = emit_compose(1, 4, tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    svc = doc["services"]
+    nodes = ["prefill-0", "decode-0", "decode-1", "decode-2", "decode-3"]
+    assert [n for n in svc if n.startswith(("prefill-", "decode-")) and "emulated" in svc[n]["profiles"]] == nodes
+    ports = [svc[n]["environment"]["KAIROS_METRICS_PORT"] for n in nodes]
+    assert len(set(ports)) == 5 and all(svc[n]["healthcheck"]["test"][-1].endswith(f":{p}/health")
+                                        for n, p in zip(nodes, ports))
+    assert svc["decode-3"]["environment"]["KAIROS_NATS_USER"] == "agent-decode-3"
+    assert svc["decode-3"]["secrets"] == ["nats-agent-decode-3"] and "nats-agent-decode-3" in doc["secrets"]
+    assert "nats-agent-prefill-1" not in doc["secrets"]
+    assert {"ingress", "dispatcher-0", "state_aggregator", "nats-0"} <= set(svc), "the control plane stays"
+    assert "kairos nats-auth --nodes prefill-0,decode-0,decode-1,decode-2,decode-3" in path.read_text()
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        return  # the compose tier (docker-compose config of every file) has the binary
+    # a copy of the project with the planned nodes' passwords, as the file's header says to make them
+    proj = tmp_path / "proj"
+    shutil.copytree(ROOT / "ops", proj / "ops", ignore=shutil.ignore_patterns("secrets"))
+    assert CliRunner().invoke(main, ["nats-auth", "--nodes", ",".join(nodes), "--secrets-dir",
+                                     str(proj / "ops" / "secrets")]).exit_code == 0
+    r = subprocess.run([exe, "--project-directory", str(proj), "-f", str(path), "--profile", "emulated",
+                        "config", "--services"], capture_output=True, text=True, timeout=120, cwd=proj)
+    assert r.returncode == 0, r.stderr
+    assert {s for s in r.stdout.split() if s.startswith(("prefill-", "decode-"))} == set(nodes)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--nodes", "1:4"], "2 <= LO <= HI"),
+    (["--nodes", "4:2"], "2 <= LO <= HI"),
+    (["--nodes", "2:4", "--budget", "5"], "outside --nodes 2:4"),
+    (["--seeds", "1,1"], "each once"),
+    (["--seeds", "a"], "comma list of integers"),
+    (["--attainment", "0"], "--attainment"),
+    (["--workload", "nope"], "unknown workload"),
+    (["--from-live", "http://127.0.0.1:9"], "could not read the workload"),
+    (["--profile", "nope"], "no profile"),
+])
+def test_bad_input_is_a_usage_error_naming_it(args, msg, tmp_path):
+    r = CliRunner().invoke(main, ["plan", "--cache-dir", str(tmp_path), *args])
+    assert r.exit_code == 2, r.output
+    assert msg in r.output
+
+
+def test_a_plan_runs_end_to_end_and_a_second_run_comes_from_the_cache(tmp_path):
+    args = ["plan", "--workload", "bursty", "--duration", "20", "--nodes", "2:4", "--budget", "3", "--seeds", "1,2",
+            "--jobs", "1", "--cache-dir", str(tmp_path / "c"), "--plot", str(tmp_path / "p.png"),
+            "--json", str(tmp_path / "plan.json"), "--emit", "k8s", "--emit-dir", str(tmp_path / "e")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert [p["policy"] for p in out["policies"]] == ["pd", "kairos+"] and out["simulated"] > 0
+    assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "e" / "k8s" / "kustomization.yaml").is_file()
+    assert "best split of 3 nodes" in r.stdout and "kairos+ vs pd" in r.stdout
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and "0 points simulated" in again.output
+    assert json.loads((tmp_path / "plan.json").read_text())["policies"] == out["policies"]

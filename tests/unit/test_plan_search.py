@@ -1,0 +1,175 @@
+"""``kairos plan``'s searches (kairos/plan/search.py, kairos/plan/planner.py) against a capacity model whose
+answers are known in closed form: a split meets the target iff its prefill and decode pools each
+have capacity for the rate, so the smallest cluster, the best split and the sustained rate can be
+computed independently of the search and compared."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kairos.plan.evaluate import Outcome, Point
+from kairos.plan.planner import plan
+from kairos.plan.search import (FULL_GRID, PlanError, Spread, best_split, clearly_better, max_rates,
+                                smallest_cluster)
+
+TARGET = 0.9
+
+
+class Capacity:
+    """Attainment of P prefill + D decode nodes at ``rps``: each prefill node serves ``per_prefill``
+    req/s and each decode node ``per_decode`` (per policy); attainment = min(1, capacity / rps) of each
+    pool, multiplied; a seed scales both capacities by (1 + ``jitter`` × (seed − 2))."""
+
+    def __init__(self, per_prefill: dict[str, float], per_decode: dict[str, float], jitter: float = 0.0,
+                 base_rps: float = 10.0) -> None:
+        self.pp, self.pd, self.jitter, self.base = per_prefill, per_decode, jitter, base_rps
+        self.calls: list[Point] = []
+        self.batches: list[int] = []
+
+    def attainment(self, policy: str, p: int, d: int, rps: float | None, seed: int) -> float:
+        k = 1 + self.jitter * (seed - 2)
+        r = self.base if rps is None else rps
+        return min(1.0, p * self.pp[policy] * k / r) * min(1.0, d * self.pd[policy] * k / r)
+
+    def __call__(self, points):
+        self.batches.append(len(points))
+        self.calls.extend(points)
+        return [Outcome(self.attainment(p.policy, p.prefill, p.decode, p.rps, p.seed), 100.0 + p.prefill, 30.0,
+                        100, 0) for p in points]
+
+
+def brute_smallest(cap: Capacity, policy: str, lo: int, hi: int, seeds, rps=None):
+    for n in range(lo, hi + 1):
+        for p in range(1, n):
+            if all(cap.attainment(policy, p, n - p, rps, s) >= TARGET for s in seeds):
+                return n
+    return None
+
+
+@pytest.mark.parametrize("n", [2, 3, FULL_GRID + 1, FULL_GRID + 2, 17, 40, 64])
+@pytest.mark.parametrize("pp,pd", [(1.0, 4.0), (3.0, 1.0), (0.7, 0.7)])
+def test_best_split_finds_the_brute_force_best_without_trying_every_split(n, pp, pd):
+    cap = Capacity({"x": pp}, {"x": pd}, base_rps=n * 0.9 * min(pp, pd))
+    got, seen = best_split(cap, "x", n, None, 1)
+    best = max(cap.attainment("x", p, n - p, None, 1) for p in range(1, n))
+    assert cap.attainment("x", got, n - got, None, 1) == pytest.approx(best)
+    assert set(seen) <= set(range(1, n))
+    if n >= 17:
+        assert len(seen) < n - 1, "a large size is searched on a grid, not at every split"
+
+
+def test_best_split_every_evaluates_each_split_once_in_one_batch():
+    cap = Capacity({"x": 1.0}, {"x": 1.0})
+    _, seen = best_split(cap, "x", 30, None, 1, every=True)
+    assert sorted(seen) == list(range(1, 30))
+    assert cap.batches == [29]
+
+
+@pytest.mark.parametrize("pp,pd,rps", [(1.0, 4.0, 10.0), (2.5, 1.0, 10.0), (1.0, 1.0, 23.0), (0.3, 5.0, 4.0)])
+def test_smallest_cluster_is_the_brute_force_one_on_every_seed(pp, pd, rps):
+    cap = Capacity({"x": pp}, {"x": pd}, jitter=0.05)
+    seeds = [1, 2, 3]
+    got = smallest_cluster(cap, "x", 2, 64, rps, seeds, TARGET)
+    want = brute_smallest(cap, "x", 2, 64, seeds, rps)
+    assert got is not None and got.nodes == want
+    assert got.spread.lo >= TARGET, "the answer meets the target on its worst seed"
+    assert len(got.spread.values) == 3, "one attainment per seed"
+
+
+def test_smallest_cluster_is_none_when_even_the_largest_misses():
+    cap = Capacity({"x": 0.1}, {"x": 0.1})
+    assert smallest_cluster(cap, "x", 2, 8, 50.0, [1], TARGET) is None
+
+
+def test_smallest_cluster_moves_up_when_the_first_seed_is_lucky():
+    # jitter < 0: seed 1 has 1.15 × the capacity, seed 3 0.85 ×; the bisection runs on the first seed
+    cap = Capacity({"x": 1.0}, {"x": 4.0}, jitter=-0.15)
+    got = smallest_cluster(cap, "x", 2, 64, 10.0, [1, 3], TARGET)
+    assert got is not None and got.nodes == brute_smallest(cap, "x", 2, 64, [1, 3], 10.0)
+    assert got.nodes > brute_smallest(cap, "x", 2, 64, [1], 10.0)
+
+
+def test_max_rates_finds_each_seeds_threshold_and_steps_the_seeds_together():
+    cap = Capacity({"x": 2.0}, {"x": 5.0}, jitter=0.1)
+    p, d = 4, 2
+    rates = max_rates(cap, "x", p, d, 3.0, [1, 2, 3], TARGET)
+    for r, s in zip(rates, [1, 2, 3]):
+        k = 1 + 0.1 * (s - 2)
+        # attainment = min(1, 8k/r) * min(1, 10k/r) >= 0.9 ... solve on the binding pool
+        true = max(x for x in [i / 1000 for i in range(1, 60000)]
+                   if min(1, p * 2.0 * k / x) * min(1, d * 5.0 * k / x) >= TARGET)
+        assert true * (1 - 2 ** -6) <= r <= true + 1e-3
+    assert max(cap.batches) == 3 and set(cap.batches) <= {1, 2, 3}
+
+
+def test_max_rates_none_when_never_met_and_the_top_when_always_met():
+    never = Capacity({"x": 1e-9}, {"x": 1.0})
+    assert max_rates(never, "x", 1, 1, 1.0, [1], TARGET) == [None]
+    always = Capacity({"x": 1e12}, {"x": 1e12})
+    assert max_rates(always, "x", 1, 1, 1.0, [1], TARGET) == [256.0]
+
+
+def test_clearly_better_only_outside_the_spread():
+    assert clearly_better(Spread((0.95, 0.97)), Spread((0.90, 0.94)))
+    assert not clearly_better(Spread((0.95, 0.97)), Spread((0.90, 0.95)))
+    assert not clearly_better(Spread((0.95,)), Spread((0.95,)))
+
+
+def test_plan_reports_the_saving_of_a_policy_with_more_capacity():
+    cap = Capacity({"pd": 1.0, "kairos+": 1.0}, {"pd": 1.0, "kairos+": 4.0}, jitter=0.02)
+    res = plan(cap, ["pd", "kairos+"], 2, 40, 12, 10.0, 10.0, [1, 2, 3], TARGET)
+    pd, kp = res.policies
+    assert pd.smallest.nodes == brute_smallest(cap, "pd", 2, 40, [1, 2, 3], 10.0)
+    assert kp.smallest.nodes == brute_smallest(cap, "kairos+", 2, 40, [1, 2, 3], 10.0)
+    (s,) = res.savings
+    assert s.baseline == "pd" and s.nodes == pd.smallest.nodes - kp.smallest.nodes > 0 and s.nodes_clear
+    assert s.rate_ratio is not None and s.rate_ratio > 1 and s.rate_clear
+
+
+def test_plan_calls_a_difference_inside_the_seeds_spread_no_gain():
+    cap = Capacity({"pd": 1.0, "kairos+": 1.02}, {"pd": 1.0, "kairos+": 1.02}, jitter=0.1)
+    res = plan(cap, ["pd", "kairos+"], 2, 30, 10, 10.0, 10.0, [1, 2, 3], TARGET)
+    (s,) = res.savings
+    assert s.rate_ratio is not None and s.rate_ratio > 1
+    assert not s.rate_clear
+    kp = res.policies[1]
+    assert kp.ties, "neighbouring splits inside the spread are named as ties"
+
+
+def test_plan_json_is_plain_data():
+    import json
+
+    cap = Capacity({"pd": 1.0}, {"pd": 1.0})
+    out = plan(cap, ["pd"], 2, 8, 4, None, 2.0, [1], TARGET).to_json()
+    assert json.loads(json.dumps(out))["policies"][0]["curve"].keys() == {"1", "2", "3"}
+
+
+@pytest.mark.parametrize("args,msg", [
+    ((1, 8, 4, [1], 0.9), "at least 2 nodes"),
+    ((5, 4, 4, [1], 0.9), "is empty"),
+    ((2, 8, 4, [], 0.9), "seed"),
+    ((2, 8, 4, [1], 0.0), "(0, 1]"),
+    ((2, 8, 4, [1], 1.5), "(0, 1]"),
+    ((2, 8, 9, [1], 0.9), "outside the node range"),
+])
+def test_plan_refuses_a_bad_range(args, msg):
+    lo, hi, budget, seeds, target = args
+    with pytest.raises(PlanError, match=re_escape(msg)):
+        plan(Capacity({"pd": 1.0}, {"pd": 1.0}), ["pd"], lo, hi, budget, None, 1.0, seeds, target)
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def test_a_large_plan_costs_logarithmically_many_points():
+    """How the search scales: the smallest-cluster bisection costs O(log(hi − lo)) sizes of at most
+    ~2 × FULL_GRID splits; the budget's curve is a grid when it has more than 16 splits."""
+    cap = Capacity({"pd": 1.0, "kairos+": 1.3}, {"pd": 3.0, "kairos+": 3.0}, jitter=0.02)
+    plan(cap, ["pd", "kairos+"], 2, 64, 64, 20.0, 20.0, [1, 2, 3], TARGET)
+    per_policy = len(set(cap.calls)) / 2
+    assert per_policy < 20 * math.log2(64) + 60, per_policy
