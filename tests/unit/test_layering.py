@@ -10,6 +10,8 @@ checked against :data:`RULES`:
 * ``kairos.services`` import no CLI, simulator or tooling;
 * ``kairos.engines`` (the backends) import no service, simulator or CLI;
 * ``kairos.sim`` imports only the pure layers (no runtime, services, engines, CLI, tools, network);
+* ``kairos.plan`` (``kairos plan``) imports the simulator and the pure layers only (its ``--from-live``
+  asks an ingress over HTTP with the standard library, never the bus);
 * ``kairos.engines.vllm.plugin`` runs inside vLLM: it imports nothing of ``kairos`` outside itself
   and no ``nats``/``aiohttp``; the packages its import runs first (``kairos``, ``kairos.engines``,
   ``kairos.engines.vllm``) import nothing at module level but the plugin and the standard library;
@@ -90,6 +92,8 @@ RULES = (
          ("kairos.engines",), ("kairos.services", "kairos.sim", "kairos.cli")),
     Rule("simulator: pure layers only (no runtime, services, engines, CLI, tools, network)",
          ("kairos.sim",), ("kairos.runtime", "kairos.services", "kairos.engines", "kairos.cli", "tools", *NETWORK)),
+    Rule("planner: the simulator and the pure layers (no runtime, services, engines, CLI, tools, NATS/aiohttp)",
+         ("kairos.plan",), ("kairos.runtime", "kairos.services", "kairos.engines", "kairos.cli", "tools", *NETWORK)),
     Rule("vLLM plugin (runs inside vLLM): nothing of kairos outside itself, no network",
          (PLUGIN,), ("kairos", *NETWORK), allowed=(PLUGIN,)),
     Rule("packages above the vLLM plugin: only the plugin and the standard library at module level",
@@ -345,6 +349,8 @@ services        | kairos/services/dispatcher/bad.py      | from kairos.sim.simul
 engine backends | kairos/engines/emulated.py             | from kairos.services.ingress import app        | kairos.services.ingress.app
 simulator       | kairos/sim/bad.py                      | from kairos.runtime.bus import connect         | kairos.runtime.bus
 simulator       | kairos/sim/bad.py                      | def f():;>from kairos.engines import emulated  | kairos.engines.emulated
+planner         | kairos/plan/bad.py                     | from kairos.services.ingress import app        | kairos.services.ingress.app
+planner         | kairos/plan/bad.py                     | def f():;>import nats                          | nats
 vLLM plugin     | kairos/engines/vllm/plugin/bad.py      | from kairos.core.policy import x               | kairos.core.policy.x
 vLLM plugin     | kairos/engines/vllm/plugin/bad.py      | def f():;>import aiohttp.web                   | aiohttp.web
 packages above  | kairos/engines/__init__.py             | from kairos.engines.emulated import EmulatedBackend | kairos.engines.emulated

@@ -27,6 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from kairos.contracts import subjects as S
 from kairos.contracts.events import Cancel, Drain
+from kairos.contracts.permissions import kv_stream
 from kairos.contracts.wire import decode, WireError
 from kairos.runtime.buswatch import BusWatch
 from kairos.runtime.clock import Clock
@@ -232,11 +233,13 @@ class NatsIngressBus:
         start = datetime.datetime.fromtimestamp(since_unix_ms / 1000.0, tz=datetime.timezone.utc)
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat(),
                              headers_only=False)
+        # the stream named: else nats-py asks $JS.API.STREAM.NAMES, which no role may
         sub = await self.nc.jetstream().subscribe(kv_subject(S.REQUESTS_BUCKET, f"*.{part}"), ordered_consumer=True,
-                                                  config=cfg)
+                                                  stream=kv_stream(S.REQUESTS_BUCKET), config=cfg)
         out: dict[str, bytes] = {}
         try:
-            if (await sub.consumer_info()).num_pending == 0:
+            info = await sub.consumer_info()  # nothing to deliver and nothing delivered yet: an empty window
+            if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
                 return out
             for _ in range(limit):
                 msg = await sub.next_msg(timeout=RECORDS_READ_TIMEOUT_S)
