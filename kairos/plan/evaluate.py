@@ -38,6 +38,9 @@ class PlanInputs:
             ``ttft_slo_ms``), as a dict.
         heartbeat_ms: Δh of the simulated dispatcher, ms.
         noise: σ of the simulator's log-normal step noise (0: none).
+        base_rps: the workload's own rate (requests/s); a point at a higher rate simulates
+            proportionally fewer seconds (:func:`point_duration_s`), so every point costs about as
+            many requests as the workload itself (None: every point runs ``duration_s``).
     """
 
     workload: str
@@ -47,6 +50,7 @@ class PlanInputs:
     link: str | None = None
     heartbeat_ms: float = 100.0
     noise: float = 0.0
+    base_rps: float | None = None
 
 
 @dataclass(frozen=True, order=True)
@@ -128,6 +132,19 @@ def _workload(spec: str, rps: float | None, duration_s: float, seed: int, max_mo
     return tuple(parse_workload(spec, rps, duration_s, seed, max_model_len=max_model_len))
 
 
+#: the shortest workload (s) a point at a raised rate is simulated for
+MIN_POINT_DURATION_S = 60.0
+
+
+def point_duration_s(inputs: PlanInputs, rps: float | None) -> float:
+    """Seconds of workload simulated at ``rps``: ``duration_s``, shortened for a rate above
+    ``base_rps`` to keep the request count (never below :data:`MIN_POINT_DURATION_S` or ``duration_s``
+    when that is shorter). The rate search probes up to 256 × the workload's rate."""
+    if rps is None or inputs.base_rps is None or rps <= inputs.base_rps:
+        return inputs.duration_s
+    return max(min(MIN_POINT_DURATION_S, inputs.duration_s), inputs.duration_s * inputs.base_rps / rps)
+
+
 def simulate(inputs: PlanInputs, point: Point) -> Outcome:
     """Run ``point`` in the simulator (as ``kairos sim`` would with the same options) and score it.
 
@@ -142,7 +159,8 @@ def simulate(inputs: PlanInputs, point: Point) -> Outcome:
 
     model = _model(inputs.profile, inputs.link)
     policy = parse_policy(point.policy)
-    workload = _workload(inputs.workload, point.rps, inputs.duration_s, point.seed, model.engine.max_model_len)
+    workload = _workload(inputs.workload, point.rps, point_duration_s(inputs, point.rps), point.seed,
+                         model.engine.max_model_len)
     cfg = SimConfig(n_prefill=point.prefill, n_decode=point.decode, heartbeat_ms=inputs.heartbeat_ms,
                     link=inputs.link, tbt_guard=policy.traits.node_guard, noise=inputs.noise, seed=point.seed)
     row = run_one(workload, policy, model, PolicyParams(**inputs.params), cfg, rps=point.rps)

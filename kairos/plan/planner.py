@@ -1,9 +1,11 @@
 """``kairos plan``'s answer per policy, and what the deflecting policy saves over ``pd``.
 
 :func:`plan` runs the searches of :mod:`kairos.plan.search` for each policy and returns a
-:class:`Plan`: per policy the smallest cluster meeting the SLOs, the best P:D split of the node
-budget (with the splits the noise rule cannot tell from it), the highest request rate that split
-sustains per seed, and the attainment curve over every split of the budget (the plot); then the
+:class:`Plan`: per policy the smallest cluster meeting the SLOs; then, at the rate the budget would
+carry (:func:`stress_rate`: at the workload's own rate a budget larger than needed meets the SLOs
+with most splits alike), the best P:D split of the node budget (with the splits the noise rule
+cannot tell from it) and the attainment curve over its splits (the plot), and the highest request
+rate that split sustains per seed; then the
 saving of every other policy over the baseline (``pd`` when planned, else the first): nodes at equal
 SLOs and rate at equal nodes, each called a saving only outside the spread over seeds.
 """
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from kairos.plan.evaluate import Outcome, Point
-from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, check_range, best_split, clearly_better, max_rates,
+from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, best_split, check_range, clearly_better, max_rates,
                                 smallest_cluster, spread)
 
 #: the policy the others are compared with when it is planned
@@ -32,12 +34,15 @@ class PolicyPlan:
     Attributes:
         policy: its spec.
         smallest: the fewest nodes in the range meeting the target on every seed (None: none does).
-        budget_split: prefill nodes of the best split of the budget (decode: budget − it).
-        budget_spread: that split's attainment over the seeds.
+        budget_split: prefill nodes of the best split of the budget (decode: budget − it), at
+            ``stress_rps``.
+        budget_spread: that split's attainment over the seeds, at ``stress_rps``.
         ties: other prefill counts of the budget whose attainment the noise rule cannot tell apart.
         max_rps: per seed, the highest rate the budget's best split sustains (None: not even the
             bracket's bottom).
-        curve: prefill count → outcome (first seed) for every split of the budget.
+        stress_rps: the rate the budget's splits were compared at (:func:`stress_rate`).
+        curve: prefill count → outcome (first seed, at ``stress_rps``) for the splits of the budget
+            evaluated (every one up to :data:`CURVE_EVERY`).
     """
 
     policy: str
@@ -46,6 +51,7 @@ class PolicyPlan:
     budget_spread: Spread
     ties: list[int]
     max_rps: list[float | None]
+    stress_rps: float = 0.0
     curve: dict[int, Outcome] = field(default_factory=dict)
 
     @property
@@ -104,17 +110,30 @@ def _spread_json(s: Spread) -> dict:
     return {"values": list(s.values), "mean": s.mean, "lo": s.lo, "hi": s.hi}
 
 
-def plan_policy(evaluate: Evaluate, policy: str, lo: int, hi: int, budget: int, rps: float | None,
-                base_rps: float, seeds: Sequence[int], target: float) -> PolicyPlan:
-    """One policy's :class:`PolicyPlan` (see :func:`plan` for the arguments)."""
-    p, curve = best_split(evaluate, policy, budget, rps, seeds[0], every=budget - 1 <= CURVE_EVERY)
+def stress_rate(rate: float, budget: int, smallest: Sequence[Sized | None]) -> float:
+    """The rate (requests/s) the budget's splits are compared at: what ``budget`` nodes carry if the
+    rate grows as the nodes do from the smallest cluster found (of any policy) at ``rate``; ``rate``
+    when none was found. At the workload's own rate a budget above the smallest cluster meets the
+    SLOs with most splits alike; near its capacity the splits differ."""
+    found = [s.nodes for s in smallest if s is not None]
+    return round(rate * budget / min(found), 6) if found else rate
+
+
+def plan_budget(evaluate: Evaluate, policy: str, smallest: Sized | None, budget: int, stress_rps: float,
+                rate: float, seeds: Sequence[int], target: float) -> PolicyPlan:
+    """One policy's answers for the budget: its splits compared at ``stress_rps`` (every split when
+    there are at most :data:`CURVE_EVERY`), the best one's neighbours inside the seeds' spread, and
+    the rate the best one sustains per seed (searched from the policy's own guess: ``rate`` × budget
+    ÷ its smallest cluster)."""
+    p, curve = best_split(evaluate, policy, budget, stress_rps, seeds[0], every=budget - 1 <= CURVE_EVERY)
     near = [q for q in (p - 1, p + 1) if 1 <= q < budget]
-    evaluate([Point(policy, q, budget - q, rps, s) for q in [p, *near] for s in seeds])  # one batch
-    at = spread(evaluate, policy, p, budget - p, rps, seeds)
+    evaluate([Point(policy, q, budget - q, stress_rps, s) for q in [p, *near] for s in seeds])  # one batch
+    at = spread(evaluate, policy, p, budget - p, stress_rps, seeds)
     # the neighbours: a split the noise rule cannot rank below the best
-    ties = [q for q in near if not clearly_better(at, spread(evaluate, policy, q, budget - q, rps, seeds))]
-    rates = max_rates(evaluate, policy, p, budget - p, base_rps if rps is None else rps, seeds, target)
-    return PolicyPlan(policy, smallest_cluster(evaluate, policy, lo, hi, rps, seeds, target), p, at, ties, rates, curve)
+    ties = [q for q in near if not clearly_better(at, spread(evaluate, policy, q, budget - q, stress_rps, seeds))]
+    guess = rate * budget / smallest.nodes if smallest is not None else stress_rps
+    rates = max_rates(evaluate, policy, p, budget - p, rate, seeds, target, start_rps=guess)
+    return PolicyPlan(policy, smallest, p, at, ties, rates, stress_rps, curve)
 
 
 def _saving(evaluate: Evaluate, pol: PolicyPlan, base: PolicyPlan, rps: float | None,
@@ -150,9 +169,14 @@ def plan(evaluate: Evaluate, policies: Sequence[str], lo: int, hi: int, budget: 
         raise PlanError("no policy to plan")
     if not lo <= budget <= hi:
         raise PlanError(f"the budget of {budget} nodes is outside the node range {lo}:{hi}")
+    rate = base_rps if rps is None else rps
     with ThreadPoolExecutor(max_workers=len(policies)) as side_by_side:  # each policy's batches fill the pool
+        smallest = list(side_by_side.map(
+            lambda p: smallest_cluster(evaluate, p, lo, hi, rps, seeds, target), policies))
+        stress = stress_rate(rate, budget, smallest)
         plans = list(side_by_side.map(
-            lambda p: plan_policy(evaluate, p, lo, hi, budget, rps, base_rps, seeds, target), policies))
+            lambda ps: plan_budget(evaluate, ps[0], ps[1], budget, stress, rate, seeds, target),
+            zip(policies, smallest)))
     base = next((p for p in plans if p.policy == BASELINE), plans[0])
     savings = [_saving(evaluate, p, base, rps, seeds, target) for p in plans if p is not base]
     return Plan(target, lo, hi, budget, list(seeds), base_rps, rps, plans, savings)

@@ -32,7 +32,9 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
     g = f" ({gpus_per_node} GPUs per node)" if gpus_per_node > 1 else ""
     lines = [f"SLO attainment target {_pct(plan.target)}, clusters of {plan.lo}–{plan.hi} nodes{g}, budget "
              f"{plan.budget} nodes, seeds {', '.join(map(str, plan.seeds))}, workload rate "
-             f"{plan.base_rps:g} req/s" + ("" if plan.rps is not None else " (its own timing)"), ""]
+             f"{plan.base_rps:g} req/s" + ("" if plan.rps is not None else " (its own timing)"),
+             f"(the budget's splits are compared at {plan.policies[0].stress_rps:g} req/s: the rate it carries "
+             "if the rate grows with the nodes from the smallest cluster)", ""]
     for p in plan.policies:
         lines.append(f"{p.policy}:")
         if p.smallest is None:
@@ -45,7 +47,7 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
         tie = (f"; within the seeds' spread of {', '.join(f'{q}P{plan.budget - q}D' for q in p.ties)}"
                if p.ties else "")
         lines.append(f"  best split of {plan.budget} nodes: {p.budget_split}P{d}D, attainment "
-                     f"{_range(p.budget_spread)}{tie}")
+                     f"{_range(p.budget_spread)} at {p.stress_rps:g} req/s{tie}")
         lines.append(f"  highest sustained rate at {p.budget_split}P{d}D: {_rate(p, plan.base_rps)}")
     for s in plan.savings:
         lines.append("")
@@ -79,7 +81,8 @@ def plot(plan: Plan, path: Path, title: str = "") -> Path:
         ax.plot([p.budget_split], [100 * p.curve[p.budget_split].attainment], marker="*", markersize=14,
                 color=line.get_color(), linestyle="none")
     ax.axhline(100 * plan.target, color="red", linestyle="--", linewidth=1, label="target")
-    ax.set_xlabel(f"prefill nodes of {plan.budget} (decode = {plan.budget} − prefill)")
+    ax.set_xlabel(f"prefill nodes of {plan.budget} (decode = {plan.budget} − prefill), at "
+                  f"{plan.policies[0].stress_rps:g} req/s")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(-2, 102)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

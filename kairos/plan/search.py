@@ -4,12 +4,15 @@ Pure: it asks an ``evaluate`` callable (:meth:`kairos.plan.evaluate.Evaluator.ev
 tests) for the outcomes of batches of points and decides from them alone. For each policy:
 
 * **best split at a size** — every P:D split of ``n`` nodes when there are few, else an even grid of
-  them and then every split around the grid's best (:func:`best_split`);
-* **smallest cluster** — a bisection over the node count of the question "does the best split of n
-  nodes meet the attainment target?" (feasibility grows with n), the answer confirmed on every seed,
-  going up one node at a time while a seed misses (:func:`smallest_cluster`);
-* **highest sustainable rate** at a split — doubling, then bisection, of the request rate while the
-  attainment target holds, every seed's search in step (:func:`max_rates`);
+  them, then finer grids between the neighbours of the best so far until every split between them
+  is known (:func:`best_split`; the attainment over the splits is unimodal in practice);
+* **smallest cluster** — over the node count, the question "does a split of n nodes meet the
+  attainment target?" (feasibility grows with n): n doubled from the range's bottom until it does,
+  then a bisection, the answer confirmed on every seed, going up one node at a time while a seed
+  misses (:func:`smallest_cluster`);
+* **highest sustainable rate** at a split — from a guess, a widening bracket, then a bisection to
+  :data:`RATE_PRECISION`, of the request rate at which the target holds, every seed's search in
+  step (:func:`max_rates`);
 * **the noise rule** — outcomes over several seeds give a range [min, max]; one split or policy is
   called better than another only when the ranges do not overlap (:func:`clearly_better`).
 
@@ -28,8 +31,11 @@ Evaluate = Callable[[Sequence[Point]], list[Outcome]]
 
 #: splits of one size evaluated directly when there are at most this many; else a grid of this many
 FULL_GRID = 9
-#: rate search: doublings/halvings to bracket the sustainable rate, then bisection steps
-RATE_BRACKET_STEPS, RATE_BISECT_STEPS = 8, 7
+#: the finer grid between the neighbours of the best so far while they are further apart than this
+REFINE_GRID = 5
+#: rate search: steps to bracket the sustainable rate, then bisection steps at most; the relative
+#: width of the final bracket; how far from the workload's rate it looks (× and ÷)
+RATE_BRACKET_STEPS, RATE_BISECT_STEPS, RATE_PRECISION, RATE_SPAN = 8, 8, 0.04, 256.0
 
 
 class PlanError(ValueError):
@@ -76,20 +82,29 @@ def _rank(o: Outcome) -> tuple[float, float]:
 
 
 def best_split(evaluate: Evaluate, policy: str, n: int, rps: float | None, seed: int,
-               every: bool = False) -> tuple[int, dict[int, Outcome]]:
+               every: bool = False, enough: float | None = None) -> tuple[int, dict[int, Outcome]]:
     """The prefill count P (decode: ``n`` − P) of ``n`` nodes with the highest attainment (ties: the
     lower P95 TTFT, then the fewer prefill nodes), and every split evaluated (P → outcome).
-    ``every``: evaluate all n − 1 splits (a plot's full curve). Raises PlanError for n < 2."""
+    ``every``: evaluate all n − 1 splits (a plot's full curve); ``enough``: no refinement when a
+    grid split already reaches this attainment (the question is only "does one?").
+    Raises PlanError for n < 2."""
     if n < 2:
         raise PlanError(f"a P/D cluster needs at least 2 nodes, got {n}")
     first = list(range(1, n)) if every else _splits(n)
     seen = dict(zip(first, evaluate([Point(policy, p, n - p, rps, seed) for p in first])))
-    if not every and len(first) < n - 1:  # refine: every split between the grid neighbours of the best
-        best = max(first, key=lambda p: (_rank(seen[p]), -p))
-        i = first.index(best)
-        lo, hi = first[max(0, i - 1)], first[min(len(first) - 1, i + 1)]
-        more = [p for p in range(lo, hi + 1) if p not in seen]
-        seen.update(zip(more, evaluate([Point(policy, p, n - p, rps, seed) for p in more])))
+    reached = enough is not None and max(o.attainment for o in seen.values()) >= enough
+    while not every and not reached:  # refine between the grid neighbours of the best, on a finer grid
+        done = sorted(seen)
+        best = max(done, key=lambda p: (_rank(seen[p]), -p))
+        i = done.index(best)
+        lo, hi = done[max(0, i - 1)], done[min(len(done) - 1, i + 1)]
+        inside = [p for p in range(lo + 1, hi) if p not in seen]
+        if not inside:
+            break
+        if len(inside) > REFINE_GRID:  # still wide: an even grid of it, then again
+            step = (len(inside) - 1) / (REFINE_GRID - 1)
+            inside = sorted({inside[round(k * step)] for k in range(REFINE_GRID)})
+        seen.update(zip(inside, evaluate([Point(policy, p, n - p, rps, seed) for p in inside])))
     best = max(seen, key=lambda p: (_rank(seen[p]), -p))
     return best, dict(sorted(seen.items()))
 
@@ -118,7 +133,8 @@ class Sized:
 def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: float | None,
                      seeds: Sequence[int], target: float) -> Sized | None:
     """The fewest nodes in [lo, hi] with a split meeting ``target`` attainment on every seed, or None
-    if even ``hi`` nodes have none. Bisection on the first seed (feasibility grows with nodes); then,
+    if even ``hi`` nodes have none. On the first seed (feasibility grows with nodes): sizes doubled
+    from ``lo`` until one is feasible, then a bisection of the last gap; then,
     from the size found up, the splits of a size that meet the target on the first seed are run on
     every seed and the one with the best worst seed is taken if that meets the target, else the next
     size is tried.
@@ -129,16 +145,21 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
     check_range(lo, hi, seeds, target)
     seed = seeds[0]
 
-    def feasible(n: int) -> int | None:
-        p, seen = best_split(evaluate, policy, n, rps, seed)
-        return p if seen[p].attainment >= target else None
+    def feasible(n: int) -> bool:
+        _, seen = best_split(evaluate, policy, n, rps, seed, enough=target)
+        return max(o.attainment for o in seen.values()) >= target
 
-    if feasible(hi) is None:
-        return None
-    a, b = lo, hi  # invariant: b feasible; everything below a infeasible (or a == lo)
+    # gallop up from lo (small clusters are the cheap ones to simulate), then bisect the last gap
+    bad, n = lo - 1, lo
+    while not feasible(n):
+        bad = n
+        if n == hi:
+            return None
+        n = min(hi, 2 * n)
+    a, b = bad + 1, n  # b feasible; everything up to bad is not
     while a < b:
         mid = (a + b) // 2
-        if feasible(mid) is not None:
+        if feasible(mid):
             b = mid
         else:
             a = mid + 1
@@ -156,15 +177,18 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
 
 
 def max_rates(evaluate: Evaluate, policy: str, prefill: int, decode: int, base_rps: float, seeds: Sequence[int],
-              target: float) -> list[float | None]:
+              target: float, start_rps: float | None = None) -> list[float | None]:
     """Per seed, the highest request rate (requests/s) at which ``prefill``P``decode``D meets
-    ``target`` attainment: from ``base_rps``, doubled (or halved) up to :data:`RATE_BRACKET_STEPS` times
-    until the target flips, then :data:`RATE_BISECT_STEPS` bisections (the bracket's lower end is
-    returned, within 2^-7 of it). None for a seed that misses even at base_rps / 2^8; a seed still
-    meeting the target at base_rps × 2^8 answers that rate. The seeds advance together: one batch of
-    points per step. Raises PlanError for a base rate that is not > 0."""
-    if not base_rps > 0:
-        raise PlanError(f"the rate search needs a base rate > 0, got {base_rps}")
+    ``target`` attainment, to within :data:`RATE_PRECISION` (the bracket's lower end is returned).
+    From ``start_rps`` (default ``base_rps``; a guess near the answer saves steps) the rate is moved
+    by a factor of 1.25, squared at each step (1.25, 1.56, 2.44, …), until the target flips, within
+    [base_rps / :data:`RATE_SPAN`, base_rps × :data:`RATE_SPAN`]; then bisected. None for a seed that
+    misses even at the bottom; a seed meeting it at the top answers the top. The seeds advance
+    together: one batch of points per step. Raises PlanError for a rate that is not > 0."""
+    if not base_rps > 0 or (start_rps is not None and not start_rps > 0):
+        raise PlanError(f"the rate search needs rates > 0, got {base_rps}, {start_rps}")
+    top, bottom = base_rps * RATE_SPAN, base_rps / RATE_SPAN
+    start = min(top, max(bottom, start_rps or base_rps))
 
     def ok(probe: dict[int, float]) -> dict[int, bool]:
         """Seed index → rate probed: met or not (one batch)."""
@@ -172,12 +196,18 @@ def max_rates(evaluate: Evaluate, policy: str, prefill: int, decode: int, base_r
         outs = evaluate([Point(policy, prefill, decode, round(probe[i], 6), seeds[i]) for i in idx])
         return {i: o.attainment >= target for i, o in zip(idx, outs)}
 
-    first = ok({i: base_rps for i in range(len(seeds))})
-    good: list[float | None] = [base_rps if first[i] else None for i in range(len(seeds))]
-    bad: list[float | None] = [None if first[i] else base_rps for i in range(len(seeds))]
+    n = len(seeds)
+    first = ok({i: start for i in range(n)})
+    good: list[float | None] = [start if first[i] else None for i in range(n)]
+    bad: list[float | None] = [None if first[i] else start for i in range(n)]
+    factor = 1.25
     for _ in range(RATE_BRACKET_STEPS):
-        probe = {i: (g * 2 if b is None else b / 2) for i, (g, b) in enumerate(zip(good, bad))
-                 if g is None or b is None}  # type: ignore[operator]
+        probe = {}
+        for i in range(n):
+            if bad[i] is None and good[i] < top:  # type: ignore[operator]
+                probe[i] = min(top, good[i] * factor)  # type: ignore[operator]
+            elif good[i] is None and bad[i] > bottom:  # type: ignore[operator]
+                probe[i] = max(bottom, bad[i] / factor)  # type: ignore[operator]
         if not probe:
             break
         for i, passed in ok(probe).items():
@@ -185,8 +215,10 @@ def max_rates(evaluate: Evaluate, policy: str, prefill: int, decode: int, base_r
                 good[i], bad[i] = (probe[i], None) if passed else (good[i], probe[i])
             else:  # going down from one that missed it
                 good[i], bad[i] = (probe[i], bad[i]) if passed else (None, probe[i])
+        factor *= factor
     for _ in range(RATE_BISECT_STEPS):
-        probe = {i: (g + b) / 2 for i, (g, b) in enumerate(zip(good, bad)) if g is not None and b is not None}
+        probe = {i: (g + b) / 2 for i, (g, b) in enumerate(zip(good, bad))
+                 if g is not None and b is not None and (b - g) / g > RATE_PRECISION}
         if not probe:
             break
         for i, passed in ok(probe).items():

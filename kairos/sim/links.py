@@ -25,6 +25,8 @@ class KvLinks:
         self.kv_bytes = kv_bytes_per_token
         self.queues: dict[LinkKey, list[SimRequest]] = {}  # waiting transfers, FIFO, per link
         self.busy: set[LinkKey] = set()
+        #: prefill node → its links that ever queued, in the order they first did (what backlog_ms sums)
+        self.links_of: dict[int, list[LinkKey]] = {}
 
     def transfer_ms(self, r: SimRequest) -> float:
         """How long ``r``'s KV transfer takes on its link, ms."""
@@ -32,7 +34,11 @@ class KvLinks:
 
     def enqueue(self, key: LinkKey, r: SimRequest) -> None:
         """Queue ``r``'s transfer at the tail of link ``key``."""
-        self.queues.setdefault(key, []).append(r)
+        q = self.queues.get(key)
+        if q is None:
+            q = self.queues[key] = []
+            self.links_of.setdefault(key[0], []).append(key)
+        q.append(r)
 
     def start(self, key: LinkKey) -> SimRequest | None:
         """Start the head transfer of link ``key`` if the link is free (it becomes busy); None when
@@ -58,7 +64,8 @@ class KvLinks:
     def backlog_ms(self, p: int) -> float:
         """Queued (not started) KV-transfer work on prefill node ``p``'s links, ms (kairos+ input)."""
         total = 0.0
-        for (pi, _), q in self.queues.items():
-            if pi == p:
+        for key in self.links_of.get(p, ()):  # its own links only: O(decode nodes), not O(links)
+            q = self.queues[key]
+            if q:
                 total += sum(self.transfer_ms(r) for r in q)
         return total

@@ -11,8 +11,8 @@ import pytest
 
 from kairos.plan.evaluate import Outcome, Point
 from kairos.plan.planner import plan
-from kairos.plan.search import (FULL_GRID, PlanError, Spread, best_split, clearly_better, max_rates,
-                                smallest_cluster)
+from kairos.plan.search import (FULL_GRID, RATE_PRECISION, RATE_SPAN, PlanError, Spread, best_split, clearly_better,
+                                max_rates, smallest_cluster)
 
 TARGET = 0.9
 
@@ -100,15 +100,23 @@ def test_max_rates_finds_each_seeds_threshold_and_steps_the_seeds_together():
         # attainment = min(1, 8k/r) * min(1, 10k/r) >= 0.9 ... solve on the binding pool
         true = max(x for x in [i / 1000 for i in range(1, 60000)]
                    if min(1, p * 2.0 * k / x) * min(1, d * 5.0 * k / x) >= TARGET)
-        assert true * (1 - 2 ** -6) <= r <= true + 1e-3
+        assert true * (1 - RATE_PRECISION) <= r <= true + 1e-3
     assert max(cap.batches) == 3 and set(cap.batches) <= {1, 2, 3}
+
+
+@pytest.mark.parametrize("start", [0.5, 3.0, 14.0, 200.0])
+def test_max_rates_lands_on_the_same_rate_from_any_start(start):
+    cap = Capacity({"x": 2.0}, {"x": 5.0})
+    (r,) = max_rates(cap, "x", 4, 2, 3.0, [2], TARGET, start_rps=start)
+    true = max(x for x in [i / 1000 for i in range(1, 60000)] if min(1, 8 / x) * min(1, 10 / x) >= TARGET)
+    assert true * (1 - RATE_PRECISION) <= r <= true + 1e-3
 
 
 def test_max_rates_none_when_never_met_and_the_top_when_always_met():
     never = Capacity({"x": 1e-9}, {"x": 1.0})
     assert max_rates(never, "x", 1, 1, 1.0, [1], TARGET) == [None]
     always = Capacity({"x": 1e12}, {"x": 1e12})
-    assert max_rates(always, "x", 1, 1, 1.0, [1], TARGET) == [256.0]
+    assert max_rates(always, "x", 1, 1, 1.0, [1], TARGET) == [RATE_SPAN]
 
 
 def test_clearly_better_only_outside_the_spread():

@@ -116,7 +116,7 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
     if rps is None and not workload.startswith("trace:") and workload.strip().lower() in TABLE1_RPS:
         rps = base_rps  # a generated workload's default rate is a rate (Table 1), not a trace's own timing
     inputs = PlanInputs(workload=workload, duration_s=duration, profile=profile, link=link, heartbeat_ms=heartbeat_ms,
-                        noise=noise, params={"alpha": pp.alpha, "beta": pp.beta, "tbt_slo_ms": pp.tbt_slo_ms,
+                        noise=noise, base_rps=base_rps, params={"alpha": pp.alpha, "beta": pp.beta, "tbt_slo_ms": pp.tbt_slo_ms,
                                              "ttft_slo_ms": pp.ttft_slo_ms})
     tty = sys.stderr.isatty()
 
