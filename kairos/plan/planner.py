@@ -106,6 +106,21 @@ class Plan:
                 "savings": [asdict(s) for s in self.savings]}
 
 
+def plan_from_json(d: dict) -> Plan:
+    """The :class:`Plan` of :meth:`Plan.to_json`'s dict (``kairos plan --json``'s file: extra keys are
+    ignored). Raises KeyError / TypeError for another shape."""
+    def spread_of(x: dict) -> Spread:
+        return Spread(tuple(x["values"]))
+
+    def pol(x: dict) -> PolicyPlan:
+        sm = x["smallest"]
+        return PolicyPlan(x["policy"], None if sm is None else Sized(sm["prefill"], sm["decode"], spread_of(sm["spread"])),
+                          x["budget_split"], spread_of(x["budget_spread"]), list(x["ties"]), list(x["max_rps"]),
+                          x["stress_rps"], {int(k): Outcome(**v) for k, v in x["curve"].items()})
+    return Plan(d["target"], d["nodes"][0], d["nodes"][1], d["budget"], list(d["seeds"]), d["base_rps"], d["rps"],
+                [pol(x) for x in d["policies"]], [Saving(**x) for x in d["savings"]])
+
+
 def _spread_json(s: Spread) -> dict:
     return {"values": list(s.values), "mean": s.mean, "lo": s.lo, "hi": s.hi}
 

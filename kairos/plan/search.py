@@ -8,7 +8,7 @@ tests) for the outcomes of batches of points and decides from them alone. For ea
   is known (:func:`best_split`; the attainment over the splits is unimodal in practice);
 * **smallest cluster** — over the node count, the question "does a split of n nodes meet the
   attainment target?" (feasibility grows with n): n doubled from the range's bottom until it does,
-  then a bisection, the answer confirmed on every seed, going up one node at a time while a seed
+  then a bisection, the answer confirmed on every seed, going up by growing steps while a seed
   misses (:func:`smallest_cluster`);
 * **highest sustainable rate** at a split — from a guess, a widening bracket, then a bisection to
   :data:`RATE_PRECISION`, of the request rate at which the target holds, every seed's search in
@@ -33,6 +33,8 @@ Evaluate = Callable[[Sequence[Point]], list[Outcome]]
 FULL_GRID = 9
 #: the finer grid between the neighbours of the best so far while they are further apart than this
 REFINE_GRID = 5
+#: a size is confirmed on every seed with at most this many of its best splits on the first seed
+CONFIRM_SPLITS = 3
 #: rate search: steps to bracket the sustainable rate, then bisection steps at most; the relative
 #: width of the final bracket; how far from the workload's rate it looks (× and ÷)
 RATE_BRACKET_STEPS, RATE_BISECT_STEPS, RATE_PRECISION, RATE_SPAN = 8, 8, 0.04, 256.0
@@ -135,9 +137,9 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
     """The fewest nodes in [lo, hi] with a split meeting ``target`` attainment on every seed, or None
     if even ``hi`` nodes have none. On the first seed (feasibility grows with nodes): sizes doubled
     from ``lo`` until one is feasible, then a bisection of the last gap; then,
-    from the size found up, the splits of a size that meet the target on the first seed are run on
-    every seed and the one with the best worst seed is taken if that meets the target, else the next
-    size is tried.
+    from the size found up, the best few splits of a size on the first seed (:data:`CONFIRM_SPLITS`)
+    are run on every seed and the one with the best worst seed is taken if that meets the target,
+    else larger sizes are tried (steps of 1, 2, 4, … nodes, then a bisection).
 
     Raises:
         PlanError: ``lo`` < 2, ``hi`` < ``lo``, no seeds, or ``target`` outside (0, 1].
@@ -163,17 +165,40 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
             b = mid
         else:
             a = mid + 1
-    for n in range(a, hi + 1):  # confirm on every seed: of the splits meeting the target on the first,
-        _, seen = best_split(evaluate, policy, n, rps, seed)  # the one whose worst seed does best
-        ok = [p for p, o in seen.items() if o.attainment >= target]
+    def on_every_seed(n: int) -> Sized | None:
+        """Of the splits of n meeting the target on the first seed (its best few), the one whose worst
+        seed does best, if that meets the target."""
+        _, seen = best_split(evaluate, policy, n, rps, seed, enough=target)
+        ok = sorted((p for p, o in seen.items() if o.attainment >= target),
+                    key=lambda p: (-seen[p].attainment, p))[:CONFIRM_SPLITS]
         if not ok:
-            continue
+            return None
         evaluate([Point(policy, p, n - p, rps, s) for p in ok for s in seeds])  # one batch
         spreads = {p: spread(evaluate, policy, p, n - p, rps, seeds) for p in ok}
         p = max(ok, key=lambda q: (spreads[q].lo, spreads[q].mean, -q))
-        if spreads[p].lo >= target:
-            return Sized(p, n - p, spreads[p])
-    return None
+        return Sized(p, n - p, spreads[p]) if spreads[p].lo >= target else None
+
+    # confirm on every seed: from the first seed's answer up, by doubling steps, then a bisection
+    found = on_every_seed(a)
+    if found is not None:
+        return found
+    bad, step = a, 1
+    while found is None:
+        if bad >= hi:
+            return None
+        n = min(hi, a + step)
+        found = on_every_seed(n)
+        if found is None:
+            bad, step = n, step * 2
+    lo_n, hi_n = bad + 1, found.nodes
+    while lo_n < hi_n:
+        mid = (lo_n + hi_n) // 2
+        got = on_every_seed(mid)
+        if got is not None:
+            found, hi_n = got, mid
+        else:
+            lo_n = mid + 1
+    return found
 
 
 def max_rates(evaluate: Evaluate, policy: str, prefill: int, decode: int, base_rps: float, seeds: Sequence[int],

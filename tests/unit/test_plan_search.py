@@ -181,3 +181,27 @@ def test_a_large_plan_costs_logarithmically_many_points():
     plan(cap, ["pd", "kairos+"], 2, 64, 64, 20.0, 20.0, [1, 2, 3], TARGET)
     per_policy = len(set(cap.calls)) / 2
     assert per_policy < 20 * math.log2(64) + 60, per_policy
+
+
+def test_a_plan_read_back_from_its_json_is_the_same_plan():
+    import json
+
+    from kairos.plan.planner import plan_from_json
+    from kairos.plan.report import text
+
+    cap = Capacity({"pd": 1.0, "kairos+": 1.3}, {"pd": 2.0, "kairos+": 2.0}, jitter=0.03)
+    res = plan(cap, ["pd", "kairos+"], 2, 20, 8, 6.0, 6.0, [1, 2, 3], TARGET)
+    back = plan_from_json(json.loads(json.dumps(res.to_json())))
+    assert back == res and text(back) == text(res)
+
+
+def test_a_target_no_seed_but_the_first_reaches_costs_few_points():
+    """The first seed meets the target from 6 nodes on, the others never: the confirmation climbs by
+    growing steps, not size by size with every split on every seed."""
+    class Lucky(Capacity):
+        def attainment(self, policy, p, d, rps, seed):
+            return 0.95 if seed == 1 and p + d >= 6 else 0.5
+
+    cap = Lucky({"x": 1.0}, {"x": 1.0})
+    assert smallest_cluster(cap, "x", 2, 64, 1.0, [1, 2, 3], TARGET) is None
+    assert len(set(cap.calls)) < 400, len(set(cap.calls))

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from tools.docgen import (bus_blocks, cli_blocks, fleet_blocks, ops_blocks, profile_blocks, scaling_blocks, sim_blocks,
-                          summary_blocks, vllm_blocks)
+from tools.docgen import (bus_blocks, cli_blocks, fleet_blocks, ops_blocks, plan_blocks, profile_blocks, scaling_blocks,
+                          sim_blocks, summary_blocks, vllm_blocks)
 from tools.docgen.error_codes import error_codes
 from tools.docgen.policy_table import policy_table
 from tools.docgen.results import Load
@@ -70,6 +70,11 @@ BLOCKS: dict[str, Block] = {
     "vllm-headroom": Block(vllm_blocks.vllm_headroom, "docs/results.md"),
     # docs/cli.md
     "decide-example": Block(cli_blocks.decide_example, "docs/cli.md"),
+    "plan-example": Block(plan_blocks.plan_example, "docs/plan.md"),
+    "plan-replay": Block(plan_blocks.plan_replay, "docs/plan.md"),
+    "plan-scaling": Block(plan_blocks.plan_scaling, "docs/plan.md"),
+    "plan-live": Block(plan_blocks.plan_live, "docs/plan.md"),
+    "plan-saving": Block(plan_blocks.plan_saving, "README.md"),
     "bench-example": Block(cli_blocks.bench_example, "docs/cli.md"),
     # docs/reliability.md, docs/bus.md, docs/security.md, docs/deploy.md
     "nats-cluster-failover": Block(ops_blocks.nats_cluster_failover, "docs/reliability.md", "docs/bus.md"),
