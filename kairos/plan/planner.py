@@ -63,10 +63,11 @@ class PolicyPlan:
 @dataclass(frozen=True)
 class Saving:
     """What ``policy`` saves over ``baseline``: ``nodes`` fewer for the SLOs (None: either found no
-    cluster), ``nodes_clear`` whether that holds beyond the seeds' spread (the baseline's cluster
-    one node smaller than the policy's misses on a seed…: see :func:`plan`), and ``rate_ratio`` the
-    rate sustained at the budget ÷ the baseline's (lowest over seeds each; None without both),
-    ``rate_clear``: every seed's rate of ``policy`` above every seed's of the baseline."""
+    cluster; negative: it needs more), ``nodes_clear`` whether that is beyond the seeds' spread (on
+    the policy's node count the baseline's best split misses the target on every seed), ``rate_ratio``
+    the rate sustained on the budget ÷ the baseline's (the lowest over the seeds each; None without
+    both) and ``rate_clear`` whether every seed's rate of ``policy`` is above every seed's of the
+    baseline."""
 
     policy: str
     baseline: str
@@ -158,10 +159,10 @@ def _saving(evaluate: Evaluate, pol: PolicyPlan, base: PolicyPlan, rps: float | 
         nodes = base.smallest.nodes - pol.smallest.nodes
         clear = False
         if nodes > 0:
-            # clear when the baseline, on the policy's node count, misses the target on some seed
+            # clear when the baseline, on the policy's node count, misses the target on every seed
             n = pol.smallest.nodes
             bp, _ = best_split(evaluate, base.policy, n, rps, seeds[0])
-            clear = spread(evaluate, base.policy, bp, n - bp, rps, seeds).lo < target
+            clear = spread(evaluate, base.policy, bp, n - bp, rps, seeds).hi < target
     ratio, rate_clear = None, False
     if pol.sustained_rps is not None and base.sustained_rps is not None:
         ratio = round(pol.sustained_rps / base.sustained_rps, 3)

@@ -26,6 +26,15 @@ def _rate(p: PolicyPlan, base_rps: float) -> str:
     return f"{r:g} req/s (×{r / base_rps:.2f} the workload's{spread})"
 
 
+def _seeds_changed_nothing(plan: Plan) -> bool:
+    """Every seed scored alike at every point reported (a deterministic trace without ``--noise``)."""
+    for p in plan.policies:
+        spreads = [p.budget_spread] + ([p.smallest.spread] if p.smallest is not None else [])
+        if any(s.lo != s.hi for s in spreads) or len(set(p.max_rps)) > 1:
+            return False
+    return True
+
+
 def text(plan: Plan, gpus_per_node: int = 1) -> str:
     """The report: per policy its smallest cluster, the budget's best split (and splits tied with it
     by the noise rule), the rate that split sustains; then each policy's saving over the baseline."""
@@ -33,8 +42,12 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
     lines = [f"SLO attainment target {_pct(plan.target)}, clusters of {plan.lo}–{plan.hi} nodes{g}, budget "
              f"{plan.budget} nodes, seeds {', '.join(map(str, plan.seeds))}, workload rate "
              f"{plan.base_rps:g} req/s" + ("" if plan.rps is not None else " (its own timing)"),
-             f"(the budget's splits are compared at {plan.policies[0].stress_rps:g} req/s: the rate it carries "
-             "if the rate grows with the nodes from the smallest cluster)", ""]
+             f"(the budget's splits are compared at {plan.policies[0].stress_rps:.4g} req/s: the rate it carries "
+             "if the rate grows with the nodes from the smallest cluster)"]
+    if len(plan.seeds) > 1 and _seeds_changed_nothing(plan):
+        lines.append("(every seed gave the same result: a trace replays the same requests whatever the seed, so "
+                     "no spread was measured; --noise adds engine step noise that the seeds vary)")
+    lines.append("")
     for p in plan.policies:
         lines.append(f"{p.policy}:")
         if p.smallest is None:
@@ -47,7 +60,7 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
         tie = (f"; within the seeds' spread of {', '.join(f'{q}P{plan.budget - q}D' for q in p.ties)}"
                if p.ties else "")
         lines.append(f"  best split of {plan.budget} nodes: {p.budget_split}P{d}D, attainment "
-                     f"{_range(p.budget_spread)} at {p.stress_rps:g} req/s{tie}")
+                     f"{_range(p.budget_spread)} at {p.stress_rps:.4g} req/s{tie}")
         lines.append(f"  highest sustained rate at {p.budget_split}P{d}D: {_rate(p, plan.base_rps)}")
     for s in plan.savings:
         lines.append("")
@@ -82,7 +95,7 @@ def plot(plan: Plan, path: Path, title: str = "") -> Path:
                 color=line.get_color(), linestyle="none")
     ax.axhline(100 * plan.target, color="red", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel(f"prefill nodes of {plan.budget} (decode = {plan.budget} − prefill), at "
-                  f"{plan.policies[0].stress_rps:g} req/s")
+                  f"{plan.policies[0].stress_rps:.4g} req/s")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(-2, 102)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -14,7 +14,9 @@ tests) for the outcomes of batches of points and decides from them alone. For ea
   :data:`RATE_PRECISION`, of the request rate at which the target holds, every seed's search in
   step (:func:`max_rates`);
 * **the noise rule** — outcomes over several seeds give a range [min, max]; one split or policy is
-  called better than another only when the ranges do not overlap (:func:`clearly_better`).
+  called better than another only when the ranges do not overlap (:func:`clearly_better`), and a
+  cluster meets the target only when its worst seed clears it by more than the range is wide
+  (:func:`meets_beyond_spread`).
 
 SLO attainment is the fraction of requests with TTFT ≤ the TTFT SLO and P95 inter-token gap ≤ τ
 (paper §6, :func:`kairos.core.workload.serving_metrics.summarize`).
@@ -62,6 +64,13 @@ class Spread:
     @property
     def hi(self) -> float:
         return max(self.values)
+
+
+def meets_beyond_spread(s: Spread, target: float) -> bool:
+    """The target is met beyond the noise: the worst seed minus the seeds' spread (max − min) still
+    reaches it. A cluster whose worst seed clears the target by less than the seeds disagree could
+    miss it on the next seed (one seed: no spread, its value alone)."""
+    return s.lo - (s.hi - s.lo) >= target
 
 
 def clearly_better(a: Spread, b: Spread) -> bool:
@@ -134,11 +143,12 @@ class Sized:
 
 def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: float | None,
                      seeds: Sequence[int], target: float) -> Sized | None:
-    """The fewest nodes in [lo, hi] with a split meeting ``target`` attainment on every seed, or None
+    """The fewest nodes in [lo, hi] with a split meeting ``target`` attainment on every seed beyond
+    their spread (:func:`meets_beyond_spread`), or None
     if even ``hi`` nodes have none. On the first seed (feasibility grows with nodes): sizes doubled
     from ``lo`` until one is feasible, then a bisection of the last gap; then,
     from the size found up, the best few splits of a size on the first seed (:data:`CONFIRM_SPLITS`)
-    are run on every seed and the one with the best worst seed is taken if that meets the target,
+    are run on every seed and the one with the best worst seed less the spread is taken if that meets the target,
     else larger sizes are tried (steps of 1, 2, 4, … nodes, then a bisection).
 
     Raises:
@@ -175,8 +185,8 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
             return None
         evaluate([Point(policy, p, n - p, rps, s) for p in ok for s in seeds])  # one batch
         spreads = {p: spread(evaluate, policy, p, n - p, rps, seeds) for p in ok}
-        p = max(ok, key=lambda q: (spreads[q].lo, spreads[q].mean, -q))
-        return Sized(p, n - p, spreads[p]) if spreads[p].lo >= target else None
+        p = max(ok, key=lambda q: (2 * spreads[q].lo - spreads[q].hi, spreads[q].mean, -q))
+        return Sized(p, n - p, spreads[p]) if meets_beyond_spread(spreads[p], target) else None
 
     # confirm on every seed: from the first seed's answer up, by doubling steps, then a bisection
     found = on_every_seed(a)

@@ -119,6 +119,12 @@ def test_the_k8s_overlay_renders_the_planned_nodes_with_their_users_and_password
     r = subprocess.run([_kubectl(), "kustomize", str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    # the manifest checks of tests/unit/test_k8s_manifests.py: every object against the Kubernetes schemas
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (requirements-dev.txt)")
+    from tests.unit.test_k8s_manifests import K8S_VERSION
+    for d in docs:
+        kv.validate(d, K8S_VERSION, strict=True)
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"kairos"}
     sets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "StatefulSet"}
     nodes = [f"prefill-{i}" for i in range(3)] + [f"decode-{i}" for i in range(5)]
     for role, n in (("prefill", 3), ("decode", 5)):

@@ -70,7 +70,7 @@ BLOCKS: dict[str, Block] = {
     "vllm-headroom": Block(vllm_blocks.vllm_headroom, "docs/results.md"),
     # docs/cli.md
     "decide-example": Block(cli_blocks.decide_example, "docs/cli.md"),
-    "plan-example": Block(plan_blocks.plan_example, "docs/plan.md"),
+    "plan-example": Block(plan_blocks.plan_example, "docs/plan.md", "docs/cli.md"),
     "plan-replay": Block(plan_blocks.plan_replay, "docs/plan.md"),
     "plan-scaling": Block(plan_blocks.plan_scaling, "docs/plan.md"),
     "plan-live": Block(plan_blocks.plan_live, "docs/plan.md"),

@@ -17,6 +17,10 @@ from kairos.core.model.latency import DEFAULT_PROFILE, LatencyProfileError
 from kairos.core.policy import Policy
 
 
+#: without a terminal, a progress line this often (s)
+PROGRESS_EVERY_S = 10.0
+
+
 def _node_range(ctx, param, value: str) -> tuple[int, int]:
     lo, sep, hi = value.partition(":")
     if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or not 2 <= int(lo) <= int(hi):
@@ -119,10 +123,15 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
                         noise=noise, base_rps=base_rps, params={"alpha": pp.alpha, "beta": pp.beta, "tbt_slo_ms": pp.tbt_slo_ms,
                                              "ttft_slo_ms": pp.ttft_slo_ms})
     tty = sys.stderr.isatty()
+    last = [time.monotonic()]
 
     def progress(simulated: int, cached: int) -> None:
+        """A line that updates on a terminal, else one every PROGRESS_EVERY_S seconds."""
         if tty:
             click.echo(f"\rkairos plan: {simulated} simulated, {cached} from the cache", err=True, nl=False)
+        elif time.monotonic() - last[0] >= PROGRESS_EVERY_S:
+            last[0] = time.monotonic()
+            click.echo(f"kairos plan: {simulated} simulated, {cached} from the cache", err=True)
 
     t0 = time.perf_counter()
     cache = None if no_cache else (cache_dir or default_cache_dir())
