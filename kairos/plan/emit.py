@@ -107,7 +107,9 @@ def emit_compose(prefill: int, decode: int, out: Path, compose: Path | None = No
             raise EmitError(f"{compose} has no emulated {role}-0 to copy")
     for name in [n for n, svc in services.items() if _emulated_node(n, svc)]:
         del services[name]
-        secrets.pop(f"nats-agent-{name}", None)
+    used = {x if isinstance(x, str) else x.get("source") for svc in services.values() for x in svc.get("secrets", [])}
+    for name in [k for k in secrets if k.startswith("nats-agent-") and k not in used]:
+        del secrets[name]  # only the removed nodes' own (another profile's agent may share one)
     for i, node in enumerate(node_ids(prefill, decode)):
         services[node] = _compose_node(templates[node.split("-")[0]], node, COMPOSE_NODE_PORT + i)
         secrets[f"nats-agent-{node}"] = {"file": f"ops/secrets/agent-{node}.password"}

@@ -15,9 +15,10 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import threading
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -163,14 +164,46 @@ def simulate(inputs: PlanInputs, point: Point) -> Outcome:
                          model.engine.max_model_len)
     cfg = SimConfig(n_prefill=point.prefill, n_decode=point.decode, heartbeat_ms=inputs.heartbeat_ms,
                     link=inputs.link, tbt_guard=policy.traits.node_guard, noise=inputs.noise, seed=point.seed)
+    if not workload:
+        from kairos.core.workload.workloads import WorkloadError
+
+        raise WorkloadError(f"no request arrives in the {point_duration_s(inputs, point.rps):g} s simulated at "
+                            f"{'its own rate' if point.rps is None else f'{point.rps:g} req/s'}: a longer --duration")
     row = run_one(workload, policy, model, PolicyParams(**inputs.params), cfg, rps=point.rps)
     return Outcome(attainment=float(row["slo_attainment"]), ttft_p95_ms=row["ttft_ms"]["p95"],
                    tbt_p95_ms=row["tbt_ms"]["p95"], requests=int(row["requests"]),
                    deflections=int(row["deflections"]))
 
 
+def _ignore_sigint() -> None:
+    """A worker process leaves Ctrl-C to the plan's process, which stops the pool (Evaluator.abort)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _simulate_star(args: tuple[PlanInputs, Point]) -> Outcome:
     return simulate(*args)
+
+
+class PlanAborted(Exception):
+    """The plan was stopped (Ctrl-C): every evaluation from now on raises this."""
+
+
+def pin_trace(inputs: PlanInputs, directory: Path) -> PlanInputs:
+    """``inputs`` with a ``trace:PATH`` workload replaced by a copy of the file's bytes as they are now,
+    under ``directory/traces/<sha256>.<suffix>``: the hash the cache keys on is the hash of what every
+    point simulates, whatever happens to PATH during the plan. Other workloads are returned as they
+    are. Raises OSError (unreadable trace, unwritable directory)."""
+    if not inputs.workload.startswith("trace:"):
+        return inputs
+    src = Path(inputs.workload[6:])
+    data = src.read_bytes()
+    copy = directory / "traces" / f"{hashlib.sha256(data).hexdigest()}{''.join(src.suffixes[-2:])}"
+    if not copy.is_file():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        tmp = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(copy)
+    return replace(inputs, workload=f"trace:{copy}")
 
 
 class Evaluator:
@@ -190,6 +223,7 @@ class Evaluator:
         self._memo: dict[Point, Outcome] = {}
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.aborted = False
 
     def __enter__(self) -> "Evaluator":
         return self
@@ -203,6 +237,15 @@ class Evaluator:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
 
+    def abort(self) -> None:
+        """Stop the plan: every evaluation from now on raises :class:`PlanAborted`, queued simulations
+        are cancelled, the workers stop."""
+        self.aborted = True
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def _path(self, p: Point) -> Path | None:
         if self.cache_dir is None:
             return None
@@ -215,9 +258,12 @@ class Evaluator:
             return None
         try:
             data = json.loads(path.read_text())
-            return Outcome(**data["outcome"]) if data.get("point") == asdict(p) else None
-        except (OSError, ValueError, TypeError, KeyError):
+            o = Outcome(**data["outcome"]) if data.get("point") == asdict(p) else None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return None  # a torn or foreign file: simulated again and rewritten
+        if o is None or not isinstance(o.attainment, (int, float)) or not 0 <= o.attainment <= 1:
+            return None
+        return o
 
     def _store(self, p: Point, o: Outcome) -> None:
         path = self._path(p)
@@ -230,7 +276,10 @@ class Evaluator:
 
     def evaluate(self, points: Sequence[Point]) -> list[Outcome]:
         """The outcomes of ``points``, in their order (duplicates simulated once). Thread-safe: the
-        planner searches its policies side by side, each thread handing its batches here."""
+        planner searches its policies side by side, each thread handing its batches here.
+        Raises PlanAborted after :meth:`abort`."""
+        if self.aborted:
+            raise PlanAborted("the plan was stopped")
         with self._lock:
             todo = []
             for p in dict.fromkeys(points):
@@ -243,13 +292,24 @@ class Evaluator:
                 else:
                     todo.append(p)
             if todo and self._pool is None and self.jobs > 1 and self._run is simulate:
-                self._pool = ProcessPoolExecutor(max_workers=self.jobs)
+                self._pool = ProcessPoolExecutor(max_workers=self.jobs, initializer=_ignore_sigint)
             pool = self._pool
         if todo:
-            if pool is None or len(todo) == 1:
-                results = [self._run(self.inputs, p) for p in todo]
-            else:
-                results = list(pool.map(_simulate_star, [(self.inputs, p) for p in todo]))
+            try:
+                if pool is None or len(todo) == 1:
+                    results = []
+                    for p in todo:
+                        if self.aborted:
+                            raise PlanAborted("the plan was stopped")
+                        results.append(self._run(self.inputs, p))
+                else:
+                    results = list(pool.map(_simulate_star, [(self.inputs, p) for p in todo]))
+            except Exception:
+                if self.aborted:  # a cancelled future, a pool shut down under it
+                    raise PlanAborted("the plan was stopped") from None
+                raise
+            if self.aborted:
+                raise PlanAborted("the plan was stopped")
             with self._lock:
                 for p, o in zip(todo, results):
                     self._memo[p] = o

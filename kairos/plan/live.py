@@ -33,7 +33,7 @@ def workload_rows(body: dict) -> list[tuple[float, int, int]]:
         t0 = min((r["arrival_unix_ms"] for r in reqs), default=0.0)
         return [(round((r["arrival_unix_ms"] - t0) / 1000.0, 6), int(r["prompt_tokens"]), int(r["output_tokens"]))
                 for r in reqs]
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise LiveWorkloadError(f"the ingress's workload answer has another shape ({exc!r}): is it a Kairos ingress?") from None
 
 
@@ -43,9 +43,9 @@ def fetch_live_workload(url: str, window_s: float, out_csv: Path, api_key: str |
     returns (``trace:<out_csv>``, requests written). Raises LiveWorkloadError naming what failed."""
     base = url.rstrip("/").removesuffix("/v1")
     q = urllib.parse.urlencode({"window_s": f"{window_s:g}"})
-    req = urllib.request.Request(f"{base}/v1/admin/workload?{q}",
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
+        req = urllib.request.Request(f"{base}/v1/admin/workload?{q}",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             body = json.loads(r.read())
     except urllib.error.HTTPError as exc:
@@ -53,7 +53,8 @@ def fetch_live_workload(url: str, window_s: float, out_csv: Path, api_key: str |
             message = json.loads(exc.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = exc.reason
-        raise LiveWorkloadError(f"the ingress at {base} refused: HTTP {exc.code}: {message}") from None
+        hint = " (give --api-key KEY, or set OPENAI_API_KEY)" if exc.code == 401 else ""
+        raise LiveWorkloadError(f"the ingress at {base} refused: HTTP {exc.code}: {message}{hint}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise LiveWorkloadError(f"could not read the workload from the ingress at {base}: {exc}") from None
     rows = workload_rows(body)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kairos.plan.evaluate import Outcome, Point
 from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, best_split, check_range, clearly_better, max_rates,
@@ -171,28 +171,37 @@ def _saving(evaluate: Evaluate, pol: PolicyPlan, base: PolicyPlan, rps: float | 
 
 
 def plan(evaluate: Evaluate, policies: Sequence[str], lo: int, hi: int, budget: int, rps: float | None,
-         base_rps: float, seeds: Sequence[int], target: float) -> Plan:
+         base_rps: float, seeds: Sequence[int], target: float, cancel: Callable[[], None] | None = None) -> Plan:
     """Plan every policy over clusters of ``lo``–``hi`` nodes (the search range) and a budget of
     ``budget`` nodes (the split and rate questions), at ``rps`` requests/s (None: the workload's own
     timing; ``base_rps`` is then its mean rate, where the rate search starts), over ``seeds``, for
-    an attainment ``target`` (fraction, e.g. 0.9).
+    an attainment ``target`` (fraction, e.g. 0.9). ``cancel``: called when the plan is interrupted
+    (Ctrl-C) so that the searches still running stop (:meth:`~kairos.plan.evaluate.Evaluator.abort`).
 
     Raises:
-        PlanError: a bad range, budget outside it, no seeds, no policy, or a target outside (0, 1].
+        PlanError: a bad range, budget outside it, no seeds, no policy or one twice, or a target
+            outside (0, 1].
     """
     check_range(lo, hi, seeds, target)
     if not policies:
         raise PlanError("no policy to plan")
     if not lo <= budget <= hi:
         raise PlanError(f"the budget of {budget} nodes is outside the node range {lo}:{hi}")
+    if len(set(policies)) != len(policies):
+        raise PlanError(f"a policy is named twice in {', '.join(policies)}")
     rate = base_rps if rps is None else rps
     with ThreadPoolExecutor(max_workers=len(policies)) as side_by_side:  # each policy's batches fill the pool
-        smallest = list(side_by_side.map(
-            lambda p: smallest_cluster(evaluate, p, lo, hi, rps, seeds, target), policies))
-        stress = stress_rate(rate, budget, smallest)
-        plans = list(side_by_side.map(
-            lambda ps: plan_budget(evaluate, ps[0], ps[1], budget, stress, rate, seeds, target),
-            zip(policies, smallest)))
+        try:
+            smallest = list(side_by_side.map(
+                lambda p: smallest_cluster(evaluate, p, lo, hi, rps, seeds, target), policies))
+            stress = stress_rate(rate, budget, smallest)
+            plans = list(side_by_side.map(
+                lambda ps: plan_budget(evaluate, ps[0], ps[1], budget, stress, rate, seeds, target),
+                zip(policies, smallest)))
+        except BaseException:  # Ctrl-C here: the searches still running stop at their next evaluation
+            if cancel is not None:
+                cancel()
+            raise
     base = next((p for p in plans if p.policy == BASELINE), plans[0])
     savings = [_saving(evaluate, p, base, rps, seeds, target) for p in plans if p is not base]
     return Plan(target, lo, hi, budget, list(seeds), base_rps, rps, plans, savings)

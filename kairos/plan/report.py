@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kairos.plan.planner import Plan, PolicyPlan
-from kairos.plan.search import Spread
+from kairos.plan.search import RATE_SPAN, Spread
 
 
 def _pct(x: float) -> str:
@@ -22,6 +22,8 @@ def _rate(p: PolicyPlan, base_rps: float) -> str:
     r = p.sustained_rps
     if r is None:
         return "none (the split misses the target even at the lowest rate tried)"
+    if r >= base_rps * RATE_SPAN * (1 - 1e-6):
+        return f"at least {r:g} req/s (the search's top, ×{RATE_SPAN:g} the workload's)"
     spread = "" if len(set(p.max_rps)) == 1 else f", seeds {min(p.max_rps):g}–{max(p.max_rps):g}"  # type: ignore[type-var]
     return f"{r:g} req/s (×{r / base_rps:.2f} the workload's{spread})"
 
@@ -44,7 +46,8 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
              f"{plan.base_rps:g} req/s" + ("" if plan.rps is not None else " (its own timing)"),
              f"(the budget's splits are compared at {plan.policies[0].stress_rps:.4g} req/s: the rate it carries "
              "if the rate grows with the nodes from the smallest cluster)"]
-    if len(plan.seeds) > 1 and _seeds_changed_nothing(plan):
+    same = len(plan.seeds) > 1 and _seeds_changed_nothing(plan)
+    if same:
         lines.append("(every seed gave the same result: a trace replays the same requests whatever the seed, so "
                      "no spread was measured; --noise adds engine step noise that the seeds vary)")
     lines.append("")
@@ -58,7 +61,7 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
                          f"({s.nodes * gpus_per_node} GPUs), attainment {_range(s.spread)}")
         d = plan.budget - p.budget_split
         tie = (f"; within the seeds' spread of {', '.join(f'{q}P{plan.budget - q}D' for q in p.ties)}"
-               if p.ties else "")
+               if p.ties and not same else "")
         lines.append(f"  best split of {plan.budget} nodes: {p.budget_split}P{d}D, attainment "
                      f"{_range(p.budget_spread)} at {p.stress_rps:.4g} req/s{tie}")
         lines.append(f"  highest sustained rate at {p.budget_split}P{d}D: {_rate(p, plan.base_rps)}")

@@ -61,8 +61,9 @@ async def test_plan_from_live_plans_the_workload_the_stack_served(secure, tmp_pa
             async with aiohttp.ClientSession() as anon:  # no key: refused
                 async with anon.get(f"{st.base}/v1/admin/workload") as r:
                     assert r.status == 401
-            async with http.get(f"{st.base}/v1/admin/workload?window_s=abc") as r:
-                assert r.status == 400 and (await r.json())["error"]["param"] == "window_s"
+            for bad in ("abc", "1_0", "inf", "0", "60&window_s=abc"):
+                async with http.get(f"{st.base}/v1/admin/workload?window_s={bad}") as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "window_s", bad
 
         args = ["plan", "--from-live", st.base + "/v1", "--api-key", KEY, "--window", "120", "--nodes", "2:3",
                 "--seeds", "1", "--jobs", "1", "--cache-dir", str(tmp_path / "c"), "--emit-dir", str(tmp_path),

@@ -17,7 +17,7 @@ from kairos.cli.main import main
 from kairos.contracts.records import IngressTiming
 from kairos.contracts.wire import encode
 from kairos.plan.emit import EmitError, emit_compose, emit_k8s
-from kairos.plan.evaluate import Evaluator, Outcome, PlanInputs, Point, simulate
+from kairos.plan.evaluate import Evaluator, Outcome, PlanAborted, PlanInputs, Point, pin_trace, simulate
 from kairos.plan.live import LiveWorkloadError, fetch_live_workload, workload_rows
 from kairos.services.ingress.workload import workload_body
 
@@ -58,6 +58,38 @@ def test_a_torn_cache_file_is_simulated_again(tmp_path):
     f.write_text('{"point": ')
     Evaluator(INPUTS, tmp_path, run=run).evaluate([p])
     assert len(run.calls) == 2 and json.loads(f.read_text())["point"]["prefill"] == 1
+
+
+def test_a_trace_is_pinned_so_a_change_during_the_plan_cannot_poison_the_cache(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,100,10\n1,100,10\n")
+    pinned = pin_trace(replace(INPUTS, workload=f"trace:{trace}"), tmp_path / "c")
+    copy = Path(pinned.workload[6:])
+    assert copy != trace and copy.suffix == ".csv" and copy.read_bytes() == trace.read_bytes()
+    key = Evaluator(pinned, tmp_path / "c").cache_dir
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,900,10\n1,900,10\n")  # the file changes mid-plan
+    assert copy.read_text().splitlines()[1] == "0,100,10" and Evaluator(pinned, tmp_path / "c").cache_dir == key
+    assert pin_trace(INPUTS, tmp_path) is INPUTS, "a generated workload has no file to pin"
+
+
+def test_an_aborted_evaluator_refuses_more_work():
+    ev = Evaluator(INPUTS, None, run=Counting())
+    ev.abort()
+    with pytest.raises(PlanAborted):
+        ev.evaluate([Point("pd", 1, 1, 2.0, 1)])
+
+
+@pytest.mark.parametrize("entry", ["[]", '{"point": null}', "{}"])
+def test_a_foreign_cache_entry_is_simulated_again(tmp_path, entry):
+    run = Counting()
+    p = Point("pd", 1, 1, 2.0, 1)
+    ev = Evaluator(INPUTS, tmp_path, run=run)
+    ev.evaluate([p])
+    (f,) = list(ev.cache_dir.glob("*.json"))
+    data = json.loads(f.read_text())
+    f.write_text(entry if entry != "{}" else json.dumps({**data, "outcome": {**data["outcome"], "attainment": None}}))
+    Evaluator(INPUTS, tmp_path, run=run).evaluate([p])
+    assert len(run.calls) == 2
 
 
 def test_a_trace_workload_is_keyed_by_its_bytes(tmp_path):
@@ -165,7 +197,9 @@ def test_the_compose_file_runs_exactly_the_planned_nodes(tmp_path):
                                         for n, p in zip(nodes, ports))
     assert svc["decode-3"]["environment"]["KAIROS_NATS_USER"] == "agent-decode-3"
     assert svc["decode-3"]["secrets"] == ["nats-agent-decode-3"] and "nats-agent-decode-3" in doc["secrets"]
-    assert "nats-agent-prefill-1" not in doc["secrets"]
+    used = {x if isinstance(x, str) else x["source"] for v in svc.values() for x in v.get("secrets", [])}
+    assert used <= set(doc["secrets"]), "no service is left with a secret the file no longer defines"
+    assert not any(s.startswith("nats-agent-") and s not in used for s in doc["secrets"]), "no unused agent secret"
     assert {"ingress", "dispatcher-0", "state_aggregator", "nats-0"} <= set(svc), "the control plane stays"
     assert "kairos nats-auth --nodes prefill-0,decode-0,decode-1,decode-2,decode-3" in path.read_text()
     exe = shutil.which("docker-compose")
@@ -192,9 +226,38 @@ def test_the_compose_file_runs_exactly_the_planned_nodes(tmp_path):
     (["--workload", "nope"], "unknown workload"),
     (["--from-live", "http://127.0.0.1:9"], "could not read the workload"),
     (["--profile", "nope"], "no profile"),
+    (["--profile", "{list}"], "a JSON object"),
+    (["--workload", "trace:{latin1}"], "not UTF-8"),
+    (["--nodes", "2:100000"], "<= 1024"),
+    (["--nodes", "2:99999999999999999999999"], "<= 1024"),
+    (["--rps", "1e9"], "--rps"),
+    (["--duration", "1e12"], "--duration"),
+    (["--duration", "0.001", "--nodes", "2:3"], "no request arrives"),
+    (["--seeds", "-1"], "from 0 to"),
+    (["--noise", "inf"], "--noise"),
+    (["--noise", "nan"], "not a finite number"),
+    (["--heartbeat-ms", "nan"], "not a finite number"),
+    (["--policy", "pd,pd"], "named twice"),
+    (["--plot", "{tmp}/x.txt"], "not a .png"),
+    (["--plot", ""], "not a .png"),
+    (["--plot", "{file}/x.png"], "cannot write into"),
+    (["--cache-dir", "{file}"], "is a file"),
+    (["--cache-dir", "{file}/sub"], "cannot write into"),
+    (["--emit", "k8s", "--emit-dir", "{file}/x"], "cannot write into"),
+    (["--from-live", ""], "an empty URL"),
+    (["--from-live", "not a url"], "could not read the workload"),
+    (["--from-live", "http://127.0.0.1:9", "--workload", "bursty"], "drop --workload"),
+    (["--from-live", "http://127.0.0.1:9", "--window", "nan"], "--window"),
+    (["--from-live", "http://127.0.0.1:9", "--window", "90000"], "--window"),
 ])
 def test_bad_input_is_a_usage_error_naming_it(args, msg, tmp_path):
-    r = CliRunner().invoke(main, ["plan", "--cache-dir", str(tmp_path), *args])
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "latin1.csv").write_bytes(b"arrival_s,prompt_tokens,output_tokens\n0,1\xe9,2\n")
+    args = [a.format(tmp=tmp_path, file=tmp_path / "afile", list=tmp_path / "list.json",
+                     latin1=tmp_path / "latin1.csv") for a in args]
+    r = CliRunner().invoke(main, ["plan", "--cache-dir", str(tmp_path / "c"), "--plot", str(tmp_path / "p.png"),
+                                  *args])
     assert r.exit_code == 2, r.output
     assert msg in r.output
 

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import tempfile
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import click
 
 from kairos.cli.options import (load_model_or_exit, make_params, policy_option, policy_params_options,
-                                workload_options, writable_file)
+                                workload_options, workload_size_or_exit, writable_file)
 from kairos.core.model.latency import DEFAULT_PROFILE, LatencyProfileError
 from kairos.core.policy import Policy
 
@@ -21,11 +24,23 @@ from kairos.core.policy import Policy
 PROGRESS_EVERY_S = 10.0
 
 
+#: the largest cluster a plan searches (nodes)
+MAX_PLAN_NODES = 1024
+
+
 def _node_range(ctx, param, value: str) -> tuple[int, int]:
     lo, sep, hi = value.partition(":")
-    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or not 2 <= int(lo) <= int(hi):
-        raise click.BadParameter(f"{value!r} must be LO:HI node counts with 2 <= LO <= HI (e.g. 2:16)")
+    if (not sep or not lo.strip().isdigit() or not hi.strip().isdigit() or len(hi.strip()) > 6
+            or not 2 <= int(lo) <= int(hi) <= MAX_PLAN_NODES):
+        raise click.BadParameter(f"{value!r} must be LO:HI node counts with 2 <= LO <= HI <= {MAX_PLAN_NODES} "
+                                 "(e.g. 2:16)")
     return int(lo), int(hi)
+
+
+def _finite(ctx, param, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def _seeds(ctx, param, value: str) -> list[int]:
@@ -33,6 +48,8 @@ def _seeds(ctx, param, value: str) -> list[int]:
         seeds = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter(f"{value!r} must be a comma list of integers (e.g. 1,2,3)") from None
+    if any(not 0 <= x < 2 ** 32 for x in seeds):
+        raise click.BadParameter(f"{value!r}: seeds are integers from 0 to 2^32 - 1")
     if not seeds or len(set(seeds)) != len(seeds):
         raise click.BadParameter(f"{value!r} must name at least one seed, each once")
     return seeds
@@ -48,7 +65,8 @@ def default_cache_dir() -> Path:
 @click.option("--from-live", "live_url", default=None, metavar="URL",
               help="Plan for what a running Kairos served: its ingress URL; the workload is the arrivals and "
                    "token counts of its recent requests (--window), instead of --workload.")
-@click.option("--window", "window_s", type=click.FloatRange(1), default=600.0, show_default=True,
+@click.option("--window", "window_s", type=click.FloatRange(1, 86400), default=600.0, show_default=True,
+              callback=_finite,
               help="With --from-live: seconds of recent requests taken.")
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
               help="With --from-live: sent as Authorization: Bearer KEY (an ingress started with API keys needs one).")
@@ -65,9 +83,9 @@ def default_cache_dir() -> Path:
               help="Seeds of the workload and the simulator: the spread over them is the noise a difference must exceed.")
 @click.option("--profile", default=DEFAULT_PROFILE, show_default=True, help="Latency profile (name or path).")
 @click.option("--link", default=None, help="KV link setting of the profile (default: its default).")
-@click.option("--heartbeat-ms", type=click.FloatRange(0), default=100.0, show_default=True,
+@click.option("--heartbeat-ms", type=click.FloatRange(0, 60_000), default=100.0, show_default=True, callback=_finite,
               help="Δh, the dispatchers' state refresh period.")
-@click.option("--noise", type=click.FloatRange(0), default=0.0, show_default=True,
+@click.option("--noise", type=click.FloatRange(0, 5), default=0.0, show_default=True, callback=_finite,
               help="σ of log-normal noise on every simulated engine step.")
 @click.option("--jobs", "-j", type=click.IntRange(1), default=None, help="Simulations at once (default: every core).")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -75,25 +93,25 @@ def default_cache_dir() -> Path:
 @click.option("--no-cache", is_flag=True, help="Simulate every point again and keep nothing.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("out/plan/attainment.png"), show_default=True, help="PNG of attainment against the split.")
+@click.option("--no-plot", is_flag=True, help="Draw no plot.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, callback=writable_file,
               help="Write the plan as JSON.")
 @click.option("--emit", type=click.Choice(["k8s", "compose"]), default=None,
-              help="Write the smallest cluster of the last policy as a kustomize overlay (deploy/k8s) or a compose override.")
+              help="Write the smallest cluster of the last policy as a kustomize overlay of deploy/k8s, or a copy of "
+                   "docker-compose.yml with that many emulated nodes.")
 @click.option("--emit-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("out/plan"),
               show_default=True, help="Where --emit writes.")
 @policy_params_options
 def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Policy], attainment, node_range, budget,
-         gpus_per_node, seeds, profile, link, heartbeat_ms, noise, jobs, cache_dir, no_cache, plot_path, json_path,
-         emit, emit_dir, **params) -> None:
+         gpus_per_node, seeds, profile, link, heartbeat_ms, noise, jobs, cache_dir, no_cache, plot_path, no_plot,
+         json_path, emit, emit_dir, **params) -> None:
     """Size a P/D cluster for a workload with the simulator: per policy the smallest cluster meeting the
     SLOs, the best prefill:decode split of a node budget and the rate it sustains, and what the
     deflecting policy saves over pd."""
     from kairos.core.workload.workloads import TABLE1_RPS, WorkloadError
-    from kairos.plan.evaluate import Evaluator, PlanInputs, workload_rate
-    from kairos.plan.planner import plan as run_plan
-    from kairos.plan.report import plot, text
-    from kairos.plan.search import PlanError
+    from kairos.plan.evaluate import PlanInputs, pin_trace, workload_rate
 
+    link = link or None  # "" is the profile's default link, as for kairos sim
     model = load_model_or_exit(profile)
     try:
         model.link(link)
@@ -104,6 +122,19 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
     budget = hi if budget is None else budget
     if not lo <= budget <= hi:
         raise click.BadParameter(f"{budget} is outside --nodes {lo}:{hi}", param_hint="--budget")
+    ctx = click.get_current_context()
+    if live_url is not None:
+        if not live_url.strip():
+            raise click.BadParameter("an empty URL (an unset variable?): give the ingress's URL", param_hint="--from-live")
+        given = [f"--{o}" for o in ("workload", "duration", "rps")
+                 if ctx.get_parameter_source(o) not in (None, click.core.ParameterSource.DEFAULT)]
+        if given:
+            raise click.UsageError(f"--from-live plans the workload the stack served (--window seconds of it): "
+                                   f"drop {', '.join(given)}")
+    workload_size_or_exit(duration, [rps])
+    cache = None if no_cache else (cache_dir or default_cache_dir())
+    _writable_dirs({"--cache-dir": cache, "--emit-dir": emit_dir if (emit or live_url) else None,
+                    "--plot": None if no_plot else _plot_dir(plot_path)})
     if live_url:
         from kairos.plan.live import LiveWorkloadError, fetch_live_workload
 
@@ -122,6 +153,44 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
     inputs = PlanInputs(workload=workload, duration_s=duration, profile=profile, link=link, heartbeat_ms=heartbeat_ms,
                         noise=noise, base_rps=base_rps, params={"alpha": pp.alpha, "beta": pp.beta, "tbt_slo_ms": pp.tbt_slo_ms,
                                              "ttft_slo_ms": pp.ttft_slo_ms})
+    with tempfile.TemporaryDirectory(prefix="kairos-plan-") as scratch:
+        try:  # the trace as it is now: what every point simulates, whatever happens to the file meanwhile
+            inputs = pin_trace(inputs, cache or Path(scratch))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read or keep the trace: {exc}", param_hint="--workload") from None
+        _run(inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds, attainment, gpus_per_node,
+             None if no_plot else plot_path, json_path, emit, emit_dir, live_url, workload, duration, profile)
+
+
+def _plot_dir(path: Path) -> Path:
+    if path.suffix.lower() != ".png" or not path.stem:
+        raise click.BadParameter(f"{str(path)!r} is not a .png file name", param_hint="--plot")
+    return path.parent
+
+
+def _writable_dirs(dirs: dict[str, Path | None]) -> None:
+    """Create every directory given (option → dir) and check it takes a file, before any simulation;
+    a usage error naming the option otherwise."""
+    for option, d in dirs.items():
+        if d is None:
+            continue
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".kairos-write-check-"):
+                pass
+        except OSError as exc:
+            raise click.BadParameter(f"cannot write into {d}: {exc.strerror or exc}", param_hint=option) from None
+
+
+def _run(inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds, attainment, gpus_per_node, plot_path,
+         json_path, emit, emit_dir, live_url, workload, duration, profile) -> None:
+    """The plan itself, its report, plot, JSON and emitted files (the options checked by :func:`plan`)."""
+    from kairos.core.workload.workloads import WorkloadError
+    from kairos.plan.evaluate import Evaluator, PlanAborted
+    from kairos.plan.planner import plan as run_plan
+    from kairos.plan.report import plot, text
+    from kairos.plan.search import PlanError
+
     tty = sys.stderr.isatty()
     last = [time.monotonic()]
 
@@ -134,22 +203,28 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
             click.echo(f"kairos plan: {simulated} simulated, {cached} from the cache", err=True)
 
     t0 = time.perf_counter()
-    cache = None if no_cache else (cache_dir or default_cache_dir())
     try:
-        with Evaluator(inputs, cache, jobs or os.cpu_count() or 1, progress) as ev:
+        with Evaluator(inputs, cache, min(jobs or os.cpu_count() or 1, os.cpu_count() or 1), progress) as ev:
             result = run_plan(ev.evaluate, [p.spec for p in policies], lo, hi, budget, rps, base_rps, seeds,
-                              attainment / 100.0)
+                              attainment / 100.0, cancel=ev.abort)
     except PlanError as exc:
         raise click.UsageError(str(exc)) from None
     except WorkloadError as exc:
         raise click.BadParameter(str(exc), param_hint="--workload") from None
+    except (KeyboardInterrupt, PlanAborted):
+        click.echo("\nkairos plan: stopped; what was simulated is in the cache", err=True)
+        sys.exit(130)
+    except BrokenProcessPool:
+        raise click.ClickException("a simulation process died (killed, or out of memory); what was simulated "
+                                   "before is in the cache") from None
     wall = time.perf_counter() - t0
     if tty:
         click.echo("", err=True)
     click.echo(f"kairos plan: {ev.simulated} points simulated, {ev.cached} from the cache, {wall:.1f} s", err=True)
     click.echo(text(result, gpus_per_node))
     title = f"{workload if not live_url else 'live: ' + live_url}, {duration:g} s, profile {profile}"
-    click.echo(f"plot: {plot(result, Path(plot_path), title)}", err=True)
+    if plot_path is not None:
+        click.echo(f"plot: {plot(result, Path(plot_path), title)}", err=True)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         out = {"workload": workload, "duration_s": duration, "profile": profile, "wall_s": round(wall, 2),
@@ -157,10 +232,14 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
         Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
         click.echo(f"wrote {json_path}", err=True)
     if emit:
-        from kairos.plan.emit import emit_plan
+        from kairos.plan.emit import EmitError, emit_plan
 
         chosen = result.policies[-1]
         if chosen.smallest is None:
             raise click.UsageError(f"--emit: {chosen.policy} has no cluster meeting the target in --nodes {lo}:{hi}")
-        for path in emit_plan(emit, chosen.smallest.prefill, chosen.smallest.decode, Path(emit_dir)):
+        try:
+            paths = emit_plan(emit, chosen.smallest.prefill, chosen.smallest.decode, Path(emit_dir))
+        except (EmitError, OSError) as exc:
+            raise click.UsageError(f"--emit: {exc}") from None
+        for path in paths:
             click.echo(f"wrote {path}", err=True)

@@ -278,9 +278,12 @@ def load_profile(name_or_path: str | Path = DEFAULT_PROFILE) -> LatencyModel:
     for c in candidates:
         if c.is_file():
             try:
-                return LatencyModel.from_dict(json.loads(c.read_text()))
-            except json.JSONDecodeError as exc:
+                data = json.loads(c.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise LatencyProfileError(f"{c}: invalid JSON: {exc}") from None
+            if not isinstance(data, dict):
+                raise LatencyProfileError(f"{c}: a latency profile is a JSON object, not {type(data).__name__}")
+            return LatencyModel.from_dict(data)
     bundled = sorted(x.stem for x in PROFILES_DIR.glob("*.json"))
     raise LatencyProfileError(f"no profile {str(name_or_path)!r}: not a file and not one of the bundled profiles "
                               f"{bundled}")

@@ -173,6 +173,8 @@ def _open(path: Path) -> Iterator[IO[str]]:
             yield f
     except OSError as exc:
         raise WorkloadError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
 
 
 def _int_field(value: str, name: str, where: str, minimum: int) -> int:

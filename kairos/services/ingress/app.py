@@ -24,6 +24,7 @@ every path but ``/health``, ``/metrics`` and ``/version`` needs one (:func:`~.ht
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from typing import Any
 
@@ -46,6 +47,8 @@ from kairos.services.ingress.readiness import Readiness
 from kairos.services.ingress.records import lookup
 from kairos.services.ingress.tokenize import Tokenization
 
+#: a plain decimal number (no ``_``, ``inf``, ``nan`` or hex that :func:`float` also takes)
+DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
 #: ``GET /v1/admin/workload``: the longest window (s) and the most record writes read for it
 MAX_WORKLOAD_WINDOW_S = 86_400.0
 MAX_WORKLOAD_RECORDS = 500_000
@@ -192,11 +195,9 @@ class IngressApp:
         bucket does not answer. Needs an API key when keys are set."""
         from kairos.services.ingress.workload import workload_body
 
-        raw = request.query.get("window_s", "600")
-        try:
-            window_s = float(raw)
-        except ValueError:
-            window_s = float("nan")
+        given = request.query.getall("window_s", ["600"])
+        raw = given[0] if len(given) == 1 else ",".join(given)
+        window_s = float(raw) if len(given) == 1 and DECIMAL.fullmatch(raw.strip()) else float("nan")
         if not 1 <= window_s <= MAX_WORKLOAD_WINDOW_S:
             return error_response(ErrorCode.INVALID_VALUE, f"window_s must be a number of seconds from 1 to "
                                                            f"{MAX_WORKLOAD_WINDOW_S:g}, got {clip(raw, 40)!r}", "window_s")

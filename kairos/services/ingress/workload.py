@@ -17,8 +17,9 @@ from kairos.contracts.wire import WireError, decode
 def workload_body(records: Mapping[str, bytes], now_unix_ms: float, window_s: float, limit: int) -> dict[str, Any]:
     """``{"window_s", "now_unix_ms", "truncated", "skipped", "requests": [{"request_id", "arrival_unix_ms",
     "prompt_tokens", "output_tokens", "status"}]}``: ``skipped`` counts records that would not decode
-    (another schema) and requests still running; ``truncated``: ``limit`` record writes were read, so
-    the window's oldest may be missing. Arrivals are the ingress's receive times (ms since the epoch)."""
+    (another schema) or whose request had not ended when written (a migrated stream's interim record:
+    a running request has none yet); ``truncated``: the read stopped at ``limit`` records, so the
+    window's newest may be missing. Arrivals are the ingress's receive times (ms since the epoch)."""
     out, skipped = [], 0
     for key, data in records.items():
         try:
