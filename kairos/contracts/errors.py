@@ -21,6 +21,7 @@ Pure: no I/O, standard library only.
 from __future__ import annotations
 
 import enum
+import json
 import tomllib
 from importlib import resources
 
@@ -68,6 +69,16 @@ def _load_catalogue() -> type[_ErrorCodeBase]:
 
 #: every error code (``ErrorCode.NODE_LOST``, ``ErrorCode("node_lost")``), from ``error_codes.toml``
 ErrorCode = _load_catalogue()
+
+
+def error_message(body: bytes, fallback: str) -> str:
+    """The ``error.message`` of an OpenAI error ``body`` (what a client of the ingress shows), or
+    ``fallback`` (the HTTP reason) when the body is not one."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return fallback
+    return message if isinstance(message, str) else fallback
 
 
 #: the OpenAI error ``type`` for a status (OpenAI's API; vLLM's ``ErrorResponse``)

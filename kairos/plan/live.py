@@ -16,6 +16,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from kairos.contracts.errors import error_message
+
 #: seconds to wait for the ingress's answer (it reads the window's records from the bus)
 LIVE_TIMEOUT_S = 60.0
 
@@ -49,10 +51,7 @@ def fetch_live_workload(url: str, window_s: float, out_csv: Path, api_key: str |
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             body = json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
+        message = error_message(exc.read(), str(exc.reason))
         hint = " (give --api-key KEY, or set OPENAI_API_KEY)" if exc.code == 401 else ""
         raise LiveWorkloadError(f"the ingress at {base} refused: HTTP {exc.code}: {message}{hint}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:

@@ -124,6 +124,7 @@ def drain(node: str, url: str, api_key: str | None, timeout_s: float) -> None:
     import urllib.request
 
     from kairos.cli.bench.client import BenchError, check_url
+    from kairos.contracts.errors import error_message
     from kairos.contracts.subjects import SubjectError, check_token
 
     try:
@@ -137,10 +138,7 @@ def drain(node: str, url: str, api_key: str | None, timeout_s: float) -> None:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             body = json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
+        message = error_message(exc.read(), str(exc.reason))
         raise click.ClickException(f"the ingress refused: HTTP {exc.code}: {message}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise click.ClickException(f"could not reach the ingress at {url}: {exc}") from None
