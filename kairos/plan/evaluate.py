@@ -5,8 +5,8 @@ A :class:`Point` is one (policy, prefill nodes, decode nodes, request rate, seed
 attainment, P95 TTFT and TBT). The :class:`Evaluator` runs the points a search asks for on a process
 pool (the simulations are independent) and keeps each outcome in a cache directory under a key that
 hashes every input: the workload (and the bytes of its trace file), the latency profile's bytes, the
-SLOs and policy parameters, the simulator settings and the source of the simulator and the policies. Nothing here touches the
-network; the cache is the only I/O.
+SLOs and policy parameters, the simulator settings and the source of the simulator and the policies.
+Nothing here touches the network; the cache is the only I/O.
 """
 
 from __future__ import annotations
@@ -158,17 +158,17 @@ def simulate(inputs: PlanInputs, point: Point) -> Outcome:
     from kairos.sim.experiments import run_one
     from kairos.sim.simulator import SimConfig
 
+    from kairos.core.workload.workloads import WorkloadError
+
     model = _model(inputs.profile, inputs.link)
     policy = parse_policy(point.policy)
-    workload = _workload(inputs.workload, point.rps, point_duration_s(inputs, point.rps), point.seed,
-                         model.engine.max_model_len)
+    duration_s = point_duration_s(inputs, point.rps)
+    workload = _workload(inputs.workload, point.rps, duration_s, point.seed, model.engine.max_model_len)
+    if not workload:
+        raise WorkloadError(f"no request arrives in the {duration_s:g} s simulated at "
+                            f"{'its own rate' if point.rps is None else f'{point.rps:g} req/s'}: a longer --duration")
     cfg = SimConfig(n_prefill=point.prefill, n_decode=point.decode, heartbeat_ms=inputs.heartbeat_ms,
                     link=inputs.link, tbt_guard=policy.traits.node_guard, noise=inputs.noise, seed=point.seed)
-    if not workload:
-        from kairos.core.workload.workloads import WorkloadError
-
-        raise WorkloadError(f"no request arrives in the {point_duration_s(inputs, point.rps):g} s simulated at "
-                            f"{'its own rate' if point.rps is None else f'{point.rps:g} req/s'}: a longer --duration")
     row = run_one(workload, policy, model, PolicyParams(**inputs.params), cfg, rps=point.rps)
     return Outcome(attainment=float(row["slo_attainment"]), ttft_p95_ms=row["ttft_ms"]["p95"],
                    tbt_p95_ms=row["tbt_ms"]["p95"], requests=int(row["requests"]),
@@ -199,11 +199,17 @@ def pin_trace(inputs: PlanInputs, directory: Path) -> PlanInputs:
     data = src.read_bytes()
     copy = directory / "traces" / f"{hashlib.sha256(data).hexdigest()}{''.join(src.suffixes[-2:])}"
     if not copy.is_file():
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        tmp = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(copy)
+        _write_atomic(copy, data)
     return replace(inputs, workload=f"trace:{copy}")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` through a temporary file renamed over it: a concurrent reader (another plan on
+    the same cache) sees the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 class Evaluator:
@@ -269,10 +275,7 @@ class Evaluator:
         path = self._path(p)
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"point": asdict(p), "outcome": asdict(o)}))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the whole new one
+        _write_atomic(path, json.dumps({"point": asdict(p), "outcome": asdict(o)}).encode())
 
     def evaluate(self, points: Sequence[Point]) -> list[Outcome]:
         """The outcomes of ``points``, in their order (duplicates simulated once). Thread-safe: the

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
-from kairos.plan.evaluate import Outcome, Point
+from kairos.plan.evaluate import Outcome
 from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, best_split, check_range, clearly_better, max_rates,
-                                smallest_cluster, spread)
+                                smallest_cluster, spread, spreads)
 
 #: the policy the others are compared with when it is planned
 BASELINE = "pd"
@@ -143,10 +143,10 @@ def plan_budget(evaluate: Evaluate, policy: str, smallest: Sized | None, budget:
     ÷ its smallest cluster)."""
     p, curve = best_split(evaluate, policy, budget, stress_rps, seeds[0], every=budget - 1 <= CURVE_EVERY)
     near = [q for q in (p - 1, p + 1) if 1 <= q < budget]
-    evaluate([Point(policy, q, budget - q, stress_rps, s) for q in [p, *near] for s in seeds])  # one batch
-    at = spread(evaluate, policy, p, budget - p, stress_rps, seeds)
+    by = spreads(evaluate, policy, [p, *near], budget, stress_rps, seeds)
+    at = by[p]
     # the neighbours: a split the noise rule cannot rank below the best
-    ties = [q for q in near if not clearly_better(at, spread(evaluate, policy, q, budget - q, stress_rps, seeds))]
+    ties = [q for q in near if not clearly_better(at, by[q])]
     guess = rate * budget / smallest.nodes if smallest is not None else stress_rps
     rates = max_rates(evaluate, policy, p, budget - p, rate, seeds, target, start_rps=guess)
     return PolicyPlan(policy, smallest, p, at, ties, rates, stress_rps, curve)

@@ -123,8 +123,16 @@ def best_split(evaluate: Evaluate, policy: str, n: int, rps: float | None, seed:
 def spread(evaluate: Evaluate, policy: str, prefill: int, decode: int, rps: float | None,
            seeds: Sequence[int]) -> Spread:
     """Attainment of one split over ``seeds``."""
-    outs = evaluate([Point(policy, prefill, decode, rps, s) for s in seeds])
-    return Spread(tuple(o.attainment for o in outs))
+    return spreads(evaluate, policy, [prefill], prefill + decode, rps, seeds)[prefill]
+
+
+def spreads(evaluate: Evaluate, policy: str, prefills: Sequence[int], n: int, rps: float | None,
+            seeds: Sequence[int]) -> dict[int, Spread]:
+    """Attainment over ``seeds`` of each split of ``n`` nodes with a prefill count in ``prefills``,
+    evaluated as one batch (prefill count → spread)."""
+    outs = evaluate([Point(policy, p, n - p, rps, s) for p in prefills for s in seeds])
+    k = len(seeds)
+    return {p: Spread(tuple(o.attainment for o in outs[i * k:(i + 1) * k])) for i, p in enumerate(prefills)}
 
 
 @dataclass(frozen=True)
@@ -183,10 +191,9 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
                     key=lambda p: (-seen[p].attainment, p))[:CONFIRM_SPLITS]
         if not ok:
             return None
-        evaluate([Point(policy, p, n - p, rps, s) for p in ok for s in seeds])  # one batch
-        spreads = {p: spread(evaluate, policy, p, n - p, rps, seeds) for p in ok}
-        p = max(ok, key=lambda q: (2 * spreads[q].lo - spreads[q].hi, spreads[q].mean, -q))
-        return Sized(p, n - p, spreads[p]) if meets_beyond_spread(spreads[p], target) else None
+        by = spreads(evaluate, policy, ok, n, rps, seeds)
+        p = max(ok, key=lambda q: (2 * by[q].lo - by[q].hi, by[q].mean, -q))
+        return Sized(p, n - p, by[p]) if meets_beyond_spread(by[p], target) else None
 
     # confirm on every seed: from the first seed's answer up, by doubling steps, then a bisection
     found = on_every_seed(a)

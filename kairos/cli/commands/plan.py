@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from kairos.cli.options import (load_model_or_exit, make_params, policy_option, policy_params_options,
+from kairos.cli.options import (creatable_dir, load_model_or_exit, make_params, policy_option, policy_params_options,
                                 workload_options, workload_size_or_exit, writable_file)
 from kairos.core.model.latency import DEFAULT_PROFILE, LatencyProfileError
 from kairos.core.policy import Policy
@@ -158,8 +158,10 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
             inputs = pin_trace(inputs, cache or Path(scratch))
         except OSError as exc:
             raise click.BadParameter(f"cannot read or keep the trace: {exc}", param_hint="--workload") from None
-        _run(inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds, attainment, gpus_per_node,
-             None if no_plot else plot_path, json_path, emit, emit_dir, live_url, workload, duration, profile)
+        _run(inputs=inputs, cache=cache, jobs=jobs, policies=policies, lo=lo, hi=hi, budget=budget, rps=rps,
+             base_rps=base_rps, seeds=seeds, attainment=attainment, gpus_per_node=gpus_per_node,
+             plot_path=None if no_plot else plot_path, json_path=json_path, emit=emit, emit_dir=emit_dir,
+             live_url=live_url, workload=workload, duration=duration, profile=profile)
 
 
 def _plot_dir(path: Path) -> Path:
@@ -169,20 +171,17 @@ def _plot_dir(path: Path) -> Path:
 
 
 def _writable_dirs(dirs: dict[str, Path | None]) -> None:
-    """Create every directory given (option → dir) and check it takes a file, before any simulation;
-    a usage error naming the option otherwise."""
+    """Create every directory given (option → dir) and check it takes a file, before any simulation
+    (:func:`~kairos.cli.options.creatable_dir`); a usage error naming the option otherwise."""
     for option, d in dirs.items():
-        if d is None:
-            continue
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=d, prefix=".kairos-write-check-"):
-                pass
-        except OSError as exc:
-            raise click.BadParameter(f"cannot write into {d}: {exc.strerror or exc}", param_hint=option) from None
+            creatable_dir(None, None, d)
+        except click.BadParameter as exc:
+            exc.param_hint = option
+            raise
 
 
-def _run(inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds, attainment, gpus_per_node, plot_path,
+def _run(*, inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds, attainment, gpus_per_node, plot_path,
          json_path, emit, emit_dir, live_url, workload, duration, profile) -> None:
     """The plan itself, its report, plot, JSON and emitted files (the options checked by :func:`plan`)."""
     from kairos.core.workload.workloads import WorkloadError
