@@ -118,7 +118,7 @@ def test_the_workload_body_keeps_ended_requests_in_arrival_order():
         return encode(IngressTiming(received_unix_ms=t, finished_unix_ms=t + 5 if done else None, status=status,
                                     prompt_tokens=int(t), completion_tokens=3))
     body = workload_body({"b.ingress": rec(2000.0), "a.ingress": rec(1000.0), "c.ingress": rec(3000.0, done=False),
-                          "d.ingress": b"not msgpack"}, 9000.0, 60.0, 10)
+                          "d.ingress": b"not msgpack"}, 9000.0, 60.0, False)
     assert [r["request_id"] for r in body["requests"]] == ["a", "b"]
     assert body["skipped"] == 2 and body["truncated"] is False
     assert workload_rows(body) == [(0.0, 1000, 3), (1.0, 2000, 3)]

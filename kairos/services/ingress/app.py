@@ -203,11 +203,11 @@ class IngressApp:
                                                            f"{MAX_WORKLOAD_WINDOW_S:g}, got {clip(raw, 40)!r}", "window_s")
         now = self.clock.now_ms()
         try:
-            records = await self.bus.recent_records("ingress", now - window_s * 1000.0, MAX_WORKLOAD_RECORDS)
+            records, truncated = await self.bus.recent_records("ingress", now - window_s * 1000.0, MAX_WORKLOAD_RECORDS)
         except Exception as exc:  # logged; the operator may ask again
             self.log.warning("workload_read_failed", error=repr(exc))
             return error_response(ErrorCode.BUS_UNAVAILABLE, "the requests bucket did not answer; ask again")
-        return _json(workload_body(records, now, window_s, MAX_WORKLOAD_RECORDS))
+        return _json(workload_body(records, now, window_s, truncated))
 
 
 def _json(body: dict, status: int = 200) -> web.Response:

@@ -228,7 +228,7 @@ class NatsIngressBus:
     async def write_record(self, key: str, data: bytes) -> None:
         await kv_put_nowait(self.nc, S.REQUESTS_BUCKET, key, data)
 
-    async def recent_records(self, part: str, since_unix_ms: float, limit: int) -> dict[str, bytes]:
+    async def recent_records(self, part: str, since_unix_ms: float, limit: int) -> tuple[dict[str, bytes], bool]:
         # an ordered consumer of the part's keys from a start time: only the window's writes cross the bus
         start = datetime.datetime.fromtimestamp(since_unix_ms / 1000.0, tz=datetime.timezone.utc)
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat(),
@@ -240,7 +240,7 @@ class NatsIngressBus:
         try:
             info = await sub.consumer_info()  # nothing to deliver and nothing delivered yet: an empty window
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-                return out
+                return out, False
             for _ in range(limit):
                 msg = await sub.next_msg(timeout=RECORDS_READ_TIMEOUT_S)
                 key = msg.subject[len(kv_subject(S.REQUESTS_BUCKET, "")):]
@@ -249,7 +249,7 @@ class NatsIngressBus:
                 else:
                     out.pop(key, None)  # a delete marker
                 if msg.metadata.num_pending == 0:
-                    break
+                    return out, False
         finally:
             await sub.unsubscribe()
-        return out
+        return out, True  # limit writes read, more were pending

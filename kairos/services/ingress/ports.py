@@ -107,9 +107,10 @@ class IngressBus(Protocol):
             Exception: the bucket did not answer.
         """
 
-    async def recent_records(self, part: str, since_unix_ms: float, limit: int) -> dict[str, bytes]:
+    async def recent_records(self, part: str, since_unix_ms: float, limit: int) -> tuple[dict[str, bytes], bool]:
         """Key → value of the requests bucket's ``<rid>.<part>`` records written since ``since_unix_ms``
-        (the last write of each key; deleted keys left out), at most ``limit`` writes read.
+        (the last write of each key; deleted keys left out), at most ``limit`` writes read, and whether
+        the read stopped there with writes still to come (the window's newest then missing).
 
         Raises:
             Exception: the bucket did not answer (or a record took over 5 s to come).
