@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 from kairos.cli.main import main
 from kairos.contracts.wire import SamplingParams
 from kairos.core.engine_model.text import emulated_completion
-from tests.integration.conftest import get_record, stack, wait_until
+from tests.integration.conftest import fast_model, get_record, stack, wait_until
 from tests.integration.test_ingress_robustness import holder, read_sse
 
 pytestmark = pytest.mark.integration
@@ -234,3 +234,33 @@ async def test_kairos_drain_reaches_the_node_and_a_silent_node_is_neither_draine
     for bad in ("a b", "d\u00e9code", "decode.*"):  # refused before any request: no ingress runs now
         res = kairos_drain(bad)
         assert res.exit_code == 2 and "node id" in res.output, (bad, res.output, res.exception)
+
+
+async def test_a_prefill_whose_only_decode_candidate_drained_meanwhile_is_submitted_again(nats_url):
+    """The rolling-restart race (the faults tier's churn case found it): a keep-path job named the
+    only routable decode node as its candidate; that node began draining while the prefill ran and
+    refused the KV (``draining``). The prefill node's ``kv_handoff_failed`` says this node cannot
+    finish the attempt while another could: the request is submitted again (``<id>-r1``) and
+    completes on the decode node that came back meanwhile, its text exact."""
+    prompt, n = "a prompt long enough to keep the prefill node busy " * 60, 6
+    async with stack(nats_url, prefill=1, decode=2, dispatchers=1, policy="pd", idle_timeout_s=30.0,
+                     request_timeout_s=60.0, model=fast_model(scale=40.0),
+                     ingress_overrides={"liveness_timeout_s": 1.0}) as st:
+        await st.kill_agent("decode-1")
+        await wait_until(lambda: all(v.node != "decode-1" or v.stale for v in st.ingress.readiness.ready.nodes), 10,
+                         "decode-1 out of the view")
+        sent = asyncio.create_task(st.complete(prompt=prompt, max_tokens=n))
+        rid = await wait_until(lambda: next(iter(st.agents["prefill-0"].reqs), None), 10, "the prefill node's request")
+        job = st.agents["prefill-0"].reqs[rid].job
+        assert job is not None and job.decode_candidates == ["decode-0"], job
+        drain = asyncio.create_task(st.agents["decode-0"].drain("test"))
+        await st.restart_agent("decode-1")
+        assert rid in st.agents["prefill-0"].reqs, "the prefill ended before decode-0 drained: the race was not set up"
+        status, body = await asyncio.wait_for(sent, 60)
+        await asyncio.wait_for(drain, 30)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == expected(prompt, n)
+        rec = await get_record(st, rid, lambda x: x["records"]["ingress"] is not None)
+        assert [(a["attempt_id"], a["moved"]) for a in rec["attempts"]] == [
+            (rid, "kv_handoff_failed:node_agent:prefill-0"), (f"{rid}-r1", None)], rec["attempts"]
+        assert rec["decode_node"] == "decode-1", rec

@@ -127,7 +127,23 @@ def test_a_dispatchers_routing_failure_of_a_duplicate_copy_leaves_the_accepted_a
         assert not lc.ended and isinstance(lc.on_token(tok("r", 1 if before == "streaming" else 0), True), Relay)
     lc = RequestLifecycle("r")
     lc.on_routed("r", "deflect", "decode-0")
-    assert isinstance(lc.on_error(err("r", "kv_handoff_failed")), Fail)  # the node's own error still ends it
+    assert isinstance(lc.on_error(err("r", "no_available_node", source="node_agent:decode-0")), Fail)  # a node's own
+    # error still ends it, unless it says another node could finish the attempt (MOVABLE_CODES)
+
+
+def test_a_kv_handoff_nobody_took_is_submitted_again_and_at_the_limit_ends_with_its_code():
+    # the prefill node found every decode candidate of its job draining or gone (a rolling restart):
+    # the dispatchers route the attempt again; after max_resubmits the client gets kv_handoff_failed
+    lc = RequestLifecycle("r", max_resubmits=1)
+    lc.on_routed("r", "keep", "prefill-0")
+    assert lc.on_error(err("r", "kv_handoff_failed", source="node_agent:prefill-0")) == Resubmit(
+        "r", "r-r1", "kv_handoff_failed:node_agent:prefill-0")
+    lc.on_routed("r-r1", "keep", "prefill-0")
+    out = lc.on_error(err("r-r1", "kv_handoff_failed", "no decode node took it", source="node_agent:prefill-0"))
+    assert isinstance(out, Fail) and out.code == "kv_handoff_failed" and "re-submitted 1 time(s)" in out.message, out
+    # a dispatcher cannot send this code; from anything but a node agent it ends the request as before
+    lc = RequestLifecycle("r")
+    assert isinstance(lc.on_error(err("r", "kv_handoff_failed", source="dispatcher:d-0")), Fail)
 
 
 def test_events_after_the_end_or_of_another_attempt_change_nothing():

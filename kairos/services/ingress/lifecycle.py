@@ -104,8 +104,11 @@ class Attempt:
 
 
 #: error codes from a node agent that say the node cannot finish the attempt while another could:
-#: handled as a lost node (re-submitted, or migrated once output reached the client)
-MOVABLE_CODES = frozenset({ErrorCode.NODE_LOST, ErrorCode.NODE_SHUTDOWN})
+#: handled as a lost node (re-submitted, or migrated once output reached the client). A prefill
+#: node's ``kv_handoff_failed`` is one: every decode node its job named refused the KV or was gone
+#: (in a rolling restart, the only one routable at dispatch began draining during the prefill) —
+#: the dispatchers route the attempt again on the view of now
+MOVABLE_CODES = frozenset({ErrorCode.NODE_LOST, ErrorCode.NODE_SHUTDOWN, ErrorCode.KV_HANDOFF_FAILED})
 #: and those that do only once output reached the client: an engine that failed mid-stream (before
 #: its first token the backend has retried already, and the client gets the error)
 MIGRATABLE_CODES = MOVABLE_CODES | {ErrorCode.ENGINE_ERROR}

@@ -26,7 +26,7 @@ from kairos.core.vocabulary import PathKind
 from kairos.runtime import telemetry
 
 #: reasons of ``kairos:request_migrations_total`` (the lifecycle's ``Migrate.why`` codes)
-MIGRATION_REASONS = ("node_lost", "node_shutdown", "engine_error", "stream_interrupted")
+MIGRATION_REASONS = ("node_lost", "node_shutdown", "engine_error", "stream_interrupted", "kv_handoff_failed")
 #: reasons of ``kairos_ingress_dropped_events_total`` (kairos.services.ingress.lifecycle's drops worth counting)
 DROP_REASONS = ("old_attempt", "foreign_node", "duplicate", "routed_elsewhere")
 
