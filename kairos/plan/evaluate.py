@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
+import msgspec
+
 #: bumped when an outcome's meaning changes (older cache entries are then never read)
 CACHE_SCHEMA = 1
 
@@ -54,16 +56,23 @@ class PlanInputs:
     base_rps: float | None = None
 
 
+#: ``Point.isolated``: seconds between two requests, more than any request takes alone
+ISOLATION_GAP_S = 1e5
+
+
 @dataclass(frozen=True, order=True)
 class Point:
     """One simulated cluster: ``policy`` spec on ``prefill``P``decode``D at ``rps`` requests/s
-    (None: the workload's own rate) with ``seed``."""
+    (None: the workload's own rate) with ``seed``. ``isolated``: the same requests, each alone on the
+    idle cluster (arrivals :data:`ISOLATION_GAP_S` apart, the exact node state at each decision) —
+    the attainment of the workload's *ceiling*: no queueing, so no cluster size does better."""
 
     policy: str
     prefill: int
     decode: int
     rps: float | None
     seed: int
+    isolated: bool = False
 
     @property
     def nodes(self) -> int:
@@ -167,7 +176,11 @@ def simulate(inputs: PlanInputs, point: Point) -> Outcome:
     if not workload:
         raise WorkloadError(f"no request arrives in the {duration_s:g} s simulated at "
                             f"{'its own rate' if point.rps is None else f'{point.rps:g} req/s'}: a longer --duration")
-    cfg = SimConfig(n_prefill=point.prefill, n_decode=point.decode, heartbeat_ms=inputs.heartbeat_ms,
+    heartbeat_ms = inputs.heartbeat_ms
+    if point.isolated:
+        workload = tuple(msgspec.structs.replace(w, arrival_s=i * ISOLATION_GAP_S) for i, w in enumerate(workload))
+        heartbeat_ms = 0.0  # the exact (idle) state, and no heartbeat events across the gaps
+    cfg = SimConfig(n_prefill=point.prefill, n_decode=point.decode, heartbeat_ms=heartbeat_ms,
                     link=inputs.link, tbt_guard=policy.traits.node_guard, noise=inputs.noise, seed=point.seed)
     row = run_one(workload, policy, model, PolicyParams(**inputs.params), cfg, rps=point.rps)
     return Outcome(attainment=float(row["slo_attainment"]), ttft_p95_ms=row["ttft_ms"]["p95"],

@@ -1,7 +1,8 @@
 """``kairos plan``'s answer per policy, and what the deflecting policy saves over ``pd``.
 
 :func:`plan` runs the searches of :mod:`kairos.plan.search` for each policy and returns a
-:class:`Plan`: per policy the smallest cluster meeting the SLOs; then, at the rate the budget would
+:class:`Plan`: per policy the workload's ceiling (its requests each alone on an idle cluster) and the
+smallest cluster meeting the SLOs; then, at the rate the budget would
 carry (:func:`stress_rate`: at the workload's own rate a budget larger than needed meets the SLOs
 with most splits alike), the best P:D split of the node budget (with the splits the noise rule
 cannot tell from it) and the attainment curve over its splits (the plot), and the highest request
@@ -17,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from kairos.plan.evaluate import Outcome
-from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, best_split, check_range, clearly_better, max_rates,
-                                smallest_cluster, spread, spreads)
+from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, best_split, ceiling, check_range, clearly_better,
+                                max_rates, smallest_cluster, spread, spreads)
 
 #: the policy the others are compared with when it is planned
 BASELINE = "pd"
@@ -43,6 +44,8 @@ class PolicyPlan:
         stress_rps: the rate the budget's splits were compared at (:func:`stress_rate`).
         curve: prefill count → outcome (first seed, at ``stress_rps``) for the splits of the budget
             evaluated (every one up to :data:`CURVE_EVERY`).
+        ceiling: the workload's ceiling per seed at the plan's rate (:func:`~kairos.plan.search.ceiling`:
+            each request alone on an idle cluster; None in a plan file written before it existed).
     """
 
     policy: str
@@ -53,6 +56,7 @@ class PolicyPlan:
     max_rps: list[float | None]
     stress_rps: float = 0.0
     curve: dict[int, Outcome] = field(default_factory=dict)
+    ceiling: Spread | None = None
 
     @property
     def sustained_rps(self) -> float | None:
@@ -97,6 +101,7 @@ class Plan:
             d = asdict(p)
             d["curve"] = {str(k): asdict(v) for k, v in p.curve.items()}
             d["budget_spread"] = _spread_json(p.budget_spread)
+            d["ceiling"] = None if p.ceiling is None else _spread_json(p.ceiling)
             d["sustained_rps"] = p.sustained_rps
             if p.smallest is not None:
                 d["smallest"] = {"prefill": p.smallest.prefill, "decode": p.smallest.decode,
@@ -117,7 +122,8 @@ def plan_from_json(d: dict) -> Plan:
         sm = x["smallest"]
         return PolicyPlan(x["policy"], None if sm is None else Sized(sm["prefill"], sm["decode"], spread_of(sm["spread"])),
                           x["budget_split"], spread_of(x["budget_spread"]), list(x["ties"]), list(x["max_rps"]),
-                          x["stress_rps"], {int(k): Outcome(**v) for k, v in x["curve"].items()})
+                          x["stress_rps"], {int(k): Outcome(**v) for k, v in x["curve"].items()},
+                          None if x.get("ceiling") is None else spread_of(x["ceiling"]))
     return Plan(d["target"], d["nodes"][0], d["nodes"][1], d["budget"], list(d["seeds"]), d["base_rps"], d["rps"],
                 [pol(x) for x in d["policies"]], [Saving(**x) for x in d["savings"]])
 
@@ -136,7 +142,7 @@ def stress_rate(rate: float, budget: int, smallest: Sequence[Sized | None]) -> f
 
 
 def plan_budget(evaluate: Evaluate, policy: str, smallest: Sized | None, budget: int, stress_rps: float,
-                rate: float, seeds: Sequence[int], target: float) -> PolicyPlan:
+                rate: float, seeds: Sequence[int], target: float, top: Spread | None = None) -> PolicyPlan:
     """One policy's answers for the budget: its splits compared at ``stress_rps`` (every split when
     there are at most :data:`CURVE_EVERY`), the best one's neighbours inside the seeds' spread, and
     the rate the best one sustains per seed (searched from the policy's own guess: ``rate`` × budget
@@ -149,7 +155,7 @@ def plan_budget(evaluate: Evaluate, policy: str, smallest: Sized | None, budget:
     ties = [q for q in near if not clearly_better(at, by[q])]
     guess = rate * budget / smallest.nodes if smallest is not None else stress_rps
     rates = max_rates(evaluate, policy, p, budget - p, rate, seeds, target, start_rps=guess)
-    return PolicyPlan(policy, smallest, p, at, ties, rates, stress_rps, curve)
+    return PolicyPlan(policy, smallest, p, at, ties, rates, stress_rps, curve, top)
 
 
 def _saving(evaluate: Evaluate, pol: PolicyPlan, base: PolicyPlan, rps: float | None,
@@ -192,12 +198,13 @@ def plan(evaluate: Evaluate, policies: Sequence[str], lo: int, hi: int, budget: 
     rate = base_rps if rps is None else rps
     with ThreadPoolExecutor(max_workers=len(policies)) as side_by_side:  # each policy's batches fill the pool
         try:
+            tops = list(side_by_side.map(lambda p: ceiling(evaluate, p, rps, seeds), policies))
             smallest = list(side_by_side.map(
-                lambda p: smallest_cluster(evaluate, p, lo, hi, rps, seeds, target), policies))
+                lambda pt: smallest_cluster(evaluate, pt[0], lo, hi, rps, seeds, target, pt[1]), zip(policies, tops)))
             stress = stress_rate(rate, budget, smallest)
             plans = list(side_by_side.map(
-                lambda ps: plan_budget(evaluate, ps[0], ps[1], budget, stress, rate, seeds, target),
-                zip(policies, smallest)))
+                lambda ps: plan_budget(evaluate, ps[0], ps[1], budget, stress, rate, seeds, target, ps[2]),
+                zip(policies, smallest, tops)))
         except BaseException:  # Ctrl-C here: the searches still running stop at their next evaluation
             if cancel is not None:
                 cancel()

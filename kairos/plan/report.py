@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kairos.plan.planner import Plan, PolicyPlan
-from kairos.plan.search import RATE_SPAN, Spread
+from kairos.plan.search import RATE_SPAN, Spread, near_ceiling, out_of_reach
 
 
 def _pct(x: float) -> str:
@@ -31,7 +31,8 @@ def _rate(p: PolicyPlan, base_rps: float) -> str:
 def _seeds_changed_nothing(plan: Plan) -> bool:
     """Every seed scored alike at every point reported (a deterministic trace without ``--noise``)."""
     for p in plan.policies:
-        spreads = [p.budget_spread] + ([p.smallest.spread] if p.smallest is not None else [])
+        spreads = ([p.budget_spread] + ([p.smallest.spread] if p.smallest is not None else [])
+                   + ([p.ceiling] if p.ceiling is not None else []))
         if any(s.lo != s.hi for s in spreads) or len(set(p.max_rps)) > 1:
             return False
     return True
@@ -53,6 +54,11 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
     lines.append("")
     for p in plan.policies:
         lines.append(f"{p.policy}:")
+        if p.ceiling is not None:
+            lines.append(f"  ceiling (each request alone on an idle cluster): attainment {_range(p.ceiling)}"
+                         + (": the target is out of reach on any cluster" if out_of_reach(p.ceiling, plan.target) else
+                            ": the target is within the seeds' spread of it, other draws of this workload may miss "
+                            "it on any cluster" if near_ceiling(p.ceiling, plan.target) else ""))
         if p.smallest is None:
             lines.append(f"  smallest cluster: none of {plan.lo}–{plan.hi} nodes meets the target on every seed")
         else:
@@ -83,7 +89,8 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
 
 def plot(plan: Plan, path: Path, title: str = "") -> Path:
     """Write a PNG: attainment (%) against the prefill count of the budget (decode = budget − P), one
-    line per policy (first seed), its best split marked, the target drawn. Returns ``path``."""
+    line per policy (first seed), its best split marked, the target drawn (and a policy's ceiling
+    below 100 %, dotted). Returns ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,6 +103,9 @@ def plot(plan: Plan, path: Path, title: str = "") -> Path:
         line, = ax.plot(xs, [100 * p.curve[x].attainment for x in xs], marker=".", label=p.policy)
         ax.plot([p.budget_split], [100 * p.curve[p.budget_split].attainment], marker="*", markersize=14,
                 color=line.get_color(), linestyle="none")
+        if p.ceiling is not None and p.ceiling.mean < 1:  # what no split can beat (at 100 %: the frame)
+            ax.axhline(100 * p.ceiling.mean, color=line.get_color(), linestyle=":", linewidth=1,
+                       label=f"{p.policy} ceiling")
     ax.axhline(100 * plan.target, color="red", linestyle="--", linewidth=1, label="target")
     ax.set_xlabel(f"prefill nodes of {plan.budget} (decode = {plan.budget} − prefill), at "
                   f"{plan.policies[0].stress_rps:.4g} req/s")

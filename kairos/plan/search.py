@@ -13,6 +13,9 @@ tests) for the outcomes of batches of points and decides from them alone. For ea
 * **highest sustainable rate** at a split — from a guess, a widening bracket, then a bisection to
   :data:`RATE_PRECISION`, of the request rate at which the target holds, every seed's search in
   step (:func:`max_rates`);
+* **the ceiling** — the attainment of the workload's requests each alone on an idle cluster: what no
+  cluster size beats (long prompts whose prefill alone outlasts the TTFT SLO miss on any); a target
+  above it on some seed is out of reach, found without a search (:func:`ceiling`);
 * **the noise rule** — outcomes over several seeds give a range [min, max]; one split or policy is
   called better than another only when the ranges do not overlap (:func:`clearly_better`), and a
   cluster meets the target only when its worst seed clears it by more than the range is wide
@@ -135,6 +138,27 @@ def spreads(evaluate: Evaluate, policy: str, prefills: Sequence[int], n: int, rp
     return {p: Spread(tuple(o.attainment for o in outs[i * k:(i + 1) * k])) for i, p in enumerate(prefills)}
 
 
+def ceiling(evaluate: Evaluate, policy: str, rps: float | None, seeds: Sequence[int]) -> Spread:
+    """The workload's ceiling under ``policy`` over ``seeds``: the attainment of its requests each
+    alone on an idle 1P1D cluster (``Point.isolated``). Queueing is all a larger cluster removes,
+    so no cluster scores above it; a request whose prefill alone outlasts the TTFT SLO (a long
+    prompt) misses on every cluster. One batch."""
+    outs = evaluate([Point(policy, 1, 1, rps, s, isolated=True) for s in seeds])
+    return Spread(tuple(o.attainment for o in outs))
+
+
+def out_of_reach(top: Spread, target: float) -> bool:
+    """No cluster meets ``target``: even the best seed's ceiling (:func:`ceiling`) plus the seeds'
+    spread is below it (the spread allows for step noise drawn differently under load)."""
+    return top.hi + (top.hi - top.lo) < target
+
+
+def near_ceiling(top: Spread, target: float) -> bool:
+    """``target`` is within the seeds' spread of the ceiling (:func:`meets_beyond_spread` fails
+    for it): another draw of the workload may miss it whatever the cluster's size."""
+    return not meets_beyond_spread(top, target)
+
+
 @dataclass(frozen=True)
 class Sized:
     """The smallest cluster found for a policy: ``prefill`` + ``decode`` nodes, and its attainment
@@ -150,10 +174,11 @@ class Sized:
 
 
 def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: float | None,
-                     seeds: Sequence[int], target: float) -> Sized | None:
+                     seeds: Sequence[int], target: float, top: Spread | None = None) -> Sized | None:
     """The fewest nodes in [lo, hi] with a split meeting ``target`` attainment on every seed beyond
     their spread (:func:`meets_beyond_spread`), or None
-    if even ``hi`` nodes have none. On the first seed (feasibility grows with nodes): sizes doubled
+    if even ``hi`` nodes have none — at once, without a search, when the workload's ceiling ``top``
+    (:func:`ceiling`) is out of reach (:func:`out_of_reach`). On the first seed (feasibility grows with nodes): sizes doubled
     from ``lo`` until one is feasible, then a bisection of the last gap; then,
     from the size found up, the best few splits of a size on the first seed (:data:`CONFIRM_SPLITS`)
     are run on every seed and the one with the best worst seed less the spread is taken if that meets the target,
@@ -163,6 +188,8 @@ def smallest_cluster(evaluate: Evaluate, policy: str, lo: int, hi: int, rps: flo
         PlanError: ``lo`` < 2, ``hi`` < ``lo``, no seeds, or ``target`` outside (0, 1].
     """
     check_range(lo, hi, seeds, target)
+    if top is not None and out_of_reach(top, target):
+        return None
     seed = seeds[0]
 
     def feasible(n: int) -> bool:

@@ -27,6 +27,9 @@ class KvLinks:
         self.busy: set[LinkKey] = set()
         #: prefill node → its links that ever queued, in the order they first did (what backlog_ms sums)
         self.links_of: dict[int, list[LinkKey]] = {}
+        #: prefill node → its backlog_ms since its queues last changed (a snapshot per request reads
+        #: every prefill node's; most of them did not change since the last request)
+        self._backlog: dict[int, float] = {}
 
     def transfer_ms(self, r: SimRequest) -> float:
         """How long ``r``'s KV transfer takes on its link, ms."""
@@ -39,6 +42,7 @@ class KvLinks:
             q = self.queues[key] = []
             self.links_of.setdefault(key[0], []).append(key)
         q.append(r)
+        self._backlog.pop(key[0], None)
 
     def start(self, key: LinkKey) -> SimRequest | None:
         """Start the head transfer of link ``key`` if the link is free (it becomes busy); None when
@@ -47,6 +51,7 @@ class KvLinks:
         if key in self.busy or not q:
             return None
         self.busy.add(key)
+        self._backlog.pop(key[0], None)
         return q.pop(0)
 
     def finish(self, key: LinkKey) -> None:
@@ -58,14 +63,19 @@ class KvLinks:
         q = self.queues.get(key)
         if q and r in q:
             q.remove(r)
+            self._backlog.pop(key[0], None)
             return True
         return False
 
     def backlog_ms(self, p: int) -> float:
-        """Queued (not started) KV-transfer work on prefill node ``p``'s links, ms (kairos+ input)."""
-        total = 0.0
-        for key in self.links_of.get(p, ()):  # its own links only: O(decode nodes), not O(links)
-            q = self.queues[key]
-            if q:
-                total += sum(self.transfer_ms(r) for r in q)
+        """Queued (not started) KV-transfer work on prefill node ``p``'s links, ms (kairos+ input);
+        summed again only after one of its queues changed (the same sum, in the same order)."""
+        total = self._backlog.get(p)
+        if total is None:
+            total = 0.0
+            for key in self.links_of.get(p, ()):  # its own links only: O(decode nodes), not O(links)
+                q = self.queues[key]
+                if q:
+                    total += sum(self.transfer_ms(r) for r in q)
+            self._backlog[p] = total
         return total

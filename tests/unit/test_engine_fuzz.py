@@ -96,6 +96,7 @@ def fuzz(role: str, seqs: int, budget: int, blocks: int, block: int, ops: list[t
         assert plan.duration_ms >= 0 and plan.predicted_ms > 0
         if role == "decode":
             assert len(plan.prefill_chunks) <= 1
+        e.state()  # a heartbeat while the step runs (the simulator's): the commit must not leave it stale
         res = e.commit_step(plan)
         for rid, idx in res.tokens:
             assert got.setdefault(rid, []) == list(range(idx))  # token indexes in order, no gaps

@@ -275,3 +275,24 @@ def test_a_plan_runs_end_to_end_and_a_second_run_comes_from_the_cache(tmp_path):
     again = CliRunner().invoke(main, args)
     assert again.exit_code == 0 and "0 points simulated" in again.output
     assert json.loads((tmp_path / "plan.json").read_text())["policies"] == out["policies"]
+
+
+def test_the_ceiling_misses_exactly_the_prompts_too_long_alone_and_bounds_every_cluster(tmp_path):
+    """A trace of 7 short prompts and 3 of 30,000 tokens, all within a second, TTFT SLO 1 s: alone
+    on an idle cluster a 200-token prompt prefills in ~26 ms, a 30,000-token one needs 15 chunks of
+    at least 155 ms (the profile's own step times, independent of the simulator): the ceiling is
+    7/10 on every seed, and no loaded cluster scores above it."""
+    trace = tmp_path / "t.csv"
+    rows = [(0.1 * i, 30000 if i in (2, 5, 8) else 200, 8) for i in range(10)]
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n" + "".join(f"{a:.1f},{p},{o}\n" for a, p, o in rows))
+    inputs = PlanInputs(workload=f"trace:{trace}", duration_s=20.0, profile="a100-dsv2lite",
+                        params={**INPUTS.params, "ttft_slo_ms": 1000.0})
+    from kairos.core.model.latency import load_profile
+    m = load_profile("a100-dsv2lite")
+    assert m.engine.max_num_batched_tokens * 15 >= 30000 and m.prefill_step_ms(m.engine.max_num_batched_tokens, 0) > 1000 / 15
+    assert m.prefill_step_ms(200, 0) < 100
+    for policy in ("pd", "kairos+"):
+        top = [simulate(inputs, Point(policy, 1, 1, None, s, isolated=True)).attainment for s in (1, 2)]
+        assert top == [0.7, 0.7], (policy, top)
+        for p, d in ((1, 1), (2, 2), (4, 4)):
+            assert simulate(inputs, Point(policy, p, d, None, 1)).attainment <= 0.7, (policy, p, d)

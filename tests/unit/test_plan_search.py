@@ -20,23 +20,30 @@ TARGET = 0.9
 class Capacity:
     """Attainment of P prefill + D decode nodes at ``rps``: each prefill node serves ``per_prefill``
     req/s and each decode node ``per_decode`` (per policy); attainment = min(1, capacity / rps) of each
-    pool, multiplied; a seed scales both capacities by (1 + ``jitter`` × (seed − 2))."""
+    pool, multiplied, capped by the workload's ceiling (``top`` per policy, else 1: the
+    attainment of an isolated point); a seed scales the capacities and a given ceiling by (1 +
+    ``jitter`` × (seed − 2))."""
 
     def __init__(self, per_prefill: dict[str, float], per_decode: dict[str, float], jitter: float = 0.0,
-                 base_rps: float = 10.0) -> None:
+                 base_rps: float = 10.0, top: dict[str, float] | None = None) -> None:
         self.pp, self.pd, self.jitter, self.base = per_prefill, per_decode, jitter, base_rps
+        self.top = top or {}
         self.calls: list[Point] = []
         self.batches: list[int] = []
+
+    def ceiling(self, policy: str, seed: int) -> float:
+        return min(1.0, self.top[policy] * (1 + self.jitter * (seed - 2))) if policy in self.top else 1.0
 
     def attainment(self, policy: str, p: int, d: int, rps: float | None, seed: int) -> float:
         k = 1 + self.jitter * (seed - 2)
         r = self.base if rps is None else rps
-        return min(1.0, p * self.pp[policy] * k / r) * min(1.0, d * self.pd[policy] * k / r)
+        return min(self.ceiling(policy, seed), min(1.0, p * self.pp[policy] * k / r) * min(1.0, d * self.pd[policy] * k / r))
 
     def __call__(self, points):
         self.batches.append(len(points))
         self.calls.extend(points)
-        return [Outcome(self.attainment(p.policy, p.prefill, p.decode, p.rps, p.seed), 100.0 + p.prefill, 30.0,
+        return [Outcome(self.ceiling(p.policy, p.seed) if p.isolated else
+                        self.attainment(p.policy, p.prefill, p.decode, p.rps, p.seed), 100.0 + p.prefill, 30.0,
                         100, 0) for p in points]
 
 
@@ -213,3 +220,29 @@ def test_a_target_no_seed_but_the_first_reaches_costs_few_points():
     cap = Lucky({"x": 1.0}, {"x": 1.0})
     assert smallest_cluster(cap, "x", 2, 64, 1.0, [1, 2, 3], TARGET) is None
     assert len(set(cap.calls)) < 400, len(set(cap.calls))
+
+
+def test_a_target_above_the_workloads_ceiling_is_answered_without_a_search():
+    """Every seed's requests alone reach 80 % at most: a 90 % target is out of reach on any cluster —
+    no cluster is searched, the report says why; an 88 % ceiling (seeds 86–90 %) leaves the target
+    within the spread: searched, and the report warns that other draws may miss it."""
+    from kairos.plan.report import text
+    from kairos.plan.search import ceiling, near_ceiling, out_of_reach
+
+    cap = Capacity({"x": 1.0}, {"x": 1.0}, jitter=0.02, top={"x": 0.8})
+    top = ceiling(cap, "x", 10.0, [1, 2, 3])
+    assert top.hi == pytest.approx(0.816) and out_of_reach(top, TARGET)
+    assert smallest_cluster(cap, "x", 2, 64, 10.0, [1, 2, 3], TARGET, top) is None
+    assert all(p.isolated for p in cap.calls), "nothing but the ceiling was simulated"
+    res = plan(Capacity({"pd": 1.0}, {"pd": 1.0}, jitter=0.02, top={"pd": 0.8}), ["pd"], 2, 16, 8, 10.0, 10.0,
+               [1, 2, 3], TARGET)
+    assert res.policies[0].smallest is None and "out of reach on any cluster" in text(res)
+
+    near = Capacity({"pd": 1.0}, {"pd": 1.0}, jitter=0.02, top={"pd": 0.93})
+    top = ceiling(near, "pd", 10.0, [1, 2, 3])
+    assert near_ceiling(top, TARGET) and not out_of_reach(top, TARGET)
+    res = plan(near, ["pd"], 2, 16, 8, 10.0, 10.0, [1, 2, 3], TARGET)
+    assert "other draws of this workload may miss it on any cluster" in text(res)
+    assert res.policies[0].ceiling == top
+    far = plan(Capacity({"pd": 1.0}, {"pd": 1.0}, jitter=0.02), ["pd"], 2, 16, 8, 10.0, 10.0, [1, 2, 3], TARGET)
+    assert "ceiling" in text(far) and "miss it" not in text(far) and "out of reach" not in text(far)

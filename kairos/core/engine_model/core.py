@@ -319,9 +319,11 @@ class Engine:
         """Recompute the bookkeeping from scratch and compare (tests, simulator debug mode).
 
         Raises:
-            AssertionError: blocks, slots, K or the phase indexes are inconsistent.
+            AssertionError: blocks, slots, K or the phase indexes are inconsistent, or the
+                snapshot :meth:`state` keeps is not the queues' of now.
         """
         self._q.check_invariants()
+        assert self._q.snapshot in (None, self._q._state(self._steps)), "state() is stale"
 
     # -- prefix cache -------------------------------------------------------------------------
     def cached_prefix_tokens(self, req_id: str) -> int:

@@ -35,11 +35,13 @@ class PhaseQueues:
     """The requests of one engine, indexed by phase, with their admission and removal rules.
 
     The containers are read directly by the step planner and the engine (hot paths); every
-    phase change goes through a method here so the indexes stay a partition of ``reqs``.
+    phase change goes through a method here so the indexes stay a partition of ``reqs``. Each of
+    them, and a step's commit, clears ``snapshot``: :meth:`state` until the next change (a
+    heartbeat of a node that did nothing since the last one copies nothing).
     """
 
     __slots__ = ("config", "kv", "reqs", "waiting", "prefilling", "deflect", "await_kv", "ready", "decoding",
-                 "held", "decode_kv", "alloc_log")
+                 "held", "decode_kv", "alloc_log", "snapshot")
 
     def __init__(self, config: EngineConfig, kv: KvBlocks) -> None:
         self.config = config
@@ -54,6 +56,7 @@ class PhaseQueues:
         self.held: dict[str, Req] = {}  # prefill done, KV not yet released
         self.decode_kv = 0  # Σ (prompt + generated) over decoding
         self.alloc_log: dict[str, None] = {}  # allocated, not yet polled, still awaiting KV
+        self.snapshot: EngineState | None = None
 
     @property
     def running(self) -> int:
@@ -92,10 +95,12 @@ class PhaseQueues:
             r.hashes = tuple(hashes[:prompt // cache.block_tokens])
         self.reqs[req_id] = r
         self.waiting.append(r)
+        self.snapshot = None
 
     def admit(self) -> list[str]:
         """FIFO admission (see :meth:`kairos.core.engine_model.core.Engine.admit`); returns the remote
         decodes that got blocks, in allocation order, and logs them for ``poll_allocated``."""
+        self.snapshot = None
         cap = self.config.max_num_seqs
         running = len(self.prefilling) + len(self.deflect) + len(self.decoding)  # hot path: no property
         while self.ready and running < cap:
@@ -130,6 +135,7 @@ class PhaseQueues:
     def arrive(self, r: Req, generated: int) -> None:
         """The KV of awaiting remote decode ``r`` arrived (``generated`` tokens already emitted
         elsewhere): it decodes now if a slot is free and no earlier arrival waits, else it is ready."""
+        self.snapshot = None
         r.generated = generated
         del self.await_kv[r.id]
         self.alloc_log.pop(r.id, None)
@@ -148,6 +154,7 @@ class PhaseQueues:
 
     def drop(self, r: Req) -> None:
         """Forget an admitted request and free its blocks (the caller removed it from its index)."""
+        self.snapshot = None
         del self.reqs[r.id]
         self.kv.release(r)
         self.alloc_log.pop(r.id, None)  # unpolled allocation: its transfer must not start
@@ -156,6 +163,7 @@ class PhaseQueues:
     def remove(self, r: Req) -> None:
         """Take ``r`` out in whatever phase it is (abort): from its index, then :meth:`drop` it
         (a waiting request holds no blocks and is only forgotten)."""
+        self.snapshot = None
         ph = r.phase
         if ph == WAITING:
             self.waiting.remove(r)
@@ -193,7 +201,13 @@ class PhaseQueues:
         return True
 
     def state(self, steps: int) -> EngineState:
-        """The :class:`EngineState` snapshot of these queues after ``steps`` committed steps."""
+        """The :class:`EngineState` snapshot of these queues after ``steps`` committed steps: the one
+        taken since the last change (``snapshot``; its lists are shared: do not mutate them)."""
+        if self.snapshot is None:
+            self.snapshot = self._state(steps)
+        return self.snapshot
+
+    def _state(self, steps: int) -> EngineState:
         role = self.config.role
         if role == "prefill":
             queue = [r.prompt - r.computed for r in self.prefilling]

@@ -104,6 +104,7 @@ def commit_step(q: PhaseQueues, refs: StepRefs, allocated: tuple[str, ...], step
     deflected prompt that completes emits token 0 and joins the decodes. Requests no longer in
     the phase they were planned in (aborted meanwhile) are skipped.
     """
+    q.snapshot = None
     decs, chunk_refs = refs
     tokens: list[tuple[str, int]] = []
     first: list[str] = []
