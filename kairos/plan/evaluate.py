@@ -312,7 +312,7 @@ class Evaluator:
             pool = self._pool
         if todo:
             try:
-                if pool is None or len(todo) == 1:
+                if pool is None:  # one point too goes to the pool: the other policy's search may hold this process
                     results = []
                     for p in todo:
                         if self.aborted:

@@ -122,20 +122,26 @@ class Simulator:
         self.view.reset()
         if hb > 0 and workload:
             self._push(0.0, _HEARTBEAT, None)
-        pending = len(workload)
+        pending = arrivals_left = len(workload)
         now = 0.0
         while self._heap:
             now, kind, _, payload = heapq.heappop(self._heap)
             self._now = now
             if kind == _ARRIVAL:
+                arrivals_left -= 1
                 self._arrive(now, payload)
             elif kind == _STEP_END:
                 pending -= self._step_end(now, *payload)
             elif kind == _TRANSFER_END:
                 self._transfer_end(now, *payload)
             elif kind == _HEARTBEAT:
-                self.view.heartbeat(now)
-                if pending > 0:
+                # after the last arrival no decision reads the view: only the guards may still move
+                # (an overloaded cluster drains its queues for long after; its heartbeats were most of the cost)
+                if arrivals_left:
+                    self.view.heartbeat(now)
+                else:
+                    self.view.refresh_guards(now)
+                if pending > 0 and (arrivals_left or self.view.guards_follow_corrections):
                     self._push(now + hb, _HEARTBEAT, None)
         records = [request_record(r) for r in self.reqs.values()]
         return SimResult(records=records, decode_step_ms=self.decode_steps, deflected_steps=self.deflected_steps,

@@ -71,6 +71,18 @@ class DispatcherView:
         for q in self.routed_since.values():
             q.clear()
 
+    @property
+    def guards_follow_corrections(self) -> bool:
+        """The kairos+ node guards change with the corrections (:meth:`_refresh_corrections`): the
+        one part of a heartbeat that acts on the engines, not only on later decisions."""
+        return self._correcting and self.nodes.guard_ms is not None
+
+    def refresh_guards(self, now: float) -> None:
+        """A heartbeat after the last arrival: no decision reads the view any more; only the node
+        guards follow the corrections (when they do)."""
+        if self.guards_follow_corrections:
+            self._refresh_corrections(now)
+
     def observe(self, node_id: str, plan: StepPlan, now: float) -> None:
         """A step of ``node_id`` ended at ``now``: feed its (predicted, actual) ms to the correction."""
         if self._correcting:

@@ -160,6 +160,8 @@ class PrefixCache:
         :class:`kairos.core.cluster.prefix_index.PrefixIndex` counts (a hash reported stored twice would count as
         two blocks). The order a consumer applies them in does not matter.
         """
+        if not self._stored and not self._removed:  # nothing since the last drain (most heartbeats)
+            return [], []
         ref, free, was = self._ref, self._free, self._was_cached
         stored = [h for h in dict.fromkeys(self._stored) if not was[h] and (h in ref or h in free)]
         removed = list(dict.fromkeys(h for h in self._removed if h not in ref and h not in free))
