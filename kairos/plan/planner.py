@@ -68,7 +68,8 @@ class PolicyPlan:
 class Saving:
     """What ``policy`` saves over ``baseline``: ``nodes`` fewer for the SLOs (None: either found no
     cluster; negative: it needs more), ``nodes_clear`` whether that is beyond the seeds' spread (on
-    the policy's node count the baseline's best split misses the target on every seed), ``rate_ratio``
+    the smaller of the two node counts, the best split of the one needing more misses the target on
+    every seed), ``rate_ratio``
     the rate sustained on the budget ÷ the baseline's (the lowest over the seeds each; None without
     both) and ``rate_clear`` whether every seed's rate of ``policy`` is above every seed's of the
     baseline."""
@@ -164,11 +165,12 @@ def _saving(evaluate: Evaluate, pol: PolicyPlan, base: PolicyPlan, rps: float | 
     if pol.smallest is not None and base.smallest is not None:
         nodes = base.smallest.nodes - pol.smallest.nodes
         clear = False
-        if nodes > 0:
-            # clear when the baseline, on the policy's node count, misses the target on every seed
-            n = pol.smallest.nodes
-            bp, _ = best_split(evaluate, base.policy, n, rps, seeds[0])
-            clear = spread(evaluate, base.policy, bp, n - bp, rps, seeds).hi < target
+        if nodes != 0:
+            # clear when the one needing more nodes, on the other's smaller count, misses the target on every seed
+            more, fewer = (base, pol) if nodes > 0 else (pol, base)
+            n = fewer.smallest.nodes  # type: ignore[union-attr]
+            bp, _ = best_split(evaluate, more.policy, n, rps, seeds[0])
+            clear = spread(evaluate, more.policy, bp, n - bp, rps, seeds).hi < target
     ratio, rate_clear = None, False
     if pol.sustained_rps is not None and base.sustained_rps is not None:
         ratio = round(pol.sustained_rps / base.sustained_rps, 3)

@@ -79,7 +79,8 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
             lines.append(f"{s.policy} vs {s.baseline}: {s.nodes} fewer node{'s' if s.nodes > 1 else ''} for the same "
                          f"SLOs" + ("" if s.nodes_clear else " (inside the seeds' spread: not a clear saving)"))
         else:
-            lines.append(f"{s.policy} vs {s.baseline}: no fewer nodes ({-s.nodes} more)" if s.nodes < 0
+            lines.append(f"{s.policy} vs {s.baseline}: no fewer nodes ({-s.nodes} more"
+                         + (")" if s.nodes_clear else ", inside the seeds' spread: not a clear loss)") if s.nodes < 0
                          else f"{s.policy} vs {s.baseline}: the same number of nodes")
         if s.rate_ratio is not None:
             lines.append(f"{s.policy} vs {s.baseline}: ×{s.rate_ratio:.2f} the sustained rate on {plan.budget} nodes"

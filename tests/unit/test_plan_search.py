@@ -151,6 +151,22 @@ def test_plan_reports_the_saving_of_a_policy_with_more_capacity():
     assert s.rate_ratio is not None and s.rate_ratio > 1 and s.rate_clear
 
 
+def test_a_policy_needing_more_nodes_is_a_clear_loss_only_beyond_the_spread():
+    """The noise rule holds both ways: more nodes are a loss only when, on the baseline's count, the
+    policy misses the target on every seed."""
+    cap = Capacity({"pd": 1.0, "kairos+": 1.0}, {"pd": 4.0, "kairos+": 1.0}, jitter=0.02)
+    (s,) = plan(cap, ["pd", "kairos+"], 2, 40, 12, 10.0, 10.0, [1, 2, 3], TARGET).savings
+    assert s.nodes is not None and s.nodes < 0 and s.nodes_clear
+    close = Capacity({"pd": 1.0, "kairos+": 0.97}, {"pd": 1.0, "kairos+": 0.97}, jitter=0.1)
+    res = plan(close, ["pd", "kairos+"], 2, 40, 30, 10.0, 10.0, [1, 2, 3], TARGET)
+    (s,) = res.savings
+    pd, kp = res.policies
+    assert kp.smallest.nodes > pd.smallest.nodes and s.nodes < 0 and not s.nodes_clear, s
+    from kairos.plan.report import text
+
+    assert "not a clear loss" in text(res)
+
+
 def test_plan_calls_a_difference_inside_the_seeds_spread_no_gain():
     cap = Capacity({"pd": 1.0, "kairos+": 1.02}, {"pd": 1.0, "kairos+": 1.02}, jitter=0.1)
     res = plan(cap, ["pd", "kairos+"], 2, 40, 30, 10.0, 10.0, [1, 2, 3], TARGET)

@@ -29,7 +29,7 @@ def _cluster(x: dict | None) -> str:
 def _nodes_saved(s: dict) -> str:
     if s["nodes"] is None:
         return "–"
-    return f"{s['nodes']}" + ("" if s["nodes"] <= 0 or s["nodes_clear"] else " (inside the spread)")
+    return f"{s['nodes']}" + ("" if s["nodes"] == 0 or s["nodes_clear"] else " (inside the spread)")
 
 
 def _ceiling(values: list[float]) -> str:
@@ -101,7 +101,7 @@ def plan_saving(load: Load) -> str:
         bits = []
         if s["nodes"] is not None:
             bits.append(f"{_cluster(x['smallest']['kairos+'])} nodes instead of {_cluster(x['smallest']['pd'])}"
-                        + ("" if s["nodes"] <= 0 or s["nodes_clear"] else ", inside the seeds' spread"))
+                        + ("" if s["nodes"] == 0 or s["nodes_clear"] else ", inside the seeds' spread"))
         if s["rate_ratio"] is not None:
             bits.append(f"×{s['rate_ratio']:.2f} the rate on {x['budget']} nodes"
                         + ("" if s["rate_clear"] else " (inside the spread)"))
