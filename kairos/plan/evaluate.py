@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import msgspec
 
 #: bumped when an outcome's meaning changes (older cache entries are then never read)
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,16 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
+def trace_file(workload: str) -> tuple[Path, str] | None:
+    """The file of a ``trace:PATH`` workload spec and the suffix after it (``:busiest`` or ``""``,
+    as :func:`kairos.core.workload.workloads.parse_workload` reads them); None for another workload."""
+    if not workload.startswith("trace:"):
+        return None
+    path = workload[6:]
+    suffix = path[-len(":busiest"):] if path.lower().endswith(":busiest") else ""
+    return Path(path[: len(path) - len(suffix)]), suffix
+
+
 def inputs_digest(inputs: PlanInputs) -> str:
     """sha256 of everything a point's outcome depends on besides the point itself: the inputs, the
     bytes of a ``trace:PATH`` workload and of the profile, and the code (:func:`code_digest`).
@@ -116,8 +126,9 @@ def inputs_digest(inputs: PlanInputs) -> str:
     from kairos.core.model.latency import PROFILES_DIR
 
     files = {}
-    if inputs.workload.startswith("trace:"):
-        files["workload"] = _file_digest(Path(inputs.workload[6:]))
+    trace = trace_file(inputs.workload)
+    if trace is not None:
+        files["workload"] = _file_digest(trace[0])
     prof = Path(inputs.profile)
     bundled = PROFILES_DIR / f"{inputs.profile}.json"
     files["profile"] = _file_digest(prof if prof.is_file() else bundled) if (prof.is_file() or bundled.is_file()) else None
@@ -147,10 +158,11 @@ MIN_POINT_DURATION_S = 60.0
 
 
 def point_duration_s(inputs: PlanInputs, rps: float | None) -> float:
-    """Seconds of workload simulated at ``rps``: ``duration_s``, shortened for a rate above
-    ``base_rps`` to keep the request count (never below :data:`MIN_POINT_DURATION_S` or ``duration_s``
-    when that is shorter). The rate search probes up to 256 × the workload's rate."""
-    if rps is None or inputs.base_rps is None or rps <= inputs.base_rps:
+    """Seconds of workload simulated at ``rps``: ``duration_s`` × ``base_rps`` / ``rps``, which keeps
+    the workload's request count at every rate — longer for a lower rate, shorter for a higher one
+    (never below :data:`MIN_POINT_DURATION_S`, or ``duration_s`` when that is shorter). The rate
+    search probes from 1/256 to 256 × the workload's rate."""
+    if rps is None or inputs.base_rps is None or rps == inputs.base_rps:
         return inputs.duration_s
     return max(min(MIN_POINT_DURATION_S, inputs.duration_s), inputs.duration_s * inputs.base_rps / rps)
 
@@ -189,8 +201,10 @@ def simulate(inputs: PlanInputs, point: Point) -> Outcome:
 
 
 def _ignore_sigint() -> None:
-    """A worker process leaves Ctrl-C to the plan's process, which stops the pool (Evaluator.abort)."""
+    """A worker process leaves Ctrl-C to the plan's process, which stops the pool (Evaluator.abort),
+    and dies of a SIGTERM (not the plan process's handler, inherited by the fork)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _simulate_star(args: tuple[PlanInputs, Point]) -> Outcome:
@@ -206,14 +220,15 @@ def pin_trace(inputs: PlanInputs, directory: Path) -> PlanInputs:
     under ``directory/traces/<sha256>.<suffix>``: the hash the cache keys on is the hash of what every
     point simulates, whatever happens to PATH during the plan. Other workloads are returned as they
     are. Raises OSError (unreadable trace, unwritable directory)."""
-    if not inputs.workload.startswith("trace:"):
+    trace = trace_file(inputs.workload)
+    if trace is None:
         return inputs
-    src = Path(inputs.workload[6:])
+    src, suffix = trace
     data = src.read_bytes()
     copy = directory / "traces" / f"{hashlib.sha256(data).hexdigest()}{''.join(src.suffixes[-2:])}"
     if not copy.is_file():
         _write_atomic(copy, data)
-    return replace(inputs, workload=f"trace:{copy}")
+    return replace(inputs, workload=f"trace:{copy}{suffix}")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -277,9 +292,9 @@ class Evaluator:
             return None
         try:
             data = json.loads(path.read_text())
-            o = Outcome(**data["outcome"]) if data.get("point") == asdict(p) else None
-        except (OSError, ValueError, TypeError, KeyError, AttributeError):
-            return None  # a torn or foreign file: simulated again and rewritten
+            o = msgspec.convert(data["outcome"], Outcome) if data.get("point") == asdict(p) else None
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, msgspec.ValidationError):
+            return None  # a torn or foreign file, a field of the wrong type: simulated again and rewritten
         if o is None or not isinstance(o.attainment, (int, float)) or not 0 <= o.attainment <= 1:
             return None
         return o
@@ -288,7 +303,13 @@ class Evaluator:
         path = self._path(p)
         if path is None:
             return
-        _write_atomic(path, json.dumps({"point": asdict(p), "outcome": asdict(o)}).encode())
+        try:
+            _write_atomic(path, json.dumps({"point": asdict(p), "outcome": asdict(o)}).encode())
+        except OSError:  # the cache is an aid: an entry that cannot be written (a directory in its place) is skipped
+            try:
+                path.with_name(f"{path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def evaluate(self, points: Sequence[Point]) -> list[Outcome]:
         """The outcomes of ``points``, in their order (duplicates simulated once). Thread-safe: the

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from kairos.plan.evaluate import Outcome
 from kairos.plan.search import (Evaluate, PlanError, Sized, Spread, best_split, ceiling, check_range, clearly_better,
-                                max_rates, smallest_cluster, spread, spreads)
+                                max_rates, out_of_reach, smallest_cluster, spread, spreads)
 
 #: the policy the others are compared with when it is planned
 BASELINE = "pd"
@@ -147,7 +147,8 @@ def plan_budget(evaluate: Evaluate, policy: str, smallest: Sized | None, budget:
     """One policy's answers for the budget: its splits compared at ``stress_rps`` (every split when
     there are at most :data:`CURVE_EVERY`), the best one's neighbours inside the seeds' spread, and
     the rate the best one sustains per seed (searched from the policy's own guess: ``rate`` × budget
-    ÷ its smallest cluster)."""
+    ÷ its smallest cluster; None on every seed without a search when the target is out of the
+    ceiling ``top``'s reach)."""
     p, curve = best_split(evaluate, policy, budget, stress_rps, seeds[0], every=budget - 1 <= CURVE_EVERY)
     near = [q for q in (p - 1, p + 1) if 1 <= q < budget]
     by = spreads(evaluate, policy, [p, *near], budget, stress_rps, seeds)
@@ -155,7 +156,10 @@ def plan_budget(evaluate: Evaluate, policy: str, smallest: Sized | None, budget:
     # the neighbours: a split the noise rule cannot rank below the best
     ties = [q for q in near if not clearly_better(at, by[q])]
     guess = rate * budget / smallest.nodes if smallest is not None else stress_rps
-    rates = max_rates(evaluate, policy, p, budget - p, rate, seeds, target, start_rps=guess)
+    if top is not None and out_of_reach(top, target):  # no rate meets what no cluster can: none searched
+        rates: list[float | None] = [None] * len(seeds)
+    else:
+        rates = max_rates(evaluate, policy, p, budget - p, rate, seeds, target, start_rps=guess)
     return PolicyPlan(policy, smallest, p, at, ties, rates, stress_rps, curve, top)
 
 

@@ -18,8 +18,10 @@ def _range(s: Spread) -> str:
     return _pct(s.mean) if s.lo == s.hi else f"{_pct(s.mean)} ({100 * s.lo:.1f}–{_pct(s.hi)})"
 
 
-def _rate(p: PolicyPlan, base_rps: float) -> str:
+def _rate(p: PolicyPlan, base_rps: float, target: float) -> str:
     r = p.sustained_rps
+    if r is None and p.ceiling is not None and out_of_reach(p.ceiling, target):
+        return "none (not searched: the target is above the workload's ceiling)"
     if r is None:
         return "none (the split misses the target even at the lowest rate tried)"
     if r >= base_rps * RATE_SPAN * (1 - 1e-6):
@@ -70,7 +72,7 @@ def text(plan: Plan, gpus_per_node: int = 1) -> str:
                if p.ties and not same else "")
         lines.append(f"  best split of {plan.budget} nodes: {p.budget_split}P{d}D, attainment "
                      f"{_range(p.budget_spread)} at {p.stress_rps:.4g} req/s{tie}")
-        lines.append(f"  highest sustained rate at {p.budget_split}P{d}D: {_rate(p, plan.base_rps)}")
+        lines.append(f"  highest sustained rate at {p.budget_split}P{d}D: {_rate(p, plan.base_rps, plan.target)}")
     for s in plan.savings:
         lines.append("")
         if s.nodes is None:

@@ -4,8 +4,12 @@ emitters (rendered by kubectl kustomize / docker-compose config where installed)
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +21,8 @@ from kairos.cli.main import main
 from kairos.contracts.records import IngressTiming
 from kairos.contracts.wire import encode
 from kairos.plan.emit import EmitError, emit_compose, emit_k8s
-from kairos.plan.evaluate import Evaluator, Outcome, PlanAborted, PlanInputs, Point, pin_trace, simulate
+from kairos.plan.evaluate import (Evaluator, Outcome, PlanAborted, PlanInputs, Point, pin_trace, point_duration_s,
+                                  simulate)
 from kairos.plan.live import LiveWorkloadError, fetch_live_workload, workload_rows
 from kairos.services.ingress.workload import workload_body
 
@@ -70,6 +75,39 @@ def test_a_trace_is_pinned_so_a_change_during_the_plan_cannot_poison_the_cache(t
     trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,900,10\n1,900,10\n")  # the file changes mid-plan
     assert copy.read_text().splitlines()[1] == "0,100,10" and Evaluator(pinned, tmp_path / "c").cache_dir == key
     assert pin_trace(INPUTS, tmp_path) is INPUTS, "a generated workload has no file to pin"
+
+
+def test_a_busiest_window_of_a_trace_is_pinned_with_its_suffix(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,prompt_tokens,output_tokens\n0,100,10\n1,100,10\n")
+    inputs = replace(INPUTS, workload=f"trace:{trace}:busiest")
+    pinned = pin_trace(inputs, tmp_path / "c")
+    assert pinned.workload.endswith(".csv:busiest") and Path(pinned.workload[6:-8]).read_bytes() == trace.read_bytes()
+    assert Evaluator(pinned, tmp_path / "c").cache_dir is not None
+
+
+def test_a_point_keeps_the_workloads_request_count_at_a_lower_and_a_higher_rate():
+    inputs = replace(INPUTS, duration_s=120.0, base_rps=8.0)
+    assert point_duration_s(inputs, 2.0) == 480.0 and point_duration_s(inputs, 16.0) == 60.0
+    assert point_duration_s(inputs, 8.0 / 256) == 120.0 * 256 and point_duration_s(inputs, 8.0 * 256) == 60.0
+
+
+@pytest.mark.parametrize("damage", ["string", "directory"])
+def test_a_cache_entry_of_the_wrong_type_or_a_directory_is_simulated_again(tmp_path, damage):
+    run = Counting()
+    p = Point("pd", 1, 1, 2.0, 1)
+    ev = Evaluator(INPUTS, tmp_path, run=run)
+    ev.evaluate([p])
+    (f,) = list(ev.cache_dir.glob("*.json"))
+    if damage == "string":
+        data = json.loads(f.read_text())
+        f.write_text(json.dumps({**data, "outcome": {**data["outcome"], "ttft_p95_ms": "slow"}}))
+    else:
+        f.unlink()
+        f.mkdir()
+    again = Evaluator(INPUTS, tmp_path, run=run)
+    assert again.evaluate([p]) == ev.evaluate([p]) and len(run.calls) == 2
+    assert not list(again.cache_dir.glob("*.tmp")), "no temporary file is left behind"
 
 
 def test_an_aborted_evaluator_refuses_more_work():
@@ -223,6 +261,11 @@ def test_the_compose_file_runs_exactly_the_planned_nodes(tmp_path):
     (["--seeds", "1,1"], "each once"),
     (["--seeds", "a"], "comma list of integers"),
     (["--attainment", "0"], "--attainment"),
+    (["--attainment", "0.9"], "0.9 is not in the range 1.0<=x<=100"),
+    (["--attainment", "nan"], "not a finite number"),
+    (["--workload", "lpld", "--rps", "100000", "--duration", "604800"], "a plan point would simulate"),
+    (["--profile", "{badcoef}"], "wrong value"),
+    (["--profile", "{badengine}"], "engine.max_num_seqs must be an integer >= 1"),
     (["--workload", "nope"], "unknown workload"),
     (["--from-live", "http://127.0.0.1:9"], "could not read the workload"),
     (["--profile", "nope"], "no profile"),
@@ -254,8 +297,14 @@ def test_bad_input_is_a_usage_error_naming_it(args, msg, tmp_path):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "list.json").write_text("[]")
     (tmp_path / "latin1.csv").write_bytes(b"arrival_s,prompt_tokens,output_tokens\n0,1\xe9,2\n")
+    from kairos.core.model.latency import PROFILES_DIR
+    prof = json.loads((PROFILES_DIR / "a100-dsv2lite.json").read_text())
+    (tmp_path / "badcoef.json").write_text(json.dumps({**prof, "decode": {**prof["decode"], "intercept_ms": "x"}}))
+    (tmp_path / "badengine.json").write_text(json.dumps({**prof, "engine": {**prof.get("engine", {}),
+                                                                             "max_num_seqs": -1}}))
     args = [a.format(tmp=tmp_path, file=tmp_path / "afile", list=tmp_path / "list.json",
-                     latin1=tmp_path / "latin1.csv") for a in args]
+                     latin1=tmp_path / "latin1.csv", badcoef=tmp_path / "badcoef.json",
+                     badengine=tmp_path / "badengine.json") for a in args]
     r = CliRunner().invoke(main, ["plan", "--cache-dir", str(tmp_path / "c"), "--plot", str(tmp_path / "p.png"),
                                   *args])
     assert r.exit_code == 2, r.output
@@ -296,3 +345,55 @@ def test_the_ceiling_misses_exactly_the_prompts_too_long_alone_and_bounds_every_
         assert top == [0.7, 0.7], (policy, top)
         for p, d in ((1, 1), (2, 2), (4, 4)):
             assert simulate(inputs, Point(policy, p, d, None, 1)).attainment <= 0.7, (policy, p, d)
+
+
+def _alive_children(pid: int) -> set[int]:
+    """Live (not zombie) processes whose parent is ``pid``, from /proc."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.add(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(condition, timeout_s: float = 60.0):
+    """Poll ``condition`` until it returns something truthy (returned) or ``timeout_s`` passes (AssertionError)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = condition()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads processes from /proc")
+def test_a_sigterm_stops_the_plan_and_its_worker_processes(tmp_path):
+    """``kill PID`` (``docker stop``, systemd) is a stop like Ctrl-C: the plan exits 143 and its
+    simulation workers end with it (they were left blocked on their queue, orphaned, for good)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kairos.cli.main", "plan", "--workload", "bursty", "--duration",
+                             "60", "--nodes", "2:8", "--budget", "4", "--jobs", "2", "--no-cache", "--no-plot"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    workers: set[int] = set()
+    try:
+        workers = _until(lambda: (lambda c: c if len(c) >= 2 else None)(_alive_children(proc.pid)))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "kairos plan: stopped" in proc.stderr.read()  # type: ignore[union-attr]
+        _until(lambda: not any(_alive(w) for w in workers), 30.0)
+    finally:
+        proc.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)

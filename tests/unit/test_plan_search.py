@@ -250,9 +250,11 @@ def test_a_target_above_the_workloads_ceiling_is_answered_without_a_search():
     assert top.hi == pytest.approx(0.816) and out_of_reach(top, TARGET)
     assert smallest_cluster(cap, "x", 2, 64, 10.0, [1, 2, 3], TARGET, top) is None
     assert all(p.isolated for p in cap.calls), "nothing but the ceiling was simulated"
-    res = plan(Capacity({"pd": 1.0}, {"pd": 1.0}, jitter=0.02, top={"pd": 0.8}), ["pd"], 2, 16, 8, 10.0, 10.0,
-               [1, 2, 3], TARGET)
+    low = Capacity({"pd": 1.0}, {"pd": 1.0}, jitter=0.02, top={"pd": 0.8})
+    res = plan(low, ["pd"], 2, 16, 8, 10.0, 10.0, [1, 2, 3], TARGET)
     assert res.policies[0].smallest is None and "out of reach on any cluster" in text(res)
+    assert res.policies[0].max_rps == [None] * 3 and "not searched: the target is above" in text(res)
+    assert not [q for q in low.calls if q.rps is not None and q.rps < 10.0], "no rate below the workload's was probed"
 
     near = Capacity({"pd": 1.0}, {"pd": 1.0}, jitter=0.02, top={"pd": 0.93})
     top = ceiling(near, "pd", 10.0, [1, 2, 3])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -26,6 +27,10 @@ PROGRESS_EVERY_S = 10.0
 
 #: the largest cluster a plan searches (nodes)
 MAX_PLAN_NODES = 1024
+
+#: the lowest ``--attainment`` (%): below it a fraction was meant (0.9 for 90 %), and the rate search
+#: would climb to 256 × the rate on full-length points
+MIN_ATTAINMENT_PCT = 1.0
 
 
 def _node_range(ctx, param, value: str) -> tuple[int, int]:
@@ -71,8 +76,10 @@ def default_cache_dir() -> Path:
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, show_envvar=True,
               help="With --from-live: sent as Authorization: Bearer KEY (an ingress started with API keys needs one).")
 @policy_option("pd,kairos+", many=True)
-@click.option("--attainment", type=click.FloatRange(0, 100, min_open=True), default=90.0, show_default=True,
-              help="SLO attainment wanted, %: requests with TTFT <= --ttft-slo-ms and P95 TBT <= --tbt-slo-ms.")
+@click.option("--attainment", type=click.FloatRange(MIN_ATTAINMENT_PCT, 100), default=90.0, show_default=True,
+              callback=_finite,
+              help="SLO attainment wanted, % (90, not 0.9): requests with TTFT <= --ttft-slo-ms and P95 TBT <= "
+                   "--tbt-slo-ms.")
 @click.option("--nodes", "node_range", default="2:16", show_default=True, callback=_node_range, metavar="LO:HI",
               help="Cluster sizes searched (nodes; a node is one engine instance).")
 @click.option("--budget", type=click.IntRange(2), default=None,
@@ -108,8 +115,9 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
     """Size a P/D cluster for a workload with the simulator: per policy the smallest cluster meeting the
     SLOs, the best prefill:decode split of a node budget and the rate it sustains, and what the
     deflecting policy saves over pd."""
-    from kairos.core.workload.workloads import TABLE1_RPS, WorkloadError
-    from kairos.plan.evaluate import PlanInputs, pin_trace, workload_rate
+    from kairos.core.workload.workloads import MAX_REQUESTS, TABLE1_RPS, WorkloadError
+    from kairos.plan.evaluate import MIN_POINT_DURATION_S, PlanInputs, pin_trace, workload_rate
+    from kairos.plan.search import RATE_SPAN
 
     link = link or None  # "" is the profile's default link, as for kairos sim
     model = load_model_or_exit(profile)
@@ -148,6 +156,12 @@ def plan(workload, rps, duration, live_url, window_s, api_key, policies: list[Po
         base_rps = rps if rps is not None else workload_rate(workload, seeds[0], model.engine.max_model_len)
     except WorkloadError as exc:
         raise click.BadParameter(str(exc), param_hint="--workload") from None
+    per_point = base_rps * max(duration, RATE_SPAN * min(MIN_POINT_DURATION_S, duration))
+    if per_point > MAX_REQUESTS:  # the rate search's top point simulates this many requests
+        raise click.BadParameter(f"a plan point would simulate up to {per_point:,.0f} requests (the rate × the "
+                                 f"duration, or {MIN_POINT_DURATION_S:g} s at {RATE_SPAN:g} × the rate); at most "
+                                 f"{MAX_REQUESTS:,}: a lower --rps or a shorter --duration",
+                                 param_hint="--rps" if rps is not None else "--duration")
     if rps is None and not workload.startswith("trace:") and workload.strip().lower() in TABLE1_RPS:
         rps = base_rps  # a generated workload's default rate is a rate (Table 1), not a trace's own timing
     inputs = PlanInputs(workload=workload, duration_s=duration, profile=profile, link=link, heartbeat_ms=heartbeat_ms,
@@ -181,6 +195,25 @@ def _writable_dirs(dirs: dict[str, Path | None]) -> None:
             raise
 
 
+def _stop_on_signals() -> list[int]:
+    """Make the first SIGINT or SIGTERM stop the plan (a KeyboardInterrupt in the main thread, which
+    aborts the searches and stops the workers) and ignore any later one while it stops: a second
+    Ctrl-C during the pool's shutdown could leave it waiting on its workers, and a SIGTERM (``kill``,
+    ``docker stop``) ended the process at once, leaving its workers blocked. Returns the list the
+    signal received is appended to."""
+    got: list[int] = []
+
+    def stop(signum: int, frame) -> None:
+        got.append(signum)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop)
+    return got
+
+
 def _run(*, inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds, attainment, gpus_per_node, plot_path,
          json_path, emit, emit_dir, live_url, workload, duration, profile) -> None:
     """The plan itself, its report, plot, JSON and emitted files (the options checked by :func:`plan`)."""
@@ -202,6 +235,7 @@ def _run(*, inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds,
             click.echo(f"kairos plan: {simulated} simulated, {cached} from the cache", err=True)
 
     t0 = time.perf_counter()
+    stopped_by = _stop_on_signals()
     try:
         with Evaluator(inputs, cache, min(jobs or os.cpu_count() or 1, os.cpu_count() or 1), progress) as ev:
             result = run_plan(ev.evaluate, [p.spec for p in policies], lo, hi, budget, rps, base_rps, seeds,
@@ -211,16 +245,19 @@ def _run(*, inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds,
     except WorkloadError as exc:
         raise click.BadParameter(str(exc), param_hint="--workload") from None
     except (KeyboardInterrupt, PlanAborted):
-        click.echo("\nkairos plan: stopped; what was simulated is in the cache", err=True)
-        sys.exit(130)
+        click.echo("\nkairos plan: stopped" + ("; what was simulated is in the cache" if cache else ""), err=True)
+        sys.exit(128 + (stopped_by[0] if stopped_by else signal.SIGINT))
     except BrokenProcessPool:
-        raise click.ClickException("a simulation process died (killed, or out of memory); what was simulated "
-                                   "before is in the cache") from None
+        raise click.ClickException("a simulation process died (killed, or out of memory)"
+                                   + ("; what was simulated before is in the cache" if cache else "")) from None
     wall = time.perf_counter() - t0
     if tty:
         click.echo("", err=True)
     click.echo(f"kairos plan: {ev.simulated} points simulated, {ev.cached} from the cache, {wall:.1f} s", err=True)
     click.echo(text(result, gpus_per_node))
+    chosen = result.policies[-1]
+    if emit and chosen.smallest is None:  # before any file is written
+        raise click.UsageError(f"--emit: {chosen.policy} has no cluster meeting the target in --nodes {lo}:{hi}")
     title = f"{workload if not live_url else 'live: ' + live_url}, {duration:g} s, profile {profile}"
     if plot_path is not None:
         click.echo(f"plot: {plot(result, Path(plot_path), title)}", err=True)
@@ -233,9 +270,6 @@ def _run(*, inputs, cache, jobs, policies, lo, hi, budget, rps, base_rps, seeds,
     if emit:
         from kairos.plan.emit import EmitError, emit_plan
 
-        chosen = result.policies[-1]
-        if chosen.smallest is None:
-            raise click.UsageError(f"--emit: {chosen.policy} has no cluster meeting the target in --nodes {lo}:{hi}")
         try:
             paths = emit_plan(emit, chosen.smallest.prefill, chosen.smallest.decode, Path(emit_dir))
         except (EmitError, OSError) as exc:

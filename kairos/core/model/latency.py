@@ -103,6 +103,16 @@ class EngineLimits:
     block_size: int = 16
     max_model_len: int = 32_768
 
+    def __post_init__(self) -> None:
+        """Every limit an integer >= 1 (a profile file's ``engine`` section is checked here).
+
+        Raises:
+            ValueError: naming the field.
+        """
+        for name, v in vars(self).items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"engine.{name} must be an integer >= 1, got {v!r}")
+
 
 @dataclass(frozen=True)
 class LatencyModel:
@@ -212,7 +222,8 @@ class LatencyModel:
         """Build a model from an artifact dict.
 
         Raises:
-            LatencyProfileError: wrong schema version, missing section, feature-set mismatch or a
+            LatencyProfileError: wrong schema version, missing section, feature-set mismatch, a field that is
+                not a number, an engine limit below 1, kv_transfer.bytes_per_token <= 0 or a
                 negative coefficient (the policy's search needs monotone models).
         """
         try:
@@ -233,6 +244,8 @@ class LatencyModel:
                      for k, v in kv["links"].items()}
             if kv["default_link"] not in links:
                 raise LatencyProfileError(f"kv_transfer.default_link {kv['default_link']!r} not in links")
+            if not (math.isfinite(float(kv["bytes_per_token"])) and float(kv["bytes_per_token"]) > 0):
+                raise LatencyProfileError(f"kv_transfer.bytes_per_token must be > 0, got {kv['bytes_per_token']!r}")
             for k, v in links.items():
                 if v.bandwidth_gb_s <= 0:
                     raise LatencyProfileError(f"kv_transfer.links.{k}.bandwidth_gb_s must be > 0")
@@ -256,6 +269,8 @@ class LatencyModel:
             raise LatencyProfileError(f"profile is missing field {exc.args[0]!r}") from None
         except TypeError as exc:
             raise LatencyProfileError(f"profile has a field of the wrong type: {exc}") from None
+        except ValueError as exc:  # float("x"), EngineLimits' own check
+            raise LatencyProfileError(f"profile has a field with a wrong value: {exc}") from None
 
     @property
     def artifact_version(self) -> str:
