@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -200,8 +201,11 @@ def _stop_on_signals() -> list[int]:
     aborts the searches and stops the workers) and ignore any later one while it stops: a second
     Ctrl-C during the pool's shutdown could leave it waiting on its workers, and a SIGTERM (``kill``,
     ``docker stop``) ended the process at once, leaving its workers blocked. Returns the list the
-    signal received is appended to."""
+    signal received is appended to. Off the main thread (a test calling the command from a worker
+    thread) nothing is installed: Python takes signals in the main thread only."""
     got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        return got
 
     def stop(signum: int, frame) -> None:
         got.append(signum)
