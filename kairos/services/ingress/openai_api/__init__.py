@@ -12,6 +12,8 @@ Where it goes: a :class:`ParsedRequest` the ingress turns into a
 * :mod:`.prompt` — prompt token counting (tokenizer or the ``ceil(bytes / 4)`` estimate), chat
   templates, the context-length check;
 * :mod:`.responses` — completion bodies, SSE chunks, usage, ``/v1/models``, the error object.
+* :mod:`.models`, :mod:`.response_models` — every route's request and response bodies as msgspec
+  models; :mod:`.openapi` — the OpenAPI 3.1 document generated from them (``GET /openapi.json``).
 
 The names below are re-exported so callers write ``from kairos.services.ingress import openai_api as oa``.
 """
