@@ -41,6 +41,13 @@ def test_the_document_is_valid_openapi_3_1():
     assert DOC["openapi"] == "3.1.0" and DOC["info"]["version"] == "test"
 
 
+def test_model_is_the_served_model():  # any other is a 404: the fuzzer's requests reach the validation
+    doc = openapi_document("test", "served-x")
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "DetokenizeRequest"):
+        model = doc["components"]["schemas"][name]["properties"]["model"]
+        assert model["enum"][0] == "served-x" and fits("served-x", name, "model") is False  # DOC serves another
+
+
 def test_every_parameter_of_the_table_is_a_field_of_its_request_model_with_its_description():
     for endpoint, model in (("completions", M.CompletionRequest), ("chat", M.ChatCompletionRequest)):
         props = DOC["components"]["schemas"][model.__name__]["properties"]
@@ -92,8 +99,11 @@ def test_the_bodies_the_ingress_builds_fit_their_response_schemas(endpoint, logp
     lps = [TokenLogprob(token="a", logprob=-0.5, top=[("a", -0.5), ("b", -1.5)])]
     body = full_response(req, "cmpl-1", 1, "ab", "stop", 3, 2, 1, logprobs=lps, stop_reason=7)
     assert fits(body, "CompletionResponse" if endpoint == "completions" else "ChatCompletionResponse")
-    chunk = stream_chunk(req, "cmpl-1", 1, "a", None, first=True)
-    assert chunk["choices"] and usage_chunk(req, "cmpl-1", 1, 3, 2)["usage"]["total_tokens"] == 5
+    chunk_model = "CompletionChunk" if endpoint == "completions" else "ChatCompletionChunk"
+    for chunk in (stream_chunk(req, "cmpl-1", 1, "a", None, first=True, echo=True),
+                  stream_chunk(req, "cmpl-1", 1, None, "stop", logprobs=body["choices"][0]["logprobs"], stop_reason="x"),
+                  usage_chunk(req, "cmpl-1", 1, 3, 2)):
+        assert fits(chunk, chunk_model), chunk  # the SSE events' data (fuzzing found them undeclared)
     assert fits(models_response(["m"], 4096), "ModelList") and fits(models_response(["m"]), "ModelList")
     for code in ErrorCode:
         assert fits(ApiError(code, "no", param="x").body(), "ErrorResponse"), code

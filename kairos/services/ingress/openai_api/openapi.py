@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from kairos.contracts.subjects import TOKEN_PATTERN
 from kairos.services.ingress.openai_api import models as M
 from kairos.services.ingress.openai_api import response_models as R
 from kairos.services.ingress.openai_api.params import PARAMETERS
@@ -37,22 +38,23 @@ class Route:
     request: tuple[type, ...] = ()
     response: type | None = None
     status: int = 200
-    sse: bool = False
+    sse: type | None = None  #: the model of each SSE event's ``data`` (``stream: true``)
     text: str | None = None  #: a success answer that is plain text (its media type)
     open: bool = False  #: served without an API key (kairos/services/ingress/http.py ``OPEN_PATHS``)
     path_param: str | None = None
+    path_pattern: str | None = None  #: the path parameter's (others: 400)
     query: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
 #: every route of the ingress (kairos/services/ingress/app.py registers the same ones)
 ROUTES: tuple[Route, ...] = (
     Route("post", "/v1/completions", "createCompletion", "OpenAI completions (vLLM 0.32's rules; SSE with "
-          "`stream: true`)", (M.CompletionRequest,), R.CompletionResponse, sse=True),
+          "`stream: true`)", (M.CompletionRequest,), R.CompletionResponse, sse=R.CompletionChunk),
     Route("post", "/v1/chat/completions", "createChatCompletion", "OpenAI chat completions (vLLM 0.32's rules; "
-          "SSE with `stream: true`)", (M.ChatCompletionRequest,), R.ChatCompletionResponse, sse=True),
+          "SSE with `stream: true`)", (M.ChatCompletionRequest,), R.ChatCompletionResponse, sse=R.ChatCompletionChunk),
     Route("get", "/v1/models", "listModels", "the served model", response=R.ModelList),
     Route("get", "/v1/requests/{id}", "getRequestRecord", "why a request went where it went (docs/services.md)",
-          response=R.RequestRecord, path_param="id"),
+          response=R.RequestRecord, path_param="id", path_pattern=TOKEN_PATTERN),
     Route("post", "/tokenize", "tokenize", "vLLM's: the prompt's or the chat's tokens",
           (M.TokenizeCompletionRequest, M.TokenizeChatRequest), R.TokenizeResponse),
     Route("post", "/detokenize", "detokenize", "vLLM's: the text of token ids", (M.DetokenizeRequest,),
@@ -72,25 +74,34 @@ ROUTES: tuple[Route, ...] = (
 _DESCRIBED = {"completions": M.CompletionRequest, "chat": M.ChatCompletionRequest}
 
 
+#: every request model
+REQUESTS: tuple[type, ...] = tuple(m for r in ROUTES for m in r.request)
+
+
 def _models() -> list[type]:
-    out: list[type] = [R.ErrorResponse]
-    for r in ROUTES:
-        out += [*r.request, *([r.response] if r.response else [])]
-    return out
+    return [R.ErrorResponse, *REQUESTS, *(r.response for r in ROUTES if r.response),
+            *(r.sse for r in ROUTES if r.sse)]
 
 
-def _describe(components: dict[str, Any]) -> None:
-    """Each request parameter's description: its ``how`` in :data:`PARAMETERS` (the README table's)."""
+def _describe(components: dict[str, Any], served_model: str) -> None:
+    """Each request parameter's description: its ``how`` in :data:`PARAMETERS` (the README table's);
+    ``model`` the served model, the only one the ingress answers (any other: 404 ``model_not_found``)."""
     for p in PARAMETERS:
         for ep in (("completions", "chat") if p.endpoints == "both" else (p.endpoints,)):
             props = components[_DESCRIBED[ep].__name__]["properties"]
             props[p.name]["description"] = f"{p.support}: {p.how}"
+    for m in REQUESTS:
+        schema = components[m.__name__]
+        model = schema["properties"]["model"]
+        required = "model" in schema.get("required", ())
+        schema["properties"]["model"] = {"description": model.get("description", "the served model"),
+                                         "enum": [served_model] if required else [served_model, None]}
 
 
 def _operation(r: Route) -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": r.operation_id, "summary": r.summary}
-    params = [{"name": r.path_param, "in": "path", "required": True, "schema": {"type": "string"}}] \
-        if r.path_param else []
+    schema = {"type": "string", **({"pattern": r.path_pattern} if r.path_pattern else {})}
+    params = [{"name": r.path_param, "in": "path", "required": True, "schema": schema}] if r.path_param else []
     params += [{"name": n, "in": "query", "required": False, "schema": s} for n, s in r.query]
     if params:
         op["parameters"] = params
@@ -101,9 +112,13 @@ def _operation(r: Route) -> dict[str, Any]:
     content: dict[str, Any] = {}
     if r.response is not None:
         content["application/json"] = {"schema": {"$ref": REF.format(name=r.response.__name__)}}
-    if r.sse:
-        content["text/event-stream"] = {"schema": {"type": "string", "description": "SSE: `data: {chunk}` events, "
-                                                                                      "then `data: [DONE]`"}}
+    if r.sse is not None:  # each event: a chunk, or an error after the first token, then [DONE]
+        chunk = {"anyOf": [{"$ref": REF.format(name=r.sse.__name__)}, {"$ref": REF.format(name="ErrorResponse")}]}
+        data = {"anyOf": [{"const": "[DONE]"},
+                          {"type": "string", "contentMediaType": "application/json", "contentSchema": chunk}]}
+        content["text/event-stream"] = {"schema": {"type": "object", "properties": {"data": data},
+                                                   "required": ["data"],
+                                                   "description": "SSE: `data: {chunk}` events, then `data: [DONE]`"}}
     if r.text is not None:
         content[r.text] = {"schema": {"type": "object"} if r.text == "application/json" else {"type": "string"}}
     ok = {"description": "success", "content": content}
@@ -117,13 +132,13 @@ def _operation(r: Route) -> dict[str, Any]:
     return op
 
 
-@lru_cache(maxsize=1)
-def openapi_document(version: str = "unknown") -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the ingress (module docstring), for Kairos ``version``. Every
-    operation but those of :data:`ROUTES` marked ``open`` needs ``Authorization: Bearer <key>`` when
-    the ingress has API keys (docs/reliability.md)."""
+@lru_cache(maxsize=4)
+def openapi_document(version: str = "unknown", served_model: str = "kairos-emulated") -> dict[str, Any]:
+    """The OpenAPI 3.1 document of an ingress of Kairos ``version`` serving ``served_model`` (module
+    docstring). Every operation but those of :data:`ROUTES` marked ``open`` needs ``Authorization:
+    Bearer <key>`` when the ingress has API keys (docs/security.md). Cached: build a copy to change it."""
     _, components = msgspec.json.schema_components(_models(), ref_template=REF)
-    _describe(components)
+    _describe(components, served_model)
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method] = _operation(r)

@@ -113,6 +113,55 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
 
 
+class CompletionChunkChoice(msgspec.Struct):
+    """A choice of a streamed ``text_completion`` chunk (vLLM ``CompletionResponseStreamChoice``)."""
+
+    index: int
+    text: str
+    finish_reason: FinishReason = None
+    logprobs: CompletionLogprobs | None = None
+    stop_reason: StopReason = None
+
+
+class ChatDelta(msgspec.Struct):
+    """What a chat chunk adds to the message (vLLM ``DeltaMessage``)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """A choice of a ``chat.completion.chunk`` (vLLM ``ChatCompletionResponseStreamChoice``)."""
+
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason = None
+    logprobs: ChatLogprobs | None = None
+    stop_reason: StopReason = None
+
+
+class CompletionChunk(msgspec.Struct):
+    """One SSE event of ``POST /v1/completions`` with ``stream: true`` (``choices: []`` with ``usage``: the last)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    """One SSE event of ``POST /v1/chat/completions`` with ``stream: true``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
 class Model(msgspec.Struct):
     """A served model (vLLM ``ModelCard``, with its ``max_model_len`` when known)."""
 
