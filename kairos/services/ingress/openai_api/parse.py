@@ -23,6 +23,8 @@ import math
 from dataclasses import replace
 from typing import Any, Callable
 
+import msgspec
+
 from kairos.contracts.errors import ErrorCode
 from kairos.contracts.wire import SamplingParams
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE
@@ -60,8 +62,8 @@ def check_known(endpoint: Endpoint, body: dict) -> None:
 def _token_ids(ids: list[int], name: str, vocab_size: int, path: str | None = None) -> list[int]:
     """``ids`` (integers) in ``[0, vocab_size)`` (vLLM: ``_validate_stop_token_ids``); ``path``: where
     they are (a prompt of a batch)."""
-    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         where = f" ({path or name}[{bad}])"
         raise ApiError(ErrorCode.INVALID_VALUE, f"'{path or name}' token id {ids[bad]}{where} is out of vocabulary: "
                                                 f"ids must be >= 0 and < {vocab_size}", param=name)
@@ -97,12 +99,15 @@ def _prompt(prompt: Any, vocab_size: int, path: str = "prompt") -> Prompt:
         raise ApiError(ErrorCode.INVALID_VALUE, f"'{path}' must not be empty", param="prompt")
     if isinstance(prompt, str):
         return prompt, None
-    ids = [integral(t) for t in prompt]  # 2.0 is 2, as in integer fields
-    bad = next((i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool)), None)
-    if bad is not None:
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'{path}' must be a string or a list of token ids, and token ids "
-                                               f"must be integers; {path}[{bad}] is {show(prompt[bad])}",
-                       param="prompt")
+    try:
+        ids = msgspec.convert(prompt, list[int], strict=True)  # the common case, at C speed
+    except msgspec.ValidationError:
+        ids = [integral(t) for t in prompt]  # 2.0 is 2, as in integer fields
+        bad = next((i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ApiError(ErrorCode.INVALID_TYPE, f"'{path}' must be a string or a list of token ids, and token "
+                                                   f"ids must be integers; {path}[{bad}] is {show(prompt[bad])}",
+                           param="prompt") from None
     return None, _token_ids(ids, "prompt", vocab_size, path)
 
 
