@@ -54,6 +54,7 @@ def test_every_parameter_of_the_table_is_a_field_of_its_request_model_with_its_d
         assert set(props) == set(parameters(endpoint)), endpoint  # neither more nor fewer
         for name, p in parameters(endpoint).items():
             assert props[name]["description"] == f"{p.support}: {p.how}"
+            assert props[name].get("examples") == (None if p.example is None else [p.example])
 
 
 @pytest.mark.parametrize("p", PARAMETERS, ids=lambda p: p.name)

@@ -84,12 +84,15 @@ def _models() -> list[type]:
 
 
 def _describe(components: dict[str, Any], served_model: str) -> None:
-    """Each request parameter's description: its ``how`` in :data:`PARAMETERS` (the README table's);
+    """Each request parameter's description and example: its ``how`` and ``example`` in :data:`PARAMETERS`
+    (the README table's);
     ``model`` the served model, the only one the ingress answers (any other: 404 ``model_not_found``)."""
     for p in PARAMETERS:
         for ep in (("completions", "chat") if p.endpoints == "both" else (p.endpoints,)):
             props = components[_DESCRIBED[ep].__name__]["properties"]
             props[p.name]["description"] = f"{p.support}: {p.how}"
+            if p.example is not None:
+                props[p.name]["examples"] = [p.example]
     for m in REQUESTS:
         schema = components[m.__name__]
         model = schema["properties"]["model"]
