@@ -102,7 +102,8 @@ def test_the_bodies_the_ingress_builds_fit_their_response_schemas(endpoint, logp
     assert fits(body, "CompletionResponse" if endpoint == "completions" else "ChatCompletionResponse")
     chunk_model = "CompletionChunk" if endpoint == "completions" else "ChatCompletionChunk"
     for chunk in (stream_chunk(req, "cmpl-1", 1, "a", None, first=True, echo=True),
-                  stream_chunk(req, "cmpl-1", 1, None, "stop", logprobs=body["choices"][0]["logprobs"], stop_reason="x"),
+                  stream_chunk(req, "cmpl-1", 1, None, "stop", logprobs=body["choices"][0]["logprobs"],
+                               stop_reason="x"),
                   usage_chunk(req, "cmpl-1", 1, 3, 2)):
         assert fits(chunk, chunk_model), chunk  # the SSE events' data (fuzzing found them undeclared)
     assert fits(models_response(["m"], 4096), "ModelList") and fits(models_response(["m"]), "ModelList")

@@ -200,7 +200,8 @@ class Tokenization:
         self._model(chat.model)
         if chat.add_generation_prompt is False:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "Kairos renders chats with the generation prompt only "
-                                                        "('add_generation_prompt': true)", param="add_generation_prompt")
+                                                        "('add_generation_prompt': true)",
+                           param="add_generation_prompt")
         if chat.continue_final_message:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "'continue_final_message' is not supported by Kairos",
                            param="continue_final_message")

@@ -94,7 +94,8 @@ def _prompt(prompt: Any, vocab_size: int, path: str = "prompt") -> Prompt:
                        "'prompt' is required: a string or a list of token ids", param="prompt")
     if not isinstance(prompt, (str, list)):
         raise ApiError(ErrorCode.INVALID_TYPE,
-                       f"'{path}' must be a non-empty string or a list of token ids, got {show(prompt)}", param="prompt")
+                       f"'{path}' must be a non-empty string or a list of token ids, got {show(prompt)}",
+                       param="prompt")
     if not prompt:
         raise ApiError(ErrorCode.INVALID_VALUE, f"'{path}' must not be empty", param="prompt")
     if isinstance(prompt, str):
