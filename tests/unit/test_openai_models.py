@@ -8,6 +8,8 @@ pydantic models, vllm/entrypoints/openai/*/protocol.py, the message types from t
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kairos.services.ingress import openai_api as oa
 from kairos.services.ingress.openai_api.decode import decode, integral_ints
@@ -70,3 +72,24 @@ def test_an_unknown_top_level_field_is_unknown_parameter():  # the /tokenize and
         decode(DetokenizeRequest, {"tokens": [1], "frobnicate": True})
     assert (ei.value.param, ei.value.code) == ("frobnicate", "unknown_parameter")
     assert decode(ChatCompletionRequest, CHAT).messages[0].content == "hi"
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False,
+                                                                                        allow_infinity=False)
+                     | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["completions", "chat"]), st.data())
+def test_any_json_body_is_answered_with_a_request_or_an_api_error(endpoint, data):
+    """Every parameter of the endpoint set to any JSON value (some to a well-typed one): validation
+    returns a request or raises :class:`ApiError`, never anything else (a 500 at the ingress)."""
+    names = sorted(oa.parameters(endpoint))
+    body = {"model": "m", **({"prompt": "x"} if endpoint == "completions" else {"messages": CHAT["messages"]})}
+    for name in data.draw(st.lists(st.sampled_from(names), max_size=6, unique=True)):
+        body[name] = data.draw(_JSON)
+    try:
+        oa.parse_request(endpoint, body, ["m"])
+    except oa.ApiError as exc:
+        assert exc.status in (400, 404) and exc.message
