@@ -69,6 +69,8 @@ MODELS_BUCKET = "kairos_models"
 CURRENT_MODEL_KEY = "latency.current"
 
 _TOKEN_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")  #: the whole token (fullmatch: ``$`` would let a trailing "\n" by)
+#: :data:`_TOKEN_RE` as a JSON Schema ``pattern`` (anchored: JSON Schema patterns search)
+TOKEN_PATTERN = f"^{_TOKEN_RE.pattern}$"
 
 
 class SubjectError(ValueError):

@@ -1,4 +1,4 @@
-"""The typed JSON field readers of the request validation (kairos/services/ingress/openai_api/fields.py):
+"""The typed fields of the request validation (kairos/services/ingress/openai_api/decode.py, fields.py):
 error messages show values as JSON (not Python reprs), and integer fields read integral numbers as
 vLLM 0.32's pydantic 2.14 does in lax mode (``int_from_float``: ``3.0`` → 3, ``3.5`` refused; checked
 with ``CompletionRequest``-like ``max_tokens: int | None`` in the vLLM venv: 3.0→3, 1e2→100, -0.0→0,

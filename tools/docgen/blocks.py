@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from tools.docgen import (bus_blocks, cli_blocks, fleet_blocks, ops_blocks, plan_blocks, profile_blocks, scaling_blocks,
-                          sim_blocks, summary_blocks, vllm_blocks)
+from tools.docgen import (api_blocks, bus_blocks, cli_blocks, fleet_blocks, ops_blocks, plan_blocks, profile_blocks,
+                          scaling_blocks, sim_blocks, summary_blocks, vllm_blocks)
 from tools.docgen.error_codes import error_codes
 from tools.docgen.policy_table import policy_table
 from tools.docgen.results import Load
@@ -68,6 +68,8 @@ BLOCKS: dict[str, Block] = {
     "vllm-demo": Block(vllm_blocks.vllm_demo, "docs/results.md"),
     "vllm-ab": Block(vllm_blocks.vllm_ab, "docs/results.md"),
     "vllm-headroom": Block(vllm_blocks.vllm_headroom, "docs/results.md"),
+    # docs/api.md
+    "validation-cost": Block(api_blocks.validation_cost, "docs/api.md"),
     # docs/cli.md
     "decide-example": Block(cli_blocks.decide_example, "docs/cli.md"),
     "plan-example": Block(plan_blocks.plan_example, "docs/plan.md", "docs/cli.md"),

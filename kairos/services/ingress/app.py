@@ -12,13 +12,15 @@
 ``POST /v1/admin/nodes/{node}/drain``  an operator's drain of a node (``kairos drain``, issue 33)
 ``GET /v1/admin/workload``             the recent requests' arrivals and token counts (``kairos plan --from-live``)
 ``GET /metrics``               Prometheus
+``GET /openapi.json``          the OpenAPI 3.1 document of these routes, generated from the models
+                               (:func:`~.openai_api.openapi.openapi_document`)
 =============================  =====================================================================
 
 Every HTTP error is an OpenAI-shaped JSON body with an :class:`~kairos.contracts.errors.ErrorCode`
 (the middleware here; aiohttp's own protocol-level errors in :mod:`.http`): aiohttp's 404/405/413
 included, a body declared larger than the limit refused before it is read, and an unexpected
 exception a 500 naming an error id found in the log, never the exception. With API keys configured,
-every path but ``/health``, ``/metrics`` and ``/version`` needs one (:func:`~.http.api_key_middleware`).
+every path but ``/health``, ``/metrics``, ``/version`` and ``/openapi.json`` needs one (:func:`~.http.api_key_middleware`).
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from kairos.services.ingress.http import (REQUEST_ID, STREAM_STARTED, add_retry_
                                           error_response, http_error)
 from kairos.services.ingress.ignored_params import add_ignored_params_header
 from kairos.services.ingress.metrics import IngressMetrics
+from kairos.services.ingress.openai_api.openapi import openapi_document
 from kairos.services.ingress.openai_api.responses import models_response
 from kairos.services.ingress.ports import IngressBus
 from kairos.services.ingress.readiness import Readiness
 from kairos.services.ingress.records import lookup
-from kairos.services.ingress.tokenize import Tokenization
+from kairos.services.ingress.tokenize import Tokenization, kairos_version
 
 #: a plain decimal number (no ``_``, ``inf``, ``nan`` or hex that :func:`float` also takes)
 DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
@@ -98,6 +101,7 @@ class IngressApp:
         app.router.add_post("/v1/admin/nodes/{node}/drain", self.drain)
         app.router.add_get("/v1/admin/workload", self.workload)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     @web.middleware
@@ -138,6 +142,10 @@ class IngressApp:
 
     async def models(self, _req: web.Request) -> web.Response:
         return _json(models_response([self.cfg.served_model], self.max_model_len))
+
+    async def openapi(self, _req: web.Request) -> web.Response:
+        """``GET /openapi.json``: the document of every route (public, as vLLM's: what it describes is no secret)."""
+        return _json(openapi_document(kairos_version(), self.cfg.served_model))
 
     async def metrics(self, _req: web.Request) -> web.Response:
         body, ctype = telemetry.metrics_body(self.registry)

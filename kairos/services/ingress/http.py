@@ -31,8 +31,9 @@ from kairos.services.ingress.openai_api.responses import ApiError, error_body
 #: error messages are cut to this many characters (a 1 MB model name must not come back as a 1 MB body)
 MAX_ERROR_MESSAGE_CHARS = 1024
 #: paths served without an API key (vLLM protects only /v1/*; Kairos everything but probes, scrapers
-#: and the version, as the vLLM plugin's own middleware: kairos/engines/vllm/plugin/auth.py)
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+#: and the version, as the vLLM plugin's own middleware: kairos/engines/vllm/plugin/auth.py; and the
+#: OpenAPI document, which vLLM serves without a key too)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json"})
 #: Content-Encoding values whose request bodies the ingress reads (aiohttp decodes gzip and deflate)
 READABLE_ENCODINGS = frozenset({"identity", "gzip", "deflate"})
 #: set on a request once its SSE headers are sent (no error response can replace them any more)
@@ -77,7 +78,8 @@ def http_error(request: web.Request, exc: web.HTTPException, max_body_bytes: int
     if isinstance(exc, web.HTTPNotFound):
         msg, code = (f"Unknown path {clip(request.path, 200)!r}. Endpoints: POST /v1/completions, POST "
                      f"/v1/chat/completions, GET /v1/models, GET /v1/requests/{{id}}, POST /tokenize, POST "
-                     f"/detokenize, GET /version, GET /health, GET /metrics, POST /v1/admin/nodes/{{node}}/drain",
+                     f"/detokenize, GET /version, GET /health, GET /metrics, GET /openapi.json, POST "
+                     f"/v1/admin/nodes/{{node}}/drain, GET /v1/admin/workload",
                      ErrorCode.NOT_FOUND)
     elif isinstance(exc, web.HTTPMethodNotAllowed):
         msg = (f"Method {request.method} is not allowed for {request.path}; use "

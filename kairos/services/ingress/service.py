@@ -116,6 +116,7 @@ class Ingress:
         self.jobs: JobRelay | None = None
         self.completions: Completions | None = None
         self.port: int | None = None
+        self.app: web.Application | None = None  #: the HTTP application, once serving (its routes)
         self._bus_watch: BusWatch | None = None
 
     @property
@@ -173,7 +174,7 @@ class Ingress:
         if not self.api_keys:
             self.log.warning("api_open", message="no API key configured (KAIROS_API_KEYS / KAIROS_API_KEY_FILE / "
                                                  "kairos up --api-key): every client may use the API")
-        app = IngressApp(self.cfg, self.completions, self.readiness, self.bus, self.m, self.tel.registry,
+        self.app = app = IngressApp(self.cfg, self.completions, self.readiness, self.bus, self.m, self.tel.registry,
                          self.api_keys, self.max_model_len, self.log, self.tokenization).build()
         runner = HardenedRunner(app, access_log=None, header_timeout_s=self.cfg.header_timeout_s,
                                 keepalive_timeout=self.cfg.keepalive_timeout_s, on_slow_client=self.m.slow_clients.inc)

@@ -46,6 +46,8 @@ from aiohttp import web
 from kairos.contracts.errors import ErrorCode
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE, token_text
 from kairos.services.ingress.http import api_error_response
+from kairos.services.ingress.openai_api.decode import decode
+from kairos.services.ingress.openai_api.models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from kairos.services.ingress.openai_api.parse import parse_request
 from kairos.services.ingress.openai_api.prompt import ChatTemplate, encode_ids
 from kairos.services.ingress.openai_api.responses import ApiError
@@ -54,15 +56,9 @@ from kairos.services.ingress.openai_api.responses import ApiError
 COUNTS_HEADER = "X-Kairos-Token-Counts"
 #: bytes of UTF-8 per estimated token (kairos/services/ingress/openai_api/prompt.py ``estimate_tokens``)
 ESTIMATE_BYTES = 4
-#: the largest id ``/detokenize`` takes (vLLM: ``Field(ge=0, le=2**63 - 1)``)
-MAX_TOKEN_ID = 2**63 - 1
-#: fields of each request body (vLLM's ``TokenizeCompletionRequest`` / ``TokenizeChatRequest`` /
-#: ``DetokenizeRequest``); those Kairos cannot apply are refused when set
-PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "continue_final_message",
-                         "add_special_tokens", "return_token_strs", "tools", "chat_template_kwargs"})
+#: fields of vLLM's ``TokenizeChatRequest`` that Kairos cannot apply: refused when set (the request
+#: bodies themselves: kairos/services/ingress/openai_api/models.py)
 REFUSED_CHAT_FIELDS = ("chat_template", "media_io_kwargs", "mm_processor_kwargs")
-DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
 class EstimateTokenizer:
@@ -148,24 +144,14 @@ class ModelTokenizer:
         return [self._tok.id_to_token(t) or "" for t in ids]
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be a JSON boolean (true or false)", param=name)
-    return v
-
-
-def _check_fields(body: dict, known: frozenset[str]) -> None:
+def _check(body: Any) -> None:
+    """A JSON object without the chat fields Kairos cannot apply."""
+    if not isinstance(body, dict):
+        raise ApiError(ErrorCode.INVALID_JSON, "request body must be a JSON object")
     for name in REFUSED_CHAT_FIELDS:
         if body.get(name) is not None:
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER, f"'{name}' is not supported by Kairos' /tokenize",
                            param=name)
-    unknown = sorted(set(body) - known - set(REFUSED_CHAT_FIELDS))
-    if unknown:
-        raise ApiError(ErrorCode.UNKNOWN_PARAMETER, f"Unrecognized request argument supplied: {unknown[0]}",
-                       param=unknown[0])
 
 
 class Tokenization:
@@ -189,8 +175,7 @@ class Tokenization:
         self.tok: ModelTokenizer | EstimateTokenizer = (ModelTokenizer(tokenizer_path) if tokenizer_path
                                                         else EstimateTokenizer())
 
-    def _model(self, body: dict) -> None:
-        model = body.get("model")
+    def _model(self, model: str | None) -> None:
         if model is not None and model != self.served_model:
             raise ApiError(ErrorCode.MODEL_NOT_FOUND, f"The model `{model}` does not exist. "
                                                       f"Served: {self.served_model}", param="model")
@@ -201,30 +186,30 @@ class Tokenization:
         Raises:
             ApiError: the body is not valid (module docstring).
         """
-        if not isinstance(body, dict):
-            raise ApiError(ErrorCode.INVALID_JSON, "request body must be a JSON object")
+        _check(body)
         has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
         if has_prompt == has_messages:
             raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER if not has_prompt else ErrorCode.INVALID_VALUE,
                            "give either 'prompt' (a string) or 'messages' (a chat)", param="prompt")
-        _check_fields(body, PROMPT_FIELDS if has_prompt else CHAT_FIELDS)
-        self._model(body)
-        strs = _bool(body, "return_token_strs", False)
         if has_prompt:
-            if not isinstance(body["prompt"], str):
-                raise ApiError(ErrorCode.INVALID_TYPE, "'prompt' must be a string", param="prompt")
-            return self.tok.encode(body["prompt"], _bool(body, "add_special_tokens", True)), strs
-        if not _bool(body, "add_generation_prompt", True):
+            req = decode(TokenizeCompletionRequest, {k: v for k, v in body.items() if k not in REFUSED_CHAT_FIELDS})
+            self._model(req.model)
+            special = req.add_special_tokens is not False
+            return self.tok.encode(req.prompt, special), bool(req.return_token_strs)
+        chat = decode(TokenizeChatRequest, {k: v for k, v in body.items() if k not in REFUSED_CHAT_FIELDS})
+        self._model(chat.model)
+        if chat.add_generation_prompt is False:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "Kairos renders chats with the generation prompt only "
-                                                        "('add_generation_prompt': true)", param="add_generation_prompt")
-        if _bool(body, "continue_final_message", False):
+                                                        "('add_generation_prompt': true)",
+                           param="add_generation_prompt")
+        if chat.continue_final_message:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "'continue_final_message' is not supported by Kairos",
                            param="continue_final_message")
-        chat = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if body.get(k) is not None}
-        parsed = parse_request("chat", {"model": self.served_model, **chat}, [self.served_model],
+        parts = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if body.get(k) is not None}
+        parsed = parse_request("chat", {"model": self.served_model, **parts}, [self.served_model],
                                vocab_size=self.tok.vocab_size, chat_template=self.chat_template)
         assert parsed.prompt_text is not None
-        return self.tok.encode(parsed.prompt_text, _bool(body, "add_special_tokens", False)), strs
+        return self.tok.encode(parsed.prompt_text, bool(chat.add_special_tokens)), bool(chat.return_token_strs)
 
     def text_of(self, body: Any) -> str:
         """The text of a ``/detokenize`` body.
@@ -234,19 +219,12 @@ class Tokenization:
         """
         if not isinstance(body, dict):
             raise ApiError(ErrorCode.INVALID_JSON, "request body must be a JSON object")
-        _check_fields(body, DETOKENIZE_FIELDS)
-        self._model(body)
-        ids = body.get("tokens")
-        if ids is None:
-            raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER, "'tokens' is required", param="tokens")
-        if not isinstance(ids, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
-            raise ApiError(ErrorCode.INVALID_TYPE, "'tokens' must be a list of integers", param="tokens")
-        bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
-        if bad is None:
-            bad = self.tok.check(ids)
+        req = decode(DetokenizeRequest, body)
+        self._model(req.model)
+        bad = self.tok.check(req.tokens)
         if bad is not None:
             raise ApiError(ErrorCode.INVALID_VALUE, f"Token id {bad} is out of vocabulary", param="tokens")
-        return self.tok.decode(ids)
+        return self.tok.decode(req.tokens)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         try:
