@@ -83,6 +83,10 @@ async def test_version_and_tokenize_round_trip_with_the_estimate_tokenizer(clien
         msgs = [{"role": "user", "content": "hi there"}]
         st, _, chat = await call(client, base + "/tokenize", {"model": MODEL, "messages": msgs})
         assert st == 200 and chat["count"] == estimate_tokens(render_chat(msgs))
+        # with tools (vLLM's TokenizeChatRequest: tools, no tool_choice): counted as the chat counts them
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+        st, _, with_tools = await call(client, base + "/tokenize", {"messages": msgs, "tools": tools})
+        assert st == 200 and with_tools["count"] == estimate_tokens(render_chat(msgs, tools)) > chat["count"]
     finally:
         await ing.close()
 

@@ -86,6 +86,13 @@ async def test_the_ingress_serves_the_document_without_a_key_and_every_route_is_
         {"/health", "/metrics", "/version", "/openapi.json"}
 
 
+def test_an_open_ingress_declares_no_security_and_one_with_keys_a_bearer_key():
+    keyed, open_ = openapi_document("v", "m", api_keys=True), openapi_document("v", "m", api_keys=False)
+    assert keyed["security"] == [{"apiKey": []}] and keyed["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    assert "security" not in open_ and "securitySchemes" not in open_["components"]
+    validate(open_)
+
+
 def _req(endpoint: str, logprobs: int | None = None) -> ParsedRequest:
     from kairos.contracts.wire import SamplingParams
 

@@ -21,7 +21,8 @@ from typing import Any, Callable, Iterable
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.http_exceptions import (BadStatusLine, ContentEncodingError, ContentLengthError, HttpProcessingError,
+                                     InvalidHeader, InvalidURLError, LineTooLong, TransferEncodingError)
 from aiohttp.web_protocol import RequestHandler
 
 from kairos.contracts.errors import PROTOCOL_CODES, ErrorCode, error_type_for
@@ -236,11 +237,20 @@ class _Handler(RequestHandler):
         if status >= 500:
             text = "internal server error" if status == 500 else "the request handler timed out"
         else:
-            detail = getattr(exc, "message", None) or message or ""
-            text = f"malformed HTTP request: {clip(str(detail), 200)}" if detail else "malformed HTTP request"
+            text = "malformed HTTP request: " + next((what for kind, what in _MALFORMED if isinstance(exc, kind)),
+                                                     "not valid HTTP/1.1")
         resp = error_response(code_for_status(status), text, status=status)
         resp.force_close()
         return resp
+
+
+#: what the answer to a malformed request says, by aiohttp's parser error (most specific first): never
+#: the bytes it quotes, which may be an ``Authorization`` header and its key (docs/security.md)
+_MALFORMED = ((LineTooLong, "a request line or header over 8,190 bytes"),
+              (InvalidHeader, "a header that is not valid HTTP"),
+              (InvalidURLError, "a request target that is not a valid URL"),
+              (BadStatusLine, "a request line that is not valid HTTP"),
+              ((ContentLengthError, TransferEncodingError), "a body whose length framing is broken"))
 
 
 class _Server(web.Server):

@@ -206,6 +206,8 @@ class Tokenization:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "'continue_final_message' is not supported by Kairos",
                            param="continue_final_message")
         parts = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if body.get(k) is not None}
+        if "tools" in parts:  # rendered into the prompt, nothing generated: no tool call to parse (vLLM's
+            parts["tool_choice"] = "none"  # TokenizeChatRequest has tools and no tool_choice)
         parsed = parse_request("chat", {"model": self.served_model, **parts}, [self.served_model],
                                vocab_size=self.tok.vocab_size, chat_template=self.chat_template)
         assert parsed.prompt_text is not None

@@ -136,20 +136,24 @@ def _operation(r: Route) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=4)
-def openapi_document(version: str = "unknown", served_model: str = "kairos-emulated") -> dict[str, Any]:
+def openapi_document(version: str = "unknown", served_model: str = "kairos-emulated",
+                     api_keys: bool = True) -> dict[str, Any]:
     """The OpenAPI 3.1 document of an ingress of Kairos ``version`` serving ``served_model`` (module
-    docstring). Every operation but those of :data:`ROUTES` marked ``open`` needs ``Authorization:
-    Bearer <key>`` when the ingress has API keys (docs/security.md). Cached: build a copy to change it."""
+    docstring). With ``api_keys`` (the ingress has keys) every operation but those of :data:`ROUTES`
+    marked ``open`` needs ``Authorization: Bearer <key>`` (docs/security.md); without, the document
+    declares no security. Cached: build a copy to change it."""
     _, components = msgspec.json.schema_components(_models(), ref_template=REF)
     _describe(components, served_model)
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method] = _operation(r)
-    return {"openapi": OPENAPI_VERSION,
-            "info": {"title": "Kairos ingress", "version": version,
-                     "description": "OpenAI's API as vLLM 0.32 serves it, routed over prefill/decode-"
-                                    "disaggregated engines (docs/api.md)"},
-            "paths": paths,
-            "components": {"schemas": components,
-                           "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}}},
-            "security": [{"apiKey": []}]}
+    doc: dict[str, Any] = {"openapi": OPENAPI_VERSION,
+                           "info": {"title": "Kairos ingress", "version": version,
+                                    "description": "OpenAI's API as vLLM 0.32 serves it, routed over prefill/decode-"
+                                                   "disaggregated engines (docs/api.md)"},
+                           "paths": paths,
+                           "components": {"schemas": components}}
+    if api_keys:
+        doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"apiKey": []}]
+    return doc
