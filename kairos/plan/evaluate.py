@@ -11,6 +11,7 @@ Nothing here touches the network; the cache is the only I/O.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -295,7 +296,7 @@ class Evaluator:
             o = msgspec.convert(data["outcome"], Outcome) if data.get("point") == asdict(p) else None
         except (OSError, ValueError, TypeError, KeyError, AttributeError, msgspec.ValidationError):
             return None  # a torn or foreign file, a field of the wrong type: simulated again and rewritten
-        if o is None or not isinstance(o.attainment, (int, float)) or not 0 <= o.attainment <= 1:
+        if o is None or not 0 <= o.attainment <= 1:  # a float by the typed conversion; NaN fails too
             return None
         return o
 
@@ -306,10 +307,8 @@ class Evaluator:
         try:
             _write_atomic(path, json.dumps({"point": asdict(p), "outcome": asdict(o)}).encode())
         except OSError:  # the cache is an aid: an entry that cannot be written (a directory in its place) is skipped
-            try:
+            with contextlib.suppress(OSError):
                 path.with_name(f"{path.name}.{os.getpid()}.tmp").unlink(missing_ok=True)
-            except OSError:
-                pass
 
     def evaluate(self, points: Sequence[Point]) -> list[Outcome]:
         """The outcomes of ``points``, in their order (duplicates simulated once). Thread-safe: the

@@ -92,24 +92,6 @@ def test_a_point_keeps_the_workloads_request_count_at_a_lower_and_a_higher_rate(
     assert point_duration_s(inputs, 8.0 / 256) == 120.0 * 256 and point_duration_s(inputs, 8.0 * 256) == 60.0
 
 
-@pytest.mark.parametrize("damage", ["string", "directory"])
-def test_a_cache_entry_of_the_wrong_type_or_a_directory_is_simulated_again(tmp_path, damage):
-    run = Counting()
-    p = Point("pd", 1, 1, 2.0, 1)
-    ev = Evaluator(INPUTS, tmp_path, run=run)
-    ev.evaluate([p])
-    (f,) = list(ev.cache_dir.glob("*.json"))
-    if damage == "string":
-        data = json.loads(f.read_text())
-        f.write_text(json.dumps({**data, "outcome": {**data["outcome"], "ttft_p95_ms": "slow"}}))
-    else:
-        f.unlink()
-        f.mkdir()
-    again = Evaluator(INPUTS, tmp_path, run=run)
-    assert again.evaluate([p]) == ev.evaluate([p]) and len(run.calls) == 2
-    assert not list(again.cache_dir.glob("*.tmp")), "no temporary file is left behind"
-
-
 def test_an_aborted_evaluator_refuses_more_work():
     ev = Evaluator(INPUTS, None, run=Counting())
     ev.abort()
@@ -117,17 +99,34 @@ def test_an_aborted_evaluator_refuses_more_work():
         ev.evaluate([Point("pd", 1, 1, 2.0, 1)])
 
 
-@pytest.mark.parametrize("entry", ["[]", '{"point": null}', "{}"])
-def test_a_foreign_cache_entry_is_simulated_again(tmp_path, entry):
+def _outcome_field(name: str, value):
+    def damage(f: Path) -> None:
+        data = json.loads(f.read_text())
+        f.write_text(json.dumps({**data, "outcome": {**data["outcome"], name: value}}))
+    return damage
+
+
+def _directory(f: Path) -> None:
+    f.unlink()
+    f.mkdir()
+
+
+@pytest.mark.parametrize("damage", [lambda f: f.write_text("[]"), lambda f: f.write_text('{"point": null}'),
+                                    _outcome_field("attainment", None), _outcome_field("ttft_p95_ms", "slow"),
+                                    _directory],
+                         ids=["list", "null-point", "null-attainment", "string-ttft", "directory"])
+def test_a_foreign_or_damaged_cache_entry_is_simulated_again(tmp_path, damage):
+    """A foreign entry, a field of the wrong type, a directory where the entry was: simulated again,
+    the same outcome, nothing left behind."""
     run = Counting()
     p = Point("pd", 1, 1, 2.0, 1)
     ev = Evaluator(INPUTS, tmp_path, run=run)
     ev.evaluate([p])
     (f,) = list(ev.cache_dir.glob("*.json"))
-    data = json.loads(f.read_text())
-    f.write_text(entry if entry != "{}" else json.dumps({**data, "outcome": {**data["outcome"], "attainment": None}}))
-    Evaluator(INPUTS, tmp_path, run=run).evaluate([p])
-    assert len(run.calls) == 2
+    damage(f)
+    again = Evaluator(INPUTS, tmp_path, run=run)
+    assert again.evaluate([p]) == ev.evaluate([p]) and len(run.calls) == 2
+    assert not list(again.cache_dir.glob("*.tmp")), "no temporary file is left behind"
 
 
 def test_a_trace_workload_is_keyed_by_its_bytes(tmp_path):
