@@ -11,6 +11,7 @@ import pytest
 
 from kairos.services.ingress import openai_api as oa
 from kairos.contracts.wire import SamplingParams
+from tests.unit.openai_cases import BAD
 
 MODELS = ["m"]
 BASE = {"completions": {"model": "m", "prompt": "hello"},
@@ -35,7 +36,7 @@ def reject(body: dict, endpoint: oa.Endpoint = "completions", vocab_size: int = 
 def cases(kind: str):
     for p in oa.PARAMETERS:
         for ep in (("completions", "chat") if p.endpoints == "both" else (p.endpoints,)):
-            value = p.example if kind == "example" else p.bad
+            value = p.example if kind == "example" else BAD.get(p.name)
             if value is not None:
                 yield pytest.param(ep, p, id=f"{ep}-{p.name}")
 
@@ -49,8 +50,15 @@ def test_every_accepted_parameter_is_carried(endpoint, p):
 
 @pytest.mark.parametrize("endpoint,p", list(cases("bad")))
 def test_every_bad_value_is_a_400_naming_the_parameter(endpoint, p):
-    e = reject(body_with(endpoint, p.name, p.bad), endpoint)
+    e = reject(body_with(endpoint, p.name, BAD[p.name]), endpoint)
     assert re.split(r"[.\[]", e.param)[0] == p.name, (e.param, e.message)
+
+
+def test_every_parameter_has_a_refused_value_and_both_endpoints_declare_it_alike():
+    assert set(BAD) == {p.name for p in oa.PARAMETERS} - {"model"}  # model: any other is a 404
+    chat, comp = oa.parameters("chat"), oa.parameters("completions")
+    for name in chat.keys() & comp.keys():
+        assert (chat[name].support, chat[name].how) == (comp[name].support, comp[name].how), name
 
 
 def test_every_sampling_field_is_an_honoured_parameter():

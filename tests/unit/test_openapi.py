@@ -20,6 +20,7 @@ from kairos.services.ingress.openai_api.openapi import ROUTES, openapi_document
 from kairos.services.ingress.openai_api.params import PARAMETERS, ParsedRequest, parameters
 from kairos.services.ingress.openai_api.responses import (ApiError, full_response, models_response, stream_chunk,
                                                           usage_chunk)
+from tests.unit.openai_cases import BAD
 from tests.unit.test_ingress_parity_endpoints import serve
 
 DOC = openapi_document("test")
@@ -64,7 +65,7 @@ def test_table_examples_fit_the_schema_and_refused_values_do_not(p):
         if p.example is not None:
             assert fits(p.example, model, p.name), (endpoint, p.example)
         if p.support == "refused":
-            assert not fits(p.bad, model, p.name), (endpoint, p.bad)
+            assert not fits(BAD[p.name], model, p.name), (endpoint, BAD[p.name])
             assert all(fits(a, model, p.name) for a in p.allowed)
 
 

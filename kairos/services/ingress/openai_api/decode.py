@@ -40,7 +40,8 @@ def _int_fields(model: type) -> frozenset[str]:
     """The top-level fields of ``model`` that hold an integer (or null)."""
     out = set()
     for f in mi.type_info(model).fields:  # type: ignore[union-attr]
-        types = f.type.types if isinstance(f.type, mi.UnionType) else (f.type,)
+        t = f.type.type if isinstance(f.type, mi.Metadata) else f.type  # a parameter's annotations (models.P)
+        types = t.types if isinstance(t, mi.UnionType) else (t,)
         if any(isinstance(t, mi.IntType) for t in types):
             out.add(f.encode_name)
     return frozenset(out)

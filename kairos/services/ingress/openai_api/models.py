@@ -1,28 +1,29 @@
-"""The request bodies of the ingress's OpenAI surface, declared as msgspec models (no I/O).
+"""The request bodies of the ingress's OpenAI surface, declared once as msgspec models (no I/O).
 
 Where data comes from: the JSON bodies of ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /tokenize`` and ``POST /detokenize``. Where it goes: :mod:`.openapi` (the OpenAPI 3.1
-document of ``GET /openapi.json``, whose request schemas are these models') and request validation.
+``POST /tokenize`` and ``POST /detokenize``. Where it goes: request validation (:mod:`.decode`,
+:mod:`.parse`), the parameter table (:mod:`.params`: the README's, docs/api.md) and :mod:`.openapi`
+(``GET /openapi.json``). Each parameter of the two completion endpoints is one annotated field
+(:func:`P`): its type and bounds, what Kairos does with it (:class:`Support`: the levels of
+docs/api.md) and its description and example in the OpenAPI document.
 
 Shapes and bounds are vLLM 0.32's request models (``vllm/entrypoints/openai/completion/protocol.py``,
 ``chat_completion/protocol.py``, ``vllm/entrypoints/serve/tokenize/protocol.py``) with Kairos'
 narrower rules: integer fields hold int32 (:data:`MAX_INT_FIELD`, ``seed`` int64), booleans are JSON
-booleans, a refused parameter's schema lists the only values Kairos takes (``Param.allowed`` of
-:data:`~.params.PARAMETERS`, from which every field's description comes too: :mod:`.openapi`). What a
-model cannot say stays in the validation beside them: token ids below the served model's vocabulary
-size, vLLM's cross-field rules (``stream_options`` without ``stream``, ``min_tokens`` ≤
-``max_tokens``, greedy ``n``, ``top_logprobs`` without ``logprobs``), prompts × ``n`` ≤ 64.
+booleans, a refused parameter's schema lists the only values Kairos takes. What a model cannot say
+stays in the validation beside them: token ids below the served model's vocabulary size, vLLM's
+cross-field rules (``stream_options`` without ``stream``, ``min_tokens`` ≤ ``max_tokens``, greedy
+``n``, ``top_logprobs`` without ``logprobs``), prompts × ``n`` ≤ 64.
 
 msgspec rather than pydantic (vLLM's): the wire already decodes with it (kairos/contracts/wire.py), it
 generates JSON Schema 2020-12 (what OpenAPI 3.1 embeds) and adds no dependency.
 """
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
-
-from kairos.services.ingress.openai_api.params import PARAMETERS, Param
 
 #: Largest integer accepted in an integer field (int32, as the engines use); above it: out of range.
 MAX_INT_FIELD = 2**31 - 1
@@ -41,6 +42,38 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 #: the largest id ``/detokenize`` takes (vLLM: ``Field(ge=0, le=2**63 - 1)``)
 MAX_TOKEN_ID = 2**63 - 1
 
+Level = Literal["honoured", "refused", "accepted", "ignored"]
+
+
+@dataclass(frozen=True)
+class Support:
+    """What Kairos does with a request parameter (docs/api.md). ``honoured``: validated, carried on the
+    bus (:class:`~kairos.contracts.wire.SamplingParams` or the request) and applied by the engine as
+    ``how`` says; ``refused``: a value other than ``allowed`` is a 400 ``unsupported_parameter`` naming
+    it; ``accepted``: validated, not used for generation, as in vLLM; ``ignored``: validated, not acted
+    on although OpenAI would: a value other than ``noop`` is named in ``X-Kairos-Ignored-Params``."""
+
+    level: Level
+    how: str
+    allowed: tuple = (None,)
+    noop: tuple = (None,)
+
+
+def P(level: Level, ty: Any, how: str, example: Any = None, allowed: tuple = (None,), noop: tuple = (None,)) -> Any:
+    """A request parameter: ``ty`` annotated with its :class:`Support` and the OpenAPI document's
+    description and example (``example``: a valid non-default value). A refused parameter's schema is
+    ``allowed``. The description makes each annotation distinct: ``typing`` caches ``Annotated`` by
+    equality, and ``(None, 0) == (None, False)``."""
+    return Annotated[ty, Support(level, how, allowed, noop), Meta(
+        description=f"{level}: {how}", examples=None if example is None else [example],
+        extra_json_schema={"enum": list(allowed)} if level == "refused" else None)]
+
+
+def R(how: str, allowed: tuple = (None,), example: Any = None) -> Any:
+    """A refused parameter (:func:`P`): any JSON value in the model, checked against ``allowed`` by the
+    validation (400 ``unsupported_parameter`` naming it, before its type)."""
+    return P("refused", Any, how, example, allowed)
+
 
 def int_in(lo: int, hi: int = MAX_INT_FIELD) -> Any:
     """An integer field in ``[lo, hi]`` or null (msgspec: the bound on the integer, not the union)."""
@@ -55,15 +88,6 @@ def number_in(lo: float, hi: float | None = None, lo_open: bool = False) -> Any:
     return Annotated[float, Meta(**bounds)] | None
 
 
-def refused(name: str) -> Any:
-    """A refused parameter (:data:`~.params.PARAMETERS`): any JSON value in the model, its schema the
-    values Kairos takes (``Param.allowed``); other values are 400 ``unsupported_parameter``."""
-    p: Param = next(q for q in PARAMETERS if q.name == name)
-    # the description makes each annotation distinct: typing caches ``Annotated`` by equality, and
-    # ``{"enum": [None, 0]} == {"enum": [None, False]}``
-    return Annotated[Any, Meta(description=f"{p.support}: {p.how}", extra_json_schema={"enum": list(p.allowed)})]
-
-
 _ID = Annotated[int, Meta(ge=0)]
 _TEXT = Annotated[str, Meta(min_length=1)]
 Stop = _TEXT | Annotated[list[_TEXT], Meta(max_length=MAX_STOP_STRINGS)] | None
@@ -75,6 +99,16 @@ Prompt = Annotated[Any, Meta(extra_json_schema={"anyOf": [
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
     {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
      "minItems": 1}]})]
+_VLLM = "only null (vLLM extension)"
+#: shared by both endpoints' fields (each declares its own type)
+_MAX_TOKENS = ("output limit (→ `finish_reason: length`); prompt + max_tokens ≤ max_model_len; ≥ 1, completions "
+               "with `echo: true` ≥ 0 (as vLLM). Default: 16 (completions), the remaining context (chat)")
+_LOGPROBS = ("completions: integer 0-20 (vLLM's default `max_logprobs`), not with `echo` (prompt logprobs are not "
+             "carried); chat: JSON boolean. vLLM engines: passed to the engine that decodes (on the keep path the "
+             "decode node emits every token the client gets, the first included), its per-token logprobs carried "
+             "back on the token events; the choices' `logprobs` as vLLM's (completions `{text_offset, "
+             "token_logprobs, tokens, top_logprobs}`, chat `{content: [{token, logprob, bytes, top_logprobs}]}`), "
+             "per chunk when streaming. Emulated engines: 400 (no probabilities)")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -98,55 +132,6 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
-
-
-class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """The parameters both completion endpoints take (vLLM's ``SamplingParams`` rules)."""
-
-    model: _TEXT
-    max_tokens: int_in(1) = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    n: int_in(1, MAX_FANOUT) = None
-    temperature: number_in(0.0, 2.0) = None
-    top_p: number_in(0.0, 1.0, lo_open=True) = None
-    top_k: int_in(-1) = None
-    min_p: number_in(0.0, 1.0) = None
-    seed: int_in(SEED_MIN, SEED_MAX) = None
-    stop: Stop = None
-    stop_token_ids: list[_ID] | None = None
-    min_tokens: int_in(0) = None
-    ignore_eos: bool | None = None
-    logit_bias: Annotated[dict[str, float], Meta(extra_json_schema={"propertyNames": {"pattern": "^[0-9]+$"}})] \
-        | None = None
-    presence_penalty: number_in(-2.0, 2.0) = None
-    frequency_penalty: number_in(-2.0, 2.0) = None
-    repetition_penalty: number_in(0.0, lo_open=True) = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    user: str | None = None
-    response_format: ResponseFormat | None = None
-    use_beam_search: refused("use_beam_search") = None
-    allowed_token_ids: refused("allowed_token_ids") = None
-    bad_words: refused("bad_words") = None
-    prompt_logprobs: refused("prompt_logprobs") = None
-    truncate_prompt_tokens: refused("truncate_prompt_tokens") = None
-    structured_outputs: refused("structured_outputs") = None
-    priority: refused("priority") = None
-    cache_salt: refused("cache_salt") = None
-    kv_transfer_params: refused("kv_transfer_params") = None
-    vllm_xargs: refused("vllm_xargs") = None
-
-
-class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """``POST /v1/completions`` (vLLM 0.32 ``CompletionRequest``)."""
-
-    prompt: Prompt
-    max_tokens: int_in(0) = None  #: ≥ 1, or 0 with ``echo`` (the validation's rule)
-    echo: bool | None = None
-    logprobs: int_in(0, MAX_LOGPROBS) = None
-    best_of: refused("best_of") = None
-    suffix: refused("suffix") = None
 
 
 class ToolCallFunction(msgspec.Struct, omit_defaults=True):
@@ -197,30 +182,118 @@ class Tool(msgspec.Struct, omit_defaults=True):
     type: Literal["function"] = "function"
 
 
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The parameters both completion endpoints take (vLLM's ``SamplingParams`` rules)."""
+
+    model: P("honoured", _TEXT, "must be the served model (404 otherwise)")
+    max_tokens: P("honoured", int_in(1), _MAX_TOKENS, 5) = None
+    stream: P("honoured", bool | None, "SSE chunks; a JSON boolean", True) = None
+    stream_options: P("honoured", StreamOptions | None, "only with `stream: true`; `include_usage` (JSON boolean) adds "
+                      "the usage chunk; `continuous_usage_stats: true` is refused", {"include_usage": True}) = None
+    n: P("honoured", int_in(1, MAX_FANOUT), "1-64 choices per prompt, each its own routed request (own internal id, "
+         "own record; the shared prompt meets the prefix cache), merged into one answer: usage's `prompt_tokens` "
+         "once per prompt, `completion_tokens` summed (vLLM's sums); streams interleave the choices' chunks with "
+         "their `index`. With a `seed`, choice j samples with seed + j (vLLM's parallel sampling; seed + n − 1 "
+         "above 2^63 − 1: 400 naming `seed`). `temperature: 0` with n > 1: 400 (vLLM's greedy rule)", 2) = None
+    temperature: P("honoured", number_in(0.0, 2.0), "[0, 2]; vLLM samples with it; emulated: 0 makes the output "
+                   "depend on the prompt only", 0.5) = None
+    top_p: P("honoured", number_in(0.0, 1.0, lo_open=True), "(0, 1]; passed to vLLM (no effect on emulated text)",
+             0.9) = None
+    top_k: P("honoured", int_in(-1), "integer ≥ -1 (0 or -1: off); passed to vLLM", 5) = None
+    min_p: P("honoured", number_in(0.0, 1.0), "[0, 1]; passed to vLLM", 0.1) = None
+    seed: P("honoured", int_in(SEED_MIN, SEED_MAX), "64-bit integer; emulated: the output is a function of (seed, "
+            "index), without a seed of the prompt; vLLM-CPU engines (`kairos up --engine vllm`): only with "
+            "temperature 0, else 400 (it would kill the engine)", 42) = None
+    stop: P("honoured", Stop, "string or list of at most 4 non-empty strings (OpenAI's limit; vLLM's "
+            "`VLLM_MAX_STOP_STRINGS`, default 4); text is cut before the match (`finish_reason: stop`, the choice's "
+            "`stop_reason`: the string that matched)", ["\n"]) = None
+    stop_token_ids: P("honoured", list[_ID] | None, "token ids < vocabulary size; `finish_reason: stop`, the "
+                      "choice's `stop_reason`: the id (an integer)", [7]) = None
+    min_tokens: P("honoured", int_in(0), "≤ max_tokens; EOS, stop ids and stop strings do not end the output before "
+                  "it", 2) = None
+    ignore_eos: P("honoured", bool | None, "JSON boolean; emulated EOS: see the emulated engine notes", True) = None
+    logit_bias: P("honoured", Annotated[dict[str, float], Meta(extra_json_schema={"propertyNames": {
+        "pattern": r"^\s*[+-]?[0-9]+\s*$"}})] | None, "{token id: bias}, ids < vocabulary size, bias clamped to "
+        "[-100, 100] (as vLLM); emulated: −100 bans the id", {"7": -100}) = None
+    presence_penalty: P("honoured", number_in(-2.0, 2.0), "[-2, 2]; passed to vLLM", 0.5) = None
+    frequency_penalty: P("honoured", number_in(-2.0, 2.0), "[-2, 2]; passed to vLLM", 0.5) = None
+    repetition_penalty: P("honoured", number_in(0.0, lo_open=True), "> 0; passed to vLLM", 1.1) = None
+    include_stop_str_in_output: P("honoured", bool | None, "JSON boolean; keep the stop string / stop token text",
+                                  True) = None
+    skip_special_tokens: P("honoured", bool | None, "JSON boolean; emulated: EOS shows as `</s>` when false",
+                           False) = None
+    user: P("accepted", str | None, "a string; not used for generation", "u") = None
+    response_format: P("honoured", ResponseFormat | None, "`text`, `json_object` or `json_schema` (`{name, schema, "
+                       "strict}`); vLLM engines: passed to the engine that decodes (the keep path's decode node, the "
+                       "deflect path's node), which constrains its output (vLLM's structured outputs); emulated "
+                       "engines: 400 (the ingress knows its engine kind; emulated text cannot follow a format). "
+                       "vLLM's `structural_tag`: 400 (not carried)", {"type": "json_object"}) = None
+    use_beam_search: R("only false (vLLM extension)", (None, False), False) = None
+    allowed_token_ids: R(_VLLM) = None
+    bad_words: R("only null or [] (vLLM extension)", (None, [])) = None
+    prompt_logprobs: R(_VLLM) = None
+    truncate_prompt_tokens: R(_VLLM) = None
+    structured_outputs: R(_VLLM) = None
+    priority: R("only 0 (vLLM extension)", (None, 0), 0) = None
+    cache_salt: R("only null (vLLM extension; the node agents may set it)") = None
+    kv_transfer_params: R("only null (set by Kairos' node agents)") = None
+    vllm_xargs: R("only null (set by Kairos' node agents)") = None
+
+
+class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``POST /v1/completions`` (vLLM 0.32 ``CompletionRequest``)."""
+
+    prompt: P("honoured", Prompt, "a string or token ids (< vocabulary size), or a batch: a list of strings or of "
+              "token-id lists, each prompt its own routed request(s) (`choices[i].index` = prompt × n + j, as "
+              "vLLM's); prompts × n ≤ 64", [1, 2, 3])
+    max_tokens: P("honoured", int_in(0), _MAX_TOKENS, 5) = None  #: ≥ 1, or 0 with ``echo`` (the validation's rule)
+    echo: P("honoured", bool | None, "JSON boolean; the prompt is prepended to the text (a token-id prompt decoded "
+            "by the tokenizer, else by the emulated vocabulary), in the first chunk when streaming; usage unchanged. "
+            "With `max_tokens: 0` the text is the prompt alone (vLLM generates one token it does not show: "
+            "`completion_tokens` 1, `finish_reason: length`)", True) = None
+    logprobs: P("honoured", int_in(0, MAX_LOGPROBS), _LOGPROBS) = None
+    best_of: R("only 1", (None, 1), 1) = None
+    suffix: R("only null") = None
+
+
 class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """``POST /v1/chat/completions`` (vLLM 0.32 ``ChatCompletionRequest``)."""
 
-    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: int_in(1) = None
-    logprobs: bool | None = None
-    top_logprobs: int_in(0, MAX_LOGPROBS) = None
-    tools: list[Tool] | None = None
-    tool_choice: refused("tool_choice") = None
-    parallel_tool_calls: bool | None = None
-    functions: refused("functions") = None
-    function_call: refused("function_call") = None
-    modalities: refused("modalities") = None
-    audio: refused("audio") = None
-    prediction: refused("prediction") = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: refused("service_tier") = None
-    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
-    web_search_options: refused("web_search_options") = None
-    chat_template: refused("chat_template") = None
-    chat_template_kwargs: refused("chat_template_kwargs") = None
-    add_generation_prompt: refused("add_generation_prompt") = None
-    continue_final_message: refused("continue_final_message") = None
+    messages: P("honoured", Annotated[list[ChatMessage], Meta(min_length=1)], "text content; roles system/developer/"
+                "user/assistant/tool, and any other non-empty role, which is passed to the chat template as vLLM does "
+                "(its custom roles); assistant `tool_calls` and tool results are rendered into the prompt and counted",
+                [{"role": "user", "content": "hi"}])
+    max_completion_tokens: P("honoured", int_in(1), "as `max_tokens` (takes precedence)", 5) = None
+    logprobs: P("honoured", bool | None, _LOGPROBS) = None
+    top_logprobs: P("honoured", int_in(0, MAX_LOGPROBS), "integer 0-20, > 0 only with `logprobs: true` (as vLLM); the "
+                    "first `top_logprobs` of the engine's most likely tokens per token", 0) = None
+    tools: P("honoured", list[Tool] | None, "function tools (`{type: function, function: {name, description?, "
+             "parameters?}}`) only with `tool_choice: \"none\"`: rendered into the prompt by the chat template and "
+             "counted, no tool calls parsed out — what vLLM does with `tool_choice: \"none\"`. Without it vLLM "
+             "defaults to `auto`, which needs a tool-call parser Kairos' path does not have: 400", []) = None
+    tool_choice: R("only null or \"none\" (`auto`, `required` and named tools need tool-call parsing of the output, "
+                   "which Kairos' path does not do)", (None, "none"), "none") = None
+    parallel_tool_calls: P("accepted", bool | None, "JSON boolean; no effect, as in vLLM, since no tool calls are "
+                           "parsed", False) = None
+    functions: R("only null (deprecated tools)") = None
+    function_call: R("only null or \"none\"", (None, "none")) = None
+    modalities: R("only [\"text\"]", (None, ["text"]), ["text"]) = None
+    audio: R("only null") = None
+    prediction: R("only null") = None
+    store: P("ignored", bool | None, "JSON boolean; Kairos stores no completions (vLLM ignores it too): `true` is "
+             "named in `X-Kairos-Ignored-Params`", True, noop=(None, False)) = None
+    metadata: P("ignored", dict[str, str] | None, "object of string values (OpenAI's type), for stored completions: "
+                "named in `X-Kairos-Ignored-Params` (vLLM ignores it)", {"k": "v"}, noop=(None, {})) = None
+    service_tier: R("only null, \"auto\" or \"default\"", (None, "auto", "default"), "auto") = None
+    reasoning_effort: P("honoured", Literal[REASONING_EFFORTS] | None,  # type: ignore[valid-type]
+                        "none/minimal/low/medium/high/xhigh/max (vLLM's values); passed to the model's chat template "
+                        "as `reasoning_effort` and `enable_thinking` (≠ none), as vLLM does; with the fixed template "
+                        "(no `--tokenizer`) nothing uses it: named in `X-Kairos-Ignored-Params`", "low") = None
+    web_search_options: R("only null") = None
+    chat_template: R("only null (the served model's template is used)") = None
+    chat_template_kwargs: R("only null") = None
+    add_generation_prompt: R("only true", (None, True), True) = None
+    continue_final_message: R("only false", (None, False), False) = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

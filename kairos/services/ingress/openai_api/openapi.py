@@ -1,8 +1,8 @@
 """The OpenAPI 3.1 document of the ingress (``GET /openapi.json``), generated from the models (no I/O).
 
 Where data comes from: the request models (:mod:`.models`), the response models
-(:mod:`.response_models`), :data:`~.params.PARAMETERS` (each request parameter's description, the
-``how`` of the README's table) and :data:`ROUTES` below. Where it goes: ``GET /openapi.json``
+(:mod:`.response_models`; each request parameter's description and example are its field's,
+:func:`~.models.P`: the README table's ``how``) and :data:`ROUTES` below. Where it goes: ``GET /openapi.json``
 (kairos/services/ingress/app.py), which gateways, client generators and API test tools read — the
 fuzzing tier (tests/integration/test_openapi_fuzz.py) sends schemathesis' requests from it and checks
 every answer against it. Schemas are msgspec's JSON Schema 2020-12 (``msgspec.json.schema_components``),
@@ -20,7 +20,6 @@ import msgspec
 from kairos.contracts.subjects import TOKEN_PATTERN
 from kairos.services.ingress.openai_api import models as M
 from kairos.services.ingress.openai_api import response_models as R
-from kairos.services.ingress.openai_api.params import PARAMETERS
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{name}"
@@ -70,10 +69,6 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/openapi.json", "openapi", "this document", text="application/json", open=True),
 )
 
-#: the request model whose properties each request parameter of :data:`PARAMETERS` describes
-_DESCRIBED = {"completions": M.CompletionRequest, "chat": M.ChatCompletionRequest}
-
-
 #: every request model
 REQUESTS: tuple[type, ...] = tuple(m for r in ROUTES for m in r.request)
 
@@ -83,16 +78,9 @@ def _models() -> list[type]:
             *(r.sse for r in ROUTES if r.sse)]
 
 
-def _describe(components: dict[str, Any], served_model: str) -> None:
-    """Each request parameter's description and example: its ``how`` and ``example`` in :data:`PARAMETERS`
-    (the README table's);
-    ``model`` the served model, the only one the ingress answers (any other: 404 ``model_not_found``)."""
-    for p in PARAMETERS:
-        for ep in (("completions", "chat") if p.endpoints == "both" else (p.endpoints,)):
-            props = components[_DESCRIBED[ep].__name__]["properties"]
-            props[p.name]["description"] = f"{p.support}: {p.how}"
-            if p.example is not None:
-                props[p.name]["examples"] = [p.example]
+def _served(components: dict[str, Any], served_model: str) -> None:
+    """``model`` of each request: the served model, the only one the ingress answers (any other: 404
+    ``model_not_found``)."""
     for m in REQUESTS:
         schema = components[m.__name__]
         model = schema["properties"]["model"]
@@ -143,7 +131,7 @@ def openapi_document(version: str = "unknown", served_model: str = "kairos-emula
     marked ``open`` needs ``Authorization: Bearer <key>`` (docs/security.md); without, the document
     declares no security. Cached: build a copy to change it."""
     _, components = msgspec.json.schema_components(_models(), ref_template=REF)
-    _describe(components, served_model)
+    _served(components, served_model)
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method] = _operation(r)
