@@ -183,3 +183,20 @@ def test_the_estimate_tokenizer_round_trips_any_text_and_counts_as_the_estimate(
         ids = tok.encode(text)
         assert tok.decode(ids) == text and len(ids) == (estimate_tokens(text) if text else 0)
         assert all(i >= EMULATED_VOCAB_SIZE for i in ids) and tok.check(ids) is None
+
+
+async def test_what_the_document_allows_in_tokenize_bodies_is_served(client):
+    """An integral number is a token id (``1.0``: JSON Schema's integer, vLLM's pydantic reads it as 1) and
+    an empty ``chat_template_kwargs`` changes nothing (both were 400s the document did not declare); a
+    non-empty one is refused as on chat completions."""
+    ing, base = await serve()
+    try:
+        st, _, text = await call(client, base + "/detokenize", {"tokens": [1.0, 2]})
+        assert st == 200 and text == (await call(client, base + "/detokenize", {"tokens": [1, 2]}))[2]
+        msgs = [{"role": "user", "content": "a"}]
+        st, _, out = await call(client, base + "/tokenize", {"messages": msgs, "chat_template_kwargs": {}})
+        assert st == 200 and out == (await call(client, base + "/tokenize", {"messages": msgs}))[2]
+        st, _, err = await call(client, base + "/tokenize", {"messages": msgs, "chat_template_kwargs": {"x": 1}})
+        assert (st, err["error"]["param"]) == (400, "chat_template_kwargs")
+    finally:
+        await ing.close()

@@ -133,3 +133,11 @@ def test_context_length_names_max_tokens_when_the_prompt_fits():
         oa.check_context(4000, 200, 4096)
     assert ei.value.param == "max_tokens" and "at most 96" in ei.value.message
     oa.check_context(4000, 96, 4096)  # fits exactly
+
+
+@pytest.mark.parametrize("model,code", [(5, "invalid_type"), (["m"], "invalid_type"), (None, "missing_required_parameter"),
+                                        ("", "missing_required_parameter")])
+def test_a_model_that_is_not_a_string_is_a_type_error(model, code):
+    with pytest.raises(oa.ApiError) as ei:
+        oa.parse_request("completions", {"model": model, "prompt": "x"}, ["m"])
+    assert (ei.value.param, ei.value.code) == ("model", code), ei.value.message

@@ -46,7 +46,7 @@ from aiohttp import web
 from kairos.contracts.errors import ErrorCode
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE, token_text
 from kairos.services.ingress.http import api_error_response
-from kairos.services.ingress.openai_api.decode import decode
+from kairos.services.ingress.openai_api.decode import decode, integral
 from kairos.services.ingress.openai_api.models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from kairos.services.ingress.openai_api.parse import parse_request
 from kairos.services.ingress.openai_api.prompt import ChatTemplate, encode_ids
@@ -205,7 +205,7 @@ class Tokenization:
         if chat.continue_final_message:
             raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "'continue_final_message' is not supported by Kairos",
                            param="continue_final_message")
-        parts = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if body.get(k) is not None}
+        parts = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if body.get(k)}  # {}: none
         if "tools" in parts:  # rendered into the prompt, nothing generated: no tool call to parse (vLLM's
             parts["tool_choice"] = "none"  # TokenizeChatRequest has tools and no tool_choice)
         parsed = parse_request("chat", {"model": self.served_model, **parts}, [self.served_model],
@@ -221,6 +221,8 @@ class Tokenization:
         """
         if not isinstance(body, dict):
             raise ApiError(ErrorCode.INVALID_JSON, "request body must be a JSON object")
+        if isinstance(body.get("tokens"), list):  # 1.0 is 1 (JSON Schema's integer; vLLM's pydantic reads it so)
+            body = {**body, "tokens": [integral(t) for t in body["tokens"]]}
         req = decode(DetokenizeRequest, body)
         self._model(req.model)
         bad = self.tok.check(req.tokens)

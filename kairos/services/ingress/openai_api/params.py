@@ -84,12 +84,13 @@ def _declared(endpoint: Endpoint) -> dict[str, Param]:
     hints = typing.get_type_hints(MODELS[endpoint], include_extras=True)
     out = {}
     for name in MODELS[endpoint].__struct_fields__:
-        meta = getattr(hints[name], "__metadata__", ())
-        s = next((m for m in meta if isinstance(m, Support)), None)
-        if s is None:
+        meta = next((m for m in getattr(hints[name], "__metadata__", ()) if isinstance(m, Meta)
+                     and "support" in (m.extra or {})), None)
+        if meta is None:
             raise TypeError(f"{MODELS[endpoint].__name__}.{name} is declared without its Support (models.P)")
-        examples = next((m.examples for m in meta if isinstance(m, Meta) and m.examples), [None])
-        out[name] = Param(name, endpoint, s.level, s.how, examples[0], s.allowed, s.noop)
+        s: Support = meta.extra["support"]
+        out[name] = Param(name, endpoint, s.level, s.how, meta.examples[0] if meta.examples else None, s.allowed,
+                          s.noop)
     return out
 
 

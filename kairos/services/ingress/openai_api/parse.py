@@ -211,8 +211,10 @@ def parse_request(endpoint: Endpoint, body: Any, served_models: list[str], defau
     if not isinstance(body, dict):
         raise ApiError(ErrorCode.INVALID_JSON, "request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER, "'model' is required", param="model")
+    if not isinstance(model, str):
+        raise ApiError(ErrorCode.INVALID_TYPE, f"'model' must be a string, got {show(model)}", param="model")
     if model not in served_models:
         raise ApiError(ErrorCode.MODEL_NOT_FOUND,
                        f"The model `{model}` does not exist. Served: {', '.join(served_models)}", param="model")
