@@ -47,15 +47,49 @@ def test_an_unknown_field_of_stream_options_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("body,param,code,words", [
-    ({"n": 65}, "n", "invalid_value", "an integer between 1 and 64, got integer 65"),
+    ({"n": 65}, "n", "invalid_value", "'n' must be an integer between 1 and 64, got integer 65"),
+    ({"temperature": "hot"}, "temperature", "invalid_type",
+     "'temperature' must be a number or null, got string \"hot\""),
     ({"stop": ["a", ""]}, "stop", "invalid_value", "'stop[1]' must not be empty"),
-    ({"logit_bias": {"5": "x"}}, "logit_bias", "invalid_type", "an object of number values"),
-    ({"reasoning_effort": "extreme"}, "reasoning_effort", "invalid_value", 'one of "high", "low"'),
+    ({"stop": ["a", 1]}, "stop", "invalid_type", "'stop' must be a list of strings: 'stop[1]' is integer 1"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "invalid_value",
+     "'reasoning_effort' must be one of \"high\", \"low\", \"max\", \"medium\", \"minimal\", \"none\", \"xhigh\", "
+     "got string \"extreme\""),
 ])
-def test_messages_describe_the_field_from_its_model(body, param, code, words):
+def test_messages_say_what_msgspec_expected_in_words(body, param, code, words):
+    """msgspec's ``Expected `float | null`, got `str```, ``Expected `int` <= 64`` (the range's other end
+    from the model), ``Invalid enum value 'extreme'`` (the values from the model) in words."""
     endpoint = "chat" if "reasoning_effort" in body else "completions"
     e = refused(endpoint, {**(CHAT if endpoint == "chat" else {"model": "m", "prompt": "x"}), **body})
     assert (e.param, e.code) == (param, code) and words in e.message, e.message
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content",
+     "'messages[0].content[0].text' must be a string, got integer 5"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]}]},
+     "messages[0].tool_calls",
+     "'messages[0].tool_calls[0].function.arguments' must be a string, got object {\"a\": 1}"),
+    ({"tools": [{"function": {"name": "f"}}, {"function": {"name": "g", "parameters": "x"}}]}, "tools",
+     "'tools[1].function.parameters' must be an object or null, got string \"x\""),
+    ({"response_format": {"type": 5}}, "response_format", "'response_format.type' must be a string, got integer 5"),
+])
+def test_a_type_error_in_a_nested_field_names_its_full_path_and_the_value_there(body, param, message):
+    """Was: the parameter's type and whole value (``'messages[0].content' must be a string or a list
+    of objects, got array [{"type": "text", "text": 5}]``), which does not say what is wrong."""
+    e = refused("chat", {**CHAT, **body})
+    assert (e.param, e.code, e.message) == (param, "invalid_type", message)
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"logit_bias": {"5": "x"}}, "'logit_bias' values must be numbers, got a string"),
+    ({"metadata": {"k": 1}}, "'metadata' values must be strings, got an integer"),
+])
+def test_a_value_msgspec_does_not_locate_is_said_as_msgspec_got_it(body, message):
+    """An object's value is at ``[...]`` in msgspec's path (no key): the message says the JSON type
+    msgspec got there (was: the whole object, or ``got null`` where it was looked up)."""
+    e = refused("chat", {**CHAT, **body})
+    assert (e.param, e.code, e.message) == (next(iter(body)), "invalid_type", message)
 
 
 def test_integral_numbers_only_in_top_level_integer_fields():

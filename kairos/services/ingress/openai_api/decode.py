@@ -4,9 +4,11 @@
 kept apart (``"3"`` is no integer, ``1`` no boolean: OpenAI's API refuses what pydantic's lax mode
 would coerce), except that an integral number in a top-level integer field is that integer
 (:func:`integral_ints`: ``3.0`` → 3, as vLLM 0.32's pydantic reads ``int`` fields, ``int_from_float``).
-A :class:`msgspec.ValidationError` becomes an :class:`~.responses.ApiError` (:func:`api_error`)
-naming the parameter (``param``: the field, or ``messages[i].<field>``, ``stream_options.<field>``,
-``response_format.json_schema``) and showing the value as JSON (:func:`~.fields.show`).
+A :class:`msgspec.ValidationError` becomes an :class:`~.responses.ApiError` (:func:`api_error`): msgspec's
+own text (``Expected `float | null`, got `str` - at `$.temperature```) in words, naming the full path
+and the value sent there as JSON (:func:`~.fields.show`), with what the text leaves out from the model
+(an enum's values, a range's other end); ``param`` names the field, or ``messages[i].<field>``,
+``stream_options.<field>``, ``response_format.json_schema``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from functools import cache
+from functools import cache, reduce
 from typing import Any, TypeVar
 
 import msgspec
@@ -26,25 +28,23 @@ from kairos.services.ingress.openai_api.models import MAX_INT_FIELD, SEED_MAX, S
 from kairos.services.ingress.openai_api.responses import ApiError
 
 T = TypeVar("T")
-#: msgspec's error text: ``<what> - at `$.a[0].b``` (no path: the body itself)
-_ERROR = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
-_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+#: msgspec's error text: ``<what> - at `$.a[0].b``` (no path: the body itself); a path's segments
+_ERROR, _SEGMENT = re.compile(r"^(.*?)(?: - at `\$([^`]*)`)?$", re.S), re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+#: msgspec's JSON type names in words
+_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a JSON boolean (true or false)",
+          "array": "an array", "object": "an object", "null": "null"}
 #: how many path segments name the parameter, by top-level field (default 1: the field itself)
 _PARAM_DEPTH = {"messages": 3, "stream_options": 2}
 #: integer bounds that are the field's width (int32, int64): passing one is "out of range"
 _WIDTH = (MAX_INT_FIELD, SEED_MAX, SEED_MIN)
+_info = cache(mi.type_info)  # a model's type tree (a struct: its fields), 0.6 ms to build
 
 
 @cache
 def _int_fields(model: type) -> frozenset[str]:
     """The top-level fields of ``model`` that hold an integer (or null)."""
-    out = set()
-    for f in mi.type_info(model).fields:  # type: ignore[union-attr]
-        t = f.type.type if isinstance(f.type, mi.Metadata) else f.type  # a parameter's annotations (models.P)
-        types = t.types if isinstance(t, mi.UnionType) else (t,)
-        if any(isinstance(t, mi.IntType) for t in types):
-            out.add(f.encode_name)
-    return frozenset(out)
+    return frozenset(f.encode_name for f in _info(model).fields  # type: ignore[union-attr]
+                     if any(isinstance(t, mi.IntType) for t in _types(model, [f.encode_name])))
 
 
 def integral(v: Any) -> Any:
@@ -71,86 +71,35 @@ def decode(model: type[T], body: dict[str, Any]) -> T:
         raise api_error(str(exc), body, model) from None
 
 
-def _segments(path: str) -> list[str | int]:
-    return [m.group(1) if m.group(1) is not None else (int(m.group(2)) if m.group(2) != "..." else "...")
-            for m in _SEGMENT.finditer(path)]
-
-
-def _param(segs: list[str | int]) -> list[str | int]:
-    """The segments that name the parameter (module docstring)."""
-    depth = _PARAM_DEPTH.get(str(segs[0]), 1)
-    if segs[0] == "response_format" and len(segs) > 1 and segs[1] == "json_schema":
-        depth = 2
-    return segs[:depth]
-
-
 def _text(segs: list[str | int]) -> str:
-    return "".join(f"[{s}]" if isinstance(s, int) else (s if i == 0 else f".{s}") for i, s in enumerate(segs))
+    """msgspec's path without its ``$.``: ``messages[0].content``, ``logit_bias[...]``."""
+    return "".join(s if not i else f".{s}" if isinstance(s, str) and s != "..." else f"[{s}]"
+                   for i, s in enumerate(segs))
 
 
-def _value(body: Any, segs: list[str | int]) -> Any:
-    for s in segs:
-        if isinstance(s, int) and isinstance(body, list) and s < len(body):
-            body = body[s]
-        elif isinstance(s, str) and isinstance(body, dict):
-            body = body.get(s)
-        else:
-            return None
-    return body
+def _param(segs: list[str | int]) -> str:
+    """The parameter ``segs`` is in (module docstring)."""
+    return _text(segs[:2 if segs[:2] == ["response_format", "json_schema"] else _PARAM_DEPTH.get(str(segs[0]), 1)])
 
 
-def _info(model: type, segs: list[str | int]) -> mi.Type | None:
-    """msgspec's type of the field at ``segs`` of ``model`` (None: not found)."""
-    t: mi.Type = mi.type_info(model)
-    for s in segs:
-        nxt = None
-        for u in (t.types if isinstance(t, mi.UnionType) else (t,)):
-            u = u.type if isinstance(u, mi.Metadata) else u
-            if isinstance(s, int) and isinstance(u, mi.ListType):
-                nxt = u.item_type
-            elif isinstance(u, mi.StructType):
-                nxt = next((f.type for f in u.fields if f.encode_name == s), None)
-            elif isinstance(u, mi.DictType):
-                nxt = u.value_type
-            if nxt is not None:
-                break
-        if nxt is None:
-            return None
-        t = nxt
-    return t
+def _words(types: str, plural: bool = False) -> str:
+    """msgspec's ``int | null`` in words: ``an integer or null`` (plural: ``integers or null``)."""
+    w = [_WORDS.get(t, f"`{t}`") for t in types.split(" | ")]
+    text = ", ".join(w[:-1]) + " or " + w[-1] if len(w) > 1 else w[0]
+    return re.sub(r"\ban? (JSON )?(\w+)", r"\1\2s", text) if plural else text
 
 
-def _range(lo: Any, lo_open: bool, hi: Any) -> str:
-    if hi is None:
-        return f" {'>' if lo_open else '>='} {lo:g}"
-    return f" between {lo:g} and {hi:g} ({'(' if lo_open else '['}{lo:g}, {hi:g}])"
-
-
-def describe(t: mi.Type | None) -> str:
-    """What a field holds, in words (``a number between 0 and 2 ([0, 2])``, ``a list of strings``)."""
-    if isinstance(t, mi.Metadata):  # Annotated with schema metadata only
-        t = t.type
-    if isinstance(t, mi.UnionType):
-        return " or ".join(describe(u) for u in t.types if not isinstance(u, mi.NoneType))
-    if isinstance(t, mi.IntType):
-        lo, hi = (b if b not in _WIDTH else None for b in (t.ge, t.le))
-        return "an integer" + (f" between {lo} and {hi}" if lo is not None and hi is not None
-                               else f" >= {lo}" if lo is not None else f" <= {hi}" if hi is not None else "")
-    if isinstance(t, mi.FloatType):
-        lo, lo_open = (t.gt, True) if t.gt is not None else (t.ge, False)
-        return "a number" + (_range(lo, lo_open, t.le) if lo is not None else "")
-    if isinstance(t, mi.BoolType):
-        return "a JSON boolean (true or false)"
-    if isinstance(t, mi.StrType):
-        return "a string"
-    if isinstance(t, mi.LiteralType):
-        return "one of " + ", ".join(json.dumps(v) for v in t.values)
-    if isinstance(t, mi.ListType):
-        item = describe(t.item_type)
-        return "a list of " + (item.split(" ", 1)[1] + "s" if item.startswith(("a ", "an ")) else item)
-    if isinstance(t, mi.DictType):
-        return f"an object of {describe(t.value_type).split(' ', 1)[-1]} values"
-    return "an object" if isinstance(t, (mi.StructType, mi.DictType)) else "a JSON value"
+def _types(model: type, segs: list[str | int]) -> list[Any]:
+    """msgspec's types at ``segs`` of ``model``, for what its text leaves out: enum values, a range's other end."""
+    def flat(t: Any) -> list[Any]:
+        t = t.type if isinstance(t, mi.Metadata) else t
+        return [u for m in t.types for u in flat(m)] if isinstance(t, mi.UnionType) else [t]
+    ts = flat(_info(model))
+    for s in segs:  # into an array's items, an object's values, a struct's field s
+        nxt = [[t.item_type] if isinstance(t, mi.ListType) else [t.value_type] if isinstance(t, mi.DictType)
+               else [f.type for f in getattr(t, "fields", ()) if f.encode_name == s] for t in ts]
+        ts = [u for n in nxt for t in n for u in flat(t)]
+    return ts
 
 
 def api_error(error: str, body: dict[str, Any], model: type) -> ApiError:
@@ -160,41 +109,44 @@ def api_error(error: str, body: dict[str, Any], model: type) -> ApiError:
     value outside its bounds, length or values, or an unknown field of an object in the body
     ``invalid_value``; an unknown field of the body itself ``unknown_parameter``.
     """
-    m = _ERROR.match(error)
-    what, segs = (m.group("what"), _segments(m.group("path") or "")) if m else (error, [])
-    if what.startswith(("Object missing required field", "Object contains unknown field")):
-        field = what.split("`")[1]
-        segs = [*segs, field]
-        if what.startswith("Object missing"):
-            p = _param(segs)
-            return ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER, f"'{_text(segs)}' is required", param=_text(p))
+    what, path = _ERROR.match(error).groups()  # type: ignore[union-attr]
+    segs: list = [m[1] or (int(m[2]) if m[2].isdigit() else m[2]) for m in _SEGMENT.finditer(path or "")]
+    code = ErrorCode.INVALID_VALUE
+    if f := re.fullmatch(r"Object (missing required|contains unknown) field `(.*)`", what, re.S):
+        segs = [*segs, f[2]]
+        if f[1].startswith("missing"):
+            return ApiError(ErrorCode.MISSING_REQUIRED_PARAMETER, f"'{_text(segs)}' is required", param=_param(segs))
         if len(segs) == 1:  # a parameter the endpoint does not have
-            return ApiError(ErrorCode.UNKNOWN_PARAMETER, f"Unrecognized request argument supplied: {field}",
-                            param=field)
-        container = _text(segs[:-1])
-        return ApiError(ErrorCode.INVALID_VALUE, f"'{container}' has an unsupported field {field!r}",
-                        param=_text(_param(segs)))
+            return ApiError(ErrorCode.UNKNOWN_PARAMETER, f"Unrecognized request argument supplied: {f[2]}", param=f[2])
+        return ApiError(code, f"'{_text(segs[:-1])}' has an unsupported field {f[2]!r}", param=_param(segs))
     if not segs:
-        return ApiError(ErrorCode.INVALID_VALUE, error)
-    p = _param(segs)
-    name, value = _text(p), _value(body, p)
-    expected = describe(_info(model, p))
-    if ", got `" in what:
-        return ApiError(ErrorCode.INVALID_TYPE, f"'{name}' must be {expected}, got {show(value)}", param=name)
-    bound = re.search(r"`(?:int|float)` ([<>]=?) (\S+)$", what)
-    if bound and what.startswith("Expected `int`") and int(bound.group(2)) in _WIDTH:
-        side = "above the maximum" if bound.group(1).startswith("<") else "below the minimum"
-        sent = json.dumps(_value(body, segs))  # as the client wrote it (1e+26, a big integer exactly)
-        return ApiError(ErrorCode.INVALID_VALUE, f"'{name}' is out of range: {sent} is {side} {bound.group(2)}",
-                        param=name)
-    length = re.search(r"of length ([<>]=?) (\d+)$", what)
-    if length and length.group(1) == ">=" and length.group(2) == "1":
-        return ApiError(ErrorCode.INVALID_VALUE, f"'{_text(segs)}' must not be empty", param=name)
-    if length:
-        return ApiError(ErrorCode.INVALID_VALUE, f"'{_text(segs)}' has {len(_value(body, segs))} items; at most "
-                                                 f"{length.group(2)} are allowed", param=name)
-    if _text(segs) != name:
-        expected = describe(_info(model, segs))
-        name = _text(segs)
-    return ApiError(ErrorCode.INVALID_VALUE, f"'{name}' must be {expected}, got {show(_value(body, segs))}",
-                    param=_text(p))
+        return ApiError(code, error)
+    name, param = _text(segs), _param(segs)
+    value = reduce(lambda v, s: v[s], segs, body) if "..." not in segs else None  # [...]: an object's value
+    got = show(value) if "..." not in segs else None
+    bound = re.fullmatch(r"Expected `(int|float)` ([<>]=?) (\S+)", what)
+    if bound and bound[1] == "int" and int(bound[3]) in _WIDTH:  # the value as the client wrote it: 1e+26
+        side = "above the maximum" if bound[2][0] == "<" else "below the minimum"
+        return ApiError(code, f"'{name}' is out of range: {json.dumps(value)} is {side} {bound[3]}", param=param)
+    if (n := re.fullmatch(r"Expected `\w+` of length ([<>]=) (\d+)", what)) and (
+            n[1] == ">=" and n[2] == "1" or n[1] == "<=" and isinstance(value, list)):
+        return ApiError(code, f"'{name}' must not be empty" if n[1] == ">=" else
+                        f"'{name}' has {len(value)} items; at most {n[2]} are allowed", param=param)
+    expected = re.sub(r"^Expected `([^`]+)`", lambda e: _words(e[1]), what)  # "a number > 0.0", or msgspec's text
+    if t := re.fullmatch(r"Expected `([^`]+)`, got `(\w+)`", what):
+        code, expected = ErrorCode.INVALID_TYPE, _words(t[1])
+        got = got or _WORDS.get(t[2], t[2]).split(" (")[0]  # not located: what msgspec got ("a string")
+        if isinstance(segs[-1], int) or segs[-1] == "...":  # an array's item, an object's value
+            items, parent = _words(t[1], plural=True), _text(segs[:-1])
+            return ApiError(code, f"'{parent}' values must be {items}, got {got}" if segs[-1] == "..." else
+                            f"'{parent}' must be a list of {items}: '{name}' is {got}", param=param)
+    elif what.startswith("Invalid enum value"):
+        values = [v for u in _types(model, segs) if isinstance(u, mi.LiteralType) for v in u.values]
+        expected = "one of " + ", ".join(map(json.dumps, values)) if values else what
+    elif bound and (num := [u for u in _types(model, segs) if isinstance(u, (mi.IntType, mi.FloatType))]):
+        lo, hi = num[0].gt if num[0].ge is None else num[0].ge, num[0].le
+        if lo is not None and hi is not None and lo not in _WIDTH and hi not in _WIDTH:  # both ends of a range
+            expected = f"an integer between {lo} and {hi}" if bound[1] == "int" else \
+                f"a number between {lo:g} and {hi:g} ({'(' if num[0].ge is None else '['}{lo:g}, {hi:g}])"
+    verb = "must be" if expected != what else "is invalid:"  # a text of msgspec's not read here
+    return ApiError(code, f"'{name}' {verb} {expected}" + (f", got {got}" if got else ""), param=param)
