@@ -68,6 +68,7 @@ async def test_the_api_against_its_openapi_document(nats_url, tmp_path):
         m = re.search(r"Selected: (\d+)/\d+\s+Tested: (\d+)", out)
         assert m and m.group(1) == m.group(2), out[-4000:]  # every selected operation was tested
         sent = requests_per_operation(report)
+        print(f"schemathesis requests per operation: {json.dumps(sent, sort_keys=True)}")  # shown with -s
         for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize",
                    "GET /v1/requests/{id}", "GET /v1/admin/workload"):
             # operations without inputs (/v1/models, /health, /version, /metrics on an ingress without

@@ -23,7 +23,7 @@ def refused(body: dict) -> oa.ApiError:
 
 
 @pytest.mark.parametrize("value,text", [
-    (True, "boolean true"), (False, "boolean false"), (None, "null null"), ("3", 'string "3"'),
+    (True, "boolean true"), (False, "boolean false"), (None, "null"), ("3", 'string "3"'),
     ({"type": "content"}, 'object {"type": "content"}'), ([1, "a"], 'array [1, "a"]'), (2.5, "number 2.5"),
     ("x" * 50, 'string "' + "x" * 36 + "..."), ("é", 'string "é"'),
 ])

@@ -92,13 +92,44 @@ def test_a_value_msgspec_does_not_locate_is_said_as_msgspec_got_it(body, message
     assert (e.param, e.code, e.message) == (next(iter(body)), "invalid_type", message)
 
 
-def test_integral_numbers_only_in_top_level_integer_fields():
-    body = {"model": "m", "prompt": "x", "max_tokens": 3.0, "temperature": 1.0, "stop_token_ids": [1.0]}
+def test_integral_numbers_in_integer_fields_and_integer_lists_are_those_integers():
+    """JSON Schema's integer (``1.0`` is one, as the document's schemas say) and vLLM's pydantic, which
+    reads ``1.0`` as 1 in ``int`` and ``list[int]`` fields; a number field keeps its float."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 3.0, "temperature": 1.0, "stop_token_ids": [1.0, 2]}
     fixed = integral_ints(body, CompletionRequest)
-    assert fixed["max_tokens"] == 3 and type(fixed["max_tokens"]) is int
-    assert type(fixed["temperature"]) is float and fixed["stop_token_ids"] == [1.0]  # as the 27857c5 readers
-    plain = {"model": "m", "prompt": "x", "max_tokens": 3}
+    assert fixed["max_tokens"] == 3 and type(fixed["max_tokens"]) is int and type(fixed["temperature"]) is float
+    plain = {"model": "m", "prompt": "x", "max_tokens": 3, "stop_token_ids": [1]}
     assert integral_ints(plain, CompletionRequest) is plain  # nothing to change: no copy
+    req = decode(CompletionRequest, body)  # list items: only when the body does not convert as it is
+    assert req.stop_token_ids == [1, 2] and all(type(t) is int for t in req.stop_token_ids)
+    assert oa.parse_request("completions", body, ["m"]).sampling.stop_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize("name,value", [("priority", 0.0), ("best_of", 1.0)])
+def test_an_integral_float_is_the_allowed_integer_of_a_refused_parameter(name, value):
+    assert oa.parse_request("completions", {"model": "m", "prompt": "x", name: value}, ["m"])
+    with pytest.raises(oa.ApiError):  # a boolean is still no integer
+        oa.parse_request("completions", {"model": "m", "prompt": "x", name: value == 1.0}, ["m"])
+
+
+@pytest.mark.parametrize("key", ["٣", "3.0", "x"])  # an Arabic-Indic 3: Python's int() reads it, the document not
+def test_logit_bias_keys_are_what_the_document_says(key):
+    with pytest.raises(oa.ApiError) as ei:
+        oa.parse_request("completions", {"model": "m", "prompt": "x", "logit_bias": {key: 1}}, ["m"])
+    assert ei.value.param == "logit_bias"
+    assert oa.parse_request("completions", {"model": "m", "prompt": "x", "logit_bias": {" +3 ": 1}}, ["m"])
+
+
+def test_continuous_usage_stats_is_an_unsupported_value_naming_it():  # docs/errors.md's example
+    body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    e = refused("completions", body)
+    assert (e.code, e.param) == ("unsupported_value", "stream_options.continuous_usage_stats")
+
+
+def test_a_null_value_is_shown_once():
+    msg = {"role": "user", "content": [{"type": "text", "text": None}]}
+    e = refused("chat", {"model": "m", "messages": [msg]})
+    assert "got null" in e.message and "null null" not in e.message, e.message
 
 
 def test_an_unknown_top_level_field_is_unknown_parameter():  # the /tokenize and /detokenize bodies

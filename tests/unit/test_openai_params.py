@@ -127,9 +127,14 @@ def test_token_ids_checked_against_the_served_vocabulary_size():
     assert reject({**BASE["completions"], "logit_bias": {"100": 1}}, vocab_size=100).param == "logit_bias"
 
 
-@pytest.mark.parametrize("value", [[1000000000], [-1], [1.0], "7"])
+@pytest.mark.parametrize("value", [[1000000000], [-1], [1.5], "7"])
 def test_stop_token_ids_out_of_range_or_mistyped(value):
     assert reject({**BASE["completions"], "stop_token_ids": value}).param == "stop_token_ids"
+
+
+def test_an_integral_stop_token_id_is_that_integer():  # vLLM's pydantic list[int] reads 1.0 as 1 (was refused)
+    assert oa.parse_request("completions", {**BASE["completions"], "stop_token_ids": [1.0]}, MODELS
+                            ).sampling.stop_token_ids == [1]
 
 
 @pytest.mark.parametrize("value", [{"1000000000": 1}, {"-3": 1}, {"abc": 1}, {"5": "x"}, [1]])

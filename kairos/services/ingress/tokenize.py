@@ -46,7 +46,7 @@ from aiohttp import web
 from kairos.contracts.errors import ErrorCode
 from kairos.core.engine_model.text import EMULATED_VOCAB_SIZE, token_text
 from kairos.services.ingress.http import api_error_response
-from kairos.services.ingress.openai_api.decode import decode, integral
+from kairos.services.ingress.openai_api.decode import decode
 from kairos.services.ingress.openai_api.models import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from kairos.services.ingress.openai_api.parse import parse_request
 from kairos.services.ingress.openai_api.prompt import ChatTemplate, encode_ids
@@ -221,13 +221,12 @@ class Tokenization:
         """
         if not isinstance(body, dict):
             raise ApiError(ErrorCode.INVALID_JSON, "request body must be a JSON object")
-        if isinstance(body.get("tokens"), list):  # 1.0 is 1 (JSON Schema's integer; vLLM's pydantic reads it so)
-            body = {**body, "tokens": [integral(t) for t in body["tokens"]]}
-        req = decode(DetokenizeRequest, body)
+        req = decode(DetokenizeRequest, body)  # 1.0 is 1 (JSON Schema's integer; vLLM's pydantic reads it so)
         self._model(req.model)
         bad = self.tok.check(req.tokens)
         if bad is not None:
-            raise ApiError(ErrorCode.INVALID_VALUE, f"Token id {bad} is out of vocabulary", param="tokens")
+            raise ApiError(ErrorCode.INVALID_VALUE, f"'tokens[{req.tokens.index(bad)}]': token id {bad} is out of "
+                                                    "vocabulary", param="tokens")
         return self.tok.decode(req.tokens)
 
     async def tokenize(self, request: web.Request) -> web.Response:

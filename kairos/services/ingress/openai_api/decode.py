@@ -59,16 +59,35 @@ def integral_ints(body: dict[str, Any], model: type) -> dict[str, Any]:
     return {**body, **fix} if fix else body
 
 
+@cache
+def _int_list_fields(model: type) -> frozenset[str]:
+    """The top-level fields of ``model`` that hold a list of integers (or null)."""
+    return frozenset(f.encode_name for f in _info(model).fields  # type: ignore[union-attr]
+                     if any(isinstance(t, mi.ListType) and isinstance(t.item_type, mi.IntType)
+                            for t in _types(model, [f.encode_name])))
+
+
 def decode(model: type[T], body: dict[str, Any]) -> T:
-    """``body`` (a JSON object) as ``model``.
+    """``body`` (a JSON object) as ``model``; an integral number in an integer field or among the items
+    of a top-level integer list (``stop_token_ids``, ``tokens``) is that integer (the items are looked
+    at only when the body does not convert as it is: the common body pays nothing).
 
     Raises:
         ApiError: 400 naming the parameter (:func:`api_error`).
     """
+    fixed = integral_ints(body, model)
     try:
-        return msgspec.convert(integral_ints(body, model), model, strict=True)
+        return msgspec.convert(fixed, model, strict=True)
     except msgspec.ValidationError as exc:
-        raise api_error(str(exc), body, model) from None
+        error = exc
+    lists = {k: [integral(t) for t in v] for k in _int_list_fields(model) & fixed.keys()
+             if isinstance(v := fixed[k], list) and any(isinstance(t, float) for t in v)}
+    if lists:
+        try:
+            return msgspec.convert({**fixed, **lists}, model, strict=True)
+        except msgspec.ValidationError as exc:
+            error = exc
+    raise api_error(str(error), body, model) from None
 
 
 def _text(segs: list[str | int]) -> str:

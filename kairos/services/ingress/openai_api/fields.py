@@ -20,9 +20,12 @@ def same(a: Any, b: Any) -> bool:
 
 def show(v: Any) -> str:
     """A JSON value for an error message: its JSON type and its (short) JSON text, as the client sent
-    it (``boolean true``, ``object {"type": "content"}``, ``string "3"``), cut to 40 characters."""
+    it (``boolean true``, ``object {"type": "content"}``, ``string "3"``; null: ``null``), cut to 40
+    characters."""
+    if v is None:
+        return "null"
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(v), "null" if v is None else type(v).__name__)
+        type(v), type(v).__name__)
     try:
         text = json.dumps(v, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError):  # not JSON (a value a caller built, NaN): Python's text

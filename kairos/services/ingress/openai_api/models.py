@@ -98,9 +98,10 @@ Prompt = Annotated[Any, Meta(extra_json_schema={"anyOf": [
     {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
     {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
      "minItems": 1}]})]
-#: ``logit_bias``: keys as vLLM reads them (``int(key)``), ids checked against the vocabulary by the validation
-LogitBias = Annotated[dict[str, float], Meta(extra_json_schema={"propertyNames": {
-    "pattern": r"^\s*[+-]?[0-9]+\s*$"}})] | None
+#: a ``logit_bias`` key: an integer token id as vLLM reads it (``int(key)``), in ASCII digits
+LOGIT_BIAS_KEY = r"^\s*[+-]?[0-9]+\s*$"
+#: ``logit_bias``: ids checked against the vocabulary by the validation
+LogitBias = Annotated[dict[str, float], Meta(extra_json_schema={"propertyNames": {"pattern": LOGIT_BIAS_KEY}})] | None
 _VLLM = "only null (vLLM extension)"
 #: shared by both endpoints' fields (each declares its own type)
 _MAX_TOKENS = ("output limit (→ `finish_reason: length`); prompt + max_tokens ≤ max_model_len; ≥ 1, completions "
@@ -224,7 +225,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     include_stop_str_in_output: Annotated[bool | None, P("honoured", "JSON boolean; keep the stop string / stop "
         "token text", True)] = None
     skip_special_tokens: Annotated[bool | None, P("honoured", "JSON boolean; emulated: EOS shows as `</s>` when "
-        "false", False)] = None
+        "false and the EOS text is kept (`include_stop_str_in_output: true`)", False)] = None
     user: Annotated[str | None, P("accepted", "a string; not used for generation", "u")] = None
     response_format: Annotated[ResponseFormat | None, P("honoured", "`text`, `json_object` or `json_schema` (`{name, "
         "schema, strict}`); vLLM engines: passed to the engine that decodes (the keep path's decode node, the "

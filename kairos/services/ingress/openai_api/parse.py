@@ -20,6 +20,7 @@ Every refusal is an :class:`~.responses.ApiError` naming the parameter (``param`
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -54,7 +55,7 @@ def check_known(endpoint: Endpoint, body: dict) -> None:
                     if name in parameters(other) else "")
             raise ApiError(ErrorCode.UNKNOWN_PARAMETER,
                            f"Unrecognized request argument supplied: {name}{hint}", param=name)
-        if p.support == "refused" and not any(same(value, a) for a in p.allowed):
+        if p.support == "refused" and not any(same(integral(value), a) for a in p.allowed):  # 0.0 is 0
             raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER,
                            f"'{name}' is not supported by Kairos: {p.how}; got {show(value)}", param=name)
 
@@ -74,11 +75,10 @@ def _logit_bias(v: dict[str, float], vocab_size: int) -> dict[str, float]:
     """``{token id: bias}`` (vLLM: keys ``int()``-convertible, ids in the vocabulary, bias clamped to ±100)."""
     out: dict[str, float] = {}
     for k, b in v.items():
-        try:
-            tid = int(k)
-        except ValueError:
+        if not re.match(M.LOGIT_BIAS_KEY, k):  # the document's pattern (int() also reads non-ASCII digits)
             raise ApiError(ErrorCode.INVALID_VALUE, f"'logit_bias' key {k!r} is not an integer token id",
-                           param="logit_bias") from None
+                           param="logit_bias")
+        tid = int(k)
         if not 0 <= tid < vocab_size or not math.isfinite(b):
             raise ApiError(ErrorCode.INVALID_VALUE, f"'logit_bias' entry {k!r}: {b} needs a token id in the "
                                                     f"vocabulary (size {vocab_size}) and a finite bias",
@@ -152,8 +152,8 @@ def _cross_field(req: M.CompletionRequest | M.ChatCompletionRequest, body: dict,
         raise ApiError(ErrorCode.INVALID_VALUE, "Stream options can only be defined when `stream=True`.",
                        param="stream_options")
     if so is not None and so.continuous_usage_stats:
-        raise ApiError(ErrorCode.UNSUPPORTED_PARAMETER, "'stream_options.continuous_usage_stats' is not supported "
-                                                        "by Kairos", param="stream_options")
+        raise ApiError(ErrorCode.UNSUPPORTED_VALUE, "'stream_options.continuous_usage_stats': true is not supported "
+                                                    "by Kairos", param="stream_options.continuous_usage_stats")
     if n > 1 and req.temperature is not None and req.temperature < 1e-5:
         raise ApiError(ErrorCode.INVALID_VALUE, f"n must be 1 when using greedy sampling, got {n}.", param="n")
     if isinstance(req, M.ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
