@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import time
 
 import aiohttp
@@ -288,7 +289,10 @@ async def test_slow_second_request_on_a_kept_alive_connection_is_dropped(small_n
         assert time.monotonic() - idle_ok < 4.0
         writer.close()
 
-async def test_a_body_that_is_not_what_its_content_encoding_says_is_400(small_nats):
+async def test_a_body_that_is_not_what_its_content_encoding_says_is_400(small_nats, caplog):
+    """... and no error in the log: the client's mistake, answered (aiohttp's lingering close read the
+    broken body again and logged "Unhandled exception" with a traceback)."""
+    caplog.set_level(logging.DEBUG, logger="aiohttp")
     async with running(small_nats) as ing, aiohttp.ClientSession() as http:
         for enc in ("gzip", "deflate"):
             async with http.post(f"http://127.0.0.1:{ing.port}/v1/completions",
@@ -298,6 +302,10 @@ async def test_a_body_that_is_not_what_its_content_encoding_says_is_400(small_na
                 assert r.status == 400, (enc, r.status, body)
             err = assert_openai_error(body, "invalid_content_encoding")
             assert enc in err["message"], err
+        async with http.get(f"http://127.0.0.1:{ing.port}/v1/models") as r:  # the ingress serves on
+            assert r.status == 200
+    errors = [r for r in caplog.records if r.name.startswith("aiohttp") and r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 async def test_a_content_encoding_the_ingress_cannot_decode_is_415(small_nats):

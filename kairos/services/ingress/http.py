@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import (BadStatusLine, ContentEncodingError, ContentLengthError, HttpProcessingError,
                                      InvalidHeader, InvalidURLError, LineTooLong, TransferEncodingError)
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from kairos.contracts.errors import PROTOCOL_CODES, ErrorCode, error_type_for
 from kairos.runtime.envconfig import ConfigError
@@ -206,8 +206,10 @@ class _Handler(RequestHandler):
         is an error with a traceback that quotes the offending bytes — an ``Authorization`` header
         and its token included. Anything else is logged as aiohttp does."""
         exc = kw.get("exc_info")
-        if isinstance(exc, HttpProcessingError):
-            self.logger.warning("malformed HTTP request refused: %s (HTTP %s)", type(exc).__name__, exc.code)
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError)):  # the latter: a body that is not its
+            # Content-Encoding, answered by the handler, met again by the lingering close that reads the rest
+            self.logger.warning("malformed HTTP request refused: %s (HTTP %s)", type(exc).__name__,
+                                getattr(exc, "code", 400))
             return
         super().log_exception(*args, **kw)
 
