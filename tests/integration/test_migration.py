@@ -26,6 +26,12 @@ pytestmark = pytest.mark.integration
 MODEL = "kairos-emulated"
 
 
+def finished(record: dict) -> bool:
+    """The ingress's record written when the request ended (a migration writes one before: its
+    ``finished_unix_ms`` is None and it lists the attempts left so far)."""
+    return (record["records"]["ingress"] or {}).get("finished_unix_ms") is not None
+
+
 def expected(prompt: str, max_tokens: int, **sampling) -> str:
     """The emulated engine's whole output for a text prompt (the nodes' own function)."""
     return emulated_completion(SamplingParams(**sampling), max_tokens, prompt, None).full_text()
@@ -67,7 +73,7 @@ async def test_a_decode_node_crashed_mid_stream_is_migrated_and_the_client_gets_
         assert usage["completion_tokens"] == n and usage["prompt_tokens"] > 0, usage
         assert json.loads(rest[-3])["choices"][0]["finish_reason"] == "length"
         assert st.ingress.m.migrations["node_lost"]._value.get() == 1
-        rec = await get_record(st, rid, lambda x: x["records"]["ingress"] is not None)
+        rec = await get_record(st, rid, finished)  # not the record written at the migration (one attempt)
         attempts = rec["attempts"]
         assert [a["attempt_id"] for a in attempts] == [rid, f"{rid}-m1"], attempts
         assert attempts[0]["node"] == node and attempts[0]["moved"] == f"node_lost:{node}", attempts
@@ -120,7 +126,7 @@ async def test_the_migration_limit_ends_the_request_naming_its_attempts(nats_url
         err = json.loads(rest[-2])["error"]
         assert rest[-1] == "[DONE]" and err["code"] == "migration_limit", rest[-3:]
         assert f"attempts: {rid}, {rid}-m1" in err["message"], err
-        rec = await get_record(st, rid, lambda x: x["records"]["ingress"]["finished_unix_ms"] is not None)
+        rec = await get_record(st, rid, finished)
         assert [(a["attempt_id"], a["moved"]) for a in rec["attempts"]] == [
             (rid, f"node_lost:{first}"), (f"{rid}-m1", f"node_lost:{second}")], rec["attempts"]
         # the TTFT is explained by the attempt that sent the first token, not by a continuation: its
@@ -260,7 +266,7 @@ async def test_a_prefill_whose_only_decode_candidate_drained_meanwhile_is_submit
         await asyncio.wait_for(drain, 30)
         assert status == 200, body
         assert body["choices"][0]["text"] == expected(prompt, n)
-        rec = await get_record(st, rid, lambda x: x["records"]["ingress"] is not None)
+        rec = await get_record(st, rid, finished)
         assert [(a["attempt_id"], a["moved"]) for a in rec["attempts"]] == [
             (rid, "kv_handoff_failed:node_agent:prefill-0"), (f"{rid}-r1", None)], rec["attempts"]
         assert rec["decode_node"] == "decode-1", rec
