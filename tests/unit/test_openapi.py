@@ -78,13 +78,35 @@ async def test_the_ingress_serves_the_document_without_a_key_and_every_route_is_
                 doc = await r.json()
         routes = {(res.method.lower(), res.resource.canonical) for res in ing.app.router.routes()
                   if res.method != "HEAD"}
+        vocab = ing.completions.vocab_size
     finally:
         await ing.close()
+    ids = doc["components"]["schemas"]["CompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+    assert ids["maximum"] == vocab - 1  # the served vocabulary
     documented = {(m, p.replace("{id}", "{rid}")) for p, ops in doc["paths"].items() for m in ops}
     assert documented == routes
     assert {(r.method, r.path) for r in ROUTES} == {(m, p) for p, ops in doc["paths"].items() for m in ops}
     assert {p for p, ops in doc["paths"].items() for op in ops.values() if op.get("security") == []} == \
         {"/health", "/metrics", "/version", "/openapi.json"}
+
+
+def test_token_ids_are_below_the_served_vocabulary():
+    """``prompt`` and ``stop_token_ids`` ids below the served vocabulary, as the server checks them (a
+    document without a vocabulary, and the models' own schemas, keep no bound)."""
+    doc = openapi_document("test", "m", vocab_size=100)
+
+    def ok(name: str, prop: str, value) -> bool:
+        schema = {**doc["components"]["schemas"][name]["properties"][prop], "components": doc["components"]}
+        return jsonschema.Draft202012Validator(schema).is_valid(value)
+
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert ok(name, "stop_token_ids", [0, 99]) and not ok(name, "stop_token_ids", [100])
+    assert ok("CompletionRequest", "prompt", [99]) and ok("CompletionRequest", "prompt", [[1], [99]])
+    assert not ok("CompletionRequest", "prompt", [100]) and not ok("CompletionRequest", "prompt", [[1], [100]])
+    assert fits([100], "CompletionRequest", "prompt") and fits([10**6], "CompletionRequest", "stop_token_ids")
+    assert fits([100], "CompletionRequest", "prompt")  # DOC (no vocabulary) unchanged by the call above
+    props = openapi_document("other", "m")["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "maximum" not in str(props["prompt"]) + str(props["stop_token_ids"])  # the models' schemas untouched
 
 
 def test_an_open_ingress_declares_no_security_and_one_with_keys_a_bearer_key():

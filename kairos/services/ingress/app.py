@@ -145,7 +145,8 @@ class IngressApp:
 
     async def openapi(self, _req: web.Request) -> web.Response:
         """``GET /openapi.json``: the document of every route (public, as vLLM's: what it describes is no secret)."""
-        return _json(openapi_document(kairos_version(), self.cfg.served_model, bool(self.api_keys)))
+        return _json(openapi_document(kairos_version(), self.cfg.served_model, bool(self.api_keys),
+                                      self.completions.vocab_size))
 
     async def metrics(self, _req: web.Request) -> web.Response:
         body, ctype = telemetry.metrics_body(self.registry)

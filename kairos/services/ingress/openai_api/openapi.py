@@ -89,6 +89,23 @@ def _served(components: dict[str, Any], served_model: str) -> None:
                                          "enum": [served_model] if required else [served_model, None]}
 
 
+def _vocabulary(components: dict[str, Any], vocab_size: int) -> None:
+    """Token ids in ``prompt`` and ``stop_token_ids`` of the completion requests below ``vocab_size`` (the
+    served tokenizer's, as the validation checks them: kairos/services/ingress/openai_api/parse.py)."""
+    def bound(schema: Any) -> None:
+        if isinstance(schema, dict):
+            if schema.get("type") == "integer" and schema.get("minimum") == 0:
+                schema["maximum"] = vocab_size - 1
+            for v in schema.values():
+                bound(v)
+        elif isinstance(schema, list):
+            for v in schema:
+                bound(v)
+    for m in (M.CompletionRequest, M.ChatCompletionRequest):
+        for name in ("prompt", "stop_token_ids"):
+            bound(components[m.__name__]["properties"].get(name))
+
+
 def _operation(r: Route) -> dict[str, Any]:
     op: dict[str, Any] = {"operationId": r.operation_id, "summary": r.summary}
     schema = {"type": "string", **({"pattern": r.path_pattern} if r.path_pattern else {})}
@@ -125,13 +142,16 @@ def _operation(r: Route) -> dict[str, Any]:
 
 @lru_cache(maxsize=4)
 def openapi_document(version: str = "unknown", served_model: str = "kairos-emulated",
-                     api_keys: bool = True) -> dict[str, Any]:
+                     api_keys: bool = True, vocab_size: int | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document of an ingress of Kairos ``version`` serving ``served_model`` (module
     docstring). With ``api_keys`` (the ingress has keys) every operation but those of :data:`ROUTES`
     marked ``open`` needs ``Authorization: Bearer <key>`` (docs/security.md); without, the document
-    declares no security. Cached: build a copy to change it."""
+    declares no security. With ``vocab_size`` (the served tokenizer's) token ids are below it. Cached:
+    build a copy to change it."""
     _, components = msgspec.json.schema_components(_models(), ref_template=REF)
     _served(components, served_model)
+    if vocab_size is not None:
+        _vocabulary(components, vocab_size)
     paths: dict[str, dict[str, Any]] = {}
     for r in ROUTES:
         paths.setdefault(r.path, {})[r.method] = _operation(r)
