@@ -40,11 +40,21 @@ _WIDTH = (MAX_INT_FIELD, SEED_MAX, SEED_MIN)
 _info = cache(mi.type_info)  # a model's type tree (a struct: its fields), 0.6 ms to build
 
 
+def _is_int(t: Any) -> bool:
+    return isinstance(t, mi.IntType)
+
+
+def _is_int_list(t: Any) -> bool:
+    return isinstance(t, mi.ListType) and isinstance(t.item_type, mi.IntType)
+
+
 @cache
-def _int_fields(model: type) -> frozenset[str]:
-    """The top-level fields of ``model`` that hold an integer (or null)."""
+def _fields_holding(model: type, holds: Any) -> frozenset[str]:
+    """The top-level fields of ``model`` one of whose types (null aside) ``holds(type)`` accepts: an
+    integer (:func:`_is_int`), a list of integers (:func:`_is_int_list`); ``holds`` a module function
+    (the cache's key)."""
     return frozenset(f.encode_name for f in _info(model).fields  # type: ignore[union-attr]
-                     if any(isinstance(t, mi.IntType) for t in _types(model, [f.encode_name])))
+                     if any(holds(t) for t in _types(model, [f.encode_name])))
 
 
 def integral(v: Any) -> Any:
@@ -55,16 +65,8 @@ def integral(v: Any) -> Any:
 def integral_ints(body: dict[str, Any], model: type) -> dict[str, Any]:
     """``body`` with each integral float of a top-level integer field of ``model`` as that integer
     (a copy only when one changes)."""
-    fix = {k: integral(v) for k in _int_fields(model) & body.keys() if isinstance(v := body[k], float)}
+    fix = {k: integral(v) for k in _fields_holding(model, _is_int) & body.keys() if isinstance(v := body[k], float)}
     return {**body, **fix} if fix else body
-
-
-@cache
-def _int_list_fields(model: type) -> frozenset[str]:
-    """The top-level fields of ``model`` that hold a list of integers (or null)."""
-    return frozenset(f.encode_name for f in _info(model).fields  # type: ignore[union-attr]
-                     if any(isinstance(t, mi.ListType) and isinstance(t.item_type, mi.IntType)
-                            for t in _types(model, [f.encode_name])))
 
 
 def decode(model: type[T], body: dict[str, Any]) -> T:
@@ -80,7 +82,7 @@ def decode(model: type[T], body: dict[str, Any]) -> T:
         return msgspec.convert(fixed, model, strict=True)
     except msgspec.ValidationError as exc:
         error = exc
-    lists = {k: [integral(t) for t in v] for k in _int_list_fields(model) & fixed.keys()
+    lists = {k: [integral(t) for t in v] for k in _fields_holding(model, _is_int_list) & fixed.keys()
              if isinstance(v := fixed[k], list) and any(isinstance(t, float) for t in v)}
     if lists:
         try:

@@ -15,7 +15,7 @@ parameter is a 400 too (:mod:`.parse`). The README's parameter table is
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from msgspec import Meta
@@ -98,7 +98,7 @@ _BY_NAME: dict[str, dict[str, Param]] = {ep: _declared(ep) for ep in MODELS}  # 
 #: Every request parameter Kairos knows (both endpoints'), the model and the prompt first. A parameter
 #: not listed here is a 400 ``unknown_parameter``.
 PARAMETERS: tuple[Param, ...] = tuple(sorted(
-    [Param(**{**p.__dict__, "endpoints": "both"}) if p.name in _BY_NAME["chat"] else p
+    [replace(p, endpoints="both") if p.name in _BY_NAME["chat"] else p
      for p in _BY_NAME["completions"].values()]
     + [p for p in _BY_NAME["chat"].values() if p.name not in _BY_NAME["completions"]],
     key=lambda p: p.name not in ("model", "prompt", "messages")))

@@ -42,6 +42,7 @@ from kairos.services.ingress.openai_api.responses import ApiError
 __all__ = ["SEED_MAX", "SEED_MIN", "check_known", "engine_refusal", "parse_request", "prepare_request"]
 
 Prompt = tuple[str | None, list[int] | None]
+_LOGIT_BIAS_KEY = re.compile(M.LOGIT_BIAS_KEY)
 
 
 def check_known(endpoint: Endpoint, body: dict) -> None:
@@ -75,7 +76,7 @@ def _logit_bias(v: dict[str, float], vocab_size: int) -> dict[str, float]:
     """``{token id: bias}`` (vLLM: keys ``int()``-convertible, ids in the vocabulary, bias clamped to ±100)."""
     out: dict[str, float] = {}
     for k, b in v.items():
-        if not re.match(M.LOGIT_BIAS_KEY, k):  # the document's pattern (int() also reads non-ASCII digits)
+        if not _LOGIT_BIAS_KEY.match(k):  # the document's pattern (int() also reads non-ASCII digits)
             raise ApiError(ErrorCode.INVALID_VALUE, f"'logit_bias' key {k!r} is not an integer token id",
                            param="logit_bias")
         tid = int(k)
